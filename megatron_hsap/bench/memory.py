@@ -1,0 +1,517 @@
+"""Per-GPU memory planner: ``megatron-hsap memory --config X [--gpu-mem-gib 40 80] [--plot p.png]``.
+
+Estimates the peak bytes per GPU of one training step and the longest sequence that fits for
+HSAP, Megatron's Transformer Engine ring (``cp_comm_type p2p``) and Ulysses — the paper's
+Figure 5 comparison. Every method gets the same model, GPUs, model-state sharding and recompute
+setting from the config, and its own best layout (TP size, HSAP intra×inter, Ulysses degree).
+
+Formulas (bytes; s tokens per GPU, b micro-batch, h hidden, a heads, g kv heads, d head size,
+f ffn size, V padded vocab, t TP, L layers per pipeline stage):
+* Parameters Ψ per GPU = (L·layer + V·h [+ V·h untied]) / t. Mixed-precision Adam: bf16 params
+  2Ψ, fp32 main grads 4Ψ, fp32 main params + two moments 12Ψ; the distributed optimizer divides
+  the 12Ψ by N = DP×CP (Megatron shards over the data×context group), Megatron-FSDP
+  ``optim_grads`` also the grads, ``optim_grads_params`` everything (plus two unsharded layers
+  of bf16 weights and one of fp32 grads in flight).
+* Activations per layer (Korthikanti et al. 2022, "Reducing Activation Recomputation"): with no
+  recompute sbh(34 + 5as/h), with TP and sequence parallelism sbh(34/t + 5as/(ht)), with TP alone
+  sbh(10 + 24/t + 5as/(ht)); selective recompute drops the 5as/h attention-core term (34sbh);
+  full recompute keeps the layer input 2sbh (/t with SP) and rebuilds one recompute chunk at a
+  time. The 34 is summed from its parts here so that SwiGLU, GQA and dropout 0 are exact:
+  replicated 4h (two norms) + 2h (QKV input) + 2h (fc1 input) + 2h (dropout masks), split
+  2ad (q) + 4gd (k, v) + 2ad (proj input) + 4f gelu / 6f swiglu. Every CP method here runs
+  flash-style kernels, so the 5as/h score term is replaced by the fp32 LSE, 4a per token.
+  Output: 2sbh (final norm) + 2sbh (output layer input) + 4sbV/t fp32 logits kept by the loss
+  + 2sbV/t bf16 logits in flight.
+* Attention method buffers (one layer at a time, on top of the above):
+  HSAP — the plan's receive pool (``compile_plan(...).stats()["pool_capacity_bytes"]``; without
+  the planner its default, 4 × inter chunk tokens × H/(t·P_intra) × (d_qk + d_v) × 2 bytes),
+  the intra all-to-all buffers (received q, kv, o and their contiguous send copies; kv heads
+  replicated when P_intra > kv heads) and fp32 merge/gradient accumulators.
+  TE ring — ``AttnFuncWithCPAndKVP2P.forward`` (TransformerEngine
+  ``transformer_engine/pytorch/attention/dot_product_attention/context_parallel.py``, commit
+  d0067d0d, Aug 2026) keeps every received KV chunk (``p2p_comm_buffers``) and every per-step
+  output and LSE until the layer's forward ends: P × (kv + o + lse) on the last rank; backward
+  double-buffers kv and dkv. THD pads every document to a multiple of 2P (``--mean-doc-tokens``;
+  Figure 5 is one dense document per sequence, so none).
+  Ulysses — the all-to-all buffers; degree ≤ heads per TP rank and dividing them.
+  All methods: the flash backward's fp32 dq accumulator. A fixed reserve (CUDA context, NCCL,
+  fragmentation; ``--reserve-gib``) is subtracted from the GPU's memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import enum
+import math
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from megatron_hsap.errors import ConfigError
+from megatron_hsap.launch.config import (
+    Activation,
+    CPImpl,
+    LaunchConfig,
+    Recompute,
+    RecomputeMethod,
+    Sharding,
+    load_config,
+)
+
+__all__ = ["Method", "Layout", "MemoryOptions", "MemoryBreakdown", "layer_activation_bytes",
+           "estimate", "candidate_layouts", "config_layout", "max_seq_length", "best_max_seq_length",
+           "main"]
+
+GIB = 2**30
+BF16, FP32 = 2, 4
+DEFAULT_RESERVE_GIB = 2.0  # CUDA context ≈0.5–0.8 GiB, NCCL communicators and buffers, fragmentation
+
+
+class Method(str, enum.Enum):
+    HSAP = "hsap"
+    TE_RING = "te-ring"
+    ULYSSES = "ulysses"
+
+    @property
+    def title(self) -> str:
+        return {"hsap": "HSAP", "te-ring": "TE ring (Megatron CP)", "ulysses": "Ulysses"}[self.value]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Layout:
+    """How one method spreads the model and the sequence over the GPUs."""
+
+    method: Method
+    tensor: int
+    context: int  # sequence-parallel degree of the method (CP / Ulysses degree)
+    data: int = 1
+    pipeline: int = 1
+    intra: int = 1  # HSAP only: P_intra × P_inter = context
+    inter: int = 1
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return self.tensor > 1
+
+    def label(self) -> str:
+        if self.method is Method.HSAP:
+            core = f"{self.intra}x{self.inter}"
+        else:
+            core = f"{'SP' if self.method is Method.ULYSSES else 'CP'}{self.context}"
+        return f"TP{self.tensor} {core}" + (f" DP{self.data}" if self.data > 1 else "")
+
+    def granule(self) -> int:
+        """Sequence lengths are multiples of this (Megatron: 2·CP; SP: × TP) and of 1024."""
+        need = (2 * self.context if self.context > 1 else 1) * (self.tensor if self.sequence_parallel else 1)
+        return math.lcm(1024, need)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MemoryOptions:
+    reserve_gib: float = DEFAULT_RESERVE_GIB
+    use_plan: bool = True  # take the HSAP pool from compile_plan when the planner is importable
+    mean_doc_tokens: int | None = None  # TE ring padding; None = one document per sequence
+    flash: bool = True  # False: Korthikanti's unfused 5as/h score term (for checking the formula)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MemoryBreakdown:
+    layout: Layout
+    seq_length: int
+    params: int
+    grads: int
+    optimizer: int
+    activations: int  # stored for backward, all layers of the stage, in-flight micro-batches
+    recompute_working: int  # one recompute chunk rebuilt during backward
+    attention: int  # the CP method's own buffers
+    logits: int
+    pool_source: str = ""
+
+    @property
+    def total(self) -> int:
+        return (self.params + self.grads + self.optimizer + self.activations + self.recompute_working
+                + self.attention + self.logits)
+
+    def fits(self, gpu_mem_gib: float, reserve_gib: float) -> bool:
+        return self.total <= (gpu_mem_gib - reserve_gib) * GIB
+
+
+def layer_activation_bytes(cfg: LaunchConfig, s: int, *, tensor: int, sequence_parallel: bool,
+                           recompute: Recompute, flash: bool = True, micro_batch: int = 1) -> int:
+    """Bytes one layer stores for backward for ``s`` tokens on this GPU (Korthikanti et al.)."""
+    m = cfg.model
+    h, a, g, d, f = m.hidden_size, m.num_attention_heads, m.num_kv_heads, m.head_dim, m.ffn_size
+    sb, t = s * micro_batch, tensor
+    masks = 2 * h if m.hidden_dropout > 0 else 0
+    replicated = 4 * h + 2 * h + 2 * h + masks
+    split = 2 * a * d + 4 * g * d + 2 * a * d + (6 * f if m.activation is Activation.SWIGLU else 4 * f)
+    if flash:
+        core = FP32 * a  # fp32 LSE per token and head
+    else:  # softmax output, dropout mask, dropout output over the keys this GPU's queries see
+        core = (5 if m.attention_dropout > 0 else 2) * a * s
+    if recompute is Recompute.SELECTIVE:
+        core = 0
+    if recompute is Recompute.FULL:
+        return sb * 2 * h // (t if sequence_parallel else 1)
+    return sb * replicated // (t if sequence_parallel else 1) + sb * (split + core) // t
+
+
+def _params_per_gpu(cfg: LaunchConfig, lay: Layout) -> tuple[int, int]:
+    """(Ψ on the heaviest pipeline stage per TP rank, one layer's parameters per TP rank)."""
+    m = cfg.model
+    layer = m.layer_parameters() // lay.tensor
+    vocab = m.padded_vocab(lay.tensor) * m.hidden_size // lay.tensor
+    heads = vocab * (2 if m.untie_embeddings and lay.pipeline == 1 else 1)
+    return m.num_layers // lay.pipeline * layer + heads, layer
+
+
+def _model_states(cfg: LaunchConfig, lay: Layout) -> tuple[int, int, int]:
+    psi, layer = _params_per_gpu(cfg, lay)
+    n = lay.data * lay.context  # Megatron shards over the data-parallel group with CP
+    sharding = cfg.parallel.sharding
+    params, grads, opt = BF16 * psi, FP32 * psi, 3 * FP32 * psi
+    if sharding is not Sharding.NONE:
+        opt //= n
+    if sharding in (Sharding.OPTIM_GRADS, Sharding.OPTIM_GRADS_PARAMS):
+        grads //= n
+    if sharding is Sharding.OPTIM_GRADS_PARAMS:  # + two gathered layers and one unsharded grad
+        params = params // n + 2 * BF16 * layer + FP32 * layer
+    return params, grads, opt
+
+
+def _padded_tokens(seq: int, lay: Layout, opts: MemoryOptions) -> int:
+    if lay.method is not Method.TE_RING or lay.context == 1:
+        return seq
+    docs = 1 if not opts.mean_doc_tokens else math.ceil(seq / opts.mean_doc_tokens)
+    step = 2 * lay.context
+    if docs == 1:
+        return -(-seq // step) * step
+    return seq + docs * (step - 1) // 2  # expected pad per document: uniform remainder
+
+
+PoolFn = Callable[[int, Layout], tuple[int, str]]
+
+
+def formula_pool_bytes(cfg: LaunchConfig, seq: int, lay: Layout) -> int:
+    """``parallel.hsap_pool_bytes`` when set (a fixed capacity), else the DESIGN §2.1 default:
+    4 × inter chunk tokens × local heads × (d_qk + d_v) × 2 bytes."""
+    if lay.inter == 1:
+        return 0  # no P2P, no receive pool
+    if cfg.parallel.hsap_pool_bytes is not None:
+        return cfg.parallel.hsap_pool_bytes
+    heads = cfg.model.num_attention_heads // lay.tensor // lay.intra
+    return 4 * (seq // lay.inter) * heads * 2 * cfg.model.head_dim * BF16
+
+
+def plan_pool(cfg: LaunchConfig, opts: MemoryOptions) -> PoolFn:
+    """Pool bytes of the config's own layout from ``compile_plan`` — compiled once, on the
+    shortest valid sequence, and scaled per inter-chunk token since the pool is a fixed multiple
+    of one chunk — and from the formula for the other layouts of the comparison (compiling a
+    plan per layout and length would take minutes) or when the planner is unavailable."""
+    cache: dict[Layout, tuple[float, str] | None] = {}
+    own = config_layout(cfg)
+
+    def pool(seq: int, lay: Layout) -> tuple[int, str]:
+        if lay.inter == 1:
+            return 0, "no P2P (P_inter 1)"
+        if cfg.parallel.hsap_pool_bytes is not None:
+            return cfg.parallel.hsap_pool_bytes, "parallel.hsap_pool_bytes"
+        if lay not in cache:
+            cache[lay] = _calibrate(cfg, lay) if opts.use_plan and lay == own else None
+        cal = cache[lay]
+        if cal is None:
+            return formula_pool_bytes(cfg, seq, lay), "formula (DESIGN §2.1 default)"
+        per_token, note = cal
+        return int(per_token * (seq // lay.inter)), note
+
+    return pool
+
+
+def _calibrate(cfg: LaunchConfig, lay: Layout) -> tuple[float, str] | None:
+    m = cfg.model
+    ref = lay.granule()
+    try:
+        from megatron_hsap.plan import compile_plan
+
+        plan = compile_plan([0, ref], inter_size=lay.inter, intra_size=lay.intra,
+                            num_heads=m.num_attention_heads // lay.tensor,
+                            num_kv_heads=m.num_kv_heads // lay.tensor, head_dim=m.head_dim,
+                            dtype_bytes=BF16, pad_multiple=lay.tensor if lay.sequence_parallel else 1,
+                            tp_size=lay.tensor, gpus_per_node=cfg.cluster.gpus_per_node,
+                            hardware=cfg.cluster.hardware)
+        capacity = int(plan.stats()["pool_capacity_bytes"])
+    except (ImportError, AttributeError, KeyError, TypeError):
+        return None
+    return capacity / (ref // lay.inter), "compile_plan stats()['pool_capacity_bytes']"
+
+
+def _attention_bytes(cfg: LaunchConfig, seq: int, s: int, lay: Layout, pool: PoolFn) -> tuple[int, str]:
+    m = cfg.model
+    a, g, d = m.num_attention_heads // lay.tensor, m.num_kv_heads // lay.tensor, m.head_dim
+    q = o = s * a * d * BF16
+    kv = s * g * 2 * d * BF16
+    dq_accum = s * a * d * FP32  # flash backward's fp32 dq accumulator, every method
+    if lay.method is Method.TE_RING:
+        if lay.context == 1:
+            return dq_accum, ""
+        p = lay.context
+        forward = p * (kv + o + s * a * FP32)  # all received KV chunks + per-step out and LSE
+        backward = 2 * 2 * kv + q  # (kv, dkv) send and receive buffers + dq buffer
+        return max(forward, backward) + dq_accum, ""
+    group = lay.intra if lay.method is Method.HSAP else lay.context
+    kv_rep = s * max(g, group) * 2 * d * BF16  # kv heads replicated up to the group size
+    a2a = 2 * (q + kv_rep + o) if group > 1 else 0  # received copies + contiguous send copies
+    if lay.method is Method.ULYSSES:
+        return a2a + dq_accum, ""
+    pool_bytes, note = pool(seq, lay)
+    acc = 0
+    if lay.inter > 1:  # fp32 merges of partial outputs, fp32 partial dq/dkv (DESIGN §2.2)
+        acc = max(s * a * (d + 1) * FP32, s * (a * d + max(g, lay.intra) * 2 * d) * FP32)
+    return a2a + pool_bytes + acc + dq_accum, note
+
+
+def estimate(cfg: LaunchConfig, lay: Layout, seq: int, opts: MemoryOptions = MemoryOptions(),
+             pool: PoolFn | None = None) -> MemoryBreakdown:
+    """Peak bytes per GPU of one training step of ``cfg`` laid out as ``lay`` at ``seq`` tokens."""
+    pool = pool or plan_pool(cfg, opts)
+    t, mb, m, tr = lay.tensor, cfg.training.micro_batch_size, cfg.model, cfg.training
+    padded = _padded_tokens(seq, lay, opts)
+    s = padded // lay.context  # tokens this GPU holds
+    layers = m.num_layers // lay.pipeline
+    sp = lay.sequence_parallel
+
+    def per_layer(rc: Recompute) -> int:
+        return layer_activation_bytes(cfg, s, tensor=t, sequence_parallel=sp, recompute=rc,
+                                      flash=opts.flash, micro_batch=mb)
+
+    full_layer = per_layer(Recompute.NONE)
+    if tr.recompute is Recompute.FULL:
+        n = tr.recompute_num_layers
+        if tr.recompute_method is RecomputeMethod.UNIFORM:
+            stored, working = math.ceil(layers / n) * per_layer(Recompute.FULL), n * full_layer
+        else:  # block: the first n layers recompute, the rest keep everything
+            stored = n * per_layer(Recompute.FULL) + (layers - n) * full_layer
+            working = full_layer
+    else:
+        stored, working = layers * per_layer(tr.recompute), 0
+    h = m.hidden_size
+    stored += s * mb * (4 * h + (h if m.hidden_dropout > 0 else 0)) // (t if sp else 1)
+    micro_batches = max(1, cfg.global_batch_size // (mb * lay.data))
+    stored *= min(lay.pipeline, micro_batches)  # 1F1B: stage 0 holds PP micro-batches
+    vocab = m.padded_vocab(t)
+    logits = s * mb * vocab // t * (FP32 + BF16)
+    attention, note = _attention_bytes(cfg, seq, s * mb, lay, pool)
+    params, grads, opt = _model_states(cfg, lay)
+    return MemoryBreakdown(layout=lay, seq_length=seq, params=params, grads=grads, optimizer=opt,
+                           activations=stored, recompute_working=working, attention=attention,
+                           logits=logits, pool_source=note)
+
+
+def config_layout(cfg: LaunchConfig) -> Layout:
+    p = cfg.parallel
+    method = Method.HSAP if p.cp_impl is CPImpl.HSAP else Method.TE_RING
+    return Layout(method=method, tensor=p.tensor, context=p.context_size, data=cfg.data_size,
+                  pipeline=p.pipeline, intra=p.hsap_intra_size, inter=p.hsap_inter_size)
+
+
+def candidate_layouts(cfg: LaunchConfig, method: Method) -> tuple[list[Layout], str]:
+    """Every layout of ``method`` on the config's GPUs (DP 1 unless Ulysses is capped by heads),
+    and why there is none when the list is empty."""
+    m, c, pp = cfg.model, cfg.cluster, cfg.parallel.pipeline
+    world = cfg.world_size
+    out: list[Layout] = []
+    why = ""
+    for t in (q for q in range(1, c.gpus_per_node + 1) if c.gpus_per_node % q == 0):
+        if m.num_attention_heads % t or m.num_kv_heads % t or world % (t * pp):
+            continue
+        cp, a, g = world // (t * pp), m.num_attention_heads // t, m.num_kv_heads // t
+        if method is Method.TE_RING:
+            out.append(Layout(method=method, tensor=t, context=cp, pipeline=pp))
+        elif method is Method.HSAP:
+            for intra in (q for q in range(1, cp + 1) if cp % q == 0):
+                if c.gpus_per_node % (t * intra) or a % intra or (g % intra and intra % g):
+                    continue
+                out.append(Layout(method=method, tensor=t, context=cp, pipeline=pp, intra=intra,
+                                  inter=cp // intra))
+        else:
+            degrees = [q for q in range(1, cp + 1) if cp % q == 0 and a % q == 0 and (g % q == 0 or q % g == 0)]
+            best = max(degrees)
+            if best < cp:
+                why = f"Ulysses degree ≤ heads per TP rank: {best} < {cp} GPUs at TP {t}"
+            out.append(Layout(method=method, tensor=t, context=best, data=cp // best, pipeline=pp))
+    return out, why
+
+
+def max_seq_length(cfg: LaunchConfig, lay: Layout, gpu_mem_gib: float, opts: MemoryOptions = MemoryOptions(),
+                   pool: PoolFn | None = None, limit: int = 2**31) -> int:
+    """Longest multiple of ``lay.granule()`` whose estimate fits (0 if none). Memory grows with
+    the sequence length in every term, so a doubling search and a bisection find it."""
+    pool = pool or plan_pool(cfg, opts)
+    step = lay.granule()
+
+    def fits(k: int) -> bool:
+        return estimate(cfg, lay, k * step, opts, pool).fits(gpu_mem_gib, opts.reserve_gib)
+
+    if not fits(1):
+        return 0
+    lo, hi = 1, 2
+    while hi * step <= limit and fits(hi):
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo * step
+
+
+def best_max_seq_length(cfg: LaunchConfig, method: Method, gpu_mem_gib: float,
+                        opts: MemoryOptions = MemoryOptions(), pool: PoolFn | None = None
+                        ) -> tuple[Layout | None, int, str]:
+    """The method's best layout, its longest fitting sequence, and a note (cap or reason)."""
+    pool = pool or plan_pool(cfg, opts)
+    layouts, why = candidate_layouts(cfg, method)
+    if not layouts:
+        return None, 0, "no valid layout (heads vs TP / intra sizes)"
+    scored = [(max_seq_length(cfg, lay, gpu_mem_gib, opts, pool), lay) for lay in layouts]
+    best, lay = max(scored, key=lambda x: (x[0], -x[1].tensor))
+    return lay, best, why if lay.data > 1 else ""
+
+
+def _best_peak(cfg: LaunchConfig, method: Method, seq: int, opts: MemoryOptions, pool: PoolFn
+               ) -> MemoryBreakdown | None:
+    layouts, _ = candidate_layouts(cfg, method)
+    options = [estimate(cfg, lay, seq, opts, pool) for lay in layouts if seq % lay.granule() == 0]
+    return min(options, key=lambda b: b.total) if options else None
+
+
+# --------------------------------------------------------------------------- output
+
+
+def _tok(n: int) -> str:
+    if n == 0:
+        return "OOM"
+    return f"{n / 2**20:g}M" if n >= 2**20 and n % 2**17 == 0 else f"{n // 1024}K"
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:.1f}"
+
+
+def breakdown_table(b: MemoryBreakdown, caps: Sequence[float], reserve: float) -> str:
+    rows = [("parameters (bf16)", b.params), ("gradients (fp32 main grads)", b.grads),
+            ("optimizer (fp32 params + Adam moments)", b.optimizer),
+            ("activations kept for backward", b.activations),
+            ("recompute working set", b.recompute_working),
+            (f"{b.layout.method.title} buffers", b.attention), ("logits + loss", b.logits)]
+    lines = ["| component | GiB |", "|---|---:|"] + [f"| {k} | {_gib(v)} |" for k, v in rows]
+    lines.append(f"| **total** | **{_gib(b.total)}** |")
+    for cap in caps:
+        verdict = "fits" if b.fits(cap, reserve) else "**OOM**"
+        lines.append(f"| {cap:g} GiB GPU (usable {cap - reserve:g}) | {verdict} |")
+    return "\n".join(lines)
+
+
+def comparison_tables(cfg: LaunchConfig, caps: Sequence[float], seqs: Sequence[int],
+                      opts: MemoryOptions, pool: PoolFn) -> tuple[str, dict[Method, list[int]]]:
+    """Markdown: longest sequence per method and GPU size, and the Figure 5 fit grid."""
+    head = "| method | " + " | ".join(f"{c:g} GiB: longest | layout" for c in caps) + " |"
+    lines = [head, "|---|" + "---:|---|" * len(caps)]
+    longest: dict[Method, list[int]] = {}
+    notes = []
+    for method in Method:
+        cells, longest[method] = [], []
+        for cap in caps:
+            lay, n, why = best_max_seq_length(cfg, method, cap, opts, pool)
+            longest[method].append(n)
+            cells.append(f"{_tok(n)} | {lay.label() if lay else 'n/a'}")
+            if why and why not in notes:
+                notes.append(why)
+        lines.append(f"| {method.title} | " + " | ".join(cells) + " |")
+    grid = ["| seq | " + " | ".join(m.title for m in Method) + " |", "|---:|" + "---:|" * len(Method)]
+    usable = (min(caps) - opts.reserve_gib) * GIB
+    for seq in seqs:
+        cells = []
+        for method in Method:
+            b = _best_peak(cfg, method, seq, opts, pool)
+            cells.append("n/a" if b is None else f"{_gib(b.total)}{'' if b.total <= usable else ' OOM'}")
+        grid.append(f"| {_tok(seq)} | " + " | ".join(cells) + " |")
+    text = "\n".join(lines) + ("\n\n" + "\n".join(f"Note: {n}." for n in notes) if notes else "")
+    text += (f"\n\nPeak GiB per GPU at each method's best layout (OOM above {min(caps):g} GiB "
+             f"− {opts.reserve_gib:g} GiB reserve):\n\n" + "\n".join(grid))
+    return text, longest
+
+
+def plot_peaks(cfg: LaunchConfig, caps: Sequence[float], seqs: Sequence[int], opts: MemoryOptions,
+               pool: PoolFn, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for method in Method:
+        xs, ys = [], []
+        for seq in seqs:
+            b = _best_peak(cfg, method, seq, opts, pool)
+            if b is not None:
+                xs.append(seq)
+                ys.append(b.total / GIB)
+        ax.plot(xs, ys, marker="o", label=method.title)
+    for cap in caps:
+        ax.axhline(cap - opts.reserve_gib, linestyle="--", color="grey", linewidth=0.8)
+        ax.text(seqs[-1], cap - opts.reserve_gib, f"{cap:g} GiB GPU ", va="bottom", ha="right", fontsize=8)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(list(seqs), [_tok(s) for s in seqs])
+    ax.set_xlabel("sequence length (tokens)")
+    ax.set_ylabel("estimated peak GiB per GPU")
+    ax.set_title(f"{cfg.name}: {cfg.world_size} GPUs, best layout per method")
+    ax.legend(loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="megatron-hsap memory", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--gpu-mem-gib", type=float, nargs="+", help="GPU sizes (default: the config's)")
+    ap.add_argument("--reserve-gib", type=float, default=DEFAULT_RESERVE_GIB,
+                    help="CUDA context, NCCL buffers, fragmentation")
+    ap.add_argument("--seq-lengths", nargs="+", default=["32K", "64K", "128K", "256K", "512K", "1M", "2M"])
+    ap.add_argument("--mean-doc-tokens", type=int, help="TE ring document padding (default: one document)")
+    ap.add_argument("--no-plan", action="store_true", help="pool from the formula, not compile_plan")
+    ap.add_argument("--plot", help="write a PNG of peak memory vs sequence length")
+    ns = ap.parse_args(argv)
+    from megatron_hsap.launch.config import parse_tokens
+
+    try:
+        cfg = load_config(ns.config)
+        seqs = [parse_tokens(v, "--seq-lengths") for v in ns.seq_lengths]
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    caps = ns.gpu_mem_gib or [cfg.cluster.gpu_mem_gib]
+    opts = MemoryOptions(reserve_gib=ns.reserve_gib, use_plan=not ns.no_plan,
+                         mean_doc_tokens=ns.mean_doc_tokens)
+    pool = plan_pool(cfg, opts)
+    lay = config_layout(cfg)
+    b = estimate(cfg, lay, cfg.training.seq_length, opts, pool)
+    n_params = cfg.model.num_parameters()
+    print(f"# Memory plan: {cfg.name} ({cfg.world_size} GPUs, {n_params / 1e9:.2f}B parameters)\n")
+    print(f"## This config: {lay.method.title} {lay.label()}, seq {_tok(cfg.training.seq_length)}, "
+          f"recompute {cfg.training.recompute.value}, sharding {cfg.parallel.sharding.value}\n")
+    print(breakdown_table(b, caps, opts.reserve_gib))
+    if b.pool_source:
+        print(f"\nHSAP pool: {b.pool_source}.")
+    text, _ = comparison_tables(cfg, caps, seqs, opts, pool)
+    print("\n## Longest sequence that fits (best layout per method; same sharding and recompute)\n")
+    print(text)
+    own = ", ".join(f"{_tok(max_seq_length(cfg, lay, cap, opts, pool))} on {cap:g} GiB" for cap in caps)
+    print(f"\nThis config's own layout ({lay.method.title} {lay.label()}) fits up to {own}.")
+    if ns.plot:
+        plot_peaks(cfg, caps, seqs, opts, pool, ns.plot)
+        print(f"\nwrote {ns.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,162 @@
+"""``python -m megatron_hsap.launch <command>``: what the sbatch scripts call.
+
+Commands:
+  validate CONFIG...            check configs, print one summary line each
+  hostnames NODELIST            expand a SLURM node list (one host per line)
+  topology CONFIG --nodes L     check the rank map torchrun will produce on nodes L, print it
+  resolve CONFIG [...] [-- X]   print the torchrun line of one node (--node-rank) or of all
+                                nodes (--all-nodes); X is appended to the Megatron arguments
+  exec CONFIG [...] [-- X]      replace this process by that torchrun (node rank from
+                                --node-rank or $SLURM_NODEID); srun runs this on every node
+resolve and exec also set what the config needs in the environment (``launch_env``: resolve
+prints it as ``export`` lines before the torchrun lines).
+Errors in the config or the allocation print ``error: ...`` and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+from collections.abc import Sequence
+
+from megatron_hsap.errors import ConfigError
+from megatron_hsap.launch.arguments import launch_env, to_megatron_args, torchrun_argv
+from megatron_hsap.launch.config import LaunchConfig, load_config
+from megatron_hsap.launch.topology import (
+    expand_nodelist,
+    format_topology,
+    hostnames_per_rank,
+    resolve_topology,
+)
+
+DEFAULT_PORT = 29500
+
+
+def _nodes(value: str | None) -> list[str]:
+    if not value:
+        return []
+    return [h for part in value.replace("\n", " ").split() for h in expand_nodelist(part)]
+
+
+def _launch_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config")
+    p.add_argument("--nodes", help="SLURM node list or comma-separated hostnames (node rank = position)")
+    p.add_argument("--nnodes", type=int, help="nodes in the job (default: --nodes count, else the config's)")
+    p.add_argument("--node-rank", type=int)
+    p.add_argument("--master-addr", help="rendezvous host (default: the first of --nodes)")
+    p.add_argument("--master-port", type=int, default=DEFAULT_PORT)
+    p.add_argument("--entry", help="training script (default: the config's entry)")
+    p.add_argument("--repo", help="directory a relative entry is resolved against")
+    p.add_argument("--torchrun", default="torchrun")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m megatron_hsap.launch", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    v = sub.add_parser("validate", help="check configs")
+    v.add_argument("configs", nargs="+")
+    h = sub.add_parser("hostnames", help="expand a SLURM node list")
+    h.add_argument("nodelist")
+    t = sub.add_parser("topology", help="check and print the rank map")
+    t.add_argument("config")
+    t.add_argument("--nodes", required=True)
+    t.add_argument("--gpus-on-node", type=int, help="GPUs SLURM gave each node ($SLURM_GPUS_ON_NODE)")
+    t.add_argument("--full", action="store_true", help="one row per rank even for large jobs")
+    r = sub.add_parser("resolve", help="print torchrun lines")
+    _launch_args(r)
+    r.add_argument("--all-nodes", action="store_true", help="one '# host' comment + line per node")
+    r.add_argument("--format", choices=("torchrun", "args", "json"), default="torchrun")
+    e = sub.add_parser("exec", help="exec torchrun for this node")
+    _launch_args(e)
+    return parser
+
+
+def _resolve_common(ns: argparse.Namespace) -> tuple[LaunchConfig, list[str], int, str]:
+    cfg = load_config(ns.config)
+    nodes = _nodes(ns.nodes)
+    nnodes = ns.nnodes or len(nodes) or cfg.cluster.nnodes
+    if nodes and len(nodes) != nnodes:
+        raise ConfigError(f"--nodes names {len(nodes)} host(s) but --nnodes is {nnodes}")
+    master = ns.master_addr or (nodes[0] if nodes else None)
+    if master is None:
+        if nnodes > 1:
+            raise ConfigError("--master-addr (or --nodes) is needed for a multi-node launch")
+        master = "localhost"
+    return cfg, nodes, nnodes, master
+
+
+def _argv(cfg: LaunchConfig, ns: argparse.Namespace, nnodes: int, master: str, node_rank: int,
+          extra: Sequence[str]) -> list[str]:
+    entry = ns.entry or cfg.entry
+    if ns.repo and not os.path.isabs(entry):
+        entry = os.path.join(ns.repo, entry)
+    return torchrun_argv(cfg, node_rank=node_rank, master_addr=master, master_port=ns.master_port,
+                         nnodes=nnodes, entry=entry, torchrun=ns.torchrun, extra=extra)
+
+
+def _run(ns: argparse.Namespace, extra: list[str]) -> int:
+    if ns.command == "validate":
+        for path in ns.configs:
+            print(load_config(path).summary())
+        return 0
+    if ns.command == "hostnames":
+        print("\n".join(expand_nodelist(ns.nodelist)))
+        return 0
+    if ns.command == "topology":
+        cfg = load_config(ns.config)
+        nodes = _nodes(ns.nodes)
+        if ns.gpus_on_node is not None and ns.gpus_on_node != cfg.cluster.gpus_per_node:
+            raise ConfigError(f"cluster.gpus_per_node: the config says {cfg.cluster.gpus_per_node} "
+                              f"but SLURM gave {ns.gpus_on_node} GPUs per node")
+        if len(nodes) != cfg.cluster.nnodes:
+            raise ConfigError(f"cluster.nnodes: the config is for {cfg.cluster.nnodes} node(s) but the "
+                              f"job has {len(nodes)} ({','.join(nodes[:4])}{',...' if len(nodes) > 4 else ''})")
+        topo, warnings = resolve_topology(cfg, hostnames_per_rank(nodes, cfg.cluster.gpus_per_node))
+        print(format_topology(topo, max_rank_rows=10**9 if ns.full else 16))
+        for w in warnings:
+            print(f"warning: {w}", file=sys.stderr)
+        return 0
+    cfg, nodes, nnodes, master = _resolve_common(ns)
+    if ns.command == "exec":
+        rank = ns.node_rank if ns.node_rank is not None else os.environ.get("SLURM_NODEID")
+        if rank is None:
+            raise ConfigError("exec needs --node-rank or $SLURM_NODEID (run it under srun)")
+        argv = _argv(cfg, ns, nnodes, master, int(rank), extra)
+        env = dict(os.environ, **launch_env(cfg, os.environ))
+        sys.stdout.flush()
+        os.execvpe(argv[0], argv, env)
+    if ns.format != "torchrun":
+        args = to_megatron_args(cfg, extra)
+        print(json.dumps(args) if ns.format == "json" else shlex.join(args))
+        return 0
+    ranks = range(nnodes) if ns.all_nodes else [ns.node_rank or 0]
+    for key, value in launch_env(cfg, os.environ).items():
+        print(f"export {key}={shlex.quote(value)}")
+    for rank in ranks:
+        if ns.all_nodes:
+            host = nodes[rank] if nodes else f"node {rank}"
+            print(f"# {host} (node rank {rank})")
+        print(shlex.join(_argv(cfg, ns, nnodes, master, rank, extra)))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra: list[str] = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, extra = argv[:cut], argv[cut + 1:]
+    ns = _parser().parse_args(argv)
+    try:
+        return _run(ns, extra)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

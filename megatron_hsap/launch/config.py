@@ -1,0 +1,578 @@
+"""Launch configuration: one YAML file → validated frozen dataclasses (``arguments.py`` turns
+them into Megatron's argument list and the torchrun line).
+
+A config file has the sections ``model``, ``parallel``, ``cluster``, ``training``, ``data`` and an
+optional ``megatron_args`` list passed through verbatim. ``extends: other.yaml`` (relative to the
+file) deep-merges a base file first, so the Table 4 matrix is twelve five-line files over one base.
+Every check raises ``ConfigError`` naming the key to change (``parallel.hsap_intra_size: ...``).
+
+Rank layout (Megatron's default order ``tp-cp-ep-dp-pp``): global rank
+``= tp + TP·(cp + CP·(dp + DP·pp))``, so CP ranks are spaced by TP and an HSAP intra group covers
+``TP × P_intra`` consecutive GPUs — hence TP × P_intra must divide the GPUs per node.
+"""
+
+from __future__ import annotations
+
+import difflib
+import enum
+import re
+import shlex
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from megatron_hsap.errors import ConfigError
+
+__all__ = [
+    "Activation", "CPImpl", "HSAPLayout", "InterLink", "Normalization", "PositionEmbedding", "Recompute",
+    "RecomputeMethod", "Sharding", "ModelConfig", "ParallelConfig", "ClusterConfig",
+    "TrainingConfig", "DataConfig", "LaunchConfig", "load_config", "config_from_dict",
+    "parse_tokens", "DEFAULT_ENTRY",
+]
+
+DEFAULT_ENTRY = "scripts/pretrain_gpt_hsap.py"
+
+
+class Activation(str, enum.Enum):
+    GELU = "gelu"
+    SWIGLU = "swiglu"
+
+
+class Normalization(str, enum.Enum):
+    LAYERNORM = "LayerNorm"
+    RMSNORM = "RMSNorm"
+
+
+class PositionEmbedding(str, enum.Enum):
+    ROPE = "rope"
+    LEARNED = "learned_absolute"
+
+
+class Recompute(str, enum.Enum):
+    """Activation recomputation (Korthikanti et al. 2022): none, the attention core, whole layers."""
+
+    NONE = "none"
+    SELECTIVE = "selective"
+    FULL = "full"
+
+
+class RecomputeMethod(str, enum.Enum):
+    UNIFORM = "uniform"
+    BLOCK = "block"
+
+
+class Sharding(str, enum.Enum):
+    """Model-state sharding over the data×context-parallel group (Megatron's names)."""
+
+    NONE = "none"  # plain DDP: every rank holds params, grads and Adam state
+    OPTIM = "optim"  # --use-distributed-optimizer (ZeRO-1)
+    OPTIM_GRADS = "optim_grads"  # Megatron-FSDP, ZeRO-2
+    OPTIM_GRADS_PARAMS = "optim_grads_params"  # Megatron-FSDP, ZeRO-3
+
+
+class InterLink(str, enum.Enum):
+    """The network the config expects the inter (P2P) groups to cross; checked against the map."""
+
+    AUTO = "auto"
+    IB = "ib"
+    NVLINK = "nvlink"
+
+
+class CPImpl(str, enum.Enum):
+    HSAP = "hsap"
+    RING = "ring"  # Megatron's Transformer Engine p2p ring: the baseline
+
+
+class HSAPLayout(str, enum.Enum):
+    CONTIGUOUS = "contiguous"  # the paper's: inter chunk i on node i
+    BALANCED = "balanced"
+
+
+_K = 1024
+
+
+def parse_tokens(value: object, key: str = "value") -> int:
+    """``131072``, ``"128K"`` or ``"1M"`` → tokens (K = 2**10, M = 2**20, as in DESIGN §1)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        m = re.fullmatch(r"\s*(\d+)\s*([kKmM]?)\s*", value)
+        if m:
+            return int(m.group(1)) * {"": 1, "k": _K, "m": _K * _K}[m.group(2).lower()]
+    raise ConfigError(f"{key}: expected a token count like 131072 or '128K', got {value!r}")
+
+
+# --------------------------------------------------------------------------- sections
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelConfig:
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    vocab_size: int
+    num_query_groups: int | None = None  # kv heads; None = num_attention_heads (MHA)
+    ffn_hidden_size: int | None = None  # None = 4·hidden (gelu) as Megatron does
+    kv_channels: int | None = None  # head dim; None = hidden / heads
+    make_vocab_size_divisible_by: int = 128
+    activation: Activation = Activation.GELU
+    normalization: Normalization = Normalization.LAYERNORM
+    position_embedding: PositionEmbedding = PositionEmbedding.ROPE
+    rotary_base: int = 10000
+    untie_embeddings: bool = False
+    add_bias_linear: bool = True
+    attention_dropout: float = 0.0
+    hidden_dropout: float = 0.0
+    init_method_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        _positive(self, "model", ("num_layers", "hidden_size", "num_attention_heads", "vocab_size",
+                                  "num_query_groups", "ffn_hidden_size", "kv_channels",
+                                  "make_vocab_size_divisible_by", "rotary_base"))
+        if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
+            raise ConfigError(
+                f"model.kv_channels: hidden_size {self.hidden_size} is not divisible by "
+                f"num_attention_heads {self.num_attention_heads}; set kv_channels (the head size)")
+        if self.num_attention_heads % self.num_kv_heads:
+            raise ConfigError(
+                f"model.num_query_groups: {self.num_kv_heads} does not divide num_attention_heads "
+                f"{self.num_attention_heads} (GQA shares each kv head by the same number of q heads)")
+        for name in ("attention_dropout", "hidden_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ConfigError(f"model.{name} must be in [0, 1), got {getattr(self, name)}")
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def ffn_size(self) -> int:
+        return self.ffn_hidden_size or 4 * self.hidden_size
+
+    def padded_vocab(self, tensor: int = 1) -> int:
+        """Megatron pads the vocabulary to a multiple of ``make_vocab_size_divisible_by × TP``."""
+        m = self.make_vocab_size_divisible_by * tensor
+        return -(-self.vocab_size // m) * m
+
+    def layer_parameters(self) -> int:
+        """Parameters of one transformer layer (Megatron GPT layout, biases if add_bias_linear)."""
+        h, a, g, d, f = self.hidden_size, self.num_attention_heads, self.num_kv_heads, self.head_dim, self.ffn_size
+        norm = 2 * h if self.normalization is Normalization.LAYERNORM else h
+        bias = 1 if self.add_bias_linear else 0
+        qkv = h * (a + 2 * g) * d + bias * (a + 2 * g) * d
+        proj = a * d * h + bias * h
+        fc1_out = 2 * f if self.activation is Activation.SWIGLU else f
+        mlp = h * fc1_out + bias * fc1_out + f * h + bias * h
+        return 2 * norm + qkv + proj + mlp
+
+    def embedding_parameters(self, max_positions: int = 0, tensor: int = 1) -> int:
+        """Input embedding (+ learned positions) + final norm + untied output layer."""
+        h, v = self.hidden_size, self.padded_vocab(tensor)
+        pos = max_positions * h if self.position_embedding is PositionEmbedding.LEARNED else 0
+        norm = 2 * h if self.normalization is Normalization.LAYERNORM else h
+        return v * h + pos + norm + (v * h if self.untie_embeddings else 0)
+
+    def num_parameters(self, max_positions: int = 0) -> int:
+        return self.num_layers * self.layer_parameters() + self.embedding_parameters(max_positions)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ParallelConfig:
+    tensor: int = 1
+    pipeline: int = 1
+    data: int | None = None  # None = whatever the world size leaves
+    context: int | None = None  # None = hsap_intra_size × hsap_inter_size
+    hsap_intra_size: int = 1
+    hsap_inter_size: int = 1
+    cp_impl: CPImpl = CPImpl.HSAP
+    hsap_layout: HSAPLayout | None = None  # --hsap-layout; None = the backend's default (contiguous)
+    hsap_pool_bytes: int | None = None  # --hsap-pool-bytes; None = 4 inter chunks (DESIGN §2.1)
+    sequence_parallel: bool = False
+    sharding: Sharding = Sharding.OPTIM
+    inter_link: InterLink = InterLink.AUTO
+
+    def __post_init__(self) -> None:
+        _positive(self, "parallel", ("tensor", "pipeline", "data", "context", "hsap_intra_size",
+                                     "hsap_inter_size", "hsap_pool_bytes"))
+        cp = self.hsap_intra_size * self.hsap_inter_size
+        if self.context is not None and self.context != cp:
+            raise ConfigError(
+                f"parallel.context: {self.context} but hsap_intra_size × hsap_inter_size = "
+                f"{self.hsap_intra_size} × {self.hsap_inter_size} = {cp}; drop `context` or make "
+                "the product match")
+        if self.sequence_parallel and self.tensor == 1:
+            raise ConfigError("parallel.sequence_parallel needs tensor > 1 (Megatron turns it off at TP 1)")
+
+    @property
+    def context_size(self) -> int:
+        return self.hsap_intra_size * self.hsap_inter_size
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ClusterConfig:
+    nnodes: int
+    gpus_per_node: int = 8
+    gpu: str = "a100-sxm4-40gb"
+    gpu_mem_gib: float = 40.0
+    hardware: str = "a100"  # key of megatron_hsap.plan.hardware.HARDWARE (planner cost model)
+
+    def __post_init__(self) -> None:
+        _positive(self, "cluster", ("nnodes", "gpus_per_node"))
+        if self.gpu_mem_gib <= 0:
+            raise ConfigError(f"cluster.gpu_mem_gib must be positive, got {self.gpu_mem_gib}")
+        from megatron_hsap.plan.hardware import HARDWARE
+
+        if self.hardware not in HARDWARE:
+            raise ConfigError(f"cluster.hardware: {self.hardware!r} is unknown; use one of {sorted(HARDWARE)}")
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.gpus_per_node
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrainingConfig:
+    seq_length: int
+    micro_batch_size: int = 1
+    global_batch_size: int | None = None  # None = micro_batch_size × data-parallel size
+    train_iters: int = 20
+    lr: float = 1.0e-4
+    min_lr: float = 1.0e-5
+    lr_decay_style: str = "cosine"
+    lr_warmup_iters: int = 0
+    weight_decay: float = 0.1
+    clip_grad: float = 1.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    seed: int = 1234
+    recompute: Recompute = Recompute.SELECTIVE
+    recompute_method: RecomputeMethod = RecomputeMethod.UNIFORM
+    recompute_num_layers: int = 1
+    log_interval: int = 1
+    eval_iters: int = 0
+    save: str | None = None
+    load: str | None = None
+    save_interval: int | None = None
+
+    def __post_init__(self) -> None:
+        _positive(self, "training", ("seq_length", "micro_batch_size", "global_batch_size",
+                                     "train_iters", "recompute_num_layers", "log_interval",
+                                     "save_interval"))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DataConfig:
+    mock: bool = True  # Megatron's --mock-data: synthetic tokens, no files needed
+    data_path: tuple[str, ...] = ()
+    split: str | None = None
+    tokenizer_type: str = "NullTokenizer"
+    tokenizer_model: str | None = None
+    inter_document_masking: bool = True  # cu_seqlens per document: attention stays inside documents
+    reset_position_ids: bool = True  # packed documents: positions restart at every EOD
+    eod_mask_loss: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.mock and not self.data_path:
+            raise ConfigError("data.data_path: empty while data.mock is false; give the indexed "
+                              "dataset prefixes or set mock: true")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LaunchConfig:
+    """One validated launch: model, parallel sizes, cluster, training and data settings."""
+
+    name: str
+    model: ModelConfig
+    parallel: ParallelConfig
+    cluster: ClusterConfig
+    training: TrainingConfig
+    data: DataConfig = field(default_factory=DataConfig)
+    megatron_args: tuple[str, ...] = ()
+    entry: str = DEFAULT_ENTRY
+    source: str | None = None  # the file it was loaded from (for messages)
+
+    def __post_init__(self) -> None:
+        _validate_launch(self)
+
+    @property
+    def world_size(self) -> int:
+        return self.cluster.world_size
+
+    @property
+    def context_size(self) -> int:
+        return self.parallel.context_size
+
+    @property
+    def data_size(self) -> int:
+        p = self.parallel
+        return self.world_size // (p.tensor * p.pipeline * p.context_size)
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.training.global_batch_size or self.training.micro_batch_size * self.data_size
+
+    def summary(self) -> str:
+        p = self.parallel
+        return (f"{self.name}: {self.world_size} GPUs ({self.cluster.nnodes}×{self.cluster.gpus_per_node}), "
+                f"TP {p.tensor} PP {p.pipeline} DP {self.data_size} CP {self.context_size} "
+                f"[{p.cp_impl.value} {p.hsap_intra_size}x{p.hsap_inter_size} intra×inter], "
+                f"seq {self.training.seq_length}, recompute {self.training.recompute.value}")
+
+
+def _positive(obj: object, section: str, names: Sequence[str]) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if value is not None and value < 1:
+            raise ConfigError(f"{section}.{name} must be a positive integer, got {value!r}")
+
+
+def _validate_launch(cfg: LaunchConfig) -> None:
+    m, p, c, t = cfg.model, cfg.parallel, cfg.cluster, cfg.training
+    world, cp = c.world_size, p.context_size
+    denom = p.tensor * p.pipeline * cp
+    if world % denom:
+        raise ConfigError(
+            f"parallel: tensor × pipeline × context = {p.tensor} × {p.pipeline} × {cp} = {denom} does "
+            f"not divide the world size cluster.nnodes × cluster.gpus_per_node = {world}")
+    if p.data is not None and p.data * denom != world:
+        raise ConfigError(
+            f"parallel.data: TP × PP × DP × CP = {p.tensor} × {p.pipeline} × {p.data} × {cp} = "
+            f"{p.data * denom} but the world size is {world}; set data to {world // denom} or drop it")
+    # Heads: Megatron splits q heads and kv groups over TP; HSAP's intra all-to-all splits the
+    # per-TP-rank heads over P_intra and replicates kv heads when P_intra > kv heads.
+    if m.num_attention_heads % p.tensor:
+        raise ConfigError(f"parallel.tensor: {p.tensor} does not divide model.num_attention_heads "
+                          f"{m.num_attention_heads}")
+    if m.num_kv_heads % p.tensor:
+        raise ConfigError(f"parallel.tensor: {p.tensor} does not divide model.num_query_groups "
+                          f"{m.num_kv_heads} (Megatron splits kv groups over TP)")
+    if m.num_layers % p.pipeline:
+        raise ConfigError(f"parallel.pipeline: {p.pipeline} does not divide model.num_layers {m.num_layers}")
+    if p.cp_impl is CPImpl.HSAP and m.attention_dropout > 0:
+        raise ConfigError(f"model.attention_dropout: {m.attention_dropout}, but HSAP attention has no "
+                          "dropout (the backend refuses it); set 0.0")
+    if p.cp_impl is CPImpl.HSAP:
+        heads, kv, intra = m.num_attention_heads // p.tensor, m.num_kv_heads // p.tensor, p.hsap_intra_size
+        if heads % intra:
+            raise ConfigError(
+                f"parallel.hsap_intra_size: {intra} does not divide the {heads} q heads per TP rank "
+                f"(num_attention_heads / tensor); valid: {_divisors(heads)}")
+        if kv % intra and intra % kv:
+            raise ConfigError(
+                f"parallel.hsap_intra_size: {intra} and the {kv} kv heads per TP rank must divide one "
+                "another (kv heads are split, or replicated when intra > kv heads)")
+        if c.gpus_per_node % (p.tensor * intra):
+            valid = [q for q in _divisors(cp) if c.gpus_per_node % (p.tensor * q) == 0]
+            raise ConfigError(
+                f"parallel.hsap_intra_size: tensor × hsap_intra_size = {p.tensor} × {intra} does not "
+                f"divide cluster.gpus_per_node {c.gpus_per_node}; CP ranks are spaced by TP, so an "
+                f"intra (all-to-all) group spans TP × P_intra GPUs and must sit in one node. "
+                f"Valid hsap_intra_size for CP {cp}: {valid}")
+    # Megatron's validate_args asserts seq_length % (2·CP) == 0 for any CP > 1; sequence
+    # parallelism further splits each CP rank's tokens over TP. HSAP itself pads only the end of
+    # the micro-batch, so packed batches shorter than seq_length are fine at run time.
+    multiple = (2 * cp if cp > 1 else 1) * (p.tensor if p.sequence_parallel else 1)
+    if t.seq_length % multiple:
+        lo = t.seq_length // multiple * multiple
+        raise ConfigError(
+            f"training.seq_length: {t.seq_length} is not a multiple of {multiple} (2 × CP"
+            f"{' × TP with sequence_parallel' if p.sequence_parallel else ''}), which Megatron's "
+            f"argument check requires; use {lo or multiple} or {lo + multiple}")
+    if t.recompute is Recompute.FULL:
+        per_stage = m.num_layers // p.pipeline
+        if t.recompute_num_layers > per_stage:
+            raise ConfigError(f"training.recompute_num_layers: {t.recompute_num_layers} exceeds the "
+                              f"{per_stage} layers per pipeline stage")
+    gbs = cfg.global_batch_size
+    if gbs % (t.micro_batch_size * cfg.data_size):
+        raise ConfigError(
+            f"training.global_batch_size: {gbs} is not a multiple of micro_batch_size × DP = "
+            f"{t.micro_batch_size} × {cfg.data_size}")
+    if m.position_embedding is PositionEmbedding.LEARNED and t.seq_length > 65536:
+        raise ConfigError(
+            f"model.position_embedding: learned_absolute at seq_length {t.seq_length} adds "
+            f"{t.seq_length * m.hidden_size / 1e9:.1f}B parameters; use rope")
+    _check_passthrough(cfg)
+
+
+def _check_passthrough(cfg: LaunchConfig) -> None:
+    """``megatron_args`` may repeat Megatron's hierarchical CP flag; it must agree with ours."""
+    args = list(cfg.megatron_args)
+    if "--hierarchical-context-parallel-sizes" in args:
+        i = args.index("--hierarchical-context-parallel-sizes")
+        try:
+            sizes = [int(v) for v in args[i + 1:i + 3]]
+        except ValueError:
+            sizes = []
+        want = [cfg.parallel.hsap_intra_size, cfg.parallel.hsap_inter_size]
+        if sizes != want:
+            raise ConfigError(
+                f"megatron_args: --hierarchical-context-parallel-sizes {args[i + 1:i + 3]} contradicts "
+                f"parallel.hsap_intra_size × hsap_inter_size = {want[0]}x{want[1]}; drop the flag or fix it")
+    owned = {"--context-parallel-size", "--tensor-model-parallel-size", "--pipeline-model-parallel-size",
+             "--seq-length", "--context-parallel-impl", "--hsap-layout", "--hsap-pool-bytes"}
+    clash = sorted(owned & set(args))
+    if clash:
+        raise ConfigError(f"megatron_args: {clash} are set from the config sections; change them there")
+
+
+def _divisors(n: int) -> list[int]:
+    return [q for q in range(1, n + 1) if n % q == 0]
+
+
+# --------------------------------------------------------------------------- loading
+
+_SECTIONS: dict[str, type] = {
+    "model": ModelConfig, "parallel": ParallelConfig, "cluster": ClusterConfig,
+    "training": TrainingConfig, "data": DataConfig,
+}
+_TOP_KEYS = set(_SECTIONS) | {"name", "megatron_args", "entry", "extends", "description"}
+_TOKEN_FIELDS = {"seq_length"}
+
+
+def load_config(path: str | Path, overrides: Mapping[str, Any] | None = None) -> LaunchConfig:
+    """Read a YAML config (following ``extends``), apply ``overrides`` and validate it."""
+    path = Path(path)
+    data = _read_with_bases(path, ())
+    if overrides:
+        data = _merge(data, dict(overrides))
+    data.setdefault("name", path.stem)
+    return config_from_dict(data, source=str(path))
+
+
+def _read_with_bases(path: Path, chain: tuple[Path, ...]) -> dict[str, Any]:
+    import yaml
+
+    path = path.resolve()
+    if path in chain:
+        raise ConfigError(f"extends: cycle {' -> '.join(str(p) for p in chain + (path,))}")
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    base = data.pop("extends", None)
+    if base is None:
+        return data
+    if not isinstance(base, str):
+        raise ConfigError(f"{path}: extends must be one relative file name, got {base!r}")
+    return _merge(_read_with_bases(path.parent / base, chain + (path,)), data)
+
+
+def _merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in over.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = _merge(dict(out[key]), value)
+        else:
+            out[key] = value
+    return out
+
+
+def config_from_dict(data: Mapping[str, Any], *, source: str | None = None) -> LaunchConfig:
+    """Build a ``LaunchConfig`` from plain data (what ``yaml.safe_load`` returns)."""
+    _unknown(set(data), _TOP_KEYS, "")
+    for key in ("model", "cluster", "training"):
+        if key not in data:
+            raise ConfigError(f"{key}: section missing{f' in {source}' if source else ''}")
+    sections = {}
+    for key, cls in _SECTIONS.items():
+        raw = data.get(key) or {}
+        if not isinstance(raw, Mapping):
+            raise ConfigError(f"{key}: must be a mapping, got {type(raw).__name__}")
+        if key == "parallel":
+            raw = _parallel_aliases(dict(raw))
+        sections[key] = _build(cls, raw, key)
+    extra = data.get("megatron_args") or []
+    if isinstance(extra, str):
+        extra = shlex.split(extra)
+    if not isinstance(extra, list) or not all(isinstance(a, (str, int, float)) for a in extra):
+        raise ConfigError("megatron_args: must be a list of command-line tokens")
+    return LaunchConfig(name=str(data.get("name", "config")), megatron_args=tuple(str(a) for a in extra),
+                        entry=str(data.get("entry", DEFAULT_ENTRY)), source=source, **sections)
+
+
+def _parallel_aliases(raw: dict[str, Any]) -> dict[str, Any]:
+    """Accept Megatron's spelling ``hierarchical_context_parallel_sizes: [P_intra, P_inter]``."""
+    sizes = raw.pop("hierarchical_context_parallel_sizes", None)
+    if sizes is None:
+        return raw
+    if not (isinstance(sizes, list) and len(sizes) == 2 and all(isinstance(s, int) for s in sizes)):
+        raise ConfigError(f"parallel.hierarchical_context_parallel_sizes: expected [P_intra, P_inter], got {sizes!r}")
+    for key, value in zip(("hsap_intra_size", "hsap_inter_size"), sizes):
+        if key in raw and raw[key] != value:
+            raise ConfigError(f"parallel.hierarchical_context_parallel_sizes: {sizes} contradicts "
+                              f"parallel.{key}: {raw[key]}; give the sizes once")
+        raw[key] = value
+    return raw
+
+
+def _unknown(keys: set[str], allowed: set[str], prefix: str) -> None:
+    for key in sorted(keys - allowed):
+        close = difflib.get_close_matches(key, sorted(allowed), n=1)
+        hint = f"; did you mean {prefix}{close[0]}?" if close else f"; known keys: {sorted(allowed)}"
+        raise ConfigError(f"{prefix}{key}: unknown key{hint}")
+
+
+def _build(cls: type, raw: Mapping[str, Any], section: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in fields(cls)}
+    _unknown(set(raw), names, f"{section}.")
+    kwargs = {}
+    for f in fields(cls):
+        if f.name not in raw:
+            continue
+        kwargs[f.name] = _coerce(raw[f.name], hints[f.name], f"{section}.{f.name}")
+    try:
+        return cls(**kwargs)
+    except TypeError as exc:  # a required field is missing
+        missing = re.findall(r"'(\w+)'", str(exc))
+        raise ConfigError(f"{section}.{missing[0] if missing else '?'}: required key missing") from exc
+
+
+def _coerce(value: Any, hint: Any, key: str) -> Any:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        (hint,) = [a for a in args if a is not type(None)]
+        return _coerce(value, hint, key)
+    if origin is tuple:
+        items = [value] if isinstance(value, str) else value
+        if not isinstance(items, list):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        return tuple(str(v) for v in items)
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        by_lower = {m.value.lower(): m for m in hint}
+        if isinstance(value, str) and value.lower() in by_lower:
+            return by_lower[value.lower()]
+        raise ConfigError(f"{key}: {value!r} is not one of {[m.value for m in hint]}")
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}: expected true or false, got {value!r}")
+        return value
+    if hint is int:
+        if key.rsplit(".", 1)[-1] in _TOKEN_FIELDS:
+            return parse_tokens(value, key)
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        return value
+    if hint is float:
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise ConfigError(f"{key}: expected a number, got {value!r}")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+            raise ConfigError(f"{key}: expected a string, got {value!r}")
+        return str(value)
+    raise ConfigError(f"{key}: unsupported type {hint}")  # pragma: no cover - schema bug

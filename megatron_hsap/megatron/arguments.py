@@ -1,0 +1,199 @@
+"""Command-line flags for Megatron-LM: ``--context-parallel-impl {ring,hsap}`` and the HSAP sizes.
+
+``add_hsap_args(parser)`` is an ``extra_args_provider`` for ``megatron.training.arguments.
+parse_and_validate_args``; ``validate_hsap_args(args)`` runs after Megatron's own validation and
+refuses (``ConfigError``) every setting HSAP cannot honour, naming the flag to change.
+
+Topology reuses Megatron's ``--hierarchical-context-parallel-sizes P_intra P_inter`` (level 0 =
+contiguous blocks of CP ranks = intra/NVLink, level 1 = strided = inter/InfiniBand, DESIGN §1), so
+``initialize_hsap`` can reuse the groups Megatron builds from it. Without it, P_intra is the
+largest divisor of the CP size whose intra group (× TP) fits in one node of ``LOCAL_WORLD_SIZE``
+GPUs and splits the heads evenly; the choice is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from megatron_hsap.errors import ConfigError
+
+__all__ = ["HSAPArgs", "add_hsap_args", "validate_hsap_args", "IMPLS"]
+
+IMPLS = ("ring", "hsap")
+SPEC_MODULE = "megatron_hsap.megatron.spec"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HSAPArgs:
+    """The validated HSAP settings of a Megatron run."""
+
+    intra_size: int
+    inter_size: int
+    layout: str = "contiguous"
+    pool_bytes: int | None = None
+    node_check: str = "error"
+    derived_sizes: bool = False  # True when P_intra × P_inter were chosen, not given
+
+    @property
+    def cp_size(self) -> int:
+        return self.intra_size * self.inter_size
+
+
+def _has_option(parser: argparse.ArgumentParser, option: str) -> bool:
+    return any(option in action.option_strings for action in parser._actions)
+
+
+def add_hsap_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add HSAP's flags to a Megatron (or plain) argparse parser; returns the parser."""
+    group = parser.add_argument_group(title="HSAP context parallelism (megatron-hsap)")
+    if not _has_option(parser, "--context-parallel-impl"):  # present when patches/ is applied
+        group.add_argument(
+            "--context-parallel-impl", choices=IMPLS, default="ring",
+            help="ring: Megatron/Transformer Engine context parallelism (default). hsap: hierarchical "
+            "sequence-aware CP for packed batches (megatron-hsap); sizes from "
+            "--hierarchical-context-parallel-sizes P_intra P_inter.",
+        )
+    if not _has_option(parser, "--hierarchical-context-parallel-sizes"):
+        # Megatron's parser has it already; a plain parser (tests, tools) gets the same flag.
+        group.add_argument(
+            "--hierarchical-context-parallel-sizes", nargs="+", type=int, default=None,
+            help="HSAP: P_intra P_inter (intra = GPUs of one node, inter = nodes); product = CP size.",
+        )
+    if not _has_option(parser, "--context-parallel-size"):
+        group.add_argument("--context-parallel-size", type=int, default=1)
+    group.add_argument(
+        "--hsap-layout", choices=("contiguous", "balanced"), default="contiguous",
+        help="HSAP token layout: contiguous inter chunks (the paper's) or balanced.",
+    )
+    group.add_argument(
+        "--hsap-pool-bytes", type=int, default=None,
+        help="HSAP receive-buffer pool per rank in bytes (default: 4 inter chunks of q/k/v rows).",
+    )
+    group.add_argument(
+        "--hsap-node-check", choices=("error", "warn", "off"), default="error",
+        help="What to do when an HSAP intra group spans hosts (all-to-all over the network).",
+    )
+    return parser
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _heads_fit(intra: int, heads: int, kv_heads: int) -> bool:
+    return heads % intra == 0 and (kv_heads % intra == 0 or intra % kv_heads == 0)
+
+
+def _sizes(args: Any, cp: int, tp: int, heads: int, kv_heads: int) -> tuple[int, int, bool]:
+    sizes = getattr(args, "hierarchical_context_parallel_sizes", None)
+    if sizes:
+        if len(sizes) != 2:
+            raise ConfigError(
+                f"--hierarchical-context-parallel-sizes {' '.join(map(str, sizes))}: HSAP needs exactly two "
+                "levels, P_intra P_inter (GPUs per node in the CP group, then nodes)"
+            )
+        intra, inter = int(sizes[0]), int(sizes[1])
+        if intra < 1 or inter < 1 or intra * inter != cp:
+            raise ConfigError(
+                f"--hierarchical-context-parallel-sizes {intra} {inter}: the product must equal "
+                f"--context-parallel-size {cp}"
+            )
+        return intra, inter, False
+    if cp == 1:
+        return 1, 1, False
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    if not local:
+        raise ConfigError(
+            f"--context-parallel-impl hsap with --context-parallel-size {cp} needs "
+            "--hierarchical-context-parallel-sizes P_intra P_inter (LOCAL_WORLD_SIZE is unset, so the "
+            "GPUs per node are unknown)"
+        )
+    fits = [d for d in _divisors(cp) if tp * d <= int(local) and _heads_fit(d, heads, kv_heads)]
+    intra = max(fits) if fits else 1
+    if int(os.environ.get("RANK", "0")) == 0:  # arguments are parsed on every rank
+        print(
+            f"[megatron-hsap] --hierarchical-context-parallel-sizes not given: using P_intra={intra} "
+            f"P_inter={cp // intra} (TP={tp}, {local} GPUs per node); pass the flag to choose",
+            flush=True,
+        )
+    return intra, cp // intra, True
+
+
+def _refuse(condition: bool, message: str) -> None:
+    if condition:
+        raise ConfigError(message)
+
+
+def validate_hsap_args(args: Any) -> HSAPArgs | None:
+    """Check a parsed Megatron namespace for ``--context-parallel-impl hsap``.
+
+    Returns None for ``ring``; otherwise an :class:`HSAPArgs`, after setting ``args.spec`` to the HSAP
+    layer spec when no ``--spec`` was given. Raises :class:`ConfigError` naming the flag to change.
+    """
+    impl = getattr(args, "context_parallel_impl", "ring")
+    if impl not in IMPLS:
+        raise ConfigError(f"--context-parallel-impl {impl!r}: choose one of {', '.join(IMPLS)}")
+    if impl == "ring":
+        return None
+    cp = int(getattr(args, "context_parallel_size", 1) or 1)
+    tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
+    heads_total = getattr(args, "num_attention_heads", None)
+    heads = (heads_total // tp) if heads_total else 1
+    groups_total = getattr(args, "num_query_groups", None) if getattr(args, "group_query_attention", False) else heads_total
+    kv_heads = max(1, (groups_total or heads_total or tp) // tp)
+    intra, inter, derived = _sizes(args, cp, tp, heads, kv_heads)
+    if heads_total:
+        _refuse(heads_total % tp != 0, f"--num-attention-heads {heads_total} is not divisible by --tensor-model-parallel-size {tp}")
+        _refuse(
+            not _heads_fit(intra, heads, kv_heads),
+            f"P_intra={intra} must divide the {heads} attention heads per TP rank, and divide or be a "
+            f"multiple of the {kv_heads} kv heads per TP rank; valid P_intra: "
+            f"{[d for d in _divisors(cp) if _heads_fit(d, heads, kv_heads)]}",
+        )
+
+    dropout = float(getattr(args, "attention_dropout", 0.0) or 0.0)
+    _refuse(dropout > 0.0, f"--attention-dropout {dropout}: HSAP attention has no dropout; pass --attention-dropout 0.0")
+    _refuse(
+        not getattr(args, "calculate_per_token_loss", False),
+        "HSAP counts every real token exactly once across CP ranks, whose token counts differ: pass "
+        "--calculate-per-token-loss so the loss is divided by the global number of loss tokens",
+    )
+    _refuse(getattr(args, "window_size", None) is not None, "--window-size: sliding-window attention is not supported by HSAP yet")
+    _refuse(getattr(args, "multi_latent_attention", False), "--multi-latent-attention is not supported by HSAP yet")
+    _refuse(bool(getattr(args, "mtp_num_layers", None)), "--mtp-num-layers: multi-token prediction is not supported with HSAP yet")
+    for flag in ("hybrid_context_parallel", "dynamic_context_parallel"):
+        _refuse(bool(getattr(args, flag, False)), f"--{flag.replace('_', '-')} and --context-parallel-impl hsap are alternatives; pick one")
+    pos = getattr(args, "position_embedding_type", "rope")
+    _refuse(pos not in ("rope", "learned_absolute", "none"), f"--position-embedding-type {pos}: HSAP supports rope, learned_absolute and none")
+    _refuse(getattr(args, "softmax_type", "vanilla") != "vanilla", f"--softmax-type {getattr(args, 'softmax_type', None)}: HSAP supports vanilla only")
+    _refuse(bool(getattr(args, "fp8_dot_product_attention", False)), "--fp8-dot-product-attention is not supported by HSAP")
+    _refuse(bool(getattr(args, "qk_clip", False)), "--qk-clip needs Transformer Engine's attention; not supported by HSAP")
+    _refuse(bool(getattr(args, "fused_single_qkv_rope", False)), "--fused-single-qkv-rope applies RoPE by row; HSAP applies it by position: turn it off")
+    pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
+    mbs = int(getattr(args, "micro_batch_size", 1) or 1)
+    _refuse(
+        pp > 1 and mbs > 1 and not getattr(args, "variable_seq_lengths", False),
+        f"--pipeline-model-parallel-size {pp} with --micro-batch-size {mbs}: HSAP activations are "
+        "packed [t, 1, h], not [s/cp, mbs, h]; use --micro-batch-size 1",
+    )
+    wanted = "HSAP_LAYER_SPEC" if getattr(args, "transformer_impl", "transformer_engine") == "transformer_engine" else "HSAP_LOCAL_LAYER_SPEC"
+    spec = getattr(args, "spec", None)
+    if not spec:
+        args.spec = [SPEC_MODULE, wanted]
+    else:
+        _refuse(
+            list(spec)[0] != SPEC_MODULE,
+            f"--spec {' '.join(spec)}: --context-parallel-impl hsap needs the HSAP layer spec "
+            f"(--spec {SPEC_MODULE} {wanted}) or no --spec",
+        )
+    return HSAPArgs(
+        intra_size=intra,
+        inter_size=inter,
+        layout=getattr(args, "hsap_layout", "contiguous"),
+        pool_bytes=getattr(args, "hsap_pool_bytes", None),
+        node_check=getattr(args, "hsap_node_check", "error"),
+        derived_sizes=derived,
+    )

@@ -1,0 +1,243 @@
+"""HSAP core attention: megatron-core 0.19.2's core-attention interface over ``hsap_attn_func``.
+
+Plugged in through the layer spec (``self_attention.submodules.core_attention``). The plan comes
+with the batch (:class:`~megatron_hsap.megatron.batch.HSAPPackedSeqParams`, put there by
+:func:`~megatron_hsap.megatron.batch.get_batch_on_this_cp_rank`): the layer reads host objects only
+and never syncs the device. Two input formats:
+
+- THD (``qkv_format="thd"``): q ``[t, np, hn]``, k/v ``[t, ng, hn]`` in the plan's local order,
+  documents from the plan; returns ``[t, np·hn]``.
+- SBHD (``qkv_format="sbhd"``): q ``[s, b, np, hn]``, k/v ``[s, b, ng, hn]``; every sample is one
+  document and all samples share one layout, so the batch folds into the head axis (q head
+  ``b_i·np + h`` still maps to kv head ``b_i·ng + h // (np/ng)``); the plan is compiled for
+  ``cu_seqlens = [0, s]`` with ``b·np`` / ``b·ng`` heads. Returns ``[s, b, np·hn]``.
+
+What it refuses (``ConfigError`` at construction or before any collective; ``BatchError`` for a
+batch without the HSAP marker) instead of computing something else:
+cross attention; attention masks other than causal / padding-causal (no_mask, padding, arbitrary,
+causal_bottom_right); an explicit ``attention_mask`` tensor (the mask is implied by the documents);
+``attention_bias``; attention dropout > 0 in training; sliding-window attention; softmax types other
+than vanilla (off-by-one, learnable sinks); a ``softmax_scale`` that disagrees with
+``config.softmax_scale``; fp8 dot-product attention; qk-clip / max-logit logging; multi-latent
+attention; a plan whose CP size, CP rank or head counts differ from this layer's.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from typing import Any
+
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.utils import is_layer_window_attention
+from torch import Tensor
+
+from megatron_hsap.errors import BatchError, ConfigError, RuntimeMismatchError
+from megatron_hsap.megatron.batch import is_hsap_sharded
+
+__all__ = ["HSAPCoreAttention", "SUPPORTED_MASK_TYPES"]
+
+SUPPORTED_MASK_TYPES = (AttnMaskType.causal, AttnMaskType.padding_causal)
+
+_NOT_SHARDED = (
+    "HSAPCoreAttention got a batch that was not sharded by HSAP (packed_seq_params is {kind}, "
+    "without the HSAP marker). Its tokens are in another layout (Megatron's zigzag or none), so "
+    "attention would be computed over the wrong tokens. Shard batches with "
+    "megatron_hsap.megatron.get_batch_on_this_cp_rank (scripts/pretrain_gpt_hsap.py or "
+    "--context-parallel-impl hsap do it); `--spec megatron_hsap.megatron.spec HSAP_LAYER_SPEC` alone "
+    "is not enough"
+)
+
+
+def _hsap_attn_func() -> Any:
+    from megatron_hsap.runtime import hsap_attn_func  # torch-only layer; imported when first used
+
+    return hsap_attn_func
+
+
+def _per_partition(total: int, tp: int, name: str) -> int:
+    if total % tp:
+        raise ConfigError(f"{name}={total} is not divisible by tensor_model_parallel_size={tp}")
+    return total // tp
+
+
+class HSAPCoreAttention(MegatronModule):
+    """Causal per-document attention over the HSAP CP group (megatron-core core attention).
+
+    Constructor kwargs are megatron-core's (``Attention`` passes ``config, layer_number,
+    attn_mask_type, attention_type, cp_comm_type, softmax_scale, pg_collection``); ``k_channels`` /
+    ``v_channels`` are accepted as Transformer Engine's ``TEDotProductAttention`` does.
+    ``cp_comm_type`` selects Transformer Engine's CP algorithm and is ignored: HSAP replaces it.
+    """
+
+    def __init__(
+        self,
+        config: Any,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        k_channels: int | None = None,
+        v_channels: int | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection: Any = None,
+    ) -> None:
+        super().__init__(config=config)
+        del cp_comm_type
+        self.layer_number = max(1, int(layer_number))
+        self.attn_mask_type = attn_mask_type
+        self.attention_type = attention_type
+        self.pg_collection = pg_collection
+        self.dropout_p = float(config.attention_dropout if attention_dropout is None else attention_dropout)
+        self.head_dim = int(k_channels or config.kv_channels)
+        self.head_dim_v = int(v_channels or config.kv_channels)
+        self.softmax_scale = self._resolve_scale(softmax_scale)
+        tp = self._tp_size()
+        self.num_heads = _per_partition(config.num_attention_heads, tp, "num_attention_heads")
+        groups = config.num_query_groups or config.num_attention_heads
+        self.num_kv_heads = max(1, groups // tp)
+        self._refuse_unsupported_config()
+
+    # ------------------------------------------------------------------ construction checks
+    def _resolve_scale(self, softmax_scale: float | None) -> float:
+        cfg_scale = getattr(self.config, "softmax_scale", None)
+        if softmax_scale is not None and cfg_scale is not None and not math.isclose(softmax_scale, cfg_scale, rel_tol=1e-12):
+            raise ConfigError(
+                f"softmax_scale={softmax_scale} disagrees with config.softmax_scale={cfg_scale}; "
+                "set one of them (Megatron passes config.softmax_scale)"
+            )
+        scale = softmax_scale if softmax_scale is not None else cfg_scale
+        # apply_query_key_layer_scaling divides the scale by the layer number and multiplies the
+        # fp32 softmax input back: the same function, so the plain scale is used.
+        return float(scale) if scale is not None else 1.0 / math.sqrt(self.head_dim)
+
+    def _tp_size(self) -> int:
+        tp_group = getattr(self.pg_collection, "tp", None) if self.pg_collection is not None else None
+        if tp_group is not None:
+            return int(tp_group.size())
+        return int(self.config.tensor_model_parallel_size)
+
+    def _refuse_unsupported_config(self) -> None:
+        cfg = self.config
+        if self.attention_type != "self":
+            raise ConfigError(f"attention_type={self.attention_type!r}: HSAP supports self attention only")
+        if self.attn_mask_type not in SUPPORTED_MASK_TYPES:
+            raise ConfigError(
+                f"attn_mask_type={self.attn_mask_type.name}: HSAP computes causal attention inside each "
+                "document only (causal / padding_causal); use the causal GPT layer spec"
+            )
+        if is_layer_window_attention(cfg.window_size, getattr(cfg, "window_attn_skip_freq", None), self.layer_number):
+            raise ConfigError(f"window_size={cfg.window_size}: sliding-window attention is not supported by HSAP yet; unset --window-size")
+        if getattr(cfg, "softmax_type", "vanilla") != "vanilla":
+            raise ConfigError(f"softmax_type={cfg.softmax_type!r}: HSAP supports the vanilla softmax only (no attention sinks)")
+        if getattr(cfg, "fp8_dot_product_attention", False):
+            raise ConfigError("fp8_dot_product_attention is not supported by HSAP; unset --fp8-dot-product-attention")
+        if getattr(cfg, "qk_clip", False) or getattr(cfg, "log_max_attention_logit", False):
+            raise ConfigError("qk_clip / log_max_attention_logit need Transformer Engine's max-logit output; not supported by HSAP")
+        if getattr(cfg, "multi_latent_attention", False):
+            raise ConfigError("multi-latent attention is not supported by the HSAP layer spec yet")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(f"{self.num_heads} q heads per TP rank are not a multiple of {self.num_kv_heads} kv heads")
+
+    # ------------------------------------------------------------------ forward checks
+    def _check_call(self, attention_mask: Tensor | None, attn_mask_type: AttnMaskType | None,
+                    attention_bias: Tensor | None, packed_seq_params: Any) -> None:
+        if not is_hsap_sharded(packed_seq_params):
+            kind = "None" if packed_seq_params is None else type(packed_seq_params).__name__
+            raise BatchError(_NOT_SHARDED.format(kind=kind))
+        mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+        if mask_type not in SUPPORTED_MASK_TYPES:
+            raise ConfigError(f"attn_mask_type={mask_type.name}: HSAP supports causal / padding_causal only")
+        if attention_mask is not None:
+            raise ConfigError(
+                "HSAP derives the causal per-document mask from the plan; an explicit attention_mask "
+                "cannot be honoured. Pass attention_mask=None (get_batch_on_this_cp_rank returns None)"
+            )
+        if attention_bias is not None:
+            raise ConfigError("attention_bias is not supported by HSAP")
+        if self.training and self.dropout_p > 0.0:
+            raise ConfigError(
+                f"attention dropout {self.dropout_p} in training is not supported by HSAP; set "
+                "--attention-dropout 0 (TransformerConfig.attention_dropout=0.0)"
+            )
+
+    def _groups(self, plan: Any, cp_rank: int) -> tuple[Any, Any]:
+        from megatron_hsap.megatron import parallel_state as hsap_ps
+
+        cp_group = getattr(self.pg_collection, "cp", None) if self.pg_collection is not None else None
+        if cp_group is None:
+            mpu = sys.modules.get("megatron.core.parallel_state")
+            if mpu is not None and mpu.model_parallel_is_initialized():
+                cp_group = mpu.get_context_parallel_group(check_initialized=False)
+        if cp_group is not None and cp_group.size() != plan.cp_size:
+            raise ConfigError(
+                f"the batch's plan spans {plan.cp_size} CP ranks but this model's context-parallel "
+                f"group has {cp_group.size()}; compile the plan with the model's CP size"
+            )
+        if plan.cp_size == 1:
+            return None, None
+        if not hsap_ps.is_hsap_initialized():
+            raise ConfigError("HSAP groups are not initialised: call initialize_hsap(intra_size, inter_size) after initialize_model_parallel")
+        groups = hsap_ps.get_hsap_groups()
+        if (groups.intra_size, groups.inter_size) != (plan.intra_size, plan.inter_size):
+            raise ConfigError(
+                f"plan topology {plan.intra_size}x{plan.inter_size} != HSAP groups {groups.topology} (intra×inter)"
+            )
+        if groups.cp_rank != cp_rank:
+            raise RuntimeMismatchError(
+                f"the batch was sharded for CP rank {cp_rank} but this is CP rank {groups.cp_rank}"
+            )
+        return groups.intra, groups.inter
+
+    def _check_heads(self, plan: Any, t: int, heads: int, kv_heads: int, what: str) -> None:
+        opts = plan.options
+        want_kv = opts.num_kv_heads or opts.num_heads
+        if (opts.num_heads, want_kv) != (heads, kv_heads):
+            raise RuntimeMismatchError(
+                f"the plan was compiled for {opts.num_heads} q / {want_kv} kv heads but {what} has "
+                f"{heads} / {kv_heads}; compile it with plan_kwargs_from_config(config)"
+            )
+        if t != plan.local_tokens:
+            raise RuntimeMismatchError(
+                f"{what} holds {t} tokens but the plan gives this rank {plan.local_tokens}; the batch "
+                "was sharded with another plan"
+            )
+
+    # ------------------------------------------------------------------ forward
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attention_mask: Tensor | None,
+        attn_mask_type: AttnMaskType | None = None,
+        attention_bias: Tensor | None = None,
+        packed_seq_params: Any = None,
+    ) -> Tensor:
+        """THD: q ``[t, np, hn]``, k/v ``[t, ng, hn]`` → ``[t, np·hn]``.
+        SBHD: q ``[s, b, np, hn]``, k/v ``[s, b, ng, hn]`` → ``[s, b, np·hn]``."""
+        self._check_call(attention_mask, attn_mask_type, attention_bias, packed_seq_params)
+        plan, cp_rank = packed_seq_params.hsap_plan, int(packed_seq_params.hsap_cp_rank)
+        fmt = packed_seq_params.qkv_format or "thd"
+        if fmt == "thd":
+            if query.dim() != 3:
+                raise RuntimeMismatchError(f"THD query must be [t, np, hn], got {tuple(query.shape)}")
+            self._check_heads(plan, query.shape[0], query.shape[1], key.shape[1], "this THD batch")
+            intra, inter = self._groups(plan, cp_rank)
+            out = _hsap_attn_func()(query, key, value, plan, intra_group=intra, inter_group=inter,
+                                 softmax_scale=self.softmax_scale)  # [t, np, dv]
+            return out.reshape(out.shape[0], -1)
+        if fmt == "sbhd":
+            if query.dim() != 4:
+                raise RuntimeMismatchError(f"SBHD query must be [s, b, np, hn], got {tuple(query.shape)}")
+            s, b, heads, _ = query.shape
+            self._check_heads(plan, s, b * heads, b * key.shape[2], "this SBHD batch (batch folded into heads)")
+            intra, inter = self._groups(plan, cp_rank)
+            # [s, b, n, d] -> [s, b·n, d]: a view; sample b_i's heads stay contiguous.
+            out = _hsap_attn_func()(query.reshape(s, b * heads, -1), key.reshape(s, b * key.shape[2], -1),
+                                 value.reshape(s, b * value.shape[2], -1), plan, intra_group=intra,
+                                 inter_group=inter, softmax_scale=self.softmax_scale)  # [s, b·np, dv]
+            return out.reshape(s, b, -1)
+        raise ConfigError(f"qkv_format={fmt!r} is not supported by HSAP; use 'thd' (packed) or 'sbhd'")

@@ -1,0 +1,67 @@
+"""Byte and FLOP prices of the plan IR (DESIGN §4 wire formats and FLOP counts)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_hsap.errors import ConfigError
+from megatron_hsap.plan.ir import Wire
+
+__all__ = ["HeadShape", "FP32_BYTES", "BWD_FLOP_FACTOR"]
+
+FP32_BYTES = 4
+BWD_FLOP_FACTOR = 2.5  # backward FLOPs = 2.5 × forward (DESIGN §4)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HeadShape:
+    """Heads one inter group works on: ``num_heads`` q heads and ``num_kv_heads`` kv heads *per
+    rank after the intra all-to-all* (H / P_intra; kv heads replicated when P_intra > Hkv)."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    head_dim_v: int
+    dtype_bytes: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("num_heads", "num_kv_heads", "head_dim", "head_dim_v", "dtype_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(
+                f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}; "
+                "GQA needs every kv head shared by the same number of q heads"
+            )
+
+    def token_bytes(self, wire: Wire) -> int:
+        """Bytes one token row of ``wire`` occupies on the wire and in the pool."""
+        h, hkv, d, dv, b = self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim_v, self.dtype_bytes
+        return {
+            Wire.Q: h * d * b,
+            Wire.KV: hkv * (d + dv) * b,
+            Wire.O: h * dv * b,
+            Wire.LSE: h * FP32_BYTES,
+            Wire.DO: h * dv * b,
+            Wire.DELTA: h * FP32_BYTES,
+            Wire.DQ: h * d * FP32_BYTES,
+            Wire.DKV: hkv * (d + dv) * FP32_BYTES,
+        }[wire]
+
+    def nbytes(self, wire: Wire, tokens: int) -> int:
+        return self.token_bytes(wire) * tokens
+
+    @property
+    def fwd_flops_per_pair(self) -> float:
+        """2·H·(d_qk + d_v) FLOPs per unmasked (q, k) pair in forward."""
+        return 2.0 * self.num_heads * (self.head_dim + self.head_dim_v)
+
+    @property
+    def bwd_flops_per_pair(self) -> float:
+        return BWD_FLOP_FACTOR * self.fwd_flops_per_pair
+
+    @property
+    def chunk_token_bytes(self) -> int:
+        """Per-token bytes of the default pool unit: local heads × (d_qk + d_v) × activation bytes."""
+        return self.num_heads * (self.head_dim + self.head_dim_v) * self.dtype_bytes

@@ -1,0 +1,254 @@
+"""The plan IR: frozen, slotted dataclasses shared by the planner, verifier, runtime and simulator.
+
+Vocabulary (DESIGN §1–2):
+
+* Token ids are *global* positions in the padded packed batch ``[0, T')``; a ``TokenRange`` is
+  ``[start, stop)``. Every range used by an instruction lies inside ONE document.
+* Each inter rank holds an ordered list of ``Segment``s (its layout); a token's *local row* is its
+  position in that concatenation. The contiguous layout gives one segment per rank.
+* A rank's *local* tensors (never in the pool): ``q [t, h, d]``, ``k [t, hkv, d]``,
+  ``v [t, hkv, dv]``, forward accumulators ``o [t, h, dv]``/``lse [t, h]`` (fp32), and in backward
+  ``do``, ``lse``, ``delta`` and fp32 accumulators ``dq``, ``dk``, ``dv``.
+* Everything received lands in the rank's receive *pool*: one byte buffer allocated once at the
+  plan's capacity; a ``Slot`` is a byte range of it. Results computed for another rank are also
+  written into slots before being sent back.
+
+Program structure, per rank and phase: ``Post(r)`` launches round ``r`` (one
+``batch_isend_irecv`` of the ``Send``/``Recv`` ops listed in it), then ``Compute``s of the stage
+run, then ``Wait(r)``, then ``Merge``/``Accumulate`` of what round ``r`` brought back.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+__all__ = [
+    "Wire",
+    "Phase",
+    "TokenRange",
+    "Segment",
+    "Slot",
+    "Send",
+    "Recv",
+    "Round",
+    "Post",
+    "Wait",
+    "ComputeItem",
+    "Compute",
+    "Merge",
+    "Accumulate",
+    "Instr",
+    "Program",
+    "Unit",
+]
+
+
+class Wire(str, enum.Enum):
+    """What a message carries (DESIGN §4 wire formats)."""
+
+    Q = "q"  # activation dtype, [n, h, d]
+    KV = "kv"  # activation dtype, k [n, hkv, d] then v [n, hkv, dv] (two P2P ops, one message)
+    O = "o"  # activation dtype, [n, h, dv]: a partial output computed away from its q owner
+    LSE = "lse"  # fp32, [n, h]
+    DO = "do"  # activation dtype, [n, h, dv]
+    DELTA = "delta"  # fp32, [n, h]: rowsum(dO ∘ O)
+    DQ = "dq"  # fp32, [n, h, d]: partial gradient returned to the q owner
+    DKV = "dkv"  # fp32, dk [n, hkv, d] then dv [n, hkv, dv]
+
+
+class Phase(str, enum.Enum):
+    FWD = "fwd"
+    BWD = "bwd"
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class TokenRange:
+    """Global token ids ``[start, stop)``."""
+
+    start: int
+    stop: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.start <= self.stop:
+            raise ValueError(f"TokenRange needs 0 <= start <= stop, got {self.start=} {self.stop=}")
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+    def __str__(self) -> str:
+        return f"[{self.start}:{self.stop})"
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """A contiguous run of global tokens held by one rank at local rows ``[local_start, ...)``."""
+
+    tokens: TokenRange
+    local_start: int
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class Slot:
+    """A byte range ``[offset, offset + nbytes)`` of one rank's receive pool."""
+
+    offset: int
+    nbytes: int
+
+    def __post_init__(self) -> None:
+        if self.offset < 0 or self.nbytes <= 0:
+            raise ValueError(f"Slot needs offset >= 0 and nbytes > 0, got {self.offset=} {self.nbytes=}")
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.nbytes
+
+    def __str__(self) -> str:
+        return f"$pool[{self.offset}:+{self.nbytes}]"
+
+
+@dataclass(frozen=True, slots=True)
+class Send:
+    """``create $send-op $X %peer``: send ``wire`` rows ``tokens``; from local tensors when
+    ``src`` is None, else from a pool slot (results computed here for ``peer``)."""
+
+    wire: Wire
+    tokens: TokenRange
+    peer: int
+    nbytes: int
+    src: Slot | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Recv:
+    """``create $recv-op $X %peer``: receive ``wire`` rows ``tokens`` into pool slot ``dst``."""
+
+    wire: Wire
+    tokens: TokenRange
+    peer: int
+    nbytes: int
+    dst: Slot
+
+
+@dataclass(frozen=True, slots=True)
+class Round:
+    """One ``batch_isend_irecv`` of one rank. Per peer, sends and recvs keep the plan's order,
+    which equals the peer's order of the matching ops (checked by the verifier)."""
+
+    index: int  # global round number: forward rounds first, then backward
+    ops: tuple[Send | Recv, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Post:
+    round: Round
+
+
+@dataclass(frozen=True, slots=True)
+class Wait:
+    index: int
+
+
+@dataclass(frozen=True, slots=True)
+class ComputeItem:
+    """One attention kernel call over a (q rows, kv rows) pair of ONE document.
+
+    ``causal`` means key position <= query position (bottom-right aligned, so the kv range
+    ends where the q range ends); otherwise every kv row precedes every q row (dense rectangle).
+    ``srcs`` maps each input wire to its pool slot, or None for the rank's local tensors;
+    ``dsts`` maps each output wire likewise (None: merge/accumulate into local tensors).
+    Forward inputs: q, kv; outputs: o, lse. Backward inputs: q, kv, do, lse, delta; outputs: dq, dkv.
+    """
+
+    q: TokenRange
+    kv: TokenRange
+    causal: bool
+    srcs: tuple[tuple[Wire, Slot | None], ...]
+    dsts: tuple[tuple[Wire, Slot | None], ...]
+
+    def __post_init__(self) -> None:
+        if len(self.q) == 0 or len(self.kv) == 0:
+            raise ValueError(f"empty ComputeItem q={self.q} kv={self.kv}")
+        if self.causal:
+            if not (self.kv.start <= self.q.start and self.kv.stop == self.q.stop):
+                raise ValueError(f"causal item needs kv.start <= q.start and kv.stop == q.stop: q={self.q} kv={self.kv}")
+        elif self.kv.stop > self.q.start:
+            raise ValueError(f"rectangle item needs every kv row before every q row: q={self.q} kv={self.kv}")
+
+    @property
+    def work(self) -> int:
+        """Unmasked (q, k) pairs."""
+        nq, nk = len(self.q), len(self.kv)
+        if not self.causal:
+            return nq * nk
+        # rows q.start..q.stop-1 attend keys kv.start..row: sum of (row - kv.start + 1)
+        first = self.q.start - self.kv.start + 1
+        return nq * first + nq * (nq - 1) // 2
+
+    def src(self, wire: Wire) -> Slot | None:
+        return dict(self.srcs)[wire]
+
+    def dst(self, wire: Wire) -> Slot | None:
+        return dict(self.dsts)[wire]
+
+
+@dataclass(frozen=True, slots=True)
+class Compute:
+    """``compute``: run the items (in order) with the tensors in the computing buffers."""
+
+    stage: int
+    items: tuple[ComputeItem, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Merge:
+    """``copy-o $comm $local``: merge a received partial (o, lse) for rows ``tokens`` into the
+    local forward accumulators (fp32, overflow-safe LSE merge)."""
+
+    tokens: TokenRange
+    o: Slot
+    lse: Slot
+
+
+@dataclass(frozen=True, slots=True)
+class Accumulate:
+    """``copy-dq|dkv $comm $local``: add a received fp32 partial gradient into local grads."""
+
+    wire: Wire  # DQ or DKV
+    tokens: TokenRange
+    src: Slot
+
+
+Instr = Post | Wait | Compute | Merge | Accumulate
+
+
+@dataclass(frozen=True, slots=True)
+class Program:
+    """One rank's instruction list for one phase."""
+
+    rank: int
+    phase: Phase
+    instrs: tuple[Instr, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Unit:
+    """A placed piece of work: q rows × kv rows of one document, computed on ``rank`` at ``stage``
+    (the stage numbering is per phase and identical in forward and backward)."""
+
+    doc: int
+    q: TokenRange
+    kv: TokenRange
+    causal: bool
+    q_owner: int
+    kv_owner: int
+    rank: int
+    stage: int = field(default=0)
+
+    @property
+    def work(self) -> int:
+        nq, nk = len(self.q), len(self.kv)
+        if not self.causal:
+            return nq * nk
+        first = self.q.start - self.kv.start + 1
+        return nq * first + nq * (nq - 1) // 2

@@ -1,0 +1,179 @@
+"""Batch validation and token layouts (DESIGN §1).
+
+``Batch`` is the normalised, validated description of one packed micro-batch; ``Layout`` says
+which global tokens each inter rank holds (as ordered ``Segment``s) and how an inter chunk is
+sliced across the ``P_intra`` ranks of its node.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from numbers import Integral
+from typing import Sequence
+
+import numpy as np
+
+from megatron_hsap.errors import BatchError, ConfigError
+from megatron_hsap.plan.ir import Segment, TokenRange
+
+__all__ = ["Batch", "Layout", "normalize_cu_seqlens", "check_size", "contiguous_layout"]
+
+
+def check_size(name: str, value: object) -> int:
+    """A positive integer option, or ``ConfigError`` naming it."""
+    if isinstance(value, bool) or not isinstance(value, Integral) or int(value) < 1:
+        raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
+    return int(value)
+
+
+def normalize_cu_seqlens(cu_seqlens: object) -> tuple[int, ...]:
+    """Validate global ``cu_seqlens`` ``[0, l0, l0+l1, ..., T]`` and return it as a tuple of ints.
+
+    Accepts a list/tuple, a numpy array or anything with ``.tolist()`` (a CPU torch tensor).
+    Repeated entries (empty documents) are legal; decreasing entries, a first entry other than 0,
+    non-integers, negatives, fewer than two entries and ``T == 0`` are not.
+    """
+    if hasattr(cu_seqlens, "tolist") and not isinstance(cu_seqlens, (list, tuple)):
+        dtype = getattr(cu_seqlens, "dtype", None)
+        if dtype is not None and "float" in str(dtype):
+            raise BatchError(f"cu_seqlens must hold integers, got dtype {dtype}; pass an int32/int64 array")
+        values = cu_seqlens.tolist()
+    elif isinstance(cu_seqlens, (list, tuple)):
+        values = list(cu_seqlens)
+    else:
+        raise BatchError(f"cu_seqlens must be a sequence of integers, got {type(cu_seqlens).__name__}")
+    if not isinstance(values, list) or any(isinstance(v, list) for v in values):
+        raise BatchError("cu_seqlens must be one-dimensional: [0, l0, l0+l1, ..., T]")
+    if len(values) < 2:
+        raise BatchError(f"cu_seqlens needs at least two entries [0, T], got {values!r}")
+    for pos, v in enumerate(values):
+        if isinstance(v, bool) or not isinstance(v, Integral):
+            raise BatchError(f"cu_seqlens[{pos}] = {v!r} is not an integer")
+    out = tuple(int(v) for v in values)
+    if out[0] != 0:
+        raise BatchError(f"cu_seqlens must start at 0, got cu_seqlens[0] = {out[0]}")
+    diffs = np.diff(np.asarray(out, dtype=np.int64))
+    if (diffs < 0).any():
+        pos = int(np.argmax(diffs < 0))
+        raise BatchError(
+            f"cu_seqlens must be non-decreasing, but cu_seqlens[{pos}] = {out[pos]} > cu_seqlens[{pos + 1}] = {out[pos + 1]}"
+        )
+    if out[-1] == 0:
+        raise BatchError("cu_seqlens describes an empty batch (T = 0); a micro-batch needs at least one token")
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """A validated packed micro-batch, padded at the end to ``padded_tokens``.
+
+    ``doc_starts`` holds the starts of the non-empty documents plus, if ``padded_tokens >
+    num_tokens``, the padding document ``[num_tokens, padded_tokens)``; ``doc_starts[-1]`` is
+    ``padded_tokens``. Padding tokens attend causally among themselves only, so every row has a
+    finite LSE; they carry no loss.
+    """
+
+    cu_seqlens: tuple[int, ...]
+    num_tokens: int
+    padded_tokens: int
+    doc_starts: np.ndarray  # int64 [n_docs + 1]
+
+    @classmethod
+    def build(cls, cu_seqlens: object, multiple: int) -> "Batch":
+        cu = normalize_cu_seqlens(cu_seqlens)
+        total = cu[-1]
+        padded = -(-total // multiple) * multiple
+        starts = np.unique(np.asarray(cu, dtype=np.int64))  # drops empty documents
+        if padded > total:
+            starts = np.append(starts, padded)
+        return cls(cu_seqlens=cu, num_tokens=total, padded_tokens=padded, doc_starts=starts)
+
+    @property
+    def num_docs(self) -> int:
+        return len(self.doc_starts) - 1
+
+    def doc_of(self, token: int) -> int:
+        return int(np.searchsorted(self.doc_starts, token, side="right") - 1)
+
+    def doc_range(self, doc: int) -> TokenRange:
+        return TokenRange(int(self.doc_starts[doc]), int(self.doc_starts[doc + 1]))
+
+    def total_work(self) -> int:
+        """Unmasked (q, k) pairs of the whole padded batch: Σ n(n+1)/2 over documents."""
+        n = np.diff(self.doc_starts)
+        return int((n * (n + 1) // 2).sum())
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """Which tokens each inter rank holds: ``segments[i]`` in local order. Every inter rank holds
+    the same number of tokens ``chunk_tokens``; its node's ``intra_size`` ranks hold consecutive
+    equal slices of that local order."""
+
+    name: str
+    segments: tuple[tuple[Segment, ...], ...]
+    chunk_tokens: int
+    intra_size: int
+
+    @property
+    def inter_size(self) -> int:
+        return len(self.segments)
+
+    def local_token_indices(self, cp_rank: int) -> np.ndarray:
+        """Global token ids held by CP rank ``cp_rank = i·P_intra + j``, in its local order."""
+        if not 0 <= cp_rank < self.inter_size * self.intra_size:
+            raise ConfigError(
+                f"cp_rank={cp_rank} out of range for a CP group of {self.inter_size * self.intra_size} ranks"
+            )
+        i, j = divmod(cp_rank, self.intra_size)
+        ids = np.concatenate([np.arange(s.tokens.start, s.tokens.stop, dtype=np.int64) for s in self.segments[i]])
+        part = self.chunk_tokens // self.intra_size
+        return ids[j * part : (j + 1) * part]
+
+    def owner_array(self, padded_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+        """(owner inter rank, local row) of every global token: two int64 arrays of length T'."""
+        owner = np.empty(padded_tokens, dtype=np.int64)
+        local = np.empty(padded_tokens, dtype=np.int64)
+        for rank, segs in enumerate(self.segments):
+            for s in segs:
+                owner[s.tokens.start : s.tokens.stop] = rank
+                local[s.tokens.start : s.tokens.stop] = np.arange(s.local_start, s.local_start + len(s.tokens))
+        return owner, local
+
+
+def contiguous_layout(batch: Batch, inter_size: int, intra_size: int) -> Layout:
+    """The paper's layout: inter rank i holds ``[i·L, (i+1)·L)``, ``L = T'/P_inter``."""
+    chunk = batch.padded_tokens // inter_size
+    segs = tuple((Segment(TokenRange(i * chunk, (i + 1) * chunk), 0),) for i in range(inter_size))
+    return Layout(name="contiguous", segments=segs, chunk_tokens=chunk, intra_size=intra_size)
+
+
+def validate_layout(layout: Layout, padded_tokens: int) -> None:
+    """Every token held exactly once, local rows dense, equal chunk sizes."""
+    seen = np.zeros(padded_tokens, dtype=np.int64)
+    for rank, segs in enumerate(layout.segments):
+        row = 0
+        for s in segs:
+            if s.local_start != row:
+                raise ConfigError(f"layout {layout.name}: rank {rank} segment {s} is not at local row {row}")
+            seen[s.tokens.start : s.tokens.stop] += 1
+            row += len(s.tokens)
+        if row != layout.chunk_tokens:
+            raise ConfigError(f"layout {layout.name}: rank {rank} holds {row} tokens, expected {layout.chunk_tokens}")
+    if not (seen == 1).all():
+        raise ConfigError(f"layout {layout.name}: tokens not held exactly once")
+
+
+def segment_pieces(batch: Batch, segments: Sequence[Segment]) -> list[tuple[int, TokenRange, int]]:
+    """Split a rank's segments at document boundaries: (doc, global range, local start) each."""
+    out: list[tuple[int, TokenRange, int]] = []
+    starts = batch.doc_starts
+    for s in segments:
+        a, b = s.tokens.start, s.tokens.stop
+        d = int(np.searchsorted(starts, a, side="right") - 1)
+        while a < b:
+            end = min(b, int(starts[d + 1]))
+            out.append((d, TokenRange(a, end), s.local_start + (a - s.tokens.start)))
+            a = end
+            d += 1
+    return out

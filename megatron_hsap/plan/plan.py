@@ -1,0 +1,339 @@
+"""``compile_plan``: a packed batch → a verified-able, staged, per-rank SAP plan (DESIGN §2.1, §3)."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from megatron_hsap.errors import ConfigError
+from megatron_hsap.plan.codegen import Message, PhaseCode, PoolOverflow, generate, phase_messages
+from megatron_hsap.plan.costs import HeadShape
+from megatron_hsap.plan.estimate import PhaseTime, lower_bounds, necessary_traffic, phase_time
+from megatron_hsap.plan.hardware import A100, HARDWARE, Hardware, LinkClass, link_class_for
+from megatron_hsap.plan.ir import Compute, Phase, Program, TokenRange, Unit
+from megatron_hsap.plan.layout import Batch, Layout, check_size, contiguous_layout, validate_layout
+from megatron_hsap.plan.placement import Placement, Prices, balance, min_traffic, owner_computes
+from megatron_hsap.plan.schedule import assign_stages
+from megatron_hsap.plan.units import Piece, WorkUnit, build_units
+
+__all__ = ["Plan", "PlanOptions", "compile_plan", "kv_heads_per_rank"]
+
+DEFAULT_POOL_CHUNKS = 4  # pool = 4 × one inter chunk × local heads × (d_qk + d_v) × bytes (DESIGN §2.1)
+
+
+def kv_heads_per_rank(num_heads: int, num_kv_heads: int, intra_size: int) -> int:
+    """kv heads each intra rank holds after the all-to-all (replicated when P_intra > Hkv)."""
+    if num_heads % intra_size:
+        valid = [p for p in range(1, num_heads + 1) if num_heads % p == 0]
+        raise ConfigError(f"num_heads={num_heads} is not divisible by intra_size={intra_size}; valid intra sizes: {valid}")
+    if num_heads % num_kv_heads:
+        raise ConfigError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+    if num_kv_heads % intra_size == 0:
+        return num_kv_heads // intra_size
+    if intra_size % num_kv_heads == 0:
+        return 1  # each kv head replicated intra_size / Hkv times
+    valid = [p for p in range(1, num_heads + 1) if num_heads % p == 0 and (num_kv_heads % p == 0 or p % num_kv_heads == 0)]
+    raise ConfigError(
+        f"num_kv_heads={num_kv_heads} and intra_size={intra_size}: one must divide the other "
+        f"(kv heads cannot be split or replicated evenly); valid intra sizes: {valid}"
+    )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PlanOptions:
+    """Everything besides ``cu_seqlens`` that a plan depends on (its cache key)."""
+
+    inter_size: int
+    intra_size: int = 1
+    num_heads: int = 32
+    num_kv_heads: int | None = None
+    head_dim: int = 128
+    head_dim_v: int | None = None
+    dtype_bytes: int = 2
+    pad_multiple: int = 1
+    layout: str = "contiguous"
+    pool_bytes: int | None = None
+    link: str | None = None  # "nvlink" | "ib"; default from the CP world size (DESIGN §4)
+    tp_size: int = 1
+    gpus_per_node: int = 8
+    hardware: str = "a100"
+    allow_helpers: bool = True  # move whole local blocks to a third rank when it pays
+
+    def validate(self) -> "PlanOptions":
+        for name in ("inter_size", "intra_size", "num_heads", "head_dim", "dtype_bytes", "pad_multiple", "tp_size", "gpus_per_node"):
+            check_size(name, getattr(self, name))
+        for name in ("num_kv_heads", "head_dim_v", "pool_bytes"):
+            if getattr(self, name) is not None:
+                check_size(name, getattr(self, name))
+        if self.layout not in ("contiguous", "balanced"):
+            raise ConfigError(f"layout={self.layout!r} is unknown; use 'contiguous' or 'balanced'")
+        if self.link not in (None, "nvlink", "ib"):
+            raise ConfigError(f"link={self.link!r} is unknown; use 'nvlink', 'ib' or None (derived from the CP size)")
+        if self.hardware not in HARDWARE:
+            raise ConfigError(f"hardware={self.hardware!r} is unknown; choose one of {sorted(HARDWARE)}")
+        return self
+
+
+@dataclass(frozen=True, slots=True)
+class _Candidate:
+    name: str
+    units: tuple[Unit, ...]
+    fwd: PhaseCode
+    bwd: PhaseCode
+    fwd_time: PhaseTime
+    bwd_time: PhaseTime
+    budget: float
+
+    @property
+    def time(self) -> float:
+        return self.fwd_time.total + self.bwd_time.total
+
+
+@dataclass(frozen=True, eq=False)
+class Plan:
+    """A compiled SAP plan for one packed micro-batch. Immutable; share it freely."""
+
+    options: PlanOptions
+    batch: Batch
+    layout: Layout
+    shape: HeadShape
+    hardware: Hardware
+    link: LinkClass
+    pool_capacity: int
+    pieces: tuple[Piece, ...]
+    work_units: tuple[WorkUnit, ...]
+    chosen: _Candidate
+    alternatives: dict[str, float] = field(default_factory=dict)  # candidate name -> estimated time
+    owner_time: float = 0.0
+
+    # --- sizes -------------------------------------------------------------------------
+    @property
+    def key(self) -> tuple:
+        return (self.batch.cu_seqlens, self.options)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.batch.num_tokens
+
+    @property
+    def padded_tokens(self) -> int:
+        return self.batch.padded_tokens
+
+    @property
+    def inter_size(self) -> int:
+        return self.options.inter_size
+
+    @property
+    def intra_size(self) -> int:
+        return self.options.intra_size
+
+    @property
+    def cp_size(self) -> int:
+        return self.options.inter_size * self.options.intra_size
+
+    @property
+    def chunk_tokens(self) -> int:
+        """Tokens per inter rank (after the intra all-to-all)."""
+        return self.layout.chunk_tokens
+
+    @property
+    def local_tokens(self) -> int:
+        """Tokens per CP rank before the intra all-to-all."""
+        return self.layout.chunk_tokens // self.options.intra_size
+
+    # --- programs ------------------------------------------------------------------------
+    @property
+    def fwd_programs(self) -> tuple[Program, ...]:
+        return self.chosen.fwd.programs
+
+    @property
+    def bwd_programs(self) -> tuple[Program, ...]:
+        return self.chosen.bwd.programs
+
+    def program(self, inter_rank: int, phase: Phase | str) -> Program:
+        phase = Phase(phase)
+        progs = self.fwd_programs if phase is Phase.FWD else self.bwd_programs
+        return progs[inter_rank]
+
+    def units(self) -> tuple[Unit, ...]:
+        """Placed and staged blocks (identical in forward and backward)."""
+        return self.chosen.units
+
+    def local_token_indices(self, cp_rank: int) -> np.ndarray:
+        """Global token ids (int64) CP rank ``cp_rank = i·P_intra + j`` holds, in local order.
+        Ids ≥ ``num_tokens`` are padding (batch sharding fills them with a pad token)."""
+        return self.layout.local_token_indices(cp_rank)
+
+    def compute_units(self) -> list[tuple[int, int, TokenRange, TokenRange, bool]]:
+        """Forward blocks as ``(inter_rank, stage, q_range, kv_range, causal)``, in program order."""
+        out = []
+        for prog in self.fwd_programs:
+            for ins in prog.instrs:
+                if isinstance(ins, Compute):
+                    out.extend((prog.rank, ins.stage, it.q, it.kv, it.causal) for it in ins.items)
+        return out
+
+    def messages(self) -> list[tuple[int, int, int, str, TokenRange]]:
+        """``(round, src_inter_rank, dst_inter_rank, tensor_name, token_range)``: forward rounds
+        first, then backward rounds in the same numbering."""
+        fwd = [(m.round, m.src, m.dst, m.wire.value, m.tokens) for m in self.chosen.fwd.messages]
+        base = self.chosen.fwd.rounds
+        bwd = [(base + m.round, m.src, m.dst, m.wire.value, m.tokens) for m in self.chosen.bwd.messages]
+        return fwd + bwd
+
+    def raw_messages(self, phase: Phase | str) -> tuple[Message, ...]:
+        return (self.chosen.fwd if Phase(phase) is Phase.FWD else self.chosen.bwd).messages
+
+    @property
+    def round_base(self) -> dict[Phase, int]:
+        return {Phase.FWD: 0, Phase.BWD: self.chosen.fwd.rounds}
+
+    # --- quality -------------------------------------------------------------------------
+    def verify(self) -> None:
+        """Prove the plan correct by symbolic execution; raises ``PlanError`` on any violation."""
+        from megatron_hsap.plan.verify import verify_plan
+
+        verify_plan(self)
+
+    def dump(self, rank: int, phase: Phase | str = Phase.FWD) -> str:
+        """The rank's instruction list in the paper's syntax (Table 1)."""
+        from megatron_hsap.plan.dump import dump_program
+
+        return dump_program(self, rank, Phase(phase))
+
+    def stats(self) -> dict[str, Any]:
+        from megatron_hsap.plan.stats import plan_stats
+
+        return plan_stats(self)
+
+    def peak_bytes(self, *, num_heads: int | None = None, num_kv_heads: int | None = None, head_dim: int | None = None,
+                   head_dim_v: int | None = None, dtype_bytes: int | None = None) -> dict[str, int]:
+        from megatron_hsap.plan.stats import peak_bytes
+
+        return peak_bytes(self, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                          head_dim_v=head_dim_v, dtype_bytes=dtype_bytes)
+
+
+def _stage_candidate(name: str, pl: Placement, size: int, pr: Prices, shape: HeadShape, capacity: int,
+                     hw: Hardware, link: LinkClass, budget: float, codegen: bool) -> _Candidate | None:
+    """Stage a placement and price it; with ``codegen``, also emit programs, halving the per-stage
+    pool budget until every rank's slots fit (None if even one-row blocks cannot fit)."""
+    placed = pl.placed()
+    lat = hw.latency(link)
+    for _ in range(16):
+        units = assign_stages(placed, size, pr, budget)
+        fwd_msgs = phase_messages(units, Phase.FWD, shape)
+        bwd_msgs = phase_messages(units, Phase.BWD, shape)
+        fwd = bwd = None
+        if codegen:
+            try:
+                fwd = generate(units, Phase.FWD, size, shape, capacity, 0)
+                bwd = generate(units, Phase.BWD, size, shape, capacity, fwd.rounds)
+            except PoolOverflow:
+                budget /= 2
+                continue
+        ft = phase_time(units, fwd_msgs, size, pr.sec_fwd, pr.bw, lat)
+        bt = phase_time(units, bwd_msgs, size, pr.sec_bwd, pr.bw, lat)
+        return _Candidate(name, tuple(units), fwd, bwd, ft, bt, budget)
+    return None
+
+
+def compile_plan(cu_seqlens: object, inter_size: int, intra_size: int = 1, *, num_heads: int = 32,
+                 num_kv_heads: int | None = None, head_dim: int = 128, head_dim_v: int | None = None,
+                 dtype_bytes: int = 2, **options: Any) -> Plan:
+    """Compile the SAP plan of one packed micro-batch (deterministic, cached by every input).
+
+    Args:
+        cu_seqlens: global cumulative lengths ``[0, l0, l0+l1, ..., T]`` (ints, non-decreasing;
+            repeated entries are empty documents and cost nothing).
+        inter_size / intra_size: ``P_inter`` × ``P_intra`` (topology written intra×inter).
+        num_heads / num_kv_heads: q and kv heads *per tensor-parallel rank* (GQA when fewer kv).
+        head_dim / head_dim_v: q/k head size and v head size (MLA: 192 / 128).
+        dtype_bytes: activation element size (2 for bf16/fp16, 4 for fp32).
+        **options: ``pad_multiple`` (pad T to a multiple of P·pad_multiple, e.g. the TP size under
+            sequence parallelism), ``layout``, ``pool_bytes``, ``link``, ``tp_size``,
+            ``gpus_per_node``, ``hardware``, ``allow_helpers`` — see ``PlanOptions``.
+
+    ``T`` not divisible by ``P·pad_multiple`` is padded at the end to the next multiple ``T'``: the
+    padding tokens form one extra document (causal among themselves), have ids ≥ T in
+    ``local_token_indices`` and carry no loss. Raises ``BatchError``/``ConfigError`` on bad input.
+    """
+    from megatron_hsap.plan.layout import normalize_cu_seqlens
+
+    opts = PlanOptions(inter_size=inter_size, intra_size=intra_size, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                       head_dim=head_dim, head_dim_v=head_dim_v, dtype_bytes=dtype_bytes, **options).validate()
+    return _compile_cached(normalize_cu_seqlens(cu_seqlens), opts)
+
+
+@functools.lru_cache(maxsize=64)
+def _compile_cached(cu: tuple[int, ...], opts: PlanOptions) -> Plan:
+    hkv_total = opts.num_kv_heads or opts.num_heads
+    hkv = kv_heads_per_rank(opts.num_heads, hkv_total, opts.intra_size)
+    shape = HeadShape(
+        num_heads=opts.num_heads // opts.intra_size,
+        num_kv_heads=hkv,
+        head_dim=opts.head_dim,
+        head_dim_v=opts.head_dim_v or opts.head_dim,
+        dtype_bytes=opts.dtype_bytes,
+    )
+    size = opts.inter_size
+    batch = Batch.build(cu, size * opts.intra_size * opts.pad_multiple)
+    if opts.layout == "balanced":
+        from megatron_hsap.plan.balanced import balanced_layout
+
+        layout = balanced_layout(batch, size, opts.intra_size)
+    else:
+        layout = contiguous_layout(batch, size, opts.intra_size)
+    validate_layout(layout, batch.padded_tokens)
+    hw = HARDWARE[opts.hardware]
+    link = LinkClass(opts.link) if opts.link else link_class_for(opts.tp_size * opts.intra_size * size, opts.gpus_per_node)
+    capacity = opts.pool_bytes or DEFAULT_POOL_CHUNKS * layout.chunk_tokens * shape.chunk_token_bytes
+    pr = Prices.of(shape, hw, hw.bandwidth(link))
+    pieces, units = build_units(batch, layout)
+    starts = {"owner-computes": owner_computes(units, size, pr), "min-traffic": min_traffic(units, size, pr)}
+    starts["owner-computes+balanced"] = balance(starts["owner-computes"], pr, allow_helpers=opts.allow_helpers)
+    starts["min-traffic+balanced"] = balance(starts["min-traffic"], pr, allow_helpers=opts.allow_helpers)
+    budget = capacity / 4
+    cands = {}
+    alternatives: dict[str, float] = {}
+    for name, pl in starts.items():
+        cand = _stage_candidate(name, pl, size, pr, shape, capacity, hw, link, budget, codegen=False)
+        if cand is not None:
+            cands[name] = cand
+            alternatives[name] = cand.time
+    owner_time = cands["owner-computes"].time
+    # Emit programs for the best estimate; if its slots only fit with a smaller per-stage budget,
+    # re-price it at that budget and let the others compete again (owner-computes always fits).
+    best = None
+    while cands:
+        name = min(cands, key=lambda n: (cands[n].time, n != "owner-computes"))
+        cand = cands.pop(name)
+        built = _stage_candidate(name, starts[name], size, pr, shape, capacity, hw, link, cand.budget, codegen=True)
+        if built is None:
+            continue
+        if built.budget == cand.budget or not cands or built.time <= min(c.time for c in cands.values()):
+            best = built
+            break
+        cands[name] = built
+    if best is None:
+        raise ConfigError(
+            f"pool_bytes={capacity} cannot hold even one token row of each wire; raise pool_bytes "
+            f"(default {DEFAULT_POOL_CHUNKS} × chunk × heads × (d_qk + d_v) × bytes)"
+        )
+    return Plan(
+        options=opts,
+        batch=batch,
+        layout=layout,
+        shape=shape,
+        hardware=hw,
+        link=link,
+        pool_capacity=capacity,
+        pieces=tuple(pieces),
+        work_units=tuple(units),
+        chosen=best,
+        alternatives=alternatives,
+        owner_time=owner_time,
+    )

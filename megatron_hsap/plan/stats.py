@@ -1,0 +1,95 @@
+"""Plan quality figures (DESIGN §4): work, imbalance, bytes, rounds, pool use, bounds, efficiency."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from megatron_hsap.plan.estimate import lower_bounds, necessary_traffic
+from megatron_hsap.plan.ir import Wire
+
+if TYPE_CHECKING:
+    from megatron_hsap.plan.plan import Plan
+
+__all__ = ["plan_stats", "peak_bytes"]
+
+
+def plan_stats(plan: "Plan") -> dict[str, Any]:
+    c = plan.chosen
+    size = plan.inter_size
+    work = c.fwd_time.work
+    total = plan.batch.total_work()
+    mean = total / size
+    nec_f, nec_b = necessary_traffic(list(plan.work_units), plan.shape)
+    bounds = lower_bounds(total, nec_f, nec_b, size, plan.shape, plan.hardware, plan.link)
+    est = c.time
+    owner_work = np.zeros(size, dtype=np.int64)
+    for u in plan.work_units:
+        owner_work[u.q_owner] += u.work
+    sent = c.fwd_time.sent + c.bwd_time.sent
+    recv = c.fwd_time.recv + c.bwd_time.recv
+    peaks = np.maximum(np.asarray(c.fwd.pool_peak), np.asarray(c.bwd.pool_peak))
+    return {
+        "num_tokens": plan.num_tokens,
+        "padded_tokens": plan.padded_tokens,
+        "num_docs": plan.batch.num_docs,
+        "inter_size": size,
+        "intra_size": plan.intra_size,
+        "link": plan.link.value,
+        "hardware": plan.hardware.name,
+        "layout": plan.layout.name,
+        "placement": c.name,
+        "work_per_rank": work.tolist(),
+        "total_work": total,
+        "imbalance": float(work.max() / mean) if mean else 1.0,
+        "owner_imbalance": float(owner_work.max() / mean) if mean else 1.0,
+        "bytes_sent_per_rank": sent.tolist(),
+        "bytes_recv_per_rank": recv.tolist(),
+        "bytes_fwd": int(c.fwd_time.sent.sum()),
+        "bytes_bwd": int(c.bwd_time.sent.sum()),
+        "bytes_total": int(sent.sum()),
+        "necessary_bytes": nec_f + nec_b,
+        "bytes_over_necessary": float(sent.sum() / (nec_f + nec_b)) if nec_f + nec_b else (0.0 if sent.sum() == 0 else float("inf")),
+        "rounds_fwd": c.fwd.rounds,
+        "rounds_bwd": c.bwd.rounds,
+        "pool_capacity_bytes": plan.pool_capacity,
+        "pool_peak_bytes": int(peaks.max()),
+        "pool_peak_per_rank": peaks.tolist(),
+        "pool_tokens": int(plan.pool_capacity // plan.shape.chunk_token_bytes),
+        "estimated_time_s": est,
+        "fwd_time_s": c.fwd_time.total,
+        "bwd_time_s": c.bwd_time.total,
+        "owner_computes_time_s": plan.owner_time,
+        "candidates": dict(plan.alternatives),
+        "compute_bound_s": bounds["compute_s"],
+        "traffic_bound_s": bounds["traffic_s"],
+        "lower_bound_s": bounds["bound_s"],
+        "efficiency": bounds["bound_s"] / est if est else 1.0,
+        "compute_efficiency": bounds["compute_s"] / est if est else 1.0,
+        "compute_dominated": bounds["traffic_s"] <= 0.5 * bounds["compute_s"],
+    }
+
+
+def peak_bytes(plan: "Plan", *, num_heads: int | None = None, num_kv_heads: int | None = None, head_dim: int | None = None,
+               head_dim_v: int | None = None, dtype_bytes: int | None = None) -> dict[str, int]:
+    """Bytes HSAP holds per CP rank beyond the layer's own q/k/v/o: the receive pool, the
+    all-to-all outputs (the whole inter chunk for H/P_intra heads) and fp32 accumulators.
+    Head counts default to the plan's (global per-TP-rank counts; divided by P_intra here)."""
+    o = plan.options
+    h = (num_heads or o.num_heads) // o.intra_size
+    hkv = max(1, (num_kv_heads or o.num_kv_heads or o.num_heads) // o.intra_size)
+    d = head_dim or o.head_dim
+    dv = head_dim_v or o.head_dim_v or d
+    b = dtype_bytes or o.dtype_bytes
+    chunk = plan.chunk_tokens
+    scale = (h * (d + dv) * b) / plan.shape.chunk_token_bytes
+    pool = int(plan.pool_capacity * scale)
+    a2a = chunk * (h * d + hkv * (d + dv) + h * dv) * b if o.intra_size > 1 else 0
+    acc = chunk * (h * dv + h) * 4  # fp32 output + lse accumulators (forward)
+    grads = chunk * (h * d + hkv * (d + dv)) * 4  # fp32 dq, dk, dv accumulators (backward)
+    return {"pool": pool, "all_to_all": a2a, "accumulators": max(acc, grads), "total": pool + a2a + max(acc, grads)}
+
+
+def wire_bytes(plan: "Plan", wire: Wire) -> int:
+    return sum(m.nbytes for m in plan.chosen.fwd.messages + plan.chosen.bwd.messages if m.wire is wire)

@@ -1,0 +1,1 @@
+"""Execution of compiled plans with torch: kernels, LSE merge, P2P rounds, autograd."""

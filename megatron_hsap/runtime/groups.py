@@ -1,0 +1,106 @@
+"""The two process groups HSAP runs on, and their rank layout (DESIGN §1).
+
+Torch only (no Megatron import), so the runtime and its tests can hold groups built by
+``megatron_hsap.megatron.parallel_state`` or by hand.
+
+Layout: CP rank ``r = i·P_intra + j`` (``i`` inter index = node, ``j`` intra index = GPU in the
+node). Intra groups are contiguous blocks of the CP rank list, inter groups are strided — exactly
+Megatron's ``--hierarchical-context-parallel-sizes P_intra P_inter`` levels 0 and 1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from megatron_hsap.errors import ConfigError
+
+__all__ = ["HSAPGroups", "hierarchical_rank_lists", "validate_hsap_sizes"]
+
+
+def validate_hsap_sizes(intra_size: object, inter_size: object, cp_size: int | None = None) -> None:
+    """Raise :class:`ConfigError` unless both sizes are positive ints whose product is ``cp_size``."""
+    for name, value in (("intra_size", intra_size), ("inter_size", inter_size)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(f"{name} (P_{name[:5]}) must be a positive integer, got {value!r}")
+    assert isinstance(intra_size, int) and isinstance(inter_size, int)
+    if cp_size is not None and intra_size * inter_size != cp_size:
+        raise ConfigError(
+            f"intra_size × inter_size = {intra_size} × {inter_size} = {intra_size * inter_size} "
+            f"but the context-parallel group has {cp_size} ranks; change intra_size/inter_size so "
+            f"their product is {cp_size}, or --context-parallel-size to {intra_size * inter_size}"
+        )
+
+
+def hierarchical_rank_lists(
+    cp_ranks: Sequence[int], intra_size: int, inter_size: int
+) -> tuple[list[list[int]], list[list[int]]]:
+    """Split one CP group's global ranks (in CP-rank order) into intra and inter rank lists.
+
+    Returns ``(intra, inter)``: ``intra[i]`` = ``cp_ranks[i·P_intra : (i+1)·P_intra]`` (node ``i``),
+    ``inter[j]`` = ``cp_ranks[j::P_intra]`` (GPU ``j`` of every node), in that creation order.
+    """
+    validate_hsap_sizes(intra_size, inter_size, len(cp_ranks))
+    ranks = [int(r) for r in cp_ranks]
+    intra = [ranks[i * intra_size : (i + 1) * intra_size] for i in range(inter_size)]
+    inter = [ranks[j::intra_size] for j in range(intra_size)]
+    return intra, inter
+
+
+@dataclass(frozen=True, slots=True)
+class HSAPGroups:
+    """This rank's intra (all-to-all, NVLink) and inter (SAP P2P, InfiniBand) process groups.
+
+    ``cp_rank = inter_rank · intra_size + intra_rank``; the group rank of this process in ``intra``
+    is ``intra_rank`` and in ``inter`` is ``inter_rank``. ``cp_ranks`` (optional) lists the CP
+    group's global ranks in CP-rank order, for mapping plan ranks to ``torch.distributed`` peers.
+    """
+
+    intra: dist.ProcessGroup
+    inter: dist.ProcessGroup
+    intra_size: int
+    inter_size: int
+    cp_rank: int
+    intra_rank: int
+    inter_rank: int
+    cp_ranks: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        validate_hsap_sizes(self.intra_size, self.inter_size)
+        if not (0 <= self.intra_rank < self.intra_size and 0 <= self.inter_rank < self.inter_size):
+            raise ConfigError(
+                f"{self.intra_rank=} / {self.inter_rank=} out of range for "
+                f"{self.intra_size=} × {self.inter_size=}"
+            )
+        if self.cp_rank != self.inter_rank * self.intra_size + self.intra_rank:
+            raise ConfigError(
+                f"{self.cp_rank=} != {self.inter_rank=} · {self.intra_size=} + {self.intra_rank=}"
+            )
+        if self.cp_ranks and len(self.cp_ranks) != self.cp_size:
+            raise ConfigError(f"len(cp_ranks)={len(self.cp_ranks)} != {self.cp_size=}")
+
+    @property
+    def cp_size(self) -> int:
+        return self.intra_size * self.inter_size
+
+    @property
+    def topology(self) -> str:
+        """``"intra×inter"`` as the paper's Table 4 writes it, e.g. ``"2x4"``."""
+        return f"{self.intra_size}x{self.inter_size}"
+
+    def intra_global_ranks(self) -> tuple[int, ...]:
+        """Global ranks of this rank's intra group, in intra-rank order (needs ``cp_ranks``)."""
+        self._need_cp_ranks()
+        start = self.inter_rank * self.intra_size
+        return self.cp_ranks[start : start + self.intra_size]
+
+    def inter_global_ranks(self) -> tuple[int, ...]:
+        """Global ranks of this rank's inter group, in inter-rank order (needs ``cp_ranks``)."""
+        self._need_cp_ranks()
+        return self.cp_ranks[self.intra_rank :: self.intra_size]
+
+    def _need_cp_ranks(self) -> None:
+        if not self.cp_ranks:
+            raise ConfigError("HSAPGroups was built without cp_ranks; pass the CP group's global ranks")

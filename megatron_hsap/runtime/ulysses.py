@@ -1,0 +1,245 @@
+"""Ulysses all-to-all inside the intra group: sequence-sharded ↔ head-sharded (paper §3.3).
+
+Before attention, rank ``(i, j)`` holds ``[t_local, H, d]`` for its ``j``-th slice of inter chunk
+``i``; :func:`seq_to_heads` turns that into ``[t_local·P_intra, H/P_intra, d]``: the whole inter
+chunk ``i`` (rows of intra ranks ``0..P_intra-1`` concatenated in intra-rank order) for head slice
+``j``. :func:`heads_to_seq` is its inverse. Both are autograd functions whose backward is the other
+direction, so q, k, v and the output can go through them inside a model.
+
+GQA: ``H`` must be divisible by ``P_intra``; kv heads either split too (``Hkv % P_intra == 0``) or,
+when ``P_intra > Hkv``, are replicated to ``P_intra`` heads first (:func:`expand_kv_for_intra`:
+each kv head repeated ``P_intra/Hkv`` times, contiguously) so head slice ``j`` gets exactly the kv
+head its q heads use; the replication's backward sums the copies' gradients.
+
+Every exchange is one ``all_to_all_single`` on one contiguous buffer (one copy to build it on the
+sequence side, one copy out of it on the way back); no other copies.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_hsap.errors import ConfigError, RuntimeMismatchError
+
+__all__ = [
+    "seq_to_heads",
+    "heads_to_seq",
+    "valid_intra_sizes",
+    "check_heads_for_intra",
+    "kv_heads_for_intra",
+    "expand_kv_for_intra",
+    "sum_kv_grad_for_intra",
+    "a2a_bytes",
+    "ulysses_bytes",
+]
+
+
+# --------------------------------------------------------------------------- head arithmetic
+
+
+def _divisors(n: int) -> list[int]:
+    return [p for p in range(1, n + 1) if n % p == 0]
+
+
+def valid_intra_sizes(num_heads: int, num_kv_heads: int | None = None) -> list[int]:
+    """Intra sizes Ulysses can run with: ``P | H`` and (``P | Hkv`` or ``Hkv | P``) under GQA."""
+    hkv = num_heads if num_kv_heads is None else num_kv_heads
+    return [p for p in _divisors(num_heads) if hkv % p == 0 or p % hkv == 0]
+
+
+def check_heads_for_intra(num_heads: int, num_kv_heads: int, intra_size: int) -> None:
+    """Raise :class:`ConfigError` (listing the valid sizes) unless the heads split over ``intra_size``.
+
+    Valid: ``H % P == 0`` and either ``Hkv % P == 0`` (kv heads split) or ``P % Hkv == 0`` (kv heads
+    replicated ``P/Hkv`` times). Anything else would hand some rank q heads of two kv groups.
+    """
+    for name, value in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads), ("intra_size", intra_size)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+    if num_heads % num_kv_heads:
+        raise ConfigError(
+            f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}; "
+            "GQA needs every kv head shared by the same number of q heads"
+        )
+    valid = valid_intra_sizes(num_heads, num_kv_heads)
+    if intra_size not in valid:
+        raise ConfigError(
+            f"intra_size (P_intra) = {intra_size} cannot split num_heads={num_heads}, "
+            f"num_kv_heads={num_kv_heads} (per tensor-parallel rank) across the intra group; "
+            f"valid intra sizes: {valid}"
+        )
+
+
+def kv_heads_for_intra(num_kv_heads: int, intra_size: int) -> int:
+    """kv heads exchanged by the all-to-all: ``Hkv`` when ``P | Hkv``, ``P`` when ``Hkv | P``."""
+    if not isinstance(num_kv_heads, int) or num_kv_heads < 1 or not isinstance(intra_size, int) or intra_size < 1:
+        raise ConfigError(f"need positive integers, got {num_kv_heads=}, {intra_size=}")
+    if num_kv_heads % intra_size == 0:
+        return num_kv_heads
+    if intra_size % num_kv_heads == 0:
+        return intra_size
+    raise ConfigError(
+        f"intra_size (P_intra) = {intra_size} neither divides nor is a multiple of "
+        f"num_kv_heads={num_kv_heads}; valid intra sizes: the divisors {_divisors(num_kv_heads)} "
+        f"or multiples of {num_kv_heads} (that also divide num_heads)"
+    )
+
+
+def expand_kv_for_intra(kv: torch.Tensor, intra_size: int) -> torch.Tensor:
+    """Replicate kv heads for the all-to-all when ``P_intra > Hkv``; identity otherwise.
+
+    ``kv [t, Hkv, d] -> [t, Hkv_x, d]`` with ``Hkv_x = kv_heads_for_intra(Hkv, P_intra)``; head
+    ``g`` becomes heads ``g·r .. g·r + r - 1`` (``r = Hkv_x / Hkv``), so after the split head slice
+    ``j`` holds kv head ``j // r``, the one q heads ``[j·H/P, (j+1)·H/P)`` use. Autograd sums the
+    ``r`` copies' gradients back (the backward of ``expand``).
+    """
+    t, hkv, d = kv.shape
+    hx = kv_heads_for_intra(hkv, intra_size)
+    if hx == hkv:
+        return kv
+    r = hx // hkv
+    return kv.unsqueeze(2).expand(t, hkv, r, d).reshape(t, hx, d)
+
+
+def sum_kv_grad_for_intra(dkv: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """Backward of :func:`expand_kv_for_intra` without autograd: ``[t, Hkv_x, d] -> [t, Hkv, d]``."""
+    t, hx, d = dkv.shape
+    if hx == num_kv_heads:
+        return dkv
+    if hx % num_kv_heads:
+        raise RuntimeMismatchError(f"{hx=} replicated kv heads is not a multiple of {num_kv_heads=}")
+    return dkv.reshape(t, num_kv_heads, hx // num_kv_heads, d).sum(dim=2)
+
+
+# --------------------------------------------------------------------------- byte counts
+
+
+def a2a_bytes(tokens: int, heads: int, head_dim: int, intra_size: int, dtype_bytes: int = 2) -> int:
+    """Bytes one rank sends (= receives) in one :func:`seq_to_heads` / :func:`heads_to_seq` call.
+
+    ``tokens, heads`` describe the sequence side ``[t_local, h, d]``; the rank keeps ``1/P`` of
+    its tensor and sends the other ``(P-1)/P``.
+    """
+    if heads % intra_size:
+        raise ConfigError(f"{heads=} not divisible by intra_size={intra_size}; valid: {_divisors(heads)}")
+    return tokens * (heads // intra_size) * (intra_size - 1) * head_dim * dtype_bytes
+
+
+def ulysses_bytes(
+    tokens: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    intra_size: int,
+    *,
+    head_dim_v: int | None = None,
+    dtype_bytes: int = 2,
+) -> dict[str, int]:
+    """Intra-group bytes one rank sends for one attention layer (kv replication counted).
+
+    Forward: q, k, v to heads, o back. Backward: dO to heads; dq, dk, dv back (the exchanged q, k,
+    v, o are kept for backward, so nothing is re-sent). Returns ``{"fwd", "bwd", "total"}``.
+    """
+    dv = head_dim if head_dim_v is None else head_dim_v
+    check_heads_for_intra(num_heads, num_kv_heads, intra_size)
+    hx = kv_heads_for_intra(num_kv_heads, intra_size)
+    p, b = intra_size, dtype_bytes
+    q = a2a_bytes(tokens, num_heads, head_dim, p, b)
+    k = a2a_bytes(tokens, hx, head_dim, p, b)
+    v = a2a_bytes(tokens, hx, dv, p, b)
+    o = a2a_bytes(tokens, num_heads, dv, p, b)
+    fwd, bwd = q + k + v + o, o + q + k + v  # bwd: dO, then dq, dk, dv (same shapes)
+    return {"fwd": fwd, "bwd": bwd, "total": fwd + bwd}
+
+
+# --------------------------------------------------------------------------- all-to-all
+
+
+def _group_size(group: dist.ProcessGroup | None) -> int:
+    return dist.get_world_size(group)
+
+
+def _seq_to_heads(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """``[t, h, d] -> [t·P, h/P, d]`` (no autograd)."""
+    p = _group_size(group)
+    if x.dim() != 3:
+        raise RuntimeMismatchError(f"seq_to_heads expects [t_local, heads, head_dim], got shape {tuple(x.shape)}")
+    if p == 1:
+        return x
+    t, h, d = x.shape
+    if h % p:
+        raise ConfigError(
+            f"{h} heads cannot be split over an intra group of {p} ranks; "
+            f"valid intra sizes (P_intra): {_divisors(h)}"
+        )
+    # Chunk for destination j = head slice j of all my rows: [P, t, h/P, d], one copy.
+    send = x.reshape(t, p, h // p, d).transpose(0, 1).contiguous()
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    # recv[s] = source rank s's rows for my head slice: concatenating in rank order is a view.
+    return recv.view(p * t, h // p, d)
+
+
+def _heads_to_seq(y: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """``[t·P, h/P, d] -> [t, h, d]`` (no autograd)."""
+    p = _group_size(group)
+    if y.dim() != 3:
+        raise RuntimeMismatchError(f"heads_to_seq expects [t_local·P, heads/P, head_dim], got shape {tuple(y.shape)}")
+    if p == 1:
+        return y
+    n, hp, d = y.shape
+    if n % p:
+        raise RuntimeMismatchError(f"heads_to_seq got {n} rows, not a multiple of the intra size {p}")
+    t = n // p
+    # Row block s goes back to rank s; the buffer is y itself when y is contiguous.
+    send = y.reshape(p, t, hp, d).contiguous()
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    # recv[s] = my rows for head slice s -> [t, P, h/P, d], one copy.
+    return recv.transpose(0, 1).reshape(t, p * hp, d)
+
+
+class _SeqToHeads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+        ctx.group = group
+        return _seq_to_heads(x, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _heads_to_seq(grad, ctx.group), None
+
+
+class _HeadsToSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, y: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+        ctx.group = group
+        return _heads_to_seq(y, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _seq_to_heads(grad, ctx.group), None
+
+
+def seq_to_heads(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Sequence-sharded to head-sharded over ``group`` (the intra group; ``None`` = world).
+
+    ``x [t_local, h, d] -> [t_local·P, h/P, d]``: rows are the group ranks' rows concatenated in
+    group-rank order, heads are slice ``[rank·h/P, (rank+1)·h/P)``. Every rank must pass the same
+    ``t_local, h, d`` (a mismatch is not detectable without another collective). Differentiable;
+    backward is :func:`heads_to_seq`. Raises :class:`ConfigError` listing the valid intra sizes when
+    ``P`` does not divide ``h`` (for kv heads call :func:`expand_kv_for_intra` first).
+    """
+    if _group_size(group) == 1:
+        return x
+    return _SeqToHeads.apply(x, group)
+
+
+def heads_to_seq(y: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Inverse of :func:`seq_to_heads`: ``y [t_local·P, h/P, d] -> [t_local, h, d]``. Differentiable."""
+    if _group_size(group) == 1:
+        return y
+    return _HeadsToSeq.apply(y, group)

@@ -1,0 +1,1 @@
+"""Test package: lets spawned gloo ranks import test modules as ``tests.<name>``."""

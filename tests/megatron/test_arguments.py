@@ -1,0 +1,153 @@
+"""``--context-parallel-impl`` against the ``megatron/training/arguments.py`` shipped in the
+megatron-core 0.19.2 wheel (``megatron.training`` is part of the wheel: tested for real, not on a
+plain parser only)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from megatron_hsap.errors import ConfigError
+from megatron_hsap.megatron.arguments import HSAPArgs, add_hsap_args, validate_hsap_args
+
+megatron_arguments = pytest.importorskip("megatron.training.arguments")
+
+GOOD = [
+    "--context-parallel-impl", "hsap", "--context-parallel-size", "8",
+    "--hierarchical-context-parallel-sizes", "4", "2", "--attention-dropout", "0.0",
+    "--calculate-per-token-loss", "--num-attention-heads", "16", "--group-query-attention",
+    "--num-query-groups", "4", "--tensor-model-parallel-size", "2", "--position-embedding-type", "rope",
+]
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    parser = megatron_arguments.add_megatron_arguments(parser)
+    return add_hsap_args(parser).parse_args(argv)
+
+
+def test_megatron_parser_accepts_flags_and_validation_passes() -> None:
+    args = _parse(GOOD)
+    assert args.context_parallel_impl == "hsap"
+    assert args.hierarchical_context_parallel_sizes == [4, 2]  # Megatron's own flag, reused
+    hsap = validate_hsap_args(args)
+    assert hsap == HSAPArgs(intra_size=4, inter_size=2)
+    assert args.spec == ["megatron_hsap.megatron.spec", "HSAP_LAYER_SPEC"]  # TE impl is the default
+
+
+def test_megatron_parse_args_with_extra_args_provider(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The wrapper's path: megatron.training.arguments.parse_args(extra_args_provider=add_hsap_args).
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt_hsap.py", *GOOD, "--transformer-impl", "local"])
+    args = megatron_arguments.parse_args(extra_args_provider=add_hsap_args)
+    assert validate_hsap_args(args) == HSAPArgs(intra_size=4, inter_size=2)
+    assert args.spec == ["megatron_hsap.megatron.spec", "HSAP_LOCAL_LAYER_SPEC"]
+
+
+def test_ring_is_the_default_and_untouched() -> None:
+    args = _parse(["--context-parallel-size", "2"])
+    assert args.context_parallel_impl == "ring"
+    assert validate_hsap_args(args) is None and args.spec is None
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        (["--attention-dropout", "0.1"], "--attention-dropout"),
+        (["--hierarchical-context-parallel-sizes", "2", "2"], "product must equal"),
+        (["--hierarchical-context-parallel-sizes", "2", "2", "2"], "exactly two"),
+        (["--num-attention-heads", "12"], "P_intra=4"),  # 6 heads per TP rank: 4 does not divide them
+        (["--window-size", "(128,0)"], "--window-size"),
+        (["--multi-latent-attention"], "multi-latent"),
+        (["--mtp-num-layers", "1"], "--mtp-num-layers"),
+        (["--position-embedding-type", "yarn"], "position-embedding-type"),
+        (["--pipeline-model-parallel-size", "2", "--micro-batch-size", "2"], "--micro-batch-size 1"),
+        (["--spec", "my.module", "MY_SPEC"], "--spec"),
+        (["--hybrid-context-parallel"], "alternatives"),
+    ],
+)
+def test_refusals_name_the_flag(change: list[str], match: str) -> None:
+    args = _parse(GOOD + change)
+    with pytest.raises(ConfigError, match=match):
+        validate_hsap_args(args)
+
+
+def test_per_token_loss_is_required() -> None:
+    args = _parse([a for a in GOOD if a != "--calculate-per-token-loss"])
+    with pytest.raises(ConfigError, match="--calculate-per-token-loss"):
+        validate_hsap_args(args)
+
+
+def test_sizes_derived_from_local_world_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    argv = [a for a in GOOD]
+    i = argv.index("--hierarchical-context-parallel-sizes")
+    del argv[i : i + 3]
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    hsap = validate_hsap_args(_parse(argv))
+    # TP=2 on 8 GPUs per node leaves room for P_intra <= 4; 4 divides the 8 q heads per TP rank
+    # and is a multiple of the 2 kv heads per TP rank.
+    assert (hsap.intra_size, hsap.inter_size, hsap.derived_sizes) == (4, 2, True)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    with pytest.raises(ConfigError, match="--hierarchical-context-parallel-sizes"):
+        validate_hsap_args(_parse(argv))
+
+
+def test_plain_parser_gets_the_same_flags() -> None:
+    args = add_hsap_args(argparse.ArgumentParser()).parse_args(
+        ["--context-parallel-impl", "hsap", "--context-parallel-size", "4", "--hierarchical-context-parallel-sizes", "2", "2"]
+    )
+    args.calculate_per_token_loss = True
+    assert validate_hsap_args(args) == HSAPArgs(intra_size=2, inter_size=2)
+
+
+# ----------------------------------------------------------------------------- patches/
+PATCH = Path(__file__).resolve().parents[2] / "patches" / "megatron-lm-core_v0.19.0-context-parallel-impl.patch"
+PATCHED_ARGV = [
+    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "128",
+    "--max-position-embeddings", "128", "--micro-batch-size", "1", "--global-batch-size", "2",
+    "--train-iters", "10", "--lr", "1e-4", "--transformer-impl", "local", "--position-embedding-type", "rope",
+    "--context-parallel-size", "4", "--hierarchical-context-parallel-sizes", "2", "2", "--attention-dropout", "0.0",
+]
+
+
+def _patched_arguments_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    """The wheel's megatron/training/arguments.py (== core_v0.19.0's) with the patch applied."""
+    git = shutil.which("git")
+    if git is None:
+        pytest.skip("git is needed to apply the patch")
+    target = tmp_path / "megatron" / "training" / "arguments.py"
+    target.parent.mkdir(parents=True)
+    shutil.copy(megatron_arguments.__file__, target)
+    subprocess.run([git, "apply", "--include=megatron/training/arguments.py", str(PATCH)], cwd=tmp_path, check=True)
+    spec = importlib.util.spec_from_file_location("megatron.training._hsap_patched_arguments", target)
+    module = importlib.util.module_from_spec(spec)
+    module.__package__ = "megatron.training"  # its function-level relative imports resolve
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(module, "get_device_arch_version", lambda: 10)  # the only CUDA query on this path
+    return module
+
+
+def _validate_patched(module: ModuleType, argv: list[str]) -> argparse.Namespace:
+    args = module.add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False)).parse_args(argv)
+    args.rank, args.world_size = 0, 8
+    return module.validate_args(args)
+
+
+def test_patch_adds_flag_and_megatron_validate_args_runs_hsap_checks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    module = _patched_arguments_module(tmp_path, monkeypatch)
+    args = _validate_patched(module, PATCHED_ARGV + ["--context-parallel-impl", "hsap", "--calculate-per-token-loss"])
+    assert args.hsap == HSAPArgs(intra_size=2, inter_size=2)
+    assert args.spec == ["megatron_hsap.megatron.spec", "HSAP_LOCAL_LAYER_SPEC"]
+    with pytest.raises(ConfigError, match="--calculate-per-token-loss"):
+        _validate_patched(module, PATCHED_ARGV + ["--context-parallel-impl", "hsap"])
+    ring = _validate_patched(module, PATCHED_ARGV)  # default: Megatron unchanged
+    assert ring.context_parallel_impl == "ring" and not hasattr(ring, "hsap") and ring.spec is None
+    # add_hsap_args on top of the patched parser must not clash over --context-parallel-impl.
+    parser = add_hsap_args(module.add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False)))
+    assert parser.parse_args(["--context-parallel-impl", "hsap"]).context_parallel_impl == "hsap"

@@ -1,0 +1,160 @@
+"""HSAP core attention: refusals (single process) and numerics against float64 per-document
+attention at CP=1 (THD and SBHD). Multi-rank numerics live in test_gpt_equivalence."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_hsap.errors import BatchError, ConfigError, RuntimeMismatchError
+from megatron_hsap.megatron.batch import HSAP_MARKER, HSAPPackedSeqParams, get_batch_on_this_cp_rank
+from megatron_hsap.megatron.core_attention import HSAPCoreAttention
+from megatron_hsap.plan import compile_plan
+from tests.reference import reference_attention
+
+HEADS, KV_HEADS, HEAD_DIM = 4, 2, 8
+
+
+def _config(**overrides: object) -> TransformerConfig:
+    base = dict(num_layers=2, hidden_size=HEADS * HEAD_DIM, num_attention_heads=HEADS, num_query_groups=KV_HEADS,
+                use_cpu_initialization=True, attention_dropout=0.0, hidden_dropout=0.0)
+    base.update(overrides)
+    return TransformerConfig(**base)
+
+
+def _attn(config: TransformerConfig | None = None, **kwargs: object) -> HSAPCoreAttention:
+    args = dict(config=config or _config(), layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
+    args.update(kwargs)
+    return HSAPCoreAttention(**args)
+
+
+def _qkv(t: int, *, batch: int | None = None, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    lead = (t,) if batch is None else (t, batch)
+    return (torch.randn(*lead, HEADS, HEAD_DIM, generator=g), torch.randn(*lead, KV_HEADS, HEAD_DIM, generator=g),
+            torch.randn(*lead, KV_HEADS, HEAD_DIM, generator=g))
+
+
+def _params(cu: list[int]) -> HSAPPackedSeqParams:
+    plan = compile_plan(cu, inter_size=1, intra_size=1, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, dtype_bytes=4)
+    batch = {"tokens": torch.zeros(1, cu[-1], dtype=torch.long), "cu_seqlens": torch.tensor(cu)}
+    return get_batch_on_this_cp_rank(batch, plan=plan, cp_rank=0, check_group=False)["packed_seq_params"]
+
+
+# ----------------------------------------------------------------------------- refusals
+@pytest.mark.parametrize(
+    "params",
+    [None, PackedSeqParams(qkv_format="thd", cu_seqlens_q=torch.tensor([0, 8]), cu_seqlens_kv=torch.tensor([0, 8]))],
+    ids=["no-params", "megatron-params"],
+)
+def test_refuses_batch_not_sharded_by_hsap(params: PackedSeqParams | None) -> None:
+    q, k, v = _qkv(8)
+    with pytest.raises(BatchError, match="not sharded by HSAP"):
+        _attn()(q, k, v, None, attn_mask_type=AttnMaskType.causal, packed_seq_params=params)
+
+
+def test_refuses_marker_forged_without_plan() -> None:
+    params = dataclasses.replace(_params([0, 8]), hsap_plan=None)
+    q, k, v = _qkv(8)
+    with pytest.raises(BatchError):
+        _attn()(q, k, v, None, packed_seq_params=params)
+
+
+@pytest.mark.parametrize(
+    ("config_kw", "attn_kw", "match"),
+    [
+        ({}, {"attention_type": "cross"}, "self attention only"),
+        ({}, {"attn_mask_type": AttnMaskType.no_mask}, "no_mask"),
+        ({}, {"attn_mask_type": AttnMaskType.padding}, "padding"),
+        ({}, {"attn_mask_type": AttnMaskType.arbitrary}, "arbitrary"),
+        ({"window_size": (16, 0)}, {}, "sliding-window"),
+        ({"softmax_type": "off-by-one"}, {}, "vanilla"),
+        ({"softmax_scale": 0.5}, {"softmax_scale": 0.25}, "disagrees"),
+        ({"qk_clip": True}, {}, "qk_clip"),
+    ],
+)
+def test_refuses_configs_it_cannot_honour(config_kw: dict, attn_kw: dict, match: str) -> None:
+    try:
+        config = _config(**config_kw)
+    except (AssertionError, ValueError) as exc:  # Megatron itself rejects the combination first
+        pytest.skip(f"TransformerConfig rejects {config_kw}: {exc}")
+    with pytest.raises(ConfigError, match=match):
+        _attn(config, **attn_kw)
+
+
+def test_forward_refusals_happen_before_any_computation() -> None:
+    params = _params([0, 3, 8])
+    q, k, v = _qkv(8)
+    attn = _attn(_config(attention_dropout=0.1))
+    attn.train()
+    with pytest.raises(ConfigError, match="attention dropout"):
+        attn(q, k, v, None, packed_seq_params=params)
+    attn = _attn()
+    with pytest.raises(ConfigError, match="attention_mask"):
+        attn(q, k, v, torch.ones(1, 1, 8, 8, dtype=torch.bool), packed_seq_params=params)
+    with pytest.raises(ConfigError, match="attention_bias"):
+        attn(q, k, v, None, attention_bias=torch.zeros(1), packed_seq_params=params)
+    with pytest.raises(ConfigError, match="no_mask"):
+        attn(q, k, v, None, attn_mask_type=AttnMaskType.no_mask, packed_seq_params=params)
+    with pytest.raises(RuntimeMismatchError, match="tokens"):
+        attn(*_qkv(6), None, packed_seq_params=params)
+
+
+def test_eval_mode_ignores_configured_dropout() -> None:
+    attn = _attn(_config(attention_dropout=0.1)).eval()
+    assert attn.dropout_p == 0.1  # kept for training, where it is refused
+
+
+# ----------------------------------------------------------------------------- numerics at CP=1
+# fp32 kernels vs a float64 reference: 1e-5 covers fp32 accumulation over <= 40 keys.
+ATOL = 1e-5
+
+
+def _need_runtime() -> None:
+    import megatron_hsap.runtime as runtime
+
+    if not hasattr(runtime, "hsap_attn_func"):
+        pytest.skip("megatron_hsap.runtime.hsap_attn_func is not available yet")
+
+
+def _reference_thd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: list[int], scale: float) -> torch.Tensor:
+    pos = torch.cat([torch.arange(b - a) for a, b in zip(cu[:-1], cu[1:])])
+    doc = torch.cat([torch.full((b - a,), i) for i, (a, b) in enumerate(zip(cu[:-1], cu[1:]))])
+    out, _ = reference_attention(q, k, v, pos, pos, doc, doc, scale)
+    return out
+
+
+def test_thd_matches_float64_reference_at_cp1() -> None:
+    _need_runtime()
+    cu = [0, 5, 5, 17, 18, 40]
+    params = _params(cu)
+    q, k, v = (x.requires_grad_() for x in _qkv(40))
+    out = _attn()(q, k, v, None, attn_mask_type=AttnMaskType.padding_causal, packed_seq_params=params)
+    assert out.shape == (40, HEADS * HEAD_DIM)
+    ref = _reference_thd(q, k, v, cu, HEAD_DIM**-0.5)
+    torch.testing.assert_close(out.double(), ref.reshape(40, -1), atol=ATOL, rtol=0)
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), g)
+    ref_grads = torch.autograd.grad(ref.reshape(40, -1), (q, k, v), g.double())
+    for a, b in zip(grads, ref_grads):
+        torch.testing.assert_close(a.double(), b.double(), atol=ATOL, rtol=0)
+
+
+def test_sbhd_is_one_document_per_sample_at_cp1() -> None:
+    _need_runtime()
+    b, s = 3, 12
+    sharded = get_batch_on_this_cp_rank(
+        {"tokens": torch.zeros(b, s, dtype=torch.long)}, qkv_format="sbhd", cp_rank=0, check_group=False,
+        plan_kwargs=dict(inter_size=1, intra_size=1, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, dtype_bytes=4),
+    )
+    q, k, v = _qkv(s, batch=b)
+    out = _attn()(q, k, v, None, packed_seq_params=sharded["packed_seq_params"])
+    assert out.shape == (s, b, HEADS * HEAD_DIM)
+    for i in range(b):
+        ref = _reference_thd(q[:, i], k[:, i], v[:, i], [0, s], HEAD_DIM**-0.5)
+        torch.testing.assert_close(out[:, i].double(), ref.reshape(s, -1), atol=ATOL, rtol=0)

@@ -1,0 +1,58 @@
+"""The HSAP layer spec swaps exactly two modules and loads through Megatron's ``--spec`` importer."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from megatron.core.models.gpt import gpt_layer_specs
+from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.spec_utils import import_module
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_hsap.errors import ConfigError
+from megatron_hsap.megatron.core_attention import HSAPCoreAttention
+from megatron_hsap.megatron.rotary import HSAPSelfAttention
+from megatron_hsap.megatron.spec import HSAP_LAYER_SPEC, HSAP_LOCAL_LAYER_SPEC, hsap_layer_spec, swap_attention
+
+
+def test_swap_changes_only_attention_module_and_core_attention() -> None:
+    base = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
+    swapped = swap_attention(base)
+    assert swapped.module is base.module
+    for field in dataclasses.fields(base.submodules):
+        if field.name != "self_attention":
+            assert getattr(swapped.submodules, field.name) is getattr(base.submodules, field.name), field.name
+    old, new = base.submodules.self_attention, swapped.submodules.self_attention
+    assert old.module is SelfAttention and new.module is HSAPSelfAttention
+    assert new.params == old.params
+    for field in dataclasses.fields(old.submodules):
+        want = HSAPCoreAttention if field.name == "core_attention" else getattr(old.submodules, field.name)
+        assert getattr(new.submodules, field.name) is want, field.name
+    # The input spec is untouched (specs are shared module-level objects in Megatron).
+    assert base.submodules.self_attention.module is SelfAttention
+
+
+def test_module_level_spec_loads_like_megatron_spec_flag() -> None:
+    # `--spec megatron_hsap.megatron.spec HSAP_LAYER_SPEC`: megatron-core 0.19.2 passes the object.
+    assert import_module(["megatron_hsap.megatron.spec", "HSAP_LAYER_SPEC"]) is HSAP_LAYER_SPEC
+    assert HSAP_LAYER_SPEC.submodules.self_attention.module is HSAPSelfAttention
+    assert HSAP_LOCAL_LAYER_SPEC.submodules.self_attention.submodules.core_attention is HSAPCoreAttention
+
+
+def test_config_selects_base_spec_options() -> None:
+    cfg = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, qk_layernorm=True,
+                            normalization="RMSNorm", use_cpu_initialization=True)
+    spec = hsap_layer_spec(cfg, use_te=False)
+    base = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
+    assert repr(spec.submodules.self_attention.submodules.q_layernorm) == repr(base.submodules.self_attention.submodules.q_layernorm)
+    assert repr(spec.submodules.input_layernorm) == repr(base.submodules.input_layernorm)
+
+
+def test_refusals() -> None:
+    if not gpt_layer_specs.HAVE_TE:
+        with pytest.raises(ConfigError, match="Transformer Engine is not installed"):
+            hsap_layer_spec(use_te=True)
+    mla = gpt_layer_specs.get_gpt_layer_local_spec(multi_latent_attention=True)
+    with pytest.raises(ConfigError, match="SelfAttention"):
+        swap_attention(mla)

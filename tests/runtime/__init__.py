@@ -1,0 +1,1 @@
+"""Runtime tests (torch, gloo ranks)."""
