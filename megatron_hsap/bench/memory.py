@@ -3,7 +3,8 @@
 Estimates the peak bytes per GPU of one training step and the longest sequence that fits for
 HSAP, Megatron's Transformer Engine ring (``cp_comm_type p2p``) and Ulysses — the paper's
 Figure 5 comparison. Every method gets the same model, GPUs, model-state sharding and recompute
-setting from the config, and its own best layout (TP size, HSAP intra×inter, Ulysses degree).
+setting from the config, and its own best layout (TP size, HSAP intra×inter, Ulysses degree;
+context-parallel size ≥ 2). Lengths are searched in multiples of 1024 and of Megatron's 2·CP.
 
 Formulas (bytes; s tokens per GPU, b micro-batch, h hidden, a heads, g kv heads, d head size,
 f ffn size, V padded vocab, t TP, L layers per pipeline stage):
@@ -23,8 +24,10 @@ f ffn size, V padded vocab, t TP, L layers per pipeline stage):
   Output: 2sbh (final norm) + 2sbh (output layer input) + 4sbV/t fp32 logits kept by the loss
   + 2sbV/t bf16 logits in flight.
 * Attention method buffers (one layer at a time, on top of the above):
-  HSAP — the plan's receive pool (``compile_plan(...).stats()["pool_capacity_bytes"]``; without
-  the planner its default, 4 × inter chunk tokens × H/(t·P_intra) × (d_qk + d_v) × 2 bytes),
+  HSAP — the receive pool: ``parallel.hsap_pool_bytes`` if set, else for the config's own layout
+  ``compile_plan(...).stats()["pool_capacity_bytes"]`` (compiled once on the shortest valid
+  length, scaled per inter-chunk token) and for the other layouts, or without the planner, its
+  default 4 × inter chunk tokens × H/(t·P_intra) × (d_qk + d_v) × 2 bytes;
   the intra all-to-all buffers (received q, kv, o and their contiguous send copies; kv heads
   replicated when P_intra > kv heads) and fp32 merge/gradient accumulators.
   TE ring — ``AttnFuncWithCPAndKVP2P.forward`` (TransformerEngine
@@ -208,7 +211,7 @@ def plan_pool(cfg: LaunchConfig, opts: MemoryOptions) -> PoolFn:
     shortest valid sequence, and scaled per inter-chunk token since the pool is a fixed multiple
     of one chunk — and from the formula for the other layouts of the comparison (compiling a
     plan per layout and length would take minutes) or when the planner is unavailable."""
-    cache: dict[Layout, tuple[float, str] | None] = {}
+    cache: dict[Layout, tuple[float | None, str] | None] = {}
     own = config_layout(cfg)
 
     def pool(seq: int, lay: Layout) -> tuple[int, str]:
@@ -219,15 +222,16 @@ def plan_pool(cfg: LaunchConfig, opts: MemoryOptions) -> PoolFn:
         if lay not in cache:
             cache[lay] = _calibrate(cfg, lay) if opts.use_plan and lay == own else None
         cal = cache[lay]
-        if cal is None:
-            return formula_pool_bytes(cfg, seq, lay), "formula (DESIGN §2.1 default)"
+        if cal is None or cal[0] is None:
+            note = cal[1] if cal else "formula (DESIGN §2.1 default)"
+            return formula_pool_bytes(cfg, seq, lay), note
         per_token, note = cal
         return int(per_token * (seq // lay.inter)), note
 
     return pool
 
 
-def _calibrate(cfg: LaunchConfig, lay: Layout) -> tuple[float, str] | None:
+def _calibrate(cfg: LaunchConfig, lay: Layout) -> tuple[float | None, str] | None:
     m = cfg.model
     ref = lay.granule()
     try:
@@ -240,8 +244,10 @@ def _calibrate(cfg: LaunchConfig, lay: Layout) -> tuple[float, str] | None:
                             tp_size=lay.tensor, gpus_per_node=cfg.cluster.gpus_per_node,
                             hardware=cfg.cluster.hardware)
         capacity = int(plan.stats()["pool_capacity_bytes"])
-    except (ImportError, AttributeError, KeyError, TypeError):
+    except ImportError:
         return None
+    except (AttributeError, KeyError, TypeError) as exc:  # a planner API this file does not know
+        return None, f"formula (compile_plan unusable: {type(exc).__name__}: {exc})"
     return capacity / (ref // lay.inter), "compile_plan stats()['pool_capacity_bytes']"
 
 
@@ -315,8 +321,8 @@ def config_layout(cfg: LaunchConfig) -> Layout:
 
 
 def candidate_layouts(cfg: LaunchConfig, method: Method) -> tuple[list[Layout], str]:
-    """Every layout of ``method`` on the config's GPUs (DP 1 unless Ulysses is capped by heads),
-    and why there is none when the list is empty."""
+    """Every layout of ``method`` on the config's GPUs with a context-parallel size ≥ 2 (DP 1
+    unless Ulysses is capped by heads), and a note when the Ulysses head cap binds."""
     m, c, pp = cfg.model, cfg.cluster, cfg.parallel.pipeline
     world = cfg.world_size
     out: list[Layout] = []
@@ -325,21 +331,34 @@ def candidate_layouts(cfg: LaunchConfig, method: Method) -> tuple[list[Layout], 
         if m.num_attention_heads % t or m.num_kv_heads % t or world % (t * pp):
             continue
         cp, a, g = world // (t * pp), m.num_attention_heads // t, m.num_kv_heads // t
+        if cp < 2:
+            continue  # pure TP is no context-parallel method; compare the methods themselves
         if method is Method.TE_RING:
             out.append(Layout(method=method, tensor=t, context=cp, pipeline=pp))
         elif method is Method.HSAP:
             for intra in (q for q in range(1, cp + 1) if cp % q == 0):
-                if c.gpus_per_node % (t * intra) or a % intra or (g % intra and intra % g):
+                if c.gpus_per_node % (t * intra) or not _heads_split(a, g, intra):
                     continue
                 out.append(Layout(method=method, tensor=t, context=cp, pipeline=pp, intra=intra,
                                   inter=cp // intra))
         else:
-            degrees = [q for q in range(1, cp + 1) if cp % q == 0 and a % q == 0 and (g % q == 0 or q % g == 0)]
+            degrees = [q for q in range(1, cp + 1) if cp % q == 0 and _heads_split(a, g, q)]
             best = max(degrees)
             if best < cp:
                 why = f"Ulysses degree ≤ heads per TP rank: {best} < {cp} GPUs at TP {t}"
             out.append(Layout(method=method, tensor=t, context=best, data=cp // best, pipeline=pp))
     return out, why
+
+
+def _heads_split(heads: int, kv_heads: int, group: int) -> bool:
+    """The planner's all-to-all rule: q heads split evenly, kv heads split or replicated."""
+    from megatron_hsap.plan.plan import kv_heads_per_rank
+
+    try:
+        kv_heads_per_rank(heads, kv_heads, group)
+    except ConfigError:
+        return False
+    return True
 
 
 def max_seq_length(cfg: LaunchConfig, lay: Layout, gpu_mem_gib: float, opts: MemoryOptions = MemoryOptions(),
@@ -411,17 +430,15 @@ def breakdown_table(b: MemoryBreakdown, caps: Sequence[float], reserve: float) -
 
 
 def comparison_tables(cfg: LaunchConfig, caps: Sequence[float], seqs: Sequence[int],
-                      opts: MemoryOptions, pool: PoolFn) -> tuple[str, dict[Method, list[int]]]:
+                      opts: MemoryOptions, pool: PoolFn) -> str:
     """Markdown: longest sequence per method and GPU size, and the Figure 5 fit grid."""
     head = "| method | " + " | ".join(f"{c:g} GiB: longest | layout" for c in caps) + " |"
     lines = [head, "|---|" + "---:|---|" * len(caps)]
-    longest: dict[Method, list[int]] = {}
-    notes = []
+    notes: list[str] = []
     for method in Method:
-        cells, longest[method] = [], []
+        cells = []
         for cap in caps:
             lay, n, why = best_max_seq_length(cfg, method, cap, opts, pool)
-            longest[method].append(n)
             cells.append(f"{_tok(n)} | {lay.label() if lay else 'n/a'}")
             if why and why not in notes:
                 notes.append(why)
@@ -437,7 +454,7 @@ def comparison_tables(cfg: LaunchConfig, caps: Sequence[float], seqs: Sequence[i
     text = "\n".join(lines) + ("\n\n" + "\n".join(f"Note: {n}." for n in notes) if notes else "")
     text += (f"\n\nPeak GiB per GPU at each method's best layout (OOM above {min(caps):g} GiB "
              f"− {opts.reserve_gib:g} GiB reserve):\n\n" + "\n".join(grid))
-    return text, longest
+    return text
 
 
 def plot_peaks(cfg: LaunchConfig, caps: Sequence[float], seqs: Sequence[int], opts: MemoryOptions,
@@ -449,13 +466,8 @@ def plot_peaks(cfg: LaunchConfig, caps: Sequence[float], seqs: Sequence[int], op
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for method in Method:
-        xs, ys = [], []
-        for seq in seqs:
-            b = _best_peak(cfg, method, seq, opts, pool)
-            if b is not None:
-                xs.append(seq)
-                ys.append(b.total / GIB)
-        ax.plot(xs, ys, marker="o", label=method.title)
+        points = [(seq, b.total / GIB) for seq in seqs if (b := _best_peak(cfg, method, seq, opts, pool))]
+        ax.plot([x for x, _ in points], [y for _, y in points], marker="o", label=method.title)
     for cap in caps:
         ax.axhline(cap - opts.reserve_gib, linestyle="--", color="grey", linewidth=0.8)
         ax.text(seqs[-1], cap - opts.reserve_gib, f"{cap:g} GiB GPU ", va="bottom", ha="right", fontsize=8)
@@ -495,16 +507,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     pool = plan_pool(cfg, opts)
     lay = config_layout(cfg)
     b = estimate(cfg, lay, cfg.training.seq_length, opts, pool)
-    n_params = cfg.model.num_parameters()
-    print(f"# Memory plan: {cfg.name} ({cfg.world_size} GPUs, {n_params / 1e9:.2f}B parameters)\n")
+    print(f"# Memory plan: {cfg.name} ({cfg.world_size} GPUs, "
+          f"{cfg.model.num_parameters() / 1e9:.2f}B parameters)\n")
     print(f"## This config: {lay.method.title} {lay.label()}, seq {_tok(cfg.training.seq_length)}, "
           f"recompute {cfg.training.recompute.value}, sharding {cfg.parallel.sharding.value}\n")
     print(breakdown_table(b, caps, opts.reserve_gib))
     if b.pool_source:
         print(f"\nHSAP pool: {b.pool_source}.")
-    text, _ = comparison_tables(cfg, caps, seqs, opts, pool)
     print("\n## Longest sequence that fits (best layout per method; same sharding and recompute)\n")
-    print(text)
+    print(comparison_tables(cfg, caps, seqs, opts, pool))
     own = ", ".join(f"{_tok(max_seq_length(cfg, lay, cap, opts, pool))} on {cap:g} GiB" for cap in caps)
     print(f"\nThis config's own layout ({lay.method.title} {lay.label()}) fits up to {own}.")
     if ns.plot:

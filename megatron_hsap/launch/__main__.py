@@ -8,9 +8,12 @@ Commands:
                                 nodes (--all-nodes); X is appended to the Megatron arguments
   exec CONFIG [...] [-- X]      replace this process by that torchrun (node rank from
                                 --node-rank or $SLURM_NODEID); srun runs this on every node
-resolve and exec also set what the config needs in the environment (``launch_env``: resolve
-prints it as ``export`` lines before the torchrun lines).
-Errors in the config or the allocation print ``error: ...`` and exit with status 2.
+
+With ``--nodes`` (a SLURM node list such as ``node[01-08]`` or comma-separated hosts, node rank =
+position), resolve and exec first check the config against the allocation and the rank map
+(``resolve_topology``); resolve prints the map as ``#`` comments. Both also set what the config
+needs in the environment (``launch_env``; resolve prints ``export`` lines). Errors in the config
+or the allocation print ``error: ...`` and exit with status 2, before anything is launched.
 """
 
 from __future__ import annotations
@@ -41,18 +44,6 @@ def _nodes(value: str | None) -> list[str]:
     return [h for part in value.replace("\n", " ").split() for h in expand_nodelist(part)]
 
 
-def _launch_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("config")
-    p.add_argument("--nodes", help="SLURM node list or comma-separated hostnames (node rank = position)")
-    p.add_argument("--nnodes", type=int, help="nodes in the job (default: --nodes count, else the config's)")
-    p.add_argument("--node-rank", type=int)
-    p.add_argument("--master-addr", help="rendezvous host (default: the first of --nodes)")
-    p.add_argument("--master-port", type=int, default=DEFAULT_PORT)
-    p.add_argument("--entry", help="training script (default: the config's entry)")
-    p.add_argument("--repo", help="directory a relative entry is resolved against")
-    p.add_argument("--torchrun", default="torchrun")
-
-
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m megatron_hsap.launch", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -61,36 +52,58 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("configs", nargs="+")
     h = sub.add_parser("hostnames", help="expand a SLURM node list")
     h.add_argument("nodelist")
-    t = sub.add_parser("topology", help="check and print the rank map")
-    t.add_argument("config")
-    t.add_argument("--nodes", required=True)
-    t.add_argument("--gpus-on-node", type=int, help="GPUs SLURM gave each node ($SLURM_GPUS_ON_NODE)")
-    t.add_argument("--full", action="store_true", help="one row per rank even for large jobs")
-    r = sub.add_parser("resolve", help="print torchrun lines")
-    _launch_args(r)
-    r.add_argument("--all-nodes", action="store_true", help="one '# host' comment + line per node")
-    r.add_argument("--format", choices=("torchrun", "args", "json"), default="torchrun")
-    e = sub.add_parser("exec", help="exec torchrun for this node")
-    _launch_args(e)
+    for name, text in (("topology", "check and print the rank map"), ("resolve", "print torchrun lines"),
+                       ("exec", "exec torchrun for this node")):
+        p = sub.add_parser(name, help=text)
+        p.add_argument("config")
+        p.add_argument("--nodes", required=name == "topology", help="SLURM node list or host,host,...")
+        p.add_argument("--gpus-on-node", type=int, help="GPUs SLURM gave each node ($SLURM_GPUS_ON_NODE)")
+        if name == "topology":
+            p.add_argument("--full", action="store_true", help="one row per rank even for large jobs")
+            continue
+        p.add_argument("--nnodes", type=int, help="nodes in the job (default: --nodes count, else the config's)")
+        p.add_argument("--node-rank", type=int)
+        p.add_argument("--master-addr", help="rendezvous host (default: the first of --nodes)")
+        p.add_argument("--master-port", type=int, default=DEFAULT_PORT)
+        p.add_argument("--entry", help="training script (default: the config's entry)")
+        p.add_argument("--repo", help="directory a relative entry is resolved against")
+        p.add_argument("--torchrun", default="torchrun")
+        if name == "resolve":
+            p.add_argument("--all-nodes", action="store_true", help="a '# host' comment + line per node")
+            p.add_argument("--format", choices=("torchrun", "args", "json"), default="torchrun")
     return parser
 
 
-def _resolve_common(ns: argparse.Namespace) -> tuple[LaunchConfig, list[str], int, str]:
-    cfg = load_config(ns.config)
-    nodes = _nodes(ns.nodes)
+def _check_allocation(cfg: LaunchConfig, nodes: list[str], gpus_on_node: int | None, nnodes: int | None,
+                      *, show: bool) -> None:
+    """The config against the allocation and the node-major rank map torchrun will produce."""
+    if gpus_on_node is not None and gpus_on_node != cfg.cluster.gpus_per_node:
+        raise ConfigError(f"cluster.gpus_per_node: the config says {cfg.cluster.gpus_per_node} but SLURM "
+                          f"gave {gpus_on_node} GPUs per node")
+    if nnodes is not None and nodes and nnodes != len(nodes):
+        raise ConfigError(f"SLURM_NNODES={nnodes} but the node list names {len(nodes)} host(s)")
+    if not nodes:
+        return
+    if len(nodes) != cfg.cluster.nnodes:
+        shown = ",".join(nodes[:4]) + (",..." if len(nodes) > 4 else "")
+        raise ConfigError(f"cluster.nnodes: the config is for {cfg.cluster.nnodes} node(s) but the job "
+                          f"has {len(nodes)} ({shown}); submit with --nodes={cfg.cluster.nnodes} or pick "
+                          "the config for this allocation")
+    topo, warnings = resolve_topology(cfg, hostnames_per_rank(nodes, cfg.cluster.gpus_per_node))
+    if show:
+        print("\n".join(f"# {line}" for line in format_topology(topo, max_rank_rows=16).splitlines()))
+    for w in warnings:
+        print(f"warning: {w}", file=sys.stderr)
+
+
+def _argv(cfg: LaunchConfig, ns: argparse.Namespace, nodes: list[str], node_rank: int,
+          extra: Sequence[str]) -> list[str]:
     nnodes = ns.nnodes or len(nodes) or cfg.cluster.nnodes
-    if nodes and len(nodes) != nnodes:
-        raise ConfigError(f"--nodes names {len(nodes)} host(s) but --nnodes is {nnodes}")
     master = ns.master_addr or (nodes[0] if nodes else None)
     if master is None:
         if nnodes > 1:
             raise ConfigError("--master-addr (or --nodes) is needed for a multi-node launch")
         master = "localhost"
-    return cfg, nodes, nnodes, master
-
-
-def _argv(cfg: LaunchConfig, ns: argparse.Namespace, nnodes: int, master: str, node_rank: int,
-          extra: Sequence[str]) -> list[str]:
     entry = ns.entry or cfg.entry
     if ns.repo and not os.path.isabs(entry):
         entry = os.path.join(ns.repo, entry)
@@ -106,41 +119,34 @@ def _run(ns: argparse.Namespace, extra: list[str]) -> int:
     if ns.command == "hostnames":
         print("\n".join(expand_nodelist(ns.nodelist)))
         return 0
+    cfg = load_config(ns.config)
+    nodes = _nodes(ns.nodes)
     if ns.command == "topology":
-        cfg = load_config(ns.config)
-        nodes = _nodes(ns.nodes)
-        if ns.gpus_on_node is not None and ns.gpus_on_node != cfg.cluster.gpus_per_node:
-            raise ConfigError(f"cluster.gpus_per_node: the config says {cfg.cluster.gpus_per_node} "
-                              f"but SLURM gave {ns.gpus_on_node} GPUs per node")
-        if len(nodes) != cfg.cluster.nnodes:
-            raise ConfigError(f"cluster.nnodes: the config is for {cfg.cluster.nnodes} node(s) but the "
-                              f"job has {len(nodes)} ({','.join(nodes[:4])}{',...' if len(nodes) > 4 else ''})")
-        topo, warnings = resolve_topology(cfg, hostnames_per_rank(nodes, cfg.cluster.gpus_per_node))
+        _check_allocation(cfg, nodes, ns.gpus_on_node, None, show=False)
+        topo, _ = resolve_topology(cfg, hostnames_per_rank(nodes, cfg.cluster.gpus_per_node))
         print(format_topology(topo, max_rank_rows=10**9 if ns.full else 16))
-        for w in warnings:
-            print(f"warning: {w}", file=sys.stderr)
         return 0
-    cfg, nodes, nnodes, master = _resolve_common(ns)
+    show = ns.command == "resolve" and ns.all_nodes and ns.format == "torchrun"
+    _check_allocation(cfg, nodes, ns.gpus_on_node, ns.nnodes, show=show)
+    env = launch_env(cfg, os.environ)
     if ns.command == "exec":
         rank = ns.node_rank if ns.node_rank is not None else os.environ.get("SLURM_NODEID")
         if rank is None:
             raise ConfigError("exec needs --node-rank or $SLURM_NODEID (run it under srun)")
-        argv = _argv(cfg, ns, nnodes, master, int(rank), extra)
-        env = dict(os.environ, **launch_env(cfg, os.environ))
+        argv = _argv(cfg, ns, nodes, int(rank), extra)
         sys.stdout.flush()
-        os.execvpe(argv[0], argv, env)
+        os.execvpe(argv[0], argv, dict(os.environ, **env))
     if ns.format != "torchrun":
         args = to_megatron_args(cfg, extra)
         print(json.dumps(args) if ns.format == "json" else shlex.join(args))
         return 0
-    ranks = range(nnodes) if ns.all_nodes else [ns.node_rank or 0]
-    for key, value in launch_env(cfg, os.environ).items():
+    for key, value in env.items():
         print(f"export {key}={shlex.quote(value)}")
+    ranks = range(ns.nnodes or len(nodes) or cfg.cluster.nnodes) if ns.all_nodes else [ns.node_rank or 0]
     for rank in ranks:
         if ns.all_nodes:
-            host = nodes[rank] if nodes else f"node {rank}"
-            print(f"# {host} (node rank {rank})")
-        print(shlex.join(_argv(cfg, ns, nnodes, master, rank, extra)))
+            print(f"# {nodes[rank] if nodes else f'node {rank}'} (node rank {rank})")
+        print(shlex.join(_argv(cfg, ns, nodes, rank, extra)))
     return 0
 
 

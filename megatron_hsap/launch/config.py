@@ -13,14 +13,10 @@ Rank layout (Megatron's default order ``tp-cp-ep-dp-pp``): global rank
 
 from __future__ import annotations
 
-import difflib
 import enum
 import re
-import shlex
-import types
-import typing
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -320,7 +316,8 @@ class LaunchConfig:
 
     def summary(self) -> str:
         p = self.parallel
-        return (f"{self.name}: {self.world_size} GPUs ({self.cluster.nnodes}×{self.cluster.gpus_per_node}), "
+        c = self.cluster
+        return (f"{self.name}: {self.world_size} GPUs ({c.nnodes} node(s) × {c.gpus_per_node}), "
                 f"TP {p.tensor} PP {p.pipeline} DP {self.data_size} CP {self.context_size} "
                 f"[{p.cp_impl.value} {p.hsap_intra_size}x{p.hsap_inter_size} intra×inter], "
                 f"seq {self.training.seq_length}, recompute {self.training.recompute.value}")
@@ -359,15 +356,13 @@ def _validate_launch(cfg: LaunchConfig) -> None:
         raise ConfigError(f"model.attention_dropout: {m.attention_dropout}, but HSAP attention has no "
                           "dropout (the backend refuses it); set 0.0")
     if p.cp_impl is CPImpl.HSAP:
-        heads, kv, intra = m.num_attention_heads // p.tensor, m.num_kv_heads // p.tensor, p.hsap_intra_size
-        if heads % intra:
-            raise ConfigError(
-                f"parallel.hsap_intra_size: {intra} does not divide the {heads} q heads per TP rank "
-                f"(num_attention_heads / tensor); valid: {_divisors(heads)}")
-        if kv % intra and intra % kv:
-            raise ConfigError(
-                f"parallel.hsap_intra_size: {intra} and the {kv} kv heads per TP rank must divide one "
-                "another (kv heads are split, or replicated when intra > kv heads)")
+        from megatron_hsap.plan.plan import kv_heads_per_rank  # the planner's own rule
+
+        intra = p.hsap_intra_size
+        try:  # q heads per TP rank split over P_intra; kv heads split or replicated
+            kv_heads_per_rank(m.num_attention_heads // p.tensor, m.num_kv_heads // p.tensor, intra)
+        except ConfigError as exc:
+            raise ConfigError(f"parallel.hsap_intra_size: {intra} with heads per TP rank: {exc}") from None
         if c.gpus_per_node % (p.tensor * intra):
             valid = [q for q in _divisors(cp) if c.gpus_per_node % (p.tensor * q) == 0]
             raise ConfigError(
@@ -427,152 +422,16 @@ def _divisors(n: int) -> list[int]:
     return [q for q in range(1, n + 1) if n % q == 0]
 
 
-# --------------------------------------------------------------------------- loading
-
-_SECTIONS: dict[str, type] = {
-    "model": ModelConfig, "parallel": ParallelConfig, "cluster": ClusterConfig,
-    "training": TrainingConfig, "data": DataConfig,
-}
-_TOP_KEYS = set(_SECTIONS) | {"name", "megatron_args", "entry", "extends", "description"}
-_TOKEN_FIELDS = {"seq_length"}
-
-
 def load_config(path: str | Path, overrides: Mapping[str, Any] | None = None) -> LaunchConfig:
-    """Read a YAML config (following ``extends``), apply ``overrides`` and validate it."""
-    path = Path(path)
-    data = _read_with_bases(path, ())
-    if overrides:
-        data = _merge(data, dict(overrides))
-    data.setdefault("name", path.stem)
-    return config_from_dict(data, source=str(path))
+    """Read a YAML config (following ``extends``), apply ``overrides`` and validate it
+    (implemented in ``loader.py``)."""
+    from megatron_hsap.launch.loader import load_config as load
 
-
-def _read_with_bases(path: Path, chain: tuple[Path, ...]) -> dict[str, Any]:
-    import yaml
-
-    path = path.resolve()
-    if path in chain:
-        raise ConfigError(f"extends: cycle {' -> '.join(str(p) for p in chain + (path,))}")
-    if not path.is_file():
-        raise ConfigError(f"config file {path} does not exist")
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: the top level must be a mapping of sections")
-    base = data.pop("extends", None)
-    if base is None:
-        return data
-    if not isinstance(base, str):
-        raise ConfigError(f"{path}: extends must be one relative file name, got {base!r}")
-    return _merge(_read_with_bases(path.parent / base, chain + (path,)), data)
-
-
-def _merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for key, value in over.items():
-        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
-            out[key] = _merge(dict(out[key]), value)
-        else:
-            out[key] = value
-    return out
+    return load(path, overrides)
 
 
 def config_from_dict(data: Mapping[str, Any], *, source: str | None = None) -> LaunchConfig:
     """Build a ``LaunchConfig`` from plain data (what ``yaml.safe_load`` returns)."""
-    _unknown(set(data), _TOP_KEYS, "")
-    for key in ("model", "cluster", "training"):
-        if key not in data:
-            raise ConfigError(f"{key}: section missing{f' in {source}' if source else ''}")
-    sections = {}
-    for key, cls in _SECTIONS.items():
-        raw = data.get(key) or {}
-        if not isinstance(raw, Mapping):
-            raise ConfigError(f"{key}: must be a mapping, got {type(raw).__name__}")
-        if key == "parallel":
-            raw = _parallel_aliases(dict(raw))
-        sections[key] = _build(cls, raw, key)
-    extra = data.get("megatron_args") or []
-    if isinstance(extra, str):
-        extra = shlex.split(extra)
-    if not isinstance(extra, list) or not all(isinstance(a, (str, int, float)) for a in extra):
-        raise ConfigError("megatron_args: must be a list of command-line tokens")
-    return LaunchConfig(name=str(data.get("name", "config")), megatron_args=tuple(str(a) for a in extra),
-                        entry=str(data.get("entry", DEFAULT_ENTRY)), source=source, **sections)
+    from megatron_hsap.launch.loader import config_from_dict as build
 
-
-def _parallel_aliases(raw: dict[str, Any]) -> dict[str, Any]:
-    """Accept Megatron's spelling ``hierarchical_context_parallel_sizes: [P_intra, P_inter]``."""
-    sizes = raw.pop("hierarchical_context_parallel_sizes", None)
-    if sizes is None:
-        return raw
-    if not (isinstance(sizes, list) and len(sizes) == 2 and all(isinstance(s, int) for s in sizes)):
-        raise ConfigError(f"parallel.hierarchical_context_parallel_sizes: expected [P_intra, P_inter], got {sizes!r}")
-    for key, value in zip(("hsap_intra_size", "hsap_inter_size"), sizes):
-        if key in raw and raw[key] != value:
-            raise ConfigError(f"parallel.hierarchical_context_parallel_sizes: {sizes} contradicts "
-                              f"parallel.{key}: {raw[key]}; give the sizes once")
-        raw[key] = value
-    return raw
-
-
-def _unknown(keys: set[str], allowed: set[str], prefix: str) -> None:
-    for key in sorted(keys - allowed):
-        close = difflib.get_close_matches(key, sorted(allowed), n=1)
-        hint = f"; did you mean {prefix}{close[0]}?" if close else f"; known keys: {sorted(allowed)}"
-        raise ConfigError(f"{prefix}{key}: unknown key{hint}")
-
-
-def _build(cls: type, raw: Mapping[str, Any], section: str) -> Any:
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in fields(cls)}
-    _unknown(set(raw), names, f"{section}.")
-    kwargs = {}
-    for f in fields(cls):
-        if f.name not in raw:
-            continue
-        kwargs[f.name] = _coerce(raw[f.name], hints[f.name], f"{section}.{f.name}")
-    try:
-        return cls(**kwargs)
-    except TypeError as exc:  # a required field is missing
-        missing = re.findall(r"'(\w+)'", str(exc))
-        raise ConfigError(f"{section}.{missing[0] if missing else '?'}: required key missing") from exc
-
-
-def _coerce(value: Any, hint: Any, key: str) -> Any:
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        (hint,) = [a for a in args if a is not type(None)]
-        return _coerce(value, hint, key)
-    if origin is tuple:
-        items = [value] if isinstance(value, str) else value
-        if not isinstance(items, list):
-            raise ConfigError(f"{key}: expected a list, got {value!r}")
-        return tuple(str(v) for v in items)
-    if isinstance(hint, type) and issubclass(hint, enum.Enum):
-        by_lower = {m.value.lower(): m for m in hint}
-        if isinstance(value, str) and value.lower() in by_lower:
-            return by_lower[value.lower()]
-        raise ConfigError(f"{key}: {value!r} is not one of {[m.value for m in hint]}")
-    if hint is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{key}: expected true or false, got {value!r}")
-        return value
-    if hint is int:
-        if key.rsplit(".", 1)[-1] in _TOKEN_FIELDS:
-            return parse_tokens(value, key)
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise ConfigError(f"{key}: expected an integer, got {value!r}")
-        return value
-    if hint is float:
-        if not isinstance(value, (int, float)) or isinstance(value, bool):
-            raise ConfigError(f"{key}: expected a number, got {value!r}")
-        return float(value)
-    if hint is str:
-        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
-            raise ConfigError(f"{key}: expected a string, got {value!r}")
-        return str(value)
-    raise ConfigError(f"{key}: unsupported type {hint}")  # pragma: no cover - schema bug
+    return build(data, source=source)

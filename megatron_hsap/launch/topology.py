@@ -138,7 +138,11 @@ def _describe(topo: TopologyMap, kind: str, n: int, ranks: Sequence[int]) -> str
 def check_topology(topo: TopologyMap, *, inter_link: InterLink | str = InterLink.AUTO,
                    gpus_per_node: int | None = None) -> tuple[str, ...]:
     """Raise ``ConfigError`` when the map contradicts the config; return warnings otherwise."""
-    link = InterLink(inter_link)
+    try:
+        link = InterLink(inter_link)
+    except ValueError:
+        raise ConfigError(f"parallel.inter_link: {inter_link!r} is not one of "
+                          f"{[m.value for m in InterLink]}") from None
     per_host: dict[str, int] = {}
     for p in topo.placements:
         per_host[p.host] = per_host.get(p.host, 0) + 1

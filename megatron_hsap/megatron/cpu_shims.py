@@ -11,7 +11,9 @@ megatron-core ``GPTModel`` built with ``use_cpu_initialization=True`` trains und
 - ``GlobalMemoryBuffer.get_tensor`` allocates on the current CUDA device;
 - ``transformer.utils.get_default_causal_mask`` builds its mask with ``device="cuda"``;
 - the CUDA RNG tracker (``fork()`` seeds a CUDA generator): replaced by a tracker whose
-  ``fork()`` uses a CPU generator per name, so dropout regions stay reproducible.
+  ``fork()`` uses a CPU generator per name, so dropout regions stay reproducible;
+- activation recompute (``tensor_parallel.checkpoint``) saves and restores the CUDA generator's
+  state: on CPU there is none to save, so those two calls become no-ops.
 
 ``install()`` is idempotent and can be undone with ``uninstall()`` (tests use it as a context).
 """
@@ -135,6 +137,11 @@ def _get_rng_tracker(*args: Any, **kwargs: Any) -> CPURNGStatesTracker:
     return _TRACKER
 
 
+def _no_cuda_rng_state(*args: Any, **kwargs: Any) -> None:
+    del args, kwargs
+    return None
+
+
 def _targets() -> list[tuple[Any, str, Callable[..., Any]]]:
     from megatron.core import utils as core_utils
     from megatron.core.models.common.embeddings import rope_utils, rotary_pos_embedding
@@ -148,6 +155,8 @@ def _targets() -> list[tuple[Any, str, Callable[..., Any]]]:
         (core_utils.GlobalMemoryBuffer, "get_tensor", _memory_buffer_get_tensor),
         (transformer_utils, "get_default_causal_mask", _default_causal_mask),
         (tp_random, "get_cuda_rng_tracker", _get_rng_tracker),
+        (tp_random, "_get_cuda_rng_state", _no_cuda_rng_state),
+        (tp_random, "_set_cuda_rng_state", _no_cuda_rng_state),
     ]
     # Modules that imported the names before the patch hold their own references.
     import megatron.core.tensor_parallel as tp_pkg

@@ -29,7 +29,7 @@ from typing import Any
 import torch.distributed as dist
 
 from megatron_hsap.errors import ConfigError, RuntimeMismatchError
-from megatron_hsap.runtime.groups import HSAPGroups, hierarchical_rank_lists, validate_hsap_sizes
+from megatron_hsap.runtime.groups import HSAPGroups, hierarchical_rank_lists, positive_int, validate_hsap_sizes
 
 __all__ = [
     "NodeCheck",
@@ -224,8 +224,7 @@ def _resolve_tp_size(tp_size: int | None, mpu: ModuleType | None) -> int:
         meg_tp = mpu.get_tensor_model_parallel_world_size()
     if tp_size is None:
         return 1 if meg_tp is None else int(meg_tp)
-    if not isinstance(tp_size, int) or isinstance(tp_size, bool) or tp_size < 1:
-        raise ConfigError(f"tp_size must be a positive integer, got {tp_size!r}")
+    tp_size = positive_int("tp_size", tp_size)
     if meg_tp is not None and tp_size != meg_tp:
         raise ConfigError(
             f"tp_size={tp_size} but Megatron's --tensor-model-parallel-size is {meg_tp}; "
@@ -238,15 +237,15 @@ def _check_gpus_per_node(tp: int, intra_size: int, cp_size: int, gpus_per_node: 
     """CP ranks are spaced by TP, so an intra group covers TP × P_intra consecutive GPUs."""
     if gpus_per_node is None:
         return
-    if not isinstance(gpus_per_node, int) or isinstance(gpus_per_node, bool) or gpus_per_node < 1:
-        raise ConfigError(f"gpus_per_node must be a positive integer, got {gpus_per_node!r}")
+    positive_int("gpus_per_node", gpus_per_node)
     if gpus_per_node % (tp * intra_size):
         valid = [p for p in range(1, cp_size + 1) if cp_size % p == 0 and gpus_per_node % (tp * p) == 0]
         raise ConfigError(
             f"tensor-parallel size × intra_size = {tp} × {intra_size} = {tp * intra_size} does not "
             f"divide gpus_per_node={gpus_per_node}, so an intra (all-to-all) group would span nodes; "
-            f"change intra_size (P_intra) to one of {valid} (adjusting inter_size so the product "
-            f"stays {cp_size}) or --tensor-model-parallel-size"
+            f"change intra_size (P_intra, first of --hierarchical-context-parallel-sizes) to one of "
+            f"{valid}, adjusting inter_size so the product stays {cp_size}, or "
+            "--tensor-model-parallel-size"
         )
 
 
@@ -290,8 +289,9 @@ def _node_check(
         return
     message = (
         f"{len(problems)} intra (all-to-all) group(s) span hosts: " + "; ".join(problems[:8])
-        + f". Lower intra_size (P_intra = {intra_size}) so tensor-parallel size × P_intra divides "
-        "the GPUs per node, or place ranks node-major; node_check='warn' runs anyway (slowly)"
+        + f". Lower intra_size (P_intra = {intra_size}, first of --hierarchical-context-parallel-sizes) "
+        "so tensor-parallel size × P_intra divides the GPUs per node, or place ranks node-major; "
+        "node_check='warn' (--hsap-node-check warn) runs anyway, with all-to-alls over the network"
     )
     if mode is NodeCheck.ERROR:
         raise ConfigError(message)

@@ -111,13 +111,30 @@ def build_tiny_gpt(config: Any, layer_spec: Any, *, seed: int, vocab_size: int, 
     )
 
 
+def _grad_norm(model: Any, tp_group: Any) -> float:
+    """Global gradient 2-norm: tensor-parallel shards summed over ``tp_group``, duplicates once."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+
+    tp = dist.get_world_size(tp_group) if tp_group is not None else 1
+    sq = torch.zeros((), dtype=torch.float64)
+    for p in model.parameters():
+        if p.grad is not None and (tp == 1 or param_is_not_tensor_parallel_duplicate(p)):
+            sq += p.grad.double().pow(2).sum()
+    if tp > 1:
+        dist.all_reduce(sq, group=tp_group)
+    return float(sq.sqrt().item())
+
+
 def train_step(model: Any, optimizer: Any, inputs: dict[str, Any], *, num_loss_tokens: int, grad_group: Any,
-               real_tokens: int) -> StepResult:
+               real_tokens: int, tp_group: Any = None) -> StepResult:
     """Forward, backward, gradient all-reduce (sum over ``grad_group``), optimizer step.
 
     ``inputs``: ``tokens``, ``position_ids``, ``labels``, ``loss_mask`` (``[1, t]``) and
     ``packed_seq_params`` for this rank. Each rank backpropagates ``Σ loss_mask·loss / N`` with the
     *global* ``N = num_loss_tokens``, so the summed gradients are those of the global mean loss.
+    ``grad_group`` is the data×context group; ``tp_group`` only enters the reported grad norm.
     """
     import torch
     import torch.distributed as dist
@@ -140,7 +157,7 @@ def train_step(model: Any, optimizer: Any, inputs: dict[str, Any], *, num_loss_t
     for g in grads:
         g.copy_(flat[offset : offset + g.numel()].view_as(g))
         offset += g.numel()
-    grad_norm = float(flat.double().norm().item())
+    grad_norm = _grad_norm(model, tp_group)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return StepResult(

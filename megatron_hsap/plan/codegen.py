@@ -105,27 +105,31 @@ def phase_messages(units: list[Unit], phase: Phase, shape: HeadShape) -> list[Me
 _RESULT_WIRES = {Phase.FWD: (Wire.O, Wire.LSE), Phase.BWD: (Wire.DQ, Wire.DKV)}
 
 
-class _Pool:
-    """First-fit allocator over (event-step interval, byte range) for one rank."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self.live: list[tuple[int, int, int, int]] = []  # (offset, end, t0, t1)
-        self.peak = 0
-
-    def alloc(self, nbytes: int, t0: int, t1: int) -> Slot:
+def _first_fit(requests: list[tuple[int, int, int, int]], capacity: int) -> tuple[dict[int, Slot], int]:
+    """Allocate ``(t0, t1, nbytes, key)`` requests (closed event-step lifetimes) first-fit by
+    offset, in order of start time: an entry dead before the current start can never overlap a
+    later request, so the live list stays short. Returns ({key: slot}, peak bytes)."""
+    slots: dict[int, Slot] = {}
+    live: list[tuple[int, int, int]] = []  # (offset, end, t1), sorted by offset
+    peak = 0
+    for t0, t1, nbytes, key in sorted(requests, key=lambda r: (r[0], -r[2], r[3])):
+        live = [e for e in live if e[2] >= t0]
         size = -(-nbytes // ALIGN) * ALIGN
-        busy = sorted((o, e) for o, e, s0, s1 in self.live if not (s1 < t0 or t1 < s0))
         off = 0
-        for o, e in busy:
+        pos = 0
+        for pos, (o, e, _) in enumerate(live):
             if off + size <= o:
                 break
             off = max(off, e)
-        if off + size > self.capacity:
-            raise PoolOverflow(f"needs {off + size} bytes > capacity {self.capacity}")
-        self.live.append((off, off + size, t0, t1))
-        self.peak = max(self.peak, off + size)
-        return Slot(off, nbytes)
+        else:
+            pos = len(live)
+        if off + size > capacity:
+            raise PoolOverflow(f"needs {off + size} bytes > capacity {capacity}")
+        live.insert(pos, (off, off + size, t1))
+        live.sort()
+        peak = max(peak, off + size)
+        slots[key] = Slot(off, nbytes)
+    return slots, peak
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,23 +140,52 @@ class PhaseCode:
     pool_peak: tuple[int, ...]  # bytes per rank
 
 
-def generate(units: list[Unit], phase: Phase, size: int, shape: HeadShape, capacity: int, round_base: int) -> PhaseCode:
-    """Emit every rank's program for one phase. Raises ``PoolOverflow`` when slots do not fit."""
+def generate(units: list[Unit], phase: Phase, size: int, shape: HeadShape, capacity: int, round_base: int,
+             msgs: list[Message] | None = None) -> PhaseCode:
+    """Emit every rank's program for one phase. Raises ``PoolOverflow`` when slots do not fit.
+
+    Slot lifetimes in event steps (``post k`` = 2k, ``wait k`` = 2k + 1): an input received in
+    round k (for stage k + 1) lives [2k, 2k + 3]; a result computed at stage k lives [2k, 2k + 3]
+    (sent in round k + 1); a result received in round k lives [2k, 2k + 1] (merged after the wait).
+    """
     stages = 1 + max((u.stage for u in units), default=0)
-    msgs = phase_messages(units, phase, shape)
-    pools = [_Pool(capacity) for _ in range(size)]
-    recv_slot: dict[tuple, Slot] = {}  # (dst, round, src, wire, tokens) -> slot
-    for m in msgs:
-        k = m.round
-        if m.wire in _RESULT_WIRES[phase]:
-            life = (2 * k, 2 * k + 1)  # merged right after the wait
-        else:
-            life = (2 * k, 2 * k + 3)  # used by the compute of stage k + 1
-        recv_slot[(m.dst, k, m.src, m.wire, m.tokens, m.part)] = pools[m.dst].alloc(m.nbytes, *life)
-    out_slot: dict[tuple, Slot] = {}  # (rank, stage, wire, q/kv tokens) -> result slot
+    if msgs is None:
+        msgs = phase_messages(units, phase, shape)
+    results = _RESULT_WIRES[phase]
     q_wires, kv_wires = _INPUTS[phase]
+    requests: list[list[tuple[int, int, int, int]]] = [[] for _ in range(size)]
+    for idx, m in enumerate(msgs):
+        k = m.round
+        life = (2 * k, 2 * k + 1) if m.wire in results else (2 * k, 2 * k + 3)
+        requests[m.dst].append((life[0], life[1], m.nbytes, idx))
+    order = sorted(range(len(units)), key=lambda i: (units[i].rank, units[i].stage, units[i].rank == units[i].q_owner,
+                                                     units[i].q.start, units[i].kv.start))
+    out_keys: list[tuple[int, Wire, TokenRange]] = []  # per result slot: (unit index, wire, rows)
+    base = len(msgs)
+    for i in order:
+        u = units[i]
+        k = u.stage
+        for w in results:
+            owner = u.kv_owner if w is Wire.DKV else u.q_owner
+            if u.rank != owner:
+                toks = u.kv if w is Wire.DKV else u.q
+                requests[u.rank].append((2 * k, 2 * k + 3, shape.nbytes(w, len(toks)), base + len(out_keys)))
+                out_keys.append((i, w, toks))
+    slot_of: dict[int, Slot] = {}
+    peaks = []
+    for r in range(size):
+        got, peak = _first_fit(requests[r], capacity)
+        slot_of.update(got)
+        peaks.append(peak)
+    recv_slot: dict[tuple, Slot] = {}  # (dst, round, src, wire, tokens, part) -> slot
+    for idx, m in enumerate(msgs):
+        recv_slot[(m.dst, m.round, m.src, m.wire, m.tokens, m.part)] = slot_of[idx]
+    unit_out: dict[tuple[int, Wire], Slot] = {(i, w): slot_of[base + j] for j, (i, w, _) in enumerate(out_keys)}
     by_rank_stage: dict[tuple[int, int], list[ComputeItem]] = defaultdict(list)
-    for u in sorted(units, key=lambda u: (u.rank, u.stage, u.rank == u.q_owner, u.q.start, u.kv.start)):
+    # result sends read the slots their blocks wrote, matched in canonical order
+    result_src: dict[tuple, list[Slot]] = defaultdict(list)
+    for i in order:
+        u = units[i]
         k, r = u.stage, u.rank
         srcs: list[tuple[Wire, Slot | None]] = []
         for w in q_wires:
@@ -160,28 +193,17 @@ def generate(units: list[Unit], phase: Phase, size: int, shape: HeadShape, capac
         for w in kv_wires:
             srcs.append((w, None if r == u.kv_owner else recv_slot[(r, k - 1, u.kv_owner, w, u.kv, 0)]))
         dsts: list[tuple[Wire, Slot | None]] = []
-        result_wires = ((Wire.O, u.q), (Wire.LSE, u.q)) if phase is Phase.FWD else ((Wire.DQ, u.q), (Wire.DKV, u.kv))
-        for w, toks in result_wires:
-            owner = u.kv_owner if w is Wire.DKV else u.q_owner
-            if r == owner:
-                dsts.append((w, None))
-            else:
-                slot = pools[r].alloc(shape.nbytes(w, len(toks)), 2 * k, 2 * k + 3)
-                out_slot[(r, k, w, toks, id(u))] = slot
-                dsts.append((w, slot))
-        item = ComputeItem(q=u.q, kv=u.kv, causal=u.causal, srcs=tuple(srcs), dsts=tuple(dsts))
-        by_rank_stage[(r, k)].append(item)
-    # Result sends read the slot their block wrote; match messages to blocks in canonical order.
-    result_src: dict[tuple, list[Slot]] = defaultdict(list)
-    for (r, k, w, toks, _), slot in sorted(out_slot.items(), key=lambda kv: (kv[0][0], kv[0][1], _WIRE_ORDER[kv[0][2]], kv[0][3])):
-        result_src[(r, k + 1, w, toks)].append(slot)
+        for w in results:
+            slot = unit_out.get((i, w))
+            dsts.append((w, slot))
+            if slot is not None:
+                result_src[(r, k + 1, w, u.kv if w is Wire.DKV else u.q)].append(slot)
+        by_rank_stage[(r, k)].append(ComputeItem(q=u.q, kv=u.kv, causal=u.causal, srcs=tuple(srcs), dsts=tuple(dsts)))
     per_rank_round: dict[tuple[int, int], list[Send | Recv]] = defaultdict(list)
     post_merge: dict[tuple[int, int], list[Instr]] = defaultdict(list)
     for m in msgs:
         k = m.round
-        src_slot = None
-        if m.wire in _RESULT_WIRES[phase]:
-            src_slot = result_src[(m.src, k, m.wire, m.tokens)].pop(0)
+        src_slot = result_src[(m.src, k, m.wire, m.tokens)].pop(0) if m.wire in results else None
         dst = recv_slot[(m.dst, k, m.src, m.wire, m.tokens, m.part)]
         per_rank_round[(m.src, k)].append(Send(m.wire, m.tokens, m.dst, m.nbytes, src_slot))
         per_rank_round[(m.dst, k)].append(Recv(m.wire, m.tokens, m.src, m.nbytes, dst))
@@ -204,9 +226,4 @@ def generate(units: list[Unit], phase: Phase, size: int, shape: HeadShape, capac
                 instrs.append(Wait(round_base + k))
             instrs.extend(post_merge.get((r, k), ()))
         programs.append(Program(rank=r, phase=phase, instrs=tuple(instrs)))
-    return PhaseCode(
-        programs=tuple(programs),
-        messages=tuple(msgs),
-        rounds=stages + 1,
-        pool_peak=tuple(p.peak for p in pools),
-    )
+    return PhaseCode(programs=tuple(programs), messages=tuple(msgs), rounds=stages + 1, pool_peak=tuple(peaks))

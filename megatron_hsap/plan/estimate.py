@@ -1,9 +1,12 @@
 """The estimated time of a staged plan and its lower bounds (DESIGN §4).
 
 Per phase and stage ``k``: the slowest rank's ``max(compute of stage k, transfer of round k)``
-plus the round's latency (round ``k`` overlaps stage ``k``; the last round returns results with
-nothing to hide behind). A rank's transfer time in a round is max(bytes sent, bytes received) /
-bandwidth (full-duplex links).
+plus the round's latency when the round moves anything (round ``k`` overlaps stage ``k``; the last
+round returns results with nothing to hide behind). A rank's transfer time in a round is
+max(bytes sent, bytes received) / bandwidth (full-duplex links).
+
+``quick_price`` computes the same number straight from staged blocks (no messages, no slots) so
+the planner can price many candidate stagings and generate code for the winner only.
 """
 
 from __future__ import annotations
@@ -15,10 +18,12 @@ import numpy as np
 from megatron_hsap.plan.codegen import Message
 from megatron_hsap.plan.costs import HeadShape
 from megatron_hsap.plan.hardware import Hardware, LinkClass
-from megatron_hsap.plan.ir import Unit
+from megatron_hsap.plan.ir import Unit, Wire
+from megatron_hsap.plan.placement import Prices
+from megatron_hsap.plan.schedule import Staging
 from megatron_hsap.plan.units import WorkUnit
 
-__all__ = ["PhaseTime", "phase_time", "necessary_traffic", "lower_bounds"]
+__all__ = ["PhaseTime", "phase_time", "quick_price", "price_staging", "necessary_traffic", "lower_bounds"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +35,14 @@ class PhaseTime:
     work: np.ndarray  # [P] pairs per rank
     sent: np.ndarray  # [P] bytes
     recv: np.ndarray  # [P] bytes
+
+
+def _total(comp: np.ndarray, sent: np.ndarray, recv: np.ndarray, bw: float, latency: float) -> tuple[float, float]:
+    """(phase seconds, latency seconds) from [P, rounds] compute seconds and bytes."""
+    xfer = np.maximum(sent, recv) / bw
+    per_stage = np.maximum(comp, xfer).max(axis=0)
+    lat = float((sent.sum(axis=0) > 0).sum() * latency)
+    return float(per_stage.sum()) + lat, lat
 
 
 def phase_time(units: list[Unit], msgs: list[Message] | tuple[Message, ...], size: int, sec_per_pair: float, bw: float, latency: float) -> PhaseTime:
@@ -45,14 +58,11 @@ def phase_time(units: list[Unit], msgs: list[Message] | tuple[Message, ...], siz
     for m in msgs:
         sent[m.src, m.round] += m.nbytes
         recv[m.dst, m.round] += m.nbytes
-    xfer = np.maximum(sent, recv) / bw
-    per_stage = np.maximum(comp, xfer).max(axis=0)
-    active = (sent.sum(axis=0) > 0).astype(float)
-    lat = float((active * latency).sum())
+    total, lat = _total(comp, sent, recv, bw, latency)
     return PhaseTime(
-        total=float(per_stage.sum() + lat),
+        total=total,
         compute=comp.max(axis=0),
-        transfer=xfer.max(axis=0),
+        transfer=(np.maximum(sent, recv) / bw).max(axis=0),
         latency=lat,
         work=work,
         sent=sent.sum(axis=1),
@@ -60,21 +70,84 @@ def phase_time(units: list[Unit], msgs: list[Message] | tuple[Message, ...], siz
     )
 
 
+def _traffic(units, size: int, n: int, pr: Prices) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Bytes sent/received per [rank, round], forward and backward, of staged remote ``units``
+    (inputs deduplicated per rank, stage and range, as ``codegen.phase_messages`` does)."""
+    sf = np.zeros((size, n))
+    rf = np.zeros((size, n))
+    sb = np.zeros((size, n))
+    rb = np.zeros((size, n))
+    seen: set[tuple] = set()
+    q, q_bwd, o_lse, dq, kv, dkv = pr.q, pr.q_bwd, pr.o_lse, pr.dq, pr.kv, pr.dkv
+    for u in units:
+        r, k = u.rank, u.stage
+        if r != u.q_owner:
+            a = u.q_owner
+            nq = u.q.stop - u.q.start
+            key = (r, k, a, 0, u.q.start, u.q.stop)
+            if key not in seen:
+                seen.add(key)
+                sf[a, k - 1] += nq * q
+                rf[r, k - 1] += nq * q
+                sb[a, k - 1] += nq * q_bwd
+                rb[r, k - 1] += nq * q_bwd
+            sf[r, k + 1] += nq * o_lse
+            rf[a, k + 1] += nq * o_lse
+            sb[r, k + 1] += nq * dq
+            rb[a, k + 1] += nq * dq
+        if r != u.kv_owner:
+            c = u.kv_owner
+            nk = u.kv.stop - u.kv.start
+            key = (r, k, c, 1, u.kv.start, u.kv.stop)
+            if key not in seen:
+                seen.add(key)
+                sf[c, k - 1] += nk * kv
+                rf[r, k - 1] += nk * kv
+                sb[c, k - 1] += nk * kv
+                rb[r, k - 1] += nk * kv
+            sb[r, k + 1] += nk * dkv
+            rb[c, k + 1] += nk * dkv
+    return sf, rf, sb, rb
+
+
+def quick_price(units: list[Unit], size: int, pr: Prices, latency: float) -> tuple[float, float]:
+    """(forward, backward) estimated seconds of staged ``units``; equals ``phase_time`` over the
+    messages ``codegen.phase_messages`` would emit."""
+    n = 2 + max((u.stage for u in units), default=0)
+    work = np.zeros((size, n))
+    for u in units:
+        work[u.rank, u.stage] += u.work
+    sf, rf, sb, rb = _traffic([u for u in units if not (u.rank == u.q_owner == u.kv_owner)], size, n, pr)
+    fwd, _ = _total(work * pr.sec_fwd, sf, rf, pr.bw, latency)
+    bwd, _ = _total(work * pr.sec_bwd, sb, rb, pr.bw, latency)
+    return fwd, bwd
+
+
+def price_staging(st: Staging, size: int, pr: Prices, latency: float) -> float:
+    """Forward + backward estimated seconds of a staging, its local blocks counted by budget
+    (pouring them splits at row granularity, which moves a stage's work by at most one row)."""
+    n = st.stages + 1
+    work = np.zeros((size, n))
+    work[:, : st.stages] = st.remote_work + st.local_budget
+    sf, rf, sb, rb = _traffic(st.remote, size, n, pr)
+    fwd, _ = _total(work * pr.sec_fwd, sf, rf, pr.bw, latency)
+    bwd, _ = _total(work * pr.sec_bwd, sb, rb, pr.bw, latency)
+    return fwd + bwd
+
+
 def necessary_traffic(units: list[WorkUnit], shape: HeadShape) -> tuple[int, int]:
     """Forward and backward bytes that must move with no balancing at all (DESIGN §4)."""
-    from megatron_hsap.plan.ir import Wire
-
     b = shape.token_bytes
     fwd = bwd = 0
+    kv_f, q_f = b(Wire.KV), b(Wire.Q) + b(Wire.O) + b(Wire.LSE)
+    kv_b = b(Wire.KV) + b(Wire.DKV)
+    q_b = b(Wire.Q) + b(Wire.DO) + b(Wire.LSE) + b(Wire.DELTA) + b(Wire.DQ)
     for u in units:
         if u.q_owner == u.kv_owner:
             continue
         nq, nk = len(u.q), len(u.kv)
-        fwd += min(nk * b(Wire.KV), nq * (b(Wire.Q) + b(Wire.O) + b(Wire.LSE)))
-        bwd += min(
-            nk * (b(Wire.KV) + b(Wire.DKV)),
-            nq * (b(Wire.Q) + b(Wire.DO) + b(Wire.LSE) + b(Wire.DELTA) + b(Wire.DQ)),
-        )
+        fwd += min(nk * kv_f, nq * q_f)
+        bwd += min(nk * kv_b, nq * q_b)
     return fwd, bwd
 
 

@@ -11,12 +11,12 @@ import numpy as np
 from megatron_hsap.errors import ConfigError
 from megatron_hsap.plan.codegen import Message, PhaseCode, PoolOverflow, generate, phase_messages
 from megatron_hsap.plan.costs import HeadShape
-from megatron_hsap.plan.estimate import PhaseTime, lower_bounds, necessary_traffic, phase_time
+from megatron_hsap.plan.estimate import PhaseTime, phase_time, price_staging
 from megatron_hsap.plan.hardware import A100, HARDWARE, Hardware, LinkClass, link_class_for
 from megatron_hsap.plan.ir import Compute, Phase, Program, TokenRange, Unit
 from megatron_hsap.plan.layout import Batch, Layout, check_size, contiguous_layout, validate_layout
 from megatron_hsap.plan.placement import Placement, Prices, balance, min_traffic, owner_computes
-from megatron_hsap.plan.schedule import assign_stages
+from megatron_hsap.plan.schedule import Split, Staging, stage, stage_shapes
 from megatron_hsap.plan.units import Piece, WorkUnit, build_units
 
 __all__ = ["Plan", "PlanOptions", "compile_plan", "kv_heads_per_rank"]
@@ -60,7 +60,8 @@ class PlanOptions:
     tp_size: int = 1
     gpus_per_node: int = 8
     hardware: str = "a100"
-    allow_helpers: bool = True  # move whole local blocks to a third rank when it pays
+    allow_helpers: bool = True  # move bands of local blocks to a third rank when it pays
+    placement: str = "auto"  # "auto" (lowest estimated time), "owner-computes" or "min-traffic"
 
     def validate(self) -> "PlanOptions":
         for name in ("inter_size", "intra_size", "num_heads", "head_dim", "dtype_bytes", "pad_multiple", "tp_size", "gpus_per_node"):
@@ -72,6 +73,8 @@ class PlanOptions:
             raise ConfigError(f"layout={self.layout!r} is unknown; use 'contiguous' or 'balanced'")
         if self.link not in (None, "nvlink", "ib"):
             raise ConfigError(f"link={self.link!r} is unknown; use 'nvlink', 'ib' or None (derived from the CP size)")
+        if self.placement not in ("auto", "owner-computes", "min-traffic"):
+            raise ConfigError(f"placement={self.placement!r} is unknown; use 'auto', 'owner-computes' or 'min-traffic'")
         if self.hardware not in HARDWARE:
             raise ConfigError(f"hardware={self.hardware!r} is unknown; choose one of {sorted(HARDWARE)}")
         return self
@@ -217,28 +220,51 @@ class Plan:
                           head_dim_v=head_dim_v, dtype_bytes=dtype_bytes)
 
 
-def _stage_candidate(name: str, pl: Placement, size: int, pr: Prices, shape: HeadShape, capacity: int,
-                     hw: Hardware, link: LinkClass, budget: float, codegen: bool) -> _Candidate | None:
-    """Stage a placement and price it; with ``codegen``, also emit programs, halving the per-stage
-    pool budget until every rank's slots fit (None if even one-row blocks cannot fit)."""
-    placed = pl.placed()
-    lat = hw.latency(link)
-    for _ in range(16):
-        units = assign_stages(placed, size, pr, budget)
-        fwd_msgs = phase_messages(units, Phase.FWD, shape)
-        bwd_msgs = phase_messages(units, Phase.BWD, shape)
-        fwd = bwd = None
-        if codegen:
-            try:
-                fwd = generate(units, Phase.FWD, size, shape, capacity, 0)
-                bwd = generate(units, Phase.BWD, size, shape, capacity, fwd.rounds)
-            except PoolOverflow:
-                budget /= 2
-                continue
-        ft = phase_time(units, fwd_msgs, size, pr.sec_fwd, pr.bw, lat)
-        bt = phase_time(units, bwd_msgs, size, pr.sec_bwd, pr.bw, lat)
-        return _Candidate(name, tuple(units), fwd, bwd, ft, bt, budget)
-    return None
+_BUDGET_FRACTION = 0.45  # per-stage remote pool use: two stages' inputs and results live at once
+_TRAFFIC_BUDGETS = (0.3, 0.6, 1.2)  # balanced candidates: traffic per phase vs compute time
+
+
+def _best_staging(split: Split, pr: Prices, lat: float, budget: float) -> tuple[float, Staging]:
+    """Stage ``split`` under every candidate shape; keep the lowest price."""
+    best: tuple[float, Staging] | None = None
+    for shp in stage_shapes(split, pr, budget):
+        try:
+            st = stage(split, pr, shp, budget)
+        except ValueError:
+            continue
+        t = price_staging(st, split.size, pr, lat)
+        if best is None or t < best[0] * (1 - 1e-12):
+            best = (t, st)
+    assert best is not None
+    return best
+
+
+def _build(name: str, units: list[Unit], size: int, shape: HeadShape, capacity: int, pr: Prices, lat: float, budget: float) -> _Candidate:
+    """Messages, programs, slots and exact prices of one staged placement (``PoolOverflow`` if the
+    slots do not fit)."""
+    units = sorted(units, key=lambda u: (u.rank, u.stage, u.rank == u.q_owner, u.q.start, u.kv.start))
+    fwd_msgs = phase_messages(units, Phase.FWD, shape)
+    bwd_msgs = phase_messages(units, Phase.BWD, shape)
+    fwd = generate(units, Phase.FWD, size, shape, capacity, 0, fwd_msgs)
+    bwd = generate(units, Phase.BWD, size, shape, capacity, fwd.rounds, bwd_msgs)
+    ft = phase_time(units, fwd_msgs, size, pr.sec_fwd, pr.bw, lat)
+    bt = phase_time(units, bwd_msgs, size, pr.sec_bwd, pr.bw, lat)
+    return _Candidate(name, tuple(units), fwd, bwd, ft, bt, budget)
+
+
+def _placements(units: list[WorkUnit], size: int, pr: Prices, allow_helpers: bool) -> dict[str, Placement]:
+    owner = owner_computes(units, size, pr)
+    out = {"owner-computes": owner}
+    if size == 1 or not units:
+        return out
+    mt = min_traffic(units, size, pr)
+    if mt.cut != owner.cut:
+        out["min-traffic"] = mt
+    for beta in _TRAFFIC_BUDGETS:
+        for start in (owner, mt) if "min-traffic" in out else (owner,):
+            pl = balance(start, traffic_budget=beta, allow_helpers=allow_helpers, name=f"{start.name}+balanced@{beta:g}")
+            out[pl.name] = pl
+    return out
 
 
 def compile_plan(cu_seqlens: object, inter_size: int, intra_size: int = 1, *, num_heads: int = 32,
@@ -292,35 +318,70 @@ def _compile_cached(cu: tuple[int, ...], opts: PlanOptions) -> Plan:
     link = LinkClass(opts.link) if opts.link else link_class_for(opts.tp_size * opts.intra_size * size, opts.gpus_per_node)
     capacity = opts.pool_bytes or DEFAULT_POOL_CHUNKS * layout.chunk_tokens * shape.chunk_token_bytes
     pr = Prices.of(shape, hw, hw.bandwidth(link))
+    lat = hw.latency(link)
     pieces, units = build_units(batch, layout)
-    starts = {"owner-computes": owner_computes(units, size, pr), "min-traffic": min_traffic(units, size, pr)}
-    starts["owner-computes+balanced"] = balance(starts["owner-computes"], pr, allow_helpers=opts.allow_helpers)
-    starts["min-traffic+balanced"] = balance(starts["min-traffic"], pr, allow_helpers=opts.allow_helpers)
-    budget = capacity / 4
-    cands = {}
-    alternatives: dict[str, float] = {}
-    for name, pl in starts.items():
-        cand = _stage_candidate(name, pl, size, pr, shape, capacity, hw, link, budget, codegen=False)
-        if cand is not None:
-            cands[name] = cand
-            alternatives[name] = cand.time
-    owner_time = cands["owner-computes"].time
-    # Emit programs for the best estimate; if its slots only fit with a smaller per-stage budget,
-    # re-price it at that budget and let the others compete again (owner-computes always fits).
-    best = None
-    while cands:
-        name = min(cands, key=lambda n: (cands[n].time, n != "owner-computes"))
-        cand = cands.pop(name)
-        built = _stage_candidate(name, starts[name], size, pr, shape, capacity, hw, link, cand.budget, codegen=True)
-        if built is None:
+    placements = _placements(units, size, pr, opts.allow_helpers)
+    if opts.placement != "auto":
+        placements = {n: pl for n, pl in placements.items() if n in (opts.placement, "owner-computes")}
+        if opts.placement not in placements:  # min-traffic equals owner-computes on this batch
+            placements[opts.placement] = placements["owner-computes"]
+    budget = capacity * _BUDGET_FRACTION
+    # Stage placements in order of their surrogate (a lower bound of the staged estimate: per rank
+    # and phase max(compute, traffic)); stop once no remaining one can beat the best estimate.
+    order = sorted(placements, key=lambda n: (placements[n].surrogate(), n != opts.placement, n != "owner-computes", n))
+    priced: dict[str, tuple[float, Split, Staging]] = {}
+    seen: set[tuple] = set()
+    best_t = float("inf")
+    for name in order:
+        pl = placements[name]
+        if name != "owner-computes" and pl.surrogate() >= best_t:
             continue
-        if built.budget == cand.budget or not cands or built.time <= min(c.time for c in cands.values()):
-            best = built
-            break
-        cands[name] = built
+        if opts.placement != "auto" and name != opts.placement:
+            continue
+        key = (tuple(pl.cut), tuple(pl.home), tuple(map(tuple, pl.bands)))
+        if key in seen:
+            continue
+        seen.add(key)
+        split = Split.of(pl.placed(), size)
+        t, st = _best_staging(split, pr, lat, budget)
+        priced[name] = (t, split, st)
+        best_t = min(best_t, t)
+    alternatives = {n: v[0] for n, v in priced.items()}
+    owner_time = alternatives.get("owner-computes", float("nan"))
+    # Generate code for the best estimate; if its slots do not fit, halve its per-stage budget
+    # and let it compete again (owner-computes, at worst one row per stage, fits any sane pool).
+    best: _Candidate | None = None
+    budgets = {n: budget for n in priced}
+    while priced:
+        name = min(priced, key=lambda n: (priced[n][0], n != "owner-computes"))
+        t, split, st = priced[name]
+        try:
+            cand = _build(name, st.units(), size, shape, capacity, pr, lat, budgets[name])
+        except PoolOverflow:
+            budgets[name] /= 2
+            if budgets[name] < 64:
+                del priced[name]
+                continue
+            t2, st2 = _best_staging(split, pr, lat, budgets[name])
+            priced[name] = (t2, split, st2)
+            alternatives[name] = t2
+            if name == "owner-computes":
+                owner_time = t2
+            continue
+        best = cand
+        break
+    if best is not None and best.name != "owner-computes" and "owner-computes" in priced and best.time >= owner_time:
+        # the quick price of the winner was optimistic by a row's worth: compare exactly
+        _, split, st = priced["owner-computes"]
+        try:
+            oc = _build("owner-computes", st.units(), size, shape, capacity, pr, lat, budgets["owner-computes"])
+            if oc.time <= best.time:
+                best = oc
+        except PoolOverflow:
+            pass
     if best is None:
         raise ConfigError(
-            f"pool_bytes={capacity} cannot hold even one token row of each wire; raise pool_bytes "
+            f"pool_bytes={capacity} cannot hold the slots of even one token row per stage; raise pool_bytes "
             f"(default {DEFAULT_POOL_CHUNKS} × chunk × heads × (d_qk + d_v) × bytes)"
         )
     return Plan(

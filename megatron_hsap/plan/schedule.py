@@ -1,34 +1,42 @@
-"""Stages (DESIGN §2.1 step 3): order each rank's placed blocks so communication hides behind
-compute.
+"""Stages (DESIGN §2.1 step 3): cut every rank's placed blocks into ``S`` stages so that each stage
+carries the same compute on every rank and its inputs arrive, hidden, during the stage before.
 
-Stage 0 computes only *local* blocks (inputs already on the rank). Round ``k`` is posted at the
-start of stage ``k`` and carries the inputs of stage ``k + 1`` and the results of stage ``k − 1``;
-so every remote block gets a stage ≥ 1. Remote blocks are packed into stages with balanced
-compute (blocks computed for another rank first, so their results start travelling early), and
-local blocks are then poured into the stages by water-filling — split by rows where needed — so
-every stage of a rank carries about the same compute and the per-stage maximum over ranks
-stays close to each rank's total / stages.
+Round ``k`` is posted at the start of stage ``k``; it carries the inputs of stage ``k + 1`` and the
+results of stage ``k − 1``. So stage 0 can only compute *local* blocks (inputs already on the rank),
+and results of the last stage travel in a tail round that nothing hides. With ``S ≥ 3`` stages:
+
+* stages ``1 .. S−2`` take the rank's *remote* blocks (some input or result travels), spread
+  evenly by work and cut so each stage's pool use (inputs + results, backward, the larger phase)
+  stays within ``budget`` bytes — cuts follow the side that travels: q rows of a block computed
+  for its q owner elsewhere, kv columns of a block whose kv is fetched, so no byte moves twice;
+* *local* blocks fill every stage up to a common water level ``λ·w_k`` with weights ``w = (α, 1, …,
+  1, α)``: the first and last stages are local only (they hide the first inputs and the last
+  results), and every stage of the most loaded rank carries the same work, so the sum over stages
+  of the slowest rank's compute equals the slowest rank's total.
+
+Local blocks are split by q rows (a causal block's head rows keep bottom-right alignment).
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import numpy as np
 
 from megatron_hsap.plan.ir import TokenRange, Unit
-from megatron_hsap.plan.placement import Prices
-from megatron_hsap.plan.units import causal_work
+from megatron_hsap.plan.placement import Prices, rows_for_work
 
-__all__ = ["assign_stages", "remote_bytes", "split_rows"]
-
-_MIN_SPLIT_ROWS = 16  # never cut a local block into slivers thinner than this
+__all__ = ["Split", "Staging", "StageShape", "assign_stages", "stage", "footprint", "is_local", "stage_shapes", "split_rows", "split_cols"]
 
 
 def is_local(u: Unit) -> bool:
     return u.rank == u.q_owner == u.kv_owner
 
 
-def remote_bytes(u: Unit, pr: Prices) -> float:
-    """Pool bytes the computing rank needs for ``u`` in backward (the larger phase)."""
+def footprint(u: Unit, pr: Prices) -> float:
+    """Pool bytes ``u`` needs on its rank in backward (the larger phase): received inputs plus
+    fp32 partial results it sends home."""
     total = 0.0
     if u.rank != u.q_owner:
         total += len(u.q) * (pr.q_bwd + pr.dq)
@@ -37,172 +45,322 @@ def remote_bytes(u: Unit, pr: Prices) -> float:
     return total
 
 
-def _result_bytes(u: Unit, pr: Prices) -> list[tuple[int, float]]:
-    """(owner, bytes) of the backward partial results ``u`` sends home (the larger phase)."""
-    out = []
-    if u.rank != u.q_owner:
-        out.append((u.q_owner, len(u.q) * pr.dq))
-    if u.rank != u.kv_owner:
-        out.append((u.kv_owner, len(u.kv) * pr.dkv))
-    return out
-
-
 def split_rows(u: Unit, m: int) -> tuple[Unit, Unit]:
-    """Split ``u`` before global q row ``m``: causal blocks keep bottom-right alignment."""
-    assert u.q.start < m < u.q.stop
+    """Split ``u`` before global q row ``m``: a causal block's head keeps bottom-right alignment."""
+    assert u.q.start < m < u.q.stop, (u, m)
     first_kv = TokenRange(u.kv.start, m) if u.causal else u.kv
     a = Unit(u.doc, TokenRange(u.q.start, m), first_kv, u.causal, u.q_owner, u.kv_owner, u.rank, u.stage)
     b = Unit(u.doc, TokenRange(m, u.q.stop), u.kv, u.causal, u.q_owner, u.kv_owner, u.rank, u.stage)
     return a, b
 
 
-def _split_cols(u: Unit, m: int) -> tuple[Unit, Unit]:
-    assert not u.causal and u.kv.start < m < u.kv.stop
+def split_cols(u: Unit, m: int) -> tuple[Unit, Unit]:
+    """Split a rectangle before global kv row ``m``."""
+    assert not u.causal and u.kv.start < m < u.kv.stop, (u, m)
     a = Unit(u.doc, u.q, TokenRange(u.kv.start, m), False, u.q_owner, u.kv_owner, u.rank, u.stage)
     b = Unit(u.doc, u.q, TokenRange(m, u.kv.stop), False, u.q_owner, u.kv_owner, u.rank, u.stage)
     return a, b
-
-
-def _fit(u: Unit, budget: float, pr: Prices) -> list[Unit]:
-    """Cut a remote block until each part's pool bytes fit ``budget``: along the side that
-    travels (q rows when it runs away from its q owner, kv columns on the q owner)."""
-    need = remote_bytes(u, pr)
-    if need <= budget:
-        return [u]
-    if u.rank == u.q_owner and not u.causal:
-        n = len(u.kv)
-        parts = min(n, int(np.ceil(need / budget)))
-        edges = np.linspace(u.kv.start, u.kv.stop, parts + 1).round().astype(np.int64)
-        out, rest = [], u
-        for e in edges[1:-1].tolist():
-            a, rest = _split_cols(rest, e)
-            out.append(a)
-        return out + [rest]
-    n = len(u.q)
-    if n == 1:
-        return [u]  # cannot cut further; the allocator reports if the pool is too small
-    a, b = split_rows(u, u.q.start + n // 2)
-    return _fit(a, budget, pr) + _fit(b, budget, pr)
-
-
-def _pour(units: list[Unit], budgets: list[float], pr_sec: float) -> list[Unit]:
-    """Distribute local blocks over stages ``0..len(budgets)-1`` by compute budget (seconds)."""
-    out: list[Unit] = []
-    stage = 0
-    left = budgets[0] if budgets else 0.0
-    last = len(budgets) - 1
-    queue = list(units)
-    while queue:
-        u = queue.pop(0)
-        cost = u.work * pr_sec
-        while stage < last and left <= 0:
-            stage += 1
-            left = budgets[stage]
-        if stage == last or cost <= left * 1.0001:
-            out.append(_with_stage(u, stage))
-            left -= cost
-            continue
-        m = _rows_for_work(u, left / pr_sec)
-        if m - u.q.start < _MIN_SPLIT_ROWS or u.q.stop - m < _MIN_SPLIT_ROWS:
-            if left >= cost / 2:  # closer to fit whole here than in the next stage
-                out.append(_with_stage(u, stage))
-                left -= cost
-            else:
-                queue.insert(0, u)
-                stage += 1
-                left = budgets[stage]
-            continue
-        a, b = split_rows(u, m)
-        out.append(_with_stage(a, stage))
-        queue.insert(0, b)
-        stage += 1
-        left = budgets[stage]
-    return out
-
-
-def _rows_for_work(u: Unit, work: float) -> int:
-    """Largest row cut ``m`` whose head part has at most ``work`` pairs (binary search)."""
-    lo, hi = u.q.start, u.q.stop
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        head = causal_work(TokenRange(u.q.start, mid), TokenRange(u.kv.start, mid) if u.causal else u.kv, u.causal)
-        if head <= work:
-            lo = mid
-        else:
-            hi = mid
-    return lo
 
 
 def _with_stage(u: Unit, stage: int) -> Unit:
     return Unit(u.doc, u.q, u.kv, u.causal, u.q_owner, u.kv_owner, u.rank, stage)
 
 
-def assign_stages(placed: list[Unit], size: int, pr: Prices, budget: float) -> list[Unit]:
-    """Give every placed block a stage (splitting blocks as needed); see the module docstring.
-
-    ``budget``: pool bytes one rank may use for the remote blocks of one stage."""
-    sec = pr.sec_fwd + pr.sec_bwd
-    local: list[list[Unit]] = [[] for _ in range(size)]
-    remote: list[list[Unit]] = [[] for _ in range(size)]
-    for u in placed:
-        (local if is_local(u) else remote)[u.rank].append(u)
-    for r in range(size):
-        parts = [p for u in remote[r] for p in _fit(u, budget, pr)]
-        # results for other ranks first (they travel back in the next round), biggest first
-        parts.sort(key=lambda u: (u.rank == u.q_owner, -u.work, u.q.start, u.kv.start))
-        remote[r] = parts
-    counts = [len(x) for x in remote]
-    target = max(counts) if counts else 0
-    staged: list[Unit] = []
-    stage_load = [[0.0] for _ in range(size)]  # compute seconds per stage, stage 0 first
-    # Results a rank receives in one round are pool bytes too: cap them per (owner, round).
-    incoming: dict[tuple[int, int], float] = {}
-    for r in range(size):
-        parts = remote[r]
-        if not parts:
-            continue
-        total = sum(u.work for u in parts)
-        stages = max(1, min(len(parts), target))
-        k, acc, used, loads = 1, 0.0, 0.0, [0.0, 0.0]
-        for i, u in enumerate(parts):
-            b = remote_bytes(u, pr)
-            back = _result_bytes(u, pr)
-            boundary = total * k / stages
-            if acc > 0 and (used + b > budget or acc >= boundary * 0.999 or len(parts) - i <= stages - k):
-                k, used = k + 1, 0.0
-            while any(0.0 < incoming.get((o, k + 1), 0.0) and incoming[(o, k + 1)] + nb > budget for o, nb in back):
-                k, used = k + 1, 0.0
-            while len(loads) <= k:
-                loads.append(0.0)
-            for o, nb in back:
-                incoming[(o, k + 1)] = incoming.get((o, k + 1), 0.0) + nb
-            staged.append(_with_stage(u, k))
-            acc += u.work
-            used += b
-            loads[k] += u.work * sec
-        stage_load[r] = loads
-    last = max(len(x) for x in stage_load)
-    for r in range(size):
-        loads = stage_load[r] + [0.0] * (last - len(stage_load[r]))
-        work = sum(u.work for u in local[r]) * sec
-        budgets = _water_fill(loads, work)
-        units = sorted(local[r], key=lambda u: (u.q.start, u.kv.start))
-        staged.extend(_pour(units, budgets, sec))
-    staged.sort(key=lambda u: (u.stage, u.rank, u.q.start, u.kv.start))
-    return staged
+def _by_cols(u: Unit) -> bool:
+    """Which side to cut a remote rectangle along: the one whose rows did not travel (no re-send),
+    else the longer one (the shorter side is re-sent with every part)."""
+    q_rem, kv_rem = u.rank != u.q_owner, u.rank != u.kv_owner
+    if q_rem and not kv_rem:
+        return False
+    if kv_rem and not q_rem:
+        return True
+    return len(u.kv) >= len(u.q)
 
 
-def _water_fill(loads: list[float], amount: float) -> list[float]:
-    """Budgets x_k ≥ 0 with Σx = amount minimising max(load_k + x_k)."""
-    n = len(loads)
-    if amount <= 0:
-        return [0.0] * n
-    arr = np.asarray(loads, dtype=float)
-    srt = np.sort(arr)
-    level = srt[-1] + (amount - (srt[-1] * n - srt.sum())) / n
-    for i in range(1, n + 1):
-        lvl = (amount + srt[:i].sum()) / i
-        if i == n or lvl <= srt[i]:
-            level = lvl
+def _smallest_piece(u: Unit) -> float:
+    """Work of the smallest part ``_take`` can cut from ``u`` (one row or one column)."""
+    if u.causal:
+        return float(u.q.start - u.kv.start + 1)
+    return float(len(u.q) if _by_cols(u) else len(u.kv))
+
+
+def _take(u: Unit, work: float, room: float, pr: Prices) -> tuple[Unit | None, Unit | None]:
+    """Cut from remote block ``u`` a head part with at most ``work`` pairs and ``room`` pool bytes.
+    Returns (part, rest); part is None when not even one row/column fits."""
+    q_rem, kv_rem = u.rank != u.q_owner, u.rank != u.kv_owner
+    fq, fk = pr.q_bwd + pr.dq, pr.kv + pr.dkv
+    nq, nk = len(u.q), len(u.kv)
+    if u.causal:
+        # both sides travel; row cuts re-send the kv prefix, so only cut when the pool forces it
+        n = rows_for_work(u.q, u.kv.start, True, nk, work)
+        while n > 0 and n * fq + (u.q.start + n - u.kv.start) * fk > room:
+            n //= 2
+        if n <= 0:
+            return None, u
+        if n >= nq:
+            return u, None
+        a, b = split_rows(u, u.q.start + n)
+        return a, b
+    if _by_cols(u):
+        fixed = nq * fq if q_rem else 0.0
+        n = min(int(work // nq), int((room - fixed) // fk) if room > fixed else 0)
+        if n <= 0:
+            return None, u
+        if n >= nk:
+            return u, None
+        return split_cols(u, u.kv.start + n)
+    fixed = nk * fk if kv_rem else 0.0
+    n = min(int(work // nk), int((room - fixed) // fq) if room > fixed else 0)
+    if n <= 0:
+        return None, u
+    if n >= nq:
+        return u, None
+    return split_rows(u, u.q.start + n)
+
+
+@dataclass(frozen=True, slots=True)
+class StageShape:
+    """``stages`` in all; remote blocks in stages ``1 .. stages−2`` (``1`` when ``stages == 2``);
+    ``alpha``: weight of the first and last (local-only) stages against a middle one."""
+
+    stages: int
+    alpha: float
+
+    @property
+    def weights(self) -> np.ndarray:
+        s = self.stages
+        w = np.ones(s)
+        if s >= 2:
+            w[0] = self.alpha
+        if s >= 3:
+            w[-1] = self.alpha
+        return w
+
+    @property
+    def middle(self) -> range:
+        s = self.stages
+        return range(1, max(2, s - 1)) if s >= 2 else range(0)
+
+
+def _water_fill(floor: np.ndarray, weights: np.ndarray, amount: float) -> np.ndarray:
+    """x ≥ 0 with Σx = amount minimising max_k (floor_k + x_k) / w_k (fill to level λ·w_k)."""
+    n = len(floor)
+    if amount <= 0 or n == 0:
+        return np.zeros(n)
+    bp = floor / weights  # level at which stage k starts receiving
+    order = np.argsort(bp, kind="stable")
+    wsum = fsum = 0.0
+    lam = bp[order[-1]]
+    for j, k in enumerate(order):
+        wsum += weights[k]
+        fsum += floor[k]
+        lam = (amount + fsum) / wsum
+        if j + 1 == n or lam <= bp[order[j + 1]]:
             break
-    return np.maximum(level - arr, 0.0).tolist()
+    return np.maximum(lam * weights - floor, 0.0)
+
+
+@dataclass(frozen=True, slots=True)
+class Staging:
+    """A placement cut into stages before local blocks are poured: the remote parts (stage set),
+    each rank's local blocks and their per-stage work budgets ``[P, stages]``."""
+
+    stages: int
+    remote: tuple[Unit, ...]
+    local: tuple[tuple[Unit, ...], ...]
+    local_budget: np.ndarray
+    remote_work: np.ndarray  # [P, stages] pairs
+
+    def units(self) -> list[Unit]:
+        """Every block with its stage: the remote parts plus the local blocks poured by budget."""
+        out = list(self.remote)
+        for r, loc in enumerate(self.local):
+            if loc:
+                out.extend(_pour(list(loc), self.local_budget[r]))
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class Split:
+    """A placement's blocks by rank: remote and local (in token order), with local work sums."""
+
+    size: int
+    remote: tuple[tuple[Unit, ...], ...]
+    local: tuple[tuple[Unit, ...], ...]
+    local_work: np.ndarray  # [P]
+
+    @classmethod
+    def of(cls, placed: list[Unit], size: int) -> "Split":
+        local: list[list[Unit]] = [[] for _ in range(size)]
+        remote: list[list[Unit]] = [[] for _ in range(size)]
+        lw = np.zeros(size)
+        for u in placed:
+            if u.rank == u.q_owner == u.kv_owner:
+                local[u.rank].append(u)
+                lw[u.rank] += u.work
+            else:
+                remote[u.rank].append(u)
+        for loc in local:
+            loc.sort(key=lambda u: (u.q.start, u.kv.start))
+        return cls(size, tuple(map(tuple, remote)), tuple(map(tuple, local)), lw)
+
+
+def stage(split: Split, pr: Prices, shape: StageShape, budget: float) -> Staging:
+    """Cut ``split`` into ``shape``'s stages (see the module docstring); local blocks get budgets.
+
+    ``budget``: pool bytes one rank may use for the remote blocks of one stage. When a rank's
+    remote blocks need more middle stages than ``shape`` has, every rank gets the extra stages."""
+    size = split.size
+    if shape.stages == 1 and any(split.remote):
+        raise ValueError("one stage cannot hold blocks whose inputs travel")
+    n_mid = len(shape.middle)
+    cuts: list[list[Unit]] = [[] for _ in range(size)]
+    used = n_mid
+    for r in range(size):
+        if split.remote[r]:
+            cuts[r], n = _cut_remote(list(split.remote[r]), n_mid, pr, budget)
+            used = max(used, n)
+    stages = shape.stages + (used - n_mid)
+    weights = StageShape(stages, shape.alpha).weights
+    floor = np.zeros((size, stages))
+    budgets = np.zeros((size, stages))
+    remote: list[Unit] = []
+    for r in range(size):
+        for u in cuts[r]:
+            floor[r, u.stage] += u.work
+        remote.extend(cuts[r])
+        if split.local[r]:
+            budgets[r] = _water_fill(floor[r], weights, float(split.local_work[r]))
+    return Staging(stages, tuple(remote), split.local, budgets, floor)
+
+
+def assign_stages(placed: list[Unit], size: int, pr: Prices, shape: StageShape, budget: float) -> list[Unit]:
+    """Every placed block with a stage (splitting blocks as needed): ``stage(...).units()``."""
+    return stage(Split.of(placed, size), pr, shape, budget).units()
+
+
+def _interleave(units: list[Unit]) -> list[Unit]:
+    """Order a rank's remote blocks so that the traffic with every peer spreads evenly over the
+    stages: within each peer's group (in token order) a block is keyed by the middle of its share
+    of the group's work, and the groups are merged by that key."""
+    groups: dict[tuple[int, int], list[Unit]] = {}
+    for u in units:
+        groups.setdefault((u.q_owner, u.kv_owner), []).append(u)
+    keyed: list[tuple[float, int, int, Unit]] = []
+    for g, (key, members) in enumerate(sorted(groups.items())):
+        members.sort(key=lambda u: (u.q.start, u.kv.start))
+        total = float(sum(u.work for u in members)) or 1.0
+        acc = 0.0
+        for j, u in enumerate(members):
+            keyed.append(((acc + u.work / 2) / total, g, j, u))
+            acc += u.work
+    keyed.sort(key=lambda t: t[:3])
+    return [t[3] for t in keyed]
+
+
+def _cut_remote(units: list[Unit], n_mid: int, pr: Prices, budget: float) -> tuple[list[Unit], int]:
+    """Spread remote blocks evenly by work over middle stages ``1 .. n_mid`` within ``budget`` pool
+    bytes each; returns the parts (stage set) and how many middle stages they use (``> n_mid``
+    when the pool budget forces more)."""
+    units = _interleave(units)
+    total = float(sum(u.work for u in units))
+    per = total / n_mid
+    out: list[Unit] = []
+    k = 0
+    done_w = acc_w = acc_b = 0.0
+    queue = list(reversed(units))
+    while queue:
+        u = queue.pop()
+        target = per * (k + 1) - done_w - acc_w if k < n_mid - 1 else math.inf
+        fp = footprint(u, pr)
+        w = u.work
+        if w <= target * 1.0001 + 1 and fp <= budget - acc_b:
+            out.append(_with_stage(u, k + 1))
+            acc_w += w
+            acc_b += fp
+            if acc_w >= target * 0.9999:
+                k, done_w, acc_w, acc_b = k + 1, done_w + acc_w, 0.0, 0.0
+            continue
+        part, rest = _take(u, max(target, 0.0), budget - acc_b, pr)
+        if part is None and acc_w == 0.0 and acc_b == 0.0:
+            # an empty stage: take at least one row or column, whatever the work target says
+            part, rest = _take(u, max(target, _smallest_piece(u)), budget, pr)
+            if part is None:
+                part, rest = u, None  # not one row fits the pool budget: codegen decides
+        if part is not None:
+            out.append(_with_stage(part, k + 1))
+            acc_w += part.work
+            acc_b += footprint(part, pr)
+        if rest is not None:
+            queue.append(rest)
+            k, done_w, acc_w, acc_b = k + 1, done_w + acc_w, 0.0, 0.0
+    used = max((u.stage for u in out), default=1)
+    return out, used
+
+
+def _pour(units: list[Unit], budgets: np.ndarray) -> list[Unit]:
+    """Local blocks into stages by cumulative work budgets, split by q rows at stage boundaries."""
+    out: list[Unit] = []
+    cum = np.cumsum(budgets)
+    last = len(budgets) - 1
+    k = 0
+    poured = 0.0
+    queue = list(reversed(units))
+    while queue:
+        u = queue.pop()
+        while k < last and poured >= cum[k] * (1 - 1e-9):
+            k += 1
+        w = u.work
+        if k == last or poured + w <= cum[k] * (1 + 1e-9):
+            out.append(_with_stage(u, k))
+            poured += w
+            continue
+        room = cum[k] - poured
+        n = rows_for_work(u.q, u.kv.start, u.causal, len(u.kv), room)
+        # never a sliver: round to the nearer boundary when the part would be under one row
+        if n <= 0:
+            if room >= w / 2 / max(len(u.q), 1):
+                out.append(_with_stage(u, k))
+                poured += w
+            else:
+                queue.append(u)
+                k += 1
+            continue
+        if n >= len(u.q):
+            out.append(_with_stage(u, k))
+            poured += w
+            continue
+        a, b = split_rows(u, u.q.start + n)
+        out.append(_with_stage(a, k))
+        poured += a.work
+        queue.append(b)
+        k += 1
+    return out
+
+
+def stage_shapes(split: Split, pr: Prices, budget: float, max_stages: int = 1024) -> list[StageShape]:
+    """Candidate stage shapes for a placement: enough middle stages for the pool budget and for the
+    most remote-heavy rank, with short or full-length local end stages; the caller prices each."""
+    size = split.size
+    remote_w = np.zeros(size)
+    remote_b = np.zeros(size)
+    for r in range(size):
+        for u in split.remote[r]:
+            remote_w[r] += u.work
+            remote_b[r] += footprint(u, pr)
+    if not remote_w.any() and not remote_b.any():
+        return [StageShape(1, 1.0)]
+    work = remote_w + split.local_work
+    n_pool = int(math.ceil(float(remote_b.max()) / budget)) if budget > 0 else 1
+    top = float(work.max())
+    rho = min(float(remote_w.max()) / top, 0.999) if top > 0 else 0.0
+    shapes: set[StageShape] = set()
+    for alpha in (0.25, 0.5, 1.0):
+        n_fit = int(math.ceil(2 * alpha * rho / (1 - rho) - 1e-9)) if rho > 0 else 1
+        n0 = max(1, n_pool, n_fit)
+        for n in (n0, 2 * n0):
+            shapes.add(StageShape(min(n, max_stages - 2) + 2, alpha))
+    if n_pool <= 1:
+        shapes.add(StageShape(2, 1.0))
+        shapes.add(StageShape(3, 1.0))
+    return sorted(shapes, key=lambda s: (s.stages, s.alpha))

@@ -17,20 +17,26 @@ import torch.distributed as dist
 
 from megatron_hsap.errors import ConfigError
 
-__all__ = ["HSAPGroups", "hierarchical_rank_lists", "validate_hsap_sizes"]
+__all__ = ["HSAPGroups", "hierarchical_rank_lists", "validate_hsap_sizes", "positive_int"]
+
+
+def positive_int(name: str, value: object) -> int:
+    """``value`` if it is an int ≥ 1 (not a bool); :class:`ConfigError` naming ``name`` otherwise."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+    return value
 
 
 def validate_hsap_sizes(intra_size: object, inter_size: object, cp_size: int | None = None) -> None:
     """Raise :class:`ConfigError` unless both sizes are positive ints whose product is ``cp_size``."""
-    for name, value in (("intra_size", intra_size), ("inter_size", inter_size)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ConfigError(f"{name} (P_{name[:5]}) must be a positive integer, got {value!r}")
-    assert isinstance(intra_size, int) and isinstance(inter_size, int)
+    intra_size = positive_int("intra_size (P_intra)", intra_size)
+    inter_size = positive_int("inter_size (P_inter)", inter_size)
     if cp_size is not None and intra_size * inter_size != cp_size:
         raise ConfigError(
             f"intra_size × inter_size = {intra_size} × {inter_size} = {intra_size * inter_size} "
-            f"but the context-parallel group has {cp_size} ranks; change intra_size/inter_size so "
-            f"their product is {cp_size}, or --context-parallel-size to {intra_size * inter_size}"
+            f"but the context-parallel group has {cp_size} ranks; change intra_size/inter_size "
+            f"(--hierarchical-context-parallel-sizes P_intra P_inter) so their product is {cp_size}, "
+            f"or --context-parallel-size to {intra_size * inter_size}"
         )
 
 

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_hsap.errors import ConfigError, RuntimeMismatchError
+from megatron_hsap.runtime.groups import positive_int
 
 __all__ = [
     "seq_to_heads",
@@ -57,8 +58,7 @@ def check_heads_for_intra(num_heads: int, num_kv_heads: int, intra_size: int) ->
     replicated ``P/Hkv`` times). Anything else would hand some rank q heads of two kv groups.
     """
     for name, value in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads), ("intra_size", intra_size)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        positive_int(name, value)
     if num_heads % num_kv_heads:
         raise ConfigError(
             f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}; "
@@ -75,8 +75,8 @@ def check_heads_for_intra(num_heads: int, num_kv_heads: int, intra_size: int) ->
 
 def kv_heads_for_intra(num_kv_heads: int, intra_size: int) -> int:
     """kv heads exchanged by the all-to-all: ``Hkv`` when ``P | Hkv``, ``P`` when ``Hkv | P``."""
-    if not isinstance(num_kv_heads, int) or num_kv_heads < 1 or not isinstance(intra_size, int) or intra_size < 1:
-        raise ConfigError(f"need positive integers, got {num_kv_heads=}, {intra_size=}")
+    positive_int("num_kv_heads", num_kv_heads)
+    positive_int("intra_size", intra_size)
     if num_kv_heads % intra_size == 0:
         return num_kv_heads
     if intra_size % num_kv_heads == 0:

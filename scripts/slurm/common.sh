@@ -39,6 +39,7 @@ hsap_nccl_defaults() {
   # Tear the job down on an NCCL error or timeout instead of hanging.
   export TORCH_NCCL_ASYNC_ERROR_HANDLING="${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}"
   export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
+  # CPU threads per rank (data loading, host-side planning); torchrun would otherwise force 1.
   export OMP_NUM_THREADS="${OMP_NUM_THREADS:-8}"
 }
 
@@ -46,12 +47,19 @@ HSAP_ENV_VARS=(NCCL_IB_HCA NCCL_SOCKET_IFNAME NCCL_NVLS_ENABLE NCCL_IB_TIMEOUT
   TORCH_NCCL_ASYNC_ERROR_HANDLING NCCL_DEBUG OMP_NUM_THREADS PYTHONPATH
   MEGATRON_LM)
 
-# One hostname per line: scontrol when available, else the launcher's expander (node[01-08]).
-hsap_hostnames() {
+# The node list for the launcher: scontrol's expansion when available, else the raw SLURM
+# expression (node[01-08]), which the launcher expands itself (dry runs, tests).
+hsap_nodes() {
   if command -v scontrol >/dev/null 2>&1; then
-    scontrol show hostnames "$1"
+    local hosts=()
+    mapfile -t hosts < <(scontrol show hostnames "$1")
+    if ((${#hosts[@]} == 0)); then
+      echo "error: scontrol show hostnames '$1' named no host" >&2
+      return 1
+    fi
+    (IFS=,; echo "${hosts[*]}")
   else
-    "$HSAP_PYTHON" -m megatron_hsap.launch hostnames "$1"
+    echo "$1"
   fi
 }
 
@@ -92,57 +100,43 @@ hsap_main() {
   fi
   export PYTHONPATH="$HSAP_REPO${PYTHONPATH:+:$PYTHONPATH}"
 
-  local hostlist nodes=()
-  hostlist=$(hsap_hostnames "$SLURM_JOB_NODELIST") || return 2
-  mapfile -t nodes <<<"$hostlist"
-  local nnodes=${SLURM_NNODES:-${#nodes[@]}}
-  if ((nnodes != ${#nodes[@]})); then
-    echo "error: SLURM_NNODES=$nnodes but SLURM_JOB_NODELIST names ${#nodes[@]} host(s)" >&2
-    return 2
-  fi
-  local nodes_csv master_addr master_port
-  nodes_csv=$(IFS=,; echo "${nodes[*]}")
-  master_addr=${MASTER_ADDR:-${nodes[0]}}
+  local nodes master_port
+  nodes=$(hsap_nodes "$SLURM_JOB_NODELIST") || return 2
   master_port=${MASTER_PORT:-$((29500 + ${SLURM_JOB_ID:-0} % 1000))}
   hsap_nccl_defaults
 
-  # Before any GPU is touched: the config must match the allocation, and the rank map torchrun
-  # will produce (node-major) must keep intra groups in one node and match parallel.inter_link.
-  local topo gpus_flag=()
-  if [[ -n ${SLURM_GPUS_ON_NODE:-} ]]; then
-    gpus_flag=(--gpus-on-node "$SLURM_GPUS_ON_NODE")
-  fi
-  topo=$("$HSAP_PYTHON" -m megatron_hsap.launch topology "$config" --nodes "$nodes_csv" "${gpus_flag[@]}") || return 2
-  local line
-  while IFS= read -r line; do
-    printf '# %s\n' "$line"
-  done <<<"$topo"
-
-  local launch=("$config" --nodes "$nodes_csv" --nnodes "$nnodes" --master-addr "$master_addr"
-    --master-port "$master_port" --repo "$HSAP_REPO" --torchrun "${HSAP_TORCHRUN:-torchrun}")
-  if ((dry_run)); then
-    local var
-    for var in "${HSAP_ENV_VARS[@]}"; do
-      if [[ -n ${!var:-} ]]; then
-        printf 'export %s=%s\n' "$var" "${!var@Q}"
-      fi
-    done
-    "$HSAP_PYTHON" -m megatron_hsap.launch resolve "${launch[@]}" --all-nodes -- "${extra[@]}"
-    return
-  fi
+  # The launcher checks the config against the allocation (nodes, GPUs per node) and the rank map
+  # torchrun will produce (node-major) before anything starts: intra groups inside one node,
+  # inter groups matching parallel.inter_link. It prints that map and every node's torchrun line.
+  local launch=("$config" --nodes "$nodes" --master-port "$master_port" --repo "$HSAP_REPO"
+    --torchrun "${HSAP_TORCHRUN:-torchrun}")
+  if [[ -n ${SLURM_NNODES:-} ]]; then launch+=(--nnodes "$SLURM_NNODES"); fi
+  if [[ -n ${MASTER_ADDR:-} ]]; then launch+=(--master-addr "$MASTER_ADDR"); fi
+  if [[ -n ${SLURM_GPUS_ON_NODE:-} ]]; then launch+=(--gpus-on-node "$SLURM_GPUS_ON_NODE"); fi
+  local var
+  for var in "${HSAP_ENV_VARS[@]}"; do
+    if [[ -n ${!var:-} ]]; then
+      printf 'export %s=%s\n' "$var" "${!var@Q}"
+    fi
+  done
   # The training script imports Megatron-LM's pretrain_gpt: from $MEGATRON_LM or the directory
   # the job runs in (a Megatron-LM checkout at core_v0.19.0).
-  if [[ -z ${MEGATRON_LM:-} && ! -f pretrain_gpt.py ]]; then
+  if ((!dry_run)) && [[ -z ${MEGATRON_LM:-} && ! -f pretrain_gpt.py ]]; then
     echo "error: export MEGATRON_LM=/path/to/Megatron-LM (core_v0.19.0) or submit from that" \
       "checkout: scripts/pretrain_gpt_hsap.py runs its pretrain_gpt" >&2
     return 2
   fi
-  # One task per node; each execs torchrun with its node rank ($SLURM_NODEID). srun does not
+  "$HSAP_PYTHON" -m megatron_hsap.launch resolve "${launch[@]}" --all-nodes -- "${extra[@]}" || return 2
+  if ((dry_run)); then
+    return 0
+  fi
+  # One task per node of the allocation; each re-checks and execs its torchrun line, node rank
+  # from $SLURM_NODEID (the node's position in the node list, as printed above). srun does not
   # inherit --cpus-per-task from sbatch, so pass it on: torchrun's ranks need those cores.
   local cpus=()
   if [[ -n ${SLURM_CPUS_PER_TASK:-} ]]; then
     cpus=("--cpus-per-task=$SLURM_CPUS_PER_TASK")
   fi
-  srun --nodes="$nnodes" --ntasks-per-node=1 --kill-on-bad-exit=1 "${cpus[@]}" \
+  srun --ntasks-per-node=1 --kill-on-bad-exit=1 "${cpus[@]}" \
     "$HSAP_PYTHON" -m megatron_hsap.launch exec "${launch[@]}" -- "${extra[@]}"
 }

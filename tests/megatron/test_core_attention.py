@@ -12,7 +12,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_hsap.errors import BatchError, ConfigError, RuntimeMismatchError
-from megatron_hsap.megatron.batch import HSAP_MARKER, HSAPPackedSeqParams, get_batch_on_this_cp_rank
+from megatron_hsap.megatron.batch import HSAPPackedSeqParams, get_batch_on_this_cp_rank
 from megatron_hsap.megatron.core_attention import HSAPCoreAttention
 from megatron_hsap.plan import compile_plan
 from tests.reference import reference_attention
@@ -115,13 +115,6 @@ def test_eval_mode_ignores_configured_dropout() -> None:
 ATOL = 1e-5
 
 
-def _need_runtime() -> None:
-    import megatron_hsap.runtime as runtime
-
-    if not hasattr(runtime, "hsap_attn_func"):
-        pytest.skip("megatron_hsap.runtime.hsap_attn_func is not available yet")
-
-
 def _reference_thd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: list[int], scale: float) -> torch.Tensor:
     pos = torch.cat([torch.arange(b - a) for a, b in zip(cu[:-1], cu[1:])])
     doc = torch.cat([torch.full((b - a,), i) for i, (a, b) in enumerate(zip(cu[:-1], cu[1:]))])
@@ -130,7 +123,6 @@ def _reference_thd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: list[i
 
 
 def test_thd_matches_float64_reference_at_cp1() -> None:
-    _need_runtime()
     cu = [0, 5, 5, 17, 18, 40]
     params = _params(cu)
     q, k, v = (x.requires_grad_() for x in _qkv(40))
@@ -146,7 +138,6 @@ def test_thd_matches_float64_reference_at_cp1() -> None:
 
 
 def test_sbhd_is_one_document_per_sample_at_cp1() -> None:
-    _need_runtime()
     b, s = 3, 12
     sharded = get_batch_on_this_cp_rank(
         {"tokens": torch.zeros(b, s, dtype=torch.long)}, qkv_format="sbhd", cp_rank=0, check_group=False,

@@ -37,17 +37,20 @@ def _batches() -> list[dict[str, torch.Tensor]]:
     return [micro_batch(dataset, 100 + step * MICRO_BATCH, MICRO_BATCH) for step in range(STEPS)]
 
 
-def _setup(cp: int) -> tuple[Any, Any]:
+def _setup(cp: int, tp: int = 1, overrides: dict[str, Any] | None = None) -> Any:
+    import dataclasses
+
     from megatron.core import parallel_state as mpu
 
     from megatron_hsap.megatron import cpu_shims
     from megatron_hsap.megatron.train_tiny import TinyRun, tiny_config
 
     cpu_shims.install()
-    mpu.initialize_model_parallel(context_parallel_size=cp)
-    run = TinyRun(world_size=cp, intra_size=1, inter_size=cp, seq_length=SEQ_LENGTH,
+    mpu.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp)
+    run = TinyRun(world_size=cp * tp, intra_size=1, inter_size=cp, seq_length=SEQ_LENGTH,
                   micro_batch_size=MICRO_BATCH, **RUN)
-    return run, tiny_config(run, context_parallel_size=cp)
+    config = tiny_config(run, context_parallel_size=cp)
+    return dataclasses.replace(config, tensor_model_parallel_size=tp, **(overrides or {}))
 
 
 def _model(config: Any, spec: Any) -> tuple[Any, Any]:
@@ -64,7 +67,7 @@ def run_reference(batches: list[dict[str, torch.Tensor]]) -> list[dict[str, floa
     from megatron_hsap.megatron.train_tiny import train_step
     from tests.megatron.gpt_reference import reference_inputs, reference_layer_spec
 
-    _, config = _setup(1)
+    config = _setup(1)
     model, opt = _model(config, reference_layer_spec())
     out = []
     for batch in batches:
@@ -74,15 +77,18 @@ def run_reference(batches: list[dict[str, torch.Tensor]]) -> list[dict[str, floa
     return out
 
 
-def run_hsap(intra: int, inter: int, batches: list[dict[str, torch.Tensor]]) -> list[dict[str, float]]:
-    """Pool case (intra·inter ranks): the same training under HSAP."""
+def run_hsap(intra: int, inter: int, batches: list[dict[str, torch.Tensor]], tp: int = 1,
+             overrides: dict[str, Any] | None = None) -> list[dict[str, float]]:
+    """Pool case (tp·intra·inter ranks): the same training under HSAP (Megatron's TP inside)."""
+    from megatron.core import parallel_state as mpu
+
     from megatron_hsap.megatron.batch import get_batch_on_this_cp_rank, plan_kwargs_from_config
     from megatron_hsap.megatron.data import ByteTokenizer
     from megatron_hsap.megatron.parallel_state import destroy_hsap, initialize_hsap
     from megatron_hsap.megatron.spec import hsap_layer_spec
     from megatron_hsap.megatron.train_tiny import train_step
 
-    _, config = _setup(intra * inter)
+    config = _setup(intra * inter, tp, overrides)
     initialize_hsap(intra_size=intra, inter_size=inter, node_check="off")
     try:
         model, opt = _model(config, hsap_layer_spec(config, use_te=False))
@@ -91,18 +97,13 @@ def run_hsap(intra: int, inter: int, batches: list[dict[str, torch.Tensor]]) -> 
             sharded = get_batch_on_this_cp_rank(batch, plan_kwargs=plan_kwargs_from_config(config),
                                                 pad_token_id=ByteTokenizer.PAD)
             r = train_step(model, opt, sharded, num_loss_tokens=sharded["num_loss_tokens"],
-                           grad_group=_grad_group(), real_tokens=sharded["num_tokens"])
+                           grad_group=mpu.get_data_parallel_group(with_context_parallel=True),  # DP=1: CP
+                           tp_group=mpu.get_tensor_model_parallel_group(), real_tokens=sharded["num_tokens"])
             out.append({"loss": r.loss, "grad_norm": r.grad_norm, "loss_tokens": r.loss_tokens,
                         "counted": r.counted_tokens, "padded": sharded["plan"].padded_tokens})
         return out
     finally:
         destroy_hsap()
-
-
-def _grad_group() -> Any:
-    from megatron.core import parallel_state as mpu
-
-    return mpu.get_data_parallel_group(with_context_parallel=True)  # DP=1 here: the CP group
 
 
 @functools.lru_cache(maxsize=1)
@@ -111,16 +112,16 @@ def _shared() -> tuple[list[dict[str, torch.Tensor]], list[dict[str, float]]]:
     return batches, get_pool(1).run(run_reference, batches, timeout=600)[0]
 
 
-def _check(intra: int, inter: int) -> None:
+def _check(intra: int, inter: int, tp: int = 1, overrides: dict[str, Any] | None = None) -> None:
     batches, ref = _shared()
-    results = get_pool(intra * inter).run(run_hsap, intra, inter, batches, timeout=600)
+    results = get_pool(tp * intra * inter).run(run_hsap, intra, inter, batches, tp, overrides, timeout=600)
     for rank_result in results[1:]:
         assert rank_result == results[0], "every rank must see the same all-reduced loss and grad norm"
     for step, (got, want, batch) in enumerate(zip(results[0], ref, batches)):
         real = int(batch["tokens"].numel())
         assert want["loss_tokens"] == want["real"] == real  # reference: every real token is a loss token
         assert got["loss_tokens"] == real, f"step {step}: denominator {got['loss_tokens']} != {real} real tokens"
-        assert got["counted"] == real, f"step {step}: ranks hold {got['counted']} loss tokens, expected {real} (each once)"
+        assert got["counted"] == real, f"step {step}: CP ranks hold {got['counted']} loss tokens, expected {real} (each once)"
         assert got["loss"] == pytest.approx(want["loss"], rel=RTOL), f"step {step} loss"
         assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=RTOL), f"step {step} grad norm"
     if intra * inter == 4:
@@ -135,3 +136,21 @@ def test_gpt_hsap_2x2_matches_cp1() -> None:
 @pytest.mark.parametrize(("intra", "inter"), [(1, 2), (2, 1)])
 def test_gpt_hsap_cp2_matches_cp1(intra: int, inter: int) -> None:
     _check(intra, inter)
+
+
+@pytest.mark.slow
+def test_gpt_hsap_with_tensor_parallel_matches_cp1() -> None:
+    _check(2, 1, tp=2)  # TP=2 × CP 2x1: 4 ranks, each TP rank with 2 of the 4 heads
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "recompute",
+    [
+        {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
+        {"recompute_granularity": "selective", "recompute_modules": ["core_attn"]},
+    ],
+    ids=["full", "selective-core-attn"],
+)
+def test_gpt_hsap_with_activation_recompute_matches_cp1(recompute: dict[str, Any]) -> None:
+    _check(1, 2, overrides=recompute)

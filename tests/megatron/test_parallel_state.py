@@ -155,7 +155,8 @@ def _case_misconfig(intra, inter, kwargs: dict) -> str:
 @pytest.mark.parametrize(
     ("intra", "inter", "kwargs", "pattern"),
     [
-        (2, 3, {}, r"intra_size × inter_size = 2 × 3 = 6 but the context-parallel group has 4 ranks"),
+        (2, 3, {}, r"intra_size × inter_size = 2 × 3 = 6 but the context-parallel group has 4 ranks; "
+                   r"change intra_size/inter_size \(--hierarchical-context-parallel-sizes"),
         (0, 4, {}, r"intra_size \(P_intra\) must be a positive integer, got 0"),
         (4, -1, {}, r"inter_size \(P_inter\) must be a positive integer"),
         (2, 2, dict(node_check="maybe"), r"node_check='maybe'; use one of \['error', 'warn', 'off'\]"),
@@ -206,7 +207,7 @@ def test_node_check_names_ranks_and_hosts(gloo_pool):
         assert error.startswith("ConfigError: 2 intra (all-to-all) group(s) span hosts")
         assert "intra group ranks [0, 1] span hosts {'nodeA': [0], 'nodeB': [1]}" in error
         assert "intra group ranks [2, 3] span hosts {'nodeA': [2], 'nodeB': [3]}" in error
-        assert "Lower intra_size (P_intra = 2)" in error
+        assert "Lower intra_size (P_intra = 2, first of --hierarchical-context-parallel-sizes)" in error
 
 
 def test_node_check_warn_mode_warns_and_builds(gloo_pool):

@@ -1,0 +1,186 @@
+"""YAML → ``LaunchConfig``: ``extends`` chains, deep merge, unknown-key and type checks.
+
+``extends: base.yaml`` (relative to the file) is read first and the file's own keys are merged
+over it (mappings merge, everything else replaces). Unknown keys raise ``ConfigError`` with the
+closest known key; ``seq_length`` also takes ``"128K"`` / ``"1M"``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import enum
+import re
+import shlex
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+from megatron_hsap.errors import ConfigError
+from megatron_hsap.launch.config import (
+    DEFAULT_ENTRY,
+    ClusterConfig,
+    DataConfig,
+    LaunchConfig,
+    ModelConfig,
+    ParallelConfig,
+    TrainingConfig,
+    parse_tokens,
+)
+
+__all__ = ["load_config", "config_from_dict"]
+
+
+_SECTIONS: dict[str, type] = {
+    "model": ModelConfig, "parallel": ParallelConfig, "cluster": ClusterConfig,
+    "training": TrainingConfig, "data": DataConfig,
+}
+_TOP_KEYS = set(_SECTIONS) | {"name", "megatron_args", "entry", "extends", "description"}
+_TOKEN_FIELDS = {"seq_length"}
+
+
+def load_config(path: str | Path, overrides: Mapping[str, Any] | None = None) -> LaunchConfig:
+    """Read a YAML config (following ``extends``), apply ``overrides`` and validate it."""
+    path = Path(path)
+    data = _read_with_bases(path, ())
+    if overrides:
+        data = _merge(data, dict(overrides))
+    data.setdefault("name", path.stem)
+    return config_from_dict(data, source=str(path))
+
+
+def _read_with_bases(path: Path, chain: tuple[Path, ...]) -> dict[str, Any]:
+    import yaml
+
+    path = path.resolve()
+    if path in chain:
+        raise ConfigError(f"extends: cycle {' -> '.join(str(p) for p in chain + (path,))}")
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    base = data.pop("extends", None)
+    if base is None:
+        return data
+    if not isinstance(base, str):
+        raise ConfigError(f"{path}: extends must be one relative file name, got {base!r}")
+    return _merge(_read_with_bases(path.parent / base, chain + (path,)), data)
+
+
+def _merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in over.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = _merge(dict(out[key]), value)
+        else:
+            out[key] = value
+    return out
+
+
+def config_from_dict(data: Mapping[str, Any], *, source: str | None = None) -> LaunchConfig:
+    """Build a ``LaunchConfig`` from plain data (what ``yaml.safe_load`` returns)."""
+    _unknown(set(data), _TOP_KEYS, "")
+    for key in ("model", "cluster", "training"):
+        if key not in data:
+            raise ConfigError(f"{key}: section missing{f' in {source}' if source else ''}")
+    sections = {}
+    for key, cls in _SECTIONS.items():
+        raw = data.get(key) or {}
+        if not isinstance(raw, Mapping):
+            raise ConfigError(f"{key}: must be a mapping, got {type(raw).__name__}")
+        if key == "parallel":
+            raw = _parallel_aliases(dict(raw))
+        sections[key] = _build(cls, raw, key)
+    extra = data.get("megatron_args") or []
+    if isinstance(extra, str):
+        extra = shlex.split(extra)
+    if not isinstance(extra, list) or not all(isinstance(a, (str, int, float)) for a in extra):
+        raise ConfigError("megatron_args: must be a list of command-line tokens")
+    return LaunchConfig(name=str(data.get("name", "config")), megatron_args=tuple(str(a) for a in extra),
+                        entry=str(data.get("entry", DEFAULT_ENTRY)), source=source, **sections)
+
+
+def _parallel_aliases(raw: dict[str, Any]) -> dict[str, Any]:
+    """Accept Megatron's spelling ``hierarchical_context_parallel_sizes: [P_intra, P_inter]``, and
+    a bare ``context: P`` for the ring baseline (a flat group: 1 × P)."""
+    if (str(raw.get("cp_impl", "")).lower() == "ring" and "context" in raw
+            and not {"hsap_intra_size", "hsap_inter_size", "hierarchical_context_parallel_sizes"} & set(raw)):
+        raw["hsap_inter_size"] = raw["context"]
+    sizes = raw.pop("hierarchical_context_parallel_sizes", None)
+    if sizes is None:
+        return raw
+    if not (isinstance(sizes, list) and len(sizes) == 2 and all(isinstance(s, int) for s in sizes)):
+        raise ConfigError(f"parallel.hierarchical_context_parallel_sizes: expected [P_intra, P_inter], got {sizes!r}")
+    for key, value in zip(("hsap_intra_size", "hsap_inter_size"), sizes):
+        if key in raw and raw[key] != value:
+            raise ConfigError(f"parallel.hierarchical_context_parallel_sizes: {sizes} contradicts "
+                              f"parallel.{key}: {raw[key]}; give the sizes once")
+        raw[key] = value
+    return raw
+
+
+def _unknown(keys: set[str], allowed: set[str], prefix: str) -> None:
+    for key in sorted(keys - allowed):
+        close = difflib.get_close_matches(key, sorted(allowed), n=1)
+        hint = f"; did you mean {prefix}{close[0]}?" if close else f"; known keys: {sorted(allowed)}"
+        raise ConfigError(f"{prefix}{key}: unknown key{hint}")
+
+
+def _build(cls: type, raw: Mapping[str, Any], section: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in fields(cls)}
+    _unknown(set(raw), names, f"{section}.")
+    kwargs = {}
+    for f in fields(cls):
+        if f.name not in raw:
+            continue
+        kwargs[f.name] = _coerce(raw[f.name], hints[f.name], f"{section}.{f.name}")
+    try:
+        return cls(**kwargs)
+    except TypeError as exc:  # a required field is missing
+        missing = re.findall(r"'(\w+)'", str(exc))
+        raise ConfigError(f"{section}.{missing[0] if missing else '?'}: required key missing") from exc
+
+
+def _coerce(value: Any, hint: Any, key: str) -> Any:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        (hint,) = [a for a in args if a is not type(None)]
+        return _coerce(value, hint, key)
+    if origin is tuple:
+        items = [value] if isinstance(value, str) else value
+        if not isinstance(items, list):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        return tuple(str(v) for v in items)
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        by_lower = {m.value.lower(): m for m in hint}
+        if isinstance(value, str) and value.lower() in by_lower:
+            return by_lower[value.lower()]
+        raise ConfigError(f"{key}: {value!r} is not one of {[m.value for m in hint]}")
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}: expected true or false, got {value!r}")
+        return value
+    if hint is int:
+        if key.rsplit(".", 1)[-1] in _TOKEN_FIELDS:
+            return parse_tokens(value, key)
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        return value
+    if hint is float:
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise ConfigError(f"{key}: expected a number, got {value!r}")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+            raise ConfigError(f"{key}: expected a string, got {value!r}")
+        return str(value)
+    raise ConfigError(f"{key}: unsupported type {hint}")  # pragma: no cover - schema bug

@@ -1,0 +1,482 @@
+"""The executor: runs one inter rank's forward and backward programs of a plan (DESIGN §2.2).
+
+Per phase the program is a flat list ``Post(r) · Compute(s) · Wait(r) · Merge/Accumulate`` (see
+``megatron_hsap.plan.ir``); this module interprets it in order:
+
+* ``Post`` — one asynchronous ``batch_isend_irecv`` (:class:`~megatron_hsap.runtime.p2p.P2PChannel`):
+  sends read rows of the local tensors (global token range → local rows through the layout's
+  segments) or a pool slot (results computed here for another rank); receives land in pool slots.
+* ``Compute`` — one varlen kernel call per item (:mod:`~megatron_hsap.runtime.kernels`);
+  consecutive items whose operands are adjacent rows of the local tensors and whose results go to
+  the local accumulators are batched into one call (same numbers: the calls are per sequence).
+* ``Wait`` — the round with a deadline (``HSAP_P2P_TIMEOUT_S``), raising ``CommunicationError``.
+* ``Merge`` / ``Accumulate`` — received partials into the fp32 accumulators (overflow-safe LSE merge).
+
+Slots are typed views of ONE byte tensor per device, :func:`receive_pool`, allocated once at the
+largest capacity asked for and reused by every layer, step and plan that fits: every slot is dead
+when a phase ends (all its rounds were waited), so layers can share it.
+
+Wire formats (DESIGN §4): q, kv, o, do in the activation dtype; lse, delta, dq, dkv in fp32. KV
+and DKV are two P2P operations, k rows then v rows, packed back to back in one slot.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from megatron_hsap.errors import ConfigError, RuntimeMismatchError
+from megatron_hsap.plan.ir import Accumulate, Compute, ComputeItem, Merge, Phase, Post, Program, Send, Slot, TokenRange, Wait, Wire
+from megatron_hsap.runtime.env import read_env
+from megatron_hsap.runtime.kernels import attn_backward, attn_forward, resolve_backend
+from megatron_hsap.runtime.merge import merge_into
+from megatron_hsap.runtime.p2p import P2PChannel, Transfer, warm_up
+
+__all__ = ["Executor", "PhaseStats", "executor_for", "receive_pool", "ACTIVATION_DTYPES"]
+
+ACTIVATION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_F32 = torch.float32
+_FP32_WIRES = frozenset({Wire.LSE, Wire.DELTA, Wire.DQ, Wire.DKV})
+
+# --------------------------------------------------------------------------- the receive pool
+
+_POOLS: dict[str, Tensor] = {}
+
+
+def receive_pool(capacity: int, device: torch.device | str) -> Tensor:
+    """The receive pool of ``device``: one uint8 tensor of at least ``capacity`` bytes.
+
+    Allocated on first use and replaced only when a plan needs more than any before (then at the
+    new capacity); never per step. Contents are undefined between phases.
+    """
+    key = str(torch.device(device))
+    pool = _POOLS.get(key)
+    if pool is None or pool.numel() < capacity:
+        _POOLS.pop(key, None)  # drop the old one before allocating the larger one
+        pool = torch.empty(max(int(capacity), 1), dtype=torch.uint8, device=device)
+        _POOLS[key] = pool
+    return pool
+
+
+# --------------------------------------------------------------------------- statistics
+
+
+@dataclass(slots=True)
+class PhaseStats:
+    """What one phase did on this rank (cumulative over calls until ``reset_stats``).
+
+    ``compute_s``: host seconds in kernels, merges and accumulations; ``comm_s``: host seconds
+    posting and blocked waiting for rounds (communication not hidden behind compute); ``wall_s``:
+    the whole phase. On a GPU these are host times (kernels launch asynchronously).
+    """
+
+    calls: int = 0
+    bytes_sent: int = 0
+    bytes_recv: int = 0
+    rounds: int = 0
+    kernel_calls: int = 0
+    compute_s: float = 0.0
+    comm_s: float = 0.0
+    wall_s: float = 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        return {name: getattr(self, name) for name in self.__slots__}
+
+
+# --------------------------------------------------------------------------- prepared programs
+
+
+class _Rows:
+    """Global token range -> local rows of one inter rank (its layout segments)."""
+
+    def __init__(self, segments: tuple) -> None:
+        self._starts = [s.tokens.start for s in segments]
+        self._segs = segments
+
+    def __call__(self, tokens: TokenRange) -> slice:
+        i = bisect.bisect_right(self._starts, tokens.start) - 1
+        if i < 0:
+            raise RuntimeMismatchError(f"tokens {tokens} are not held by this rank")
+        seg = self._segs[i]
+        a = seg.local_start + tokens.start - seg.tokens.start
+        end_seg = self._segs[bisect.bisect_right(self._starts, tokens.stop - 1) - 1]
+        b = end_seg.local_start + tokens.stop - end_seg.tokens.start
+        if tokens.stop > end_seg.tokens.stop or b - a != len(tokens):
+            raise RuntimeMismatchError(f"tokens {tokens} are not contiguous local rows of this rank")
+        return slice(a, b)
+
+
+@dataclass(frozen=True, slots=True)
+class _Call:
+    """One kernel call: ``items`` (one, or several batched), their local rows (None: from a slot)."""
+
+    items: tuple[ComputeItem, ...]
+    causal: bool
+    q_rows: slice | None
+    kv_rows: slice | None
+    cu_q: Tensor
+    cu_k: Tensor
+    max_q: int
+    max_k: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Prepared:
+    steps: tuple  # ("post", Round) | ("compute", stage, (_Call, ...)) | ("wait", int) | Merge | Accumulate
+    expected_sent: int
+    expected_recv: int
+
+
+def _local_only(item: ComputeItem) -> bool:
+    return all(s is None for _, s in item.srcs) and all(s is None for _, s in item.dsts)
+
+
+def _prepare(program: Program, rows: _Rows, device: torch.device) -> _Prepared:
+    steps: list = []
+    sent = recv = 0
+
+    def cu(lengths: list[int]) -> Tensor:
+        out = [0]
+        for n in lengths:
+            out.append(out[-1] + n)
+        return torch.tensor(out, dtype=torch.int32, device=device)
+
+    def flush(batch: list[ComputeItem], calls: list[_Call]) -> None:
+        if not batch:
+            return
+        first = batch[0]
+        q_local = dict(first.srcs)[Wire.Q] is None
+        kv_local = dict(first.srcs)[Wire.KV] is None
+        q_rows = slice(rows(batch[0].q).start, rows(batch[-1].q).stop) if q_local else None
+        kv_rows = slice(rows(batch[0].kv).start, rows(batch[-1].kv).stop) if kv_local else None
+        lq, lk = [len(it.q) for it in batch], [len(it.kv) for it in batch]
+        calls.append(_Call(tuple(batch), first.causal, q_rows, kv_rows, cu(lq), cu(lk), max(lq), max(lk)))
+        batch.clear()
+
+    for ins in program.instrs:
+        if isinstance(ins, Post):
+            steps.append(("post", ins.round))
+            for op in ins.round.ops:
+                if isinstance(op, Send):
+                    sent += op.nbytes
+                else:
+                    recv += op.nbytes
+        elif isinstance(ins, Wait):
+            steps.append(("wait", ins.index))
+        elif isinstance(ins, Compute):
+            calls: list[_Call] = []
+            batch: list[ComputeItem] = []
+            for it in ins.items:
+                if batch:
+                    prev = batch[-1]
+                    joinable = (
+                        _local_only(it) and _local_only(prev) and it.causal == prev.causal
+                        and rows(it.q).start == rows(prev.q).stop and rows(it.kv).start == rows(prev.kv).stop
+                    )  # fmt: skip
+                    if not joinable:
+                        flush(batch, calls)
+                batch.append(it)
+                if not _local_only(it):
+                    flush(batch, calls)
+            flush(batch, calls)
+            steps.append(("compute", ins.stage, tuple(calls)))
+        elif isinstance(ins, (Merge, Accumulate)):
+            steps.append(ins)
+        else:  # pragma: no cover - the IR has no other instruction
+            raise RuntimeMismatchError(f"unknown instruction {ins!r}")
+    return _Prepared(tuple(steps), sent, recv)
+
+
+# --------------------------------------------------------------------------- the executor
+
+
+@dataclass
+class _Buffers:
+    """The tensors one phase reads and writes, by wire (local rows) plus the pool."""
+
+    pool: Tensor
+    act: torch.dtype
+    local: dict[Wire, tuple[Tensor, ...]] = field(default_factory=dict)
+
+
+class Executor:
+    """Runs inter rank ``group``-rank's programs of ``plan`` on ``device``.
+
+    Build it once per (plan, group, device) — :func:`executor_for` caches them — and call
+    :meth:`forward` / :meth:`backward` every step. Reads ``HSAP_P2P_TIMEOUT_S`` and
+    ``HSAP_ATTN_BACKEND`` here, at construction, never on the hot path.
+
+    ``skip_rounds`` is a test-only fault injection: this rank neither posts nor waits those
+    global round indices (its peers then time out).
+    """
+
+    def __init__(self, plan, group: dist.ProcessGroup | None, device: torch.device | str, *,
+                 backend: str | None = None, timeout_s: float | None = None,
+                 skip_rounds: frozenset[int] = frozenset()) -> None:  # fmt: skip
+        self.plan = plan
+        self.group = group
+        self.device = torch.device(device)
+        size = plan.inter_size
+        if size > 1:
+            if not dist.is_available() or not dist.is_initialized():
+                raise ConfigError(f"the plan spans {size} inter ranks but torch.distributed is not initialised")
+            got = dist.get_world_size(group)
+            if got != size:
+                raise ConfigError(
+                    f"the inter group has {got} ranks but the plan was compiled for inter_size={size}; "
+                    f"compile the plan with inter_size={got} or pass the matching inter group"
+                )
+            self.rank = dist.get_rank(group)
+        else:
+            self.rank = 0
+        env = read_env()
+        self.timeout_s = env.p2p_timeout_s if timeout_s is None else float(timeout_s)
+        self.backend = resolve_backend(backend, self.device)
+        self.skip_rounds = frozenset(skip_rounds)
+        rows = _Rows(plan.layout.segments[self.rank])
+        self._rows = rows
+        self._fwd = _prepare(plan.program(self.rank, Phase.FWD), rows, self.device)
+        self._bwd = _prepare(plan.program(self.rank, Phase.BWD), rows, self.device)
+        self.stats = {Phase.FWD: PhaseStats(), Phase.BWD: PhaseStats()}
+
+    # ------------------------------------------------------------------ public
+    def expected_bytes(self, phase: Phase | str) -> tuple[int, int]:
+        """(bytes sent, bytes received) the plan predicts for one call of ``phase`` on this rank."""
+        prep = self._fwd if Phase(phase) is Phase.FWD else self._bwd
+        return prep.expected_sent, prep.expected_recv
+
+    def reset_stats(self) -> None:
+        self.stats = {Phase.FWD: PhaseStats(), Phase.BWD: PhaseStats()}
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, softmax_scale: float) -> tuple[Tensor, Tensor]:
+        """``q [t, h, d]``, ``k [t, hkv, d]``, ``v [t, hkv, dv]`` (this inter rank's chunk, layout
+        order) -> ``out [t, h, dv]`` float32 and ``lse [t, h]`` float32 of the whole packed batch."""
+        self._check(q, k, v)
+        t, h, dv = q.shape[0], q.shape[1], v.shape[2]
+        out = torch.zeros((t, h, dv), dtype=_F32, device=q.device)
+        lse = torch.full((t, h), float("-inf"), dtype=_F32, device=q.device)
+        buf = _Buffers(receive_pool(self.plan.pool_capacity, q.device), q.dtype)
+        buf.local = {Wire.Q: (q.contiguous(),), Wire.KV: (k.contiguous(), v.contiguous())}
+        acc = {Wire.O: out, Wire.LSE: lse}
+        self._run(Phase.FWD, self._fwd, buf, acc, softmax_scale)
+        return out, lse
+
+    def backward(self, do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                 softmax_scale: float) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+        """Gradients of the forward: ``do``/``out [t, h, dv]`` (activation dtype; ``out`` the final
+        output), ``lse [t, h]`` float32 final -> float32 ``dq [t, h, d]``, ``dk``, ``dv``."""
+        self._check(q, k, v)
+        if do.shape != out.shape or lse.shape != q.shape[:2]:
+            raise RuntimeMismatchError(f"backward got {do.shape=} {out.shape=} {lse.shape=} for {q.shape=}")
+        do, out = do.to(q.dtype).contiguous(), out.to(q.dtype).contiguous()
+        lse = lse.to(_F32).contiguous()
+        delta = (do.float() * out.float()).sum(dim=-1)  # [t, h]: rowsum(dO ∘ O), by the owner
+        dq = torch.zeros(q.shape, dtype=_F32, device=q.device)
+        dk = torch.zeros(k.shape, dtype=_F32, device=q.device)
+        dv = torch.zeros(v.shape, dtype=_F32, device=q.device)
+        buf = _Buffers(receive_pool(self.plan.pool_capacity, q.device), q.dtype)
+        buf.local = {
+            Wire.Q: (q.contiguous(),), Wire.KV: (k.contiguous(), v.contiguous()), Wire.DO: (do,),
+            Wire.LSE: (lse,), Wire.DELTA: (delta,), Wire.O: (out,),
+        }  # fmt: skip
+        acc = {Wire.DQ: dq, Wire.DKV: (dk, dv)}
+        self._run(Phase.BWD, self._bwd, buf, acc, softmax_scale)
+        return dq, dk, dv
+
+    # ------------------------------------------------------------------ checks
+    def _check(self, q: Tensor, k: Tensor, v: Tensor) -> None:
+        s, t = self.plan.shape, self.plan.chunk_tokens
+        want = ((t, s.num_heads, s.head_dim), (t, s.num_kv_heads, s.head_dim), (t, s.num_kv_heads, s.head_dim_v))
+        got = (tuple(q.shape), tuple(k.shape), tuple(v.shape))
+        if got != want:
+            raise RuntimeMismatchError(f"executor inputs q, k, v have shapes {got}, the plan expects {want}")
+        if q.dtype not in ACTIVATION_DTYPES or q.element_size() != s.dtype_bytes:
+            raise RuntimeMismatchError(
+                f"activations are {q.dtype} ({q.element_size()} bytes) but the plan was compiled for "
+                f"dtype_bytes={s.dtype_bytes}; supported: fp32, bf16, fp16"
+            )
+
+    # ------------------------------------------------------------------ interpreter
+    def _run(self, phase: Phase, prep: _Prepared, buf: _Buffers, acc: dict, scale: float) -> None:
+        t_start = time.perf_counter()
+        if self.plan.inter_size > 1:
+            warm_up(self.group, buf.pool.device)
+        chan = P2PChannel(self.group, timeout_s=self.timeout_s, phase=phase.value)
+        compute_s = 0.0
+        kernel_calls = rounds = 0
+        for step in prep.steps:
+            kind = step[0] if isinstance(step, tuple) else None
+            if kind == "post":
+                rnd = step[1]
+                if rnd.index in self.skip_rounds:
+                    continue
+                chan.post(rnd.index, self._transfers(rnd.ops, buf), stage=f"stage {rnd.index - self.plan.round_base[phase]}")
+                rounds += 1
+            elif kind == "wait":
+                if step[1] not in self.skip_rounds:
+                    chan.wait(step[1])
+            else:
+                t0 = time.perf_counter()
+                if kind == "compute":
+                    for call in step[2]:
+                        if phase is Phase.FWD:
+                            self._fwd_call(call, buf, acc, scale)
+                        else:
+                            self._bwd_call(call, buf, acc, scale)
+                        kernel_calls += 1
+                elif isinstance(step, Merge):
+                    rows = self._rows(step.tokens)
+                    o, = self._view(buf, step.o, Wire.O, len(step.tokens))
+                    lse, = self._view(buf, step.lse, Wire.LSE, len(step.tokens))
+                    merge_into(acc[Wire.O][rows], acc[Wire.LSE][rows], o, lse)
+                else:  # Accumulate
+                    rows = self._rows(step.tokens)
+                    parts = self._view(buf, step.src, step.wire, len(step.tokens))
+                    targets = (acc[Wire.DQ],) if step.wire is Wire.DQ else acc[Wire.DKV]
+                    for dst, part in zip(targets, parts):
+                        dst[rows] += part
+                compute_s += time.perf_counter() - t0
+        chan.close()
+        st = self.stats[phase]
+        st.calls += 1
+        st.bytes_sent += chan.bytes_sent
+        st.bytes_recv += chan.bytes_recv
+        st.rounds += rounds
+        st.kernel_calls += kernel_calls
+        st.compute_s += compute_s
+        st.comm_s += chan.comm_s
+        st.wall_s += time.perf_counter() - t_start
+
+    def _view(self, buf: _Buffers, slot: Slot, wire: Wire, n: int) -> tuple[Tensor, ...]:
+        """Typed views of ``slot`` holding ``n`` rows of ``wire`` (two for KV / DKV)."""
+        s = self.plan.shape
+        dtype = _F32 if wire in _FP32_WIRES else buf.act
+        shapes = {
+            Wire.Q: ((n, s.num_heads, s.head_dim),), Wire.O: ((n, s.num_heads, s.head_dim_v),),
+            Wire.DO: ((n, s.num_heads, s.head_dim_v),), Wire.LSE: ((n, s.num_heads),),
+            Wire.DELTA: ((n, s.num_heads),), Wire.DQ: ((n, s.num_heads, s.head_dim),),
+            Wire.KV: ((n, s.num_kv_heads, s.head_dim), (n, s.num_kv_heads, s.head_dim_v)),
+            Wire.DKV: ((n, s.num_kv_heads, s.head_dim), (n, s.num_kv_heads, s.head_dim_v)),
+        }[wire]  # fmt: skip
+        size = torch.finfo(dtype).bits // 8
+        out, off = [], slot.offset
+        for shape in shapes:
+            nbytes = size * math.prod(shape)
+            out.append(buf.pool[off : off + nbytes].view(dtype).view(shape))
+            off += nbytes
+        if off - slot.offset != slot.nbytes or slot.end > buf.pool.numel():
+            raise RuntimeMismatchError(
+                f"slot {slot} for {n} rows of {wire.value} holds {slot.nbytes} bytes but the tensors "
+                f"need {off - slot.offset} (pool {buf.pool.numel()} bytes): the plan was compiled for other "
+                "head counts, head sizes or dtype_bytes"
+            )
+        return tuple(out)
+
+    def _operand(self, buf: _Buffers, item: ComputeItem, wire: Wire, rows: slice | None) -> tuple[Tensor, ...]:
+        slot = dict(item.srcs)[wire]
+        if slot is None:
+            return tuple(x[rows] for x in buf.local[wire])
+        return self._view(buf, slot, wire, len(item.kv if wire is Wire.KV else item.q))
+
+    def _transfers(self, ops, buf: _Buffers) -> list[Transfer]:
+        out = []
+        for op in ops:
+            send = isinstance(op, Send)
+            slot = op.src if send else op.dst
+            if slot is None:
+                tensors = tuple(x[self._rows(op.tokens)] for x in buf.local[op.wire])
+            else:
+                tensors = self._view(buf, slot, op.wire, len(op.tokens))
+            for part, x in zip(("k rows", "v rows") if len(tensors) == 2 else ("",), tensors):
+                what = f"{op.wire.value}{op.tokens}" + (f" {part}" if part else "")
+                out.append(Transfer(send, x, op.peer, what))
+        return out
+
+    def _fwd_call(self, call: _Call, buf: _Buffers, acc: dict, scale: float) -> None:
+        item = call.items[0]
+        q, = self._operand(buf, item, Wire.Q, call.q_rows)
+        k, v = self._operand(buf, item, Wire.KV, call.kv_rows)
+        o, lse = attn_forward(q, k, v, cu_seqlens_q=call.cu_q, cu_seqlens_k=call.cu_k, max_seqlen_q=call.max_q,
+                              max_seqlen_k=call.max_k, causal=call.causal, softmax_scale=scale, backend=self.backend)
+        o_dst, lse_dst = dict(item.dsts)[Wire.O], dict(item.dsts)[Wire.LSE]
+        if o_dst is None:
+            if call.q_rows is None:
+                raise RuntimeMismatchError(f"item {item} merges locally but its q rows are not local")
+            merge_into(acc[Wire.O][call.q_rows], acc[Wire.LSE][call.q_rows], o, lse)
+        else:
+            self._view(buf, o_dst, Wire.O, len(item.q))[0].copy_(o)
+            self._view(buf, lse_dst, Wire.LSE, len(item.q))[0].copy_(lse)
+
+    def _bwd_call(self, call: _Call, buf: _Buffers, acc: dict, scale: float) -> None:
+        item = call.items[0]
+        q, = self._operand(buf, item, Wire.Q, call.q_rows)
+        do, = self._operand(buf, item, Wire.DO, call.q_rows)
+        lse, = self._operand(buf, item, Wire.LSE, call.q_rows)
+        delta, = self._operand(buf, item, Wire.DELTA, call.q_rows)
+        k, v = self._operand(buf, item, Wire.KV, call.kv_rows)
+        if call.q_rows is not None:
+            out = buf.local[Wire.O][0][call.q_rows]
+        else:
+            out = _out_for_delta(do, delta, self.backend)
+        dq, dk, dv = attn_backward(do, q, k, v, out, lse, cu_seqlens_q=call.cu_q, cu_seqlens_k=call.cu_k,
+                                   max_seqlen_q=call.max_q, max_seqlen_k=call.max_k, causal=call.causal,
+                                   softmax_scale=scale, delta=delta, backend=self.backend)  # fmt: skip
+        dq_dst, dkv_dst = dict(item.dsts)[Wire.DQ], dict(item.dsts)[Wire.DKV]
+        if dq_dst is None:
+            acc[Wire.DQ][call.q_rows] += dq
+        else:
+            self._view(buf, dq_dst, Wire.DQ, len(item.q))[0].copy_(dq)
+        if dkv_dst is None:
+            acc[Wire.DKV][0][call.kv_rows] += dk
+            acc[Wire.DKV][1][call.kv_rows] += dv
+        else:
+            dk_slot, dv_slot = self._view(buf, dkv_dst, Wire.DKV, len(item.kv))
+            dk_slot.copy_(dk)
+            dv_slot.copy_(dv)
+
+
+def _out_for_delta(do: Tensor, delta: Tensor, backend: str) -> Tensor:
+    """An ``out`` for rows whose real output stayed with their owner (only do/lse/delta travel).
+
+    The CPU kernel takes ``delta`` as given and ignores ``out``. The GPU kernels recompute
+    ``delta = rowsum(do ∘ out)`` themselves, so hand them ``out = do · delta / |do|²`` per row and
+    head, whose rowsum with ``do`` is ``delta`` (rounded to the activation dtype; rows with
+    ``do = 0`` have ``delta = 0`` and get ``out = 0``).
+    """
+    if backend == "cpu":
+        return do
+    d32 = do.float()
+    norm = (d32 * d32).sum(dim=-1, keepdim=True)
+    scale = torch.where(norm > 0, delta.unsqueeze(-1) / norm.clamp_min(torch.finfo(_F32).tiny), torch.zeros_like(norm))
+    return (d32 * scale).to(do.dtype)
+
+
+# --------------------------------------------------------------------------- cache
+
+_CACHE: "OrderedDict[tuple, Executor]" = OrderedDict()
+_CACHE_SIZE = 64
+
+
+def executor_for(plan, group: dist.ProcessGroup | None, device: torch.device | str, *,
+                 backend: str | None = None) -> Executor:  # fmt: skip
+    """The cached :class:`Executor` of (plan, group, device, backend): programs are prepared once.
+
+    Plans are compared by identity (``compile_plan`` caches them by their inputs)."""
+    key = (plan, group, str(torch.device(device)), backend)
+    ex = _CACHE.get(key)
+    if ex is None:
+        ex = Executor(plan, group, device, backend=backend)
+        _CACHE[key] = ex
+        while len(_CACHE) > _CACHE_SIZE:
+            _CACHE.popitem(last=False)
+    else:
+        _CACHE.move_to_end(key)
+    return ex
+

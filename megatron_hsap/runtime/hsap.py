@@ -1,0 +1,250 @@
+"""``hsap_attn_func``: Ulysses inside the intra group, SAP across the inter group (paper §3.3, DESIGN §1).
+
+Rank ``(i, j)`` (CP rank ``i·P_intra + j``) holds ``[t_local, H, d]`` rows of inter chunk ``i``.
+
+1. sequence → heads all-to-all over the intra group (kv heads replicated first when
+   ``P_intra > Hkv``): every rank of node ``i`` now holds the whole chunk ``i`` for ``H/P_intra``
+   heads, exactly the rows the plan's layout gives inter rank ``i``;
+2. the SAP plan runs over the inter group (ranks ``{i·P_intra + j}`` for fixed ``j``) on that head
+   slice — the ``P_intra`` inter groups run the same plan side by side;
+3. heads → sequence all-to-all back. Backward mirrors it: dO to heads, SAP backward, dq/dk/dv
+   back (in the activation dtype, as Ulysses sends them; replicated kv gradients summed in fp32).
+
+``P_intra = 1`` is pure SAP (:class:`~megatron_hsap.runtime.sap.SAPAttention`, no all-to-all);
+``P_inter = 1`` is pure Ulysses with local attention (the plan has no P2P).
+
+Every check runs before the first collective and raises on every rank alike (same inputs, same
+plan), so a misconfiguration never leaves some ranks waiting in an all-to-all.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from megatron_hsap.errors import ConfigError, RuntimeMismatchError
+from megatron_hsap.runtime.consistency import fingerprint_mismatch
+from megatron_hsap.runtime.env import read_env
+from megatron_hsap.runtime.executor import ACTIVATION_DTYPES, Executor, executor_for
+from megatron_hsap.runtime.sap import SAPAttention, sap_backward, sap_forward
+from megatron_hsap.runtime.ulysses import expand_kv_for_intra, heads_to_seq, seq_to_heads, sum_kv_grad_for_intra
+
+__all__ = ["hsap_attn_func", "HSAPAttention", "HSAPRunner", "runner_for"]
+
+_HSAP_PS = "megatron_hsap.megatron.parallel_state"
+
+
+@dataclass(eq=False)
+class HSAPRunner:
+    """Everything one rank needs to run a plan: its executor (inter group), the intra group, and
+    counters of the intra all-to-all bytes this rank sent (``a2a_bytes_sent[phase]``)."""
+
+    plan: Any
+    executor: Executor
+    intra: dist.ProcessGroup | None
+    inter: dist.ProcessGroup | None
+    debug: bool
+    a2a_bytes_sent: dict[str, int] = field(default_factory=lambda: {"fwd": 0, "bwd": 0})
+
+    @property
+    def intra_size(self) -> int:
+        return self.plan.intra_size
+
+    def reset_stats(self) -> None:
+        self.executor.reset_stats()
+        self.a2a_bytes_sent = {"fwd": 0, "bwd": 0}
+
+    def to_heads(self, x: Tensor, phase: str) -> Tensor:
+        """``[t_local, h, d] -> [t_local·P, h/P, d]`` over the intra group, counting bytes sent."""
+        p = self.intra_size
+        self.a2a_bytes_sent[phase] += x.numel() * x.element_size() * (p - 1) // p
+        return seq_to_heads(x.contiguous(), self.intra)
+
+    def to_seq(self, y: Tensor, phase: str) -> Tensor:
+        p = self.intra_size
+        self.a2a_bytes_sent[phase] += y.numel() * y.element_size() * (p - 1) // p
+        return heads_to_seq(y.contiguous(), self.intra)
+
+    def check_batch(self) -> None:
+        """Debug mode: fingerprint the plan's cu_seqlens over both groups, then raise if any differ."""
+        reports = [fingerprint_mismatch(self.plan.batch.cu_seqlens, g)
+                   for g, n in ((self.intra, self.plan.intra_size), (self.inter, self.plan.inter_size)) if n > 1]  # fmt: skip
+        bad = [r for r in reports if r is not None]
+        if bad:
+            from megatron_hsap.errors import BatchError
+
+            raise BatchError(f"HSAP_DEBUG: ranks run plans of different batches: {'; '.join(bad)}")
+
+
+_RUNNERS: "OrderedDict[tuple, HSAPRunner]" = OrderedDict()
+
+
+def _runner(plan: Any, intra: dist.ProcessGroup | None, inter: dist.ProcessGroup | None,
+            device: torch.device | str) -> HSAPRunner:  # fmt: skip
+    key = (plan, intra, inter, str(torch.device(device)))
+    runner = _RUNNERS.get(key)
+    if runner is None:  # reads HSAP_DEBUG (and the executor its variables) once, here
+        runner = HSAPRunner(plan, executor_for(plan, inter, device), intra, inter, read_env().debug)
+        _RUNNERS[key] = runner
+        while len(_RUNNERS) > 64:
+            _RUNNERS.popitem(last=False)
+    else:
+        _RUNNERS.move_to_end(key)
+    return runner
+
+
+def runner_for(plan: Any, *, intra_group: dist.ProcessGroup | None = None,
+               inter_group: dist.ProcessGroup | None = None, device: torch.device | str = "cpu") -> HSAPRunner:  # fmt: skip
+    """The cached :class:`HSAPRunner` :func:`hsap_attn_func` uses for these arguments (same group
+    defaults): its ``executor.stats`` and ``a2a_bytes_sent`` say what the calls moved."""
+    intra, inter = _resolve_groups(plan, intra_group, inter_group)
+    return _runner(plan, intra, inter, device)
+
+
+class HSAPAttention(torch.autograd.Function):
+    """``HSAPAttention.apply(q, k, v, runner, softmax_scale) -> out`` (a2a, SAP, a2a back)."""
+
+    @staticmethod
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, runner: HSAPRunner, scale: float) -> Tensor:
+        p = runner.intra_size
+        qh = runner.to_heads(q, "fwd")  # [t·P, H/P, d]: the whole inter chunk, my head slice
+        kh = runner.to_heads(expand_kv_for_intra(k, p), "fwd")
+        vh = runner.to_heads(expand_kv_for_intra(v, p), "fwd")
+        oh, lse = sap_forward(runner.executor, qh, kh, vh, scale)
+        out = runner.to_seq(oh, "fwd")  # [t, H, dv]
+        ctx.save_for_backward(qh, kh, vh, oh, lse)
+        ctx.runner, ctx.scale, ctx.num_kv_heads = runner, scale, k.shape[1]
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
+        qh, kh, vh, oh, lse = ctx.saved_tensors
+        runner: HSAPRunner = ctx.runner
+        doh = runner.to_heads(dout.to(oh.dtype), "bwd")
+        dqh, dkh, dvh = sap_backward(runner.executor, doh, qh, kh, vh, oh, lse, ctx.scale)
+        dq = runner.to_seq(dqh, "bwd")
+        # Replicated kv heads: their gradients come back in the activation dtype, summed in fp32.
+        dk = sum_kv_grad_for_intra(runner.to_seq(dkh, "bwd").float(), ctx.num_kv_heads).to(kh.dtype)
+        dv = sum_kv_grad_for_intra(runner.to_seq(dvh, "bwd").float(), ctx.num_kv_heads).to(vh.dtype)
+        return dq, dk, dv, None, None
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _size(group: dist.ProcessGroup | None) -> int:
+    return dist.get_world_size(group)
+
+
+def _resolve_groups(plan: Any, intra: dist.ProcessGroup | None,
+                    inter: dist.ProcessGroup | None) -> tuple[Any, Any]:  # fmt: skip
+    """Explicit groups, else HSAP's initialised groups, else the world for a 1×P or P×1 plan."""
+    p_intra, p_inter = plan.intra_size, plan.inter_size
+    if intra is None and inter is None:
+        if p_intra * p_inter == 1:
+            return None, None
+        if not dist.is_available() or not dist.is_initialized():
+            raise ConfigError(
+                f"the plan spans {plan.cp_size} CP ranks ({p_intra}x{p_inter}, intra×inter) but "
+                "torch.distributed is not initialised"
+            )
+        ps = sys.modules.get(_HSAP_PS)  # only initialised if something imported it
+        if ps is not None and ps.is_hsap_initialized():
+            groups = ps.get_hsap_groups()
+            if (groups.intra_size, groups.inter_size) != (p_intra, p_inter):
+                raise ConfigError(
+                    f"the plan is {p_intra}x{p_inter} (intra×inter) but the HSAP groups are "
+                    f"{groups.topology}; compile the plan with intra_size={groups.intra_size}, "
+                    f"inter_size={groups.inter_size}"
+                )
+            return groups.intra, groups.inter
+        if p_intra == 1:
+            return None, dist.group.WORLD
+        if p_inter == 1:
+            return dist.group.WORLD, None
+        raise ConfigError(
+            f"a {p_intra}x{p_inter} (intra×inter) plan needs intra_group= and inter_group=, or "
+            "megatron_hsap.megatron.initialize_hsap(intra_size, inter_size) beforehand"
+        )
+    for name, group, size in (("intra_group", intra, p_intra), ("inter_group", inter, p_inter)):
+        if group is None and size > 1:
+            raise ConfigError(f"{name} is None but the plan has {name[:5]}_size={size}; pass both groups")
+    return intra, inter
+
+
+def _validate(q: Tensor, k: Tensor, v: Tensor, plan: Any, intra: Any, inter: Any,
+              softmax_scale: float | None) -> float:  # fmt: skip
+    """Check tensors and groups against the plan (no collective); return the softmax scale."""
+    o = plan.options
+    h, hkv = o.num_heads, o.num_kv_heads or o.num_heads
+    d, dv = o.head_dim, o.head_dim_v or o.head_dim
+    t = plan.local_tokens
+    for name, x, want in (("q", q, (t, h, d)), ("k", k, (t, hkv, d)), ("v", v, (t, hkv, dv))):
+        if not isinstance(x, Tensor):
+            raise RuntimeMismatchError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if tuple(x.shape) != want:
+            raise RuntimeMismatchError(
+                f"{name} has shape {tuple(x.shape)} but the plan expects {list(want)} = [t_local, heads, "
+                f"head_dim] (t_local={t} tokens of this CP rank, num_heads={h}, num_kv_heads={hkv}, "
+                f"head_dim={d}, head_dim_v={dv}); shard the batch with this plan's local_token_indices "
+                "or compile the plan with the model's head counts and sizes"
+            )
+    if not (q.dtype == k.dtype == v.dtype):
+        raise RuntimeMismatchError(f"q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype}); cast them to one dtype")
+    if q.dtype not in ACTIVATION_DTYPES:
+        raise RuntimeMismatchError(f"activations are {q.dtype}; HSAP supports {[str(x) for x in ACTIVATION_DTYPES]}")
+    if q.element_size() != o.dtype_bytes:
+        raise RuntimeMismatchError(
+            f"activations are {q.dtype} ({q.element_size()} bytes) but the plan was compiled with "
+            f"dtype_bytes={o.dtype_bytes}; compile it with dtype_bytes={q.element_size()}"
+        )
+    if not (q.device == k.device == v.device):
+        raise RuntimeMismatchError(f"q, k, v are on different devices ({q.device}, {k.device}, {v.device})")
+    for name, group, size in (("intra", intra, plan.intra_size), ("inter", inter, plan.inter_size)):
+        got = 1 if group is None else _size(group)
+        if got != size:
+            raise ConfigError(
+                f"the {name} group has {got} ranks but the plan was compiled for {name}_size={size} "
+                f"({plan.intra_size}x{plan.inter_size}, intra×inter); compile the plan for the groups' "
+                f"sizes or pass the matching {name}_group"
+            )
+    if softmax_scale is None:
+        return d**-0.5
+    if not softmax_scale > 0:
+        raise ConfigError(f"softmax_scale must be > 0, got {softmax_scale!r}")
+    return float(softmax_scale)
+
+
+def hsap_attn_func(q: Tensor, k: Tensor, v: Tensor, plan: Any, *, intra_group: dist.ProcessGroup | None = None,
+                   inter_group: dist.ProcessGroup | None = None, softmax_scale: float | None = None) -> Tensor:  # fmt: skip
+    """Document-causal attention of a packed batch over the ``P_intra × P_inter`` CP group.
+
+    Args:
+        q: ``[t_local, H, d]``; k: ``[t_local, Hkv, d]``; v: ``[t_local, Hkv, d_v]`` — this CP
+            rank's tokens in the plan's layout order (``plan.local_token_indices(cp_rank)``).
+        plan: ``compile_plan(cu_seqlens, inter_size, intra_size, num_heads=H, num_kv_heads=Hkv,
+            head_dim=d, head_dim_v=d_v, dtype_bytes=q.element_size())``, the same on every rank.
+        intra_group / inter_group: default to ``initialize_hsap``'s groups when initialised,
+            else the world for a ``1×P`` (pure SAP) or ``P×1`` (pure Ulysses) plan, else none for
+            a ``1×1`` plan (no torch.distributed needed).
+        softmax_scale: default ``d ** -0.5``.
+    Returns:
+        ``out [t_local, H, d_v]`` in ``q.dtype``; differentiable w.r.t. q, k, v.
+
+    Raises ``RuntimeMismatchError`` / ``ConfigError`` before any collective when tensors, groups
+    or the plan do not match.
+    """
+    intra, inter = _resolve_groups(plan, intra_group, inter_group)
+    scale = _validate(q, k, v, plan, intra, inter, softmax_scale)
+    runner = _runner(plan, intra, inter, q.device)
+    if runner.debug:
+        runner.check_batch()
+    if plan.intra_size == 1:
+        return SAPAttention.apply(q, k, v, runner.executor, scale)
+    return HSAPAttention.apply(q, k, v, runner, scale)

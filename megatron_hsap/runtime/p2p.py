@@ -1,0 +1,208 @@
+"""The one P2P helper: post a round of point-to-point transfers, then wait for it, with a deadline.
+
+A *round* is one ``torch.distributed.batch_isend_irecv`` of this rank's sends and receives (the
+plan's ``Post``); :meth:`P2PChannel.wait` (the plan's ``Wait``) blocks until every operation of
+the round completed or the deadline passed, and then raises :class:`CommunicationError` naming the
+round, its stage, the peer and the tensor still outstanding. At most one round is in flight per
+channel; posting a second one, waiting for a round that was not posted, or handing tensors that
+gloo/NCCL cannot send (non-contiguous, on another device) raise :class:`RuntimeMismatchError`
+instead of corrupting data or hanging.
+
+Tags: gloo matches messages by (peer, tag); each operation gets ``round · 2¹² + its index among
+this pair's operations in this direction``, so a round that was abandoned (timed out) can never
+be matched by a later one. NCCL ignores tags and matches by order, which the plan keeps identical
+on both sides (its verifier checks it).
+
+Waiting with a deadline: gloo's send/recv works only report completion from ``wait`` (their
+``is_completed`` stays False until then), so on CPU tensors each work is waited with the time
+left; NCCL works are polled with ``is_completed`` (a host-side query of the CUDA event) and then
+``wait``-ed, which only orders the current stream after the transfer.
+
+NCCL also needs the first batched P2P call on a group to involve every rank of the group:
+:func:`warm_up` runs one tiny all-reduce per group, once per process.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from megatron_hsap.errors import CommunicationError, RuntimeMismatchError
+
+__all__ = ["Transfer", "P2PChannel", "warm_up"]
+
+_TAG_STRIDE = 1 << 12  # operations per (pair, direction, round); tag = round · stride + index
+_POLL_S = 1e-4  # NCCL polling interval: far below a round's duration, cheap on the host
+
+
+@dataclass(frozen=True, slots=True)
+class Transfer:
+    """One point-to-point operation: send ``tensor`` to, or receive it from, group rank ``peer``.
+
+    ``what`` names the datum for error messages, e.g. ``"kv[30:32) k rows"``.
+    """
+
+    send: bool
+    tensor: Tensor
+    peer: int
+    what: str
+
+
+# Groups that already ran the warm-up collective. ProcessGroup supports weak references, so a
+# destroyed group's entry disappears with it (an ``id()`` could be reused by a new group).
+_WARM: "weakref.WeakSet[dist.ProcessGroup]" = weakref.WeakSet()
+
+
+def warm_up(group: dist.ProcessGroup | None, device: torch.device) -> None:
+    """Run one 1-element all-reduce on ``group`` the first time this process uses it for P2P.
+
+    Every rank of the group must call this at the same point (the executor does it at its first
+    use of a group, before any round, on every rank, whether or not that rank has rounds).
+    """
+    group = group if group is not None else dist.group.WORLD
+    if group in _WARM:
+        return
+    dist.all_reduce(torch.zeros(1, device=device), group=group)
+    _WARM.add(group)
+
+
+class P2PChannel:
+    """Posts and waits rounds of P2P transfers on one process group, counting bytes and time.
+
+    ``bytes_sent``/``bytes_recv`` accumulate the sizes of the tensors actually handed to
+    ``isend``/``irecv``; ``comm_s`` the host seconds spent posting and waiting (the part of
+    communication not hidden behind compute).
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None, *, timeout_s: float, phase: str = "") -> None:
+        if not timeout_s > 0:
+            raise RuntimeMismatchError(f"P2P timeout must be > 0 seconds, got {timeout_s!r}")
+        self.group = group
+        self.timeout_s = float(timeout_s)
+        self.phase = phase
+        self.bytes_sent = 0
+        self.bytes_recv = 0
+        self.comm_s = 0.0
+        self._round: int | None = None
+        self._stage = ""
+        self._works: list[object] = []
+        self._transfers: list[Transfer] = []
+        self._per_op = True  # one work per transfer (gloo) or one for the batch (NCCL)
+        self._cpu = True
+
+    @property
+    def in_flight(self) -> int | None:
+        """Index of the round posted and not yet waited, or None."""
+        return self._round
+
+    def post(self, index: int, transfers: Sequence[Transfer], *, stage: str = "") -> None:
+        """Launch round ``index``: one ``batch_isend_irecv`` of ``transfers`` (in order)."""
+        if self._round is not None:
+            raise RuntimeMismatchError(
+                f"P2P misuse: round {index} posted while round {self._round} is still in flight; "
+                "wait for it first (one round at a time per channel)"
+            )
+        if not 0 <= index < (1 << 31) // _TAG_STRIDE:
+            raise RuntimeMismatchError(f"P2P round index {index} out of range for tags")
+        t0 = time.perf_counter()
+        ops, counters = [], {}
+        for tr in transfers:
+            t = tr.tensor
+            if not t.is_contiguous():
+                raise RuntimeMismatchError(f"P2P misuse: round {index} {tr.what} is not contiguous")
+            if transfers and t.device != transfers[0].tensor.device:
+                raise RuntimeMismatchError(
+                    f"P2P misuse: round {index} mixes devices ({t.device} for {tr.what}, "
+                    f"{transfers[0].tensor.device} for {transfers[0].what})"
+                )
+            key = (tr.send, tr.peer)
+            seq = counters.get(key, 0)
+            counters[key] = seq + 1
+            if seq >= _TAG_STRIDE:
+                raise RuntimeMismatchError(f"P2P round {index} has more than {_TAG_STRIDE} ops with peer {tr.peer}")
+            op = dist.isend if tr.send else dist.irecv
+            ops.append(dist.P2POp(op, t, group=self.group, group_peer=tr.peer, tag=index * _TAG_STRIDE + seq))
+            nbytes = t.numel() * t.element_size()
+            if tr.send:
+                self.bytes_sent += nbytes
+            else:
+                self.bytes_recv += nbytes
+        works = dist.batch_isend_irecv(ops) if ops else []
+        # Gloo returns one work per op; NCCL one for the coalesced batch (then errors name every op).
+        self._works, self._transfers = list(works), list(transfers)
+        self._per_op = len(works) == len(transfers)
+        self._cpu = not transfers or transfers[0].tensor.device.type == "cpu"
+        self._round, self._stage = index, stage
+        self.comm_s += time.perf_counter() - t0
+
+    def wait(self, index: int) -> None:
+        """Block until round ``index`` completed; raise :class:`CommunicationError` after the timeout."""
+        if self._round != index:
+            raise RuntimeMismatchError(
+                f"P2P misuse: wait for round {index} but "
+                + ("no round is in flight" if self._round is None else f"round {self._round} is in flight")
+            )
+        t0 = time.perf_counter()
+        deadline = t0 + self.timeout_s
+        try:
+            for pos, work in enumerate(self._works):
+                try:
+                    ok = self._wait_one(work, deadline)
+                except RuntimeError as exc:  # the transport failed (peer died, socket closed)
+                    raise self._error(pos, f"failed: {exc}") from exc
+                if not ok:
+                    raise self._error(pos, f"did not complete within {self.timeout_s:g} s")
+        finally:
+            self._round, self._works, self._transfers = None, [], []
+            self.comm_s += time.perf_counter() - t0
+
+    def _wait_one(self, work: object, deadline: float) -> bool:
+        """True when ``work`` completed before ``deadline``; False on timeout."""
+        if self._cpu:
+            left = max(deadline - time.perf_counter(), 1e-3)
+            try:
+                work.wait(datetime.timedelta(seconds=left))  # type: ignore[attr-defined]
+            except RuntimeError as exc:
+                if "timed out" in str(exc).lower():
+                    return False
+                raise
+            return True
+        while not work.is_completed():  # type: ignore[attr-defined]
+            if time.perf_counter() >= deadline:
+                return False
+            time.sleep(_POLL_S)
+        work.wait()  # type: ignore[attr-defined]
+        return True
+
+    def _error(self, pos: int, why: str) -> CommunicationError:
+        pending = self._transfers[pos:] if self._per_op else self._transfers
+        first = pending[0] if pending else None
+        me = dist.get_rank(self.group) if dist.is_initialized() else 0
+        where = f"{self.phase} " if self.phase else ""
+        head = f"P2P round {self._round} ({where}{self._stage}) on group rank {me}"
+        if first is None:
+            return CommunicationError(f"{head} {why}")
+        direction = "send to" if first.send else "recv from"
+        also = ""
+        if len(pending) > 1:
+            also = "; still outstanding: " + ", ".join(
+                f"{'send to' if t.send else 'recv from'} peer {t.peer} {t.what}" for t in pending[1:6]
+            ) + (" ..." if len(pending) > 6 else "")
+        return CommunicationError(
+            f"{head}: {direction} peer {first.peer} (group rank), tensor {first.what}, {why}{also}. "
+            f"The peer is probably stuck, dead or running a different plan (check that every rank "
+            f"compiled its plan from the same cu_seqlens; raise HSAP_P2P_TIMEOUT_S if it is just slow). "
+            f"This process group cannot be reused after this error."
+        )
+
+    def close(self) -> None:
+        """Check that no round is left in flight (end of a phase)."""
+        if self._round is not None:
+            raise RuntimeMismatchError(f"P2P misuse: round {self._round} was posted but never waited")

@@ -1,0 +1,1 @@
+"""megatron-hsap sim package."""

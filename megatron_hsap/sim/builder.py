@@ -1,0 +1,113 @@
+"""Helpers to write schedules as engine programs: a ``Builder`` and kernel-call pricing.
+
+A schedule is written rank by rank in program order (``post``, ``kernel``, ``wait`` ...);
+``send(tag, src, dst, nbytes)`` registers the bytes of one round between two ranks (several
+sends of one round between the same pair are one transfer: they share the pair's ports and the
+round completes only when all are done).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Sequence
+import numpy as np
+
+from megatron_hsap.plan.costs import HeadShape
+from megatron_hsap.sim.config import SimHardware
+from megatron_hsap.sim.engine import Busy, Collective, Instr, Post, Transfer, Wait, Workload
+
+__all__ = ["Builder", "Blocks", "causal_pairs"]
+
+
+def causal_pairs(n: np.ndarray | int, first: np.ndarray | int = 1) -> np.ndarray:
+    """Pairs of a bottom-right causal block of ``n`` q rows whose first row sees ``first`` keys:
+    ``n·first + n(n−1)/2`` (float64, broadcast)."""
+    n = np.asarray(n, dtype=np.float64)
+    first = np.asarray(first, dtype=np.float64)
+    return n * first + n * (n - 1) / 2
+
+
+@dataclass(frozen=True, slots=True)
+class Blocks:
+    """Document blocks of one kernel call: ``nq``, ``nk`` rows and ``pairs`` (float64 ``[n]``)."""
+
+    nq: np.ndarray
+    nk: np.ndarray
+    pairs: np.ndarray
+
+    @staticmethod
+    def of(nq: Sequence[float] | np.ndarray, nk: Sequence[float] | np.ndarray, pairs: Sequence[float] | np.ndarray) -> "Blocks":
+        nq_a = np.atleast_1d(np.asarray(nq, dtype=np.float64))
+        nk_a = np.atleast_1d(np.asarray(nk, dtype=np.float64))
+        pr = np.atleast_1d(np.asarray(pairs, dtype=np.float64))
+        keep = (nq_a > 0) & (nk_a > 0) & (pr > 0)
+        return Blocks(nq_a[keep], nk_a[keep], pr[keep])
+
+    @property
+    def empty(self) -> bool:
+        return len(self.pairs) == 0
+
+    @property
+    def work(self) -> float:
+        return float(self.pairs.sum())
+
+    def seconds(self, hw: SimHardware, shape: HeadShape, phase: str, launch: bool = True) -> tuple[float, float]:
+        """(seconds, FLOPs) of one varlen call over these blocks on ``shape``'s heads."""
+        if self.empty:
+            return 0.0, 0.0
+        fpp = shape.fwd_flops_per_pair if phase == "fwd" else shape.bwd_flops_per_pair
+        flops = self.pairs * fpp
+        t = hw.kernel.blocks_time(self.nq, self.nk, flops, phase)
+        if launch:
+            t += hw.kernel.curve.launch_s
+        return t, float(flops.sum())
+
+
+class Builder:
+    """Accumulates per-rank programs and the transfers of each round."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.progs: list[list[Instr]] = [[] for _ in range(n)]
+        self._bytes: dict[tuple[int, int, int], float] = defaultdict(float)
+        self._labels: dict[tuple[int, int, int], str] = {}
+        self._next_tag = 0
+
+    def new_tag(self) -> int:
+        self._next_tag += 1
+        return self._next_tag - 1
+
+    def send(self, tag: int, src: int, dst: int, nbytes: float, label: str = "") -> None:
+        if src == dst or nbytes <= 0:
+            return
+        self._bytes[(tag, src, dst)] += float(nbytes)
+        self._labels.setdefault((tag, src, dst), label)
+
+    def post(self, rank: int, tag: int) -> None:
+        self.progs[rank].append(Post(tag))
+
+    def wait(self, rank: int, tag: int) -> None:
+        self.progs[rank].append(Wait(tag))
+
+    def busy(self, rank: int, seconds: float, kind: str = "compute", label: str = "", flops: float = 0.0) -> None:
+        if seconds > 0:
+            self.progs[rank].append(Busy(seconds, kind, label, flops))
+
+    def kernel(self, rank: int, blocks: Blocks, hw: SimHardware, shape: HeadShape, phase: str, label: str = "") -> float:
+        """Append one varlen attention call; returns its seconds."""
+        t, f = blocks.seconds(hw, shape, phase)
+        self.busy(rank, t, "compute", label, f)
+        return t
+
+    def elementwise(self, rank: int, nbytes: float, hw: SimHardware, label: str = "merge") -> None:
+        self.busy(rank, hw.elementwise_time(nbytes), "merge", label)
+
+    def collective(self, rank: int, tag: int, seconds: float, kind: str = "collective", label: str = "") -> None:
+        """``rank`` joins blocking collective ``tag`` (a ``new_tag()`` shared by its members):
+        all members leave at the last arrival + ``seconds``."""
+        self.progs[rank].append(Collective(tag, seconds, kind, label))
+
+    def build(self) -> Workload:
+        transfers = [Transfer(s, d, b, t, self._labels[(t, s, d)]) for (t, s, d), b in sorted(self._bytes.items())]
+        return Workload(programs=self.progs, transfers=transfers)

@@ -1,0 +1,100 @@
+"""The modelled cluster: GPUs in nodes, NVLink inside a node, InfiniBand between nodes.
+
+CP rank ``r = i·P_intra + j`` (DESIGN §1: ``i`` inter index, ``j`` intra index) runs on GPU
+``r·TP`` of a contiguous allocation, so node ``= r·TP // gpus_per_node``. Each GPU has one
+NVLink port and one NIC (DGX A100/H100: one HDR/NDR NIC per GPU), each full duplex: the
+simulator's network keeps a send and a receive capacity per GPU and link class.
+
+Collectives whose members run identical programs (the all-to-alls of Ulysses, USP and HSAP's
+intra group: every member enters at the same time) are priced in closed form here; the fluid
+network of ``engine.py`` gives the same answer for them, and point-to-point traffic, whose
+timing depends on the peers, is always simulated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_hsap.errors import ConfigError
+from megatron_hsap.plan.hardware import LinkClass
+from megatron_hsap.sim.config import SimHardware
+
+__all__ = ["Cluster"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Cluster:
+    """``P_intra × P_inter`` CP ranks (topology written intra×inter) on ``hw``."""
+
+    hw: SimHardware
+    intra_size: int = 1
+    inter_size: int = 1
+    tp_size: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("intra_size", "inter_size", "tp_size"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"{name} must be an integer >= 1, got {v!r}")
+        if self.intra_size * self.tp_size > self.hw.gpus_per_node and self.intra_size > 1:
+            raise ConfigError(
+                f"intra_size={self.intra_size} × tp_size={self.tp_size} exceeds one node "
+                f"({self.hw.gpus_per_node} GPUs): the intra group must sit inside a node"
+            )
+
+    @property
+    def cp_size(self) -> int:
+        return self.intra_size * self.inter_size
+
+    @property
+    def topology(self) -> str:
+        return f"{self.intra_size}x{self.inter_size}"
+
+    def cp_rank(self, inter: int, intra: int = 0) -> int:
+        return inter * self.intra_size + intra
+
+    def node(self, cp_rank: int) -> int:
+        return (cp_rank * self.tp_size) // self.hw.gpus_per_node
+
+    def link(self, a: int, b: int) -> LinkClass:
+        """Link class between CP ranks ``a`` and ``b``."""
+        return LinkClass.NVLINK if self.node(a) == self.node(b) else LinkClass.INFINIBAND
+
+    def inter_group(self, intra: int = 0) -> list[int]:
+        """CP ranks of inter group ``intra`` (strided: ``i·P_intra + intra``)."""
+        return [self.cp_rank(i, intra) for i in range(self.inter_size)]
+
+    def intra_group(self, inter: int = 0) -> list[int]:
+        return [self.cp_rank(inter, j) for j in range(self.intra_size)]
+
+    @property
+    def worst_link(self) -> LinkClass:
+        """InfiniBand when the CP group spans nodes (the planner's link class, DESIGN §4)."""
+        last = self.cp_size - 1
+        return self.link(0, last)
+
+    # ------------------------------------------------------------------ closed-form collectives
+    def all_to_all_time(self, members: list[int], bytes_per_peer: float) -> float:
+        """Symmetric all-to-all: every member sends ``bytes_per_peer`` to every other member and
+        receives as much. NVLink and NIC traffic flow in parallel; one latency of the worst link."""
+        if len(members) <= 1 or bytes_per_peer <= 0:
+            return 0.0
+        worst = 0.0
+        for a in members:
+            nvl = sum(1 for b in members if b != a and self.link(a, b) is LinkClass.NVLINK)
+            ib = len(members) - 1 - nvl
+            worst = max(worst, nvl * bytes_per_peer / self.hw.nvlink_bw, ib * bytes_per_peer / self.hw.ib_bw)
+        return worst + self.hw.latency(self._span(members))
+
+    def ring_collective_time(self, members: list[int], bytes_per_rank: float) -> float:
+        """All-gather (or reduce-scatter) of ``bytes_per_rank`` per member, ring algorithm:
+        each member moves ``(m-1)·bytes_per_rank``; the ring runs at its slowest hop."""
+        m = len(members)
+        if m <= 1 or bytes_per_rank <= 0:
+            return 0.0
+        link = self._span(members)
+        return (m - 1) * bytes_per_rank / self.hw.bandwidth(link) + self.hw.latency(link)
+
+    def _span(self, members: list[int]) -> LinkClass:
+        nodes = {self.node(r) for r in members}
+        return LinkClass.NVLINK if len(nodes) == 1 else LinkClass.INFINIBAND

@@ -1,0 +1,117 @@
+"""Simulator constants (pure data), each with its source.
+
+Most numbers come from ``shared/workloads.md`` ("Hardware constants for the simulator"); the
+planner's flat rates (``megatron_hsap.plan.hardware``) are the *derated* versions of the same
+figures. The simulator instead uses the measured FlashAttention rates at a reference block size
+and spreads them over block shapes with ``KernelCurve`` (rate(n) = peak · n / (n + 390)), so
+that short documents run below peak (workloads.md: FA2 causal forward at 512 tokens ~57% of its
+16K rate, at 1K ~78%).
+
+Anything not in workloads.md says where it comes from. ``megatron_hsap.sim.config`` turns this
+table into a validated ``SimConfig`` and lets a YAML file override any field.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# KernelCurve of plan/hardware.py: efficiency(n) = n / (n + 390).
+HALF_RATE_TOKENS = 390.0
+
+
+def _peak(rate_at: float, tokens: int) -> float:
+    """Asymptotic rate whose curve value at ``tokens`` is the measured ``rate_at``."""
+    return rate_at * (tokens + HALF_RATE_TOKENS) / tokens
+
+
+HARDWARE: dict[str, dict[str, Any]] = {
+    # A100 SXM. workloads.md: FA2 (d 128) ~205 TFLOP/s forward, ~174 backward at 8K causal;
+    # NVLink NCCL ~230 GB/s per GPU; HDR 200 Gb/s NIC per GPU ~23 GB/s achieved; NCCL op
+    # latency ~8-10 us intra-node, ~10-20 us over the network; bf16 dense peak 312 TFLOP/s.
+    "a100": {
+        "attn_fwd_peak": _peak(205e12, 8192),
+        "attn_bwd_peak": _peak(174e12, 8192),
+        "half_rate_tokens": HALF_RATE_TOKENS,
+        "launch_s": 5e-6,  # plan/hardware.py KernelCurve.launch_s
+        "nvlink_bw": 230e9,
+        "ib_bw": 23e9,
+        "nvlink_latency": 10e-6,
+        "ib_latency": 15e-6,
+        "dense_peak_flops": 312e12,
+        # Not in workloads.md: A100-SXM4-80GB HBM2e 2,039 GB/s (NVIDIA datasheet); elementwise
+        # kernels reach ~80% of it.
+        "hbm_bw": 1.6e12,
+        "gpus_per_node": 8,
+    },
+    # H100 SXM with FlashAttention-2. workloads.md: FA2 ~335-370 forward (midpoint 350), ~322
+    # backward at 16K; NVLink NCCL ~370 GB/s; NDR 400 Gb/s ~48 GB/s; dense peak 989.
+    "h100": {
+        "attn_fwd_peak": _peak(350e12, 16384),
+        "attn_bwd_peak": _peak(322e12, 16384),
+        "half_rate_tokens": HALF_RATE_TOKENS,
+        "launch_s": 5e-6,
+        "nvlink_bw": 370e9,
+        "ib_bw": 48e9,
+        "nvlink_latency": 10e-6,
+        "ib_latency": 15e-6,
+        "dense_peak_flops": 989e12,
+        # Not in workloads.md: H100 SXM HBM3 3.35 TB/s (NVIDIA datasheet), ~80% achieved.
+        "hbm_bw": 2.7e12,
+        "gpus_per_node": 8,
+    },
+    # H100 SXM with FlashAttention-3 (the class of kernel MagiAttention's benchmark runs).
+    # workloads.md: FA3 ~616-648 forward (midpoint 632), ~561 backward at 16K.
+    "h100-fa3": {
+        "attn_fwd_peak": _peak(632e12, 16384),
+        "attn_bwd_peak": _peak(561e12, 16384),
+        "half_rate_tokens": HALF_RATE_TOKENS,
+        "launch_s": 5e-6,
+        "nvlink_bw": 370e9,
+        "ib_bw": 48e9,
+        "nvlink_latency": 10e-6,
+        "ib_latency": 15e-6,
+        "dense_peak_flops": 989e12,
+        "hbm_bw": 2.7e12,
+        "gpus_per_node": 8,
+    },
+}
+
+# Bytes of HBM traffic per output element of one merge / accumulate step, by implementation
+# (read from each code base; the element counts are n_rows x heads x head_dim):
+#   hsap: runtime/merge.py ``out_acc.mul_(w).addcmul_(part, w)`` on fp32: read 4 + write 4,
+#         then read 4 + 2 (bf16 part) + write 4 -> 18; backward ``+=`` into fp32 grads: 4+4+4.
+#   te: Transformer Engine's fused ``thd_out_correction``: read fp32 acc 4 + bf16 part 2 +
+#       write 4 -> 10; backward adds in place like HSAP (12).
+#   ring_flash_attn: ``update_out_and_lse`` under torch.jit.script (fused after warm-up):
+#       part .to(fp32) 2+4, then fused exp/mul/add read 4 + 4, write 4 -> 18; the zigzag
+#       varlen path also gathers and scatters ``out[half_index1]`` (boolean index: +16 on the
+#       back half, i.e. +8 per element). Backward ``dq += buffer`` (fp32 += bf16): 4+2+4 = 10.
+#   distflashattn: LightSeq's Triton rescale kernel, like TE: 10 / 12.
+MERGE_BYTES: dict[str, dict[str, float]] = {
+    "hsap": {"fwd": 18.0, "bwd": 12.0},
+    "te": {"fwd": 10.0, "bwd": 12.0},
+    "ring_flash_attn": {"fwd": 18.0, "bwd": 10.0, "half_index_extra": 8.0},
+    "distflashattn": {"fwd": 10.0, "bwd": 12.0},
+}
+
+# GPT FLOP model for the non-attention part (Table 4): matmul FLOPs at a fixed fraction of the
+# dense bf16 peak. 0.52 is Megatron-LM's published A100 figure (Narayanan et al., SC'21:
+# 163 TFLOP/s per GPU, 52% of peak, on GPT models up to 1T parameters).
+DENSE_MFU = 0.52
+
+# LLaMA-2-7B (Touvron et al. 2023, Table/config on the Hugging Face hub): 32 layers, hidden 4096,
+# 32 heads of 128, SwiGLU FFN 11008, vocabulary 32000.
+LLAMA2_7B: dict[str, int] = {
+    "layers": 32,
+    "hidden": 4096,
+    "heads": 32,
+    "kv_heads": 32,
+    "head_dim": 128,
+    "ffn": 11008,
+    "vocab": 32000,
+}
+
+SOURCES = (
+    "shared/workloads.md 'Hardware constants for the simulator' (rates, links, latencies); "
+    "NVIDIA A100/H100 datasheets (HBM); Narayanan et al. SC'21 (MFU 0.52); LLaMA-2 config"
+)

