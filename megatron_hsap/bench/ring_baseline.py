@@ -247,13 +247,17 @@ class A2AP2PAttention:
         self.layout, self.intra = layout, intra
         self.ring = RingAttention(layout, inter, device, backend=backend)
         self.a2a_bytes_sent = {"fwd": 0, "bwd": 0}
+        self.a2a_s = 0.0
 
     def _a2a(self, x: Tensor, phase: str, to_heads: bool) -> Tensor:
         p = self.layout.intra
         if p == 1:
             return x
+        t0 = time.perf_counter()
         self.a2a_bytes_sent[phase] += x.numel() * x.element_size() * (p - 1) // p
-        return seq_to_heads(x.contiguous(), self.intra) if to_heads else heads_to_seq(x.contiguous(), self.intra)
+        out = seq_to_heads(x.contiguous(), self.intra) if to_heads else heads_to_seq(x.contiguous(), self.intra)
+        self.a2a_s += time.perf_counter() - t0
+        return out
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, tuple]:
         """Local ``[t, H, d]`` rows -> ``out [t, H, dv]`` (activation dtype) and what backward needs."""
@@ -277,3 +281,4 @@ class A2AP2PAttention:
     def reset_stats(self) -> None:
         self.ring.reset_stats()
         self.a2a_bytes_sent = {"fwd": 0, "bwd": 0}
+        self.a2a_s = 0.0

@@ -208,28 +208,46 @@ def _resolve_rank_and_sizes(cp_rank: int | None, plan: Any) -> tuple[int, Any]:
 
 
 def _check_consistent(cu: np.ndarray, check_group: Any, groups: Any, cp_size: int) -> None:
-    """Fingerprint exchange of ``cu_seqlens`` over the CP ranks (host side)."""
+    """Fingerprint exchange of ``cu_seqlens`` over the CP ranks (host side); raises on every rank."""
     if cp_size == 1 or check_group is False:
         return
+    from megatron_hsap.runtime import check_cu_seqlens_consistent
+
     if check_group is not None:
-        targets = [check_group]
+        check_cu_seqlens_consistent(cu, check_group)
     elif (meg := _megatron_cp_group()) is not None:
-        targets = [meg]
+        check_cu_seqlens_consistent(cu, meg)
     elif groups is not None:
-        # Consistent inside every intra and every inter group ⇒ consistent over the CP group:
-        # (i, j) and (i', j') are linked through (i, j') by one intra and one inter hop.
-        targets = [groups.intra, groups.inter]
+        _check_over_intra_and_inter(cu, groups)
     elif dist.is_initialized() and dist.get_world_size() == cp_size:
-        targets = [None]  # the default group is the CP group
+        check_cu_seqlens_consistent(cu, None)  # the default group is the CP group
     else:
         raise ConfigError(
             "cannot tell which ranks share this batch: pass check_group=<CP group>, call "
             "initialize_hsap(...), or check_group=False to skip the consistency check"
         )
-    from megatron_hsap.runtime import check_cu_seqlens_consistent
 
-    for group in targets:
-        check_cu_seqlens_consistent(cu, group)
+
+def _check_over_intra_and_inter(cu: np.ndarray, groups: Any) -> None:
+    """The CP group is not available as one group: compare within every intra and every inter
+    group, then spread the verdict over intra then inter. (i, j) and (i', j') are linked through
+    (i, j') by one intra and one inter hop, so two rounds reach every CP rank and all of them raise
+    together — a rank whose own groups agree must not run on into a P2P round alone."""
+    from megatron_hsap.runtime.consistency import fingerprint_mismatch
+
+    reports = [fingerprint_mismatch(cu, g) for g in (groups.intra, groups.inter)]
+    bad = any(r is not None for r in reports)
+    for g in (groups.intra, groups.inter):
+        # Verdicts that differ inside g mean some member saw a mismatch: then all of g has one.
+        # (The exchange runs on every rank: never short-circuit a collective.)
+        spread = fingerprint_mismatch(np.asarray([int(bad)]), g) is not None
+        bad = bad or spread
+    if bad:
+        detail = "; ".join(r for r in reports if r) or "another rank of this CP group holds a different batch"
+        raise BatchError(
+            f"ranks of one context-parallel group hold different cu_seqlens: {detail}. Every rank of a CP "
+            "group must get the same global packed batch (same data-loader seed and sampler)"
+        )
 
 
 def _megatron_cp_group() -> Any:

@@ -183,9 +183,7 @@ def _rank_main(rank: int, run: TinyRun, port: int, corpus: Any, queue: Any) -> N
                       WORLD_SIZE=str(run.world_size), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
     if sys.platform.startswith("linux"):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    import warnings
-
-    warnings.filterwarnings("ignore")
+    _quiet_megatron()
     import torch
     import torch.distributed as dist
 
@@ -225,14 +223,16 @@ def _rank_main(rank: int, run: TinyRun, port: int, corpus: Any, queue: Any) -> N
             result = train_step(model, optimizer, sharded, num_loss_tokens=n_global, grad_group=grad_group,
                                 real_tokens=real)
             results.append(result)
-            if bar is not None:
+            if rank == 0:
                 rate = result.real_tokens / result.seconds
-                bar.set_postfix(loss=f"{result.loss:.4f}", tok_s=f"{rate:,.0f}")
-                bar.write(
-                    f"[{run.intra_size}x{run.inter_size}] step {step + 1:3d}/{run.steps}  loss {result.loss:.6f}  "
-                    f"grad-norm {result.grad_norm:.4f}  tokens/s {rate:,.0f}", file=sys.stdout,
-                )
-                bar.update(1)
+                line = (f"[{run.intra_size}x{run.inter_size}] step {step + 1:3d}/{run.steps}  loss {result.loss:.6f}  "
+                        f"grad-norm {result.grad_norm:.4f}  tokens/s {rate:,.0f}")
+                if bar is None:
+                    print(line, flush=True)
+                else:
+                    bar.set_postfix(loss=f"{result.loss:.4f}", tok_s=f"{rate:,.0f}")
+                    bar.write(line, file=sys.stdout)
+                    bar.update(1)
         if bar is not None:
             bar.close()
         if rank == 0:
@@ -246,6 +246,17 @@ def _rank_main(rank: int, run: TinyRun, port: int, corpus: Any, queue: Any) -> N
         raise
     finally:
         dist.destroy_process_group()
+
+
+def _quiet_megatron() -> None:
+    """Silence megatron-core's import-time notices (no TE/Apex, GPTModel deprecation) in this demo."""
+    import logging
+    import warnings
+
+    warnings.filterwarnings("ignore", module=r"megatron\.")
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    logging.getLogger("megatron").setLevel(logging.ERROR)
+    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)  # "No CUDA runtime is found"
 
 
 def _progress(run: TinyRun, rank: int) -> Any:
@@ -364,6 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of ``megatron-hsap train-tiny``; returns the exit code."""
     from megatron_hsap.errors import HSAPError
 
+    _quiet_megatron()
     try:
         run, do_compare = _parse(argv)
     except HSAPError as exc:

@@ -70,36 +70,58 @@ _INPUTS = {
 }
 
 
+def wire_bytes(shape: HeadShape) -> dict[Wire, int]:
+    """Bytes per token row of every wire (``HeadShape.token_bytes``, looked up once)."""
+    return {w: shape.token_bytes(w) for w in Wire}
+
+
 def phase_messages(units: list[Unit], phase: Phase, shape: HeadShape) -> list[Message]:
-    """Every message of one phase (inputs deduplicated per rank, stage and range)."""
+    """Every message of one phase in canonical order (inputs deduplicated per rank, stage and
+    range; one result message per block and wire)."""
+    return _messages(units, phase, shape)[0]
+
+
+def _messages(units: list[Unit], phase: Phase, shape: HeadShape) -> tuple[list[Message], dict[tuple, int], dict[tuple[int, Wire], int]]:
+    """``phase_messages`` plus where each block's inputs and results are: ({(rank, stage, src,
+    wire, start, stop): message index}, {(block index, wire): message index})."""
     q_wires, kv_wires = _INPUTS[phase]
-    seen: set[tuple] = set()
+    results = _RESULT_WIRES[phase]
+    tb = wire_bytes(shape)
+    order = {w: i for i, w in enumerate(Wire)}
+    recs: list[tuple] = []  # (round, src, dst, wire order, start, stop, part, wire, tokens, input key | result key)
+    inputs: dict[tuple, int] = {}
     parts: dict[tuple, int] = defaultdict(int)
-    out: list[Message] = []
-
-    def add(rnd: int, src: int, dst: int, wire: Wire, tokens: TokenRange, result: bool = False) -> None:
-        key = (rnd, src, dst, wire, tokens)
-        if result:  # one message per block
-            out.append(Message(rnd, src, dst, wire, tokens, shape.nbytes(wire, len(tokens)), parts[key]))
-            parts[key] += 1
-        elif key not in seen:  # inputs: one copy per (rank, stage, range)
-            seen.add(key)
-            out.append(Message(rnd, src, dst, wire, tokens, shape.nbytes(wire, len(tokens))))
-
-    for u in units:
-        k = u.stage
-        if u.rank != u.q_owner:
-            for w in q_wires:
-                add(k - 1, u.q_owner, u.rank, w, u.q)
-            for w in ((Wire.O, Wire.LSE) if phase is Phase.FWD else (Wire.DQ,)):
-                add(k + 1, u.rank, u.q_owner, w, u.q, result=True)
-        if u.rank != u.kv_owner:
-            for w in kv_wires:
-                add(k - 1, u.kv_owner, u.rank, w, u.kv)
-            if phase is Phase.BWD:
-                add(k + 1, u.rank, u.kv_owner, Wire.DKV, u.kv, result=True)
-    out.sort(key=lambda m: (m.round, m.key()))
-    return out
+    for i, u in enumerate(units):
+        r, k = u.rank, u.stage
+        if r == u.q_owner == u.kv_owner:
+            continue
+        for owner, toks, wires in ((u.q_owner, u.q, q_wires), (u.kv_owner, u.kv, kv_wires)):
+            if owner == r:
+                continue
+            a, b = toks.start, toks.stop
+            for w in wires:
+                key = (r, k, owner, w, a, b)
+                if key not in inputs:
+                    inputs[key] = len(recs)
+                    recs.append((k - 1, owner, r, order[w], a, b, 0, w, toks, key))
+        for w in results:
+            owner, toks = (u.kv_owner, u.kv) if w is Wire.DKV else (u.q_owner, u.q)
+            if owner == r:
+                continue
+            pkey = (k + 1, r, owner, w, toks.start, toks.stop)
+            part = parts[pkey]
+            parts[pkey] = part + 1
+            recs.append((k + 1, r, owner, order[w], toks.start, toks.stop, part, w, toks, (i, w)))
+    perm = sorted(range(len(recs)), key=lambda j: recs[j][:7])
+    pos = [0] * len(recs)
+    msgs: list[Message] = []
+    for new, j in enumerate(perm):
+        rec = recs[j]
+        pos[j] = new
+        msgs.append(Message(rec[0], rec[1], rec[2], rec[7], rec[8], tb[rec[7]] * (rec[5] - rec[4]), rec[6]))
+    input_at = {key: pos[j] for key, j in inputs.items()}
+    result_at = {rec[9]: pos[j] for j, rec in enumerate(recs) if len(rec[9]) == 2}
+    return msgs, input_at, result_at
 
 
 _RESULT_WIRES = {Phase.FWD: (Wire.O, Wire.LSE), Phase.BWD: (Wire.DQ, Wire.DKV)}
@@ -120,14 +142,15 @@ def _first_fit(requests: list[tuple[int, int, int, int]], capacity: int) -> tupl
         for pos, (o, e, _) in enumerate(live):
             if off + size <= o:
                 break
-            off = max(off, e)
+            if e > off:
+                off = e
         else:
             pos = len(live)
         if off + size > capacity:
             raise PoolOverflow(f"needs {off + size} bytes > capacity {capacity}")
-        live.insert(pos, (off, off + size, t1))
-        live.sort()
-        peak = max(peak, off + size)
+        live.insert(pos, (off, off + size, t1))  # entries before pos end at or before off
+        if off + size > peak:
+            peak = off + size
         slots[key] = Slot(off, nbytes)
     return slots, peak
 
@@ -140,90 +163,79 @@ class PhaseCode:
     pool_peak: tuple[int, ...]  # bytes per rank
 
 
-def generate(units: list[Unit], phase: Phase, size: int, shape: HeadShape, capacity: int, round_base: int,
-             msgs: list[Message] | None = None) -> PhaseCode:
+def generate(units: list[Unit], phase: Phase, size: int, shape: HeadShape, capacity: int, round_base: int) -> PhaseCode:
     """Emit every rank's program for one phase. Raises ``PoolOverflow`` when slots do not fit.
 
     Slot lifetimes in event steps (``post k`` = 2k, ``wait k`` = 2k + 1): an input received in
     round k (for stage k + 1) lives [2k, 2k + 3]; a result computed at stage k lives [2k, 2k + 3]
     (sent in round k + 1); a result received in round k lives [2k, 2k + 1] (merged after the wait).
+    Blocks should come sorted by (rank, stage, ...): that is the order of each stage's items.
     """
     stages = 1 + max((u.stage for u in units), default=0)
-    if msgs is None:
-        msgs = phase_messages(units, phase, shape)
+    msgs, input_at, result_at = _messages(units, phase, shape)
     results = _RESULT_WIRES[phase]
     q_wires, kv_wires = _INPUTS[phase]
+    tb = wire_bytes(shape)
     requests: list[list[tuple[int, int, int, int]]] = [[] for _ in range(size)]
     for idx, m in enumerate(msgs):
         k = m.round
-        life = (2 * k, 2 * k + 1) if m.wire in results else (2 * k, 2 * k + 3)
-        requests[m.dst].append((life[0], life[1], m.nbytes, idx))
-    order = sorted(range(len(units)), key=lambda i: (units[i].rank, units[i].stage, units[i].rank == units[i].q_owner,
-                                                     units[i].q.start, units[i].kv.start))
-    out_keys: list[tuple[int, Wire, TokenRange]] = []  # per result slot: (unit index, wire, rows)
-    base = len(msgs)
-    for i in order:
+        requests[m.dst].append((2 * k, 2 * k + 1 if m.wire in results else 2 * k + 3, m.nbytes, idx))
+    n_msgs = len(msgs)
+    out_at: dict[tuple[int, Wire], int] = {}  # (block, wire) -> request key of its result slot
+    for (i, w) in result_at:
         u = units[i]
-        k = u.stage
-        for w in results:
-            owner = u.kv_owner if w is Wire.DKV else u.q_owner
-            if u.rank != owner:
-                toks = u.kv if w is Wire.DKV else u.q
-                requests[u.rank].append((2 * k, 2 * k + 3, shape.nbytes(w, len(toks)), base + len(out_keys)))
-                out_keys.append((i, w, toks))
+        toks = u.kv if w is Wire.DKV else u.q
+        key = n_msgs + len(out_at)
+        out_at[(i, w)] = key
+        requests[u.rank].append((2 * u.stage, 2 * u.stage + 3, tb[w] * (toks.stop - toks.start), key))
     slot_of: dict[int, Slot] = {}
     peaks = []
     for r in range(size):
         got, peak = _first_fit(requests[r], capacity)
         slot_of.update(got)
         peaks.append(peak)
-    recv_slot: dict[tuple, Slot] = {}  # (dst, round, src, wire, tokens, part) -> slot
-    for idx, m in enumerate(msgs):
-        recv_slot[(m.dst, m.round, m.src, m.wire, m.tokens, m.part)] = slot_of[idx]
-    unit_out: dict[tuple[int, Wire], Slot] = {(i, w): slot_of[base + j] for j, (i, w, _) in enumerate(out_keys)}
-    by_rank_stage: dict[tuple[int, int], list[ComputeItem]] = defaultdict(list)
-    # result sends read the slots their blocks wrote, matched in canonical order
-    result_src: dict[tuple, list[Slot]] = defaultdict(list)
-    for i in order:
-        u = units[i]
+    items: dict[tuple[int, int], list[ComputeItem]] = defaultdict(list)
+    local_srcs = tuple((w, None) for w in q_wires + kv_wires)
+    local_dsts = tuple((w, None) for w in results)
+    for i, u in enumerate(units):
         k, r = u.stage, u.rank
-        srcs: list[tuple[Wire, Slot | None]] = []
-        for w in q_wires:
-            srcs.append((w, None if r == u.q_owner else recv_slot[(r, k - 1, u.q_owner, w, u.q, 0)]))
-        for w in kv_wires:
-            srcs.append((w, None if r == u.kv_owner else recv_slot[(r, k - 1, u.kv_owner, w, u.kv, 0)]))
-        dsts: list[tuple[Wire, Slot | None]] = []
-        for w in results:
-            slot = unit_out.get((i, w))
-            dsts.append((w, slot))
-            if slot is not None:
-                result_src[(r, k + 1, w, u.kv if w is Wire.DKV else u.q)].append(slot)
-        by_rank_stage[(r, k)].append(ComputeItem(q=u.q, kv=u.kv, causal=u.causal, srcs=tuple(srcs), dsts=tuple(dsts)))
-    per_rank_round: dict[tuple[int, int], list[Send | Recv]] = defaultdict(list)
-    post_merge: dict[tuple[int, int], list[Instr]] = defaultdict(list)
-    for m in msgs:
+        if r == u.q_owner == u.kv_owner:
+            items[(r, k)].append(ComputeItem(q=u.q, kv=u.kv, causal=u.causal, srcs=local_srcs, dsts=local_dsts))
+            continue
+        srcs = []
+        for owner, toks, wires in ((u.q_owner, u.q, q_wires), (u.kv_owner, u.kv, kv_wires)):
+            for w in wires:
+                srcs.append((w, None if owner == r else slot_of[input_at[(r, k, owner, w, toks.start, toks.stop)]]))
+        dsts = tuple((w, slot_of[out_at[(i, w)]] if (i, w) in out_at else None) for w in results)
+        items[(r, k)].append(ComputeItem(q=u.q, kv=u.kv, causal=u.causal, srcs=tuple(srcs), dsts=dsts))
+    src_of_result = {result_at[key]: slot_of[out_key] for key, out_key in out_at.items()}
+    ops: dict[tuple[int, int], list[Send | Recv]] = defaultdict(list)
+    after: dict[tuple[int, int], list[Instr]] = defaultdict(list)
+    lse_of: dict[tuple, Slot] = {}
+    for idx, m in enumerate(msgs):
+        if m.wire is Wire.LSE and phase is Phase.FWD:
+            lse_of[(m.dst, m.round, m.src, m.tokens.start, m.tokens.stop, m.part)] = slot_of[idx]
+    for idx, m in enumerate(msgs):
         k = m.round
-        src_slot = result_src[(m.src, k, m.wire, m.tokens)].pop(0) if m.wire in results else None
-        dst = recv_slot[(m.dst, k, m.src, m.wire, m.tokens, m.part)]
-        per_rank_round[(m.src, k)].append(Send(m.wire, m.tokens, m.dst, m.nbytes, src_slot))
-        per_rank_round[(m.dst, k)].append(Recv(m.wire, m.tokens, m.src, m.nbytes, dst))
+        dst = slot_of[idx]
+        ops[(m.src, k)].append(Send(m.wire, m.tokens, m.dst, m.nbytes, src_of_result.get(idx)))
+        ops[(m.dst, k)].append(Recv(m.wire, m.tokens, m.src, m.nbytes, dst))
         if m.wire is Wire.O:
-            lse = recv_slot[(m.dst, k, m.src, Wire.LSE, m.tokens, m.part)]
-            post_merge[(m.dst, k)].append(Merge(m.tokens, dst, lse))
-        elif m.wire in (Wire.DQ, Wire.DKV):
-            post_merge[(m.dst, k)].append(Accumulate(m.wire, m.tokens, dst))
+            after[(m.dst, k)].append(Merge(m.tokens, dst, lse_of[(m.dst, k, m.src, m.tokens.start, m.tokens.stop, m.part)]))
+        elif m.wire is Wire.DQ or m.wire is Wire.DKV:
+            after[(m.dst, k)].append(Accumulate(m.wire, m.tokens, dst))
     programs = []
     for r in range(size):
         instrs: list[Instr] = []
         for k in range(stages + 1):
-            ops = per_rank_round.get((r, k))
-            if ops:
-                instrs.append(Post(Round(round_base + k, tuple(ops))))
-            items = by_rank_stage.get((r, k))
-            if items:
-                instrs.append(Compute(k, tuple(items)))
-            if ops:
+            rops = ops.get((r, k))
+            if rops:
+                instrs.append(Post(Round(round_base + k, tuple(rops))))
+            its = items.get((r, k))
+            if its:
+                instrs.append(Compute(k, tuple(its)))
+            if rops:
                 instrs.append(Wait(round_base + k))
-            instrs.extend(post_merge.get((r, k), ()))
+            instrs.extend(after.get((r, k), ()))
         programs.append(Program(rank=r, phase=phase, instrs=tuple(instrs)))
     return PhaseCode(programs=tuple(programs), messages=tuple(msgs), rounds=stages + 1, pool_peak=tuple(peaks))

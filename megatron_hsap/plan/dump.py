@@ -1,8 +1,8 @@
 """A rank's program in the paper's instruction syntax (Table 1), one numbered line per instruction.
 
 Mapping from the IR (``megatron_hsap.plan.ir``) to Table 1, with token ranges and pool slots added
-(the paper's buffers are ``$local`` — the rank's own tensors and accumulators —, ``$comm`` — the
-receive pool — and ``$comp`` — the kernel's operands):
+(the paper's buffers are ``$local`` — the rank's own tensors and accumulators —, ``$comm[off:+n]``
+— a slot of the receive pool — and ``$comp`` — the kernel's operands):
 
 * ``Post(round)``  → ``post round r {`` … ``}``: one ``batch_isend_irecv`` holding the lines
   ``create $send-op $X[a:b) %dst`` and ``create $recv-op $X[a:b) %src -> $pool[off:+n]``;
@@ -27,7 +27,11 @@ __all__ = ["dump_program", "format_program"]
 
 
 def _buf(slot: Slot | None) -> str:
-    return "$local" if slot is None else f"$comm{slot}"
+    return "$local" if slot is None else _slot(slot)
+
+
+def _slot(slot: Slot) -> str:
+    return f"$comm[{slot.offset}:+{slot.nbytes}]"
 
 
 def format_program(program, *, round_base: int = 0, limit: int | None = None) -> str:
@@ -46,10 +50,10 @@ def format_program(program, *, round_base: int = 0, limit: int | None = None) ->
             emit(f"post round {ins.round.index - round_base} {{")
             for op in ins.round.ops:
                 if isinstance(op, Send):
-                    src = "" if op.src is None else f" <- {op.src}"
+                    src = "" if op.src is None else f" <- {_slot(op.src)}"
                     emit(f"create $send-op ${op.wire.value}{op.tokens} %{op.peer}{src}", 1)
                 else:
-                    emit(f"create $recv-op ${op.wire.value}{op.tokens} %{op.peer} -> {op.dst}", 1)
+                    emit(f"create $recv-op ${op.wire.value}{op.tokens} %{op.peer} -> {_slot(op.dst)}", 1)
             emit("}")
         elif isinstance(ins, Wait):
             emit(f"wait round {ins.index - round_base}")
@@ -68,9 +72,9 @@ def format_program(program, *, round_base: int = 0, limit: int | None = None) ->
                     rows = it.kv if w is Wire.DKV else it.q
                     emit(f"copy-{w.value}{rows} $comp {_buf(slot)}")
         elif isinstance(ins, Merge):
-            emit(f"copy-o{ins.tokens} $comm{ins.o} $local  # lse merge")
+            emit(f"copy-o{ins.tokens} {_slot(ins.o)} $local  # merge with lse {_slot(ins.lse)}")
         elif isinstance(ins, Accumulate):
-            emit(f"copy-{ins.wire.value}{ins.tokens} $comm{ins.src} $local  # += fp32")
+            emit(f"copy-{ins.wire.value}{ins.tokens} {_slot(ins.src)} $local  # += fp32")
         if limit is not None and n >= limit:
             lines.append(f"      ... ({len(program.instrs)} instructions in all)")
             break

@@ -33,34 +33,46 @@ def normalize_cu_seqlens(cu_seqlens: object) -> tuple[int, ...]:
     Repeated entries (empty documents) are legal; decreasing entries, a first entry other than 0,
     non-integers, negatives, fewer than two entries and ``T == 0`` are not.
     """
+    if isinstance(cu_seqlens, np.ndarray) and cu_seqlens.ndim == 1 and cu_seqlens.dtype.kind in "iu":
+        values = cu_seqlens.tolist()  # fast path: every entry is an int already
+    elif isinstance(cu_seqlens, (list, tuple)) and set(map(type, cu_seqlens)) == {int}:
+        values = list(cu_seqlens)
+    else:
+        values = _to_int_list(cu_seqlens)
+    if len(values) < 2:
+        raise BatchError(f"cu_seqlens needs at least two entries [0, T], got {values!r}")
+    if values[0] != 0:
+        raise BatchError(f"cu_seqlens must start at 0, got cu_seqlens[0] = {values[0]}")
+    if min(values) < 0:
+        pos = values.index(min(values))
+        raise BatchError(f"cu_seqlens[{pos}] = {values[pos]} is negative; cumulative lengths are >= 0")
+    for pos in range(1, len(values)):
+        if values[pos] < values[pos - 1]:
+            raise BatchError(
+                f"cu_seqlens must be non-decreasing, but cu_seqlens[{pos - 1}] = {values[pos - 1]} > cu_seqlens[{pos}] = {values[pos]}"
+            )
+    if values[-1] == 0:
+        raise BatchError("cu_seqlens describes an empty batch (T = 0); a micro-batch needs at least one token")
+    return tuple(values)
+
+
+def _to_int_list(cu_seqlens: object) -> list[int]:
+    """The slow path of ``normalize_cu_seqlens``: any sequence or tensor, each entry checked."""
     if hasattr(cu_seqlens, "tolist") and not isinstance(cu_seqlens, (list, tuple)):
         dtype = getattr(cu_seqlens, "dtype", None)
-        if dtype is not None and "float" in str(dtype):
+        if dtype is not None and ("float" in str(dtype) or "complex" in str(dtype)):
             raise BatchError(f"cu_seqlens must hold integers, got dtype {dtype}; pass an int32/int64 array")
         values = cu_seqlens.tolist()
     elif isinstance(cu_seqlens, (list, tuple)):
         values = list(cu_seqlens)
     else:
         raise BatchError(f"cu_seqlens must be a sequence of integers, got {type(cu_seqlens).__name__}")
-    if not isinstance(values, list) or any(isinstance(v, list) for v in values):
+    if not isinstance(values, list) or any(isinstance(v, (list, tuple)) for v in values):
         raise BatchError("cu_seqlens must be one-dimensional: [0, l0, l0+l1, ..., T]")
-    if len(values) < 2:
-        raise BatchError(f"cu_seqlens needs at least two entries [0, T], got {values!r}")
     for pos, v in enumerate(values):
         if isinstance(v, bool) or not isinstance(v, Integral):
             raise BatchError(f"cu_seqlens[{pos}] = {v!r} is not an integer")
-    out = tuple(int(v) for v in values)
-    if out[0] != 0:
-        raise BatchError(f"cu_seqlens must start at 0, got cu_seqlens[0] = {out[0]}")
-    diffs = np.diff(np.asarray(out, dtype=np.int64))
-    if (diffs < 0).any():
-        pos = int(np.argmax(diffs < 0))
-        raise BatchError(
-            f"cu_seqlens must be non-decreasing, but cu_seqlens[{pos}] = {out[pos]} > cu_seqlens[{pos + 1}] = {out[pos + 1]}"
-        )
-    if out[-1] == 0:
-        raise BatchError("cu_seqlens describes an empty batch (T = 0); a micro-batch needs at least one token")
-    return out
+    return [int(v) for v in values]
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,8 +24,8 @@ every block with its q owner.
 
 from __future__ import annotations
 
-import heapq
 import math
+import heapq
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,7 +35,7 @@ from megatron_hsap.plan.hardware import Hardware
 from megatron_hsap.plan.ir import TokenRange, Unit, Wire
 from megatron_hsap.plan.units import WorkUnit, causal_work
 
-__all__ = ["Prices", "Placement", "owner_computes", "min_traffic", "balance", "rows_for_work"]
+__all__ = ["Prices", "Placement", "owner_computes", "min_traffic", "region_distflash", "balance", "rows_for_work"]
 
 # per-rank traffic vector: bytes sent / received, forward and backward
 SF, RF, SB, RB = range(4)
@@ -85,18 +85,29 @@ class Prices:
         """Bytes per kv row fetched by another rank, both phases (kv twice, dkv back)."""
         return 2 * self.kv + self.dkv
 
-    def q_side(self, n: float) -> np.ndarray:
+    def q_side(self, n: float) -> Vec:
         """Traffic of the *owner* of ``n`` q rows computed elsewhere: (SF, RF, SB, RB)."""
-        return np.array([n * self.q, n * self.o_lse, n * self.q_bwd, n * self.dq])
+        return (n * self.q, n * self.o_lse, n * self.q_bwd, n * self.dq)
 
-    def kv_side(self, n: float) -> np.ndarray:
+    def kv_side(self, n: float) -> Vec:
         """Traffic of the *owner* of ``n`` kv rows used elsewhere: (SF, RF, SB, RB)."""
-        return np.array([n * self.kv, 0.0, n * self.kv, n * self.dkv])
+        return (n * self.kv, 0.0, n * self.kv, n * self.dkv)
 
 
-def _mirror(v: np.ndarray) -> np.ndarray:
+Vec = tuple[float, float, float, float]
+
+
+def _mirror(v: Vec) -> Vec:
     """The peer's view of a traffic vector: sent ↔ received."""
-    return v[[RF, SF, RB, SB]]
+    return (v[1], v[0], v[3], v[2])
+
+
+def _plus(a: Vec, b: Vec) -> Vec:
+    return (a[0] + b[0], a[1] + b[1], a[2] + b[2], a[3] + b[3])
+
+
+def _minus(a: Vec, b: Vec) -> Vec:
+    return (a[0] - b[0], a[1] - b[1], a[2] - b[2], a[3] - b[3])
 
 
 def rows_for_work(q: TokenRange, kv_start: int, causal: bool, nk: int, work: float) -> int:
@@ -138,37 +149,39 @@ class Placement:
     units: list[WorkUnit]
     pr: Prices
     size: int
-    work: np.ndarray  # [P] pairs
-    traffic: np.ndarray  # [P, 4] bytes (SF, RF, SB, RB)
+    work: list[float]  # [P] pairs
+    traffic: list[Vec]  # [P] bytes (SF, RF, SB, RB)
     cut: list[int]
     home: list[int]
     bands: list[list[tuple[int, int, int]]]
+    base: list[Unit]  # every block whole on its q owner (shared by copies: placed() reuses them)
 
     def copy(self, name: str) -> "Placement":
-        return Placement(name, self.units, self.pr, self.size, self.work.copy(), self.traffic.copy(), list(self.cut),
-                         list(self.home), [list(b) for b in self.bands])
+        return Placement(name, self.units, self.pr, self.size, list(self.work), list(self.traffic), list(self.cut),
+                         list(self.home), [list(b) for b in self.bands], self.base)
 
     # ------------------------------------------------------------------ pricing of one block
-    def cross_state(self, i: int, m: int) -> tuple[float, float, np.ndarray]:
+    def cross_state(self, i: int, m: int) -> tuple[float, float, Vec]:
         """(q-owner work, kv-owner work, q-owner traffic) of cross block ``i`` cut at ``m``."""
         u = self.units[i]
-        nk = len(u.kv)
+        nk = u.kv.stop - u.kv.start
         moved = u.q.stop - m
         t = self.pr.q_side(moved)
         if m > u.q.start:  # the q owner fetches the kv slice
-            t = t + _mirror(self.pr.kv_side(nk))
+            t = _plus(t, _mirror(self.pr.kv_side(nk)))
         return float((m - u.q.start) * nk), float(moved * nk), t
 
-    def band_state(self, i: int, x: int, y: int) -> tuple[float, np.ndarray]:
+    def band_state(self, i: int, x: int, y: int) -> tuple[float, Vec]:
         """(work, owner traffic) of rows ``[x, y)`` of local block ``i`` run on a helper."""
         u = self.units[i]
         if u.causal:
-            w = causal_work(TokenRange(x, y), TokenRange(u.kv.start, y), True)
+            n, first = y - x, x - u.kv.start + 1
+            w = n * first + n * (n - 1) // 2
             nkv = y - u.kv.start
         else:
-            w = (y - x) * len(u.kv)
-            nkv = len(u.kv)
-        return float(w), self.pr.q_side(y - x) + self.pr.kv_side(nkv)
+            nkv = u.kv.stop - u.kv.start
+            w = (y - x) * nkv
+        return float(w), _plus(self.pr.q_side(y - x), self.pr.kv_side(nkv))
 
     # ------------------------------------------------------------------ moves
     def set_cut(self, i: int, m: int) -> None:
@@ -178,8 +191,9 @@ class Placement:
         wa1, wc1, t1 = self.cross_state(i, m)
         self.work[a] += wa1 - wa0
         self.work[c] += wc1 - wc0
-        self.traffic[a] += t1 - t0
-        self.traffic[c] += _mirror(t1 - t0)
+        d = _minus(t1, t0)
+        self.traffic[a] = _plus(self.traffic[a], d)
+        self.traffic[c] = _plus(self.traffic[c], _mirror(d))
         self.cut[i] = m
 
     def add_band(self, i: int, x: int, helper: int) -> None:
@@ -194,14 +208,14 @@ class Placement:
             w0, t0 = self.band_state(i, old_x, old_y)
             self.work[a] += w0
             self.work[helper] -= w0
-            self.traffic[a] -= t0
-            self.traffic[helper] -= _mirror(t0)
+            self.traffic[a] = _minus(self.traffic[a], t0)
+            self.traffic[helper] = _minus(self.traffic[helper], _mirror(t0))
             y = old_y
         w, t = self.band_state(i, x, y)
         self.work[a] -= w
         self.work[helper] += w
-        self.traffic[a] += t
-        self.traffic[helper] += _mirror(t)
+        self.traffic[a] = _plus(self.traffic[a], t)
+        self.traffic[helper] = _plus(self.traffic[helper], _mirror(t))
         bands.append((x, y, helper))
         self.home[i] = x
 
@@ -210,8 +224,12 @@ class Placement:
         """Placed blocks. A causal band ``[x, y)`` with ``x`` past the block start becomes a
         rectangle (rows × keys before ``x``) and a causal block, so its kv can be split later."""
         out: list[Unit] = []
+        base = self.base
         for i, u in enumerate(self.units):
             a, c = u.q_owner, u.kv_owner
+            if self.cut[i] == u.q.stop and self.home[i] == u.q.stop:
+                out.append(base[i])  # untouched: whole on its q owner
+                continue
             if a != c:
                 m = self.cut[i]
                 if m > u.q.start:
@@ -236,22 +254,25 @@ class Placement:
         """max over ranks of Σ_phase max(compute, max(sent, received) / bw): a lower bound of the
         staged estimate without latency."""
         pr = self.pr
-        t = self.traffic
-        f = np.maximum(self.work * pr.sec_fwd, np.maximum(t[:, SF], t[:, RF]) / pr.bw)
-        b = np.maximum(self.work * pr.sec_bwd, np.maximum(t[:, SB], t[:, RB]) / pr.bw)
+        t = np.asarray(self.traffic, dtype=float).reshape(self.size, 4)
+        w = np.asarray(self.work, dtype=float)
+        f = np.maximum(w * pr.sec_fwd, np.maximum(t[:, SF], t[:, RF]) / pr.bw)
+        b = np.maximum(w * pr.sec_bwd, np.maximum(t[:, SB], t[:, RB]) / pr.bw)
         return float((f + b).max())
 
 
-def _empty(name: str, units: list[WorkUnit], size: int, pr: Prices) -> Placement:
+def _empty(name: str, units: list[WorkUnit], size: int, pr: Prices, base: list[Unit] | None) -> Placement:
     n = len(units)
-    return Placement(name, units, pr, size, np.zeros(size), np.zeros((size, 4)), [u.q.stop for u in units],
-                     [u.q.stop for u in units], [[] for _ in range(n)])
+    if base is None:
+        base = [Unit(u.doc, u.q, u.kv, u.causal, u.q_owner, u.kv_owner, u.q_owner) for u in units]
+    return Placement(name, units, pr, size, [0.0] * size, [(0.0, 0.0, 0.0, 0.0)] * size, [u.q.stop for u in units],
+                     [u.q.stop for u in units], [[] for _ in range(n)], base)
 
 
-def _start(name: str, units: list[WorkUnit], size: int, pr: Prices, at_kv_owner: list[bool]) -> Placement:
-    pl = _empty(name, units, size, pr)
-    work = np.zeros(size)
-    traffic = np.zeros((size, 4))
+def _start(name: str, units: list[WorkUnit], size: int, pr: Prices, at_kv_owner: list[bool], base: list[Unit] | None) -> Placement:
+    pl = _empty(name, units, size, pr, base)
+    work = [0.0] * size
+    traffic: list[Vec] = [(0.0, 0.0, 0.0, 0.0)] * size
     for i, u in enumerate(units):
         if u.q_owner == u.kv_owner:
             pl.home[i] = u.q.stop
@@ -262,21 +283,45 @@ def _start(name: str, units: list[WorkUnit], size: int, pr: Prices, at_kv_owner:
         wa, wc, t = pl.cross_state(i, m)
         work[u.q_owner] += wa
         work[u.kv_owner] += wc
-        traffic[u.q_owner] += t
-        traffic[u.kv_owner] += _mirror(t)
+        traffic[u.q_owner] = _plus(traffic[u.q_owner], t)
+        traffic[u.kv_owner] = _plus(traffic[u.kv_owner], _mirror(t))
     pl.work, pl.traffic = work, traffic
     return pl
 
 
-def owner_computes(units: list[WorkUnit], size: int, pr: Prices) -> Placement:
-    """Every block on its q owner: the reference the planner must never lose to."""
-    return _start("owner-computes", units, size, pr, [False] * len(units))
+def owner_computes(units: list[WorkUnit], size: int, pr: Prices, base: list[Unit] | None = None) -> Placement:
+    """Every block on its q owner: the reference the planner must never lose to. (``base``, in
+    all three starts: the blocks as ``Unit``s on their q owners, shared to save allocations.)"""
+    return _start("owner-computes", units, size, pr, [False] * len(units), base)
 
 
-def min_traffic(units: list[WorkUnit], size: int, pr: Prices) -> Placement:
+def region_distflash(units: list[WorkUnit], size: int, pr: Prices, base: list[Unit] | None = None) -> Placement:
+    """DistFlashAttn inside every document's region (the paper's step 2): a document spanning
+    ``n`` chunks puts its cross block ``(i, j)`` on the kv owner when ``i − j > n/2`` and on the q
+    owner when ``i − j < n/2``; at exactly ``n/2`` the tail half of the rows goes to the kv owner.
+    For one document over all ranks this is DistFlashAttn's balanced schedule."""
+    pl = _start("region-distflash", units, size, pr, [False] * len(units), base)
+    span: dict[int, tuple[int, int]] = {}
+    for u in units:
+        lo, hi = span.get(u.doc, (u.q_owner, u.q_owner))
+        span[u.doc] = (min(lo, u.kv_owner, u.q_owner), max(hi, u.kv_owner, u.q_owner))
+    for i, u in enumerate(units):
+        if u.q_owner == u.kv_owner:
+            continue
+        lo, hi = span[u.doc]
+        n = hi - lo + 1
+        dist = 2 * abs(u.q_owner - u.kv_owner)
+        if dist > n:
+            pl.set_cut(i, u.q.start)
+        elif dist == n:
+            pl.set_cut(i, (u.q.start + u.q.stop) // 2)
+    return pl
+
+
+def min_traffic(units: list[WorkUnit], size: int, pr: Prices, base: list[Unit] | None = None) -> Placement:
     """Every cross block on whichever owner moves fewer bytes (both phases)."""
     flags = [u.q_owner != u.kv_owner and len(u.q) * pr.q_total < len(u.kv) * pr.kv_total for u in units]
-    return _start("min-traffic", units, size, pr, flags)
+    return _start("min-traffic", units, size, pr, flags, base)
 
 
 _MIN_BAND_ROWS = 8  # a band thinner than this moves too little work for its kv
@@ -292,12 +337,10 @@ def balance(start: Placement, *, traffic_budget: float, allow_helpers: bool = Tr
     pr, size, units = pl.pr, pl.size, pl.units
     if size == 1:
         return pl
-    total = float(pl.work.sum())
-    tau = total / size
+    tau = float(sum(pl.work)) / size
     if tau <= 0:
         return pl
-    cap = np.array([tau * pr.sec_fwd * pr.bw, tau * pr.sec_bwd * pr.bw]) * traffic_budget
-    # blocks touching each rank: cross blocks by both owners, local blocks by their owner
+    cap = (tau * pr.sec_fwd * pr.bw * traffic_budget, tau * pr.sec_bwd * pr.bw * traffic_budget)
     cross_of: list[list[int]] = [[] for _ in range(size)]
     local_of: list[list[int]] = [[] for _ in range(size)]
     for i, u in enumerate(units):
@@ -306,119 +349,133 @@ def balance(start: Placement, *, traffic_budget: float, allow_helpers: bool = Tr
             cross_of[u.kv_owner].append(i)
         else:
             local_of[u.q_owner].append(i)
-    limit = tau * (1 + tol)
 
-    def within_budget(rank: int, delta: np.ndarray) -> bool:
-        new = pl.traffic[rank] + delta
-        for ph, (s, r) in enumerate(((SF, RF), (SB, RB))):
-            after = max(new[s], new[r])
-            if after > cap[ph] and after > max(pl.traffic[rank, s], pl.traffic[rank, r]) + 1.0:
+    def ok(rank: int, d: Vec) -> bool:
+        """Traffic of ``rank`` after adding ``d`` stays within the cap (or does not grow)."""
+        t = pl.traffic[rank]
+        for s_, r_, c in ((0, 1, cap[0]), (2, 3, cap[1])):
+            after = max(t[s_] + d[s_], t[r_] + d[r_])
+            if after > c and after > max(t[s_], t[r_]) + 1.0:
                 return False
         return True
 
-    order = np.argsort(-pl.work, kind="stable").tolist()
+    order = sorted(range(size), key=lambda r: -pl.work[r])
     for b in order:
-        if pl.work[b] <= limit:
+        if pl.work[b] <= tau * (1 + tol):
             continue
-        # candidates: (bytes per pair, kind, block index)
-        cands: list[tuple[float, int, int]] = []
+        cands: list[tuple[float, int, int]] = []  # (bytes per pair, kind, block)
         for i in cross_of[b]:
             u = units[i]
-            nk, nq = len(u.kv), len(u.q)
+            nk, nq = u.kv.stop - u.kv.start, u.q.stop - u.q.start
             if b == u.q_owner and pl.cut[i] > u.q.start:
                 cands.append((pr.q_total / nk, 0, i))
             elif b == u.kv_owner and pl.cut[i] < u.q.stop:
                 # rows back to the q owner: it then fetches the kv slice, the rows stop travelling
-                gain = nq * pr.q_total - nk * pr.kv_total
-                cands.append((max(-gain, 0.0) / (nq * nk) + 1e-12, 0, i))
+                cands.append((max(nk * pr.kv_total - nq * pr.q_total, 0.0) / (nq * nk) + 1e-12, 0, i))
         if allow_helpers:
             for i in local_of[b]:
                 u = units[i]
-                if pl.home[i] <= u.q.start:
+                h = pl.home[i]
+                if h <= u.q.start:
                     continue
-                n = pl.home[i] - u.q.start
-                w = causal_work(TokenRange(u.q.start, pl.home[i]), TokenRange(u.kv.start, pl.home[i]), True) if u.causal else n * len(u.kv)
-                if w <= 0:
-                    continue
-                nkv = (pl.home[i] - u.kv.start) if u.causal else len(u.kv)
-                cands.append(((n * pr.q_total + nkv * pr.kv_total) / w, 1, i))
+                w, t = pl.band_state(i, u.q.start, h)
+                if w > 0:
+                    cands.append(((t[0] + t[1] + t[2] + t[3]) / w, 1, i))
         cands.sort()
-        # receivers by spare work (max-heap with lazy updates)
-        heap = [(-(tau - pl.work[r]), r) for r in range(size) if r != b and pl.work[r] < tau]
-        heapq.heapify(heap)
+        receivers = _Receivers(pl, tau, b)
         for _, kind, i in cands:
-            excess = pl.work[b] - tau
-            if excess <= tau * tol:
+            if pl.work[b] - tau <= tau * tol:
                 break
-            u = units[i]
             if kind == 0:
-                _shed_cross(pl, i, b, excess, tau, within_budget)
+                _shed_cross(pl, i, b, tau, ok)
+            elif not ok(b, pr.q_side(_MIN_BAND_ROWS)):
+                break  # the donor's link is full
             else:
-                _shed_local(pl, i, b, tau, heap, within_budget)
+                _shed_local(pl, i, b, tau, ok, receivers)
     return pl
 
 
-def _shed_cross(pl: Placement, i: int, b: int, excess: float, tau: float, ok) -> None:
+def _shed_cross(pl: Placement, i: int, b: int, tau: float, ok) -> None:
     """Move rows of cross block ``i`` from ``b`` to its other owner, up to both limits."""
     u = pl.units[i]
-    nk = len(u.kv)
+    nk = u.kv.stop - u.kv.start
     other = u.kv_owner if b == u.q_owner else u.q_owner
-    spare = tau - pl.work[other]
-    amount = min(excess, spare)
+    amount = min(pl.work[b] - tau, tau - pl.work[other])
     if amount <= 0:
         return
-    rows = int(round(amount / nk))
+    rows = max(1, int(round(amount / nk)))
     m0 = pl.cut[i]
-    if b == u.q_owner:
-        m = max(u.q.start, m0 - max(rows, 1))
-    else:
-        m = min(u.q.stop, m0 + max(rows, 1))
+    m = max(u.q.start, m0 - rows) if b == u.q_owner else min(u.q.stop, m0 + rows)
     if m == m0:
         return
-    # the q owner's traffic change (the peer's is the mirror)
     _, _, t0 = pl.cross_state(i, m0)
     _, _, t1 = pl.cross_state(i, m)
-    d = t1 - t0
-    if not (ok(u.q_owner, d) and ok(u.kv_owner, _mirror(d))):
-        return
-    pl.set_cut(i, m)
+    d = _minus(t1, t0)  # the q owner's change; the kv owner's is its mirror
+    if ok(u.q_owner, d) and ok(u.kv_owner, _mirror(d)):
+        pl.set_cut(i, m)
 
 
-def _shed_local(pl: Placement, i: int, b: int, tau: float, heap: list, ok) -> None:
-    """Move tail bands of local block ``i`` to the ranks with the most spare work."""
-    u = pl.units[i]
-    nk = len(u.kv)
-    skipped = []
-    while heap and pl.home[i] > u.q.start:
-        excess = pl.work[b] - tau
-        if excess <= 0:
+_RECEIVER_TRIES = 2  # receivers whose link is full, tried per block before giving it up
+
+
+class _Receivers:
+    """Ranks below ``tau`` by spare work (a min-heap of work with lazy updates)."""
+
+    def __init__(self, pl: Placement, tau: float, donor: int) -> None:
+        self.pl, self.tau = pl, tau
+        self.heap = [(pl.work[r], r) for r in range(pl.size) if r != donor and pl.work[r] < tau]
+        heapq.heapify(self.heap)
+
+    def best(self, excluded: set[int]) -> int:
+        """The rank with the most spare work, not in ``excluded`` (-1 if none)."""
+        aside = []
+        found = -1
+        work = self.pl.work
+        while self.heap:
+            w, r = self.heap[0]
+            if w != work[r]:  # stale: its work changed since it was pushed
+                heapq.heapreplace(self.heap, (work[r], r))
+                continue
+            if w >= self.tau:
+                break
+            if r in excluded:
+                aside.append(heapq.heappop(self.heap))
+                continue
+            found = r
             break
-        negspare, h = heapq.heappop(heap)
-        spare = tau - pl.work[h]
-        if abs(-negspare - spare) > 1e-9 * max(tau, 1.0):  # stale entry
-            if spare > 0:
-                heapq.heappush(heap, (-spare, h))
-            continue
-        if spare <= 0:
-            continue
-        amount = min(excess, spare)
-        home_rng = TokenRange(u.q.start, pl.home[i])
-        x = tail_rows_for_work(home_rng, u.kv.start, u.causal, nk, amount)
-        if pl.home[i] - x < _MIN_BAND_ROWS and x > u.q.start:
-            x = max(u.q.start, pl.home[i] - _MIN_BAND_ROWS)
-        w, t = pl.band_state(i, x, pl.home[i])
-        if w > spare * 1.05 + 1 and x < pl.home[i] - 1:
-            x = min(pl.home[i] - 1, x + 1)  # one row too many for the receiver
-            w, t = pl.band_state(i, x, pl.home[i])
+        for item in aside:
+            heapq.heappush(self.heap, item)
+        return found
+
+
+def _shed_local(pl: Placement, i: int, b: int, tau: float, ok, receivers: _Receivers) -> None:
+    """Move tail bands of local block ``i`` to the ranks with the most spare work; a receiver
+    whose link is full is skipped, and after ``_RECEIVER_TRIES`` such the block is given up."""
+    u = pl.units[i]
+    nk = u.kv.stop - u.kv.start
+    work = pl.work
+    excluded: set[int] = set()
+    while pl.home[i] > u.q.start and len(excluded) < _RECEIVER_TRIES:
+        excess = work[b] - tau
+        if excess <= 0:
+            return
+        h = receivers.best(excluded)
+        if h < 0:
+            return
+        spare = tau - work[h]
+        y = pl.home[i]
+        x = tail_rows_for_work(TokenRange(u.q.start, y), u.kv.start, u.causal, nk, min(excess, spare))
+        if y - x < _MIN_BAND_ROWS and x > u.q.start:
+            x = max(u.q.start, y - _MIN_BAND_ROWS)
+        w, t = pl.band_state(i, x, y)
+        while w > spare * 1.05 + 1 and x < y - 1:
+            x += max(1, (y - x) // 16)  # too much for the receiver: a thinner band
+            w, t = pl.band_state(i, x, y)
         if w <= 0:
-            skipped.append((negspare, h))
-            continue
-        if not (ok(u.q_owner, t) and ok(h, _mirror(t))):
-            skipped.append((-spare, h))
+            return
+        if not ok(b, t):
+            return  # the donor's link is full: no receiver helps
+        if not ok(h, _mirror(t)):
+            excluded.add(h)
             continue
         pl.add_band(i, x, h)
-        left = tau - pl.work[h]
-        if left > 0:
-            heapq.heappush(heap, (-left, h))
-    for item in skipped:
-        heapq.heappush(heap, item)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import gc
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,12 +16,12 @@ from megatron_hsap.plan.costs import HeadShape
 from megatron_hsap.plan.estimate import PhaseTime, phase_time, price_staging
 from megatron_hsap.plan.hardware import A100, HARDWARE, Hardware, LinkClass, link_class_for
 from megatron_hsap.plan.ir import Compute, Phase, Program, TokenRange, Unit
-from megatron_hsap.plan.layout import Batch, Layout, check_size, contiguous_layout, validate_layout
-from megatron_hsap.plan.placement import Placement, Prices, balance, min_traffic, owner_computes
-from megatron_hsap.plan.schedule import Split, Staging, stage, stage_shapes
+from megatron_hsap.plan.layout import Batch, Layout, check_size, contiguous_layout, normalize_cu_seqlens, validate_layout
+from megatron_hsap.plan.placement import Placement, Prices, balance, min_traffic, owner_computes, region_distflash
+from megatron_hsap.plan.schedule import Split, StageShape, Staging, StagingError, default_shape, stage, stage_shapes
 from megatron_hsap.plan.units import Piece, WorkUnit, build_units
 
-__all__ = ["Plan", "PlanOptions", "compile_plan", "kv_heads_per_rank"]
+__all__ = ["Plan", "PlanOptions", "compile_plan", "clear_plan_cache", "kv_heads_per_rank"]
 
 DEFAULT_POOL_CHUNKS = 4  # pool = 4 × one inter chunk × local heads × (d_qk + d_v) × bytes (DESIGN §2.1)
 
@@ -222,33 +224,47 @@ class Plan:
 
 _BUDGET_FRACTION = 0.45  # per-stage remote pool use: two stages' inputs and results live at once
 _TRAFFIC_BUDGETS = (0.3, 0.6, 1.2)  # balanced candidates: traffic per phase vs compute time
+_EXPLORE = 2  # placements whose every stage shape is priced (the rest: the default shape only)
+_MIN_GAIN = 0.01  # a candidate whose lower bound is within 1% of the best estimate is not staged
 
 
-def _best_staging(split: Split, pr: Prices, lat: float, budget: float) -> tuple[float, Staging]:
-    """Stage ``split`` under every candidate shape; keep the lowest price."""
-    best: tuple[float, Staging] | None = None
-    for shp in stage_shapes(split, pr, budget):
+def _best_staging(split: Split, pr: Prices, lat: float, budget: float, *, explore: bool = True) -> tuple[float, Staging]:
+    """Stage ``split`` and keep the lowest price: the default shape only (a quick first price to
+    rank placements), or with ``explore`` every end-stage weight at the fewest stages, then twice
+    as many stages at the best weight."""
+    shapes = stage_shapes(split, pr, budget)
+    fewest = min(s.stages for s in shapes)
+    first = [default_shape(shapes)] if not explore else [s for s in shapes if s.stages == fewest]
+    best: tuple[float, Staging, StageShape] | None = None
+
+    def consider(shp: StageShape) -> None:
+        nonlocal best
         try:
             st = stage(split, pr, shp, budget)
-        except ValueError:
-            continue
+        except StagingError:
+            return
         t = price_staging(st, split.size, pr, lat)
         if best is None or t < best[0] * (1 - 1e-12):
-            best = (t, st)
+            best = (t, st, shp)
+
+    for shp in first:
+        consider(shp)
+    if explore and best is not None:
+        more = [s for s in shapes if s.stages > fewest and (s.alpha == best[2].alpha or s.stages <= 3)]
+        for shp in more:
+            consider(shp)
     assert best is not None
-    return best
+    return best[0], best[1]
 
 
 def _build(name: str, units: list[Unit], size: int, shape: HeadShape, capacity: int, pr: Prices, lat: float, budget: float) -> _Candidate:
     """Messages, programs, slots and exact prices of one staged placement (``PoolOverflow`` if the
     slots do not fit)."""
     units = sorted(units, key=lambda u: (u.rank, u.stage, u.rank == u.q_owner, u.q.start, u.kv.start))
-    fwd_msgs = phase_messages(units, Phase.FWD, shape)
-    bwd_msgs = phase_messages(units, Phase.BWD, shape)
-    fwd = generate(units, Phase.FWD, size, shape, capacity, 0, fwd_msgs)
-    bwd = generate(units, Phase.BWD, size, shape, capacity, fwd.rounds, bwd_msgs)
-    ft = phase_time(units, fwd_msgs, size, pr.sec_fwd, pr.bw, lat)
-    bt = phase_time(units, bwd_msgs, size, pr.sec_bwd, pr.bw, lat)
+    fwd = generate(units, Phase.FWD, size, shape, capacity, 0)
+    bwd = generate(units, Phase.BWD, size, shape, capacity, fwd.rounds)
+    ft = phase_time(units, fwd.messages, size, pr.sec_fwd, pr.bw, lat)
+    bt = phase_time(units, bwd.messages, size, pr.sec_bwd, pr.bw, lat)
     return _Candidate(name, tuple(units), fwd, bwd, ft, bt, budget)
 
 
@@ -257,12 +273,24 @@ def _placements(units: list[WorkUnit], size: int, pr: Prices, allow_helpers: boo
     out = {"owner-computes": owner}
     if size == 1 or not units:
         return out
-    mt = min_traffic(units, size, pr)
+    mt = min_traffic(units, size, pr, owner.base)
+    starts = [owner]
     if mt.cut != owner.cut:
         out["min-traffic"] = mt
-    for beta in _TRAFFIC_BUDGETS:
-        for start in (owner, mt) if "min-traffic" in out else (owner,):
+        starts.append(mt)
+    chunks: dict[int, set[int]] = {}
+    for u in units:
+        chunks.setdefault(u.doc, set()).update((u.q_owner, u.kv_owner))
+    rd = region_distflash(units, size, pr, owner.base) if max(map(len, chunks.values()), default=0) >= 3 else owner
+    if rd.cut != owner.cut and rd.cut != mt.cut:
+        out["region-distflash"] = rd
+        starts.append(rd)
+    for start in starts:
+        base = start.surrogate()
+        for beta in sorted(_TRAFFIC_BUDGETS, reverse=True):
             pl = balance(start, traffic_budget=beta, allow_helpers=allow_helpers, name=f"{start.name}+balanced@{beta:g}")
+            if pl.surrogate() >= base * (1 - _MIN_GAIN):
+                break  # the most permissive budget barely helps: stricter ones help even less
             out[pl.name] = pl
     return out
 
@@ -287,14 +315,59 @@ def compile_plan(cu_seqlens: object, inter_size: int, intra_size: int = 1, *, nu
     padding tokens form one extra document (causal among themselves), have ids ≥ T in
     ``local_token_indices`` and carry no loss. Raises ``BatchError``/``ConfigError`` on bad input.
     """
-    from megatron_hsap.plan.layout import normalize_cu_seqlens
+    opts = _options(inter_size, intra_size, num_heads, num_kv_heads, head_dim, head_dim_v, dtype_bytes, tuple(sorted(options.items())))
+    key = _fast_key(cu_seqlens)
+    if key is not None:
+        hit = _CACHE.get((key, opts))
+        if hit is not None:
+            _CACHE.move_to_end((key, opts))
+            return hit
+    cu = normalize_cu_seqlens(cu_seqlens)
+    enabled = gc.isenabled()
+    gc.disable()  # compiling allocates ~10^5 small objects; cyclic collections would dominate
+    try:
+        plan = _compile_cached(cu, opts)
+    finally:
+        if enabled:
+            gc.enable()
+    _CACHE[(cu, opts)] = plan
+    if len(_CACHE) > _CACHE_SIZE:
+        _CACHE.popitem(last=False)
+    return plan
 
-    opts = PlanOptions(inter_size=inter_size, intra_size=intra_size, num_heads=num_heads, num_kv_heads=num_kv_heads,
-                       head_dim=head_dim, head_dim_v=head_dim_v, dtype_bytes=dtype_bytes, **options).validate()
-    return _compile_cached(normalize_cu_seqlens(cu_seqlens), opts)
+
+_CACHE: "OrderedDict[tuple, Plan]" = OrderedDict()
+_CACHE_SIZE = 64
 
 
-@functools.lru_cache(maxsize=64)
+def clear_plan_cache() -> None:
+    """Forget every cached plan (benchmarks time fresh compiles with it)."""
+    _CACHE.clear()
+
+
+compile_plan.cache_clear = clear_plan_cache  # type: ignore[attr-defined]
+
+
+def _fast_key(cu_seqlens: object) -> tuple[int, ...] | None:
+    """``cu_seqlens`` as a tuple when that is cheap and exact (int lists, integer arrays); only
+    used to look up the cache, which holds validated batches only."""
+    if isinstance(cu_seqlens, np.ndarray) and cu_seqlens.ndim == 1 and cu_seqlens.dtype.kind in "iu":
+        return tuple(cu_seqlens.tolist())
+    if isinstance(cu_seqlens, (list, tuple)) and set(map(type, cu_seqlens)) == {int}:
+        return tuple(cu_seqlens)
+    return None
+
+
+@functools.lru_cache(maxsize=256)
+def _options(inter_size, intra_size, num_heads, num_kv_heads, head_dim, head_dim_v, dtype_bytes, extra) -> PlanOptions:
+    known = set(PlanOptions.__dataclass_fields__)
+    unknown = [k for k, _ in extra if k not in known]
+    if unknown:
+        raise ConfigError(f"unknown compile_plan option(s) {unknown}; known: {sorted(known - {'inter_size'})}")
+    return PlanOptions(inter_size=inter_size, intra_size=intra_size, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                       head_dim=head_dim, head_dim_v=head_dim_v, dtype_bytes=dtype_bytes, **dict(extra)).validate()
+
+
 def _compile_cached(cu: tuple[int, ...], opts: PlanOptions) -> Plan:
     hkv_total = opts.num_kv_heads or opts.num_heads
     hkv = kv_heads_per_rank(opts.num_heads, hkv_total, opts.intra_size)
@@ -308,7 +381,10 @@ def _compile_cached(cu: tuple[int, ...], opts: PlanOptions) -> Plan:
     size = opts.inter_size
     batch = Batch.build(cu, size * opts.intra_size * opts.pad_multiple)
     if opts.layout == "balanced":
-        from megatron_hsap.plan.balanced import balanced_layout
+        try:
+            from megatron_hsap.plan.balanced import balanced_layout
+        except ImportError as exc:
+            raise ConfigError("layout='balanced' is not available in this version; use layout='contiguous'") from exc
 
         layout = balanced_layout(batch, size, opts.intra_size)
     else:
@@ -334,7 +410,7 @@ def _compile_cached(cu: tuple[int, ...], opts: PlanOptions) -> Plan:
     best_t = float("inf")
     for name in order:
         pl = placements[name]
-        if name != "owner-computes" and pl.surrogate() >= best_t:
+        if name != "owner-computes" and pl.surrogate() >= best_t * (1 - _MIN_GAIN):
             continue
         if opts.placement != "auto" and name != opts.placement:
             continue
@@ -343,9 +419,19 @@ def _compile_cached(cu: tuple[int, ...], opts: PlanOptions) -> Plan:
             continue
         seen.add(key)
         split = Split.of(pl.placed(), size)
-        t, st = _best_staging(split, pr, lat, budget)
+        t, st = _best_staging(split, pr, lat, budget, explore=False)
         priced[name] = (t, split, st)
         best_t = min(best_t, t)
+    # explore every stage shape for the few best (and for owner-computes, the reference)
+    top = sorted(priced, key=lambda n: priced[n][0])[:_EXPLORE]
+    top = [n for n in top if priced[n][0] <= priced[top[0]][0] * 1.05]
+    if "owner-computes" in priced and placements["owner-computes"].surrogate() < priced[top[0]][0]:
+        top.append("owner-computes")  # it might still win once its shapes are explored
+    for name in dict.fromkeys(top):
+        t0, split, st0 = priced[name]
+        t, st = _best_staging(split, pr, lat, budget)
+        if t < t0:
+            priced[name] = (t, split, st)
     alternatives = {n: v[0] for n, v in priced.items()}
     owner_time = alternatives.get("owner-computes", float("nan"))
     # Generate code for the best estimate; if its slots do not fit, halve its per-stage budget

@@ -27,7 +27,11 @@ import numpy as np
 from megatron_hsap.plan.ir import TokenRange, Unit
 from megatron_hsap.plan.placement import Prices, rows_for_work
 
-__all__ = ["Split", "Staging", "StageShape", "assign_stages", "stage", "footprint", "is_local", "stage_shapes", "split_rows", "split_cols"]
+__all__ = ["Split", "Staging", "StagingError", "StageShape", "assign_stages", "default_shape", "stage", "footprint", "is_local", "stage_shapes", "split_rows", "split_cols"]
+
+
+class StagingError(Exception):
+    """Internal: a stage shape cannot hold this placement."""
 
 
 def is_local(u: Unit) -> bool:
@@ -77,6 +81,15 @@ def _by_cols(u: Unit) -> bool:
     return len(u.kv) >= len(u.q)
 
 
+def _count(amount: float, per: float) -> int:
+    """How many items of size ``per`` fit in ``amount`` (unbounded amounts give a huge count)."""
+    if amount <= 0:
+        return 0
+    if not math.isfinite(amount):
+        return 1 << 62
+    return int(amount // per)
+
+
 def _smallest_piece(u: Unit) -> float:
     """Work of the smallest part ``_take`` can cut from ``u`` (one row or one column)."""
     if u.causal:
@@ -103,14 +116,14 @@ def _take(u: Unit, work: float, room: float, pr: Prices) -> tuple[Unit | None, U
         return a, b
     if _by_cols(u):
         fixed = nq * fq if q_rem else 0.0
-        n = min(int(work // nq), int((room - fixed) // fk) if room > fixed else 0)
+        n = min(_count(work, nq), _count(room - fixed, fk))
         if n <= 0:
             return None, u
         if n >= nk:
             return u, None
         return split_cols(u, u.kv.start + n)
     fixed = nk * fk if kv_rem else 0.0
-    n = min(int(work // nk), int((room - fixed) // fq) if room > fixed else 0)
+    n = min(_count(work, nk), _count(room - fixed, fq))
     if n <= 0:
         return None, u
     if n >= nq:
@@ -212,13 +225,13 @@ def stage(split: Split, pr: Prices, shape: StageShape, budget: float) -> Staging
     remote blocks need more middle stages than ``shape`` has, every rank gets the extra stages."""
     size = split.size
     if shape.stages == 1 and any(split.remote):
-        raise ValueError("one stage cannot hold blocks whose inputs travel")
+        raise StagingError("one stage cannot hold blocks whose inputs travel")
     n_mid = len(shape.middle)
     cuts: list[list[Unit]] = [[] for _ in range(size)]
     used = n_mid
     for r in range(size):
         if split.remote[r]:
-            cuts[r], n = _cut_remote(list(split.remote[r]), n_mid, pr, budget)
+            cuts[r], n = _cut_remote(list(split.remote[r]), n_mid, pr, budget, size)
             used = max(used, n)
     stages = shape.stages + (used - n_mid)
     weights = StageShape(stages, shape.alpha).weights
@@ -239,61 +252,76 @@ def assign_stages(placed: list[Unit], size: int, pr: Prices, shape: StageShape, 
     return stage(Split.of(placed, size), pr, shape, budget).units()
 
 
-def _interleave(units: list[Unit]) -> list[Unit]:
-    """Order a rank's remote blocks so that the traffic with every peer spreads evenly over the
-    stages: within each peer's group (in token order) a block is keyed by the middle of its share
-    of the group's work, and the groups are merged by that key."""
+def _interleave(units: list[Unit], size: int) -> list[Unit]:
+    """Order a rank's remote blocks so that its traffic with every peer spreads over the stages.
+
+    Within each (q owner, kv owner) group, in token order, a block is keyed by the middle of its
+    share of the group's work; groups are merged by that key, ties broken by ring distance
+    ``(rank − peer) mod P``. One big block per peer (one document over all ranks) thus runs in
+    ring order — at the s-th remote stage rank r talks to rank r − s, as in DistFlashAttn — so no
+    rank feeds many others in the same round."""
     groups: dict[tuple[int, int], list[Unit]] = {}
     for u in units:
         groups.setdefault((u.q_owner, u.kv_owner), []).append(u)
+    if len(groups) == 1:
+        return sorted(units, key=lambda u: (u.q.start, u.kv.start))
     keyed: list[tuple[float, int, int, Unit]] = []
-    for g, (key, members) in enumerate(sorted(groups.items())):
+    for (qo, ko), members in groups.items():
         members.sort(key=lambda u: (u.q.start, u.kv.start))
+        rank = members[0].rank
+        peer = qo if qo != rank else ko
+        dist = (rank - peer) % size
         total = float(sum(u.work for u in members)) or 1.0
         acc = 0.0
         for j, u in enumerate(members):
-            keyed.append(((acc + u.work / 2) / total, g, j, u))
+            keyed.append((round((acc + u.work / 2) / total, 6), dist, j, u))
             acc += u.work
     keyed.sort(key=lambda t: t[:3])
     return [t[3] for t in keyed]
 
 
-def _cut_remote(units: list[Unit], n_mid: int, pr: Prices, budget: float) -> tuple[list[Unit], int]:
+def _cut_remote(units: list[Unit], n_mid: int, pr: Prices, budget: float, size: int) -> tuple[list[Unit], int]:
     """Spread remote blocks evenly by work over middle stages ``1 .. n_mid`` within ``budget`` pool
     bytes each; returns the parts (stage set) and how many middle stages they use (``> n_mid``
     when the pool budget forces more)."""
-    units = _interleave(units)
+    units = _interleave(units, size)
     total = float(sum(u.work for u in units))
     per = total / n_mid
     out: list[Unit] = []
-    k = 0
-    done_w = acc_w = acc_b = 0.0
+    k = 0  # middle stage index (stage k + 1)
+    placed_w = acc_b = 0.0  # work placed so far (all stages), pool bytes of stage k
     queue = list(reversed(units))
     while queue:
         u = queue.pop()
-        target = per * (k + 1) - done_w - acc_w if k < n_mid - 1 else math.inf
+        # cumulative target: stages 0..k hold per·(k+1); the last planned one takes the rest
+        room_w = per * (k + 1) - placed_w if k < n_mid - 1 else math.inf
         fp = footprint(u, pr)
         w = u.work
-        if w <= target * 1.0001 + 1 and fp <= budget - acc_b:
+        small = w <= 0.25 * per  # not worth a cut: place whole, later stages make up for it
+        if (w <= room_w * 1.0001 + 1 or (small and room_w > 0.5 * w)) and fp <= budget - acc_b:
             out.append(_with_stage(u, k + 1))
-            acc_w += w
+            placed_w += w
             acc_b += fp
-            if acc_w >= target * 0.9999:
-                k, done_w, acc_w, acc_b = k + 1, done_w + acc_w, 0.0, 0.0
+            if placed_w >= per * (k + 1) * 0.9999 and k < n_mid - 1:
+                k, acc_b = k + 1, 0.0
             continue
-        part, rest = _take(u, max(target, 0.0), budget - acc_b, pr)
-        if part is None and acc_w == 0.0 and acc_b == 0.0:
+        part = rest = None
+        if not small or fp > budget - acc_b:
+            part, rest = _take(u, max(room_w, 0.0), budget - acc_b, pr)
+        if part is None and acc_b == 0.0:
             # an empty stage: take at least one row or column, whatever the work target says
-            part, rest = _take(u, max(target, _smallest_piece(u)), budget, pr)
+            part, rest = _take(u, max(room_w, _smallest_piece(u)), budget, pr)
             if part is None:
                 part, rest = u, None  # not one row fits the pool budget: codegen decides
         if part is not None:
             out.append(_with_stage(part, k + 1))
-            acc_w += part.work
+            placed_w += part.work
             acc_b += footprint(part, pr)
+        else:
+            rest = u
         if rest is not None:
             queue.append(rest)
-            k, done_w, acc_w, acc_b = k + 1, done_w + acc_w, 0.0, 0.0
+            k, acc_b = k + 1, 0.0
     used = max((u.stage for u in out), default=1)
     return out, used
 
@@ -338,6 +366,12 @@ def _pour(units: list[Unit], budgets: np.ndarray) -> list[Unit]:
     return out
 
 
+def default_shape(shapes: list[StageShape]) -> StageShape:
+    """The shape tried first: the fewest stages with half-length end stages (when offered)."""
+    fewest = min(s.stages for s in shapes)
+    return min((s for s in shapes if s.stages == fewest), key=lambda s: abs(s.alpha - 0.5))
+
+
 def stage_shapes(split: Split, pr: Prices, budget: float, max_stages: int = 1024) -> list[StageShape]:
     """Candidate stage shapes for a placement: enough middle stages for the pool budget and for the
     most remote-heavy rank, with short or full-length local end stages; the caller prices each."""
@@ -355,8 +389,12 @@ def stage_shapes(split: Split, pr: Prices, budget: float, max_stages: int = 1024
     top = float(work.max())
     rho = min(float(remote_w.max()) / top, 0.999) if top > 0 else 0.0
     shapes: set[StageShape] = set()
+    # A rank with remote work R needs n ≥ 2αR / (W* − R) middle stages to keep each under the
+    # common level W*/(n + 2α). A rank with (almost) no local work cannot be helped by more
+    # stages beyond a point: its loss is then the two short end stages, 2α/(n + 2α) of W*.
+    fit_cap = max(8, 2 * size)
     for alpha in (0.25, 0.5, 1.0):
-        n_fit = int(math.ceil(2 * alpha * rho / (1 - rho) - 1e-9)) if rho > 0 else 1
+        n_fit = min(fit_cap, int(math.ceil(2 * alpha * rho / (1 - rho) - 1e-9))) if rho > 0 else 1
         n0 = max(1, n_pool, n_fit)
         for n in (n0, 2 * n0):
             shapes.add(StageShape(min(n, max_stages - 2) + 2, alpha))

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from megatron_hsap.plan.estimate import lower_bounds, necessary_traffic
-from megatron_hsap.plan.ir import Wire
+from megatron_hsap.plan.ir import Compute, Wire
 
 if TYPE_CHECKING:
     from megatron_hsap.plan.plan import Plan
@@ -16,6 +16,8 @@ __all__ = ["plan_stats", "peak_bytes"]
 
 
 def plan_stats(plan: "Plan") -> dict[str, Any]:
+    """Quality figures of ``plan`` (a fresh dict; see DESIGN §4 for each definition). Times in
+    seconds, bytes forward + backward unless named ``_fwd``/``_bwd``, work in (q, k) pairs."""
     c = plan.chosen
     size = plan.inter_size
     work = c.fwd_time.work
@@ -30,6 +32,8 @@ def plan_stats(plan: "Plan") -> dict[str, Any]:
     sent = c.fwd_time.sent + c.bwd_time.sent
     recv = c.fwd_time.recv + c.bwd_time.recv
     peaks = np.maximum(np.asarray(c.fwd.pool_peak), np.asarray(c.bwd.pool_peak))
+    items = sum(len(ins.items) for prog in c.fwd.programs for ins in prog.instrs if isinstance(ins, Compute))
+    remote = sum(1 for u in c.units if not (u.rank == u.q_owner == u.kv_owner))
     return {
         "num_tokens": plan.num_tokens,
         "padded_tokens": plan.padded_tokens,
@@ -57,6 +61,12 @@ def plan_stats(plan: "Plan") -> dict[str, Any]:
         "pool_peak_bytes": int(peaks.max()),
         "pool_peak_per_rank": peaks.tolist(),
         "pool_tokens": int(plan.pool_capacity // plan.shape.chunk_token_bytes),
+        "pool_use": float(peaks.max() / plan.pool_capacity) if plan.pool_capacity else 0.0,
+        "stages": c.fwd.rounds - 1,
+        "compute_items": items,
+        "remote_items": remote,
+        "messages_fwd": len(c.fwd.messages),
+        "messages_bwd": len(c.bwd.messages),
         "estimated_time_s": est,
         "fwd_time_s": c.fwd_time.total,
         "bwd_time_s": c.bwd_time.total,

@@ -4,7 +4,9 @@ Every rank of a CP group compiles its plan from the *global* ``cu_seqlens``; ran
 compile different plans whose P2P rounds do not pair up, and NCCL then hangs (or, worse, gloo
 matches wrong messages). :func:`check_cu_seqlens_consistent` hashes ``cu_seqlens`` on the host and
 all-gathers ``(hash, entries, T)`` — three int64 per rank, one small collective — so every rank
-sees every fingerprint and raises the same :class:`BatchError` naming the ranks that differ.
+sees every fingerprint and raises the same :class:`BatchError` naming the ranks that differ. For an
+HSAP topology pass ``(intra_group, inter_group)``: the exchange is nested so that it still reaches
+every rank of the CP group.
 
 Call it where the batch is sharded (``megatron_hsap.megatron.batch`` does), once per micro-batch
 — never per layer. ``HSAP_DEBUG=1`` additionally makes the attention layer check its plan's
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -55,29 +58,45 @@ def _exchange_device(group: dist.ProcessGroup | None) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
-def fingerprint_mismatch(cu_seqlens: object, group: dist.ProcessGroup | None) -> str | None:
-    """All-gather fingerprints over ``group`` (collective); a description of the mismatch or None."""
+def fingerprint_mismatch(cu_seqlens: object, group: Any) -> str | None:
+    """All-gather fingerprints (collective on every rank of the group(s)); the mismatch or None.
+
+    ``group`` is one process group (None: the world), or a pair ``(intra, inter)`` of HSAP groups:
+    then the rows gathered over ``intra`` are gathered again over ``inter``, so every rank of the
+    whole ``P_intra × P_inter`` CP group sees all fingerprints in CP-rank order (checking the two
+    groups one after the other would let ranks outside the differing ones pass, and hang later).
+    In the pair, None stands for a side of size 1.
+    """
+    groups = tuple(group) if isinstance(group, (tuple, list)) else (group,)
+    if len(groups) > 1 and all(g is None for g in groups):
+        return None  # a 1×1 topology: nothing to compare
     if not dist.is_available() or not dist.is_initialized():
         raise ConfigError("check_cu_seqlens_consistent needs torch.distributed to be initialised")
-    size = dist.get_world_size(group)
-    if size == 1:
+    sizes = [1 if g is None and len(groups) > 1 else dist.get_world_size(g) for g in groups]
+    if all(n == 1 for n in sizes):
         return None
-    mine = torch.tensor(cu_seqlens_fingerprint(cu_seqlens), dtype=torch.int64, device=_exchange_device(group))
-    gathered = [torch.empty_like(mine) for _ in range(size)]
-    dist.all_gather(gathered, mine, group=group)
-    prints = [tuple(int(x) for x in t.cpu().tolist()) for t in gathered]
-    return _describe(prints, dist.get_process_group_ranks(group) if group is not None else list(range(size)))
+    device = next(_exchange_device(g) for g, n in zip(groups, sizes) if n > 1)
+    rows = torch.tensor([[*cu_seqlens_fingerprint(cu_seqlens), dist.get_rank()]], dtype=torch.int64, device=device)
+    for g, n in zip(groups, sizes):  # [1, 4] -> [P_intra, 4] -> [P_inter · P_intra, 4]
+        if n == 1:
+            continue
+        parts = [torch.empty_like(rows) for _ in range(n)]
+        dist.all_gather(parts, rows.contiguous(), group=g)
+        rows = torch.cat(parts)
+    table = [tuple(int(x) for x in row) for row in rows.cpu().tolist()]
+    label = "CP ranks" if len(groups) > 1 else "group ranks"
+    return _describe([r[:3] for r in table], [r[3] for r in table], label)
 
 
-def _describe(prints: Sequence[tuple[int, int, int]], global_ranks: Sequence[int]) -> str | None:
-    classes: dict[tuple[int, int, int], list[int]] = {}
+def _describe(prints: Sequence[tuple[int, ...]], global_ranks: Sequence[int], label: str) -> str | None:
+    classes: dict[tuple[int, ...], list[int]] = {}
     for pos, fp in enumerate(prints):
-        classes.setdefault(fp, []).append(pos)
+        classes.setdefault(tuple(fp), []).append(pos)
     if len(classes) == 1 and next(iter(classes))[1] != _INVALID:
         return None
     parts = []
     for (_, entries, total), members in sorted(classes.items(), key=lambda kv: kv[1][0]):
-        who = f"group ranks {members} (global {[global_ranks[m] for m in members]})"
+        who = f"{label} {members} (global {[global_ranks[m] for m in members]})"
         if entries == _INVALID:
             parts.append(f"{who}: cu_seqlens is not a 1-D integer sequence")
         else:
@@ -85,12 +104,14 @@ def _describe(prints: Sequence[tuple[int, int, int]], global_ranks: Sequence[int
     return "; ".join(parts)
 
 
-def check_cu_seqlens_consistent(cu_seqlens: object, group: dist.ProcessGroup | None = None) -> None:
-    """Raise :class:`BatchError` on EVERY rank of ``group`` unless all hold the same ``cu_seqlens``.
+def check_cu_seqlens_consistent(cu_seqlens: object, group: Any = None) -> None:
+    """Raise :class:`BatchError` on EVERY rank unless all hold the same ``cu_seqlens``.
 
-    One all-gather of three int64 per rank over ``group`` (a gloo/CPU group exchanges on the host;
-    an NCCL group through one tiny device tensor). Call it on every rank of the group, where the
-    batch is sharded. The message lists which ranks hold which batch (entries and ``T``).
+    ``group``: the CP group (None: the world), or the pair ``(intra_group, inter_group)`` of an
+    HSAP topology (one nested exchange covers the whole CP group). One or two all-gathers of four
+    int64 per rank (a gloo/CPU group exchanges on the host; an NCCL group through one tiny device
+    tensor). Call it on every rank, where the batch is sharded. The message lists which ranks hold
+    which batch (entries and ``T``).
     """
     report = fingerprint_mismatch(cu_seqlens, group)
     if report is not None:

@@ -20,6 +20,7 @@ plan), so a misconfiguration never leaves some ranks waiting in an all-to-all.
 from __future__ import annotations
 
 import sys
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from megatron_hsap.errors import ConfigError, RuntimeMismatchError
+from megatron_hsap.errors import BatchError, ConfigError, RuntimeMismatchError
 from megatron_hsap.runtime.consistency import fingerprint_mismatch
 from megatron_hsap.runtime.env import read_env
 from megatron_hsap.runtime.executor import ACTIVATION_DTYPES, Executor, executor_for
@@ -43,7 +44,8 @@ _HSAP_PS = "megatron_hsap.megatron.parallel_state"
 @dataclass(eq=False)
 class HSAPRunner:
     """Everything one rank needs to run a plan: its executor (inter group), the intra group, and
-    counters of the intra all-to-all bytes this rank sent (``a2a_bytes_sent[phase]``)."""
+    counters of the intra all-to-all: bytes this rank sent (``a2a_bytes_sent[phase]``) and host
+    seconds spent in it (``a2a_s[phase]``)."""
 
     plan: Any
     executor: Executor
@@ -51,6 +53,7 @@ class HSAPRunner:
     inter: dist.ProcessGroup | None
     debug: bool
     a2a_bytes_sent: dict[str, int] = field(default_factory=lambda: {"fwd": 0, "bwd": 0})
+    a2a_s: dict[str, float] = field(default_factory=lambda: {"fwd": 0.0, "bwd": 0.0})
 
     @property
     def intra_size(self) -> int:
@@ -59,27 +62,30 @@ class HSAPRunner:
     def reset_stats(self) -> None:
         self.executor.reset_stats()
         self.a2a_bytes_sent = {"fwd": 0, "bwd": 0}
+        self.a2a_s = {"fwd": 0.0, "bwd": 0.0}
 
     def to_heads(self, x: Tensor, phase: str) -> Tensor:
         """``[t_local, h, d] -> [t_local·P, h/P, d]`` over the intra group, counting bytes sent."""
-        p = self.intra_size
-        self.a2a_bytes_sent[phase] += x.numel() * x.element_size() * (p - 1) // p
-        return seq_to_heads(x.contiguous(), self.intra)
+        return self._a2a(seq_to_heads, x, phase)
 
     def to_seq(self, y: Tensor, phase: str) -> Tensor:
+        """``[t_local·P, h/P, d] -> [t_local, h, d]`` over the intra group, counting bytes sent."""
+        return self._a2a(heads_to_seq, y, phase)
+
+    def _a2a(self, fn: Any, x: Tensor, phase: str) -> Tensor:
         p = self.intra_size
-        self.a2a_bytes_sent[phase] += y.numel() * y.element_size() * (p - 1) // p
-        return heads_to_seq(y.contiguous(), self.intra)
+        t0 = time.perf_counter()
+        self.a2a_bytes_sent[phase] += x.numel() * x.element_size() * (p - 1) // p  # my own slice stays
+        out = fn(x.contiguous(), self.intra)
+        self.a2a_s[phase] += time.perf_counter() - t0
+        return out
 
     def check_batch(self) -> None:
-        """Debug mode: fingerprint the plan's cu_seqlens over both groups, then raise if any differ."""
-        reports = [fingerprint_mismatch(self.plan.batch.cu_seqlens, g)
-                   for g, n in ((self.intra, self.plan.intra_size), (self.inter, self.plan.inter_size)) if n > 1]  # fmt: skip
-        bad = [r for r in reports if r is not None]
-        if bad:
-            from megatron_hsap.errors import BatchError
-
-            raise BatchError(f"HSAP_DEBUG: ranks run plans of different batches: {'; '.join(bad)}")
+        """Debug mode: fingerprint the plan's cu_seqlens over the whole CP group (nested over the
+        intra then the inter group, so that every rank sees every fingerprint) and raise if any differ."""
+        report = fingerprint_mismatch(self.plan.batch.cu_seqlens, (self.intra, self.inter))
+        if report is not None:
+            raise BatchError(f"HSAP_DEBUG: the ranks run plans of different batches: {report}")
 
 
 _RUNNERS: "OrderedDict[tuple, HSAPRunner]" = OrderedDict()

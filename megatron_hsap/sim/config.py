@@ -21,7 +21,7 @@ from megatron_hsap.errors import ConfigError
 from megatron_hsap.plan.hardware import KernelCurve, LinkClass
 from megatron_hsap.sim import constants
 
-__all__ = ["SimHardware", "KernelModel", "sim_hardware", "load_overrides", "merge_bytes", "HARDWARE_NAMES"]
+__all__ = ["SimHardware", "KernelModel", "sim_hardware", "load_overrides", "reset_overrides", "merge_bytes", "HARDWARE_NAMES"]
 
 HARDWARE_NAMES = tuple(constants.HARDWARE)
 
@@ -48,6 +48,16 @@ class KernelModel:
         if len(flops) == 0:
             return 0.0
         return float((np.asarray(flops, dtype=np.float64) / self.rate(nq, nk, phase)).sum())
+
+    def blocks_time_py(self, blocks: list[tuple[int, int, float]], phase: str) -> float:
+        """``blocks_time`` for a short list of ``(nq, nk, flops)`` without numpy overhead."""
+        peak = self.fwd_peak if phase == "fwd" else self.bwd_peak
+        half = self.curve.half_rate_tokens
+        total = 0.0
+        for nq, nk, flops in blocks:
+            n = max(1, min(nq, nk))
+            total += flops * (n + half) / (peak * n)
+        return total
 
     def call_time(self, nq: np.ndarray, nk: np.ndarray, flops: np.ndarray, phase: str) -> float:
         """One varlen kernel call over several document blocks (``[n]`` arrays)."""
@@ -153,6 +163,12 @@ def load_overrides(path: str | Path) -> None:
         if impl not in constants.MERGE_BYTES:
             raise ConfigError(f"{path}: unknown implementation {impl!r} in merge_bytes")
         _MERGE_OVERRIDES.setdefault(impl, {}).update({k: float(v) for k, v in fields.items()})
+
+
+def reset_overrides() -> None:
+    """Forget every ``load_overrides`` (tests)."""
+    _OVERRIDES.clear()
+    _MERGE_OVERRIDES.clear()
 
 
 def with_links(hw: SimHardware, **changes: Any) -> SimHardware:

@@ -124,70 +124,72 @@ class Timeline:
         return out
 
 
-_EPS = 1e-15
-
-
 class _Net:
-    """Active transfers and their max-min fair rates."""
+    """Active transfers and their max-min fair rates. Max-min allocations decompose over the
+    connected components of the port–flow graph, so after an event only the component of the
+    ports it touched is refilled."""
 
-    def __init__(self, caps: np.ndarray) -> None:
+    def __init__(self, caps: list[float]) -> None:
         self.caps = caps
-        self.ids: list[int] = []
-        self.left: list[float] = []
-        self.ports: list[tuple[int, int]] = []
-        self.rate = np.zeros(0)
+        self.flows: dict[int, list] = {}  # tid -> [bytes left, out port, in port, rate]
+        self.at_port: dict[int, set[int]] = defaultdict(set)
+        self.dirty: set[int] = set()
 
     def add(self, tid: int, nbytes: float, out_port: int, in_port: int) -> None:
-        self.ids.append(tid)
-        self.left.append(nbytes)
-        self.ports.append((out_port, in_port))
+        self.flows[tid] = [nbytes, out_port, in_port, 0.0]
+        self.at_port[out_port].add(tid)
+        self.at_port[in_port].add(tid)
+        self.dirty.update((out_port, in_port))
 
     def advance(self, dt: float) -> None:
-        if dt > 0 and self.ids:
-            self.left = (np.asarray(self.left) - self.rate * dt).tolist()
+        if dt > 0:
+            for f in self.flows.values():
+                f[0] -= f[3] * dt
 
     def next_finish(self) -> float:
-        if not self.ids:
-            return float("inf")
-        with np.errstate(divide="ignore"):
-            return float(np.min(np.asarray(self.left) / self.rate))
+        return min((f[0] / f[3] for f in self.flows.values()), default=float("inf"))
 
     def pop_done(self, tol: float) -> list[int]:
-        left = np.asarray(self.left)
-        done = left <= np.maximum(tol, 1e-9 * self.rate)
-        if not done.any():
-            return []
-        out = [t for t, d in zip(self.ids, done) if d]
-        keep = ~done
-        self.ids = [t for t, k in zip(self.ids, keep) if k]
-        self.left = left[keep].tolist()
-        self.ports = [p for p, k in zip(self.ports, keep) if k]
-        return out
+        done = [t for t, f in self.flows.items() if f[0] <= max(tol, 1e-9 * f[3])]
+        for t in done:
+            f = self.flows.pop(t)
+            for p in (f[1], f[2]):
+                self.at_port[p].discard(t)
+                self.dirty.add(p)
+        return done
 
     def recompute(self) -> None:
-        """Progressive filling: raise all unfrozen rates together until a port saturates."""
-        f = len(self.ids)
-        if f == 0:
-            self.rate = np.zeros(0)
+        """Progressive filling over the component(s) reachable from the dirty ports."""
+        comp: set[int] = set()
+        ports = set(self.dirty)
+        todo = list(ports)
+        self.dirty.clear()
+        while todo:
+            for t in self.at_port.get(todo.pop(), ()):
+                if t not in comp:
+                    comp.add(t)
+                    for p in self.flows[t][1:3]:
+                        if p not in ports:
+                            ports.add(p)
+                            todo.append(p)
+        if not comp:
             return
-        ports = np.asarray(self.ports, dtype=np.int64)  # [f, 2]
-        cap = self.caps.astype(np.float64).copy()
-        rate = np.zeros(f)
-        frozen = np.zeros(f, dtype=bool)
-        nport = len(cap)
-        while not frozen.all():
-            live = ports[~frozen]
-            cnt = np.bincount(live.ravel(), minlength=nport)
-            with np.errstate(divide="ignore", invalid="ignore"):
-                share = np.where(cnt > 0, cap / np.maximum(cnt, 1), np.inf)
-            m = float(share.min())
-            bott = share <= m * (1 + 1e-9) + 1e-30
-            sel = ~frozen & (bott[ports[:, 0]] | bott[ports[:, 1]])
-            rate[sel] = m
-            frozen |= sel
-            used = np.bincount(ports[sel].ravel(), minlength=nport) * m
-            cap = np.maximum(cap - used, 0.0)
-        self.rate = rate
+        count: dict[int, int] = defaultdict(int)
+        for t in comp:
+            f = self.flows[t]
+            count[f[1]] += 1
+            count[f[2]] += 1
+        cap = {p: self.caps[p] for p in count}
+        live = {t: self.flows[t] for t in comp}
+        while live:
+            m = min(cap[p] / c for p, c in count.items() if c > 0)
+            bott = {p for p, c in count.items() if c > 0 and cap[p] / c <= m * (1 + 1e-9)}
+            for t in [t for t, f in live.items() if f[1] in bott or f[2] in bott]:
+                f = live.pop(t)
+                f[3] = m
+                for p in (f[1], f[2]):
+                    cap[p] = max(cap[p] - m, 0.0)
+                    count[p] -= 1
 
 
 def simulate(
@@ -201,7 +203,7 @@ def simulate(
     progs = work.programs
     n = len(progs)
     classes = (LinkClass.NVLINK, LinkClass.INFINIBAND)
-    caps = np.array([bandwidth(c) for _ in range(n) for c in classes for _ in (0, 1)], dtype=np.float64)
+    caps = [bandwidth(c) for _ in range(n) for c in classes for _ in (0, 1)]
 
     def port(rank: int, cls: LinkClass, direction: int) -> int:
         return rank * 4 + classes.index(cls) * 2 + direction
@@ -212,9 +214,8 @@ def simulate(
         by_tag[(t.dst, t.tag)].append(tid)
     pending = {k: len(v) for k, v in by_tag.items()}
     done_at: dict[tuple[int, int], float] = defaultdict(float)
-    posted = np.zeros(len(work.transfers), dtype=np.int64)
-    post_time = np.zeros(len(work.transfers))
-    start_time = np.zeros(len(work.transfers))
+    posted = [0] * len(work.transfers)
+    start_time = [0.0] * len(work.transfers)
     members: dict[int, set[int]] = defaultdict(set)
     for r, p in enumerate(progs):
         for ins in p:
@@ -226,7 +227,7 @@ def simulate(
     clock = [0.0] * n
     blocked: dict[int, tuple[int, float]] = {}  # rank -> (tag, since)
     spans: list[Span] = []
-    flops = np.zeros(n)
+    flops = [0.0] * n
     xfers: list[tuple[int, int, float, float, float, str]] = []
     heap: list[tuple[float, int, str, int, int]] = []
     seq = 0
@@ -317,7 +318,6 @@ def simulate(
             if kind == "post":
                 for tid in by_tag.get((a, b), ()):
                     posted[tid] += 1
-                    post_time[tid] = max(post_time[tid], now)
                     if posted[tid] == 2:
                         tr = work.transfers[tid]
                         push(now + latency(link(tr.src, tr.dst)), "start", tid, 0)
@@ -333,7 +333,7 @@ def simulate(
     stuck = [r for r in range(n) if pc[r] < len(progs[r])]
     if stuck:
         raise ConfigError(f"simulation deadlocked: ranks {stuck[:8]} never finished (unmatched post/wait or collective)")
-    return Timeline(spans=spans, transfers=xfers, finish=np.asarray(clock, dtype=np.float64), flops=flops)
+    return Timeline(spans=spans, transfers=xfers, finish=np.asarray(clock, dtype=np.float64), flops=np.asarray(flops))
 
 
 def simulate_on(work: Workload, cluster: "object", gpus: Sequence[int]) -> Timeline:

@@ -20,12 +20,11 @@ Translation of one rank's plan program (``megatron_hsap.plan.ir``):
 
 from __future__ import annotations
 
+import bisect
 from collections import defaultdict
 
-import numpy as np
-
 from megatron_hsap.plan.ir import Accumulate, Compute, Merge, Post as PlanPost, Send, Wait as PlanWait, Wire
-from megatron_hsap.sim.builder import Blocks, Builder
+from megatron_hsap.sim.builder import Builder
 from megatron_hsap.sim.cluster import Cluster
 from megatron_hsap.sim.config import merge_bytes
 from megatron_hsap.sim.engine import Workload
@@ -64,41 +63,33 @@ class _Coverage:
     the kernel's own output (no merge); later ones are merged into the fp32 accumulator."""
 
     def __init__(self) -> None:
-        self.spans: list[tuple[int, int]] = []
+        self.starts: list[int] = []
+        self.stops: list[int] = []
 
     def add(self, a: int, b: int) -> int:
         """Mark ``[a, b)`` written; return how many of its rows were written before."""
+        i = bisect.bisect_left(self.stops, a)  # first interval that may touch [a, b)
+        j = i
         overlap = 0
-        keep = []
         lo, hi = a, b
-        for s, e in self.spans:
-            if e < a or s > b:
-                keep.append((s, e))
-                continue
-            overlap += max(0, min(e, b) - max(s, a))
-            lo, hi = min(lo, s), max(hi, e)
-        keep.append((lo, hi))
-        keep.sort()
-        self.spans = keep
+        while j < len(self.starts) and self.starts[j] <= b:
+            overlap += max(0, min(self.stops[j], b) - max(self.starts[j], a))
+            lo, hi = min(lo, self.starts[j]), max(hi, self.stops[j])
+            j += 1
+        self.starts[i:j] = [lo]
+        self.stops[i:j] = [hi]
         return overlap
 
 
-def _item_merge_bytes(item: object, shape: object, phase: str, cov: dict[str, _Coverage]) -> float:
+def _item_merge_bytes(item: object, widths: dict[Wire, float], cov: dict[str, _Coverage]) -> float:
     """HBM bytes to fold one item's output into the local accumulators (0 if sent away or if
-    it is the first contribution to its rows)."""
-    dsts = dict(item.dsts)  # type: ignore[attr-defined]
-    q, kv = item.q, item.kv  # type: ignore[attr-defined]
-    h, hkv, d, dv = shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.head_dim_v  # type: ignore[attr-defined]
+    it is the first contribution to its rows). ``widths``: bytes per row per output wire."""
     total = 0.0
-    if phase == "fwd":
-        if dsts.get(Wire.O, 0) is None:
-            total += cov["q"].add(q.start, q.stop) * h * dv * merge_bytes("hsap", "fwd")
-    else:
-        per = merge_bytes("hsap", "bwd")
-        if dsts.get(Wire.DQ, 0) is None:
-            total += cov["q"].add(q.start, q.stop) * h * d * per
-        if dsts.get(Wire.DKV, 0) is None:
-            total += cov["kv"].add(kv.start, kv.stop) * hkv * (d + dv) * per
+    for wire, slot in item.dsts:  # type: ignore[attr-defined]
+        if slot is not None or wire not in widths:
+            continue
+        rows = item.kv if wire is Wire.DKV else item.q  # type: ignore[attr-defined]
+        total += cov["kv" if wire is Wire.DKV else "q"].add(rows.start, rows.stop) * widths[wire]
     return total
 
 
@@ -110,6 +101,10 @@ def hsap_workload(plan: object, cluster: Cluster, phase: str) -> tuple[Workload,
     size = len(progs)
     b = Builder(size)
     before, after = a2a_calls(plan, cluster, phase)
+    fpp = shape.fwd_flops_per_pair if phase == "fwd" else shape.bwd_flops_per_pair
+    h, hkv, d, dv = shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.head_dim_v
+    per = merge_bytes("hsap", phase)
+    widths = {Wire.O: h * dv * per} if phase == "fwd" else {Wire.DQ: h * d * per, Wire.DKV: hkv * (d + dv) * per}
     for r, prog in enumerate(progs):
         cov = {"q": _Coverage(), "kv": _Coverage()}
         for t in before:
@@ -126,12 +121,11 @@ def hsap_workload(plan: object, cluster: Cluster, phase: str) -> tuple[Workload,
                 groups: dict[tuple, list] = defaultdict(list)
                 for it in ins.items:
                     groups[(it.srcs, it.causal)].append(it)
-                for key, items in groups.items():
-                    nq = np.array([len(it.q) for it in items], dtype=np.float64)
-                    nk = np.array([len(it.kv) for it in items], dtype=np.float64)
-                    pairs = np.array([it.work for it in items], dtype=np.float64)
-                    b.kernel(r, Blocks.of(nq, nk, pairs), hw, shape, phase, f"stage {ins.stage}")
-                    b.elementwise(r, sum(_item_merge_bytes(it, shape, phase, cov) for it in items), hw, "merge local")
+                for items in groups.values():  # one varlen call per group of shared input buffers
+                    blocks = [(len(it.q), len(it.kv), it.work * fpp) for it in items]
+                    secs = hw.kernel.curve.launch_s + hw.kernel.blocks_time_py(blocks, phase)
+                    b.busy(r, secs, "compute", f"stage {ins.stage}", sum(x[2] for x in blocks))
+                    b.elementwise(r, sum(_item_merge_bytes(it, widths, cov) for it in items), hw, "merge local")
             elif isinstance(ins, Merge):
                 n = len(ins.tokens)
                 b.elementwise(r, n * shape.num_heads * shape.head_dim_v * merge_bytes("hsap", "fwd"), hw, "merge o")

@@ -53,7 +53,8 @@ def magi(out_dir: str | Path, *, quick: bool = False, seeds: int | None = None, 
         tf: dict[str, dict[str, list[float]]] = {}
         terms: dict[str, dict[str, list[float]]] = {"fwd": {k: [] for k in TERMS}, "bwd": {k: [] for k in TERMS}}
         ideal_tf: dict[str, list[float]] = {"fwd": [], "bwd": []}
-        topo_seen = []
+        topo_seen: list[str] = []
+        bounds: list[tuple[float, float]] = []
         for seed in range(n_seeds):
             cu = pack_batches(workload, T, 1, seed, max_doc_fraction=0.25)[0]
             uf = useful_flops(cu, shape)
@@ -62,8 +63,13 @@ def magi(out_dir: str | Path, *, quick: bool = False, seeds: int | None = None, 
             runs = {m: run_method(m, cu, hw=hw, intra=min(P, 8) if m == "te_a2a_p2p" else 1,
                                   inter=P // min(P, 8) if m == "te_a2a_p2p" else P, shape=shape) for m in BASELINES}
             all_hsap = hsap_topologies(cu, hw=hw, P=P, shape=shape)
+            if not all_hsap:
+                notes.append(f"- {P} GPUs, seed {seed}: the planner failed at every topology (see warnings)")
+                continue
             best = min(all_hsap, key=lambda r: r.seconds)
             topo_seen.append(best.topology)
+            plan = best.extra["plan"]
+            bounds.append((plan["traffic_bound_s"], plan["compute_bound_s"]))
             runs["hsap"] = best
             for r in all_hsap:
                 pt = Point(workload, T, *(int(x) for x in r.topology.split("x")), link, "64/8", seed)
@@ -97,6 +103,12 @@ def magi(out_dir: str | Path, *, quick: bool = False, seeds: int | None = None, 
             plot_series.setdefault(label.split(" (")[0], []).append(med[m]["fwd"])
         table.append([P, "ideal", ideal["fwd"], ideal["bwd"], "100%", ""])
         plot_series.setdefault("ideal", []).append(ideal["fwd"])
+        if bounds:
+            tb, cb = (float(np.median([b[i] for b in bounds])) for i in (0, 1))
+            notes.append(f"- {P} GPUs: the plan's necessary inter-rank traffic needs ≥ {1e3 * tb:.2f} ms (fwd + bwd, planner's "
+                         f"flat bandwidth) against a compute bound of {1e3 * cb:.2f} ms: "
+                         + ("communication-bound — 85% of the compute ideal is out of reach for any placement of this batch"
+                            if tb > cb else "compute-dominated"))
         if P in (8, 64) or quick:
             for ph in ("fwd", "bwd"):
                 best_base = max(med[m][ph] for m in BASELINES if m in med)
@@ -117,7 +129,7 @@ def magi(out_dir: str | Path, *, quick: bool = False, seeds: int | None = None, 
           markdown_table(["GPUs", "method", "fwd", "bwd", "% of ideal (fwd / bwd)", "published fwd"], table), "",
           "Targets (HSAP at its fastest topology; terms of its critical rank when missed):", "",
           markdown_table(["GPUs", "phase", "HSAP", "min(1.2×best, 0.9×ideal)", "target 1", "0.85×ideal", "target 2", "where the time goes"], verdicts)]
-    md += notes
+    md += [""] + notes if notes else []
     labels = [f"{P} GPUs" for P in sizes]
     png = _plot(Path(out_dir) / "magi.png", labels, plot_series, "forward TFLOP/s per GPU", "MagiAttention protocol (simulated)")
     return Report("magi", rows, "\n".join(md), [png]).write(out_dir)

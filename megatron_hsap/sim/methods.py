@@ -187,17 +187,15 @@ def _allgather(cu: np.ndarray, cluster: Cluster, shape: HeadShape, phase: str, s
 
 def _ulysses(cu: np.ndarray, cluster: Cluster, shape: HeadShape, phase: str) -> tuple[Workload, list[int]]:
     P = cluster.cp_size
-    whole = Cluster(hw=cluster.hw, intra_size=P, inter_size=1) if P <= cluster.hw.gpus_per_node else None
     lengths = np.diff(cu).astype(np.float64)
     lengths = lengths[lengths > 0]
     local = _split(shape, P)
     hkv_x = shape.num_kv_heads if shape.num_kv_heads % P == 0 else P
     tokens = -(-int(cu[-1]) // P)
-    ranks = list(range(P))
-    c = whole or cluster
+    ranks = list(range(P))  # CP ranks 0..P-1 on consecutive GPUs: more than 8 span nodes
 
     def a2a(heads: int, dim: int) -> float:
-        return c.all_to_all_time(ranks, tokens * (heads // P) * dim * shape.dtype_bytes)
+        return cluster.all_to_all_time(ranks, tokens * (heads // P) * dim * shape.dtype_bytes)
 
     q, k, v, o = a2a(shape.num_heads, shape.head_dim), a2a(hkv_x, shape.head_dim), a2a(hkv_x, shape.head_dim_v), a2a(shape.num_heads, shape.head_dim_v)
     before, after = ([q, k, v], [o]) if phase == "fwd" else ([o], [q, k, v])
@@ -238,7 +236,9 @@ def run_method(method: str, cu_seqlens: object, *, hw: Any, intra: int, inter: i
                             hardware=hw.name if hw.name in ("a100", "h100", "h100-fa3") else "a100", **(plan_options or {}))
         extra["compile_s"] = time.perf_counter() - t0
         stats = plan.stats()
-        extra["plan"] = {k: stats[k] for k in ("placement", "imbalance", "bytes_total", "necessary_bytes", "rounds_fwd", "rounds_bwd", "estimated_time_s", "compute_efficiency")}
+        keys = ("placement", "imbalance", "bytes_total", "necessary_bytes", "rounds_fwd", "rounds_bwd", "estimated_time_s",
+                "compute_efficiency", "compute_bound_s", "traffic_bound_s")
+        extra["plan"] = {k: stats.get(k) for k in keys}
         build = lambda ph: hsap_workload(plan, cluster, ph)  # noqa: E731
         note = f"placement {stats['placement']}, imbalance {stats['imbalance']:.2f}"
     elif method in ("te_thd_ring", "te_a2a_p2p", "usp", "blind_ring"):

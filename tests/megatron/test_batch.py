@@ -110,7 +110,9 @@ def _check_round_trip(batch: dict[str, torch.Tensor], cu: list[int], plan: objec
 def test_round_trip_real_plans(lengths: list[int], topo: tuple[int, int]) -> None:
     intra, inter = topo
     cu = _cu_from_lengths(lengths)
-    plan = compile_plan(cu, inter_size=inter, intra_size=intra, num_heads=4, num_kv_heads=2, head_dim=8)
+    # A generous receive pool: this test is about token placement, not the planner's pool sizing.
+    plan = compile_plan(cu, inter_size=inter, intra_size=intra, num_heads=4, num_kv_heads=2, head_dim=8,
+                        pool_bytes=1 << 20)
     _check_round_trip(_batch(cu, loss_zero_every=3), cu, plan, intra * inter)
 
 
@@ -193,3 +195,28 @@ def test_marker_is_required() -> None:
     assert not is_hsap_sharded(PackedSeqParams(qkv_format="thd"))
     assert not is_hsap_sharded(HSAPPackedSeqParams(qkv_format="thd", hsap_plan=object()))
     assert is_hsap_sharded(HSAPPackedSeqParams(qkv_format="thd", hsap_plan=object(), hsap_marker=HSAP_MARKER))
+
+
+def _shard_mismatched(cu_by_rank: list[list[int]]) -> str:
+    """Pool case: every rank shards its own batch; rank r's cu_seqlens is ``cu_by_rank[r]``."""
+    import torch.distributed as dist
+
+    from megatron_hsap.megatron.parallel_state import destroy_hsap, initialize_hsap
+
+    cu = cu_by_rank[dist.get_rank()]
+    initialize_hsap(intra_size=2, inter_size=2, node_check="off")
+    try:
+        get_batch_on_this_cp_rank(_batch(cu), plan_kwargs=dict(num_heads=4, num_kv_heads=2, head_dim=8))
+    except BatchError as exc:
+        return f"BatchError: {exc}"
+    finally:
+        destroy_hsap()
+    return "ok"
+
+
+def test_ranks_with_different_batches_fail_together_instead_of_hanging(gloo_pool) -> None:  # noqa: ANN001
+    same = [[0, 5, 12, 20]] * 4
+    assert gloo_pool(4).run(_shard_mismatched, same, timeout=300) == ["ok"] * 4
+    differ = [[0, 5, 12, 20], [0, 5, 12, 20], [0, 6, 12, 20], [0, 5, 12, 20]]
+    results = gloo_pool(4).run(_shard_mismatched, differ, timeout=300)
+    assert all(r.startswith("BatchError") for r in results), results

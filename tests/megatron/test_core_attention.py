@@ -149,3 +149,51 @@ def test_sbhd_is_one_document_per_sample_at_cp1() -> None:
     for i in range(b):
         ref = _reference_thd(q[:, i], k[:, i], v[:, i], [0, s], HEAD_DIM**-0.5)
         torch.testing.assert_close(out[:, i].double(), ref.reshape(s, -1), atol=ATOL, rtol=0)
+
+
+def _sbhd_case(b: int, s: int, intra: int, inter: int) -> dict[str, list]:
+    """Pool case: SBHD core attention on this rank's rows; returns rows, output and input grads."""
+    import torch.distributed as dist
+
+    from megatron_hsap.megatron.parallel_state import destroy_hsap, initialize_hsap
+
+    initialize_hsap(intra_size=intra, inter_size=inter, node_check="off")
+    try:
+        q, k, v = _qkv(s, batch=b, seed=3)  # the same global tensors on every rank
+        sharded = get_batch_on_this_cp_rank(
+            {"tokens": torch.zeros(b, s, dtype=torch.long)}, qkv_format="sbhd",
+            plan_kwargs=dict(num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, dtype_bytes=4),
+        )
+        plan, rank = sharded["plan"], dist.get_rank()
+        ids = torch.from_numpy(plan.local_token_indices(rank))
+        real = ids < s
+        rows = ids.clamp(max=s - 1)
+        local = [x[rows].clone().requires_grad_() for x in (q, k, v)]  # padding rows: any finite values
+        out = _attn()(*local, None, packed_seq_params=sharded["packed_seq_params"])
+        g = torch.randn(out.shape, generator=torch.Generator().manual_seed(rank))
+        grads = torch.autograd.grad(out, local, g)
+        return {"ids": ids[real].tolist(), "out": out[real].tolist(), "g": g[real].tolist(),
+                "grads": [x[real].tolist() for x in grads]}
+    finally:
+        destroy_hsap()
+
+
+def test_sbhd_matches_reference_across_cp_ranks(gloo_pool) -> None:  # noqa: ANN001
+    b, s = 2, 11  # 11 tokens over 4 ranks: one padding token at the end of every sample
+    results = gloo_pool(4).run(_sbhd_case, b, s, 2, 2, timeout=300)
+    q, k, v = (x.double().requires_grad_() for x in _qkv(s, batch=b, seed=3))
+    ref = torch.stack([_reference_thd(q[:, i], k[:, i], v[:, i], [0, s], HEAD_DIM**-0.5) for i in range(b)], 1)
+    ref = ref.reshape(s, b, -1)  # [s, b, np·hn]
+    out = torch.zeros(s, b, HEADS * HEAD_DIM, dtype=torch.float64)
+    g = torch.zeros_like(out)
+    got_grads = [torch.zeros_like(x) for x in (q, k, v)]
+    for r in results:
+        ids = torch.tensor(r["ids"])
+        out[ids] = torch.tensor(r["out"], dtype=torch.float64)
+        g[ids] = torch.tensor(r["g"], dtype=torch.float64)
+        for acc, part in zip(got_grads, r["grads"]):
+            acc[ids] = torch.tensor(part, dtype=torch.float64)
+    assert sorted(i for r in results for i in r["ids"]) == list(range(s))  # every token once
+    torch.testing.assert_close(out, ref.detach(), atol=ATOL, rtol=0)
+    for got, want in zip(got_grads, torch.autograd.grad(ref, (q, k, v), g)):
+        torch.testing.assert_close(got, want, atol=ATOL, rtol=0)

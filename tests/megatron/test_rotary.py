@@ -86,3 +86,16 @@ def test_position_zero_is_identity_and_mscale_scales() -> None:
     zero = rope_freqs_at(table, torch.zeros(3, dtype=torch.long))
     assert torch.equal(apply_rope_by_position(x, zero), x)
     torch.testing.assert_close(apply_rope_by_position(x, zero, mscale=2.0), 2 * x)
+
+
+def test_self_attention_refuses_fused_qkv_rope() -> None:
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from megatron_hsap.errors import ConfigError
+    from megatron_hsap.megatron.rotary import HSAPSelfAttention
+
+    config = _config(False)
+    config.fused_single_qkv_rope = True  # set after __post_init__: only the refusal is under test
+    subs = get_gpt_layer_local_spec().submodules.self_attention.submodules
+    with pytest.raises(ConfigError, match="fused-single-qkv-rope"):
+        HSAPSelfAttention(config, subs, layer_number=1)

@@ -1,0 +1,337 @@
+"""Plan quality over the DESIGN §4 measurement set: ``python -m megatron_hsap.bench.plan_quality``.
+
+For every workload (``workloads.md``'s four plus ``full``: one document filling the batch), batch
+size ``T``, ``P_inter`` and head shape (MHA 32/32, GQA 32/8; bf16, d 128, ``P_intra`` 1), it
+compiles the SAP plan of seeded packed batches and prices the baselines on the same batches with
+the same model (``megatron_hsap.plan.baselines``). The link class follows DESIGN §4: NVLink when
+the CP group fits one 8-GPU node (``P_inter ≤ 8`` here), InfiniBand otherwise.
+
+Outputs (``--out``, default ``results``): ``plan_quality.csv`` (columns ``source, workload, T,
+P_intra, P_inter, link, heads, seed, method, metric, value, unit``, one row per metric),
+``plan_quality.md`` (the table printed at the end: median and worst over the seeds) and PNG plots.
+A second, smaller table times the compiler (median of 5 fresh batches, cache cleared) and a cache
+hit. ``--quick`` runs a small grid as a smoke test. ``full`` has one batch per point (it is
+deterministic), and 1M-token points at ``P_inter = 64`` use ``--seeds-1m64`` seeds (default 5).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import os
+import statistics
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from megatron_hsap.plan import clear_plan_cache, compile_plan
+from megatron_hsap.plan.baselines import BASELINES, price_baseline, unavailable_reason
+from megatron_hsap.plan.costs import HeadShape
+from megatron_hsap.plan.hardware import HARDWARE, link_class_for
+from megatron_hsap.plan.workloads import pack_batches
+
+__all__ = ["main", "Point", "measure_point", "COLUMNS"]
+
+COLUMNS = ("source", "workload", "T", "P_intra", "P_inter", "link", "heads", "seed", "method", "metric", "value", "unit")
+WORKLOADS = ("fineweb", "slimpajama", "ultrachat", "sharegpt", "full")
+TOKENS = (16 * 1024, 64 * 1024, 256 * 1024, 1024 * 1024)
+INTER = (2, 4, 8, 16, 64)
+HEADS = {"mha": (32, 32), "gqa": (32, 8)}
+HEAD_DIM = 128
+SOURCE = "plan_quality"
+
+# metric -> (unit, "lower" | "higher" is better); the table's "worst" follows it
+METRICS = {
+    "imbalance": ("ratio", "lower"),
+    "owner_imbalance": ("ratio", "lower"),
+    "bytes": ("B", "lower"),
+    "bytes_over_necessary": ("ratio", "lower"),
+    "bytes_over_te": ("ratio", "lower"),
+    "estimated_time": ("s", "lower"),
+    "lower_bound": ("s", "lower"),
+    "efficiency": ("ratio", "higher"),
+    "compute_efficiency": ("ratio", "higher"),
+    "compute_dominated": ("bool", "higher"),
+    "owner_time": ("s", "lower"),
+    "pool_use": ("ratio", "lower"),
+    "rounds": ("count", "lower"),
+    "compile_time": ("s", "lower"),
+    "best_baseline_over_hsap": ("ratio", "higher"),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Point:
+    workload: str
+    T: int
+    P: int
+    heads: str
+    seeds: tuple[int, ...]
+
+    @property
+    def link(self) -> str:
+        return link_class_for(self.P).value
+
+
+def _fmt_T(T: int) -> str:
+    return f"{T // (1 << 20)}M" if T % (1 << 20) == 0 else f"{T // 1024}K"
+
+
+def measure_point(pt: Point, hardware: str = "a100") -> list[tuple]:
+    """CSV rows (see ``COLUMNS``) of one grid point, every seed."""
+    hq, hkv = HEADS[pt.heads]
+    hw = HARDWARE[hardware]
+    link = link_class_for(pt.P)
+    shape = HeadShape(num_heads=hq, num_kv_heads=hkv, head_dim=HEAD_DIM, head_dim_v=HEAD_DIM, dtype_bytes=2)
+    base = (SOURCE, pt.workload, pt.T, 1, pt.P, link.value, f"{hq}/{hkv}")
+    rows: list[tuple] = []
+    batches = pack_batches(pt.workload, pt.T, max(pt.seeds) + 1, 0) if pt.workload != "full" else [np.array([0, pt.T])]
+    for seed in pt.seeds:
+        cu = batches[seed]
+        clear_plan_cache()
+        t0 = time.perf_counter()
+        plan = compile_plan(cu, pt.P, num_heads=hq, num_kv_heads=hkv, head_dim=HEAD_DIM, hardware=hardware)
+        dt = time.perf_counter() - t0
+        s = plan.stats()
+
+        def add(method: str, metric: str, value: float) -> None:
+            rows.append(base + (seed, method, metric, float(value), METRICS.get(metric, ("", ""))[0]))
+
+        add("hsap", "imbalance", s["imbalance"])
+        add("hsap", "owner_imbalance", s["owner_imbalance"])
+        add("hsap", "bytes", s["bytes_total"])
+        add("hsap", "bytes_over_necessary", s["bytes_over_necessary"] if math.isfinite(s["bytes_over_necessary"]) else 0.0)
+        add("hsap", "estimated_time", s["estimated_time_s"])
+        add("hsap", "lower_bound", s["lower_bound_s"])
+        add("hsap", "efficiency", s["efficiency"])
+        add("hsap", "compute_efficiency", s["compute_efficiency"])
+        add("hsap", "compute_dominated", float(s["compute_dominated"]))
+        add("hsap", "owner_time", s["owner_computes_time_s"])
+        add("hsap", "pool_use", s["pool_use"])
+        add("hsap", "rounds", s["rounds_fwd"] + s["rounds_bwd"])
+        add("hsap", "compile_time", dt)
+        best = math.inf
+        for method in BASELINES:
+            if unavailable_reason(method, world=pt.P, shape=shape) is not None:
+                continue
+            cost = price_baseline(method, cu, world=pt.P, shape=shape, hardware=hw, link=link)
+            add(method, "estimated_time", cost.time)
+            add(method, "bytes", float(cost.bytes_sent.sum()))
+            best = min(best, cost.time)
+            if method == "te_thd_ring":
+                te = float(cost.bytes_sent.sum())
+                add("hsap", "bytes_over_te", s["bytes_total"] / te if te else 0.0)
+        if math.isfinite(best):
+            add("hsap", "best_baseline_over_hsap", best / s["estimated_time_s"])
+    return rows
+
+
+def _run_point(args: tuple[Point, str]) -> list[tuple]:
+    return measure_point(*args)
+
+
+def grid(quick: bool, seeds: int, seeds_1m64: int, workloads, tokens, inter, heads) -> list[Point]:
+    if quick:
+        workloads = [w for w in workloads if w in ("fineweb", "full")] or list(workloads)[:1]
+        tokens = [t for t in tokens if t <= 64 * 1024] or [min(tokens)]
+        inter = [p for p in inter if p in (4, 16)] or [min(inter)]
+        seeds = min(seeds, 2)
+    out = []
+    for w in workloads:
+        for T in tokens:
+            for P in inter:
+                if T // P < 1:
+                    continue
+                n = 1 if w == "full" else (min(seeds, seeds_1m64) if (T >= 1 << 20 and P >= 64) else seeds)
+                for h in heads:
+                    out.append(Point(w, T, P, h, tuple(range(n))))
+    return out
+
+
+def compile_times(hardware: str, reps: int = 5) -> list[tuple]:
+    """Compile-time rows: median of ``reps`` fresh batches (cache cleared) and a cache hit."""
+    rows = []
+    for T, P in ((64 * 1024, 8), (1 << 20, 64)):
+        batches = pack_batches("fineweb", T, reps + 1, 12345)
+        compile_plan(batches[-1], P, hardware=hardware)  # warm imports
+        times = []
+        for cu in batches[:reps]:
+            clear_plan_cache()
+            t0 = time.perf_counter()
+            compile_plan(cu, P, hardware=hardware)
+            times.append(time.perf_counter() - t0)
+        hits = []
+        for _ in range(20):
+            t0 = time.perf_counter()
+            compile_plan(batches[reps - 1], P, hardware=hardware)
+            hits.append(time.perf_counter() - t0)
+        base = (SOURCE + "_compile", "fineweb", T, 1, P, link_class_for(P).value, "32/32", -1, "hsap")
+        rows.append(base + ("compile_time_median", statistics.median(times), "s"))
+        rows.append(base + ("compile_time_max", max(times), "s"))
+        rows.append(base + ("cache_hit_time_median", statistics.median(hits), "s"))
+    return rows
+
+
+def _summary(rows: list[tuple]) -> dict[tuple, dict[tuple[str, str], tuple[float, float]]]:
+    """{(workload, T, P, link, heads): {(method, metric): (median, worst)}}."""
+    acc: dict[tuple, dict[tuple[str, str], list[float]]] = {}
+    for r in rows:
+        if r[0] != SOURCE:
+            continue
+        key = (r[1], r[2], r[4], r[5], r[6])
+        acc.setdefault(key, {}).setdefault((r[8], r[9]), []).append(r[10])
+    out: dict[tuple, dict] = {}
+    for key, metrics in acc.items():
+        out[key] = {}
+        for (method, metric), vals in metrics.items():
+            worse = METRICS.get(metric, ("", "lower"))[1]
+            worst = max(vals) if worse == "lower" else min(vals)
+            out[key][(method, metric)] = (statistics.median(vals), worst)
+    return out
+
+
+def markdown(rows: list[tuple]) -> str:
+    summ = _summary(rows)
+    head = ("| workload | T | P | link | heads | imbalance | owner imb. | GB | B/necessary | B/TE ring | est. ms | "
+            "efficiency | comp. eff. | pool use | " + " | ".join(f"{b} ms" for b in BASELINES) + " | best baseline / HSAP |")
+    sep = "|" + "---|" * (head.count("|") - 1)
+    lines = ["Median (worst) over the seeds. Times: forward + backward attention, DESIGN §4 model, A100 constants.", "", head, sep]
+
+    def cell(d, method, metric, scale=1.0, fmt="{:.3g}") -> str:
+        if (method, metric) not in d:
+            return "n/a"
+        med, worst = d[(method, metric)]
+        return f"{fmt.format(med * scale)} ({fmt.format(worst * scale)})"
+
+    order = {w: i for i, w in enumerate(WORKLOADS)}
+    for key in sorted(summ, key=lambda k: (order.get(k[0], 99), k[1], k[2], k[4])):
+        d = summ[key]
+        w, T, P, link, heads = key
+        base_cells = [cell(d, b, "estimated_time", 1e3) for b in BASELINES]
+        lines.append(
+            f"| {w} | {_fmt_T(T)} | {P} | {link} | {heads} | {cell(d, 'hsap', 'imbalance')} | {cell(d, 'hsap', 'owner_imbalance')} | "
+            f"{cell(d, 'hsap', 'bytes', 1e-9)} | {cell(d, 'hsap', 'bytes_over_necessary')} | {cell(d, 'hsap', 'bytes_over_te')} | "
+            f"{cell(d, 'hsap', 'estimated_time', 1e3)} | {cell(d, 'hsap', 'efficiency', 1, '{:.3f}')} | "
+            f"{cell(d, 'hsap', 'compute_efficiency', 1, '{:.3f}')} | {cell(d, 'hsap', 'pool_use', 1, '{:.2f}')} | "
+            + " | ".join(base_cells) + f" | {cell(d, 'hsap', 'best_baseline_over_hsap', 1, '{:.2f}')} |"
+        )
+    comp = [r for r in rows if r[0] == SOURCE + "_compile"]
+    if comp:
+        lines += ["", "| compile (fineweb, MHA) | T | P | median of 5 fresh (ms) | max (ms) | cache hit (ms) |", "|---|---|---|---|---|---|"]
+        by: dict[tuple, dict[str, float]] = {}
+        for r in comp:
+            by.setdefault((r[2], r[4]), {})[r[9]] = r[10]
+        for (T, P), m in sorted(by.items()):
+            lines.append(f"| | {_fmt_T(T)} | {P} | {m['compile_time_median'] * 1e3:.1f} | {m['compile_time_max'] * 1e3:.1f} | {m['cache_hit_time_median'] * 1e3:.3f} |")
+    return "\n".join(lines)
+
+
+def plots(rows: list[tuple], out: Path) -> list[Path]:
+    """Efficiency and speed-up over the best baseline against P_inter (median, worst as a bar)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    summ = _summary(rows)
+    made = []
+    for metric, label, fname in (
+        ("efficiency", "efficiency (lower bound / estimated time)", "plan_quality_efficiency.png"),
+        ("best_baseline_over_hsap", "best baseline time / HSAP time", "plan_quality_speedup.png"),
+        ("imbalance", "imbalance (max work / mean)", "plan_quality_imbalance.png"),
+    ):
+        tokens = sorted({k[1] for k in summ})
+        if not tokens:
+            continue
+        fig, axes = plt.subplots(1, len(tokens), figsize=(4.2 * len(tokens), 3.6), squeeze=False)
+        for ax, T in zip(axes[0], tokens):
+            for w in WORKLOADS:
+                for heads, style in (("32/32", "-"), ("32/8", "--")):
+                    pts = sorted((k[2], summ[k][("hsap", metric)]) for k in summ
+                                 if k[0] == w and k[1] == T and k[4] == heads and ("hsap", metric) in summ[k])
+                    if not pts:
+                        continue
+                    xs = [p for p, _ in pts]
+                    med = [v[0] for _, v in pts]
+                    worst = [v[1] for _, v in pts]
+                    line, = ax.plot(xs, med, style, marker="o", label=f"{w} {heads}")
+                    ax.vlines(xs, np.minimum(med, worst), np.maximum(med, worst), colors=line.get_color(), alpha=0.5)
+            ax.set_xscale("log", base=2)
+            ax.set_title(f"T = {_fmt_T(T)}")
+            ax.set_xlabel("P_inter (NVLink ≤ 8 < InfiniBand)")
+            if metric == "best_baseline_over_hsap":
+                ax.axhline(1.0, color="k", lw=0.8)
+        axes[0][0].set_ylabel(label)
+        axes[0][-1].legend(fontsize=6, loc="best")
+        fig.tight_layout()
+        path = out / fname
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        made.append(path)
+    return made
+
+
+def write_csv(rows: list[tuple], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(COLUMNS)
+        w.writerows(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="megatron-hsap plan-quality", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="small grid (fineweb + full, T ≤ 64K, P 4 and 16, 2 seeds)")
+    ap.add_argument("--seeds", type=int, default=10, help="seeded batches per point (default 10)")
+    ap.add_argument("--seeds-1m64", type=int, default=5, help="seeds at T = 1M, P_inter = 64 (default 5)")
+    ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
+    ap.add_argument("--tokens", nargs="+", type=int, default=list(TOKENS), help="batch sizes T")
+    ap.add_argument("--inter", nargs="+", type=int, default=list(INTER), help="P_inter values")
+    ap.add_argument("--heads", nargs="+", default=list(HEADS), choices=list(HEADS))
+    ap.add_argument("--hardware", default="a100", choices=sorted(HARDWARE))
+    ap.add_argument("--jobs", type=int, default=min(4, os.cpu_count() or 1), help="worker processes")
+    ap.add_argument("--out", type=Path, default=Path("results"), help="output folder")
+    ap.add_argument("--no-plots", action="store_true")
+    ap.add_argument("--no-compile-times", action="store_true")
+    args = ap.parse_args(argv)
+    pts = grid(args.quick, args.seeds, args.seeds_1m64, args.workloads, args.tokens, args.inter, args.heads)
+    # the slowest points first, so workers stay busy to the end
+    pts.sort(key=lambda p: -(p.T * max(p.P, 8) * len(p.seeds) * (200 if p.workload == "full" else 1)))
+    rows: list[tuple] = []
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover - tqdm is in the test extra
+        tqdm = None
+    t0 = time.perf_counter()
+    work = [(p, args.hardware) for p in pts]
+    if args.jobs > 1 and len(work) > 1:
+        with ProcessPoolExecutor(max_workers=args.jobs) as ex:
+            it = ex.map(_run_point, work)
+            it = tqdm(it, total=len(work), desc="plan quality", unit="pt", file=sys.stderr) if tqdm else it
+            for r in it:
+                rows.extend(r)
+    else:
+        it = tqdm(work, desc="plan quality", unit="pt", file=sys.stderr) if tqdm else work
+        for w in it:
+            rows.extend(_run_point(w))
+    if not args.no_compile_times:
+        rows.extend(compile_times(args.hardware, reps=3 if args.quick else 5))
+    elapsed = time.perf_counter() - t0
+    args.out.mkdir(parents=True, exist_ok=True)
+    write_csv(rows, args.out / "plan_quality.csv")
+    table = markdown(rows)
+    (args.out / "plan_quality.md").write_text(table + "\n")
+    made = [] if args.no_plots else plots(rows, args.out)
+    print(table)
+    print(f"\n{len(pts)} points, {sum(len(p.seeds) for p in pts)} batches in {elapsed:.0f} s; wrote "
+          f"{args.out / 'plan_quality.csv'}, {args.out / 'plan_quality.md'}" + "".join(f", {p}" for p in made))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,31 @@
+"""``megatron-hsap train-tiny``: argument refusals (fast) and a short real run (slow)."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_hsap.megatron.train_tiny import main
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--context-parallel-impl", "ring"], "needs CUDA"),
+        (["--world-size", "6", "--intra-size", "2", "--inter-size", "2"], "multiple"),
+        (["--steps", "0"], "--steps"),
+    ],
+)
+def test_refuses_what_it_cannot_run(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_short_run_with_data_parallel_matches_cp1(tmp_path, capfd: pytest.CaptureFixture[str]) -> None:  # noqa: ANN001
+    # 4 ranks = DP 2 × CP 1x2; the command itself compares every step with the CP=1 run.
+    argv = ["--world-size", "4", "--intra-size", "1", "--inter-size", "2", "--steps", "3", "--seq-length", "96",
+            "--micro-batch-size", "1", "--no-progress", "--data-dir", str(tmp_path)]
+    assert main(argv) == 0
+    out = capfd.readouterr().out  # fd-level: the per-step lines come from the spawned rank 0
+    assert "DP 2 × CP 1x2" in out and "(OK," in out
+    assert out.count("[1x2] step") == 3 and out.count("[1x1] step") == 3
