@@ -28,6 +28,9 @@ from megatron_hsap.runtime.kernels import attn_backward, attn_forward
 __all__ = ["AllGatherKVAttention", "contiguous_indices"]
 
 _F32 = torch.float32
+# torch >= 2.13 renamed the tensor collectives (the old names warn); use whichever exists
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def contiguous_indices(cu_seqlens: object, world: int, rank: int) -> np.ndarray:
@@ -70,7 +73,7 @@ class AllGatherKVAttention:
     def _gather(self, x: Tensor, st: PhaseStats) -> Tensor:
         full = torch.empty((x.shape[0] * self.world, *x.shape[1:]), dtype=x.dtype, device=x.device)
         t0 = time.perf_counter()
-        dist.all_gather_into_tensor(full, x.contiguous(), group=self.group)
+        _all_gather(full, x.contiguous(), group=self.group)
         st.comm_s += time.perf_counter() - t0
         nbytes = x.numel() * x.element_size() * (self.world - 1)
         st.bytes_sent += nbytes
@@ -114,7 +117,7 @@ class AllGatherKVAttention:
         for full, like in ((dk_full, k), (dv_full, v)):
             mine = torch.empty_like(like)
             r0 = time.perf_counter()
-            dist.reduce_scatter_tensor(mine, full, group=self.group)
+            _reduce_scatter(mine, full, group=self.group)
             st.comm_s += time.perf_counter() - r0
             nbytes = like.numel() * like.element_size() * (self.world - 1)
             st.bytes_sent += nbytes

@@ -54,6 +54,10 @@ class Method:
         """(inter, intra) bytes this rank should send per step; None when not predicted."""
         return None, None
 
+    def predicted_peak(self) -> int | None:
+        """Bytes the method's own model says it holds at its peak (HSAP: ``plan.peak_bytes``)."""
+        return None
+
 
 class HSAPMethod(Method):
     """``hsap_attn_func`` with autograd: SAP (1×P), HSAP (P_intra×P_inter) or Ulysses (P×1)."""
@@ -97,6 +101,9 @@ class HSAPMethod(Method):
             intra = ulysses_bytes(self.local_tokens, o.num_heads, o.num_kv_heads or o.num_heads, o.head_dim,
                                   o.intra_size, head_dim_v=o.head_dim_v, dtype_bytes=o.dtype_bytes)["total"]  # fmt: skip
         return inter, intra
+
+    def predicted_peak(self) -> int | None:
+        return int(self.plan.peak_bytes(dtype_bytes=4)["total"])
 
 
 def _shape(heads: int, kv_heads: int, dim: int, dtype_bytes: int) -> HeadShape:

@@ -158,7 +158,8 @@ def _measure(method: Any, args: argparse.Namespace, seed: int) -> dict:
         dist.barrier()
         peak = _peak_alloc(lambda: method.step(q, k, v, do, scale))
         peak = None if peak is None else peak + method.persistent_bytes
-    return {"times": times, "counters": counters, "predicted": method.predicted(), "peak": peak}
+    return {"times": times, "counters": counters, "predicted": method.predicted(), "peak": peak,
+            "predicted_peak": method.predicted_peak()}  # fmt: skip
 
 
 def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out_path: str) -> None:
@@ -242,6 +243,7 @@ def _summarise(row: dict) -> dict[str, float | None]:
         "bytes_inter_total": sum(c.inter_bytes for c in last),
         "bytes_intra_total": sum(c.intra_bytes for c in last),
         "peak_mem_bytes_max": max(peaks) if peaks else None,
+        "plan_peak_bytes": ranks[0]["predicted_peak"],  # HSAP: plan.peak_bytes()["total"]
     }
 
 
@@ -273,7 +275,7 @@ def _table(rows: list[dict]) -> str:
         ring = next((r["summary"] for r in sel if r["method"] == "te_thd_ring"), None)
         lines += [f"\n### {workload} T={T}, {world} ranks (gloo, 1 thread each)\n",
                   "| method | intra×inter | wall s (median) | vs ring | compute s | comm s | inter MiB/rank | "
-                  "intra MiB/rank | bytes vs ring | peak MiB/rank | peak vs ring |",
+                  "intra MiB/rank | bytes vs ring | peak MiB/rank (plan) | peak vs ring |",
                   "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
         for r in sel:
             s = r["summary"]
@@ -283,7 +285,8 @@ def _table(rows: list[dict]) -> str:
                 f"| {r['method']} | {r['topology'][0]}x{r['topology'][1]} | {s['wall_s']:.2f} | "
                 f"{s['wall_s'] / ring['wall_s']:.2f} | {s['compute_s']:.2f} | {s['comm_s']:.2f} | "
                 f"{_mb(s['bytes_inter_per_rank_max'])} | {_mb(s['bytes_intra_per_rank_max'])} | "
-                f"{sent / ring_sent:.4f} | {_mb(s['peak_mem_bytes_max'])} | "
+                f"{sent / ring_sent:.4f} | {_mb(s['peak_mem_bytes_max'])}"
+                + (f" ({_mb(s['plan_peak_bytes'])})" if s["plan_peak_bytes"] else "") + " | "
                 + (f"{s['peak_mem_bytes_max'] / ring['peak_mem_bytes_max']:.2f} |" if s["peak_mem_bytes_max"] and ring["peak_mem_bytes_max"] else "– |")
             )  # fmt: skip
     return "\n".join(lines)

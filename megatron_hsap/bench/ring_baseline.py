@@ -108,6 +108,12 @@ def _pair_seqlens(chunk: tuple[int, ...], s: int, u: int, device: torch.device) 
     return cq, ck, max(chunk, default=1)
 
 
+def _recv_buffers(k: Tensor, v: Tensor, ring: int) -> list[tuple[Tensor, Tensor]]:
+    """Two (k, v) receive buffers used alternately: step i receives into buffer i % 2 while it
+    computes on (and forwards) what arrived at step i − 1."""
+    return [(torch.empty_like(k), torch.empty_like(v)) for _ in range(min(2, ring - 1))]
+
+
 class RingAttention:
     """The THD ring over ``group`` for one ``ZigzagLayout`` (its ``ring`` = the group size)."""
 
@@ -148,10 +154,11 @@ class RingAttention:
         out = torch.zeros((q.shape[0], q.shape[1], v.shape[2]), dtype=_F32, device=q.device)
         lse = torch.full(q.shape[:2], float("-inf"), dtype=_F32, device=q.device)
         cur = (k.contiguous(), v.contiguous())
-        spare = (torch.empty_like(k), torch.empty_like(v)) if p > 1 else None
+        bufs = _recv_buffers(k, v, p)  # never receive into the caller's k, v
         compute = 0.0
         for i in range(p):
             if i < p - 1:
+                spare = bufs[i % 2]
                 chan.post(i, [Transfer(True, cur[0], nxt, "k"), Transfer(True, cur[1], nxt, "v"),
                               Transfer(False, spare[0], prv, "k"), Transfer(False, spare[1], prv, "v")])  # fmt: skip
             c0 = time.perf_counter()
@@ -162,7 +169,7 @@ class RingAttention:
             compute += time.perf_counter() - c0
             if i < p - 1:
                 chan.wait(i)
-                cur, spare = spare, cur
+                cur = spare
         chan.close()
         self._record("fwd", chan, compute, t0)
         return out, lse
@@ -177,12 +184,13 @@ class RingAttention:
         delta = (do.float() * out.float()).sum(dim=-1)
         dq = torch.zeros(q.shape, dtype=_F32, device=q.device)
         cur = (k.contiguous(), v.contiguous())
-        spare = (torch.empty_like(k), torch.empty_like(v)) if p > 1 else None
+        bufs = _recv_buffers(k, v, p)
         own = carry = incoming = None
         compute = 0.0
         for i in range(p):
             ops = []
             if i < p - 1:
+                spare = bufs[i % 2]
                 ops += [Transfer(True, cur[0], nxt, "k"), Transfer(True, cur[1], nxt, "v"),
                         Transfer(False, spare[0], prv, "k"), Transfer(False, spare[1], prv, "v")]  # fmt: skip
             if i >= 2:  # dKV of the previous step moves on; the one for my current KV arrives
@@ -212,7 +220,7 @@ class RingAttention:
                     part_v += incoming[1].float()
                 carry = (part_k.to(k.dtype), part_v.to(v.dtype))  # TE sends dKV like KV
             if i < p - 1:
-                cur, spare = spare, cur
+                cur = spare
         dk, dv = own
         if p > 1:  # the last hop: every dKV reaches its owner
             final = (torch.empty_like(k), torch.empty_like(v))

@@ -419,8 +419,9 @@ def _sbhd_batch(batch: Mapping[str, Any], *, plan: Any, cp_rank: int | None, con
                 kwargs.setdefault(key, value)
         if "num_heads" not in kwargs:
             raise ConfigError("cannot compile the plan without head counts: pass config=TransformerConfig or plan_kwargs")
-        kwargs["num_heads"] = kwargs["num_heads"] * b  # the batch is folded into the head axis
-        kwargs["num_kv_heads"] = (kwargs.get("num_kv_heads") or kwargs["num_heads"] // b) * b
+        heads = kwargs["num_heads"]
+        kv_heads = kwargs.get("num_kv_heads") or heads
+        kwargs.update(num_heads=heads * b, num_kv_heads=kv_heads * b)  # the batch folds into the heads
         plan = _compile_for_batch(cu, config=None, plan_kwargs=kwargs)
     elif tuple(plan.batch.cu_seqlens) != (0, s):
         raise BatchError(f"an sbhd plan must be compiled for cu_seqlens=[0, {s}] (one sample), got T={plan.num_tokens}")

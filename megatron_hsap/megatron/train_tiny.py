@@ -167,14 +167,15 @@ def train_step(model: Any, optimizer: Any, inputs: dict[str, Any], *, num_loss_t
     )
 
 
-def _global_loss_tokens(local: int, dp_group: Any) -> int:
+def _sum_over(group: Any, *values: int) -> list[int]:
+    """Host integers summed over ``group`` (one all-reduce): the DP-global token counts."""
     import torch
     import torch.distributed as dist
 
-    t = torch.tensor([local], dtype=torch.int64)
-    if dp_group is not None and dist.get_world_size(dp_group) > 1:
-        dist.all_reduce(t, group=dp_group)
-    return int(t.item())
+    t = torch.tensor(values, dtype=torch.int64)
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(t, group=group)
+    return [int(x) for x in t.tolist()]
 
 
 def _rank_main(rank: int, run: TinyRun, port: int, corpus: Any, queue: Any) -> None:
@@ -218,8 +219,7 @@ def _rank_main(rank: int, run: TinyRun, port: int, corpus: Any, queue: Any) -> N
             start = (step * run.dp_size + dp_rank) * run.micro_batch_size
             batch = micro_batch(dataset, start, run.micro_batch_size)
             sharded = get_batch_on_this_cp_rank(batch, plan_kwargs=plan_kwargs, pad_token_id=ByteTokenizer.PAD)
-            n_global = _global_loss_tokens(sharded["num_loss_tokens"], dp_group)
-            real = _global_loss_tokens(sharded["num_tokens"], dp_group)
+            n_global, real = _sum_over(dp_group, sharded["num_loss_tokens"], sharded["num_tokens"])
             result = train_step(model, optimizer, sharded, num_loss_tokens=n_global, grad_group=grad_group,
                                 real_tokens=real)
             results.append(result)

@@ -224,7 +224,7 @@ class Plan:
 
 _BUDGET_FRACTION = 0.45  # per-stage remote pool use: two stages' inputs and results live at once
 _TRAFFIC_BUDGETS = (0.3, 0.6, 1.2)  # balanced candidates: traffic per phase vs compute time
-_EXPLORE = 2  # placements whose every stage shape is priced (the rest: the default shape only)
+_EXPLORE = 1  # placements whose every stage shape is priced (the rest: the default shape only)
 _MIN_GAIN = 0.01  # a candidate whose lower bound is within 1% of the best estimate is not staged
 
 
@@ -250,9 +250,9 @@ def _best_staging(split: Split, pr: Prices, lat: float, budget: float, *, explor
     for shp in first:
         consider(shp)
     if explore and best is not None:
-        more = [s for s in shapes if s.stages > fewest and (s.alpha == best[2].alpha or s.stages <= 3)]
-        for shp in more:
-            consider(shp)
+        for shp in shapes:
+            if shp.stages > fewest:
+                consider(shp)
     assert best is not None
     return best[0], best[1]
 
@@ -275,14 +275,14 @@ def _placements(units: list[WorkUnit], size: int, pr: Prices, allow_helpers: boo
         return out
     mt = min_traffic(units, size, pr, owner.base)
     starts = [owner]
-    if mt.cut != owner.cut:
+    if mt.home != owner.home:
         out["min-traffic"] = mt
         starts.append(mt)
     chunks: dict[int, set[int]] = {}
     for u in units:
         chunks.setdefault(u.doc, set()).update((u.q_owner, u.kv_owner))
     rd = region_distflash(units, size, pr, owner.base) if max(map(len, chunks.values()), default=0) >= 3 else owner
-    if rd.cut != owner.cut and rd.cut != mt.cut:
+    if (rd.home, rd.bands) != (owner.home, owner.bands) and (rd.home, rd.bands) != (mt.home, mt.bands):
         out["region-distflash"] = rd
         starts.append(rd)
     for start in starts:
@@ -414,7 +414,7 @@ def _compile_cached(cu: tuple[int, ...], opts: PlanOptions) -> Plan:
             continue
         if opts.placement != "auto" and name != opts.placement:
             continue
-        key = (tuple(pl.cut), tuple(pl.home), tuple(map(tuple, pl.bands)))
+        key = (tuple(pl.home), tuple(map(tuple, pl.bands)))
         if key in seen:
             continue
         seen.add(key)

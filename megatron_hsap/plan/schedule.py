@@ -134,10 +134,13 @@ def _take(u: Unit, work: float, room: float, pr: Prices) -> tuple[Unit | None, U
 @dataclass(frozen=True, slots=True)
 class StageShape:
     """``stages`` in all; remote blocks in stages ``1 .. stages−2`` (``1`` when ``stages == 2``);
-    ``alpha``: weight of the first and last (local-only) stages against a middle one."""
+    ``alpha``: weight of the first and last (local-only) stages against a middle one; ``front``:
+    remote blocks fill the stages from the first at the common level (a ring: ranks with little
+    remote work finish it early) instead of spreading evenly over all middle stages."""
 
     stages: int
     alpha: float
+    front: bool = False
 
     @property
     def weights(self) -> np.ndarray:
@@ -229,9 +232,13 @@ def stage(split: Split, pr: Prices, shape: StageShape, budget: float) -> Staging
     n_mid = len(shape.middle)
     cuts: list[list[Unit]] = [[] for _ in range(size)]
     used = n_mid
+    level = None
+    if shape.front:  # the common per-stage level of the most loaded rank
+        top = max(split.local_work[r] + sum(u.work for u in split.remote[r]) for r in range(size))
+        level = top / float(shape.weights.sum())
     for r in range(size):
         if split.remote[r]:
-            cuts[r], n = _cut_remote(list(split.remote[r]), n_mid, pr, budget, size)
+            cuts[r], n = _cut_remote(list(split.remote[r]), n_mid, pr, budget, size, level)
             used = max(used, n)
     stages = shape.stages + (used - n_mid)
     weights = StageShape(stages, shape.alpha).weights
@@ -241,10 +248,58 @@ def stage(split: Split, pr: Prices, shape: StageShape, budget: float) -> Staging
     for r in range(size):
         for u in cuts[r]:
             floor[r, u.stage] += u.work
-        remote.extend(cuts[r])
         if split.local[r]:
             budgets[r] = _water_fill(floor[r], weights, float(split.local_work[r]))
+        if stages >= 3 and cuts[r]:
+            cuts[r] = _fill_last(cuts[r], floor[r], budgets[r], weights, pr, budget)
+            if split.local[r]:
+                budgets[r] = _water_fill(floor[r], weights, float(split.local_work[r]))
+        remote.extend(cuts[r])
     return Staging(stages, tuple(remote), split.local, budgets, floor)
+
+
+def _fill_last(parts: list[Unit], floor: np.ndarray, budgets: np.ndarray, weights: np.ndarray, pr: Prices,
+               budget: float) -> list[Unit]:
+    """A rank short of local work idles in the local-only last stage. Blocks whose q rows are its
+    own and whose kv was fetched can run there after all: their only result that travels is dkv of
+    the kv columns, and a thin column slice of a tall block is much work for few bytes. Moves kv
+    columns from the busiest middle stages until the last stage carries its share (``floor`` is
+    updated in place)."""
+    last = len(weights) - 1
+    load = floor + budgets
+    mid = load[1:last]
+    if not len(mid):
+        return parts
+    n_mid = len(mid)
+    alpha = weights[last]
+    want = (alpha * mid.sum() / n_mid - load[last]) / (1 + alpha / n_mid)
+    if want <= 1e-3 * mid.mean():
+        return parts
+    fetched = [i for i, u in enumerate(parts) if 0 < u.stage < last and not u.causal and u.rank == u.q_owner != u.kv_owner]
+    if not fetched:
+        return parts
+    fetched.sort(key=lambda i: -load[parts[i].stage])
+    room_b = budget
+    out = list(parts)
+    for i in fetched:
+        if want <= 0:
+            break
+        u = out[i]
+        nq = len(u.q)
+        cols = min(len(u.kv), int(want // nq), int(room_b // (pr.kv + pr.dkv)))
+        if cols <= 0:
+            continue
+        if cols >= len(u.kv):
+            moved, keep = u, None
+        else:
+            keep, moved = split_cols(u, u.kv.stop - cols)
+        out[i] = keep
+        out.append(_with_stage(moved, last))
+        floor[u.stage] -= moved.work
+        floor[last] += moved.work
+        want -= moved.work
+        room_b -= footprint(moved, pr)
+    return [u for u in out if u is not None]
 
 
 def assign_stages(placed: list[Unit], size: int, pr: Prices, shape: StageShape, budget: float) -> list[Unit]:
@@ -280,13 +335,14 @@ def _interleave(units: list[Unit], size: int) -> list[Unit]:
     return [t[3] for t in keyed]
 
 
-def _cut_remote(units: list[Unit], n_mid: int, pr: Prices, budget: float, size: int) -> tuple[list[Unit], int]:
-    """Spread remote blocks evenly by work over middle stages ``1 .. n_mid`` within ``budget`` pool
-    bytes each; returns the parts (stage set) and how many middle stages they use (``> n_mid``
-    when the pool budget forces more)."""
+def _cut_remote(units: list[Unit], n_mid: int, pr: Prices, budget: float, size: int,
+                level: float | None = None) -> tuple[list[Unit], int]:
+    """Spread remote blocks evenly by work over middle stages ``1 .. n_mid`` (or, with ``level``,
+    fill each from the first up to that much work) within ``budget`` pool bytes each; returns the
+    parts (stage set) and how many middle stages they use (``> n_mid`` when forced)."""
     units = _interleave(units, size)
     total = float(sum(u.work for u in units))
-    per = total / n_mid
+    per = total / n_mid if level is None else max(level, total / (4 * n_mid), 1.0)
     out: list[Unit] = []
     k = 0  # middle stage index (stage k + 1)
     placed_w = acc_b = 0.0  # work placed so far (all stages), pool bytes of stage k
@@ -294,7 +350,7 @@ def _cut_remote(units: list[Unit], n_mid: int, pr: Prices, budget: float, size: 
     while queue:
         u = queue.pop()
         # cumulative target: stages 0..k hold per·(k+1); the last planned one takes the rest
-        room_w = per * (k + 1) - placed_w if k < n_mid - 1 else math.inf
+        room_w = per * (k + 1) - placed_w if (k < n_mid - 1 or level is not None) else math.inf
         fp = footprint(u, pr)
         w = u.work
         small = w <= 0.25 * per  # not worth a cut: place whole, later stages make up for it
@@ -302,7 +358,7 @@ def _cut_remote(units: list[Unit], n_mid: int, pr: Prices, budget: float, size: 
             out.append(_with_stage(u, k + 1))
             placed_w += w
             acc_b += fp
-            if placed_w >= per * (k + 1) * 0.9999 and k < n_mid - 1:
+            if placed_w >= per * (k + 1) * 0.9999 and (k < n_mid - 1 or level is not None):
                 k, acc_b = k + 1, 0.0
             continue
         part = rest = None
@@ -345,14 +401,9 @@ def _pour(units: list[Unit], budgets: np.ndarray) -> list[Unit]:
             continue
         room = cum[k] - poured
         n = rows_for_work(u.q, u.kv.start, u.causal, len(u.kv), room)
-        # never a sliver: round to the nearer boundary when the part would be under one row
-        if n <= 0:
-            if room >= w / 2 / max(len(u.q), 1):
-                out.append(_with_stage(u, k))
-                poured += w
-            else:
-                queue.append(u)
-                k += 1
+        if n <= 0:  # less than one row of room left: the stage is full (short by under a row)
+            queue.append(u)
+            k += 1
             continue
         if n >= len(u.q):
             out.append(_with_stage(u, k))
@@ -369,7 +420,7 @@ def _pour(units: list[Unit], budgets: np.ndarray) -> list[Unit]:
 def default_shape(shapes: list[StageShape]) -> StageShape:
     """The shape tried first: the fewest stages with half-length end stages (when offered)."""
     fewest = min(s.stages for s in shapes)
-    return min((s for s in shapes if s.stages == fewest), key=lambda s: abs(s.alpha - 0.5))
+    return min((s for s in shapes if s.stages == fewest), key=lambda s: (abs(s.alpha - 0.5), s.front))
 
 
 def stage_shapes(split: Split, pr: Prices, budget: float, max_stages: int = 1024) -> list[StageShape]:
@@ -398,7 +449,8 @@ def stage_shapes(split: Split, pr: Prices, budget: float, max_stages: int = 1024
         n0 = max(1, n_pool, n_fit)
         for n in (n0, 2 * n0):
             shapes.add(StageShape(min(n, max_stages - 2) + 2, alpha))
+        shapes.add(StageShape(min(n0, max_stages - 2) + 2, alpha, front=True))
     if n_pool <= 1:
         shapes.add(StageShape(2, 1.0))
         shapes.add(StageShape(3, 1.0))
-    return sorted(shapes, key=lambda s: (s.stages, s.alpha))
+    return sorted(shapes, key=lambda s: (s.stages, s.alpha, s.front))

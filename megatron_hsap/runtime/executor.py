@@ -27,6 +27,7 @@ import math
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -38,6 +39,9 @@ from megatron_hsap.runtime.env import read_env
 from megatron_hsap.runtime.kernels import attn_backward, attn_forward, resolve_backend
 from megatron_hsap.runtime.merge import merge_into
 from megatron_hsap.runtime.p2p import P2PChannel, Transfer, warm_up
+
+if TYPE_CHECKING:
+    from megatron_hsap.plan.plan import Plan
 
 __all__ = ["Executor", "PhaseStats", "executor_for", "receive_pool", "ACTIVATION_DTYPES"]
 
@@ -217,7 +221,7 @@ class Executor:
     global round indices (its peers then time out).
     """
 
-    def __init__(self, plan, group: dist.ProcessGroup | None, device: torch.device | str, *,
+    def __init__(self, plan: "Plan", group: dist.ProcessGroup | None, device: torch.device | str, *,
                  backend: str | None = None, timeout_s: float | None = None,
                  skip_rounds: frozenset[int] = frozenset()) -> None:  # fmt: skip
         self.plan = plan
@@ -464,7 +468,7 @@ _CACHE: "OrderedDict[tuple, Executor]" = OrderedDict()
 _CACHE_SIZE = 64
 
 
-def executor_for(plan, group: dist.ProcessGroup | None, device: torch.device | str, *,
+def executor_for(plan: "Plan", group: dist.ProcessGroup | None, device: torch.device | str, *,
                  backend: str | None = None) -> Executor:  # fmt: skip
     """The cached :class:`Executor` of (plan, group, device, backend): programs are prepared once.
 

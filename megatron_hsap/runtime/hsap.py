@@ -23,7 +23,7 @@ import sys
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -36,6 +36,9 @@ from megatron_hsap.runtime.executor import ACTIVATION_DTYPES, Executor, executor
 from megatron_hsap.runtime.sap import SAPAttention, sap_backward, sap_forward
 from megatron_hsap.runtime.ulysses import expand_kv_for_intra, heads_to_seq, seq_to_heads, sum_kv_grad_for_intra
 
+if TYPE_CHECKING:
+    from megatron_hsap.plan.plan import Plan
+
 __all__ = ["hsap_attn_func", "HSAPAttention", "HSAPRunner", "runner_for"]
 
 _HSAP_PS = "megatron_hsap.megatron.parallel_state"
@@ -47,7 +50,7 @@ class HSAPRunner:
     counters of the intra all-to-all: bytes this rank sent (``a2a_bytes_sent[phase]``) and host
     seconds spent in it (``a2a_s[phase]``)."""
 
-    plan: Any
+    plan: "Plan"
     executor: Executor
     intra: dist.ProcessGroup | None
     inter: dist.ProcessGroup | None
@@ -91,7 +94,7 @@ class HSAPRunner:
 _RUNNERS: "OrderedDict[tuple, HSAPRunner]" = OrderedDict()
 
 
-def _runner(plan: Any, intra: dist.ProcessGroup | None, inter: dist.ProcessGroup | None,
+def _runner(plan: "Plan", intra: dist.ProcessGroup | None, inter: dist.ProcessGroup | None,
             device: torch.device | str) -> HSAPRunner:  # fmt: skip
     key = (plan, intra, inter, str(torch.device(device)))
     runner = _RUNNERS.get(key)
@@ -105,7 +108,7 @@ def _runner(plan: Any, intra: dist.ProcessGroup | None, inter: dist.ProcessGroup
     return runner
 
 
-def runner_for(plan: Any, *, intra_group: dist.ProcessGroup | None = None,
+def runner_for(plan: "Plan", *, intra_group: dist.ProcessGroup | None = None,
                inter_group: dist.ProcessGroup | None = None, device: torch.device | str = "cpu") -> HSAPRunner:  # fmt: skip
     """The cached :class:`HSAPRunner` :func:`hsap_attn_func` uses for these arguments (same group
     defaults): its ``executor.stats`` and ``a2a_bytes_sent`` say what the calls moved."""
@@ -148,7 +151,7 @@ def _size(group: dist.ProcessGroup | None) -> int:
     return dist.get_world_size(group)
 
 
-def _resolve_groups(plan: Any, intra: dist.ProcessGroup | None,
+def _resolve_groups(plan: "Plan", intra: dist.ProcessGroup | None,
                     inter: dist.ProcessGroup | None) -> tuple[Any, Any]:  # fmt: skip
     """Explicit groups, else HSAP's initialised groups, else the world for a 1×P or P×1 plan."""
     p_intra, p_inter = plan.intra_size, plan.inter_size
@@ -184,7 +187,7 @@ def _resolve_groups(plan: Any, intra: dist.ProcessGroup | None,
     return intra, inter
 
 
-def _validate(q: Tensor, k: Tensor, v: Tensor, plan: Any, intra: Any, inter: Any,
+def _validate(q: Tensor, k: Tensor, v: Tensor, plan: "Plan", intra: Any, inter: Any,
               softmax_scale: float | None) -> float:  # fmt: skip
     """Check tensors and groups against the plan (no collective); return the softmax scale."""
     o = plan.options
@@ -227,7 +230,7 @@ def _validate(q: Tensor, k: Tensor, v: Tensor, plan: Any, intra: Any, inter: Any
     return float(softmax_scale)
 
 
-def hsap_attn_func(q: Tensor, k: Tensor, v: Tensor, plan: Any, *, intra_group: dist.ProcessGroup | None = None,
+def hsap_attn_func(q: Tensor, k: Tensor, v: Tensor, plan: "Plan", *, intra_group: dist.ProcessGroup | None = None,
                    inter_group: dist.ProcessGroup | None = None, softmax_scale: float | None = None) -> Tensor:  # fmt: skip
     """Document-causal attention of a packed batch over the ``P_intra × P_inter`` CP group.
 

@@ -5,19 +5,19 @@ For the critical rank ``k`` (the last to finish)::
     makespan = ideal                      Σ documents' FLOPs / kernel rate at their shape / P
              + kernel_efficiency          mean over ranks of kernel time − ideal (smaller blocks,
                                           launches, padding or document-blind work)
-             + imbalance                  kernel time of k − mean kernel time
+             + imbalance                  kernel time of k − mean kernel time, plus k's waits for
+                                          peers that had not yet posted the round (a slower peer
+                                          holds k up through the pairwise-synchronous P2P)
              + merges                     LSE merges and gradient accumulations on k
              + all_to_all                 intra-group all-to-alls on k (not overlapped)
-             + latency                    per-round latency on k's waits (capped by its waits)
-             + exposed_communication      the rest of k's waits on P2P rounds, plus blocking
+             + latency                    per-round latency on k's waits once both sides posted
+             + exposed_communication      the rest of those waits (bytes in flight), plus blocking
                                           collectives and their skew
 """
 
 from __future__ import annotations
 
 import numpy as np
-
-from megatron_hsap.sim.engine import Post
 
 __all__ = ["TERMS", "phase_breakdown"]
 
@@ -31,14 +31,20 @@ def phase_breakdown(run: object, phase: str, ideal_s: float, latency_s: float) -
     k = int(np.argmax(tl.finish))
     comp = tl.busy("compute")
     mean = float(comp.mean())
-    wait = float(tl.busy("wait")[k])
-    with_bytes = {(t.src, t.tag) for t in pr.workload.transfers} | {(t.dst, t.tag) for t in pr.workload.transfers}
-    rounds = sum(1 for ins in pr.workload.programs[k] if isinstance(ins, Post) and (k, ins.tag) in with_bytes)
-    lat = min(wait, rounds * latency_s)
+    skew = wait = lat = 0.0
+    for s in tl.spans:
+        if s.rank != k or s.kind != "wait":
+            continue
+        ready = tl.ready.get((k, s.tag), s.start)
+        before = min(s.end, ready) - s.start if ready > s.start else 0.0  # peer had not posted yet
+        skew += before
+        flight = (s.end - s.start) - before
+        lat += min(flight, latency_s)
+        wait += flight
     terms = {
         "ideal": ideal_s,
         "kernel_efficiency": mean - ideal_s,
-        "imbalance": float(comp[k]) - mean,
+        "imbalance": float(comp[k]) - mean + skew,
         "merges": float(tl.busy("merge")[k]),
         "all_to_all": float(tl.busy("a2a")[k]),
         "latency": lat,

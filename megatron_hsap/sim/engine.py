@@ -102,6 +102,7 @@ class Span:
     start: float
     end: float
     label: str = ""
+    tag: int = -1  # the round a "wait" span waits for
 
 
 @dataclass(slots=True)
@@ -110,6 +111,7 @@ class Timeline:
     transfers: list[tuple[int, int, float, float, float, str]]  # src, dst, start, end, bytes, label
     finish: np.ndarray  # [ranks] seconds
     flops: np.ndarray  # [ranks] FLOPs of Busy spans
+    ready: dict[tuple[int, int], float] = field(default_factory=dict)  # (rank, tag) -> when its last transfer had both posts
 
     @property
     def makespan(self) -> float:
@@ -234,7 +236,8 @@ def simulate(
     net = _Net(caps)
     now = 0.0
     dirty = False
-    ready: list[int] = list(range(n))
+    runnable: list[int] = list(range(n))
+    ready: dict[tuple[int, int], float] = {}
 
     def push(t: float, kind: str, a: int, b: int) -> None:
         nonlocal seq
@@ -259,7 +262,7 @@ def simulate(
                     return
                 end = done_at.get((r, ins.tag), 0.0)
                 if end > t:
-                    spans.append(Span(r, "wait", t, end, f"round {ins.tag}"))
+                    spans.append(Span(r, "wait", t, end, f"round {ins.tag}", ins.tag))
                     clock[r] = end
             elif isinstance(ins, Collective):
                 arrivals[ins.tag][r] = t
@@ -276,7 +279,7 @@ def simulate(
                     if m != r:
                         blocked.pop(m, None)
                         pc[m] += 1
-                        ready.append(m)
+                        runnable.append(m)
             pc[r] += 1
 
     def finish_transfer(tid: int) -> None:
@@ -289,14 +292,14 @@ def simulate(
             if pending[key] == 0 and r in blocked and blocked[r][0] == t.tag:
                 _, since = blocked.pop(r)
                 if now > since:
-                    spans.append(Span(r, "wait", since, now, f"round {t.tag}"))
+                    spans.append(Span(r, "wait", since, now, f"round {t.tag}", t.tag))
                 clock[r] = max(since, now)
                 pc[r] += 1
-                ready.append(r)
+                runnable.append(r)
 
     while True:
-        while ready:
-            run(ready.pop())
+        while runnable:
+            run(runnable.pop())
         t_event = heap[0][0] if heap else float("inf")
         if dirty:
             net.recompute()
@@ -320,6 +323,8 @@ def simulate(
                     posted[tid] += 1
                     if posted[tid] == 2:
                         tr = work.transfers[tid]
+                        for key in ((tr.src, tr.tag), (tr.dst, tr.tag)):
+                            ready[key] = max(ready.get(key, 0.0), now)
                         push(now + latency(link(tr.src, tr.dst)), "start", tid, 0)
             else:  # start
                 tr = work.transfers[a]
@@ -333,7 +338,7 @@ def simulate(
     stuck = [r for r in range(n) if pc[r] < len(progs[r])]
     if stuck:
         raise ConfigError(f"simulation deadlocked: ranks {stuck[:8]} never finished (unmatched post/wait or collective)")
-    return Timeline(spans=spans, transfers=xfers, finish=np.asarray(clock, dtype=np.float64), flops=np.asarray(flops))
+    return Timeline(spans=spans, transfers=xfers, finish=np.asarray(clock, dtype=np.float64), flops=np.asarray(flops), ready=ready)
 
 
 def simulate_on(work: Workload, cluster: "object", gpus: Sequence[int]) -> Timeline:

@@ -119,7 +119,7 @@ def _plot(path: Path, labels: list[str], series: dict[str, list[float]], ylabel:
     ax.set_title(title, fontsize=10)
     if log:
         ax.set_yscale("log")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7, bbox_to_anchor=(1.01, 1.0), loc="upper left", frameon=False)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)

@@ -48,7 +48,8 @@ def test_ring_flash_attention_validation_within_15_percent() -> None:
         assert c.ok, c
 
 
-def test_bad_arguments() -> None:
+def test_bad_arguments(tmp_path) -> None:
     with pytest.raises(SystemExit):
         main(["nonsense"])
-    assert main(["validate", "--seeds", "0", "--out", "/tmp/never-used"]) == 2
+    assert main(["validate", "--seeds", "0", "--out", str(tmp_path)]) == 2
+    assert main(["magi", "--quick", "--workload", "no-such-data", "--out", str(tmp_path)]) == 2

@@ -121,3 +121,23 @@ def test_deadlock_and_unposted_transfer_raise() -> None:
     with pytest.raises(ConfigError, match="deadlocked"):
         # rank 0 enters the collective before posting round 0; rank 1 waits on round 0 first
         run([[Collective(1, 0.0), Post(0), Wait(0)], [Post(0), Wait(0), Collective(1, 0.0)]], [Transfer(0, 1, 1.0, 0)])
+
+
+def test_breakdown_terms_by_hand() -> None:
+    # Rank 0 computes 5 s then sends 2 bytes to rank 1 (ready at 5, on the wire 5.5..7.5);
+    # rank 1 computes 1 s, waits from 1 to 7.5, then merges 0.1 s: it is the critical rank.
+    # Terms for rank 1 with ideal = 2 s: kernel efficiency 3 − 2, imbalance (1 − 3) + 4 s spent
+    # waiting for rank 0 to post, latency 0.5, bytes in flight 2, merges 0.1 — summing to 7.6.
+    from types import SimpleNamespace
+
+    from megatron_hsap.sim.breakdown import phase_breakdown
+    from megatron_hsap.sim.methods import PhaseRun
+
+    progs = [[Busy(5.0), Post(0), Wait(0)], [Busy(1.0), Post(0), Wait(0), Busy(0.1, "merge")]]
+    work = Workload(progs, [Transfer(0, 1, 2.0, 0)])
+    tl = simulate(work, link=link, bandwidth=BW.__getitem__, latency=LAT.__getitem__)
+    run = SimpleNamespace(fwd=PhaseRun(tl, work, [0, 1]))
+    terms = phase_breakdown(run, "fwd", ideal_s=2.0, latency_s=0.5)
+    assert terms == pytest.approx({"ideal": 2.0, "kernel_efficiency": 1.0, "imbalance": 2.0, "merges": 0.1,
+                                   "all_to_all": 0.0, "latency": 0.5, "exposed_communication": 2.0}, **EXACT)
+    assert sum(terms.values()) == pytest.approx(tl.makespan, **EXACT)
