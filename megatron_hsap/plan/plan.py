@@ -24,6 +24,7 @@ from megatron_hsap.plan.units import Piece, WorkUnit, build_units
 __all__ = ["Plan", "PlanOptions", "compile_plan", "clear_plan_cache", "kv_heads_per_rank"]
 
 DEFAULT_POOL_CHUNKS = 4  # pool = 4 × one inter chunk × local heads × (d_qk + d_v) × bytes (DESIGN §2.1)
+DEFAULT_POOL_MIN = 1 << 20  # ... and at least 1 MiB: tiny chunks still need a few 256-byte-aligned slots
 
 
 def kv_heads_per_rank(num_heads: int, num_kv_heads: int, intra_size: int) -> int:
@@ -392,7 +393,7 @@ def _compile_cached(cu: tuple[int, ...], opts: PlanOptions) -> Plan:
     validate_layout(layout, batch.padded_tokens)
     hw = HARDWARE[opts.hardware]
     link = LinkClass(opts.link) if opts.link else link_class_for(opts.tp_size * opts.intra_size * size, opts.gpus_per_node)
-    capacity = opts.pool_bytes or DEFAULT_POOL_CHUNKS * layout.chunk_tokens * shape.chunk_token_bytes
+    capacity = opts.pool_bytes or max(DEFAULT_POOL_CHUNKS * layout.chunk_tokens * shape.chunk_token_bytes, DEFAULT_POOL_MIN)
     pr = Prices.of(shape, hw, hw.bandwidth(link))
     lat = hw.latency(link)
     pieces, units = build_units(batch, layout)
