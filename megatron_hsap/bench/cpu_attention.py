@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import gc
 import os
 import pickle
 import statistics
@@ -54,6 +55,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0, help="batch seed of pack_batches")
     ap.add_argument("--sweep-worlds", type=int, nargs="*", default=[8], help="worlds that run the Table-4 sweep")
     ap.add_argument("--no-memory", action="store_true", help="skip the profiled step (peak memory)")
+    ap.add_argument("--pool-chunks", type=float, default=None,
+                    help="HSAP receive pool in inter chunks × heads × (d + dv) × bytes (planner default: 4)")
     ap.add_argument("--out", default="results/cpu_attention.csv")
     ap.add_argument("--quick", action="store_true", help="smoke run: world 4, fineweb 2K, 1 repeat, no warm-up")
     args = ap.parse_args(argv)
@@ -106,8 +109,10 @@ def _methods(cu: Any, world: int, args: argparse.Namespace, groups: dict, sweep:
     heads = (args.heads, args.kv_heads, args.head_dim, 4)
     out = []
     for intra, inter in _topologies(world, sweep, args.heads):
-        plan = compile_plan(cu, inter, intra, num_heads=args.heads, num_kv_heads=args.kv_heads,
-                            head_dim=args.head_dim, dtype_bytes=4)  # fmt: skip
+        kw = dict(num_heads=args.heads, num_kv_heads=args.kv_heads, head_dim=args.head_dim, dtype_bytes=4)
+        plan = compile_plan(cu, inter, intra, **kw)
+        if args.pool_chunks is not None:  # the default pool is 4 inter chunks × heads × (d + dv) × bytes
+            plan = compile_plan(cu, inter, intra, pool_bytes=int(plan.pool_capacity * args.pool_chunks / 4), **kw)
         out.append(HSAPMethod(plan, *groups[(intra, inter)], rank))
     out.append(RingMethod(cu, None, world, rank, heads))
     out.append(AllGatherMethod(cu, None, world, rank, heads))
@@ -185,9 +190,10 @@ def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out_p
                 _check_bytes(m.name, m.topology, everyone)  # same verdict on every rank
                 if rank == 0:
                     rows.append(dict(workload=workload, T=T, method=m.name, topology=m.topology, ranks=everyone))
-    if rank == 0:
-        with open(out_path, "wb") as f:
-            pickle.dump(rows, f)
+                    with open(out_path, "wb") as f:  # after every method: a crash keeps what was measured
+                        pickle.dump(rows, f)
+                del m
+                gc.collect()
     dist.barrier()
     dist.destroy_process_group()
 
@@ -207,22 +213,35 @@ def _check_bytes(name: str, topology: tuple[int, int], everyone: list[dict]) -> 
 # --------------------------------------------------------------------------- parent side
 
 
-def _run_world(world: int, args: argparse.Namespace) -> list[dict]:
+def _run_world(world: int, args: argparse.Namespace) -> tuple[list[dict], Exception | None]:
     import torch.distributed as dist
     import torch.multiprocessing as mp
 
     store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
     fd, path = tempfile.mkstemp(prefix=f"hsap-bench-w{world}-", suffix=".pkl")
     os.close(fd)
+    # Large tensors come and go every step: a fixed mmap threshold hands them back to the OS at
+    # once (glibc's adaptive threshold would keep them in the heap; 8 ranks then exhaust the RAM).
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
+    error = None
     try:
         mp.start_processes(_rank_main, args=(world, store.port, args, path), nprocs=world, start_method="spawn")
+    except Exception as exc:  # noqa: BLE001 - keep what the ranks measured before the failure
+        error = exc
+    try:
         with open(path, "rb") as f:
             rows = pickle.load(f)
+    except (OSError, EOFError, pickle.UnpicklingError):
+        rows = []
     finally:
         os.remove(path)
+    if error is not None:
+        print(f"world {world} failed after {len(rows)} measurements: {error!r}", file=sys.stderr)
+        if not rows:
+            raise error
     for row in rows:
         row["world"] = world
-    return rows
+    return rows, error
 
 
 def _summarise(row: dict) -> dict[str, float | None]:
@@ -323,9 +342,12 @@ def _targets(rows: list[dict]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     t0 = time.perf_counter()
-    rows = []
+    rows, failed = [], []
     for world in args.worlds:
-        rows += _run_world(world, args)
+        got, error = _run_world(world, args)
+        rows += got
+        if error is not None:
+            failed.append(world)
     for row in rows:
         row["summary"] = _summarise(row)
     print(_table(rows))
@@ -337,7 +359,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         w.writerow(CSV_COLUMNS)
         w.writerows(_csv_rows(rows, args))
     print(f"\nwrote {out} ({time.perf_counter() - t0:.0f} s; bytes asserted equal to the predictions)")
-    return 0
+    if failed:
+        print(f"INCOMPLETE: worlds {failed} stopped early (see stderr)")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

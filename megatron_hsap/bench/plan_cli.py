@@ -91,7 +91,7 @@ def plot_plan(plan, path: Path, *, max_labels: int = 400) -> Path:
     s = plan.stats()
     ax.set_title(f"SAP plan: {plan.inter_size} inter ranks, {s['placement']}\n"
                  f"colour = computing rank, number = stage; imbalance {s['imbalance']:.3f}, "
-                 f"efficiency {s['efficiency']:.3f}", fontsize=9)
+                 f"efficiency {s['efficiency']:.3f}", fontsize=9, pad=24)
     handles = [plt.Line2D([], [], marker="s", ls="", color=cmap(r % cmap.N), label=f"rank {r}") for r in range(plan.inter_size)]
     ax.legend(handles=handles, fontsize=7, loc="upper right", ncol=2 if plan.inter_size > 8 else 1)
     fig.tight_layout()

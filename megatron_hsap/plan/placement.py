@@ -69,11 +69,6 @@ class Prices:
         )
 
     @property
-    def sec(self) -> float:
-        """Seconds per pair, forward + backward."""
-        return self.sec_fwd + self.sec_bwd
-
-    @property
     def q_total(self) -> float:
         """Bytes per q row computed away from its owner, both phases, one direction each."""
         return self.q + self.o_lse + self.q_bwd + self.dq
@@ -340,7 +335,6 @@ class _Receivers:
         self.pl, self.tau = pl, tau
         self.heap = [(pl.work[r], r) for r in range(pl.size) if r != donor and pl.work[r] < tau]
         heapq.heapify(self.heap)
-        self.donor = donor
 
     def best(self, excluded: set[int]) -> int:
         """The rank with the most spare work, not in ``excluded`` (-1 if none)."""
@@ -423,7 +417,7 @@ def balance(start: Placement, *, traffic_budget: float, allow_helpers: bool = Tr
                 if head - keep <= 0:
                     continue
                 before = head
-            _shed(pl, b, kind, i, j, tau, ok, receivers, touching, allow_helpers, keep)
+            _shed(pl, b, kind, i, j, tau, ok, receivers, touching, allow_helpers, keep, traffic_budget)
             if kind == _HEAD and u.q_owner == u.kv_owner:
                 local[b] -= before - pl.rows_work(i, u.q.start, pl.home[i])
     return pl
@@ -471,9 +465,10 @@ def _candidates(pl: Placement, b: int, blocks: list[int], tau: float, allow_help
 
 
 def _shed(pl: Placement, b: int, kind: int, i: int, j: int, tau: float, ok, receivers: _Receivers,
-          touching: list[list[int]], allow_helpers: bool, keep: float = 0.0) -> None:
+          touching: list[list[int]], allow_helpers: bool, keep: float = 0.0, budget_ratio: float = 1.0) -> None:
     """Apply one candidate: move rows off ``b`` to the best receiver(s) that keep every link
-    within its cap (and at least ``keep`` pairs of a head where it stays)."""
+    within its cap (and at least ``keep`` pairs of a head where it stays). A move whose bytes take
+    the receiver longer than ``budget_ratio`` × the compute time it brings is refused."""
     u = pl.units[i]
     a, c = u.q_owner, u.kv_owner
     nk = u.kv.stop - u.kv.start
@@ -528,6 +523,12 @@ def _shed(pl: Placement, b: int, kind: int, i: int, j: int, tau: float, ok, rece
                 new_home = pl.home[i]
                 new_bands = pl.bands[i][:j] + [(m, hi, h), (lo, m, b)] + pl.bands[i][j + 1:]
         changes = pl.delta(i, new_home, new_bands)
+        moved_w, moved_t = changes.get(h, (0.0, _ZERO))
+        pr = pl.pr
+        xfer = (max(moved_t[0], moved_t[1]) + max(moved_t[2], moved_t[3])) / pr.bw
+        if moved_w <= 0 or xfer > budget_ratio * moved_w * (pr.sec_fwd + pr.sec_bwd):
+            excluded.add(h)  # the move's bytes would not hide behind the work it brings
+            continue
         if not ok(changes):
             # the donor's own link full: no receiver helps; else try another receiver
             if any(r == b for r, (_, d) in changes.items() if not ok({r: (0.0, d)})):

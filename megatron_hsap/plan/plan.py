@@ -1,4 +1,5 @@
-"""``compile_plan``: a packed batch → a verified-able, staged, per-rank SAP plan (DESIGN §2.1, §3)."""
+"""``compile_plan``: a packed batch → a staged, per-rank SAP plan that ``verify()`` can prove
+(DESIGN §2.1, §3), chosen by estimated time among several placements; cached by every input."""
 
 from __future__ import annotations
 
@@ -11,10 +12,10 @@ from typing import Any
 import numpy as np
 
 from megatron_hsap.errors import ConfigError
-from megatron_hsap.plan.codegen import Message, PhaseCode, PoolOverflow, generate, phase_messages
+from megatron_hsap.plan.codegen import Message, PhaseCode, PoolOverflow, generate
 from megatron_hsap.plan.costs import HeadShape
 from megatron_hsap.plan.estimate import PhaseTime, phase_time, price_staging
-from megatron_hsap.plan.hardware import A100, HARDWARE, Hardware, LinkClass, link_class_for
+from megatron_hsap.plan.hardware import HARDWARE, Hardware, LinkClass, link_class_for
 from megatron_hsap.plan.ir import Compute, Phase, Program, TokenRange, Unit
 from megatron_hsap.plan.layout import Batch, Layout, check_size, contiguous_layout, normalize_cu_seqlens, validate_layout
 from megatron_hsap.plan.placement import Placement, Prices, balance, min_traffic, owner_computes, region_distflash
@@ -296,6 +297,79 @@ def _placements(units: list[WorkUnit], size: int, pr: Prices, allow_helpers: boo
     return out
 
 
+def _price(placements: dict[str, Placement], size: int, pr: Prices, lat: float, budget: float,
+           forced: str) -> dict[str, tuple[float, Split, Staging]]:
+    """Stage and price the placements: each under its default shape, in order of the surrogate
+    (a lower bound of the staged estimate), skipping those whose bound cannot beat the best price
+    by 1%; then every shape for the best one (and for owner-computes while its bound says it
+    could still win)."""
+    order = sorted(placements, key=lambda n: (placements[n].surrogate(), n != forced, n != "owner-computes", n))
+    priced: dict[str, tuple[float, Split, Staging]] = {}
+    seen: set[tuple] = set()
+    best_t = float("inf")
+    for name in order:
+        pl = placements[name]
+        if name != "owner-computes" and pl.surrogate() >= best_t * (1 - _MIN_GAIN):
+            continue
+        if forced != "auto" and name != forced:
+            continue
+        key = (tuple(pl.home), tuple(map(tuple, pl.bands)))
+        if key in seen:
+            continue
+        seen.add(key)
+        split = Split.of(pl.placed(), size)
+        t, st = _best_staging(split, pr, lat, budget, explore=False)
+        priced[name] = (t, split, st)
+        best_t = min(best_t, t)
+    top = sorted(priced, key=lambda n: priced[n][0])[:_EXPLORE]
+    if "owner-computes" in priced and placements["owner-computes"].surrogate() < priced[top[0]][0]:
+        top.append("owner-computes")
+    for name in dict.fromkeys(top):
+        t0, split, _ = priced[name]
+        t, st = _best_staging(split, pr, lat, budget)
+        if t < t0:
+            priced[name] = (t, split, st)
+    return priced
+
+
+def _choose(priced: dict[str, tuple[float, Split, Staging]], size: int, shape: HeadShape, capacity: int, pr: Prices,
+            lat: float, budget: float) -> tuple[_Candidate | None, dict[str, float], float]:
+    """Generate code for the lowest price; if its slots do not fit the pool, halve its per-stage
+    budget and let it compete again. Returns (chosen, prices, owner-computes time); the chosen
+    plan's exact time never exceeds owner-computes'."""
+    alternatives = {n: v[0] for n, v in priced.items()}
+    budgets = {n: budget for n in priced}
+    best: _Candidate | None = None
+    while priced:
+        name = min(priced, key=lambda n: (priced[n][0], n != "owner-computes"))
+        _, split, st = priced[name]
+        try:
+            best = _build(name, st.units(), size, shape, capacity, pr, lat, budgets[name])
+            break
+        except PoolOverflow:
+            budgets[name] /= 2
+            if budgets[name] < 64:
+                del priced[name]
+                continue
+            t, st = _best_staging(split, pr, lat, budgets[name])
+            priced[name] = (t, split, st)
+            alternatives[name] = t
+    owner_time = alternatives.get("owner-computes", float("nan"))
+    if best is not None and best.name == "owner-computes":
+        owner_time = best.time
+    elif best is not None and "owner-computes" in priced and best.time >= owner_time * (1 - 1e-3):
+        # quick prices count local blocks by budget; close to owner-computes, compare exactly
+        _, split, st = priced["owner-computes"]
+        try:
+            oc = _build("owner-computes", st.units(), size, shape, capacity, pr, lat, budgets["owner-computes"])
+            owner_time = oc.time
+            if oc.time <= best.time:
+                best = oc
+        except PoolOverflow:
+            pass
+    return best, alternatives, owner_time
+
+
 def compile_plan(cu_seqlens: object, inter_size: int, intra_size: int = 1, *, num_heads: int = 32,
                  num_kv_heads: int | None = None, head_dim: int = 128, head_dim_v: int | None = None,
                  dtype_bytes: int = 2, **options: Any) -> Plan:
@@ -309,8 +383,16 @@ def compile_plan(cu_seqlens: object, inter_size: int, intra_size: int = 1, *, nu
         head_dim / head_dim_v: q/k head size and v head size (MLA: 192 / 128).
         dtype_bytes: activation element size (2 for bf16/fp16, 4 for fp32).
         **options: ``pad_multiple`` (pad T to a multiple of P·pad_multiple, e.g. the TP size under
-            sequence parallelism), ``layout``, ``pool_bytes``, ``link``, ``tp_size``,
-            ``gpus_per_node``, ``hardware``, ``allow_helpers`` — see ``PlanOptions``.
+            sequence parallelism), ``layout``, ``pool_bytes`` (receive pool per rank; default 4 ×
+            chunk × local heads × (d_qk + d_v) × bytes, at least 1 MiB), ``link``, ``tp_size``,
+            ``gpus_per_node``, ``hardware``, ``allow_helpers``, ``placement`` ("auto" or a fixed
+            start, e.g. "owner-computes" for reference) — see ``PlanOptions``.
+
+    How (DESIGN §2.1): work units (A1 diagonals, A2–A5 rectangles) → several placements
+    (owner-computes, min-traffic, DistFlashAttn per document region, each balanced by exact work
+    under a few traffic budgets; ``placement.py``) → stages (``schedule.py``) → each priced with
+    the DESIGN §4 model, the cheapest estimate turned into programs with pool slots
+    (``codegen.py``). The plan is never estimated slower than owner-computes.
 
     ``T`` not divisible by ``P·pad_multiple`` is padded at the end to the next multiple ``T'``: the
     padding tokens form one extra document (causal among themselves), have ids ≥ T in
@@ -403,69 +485,8 @@ def _compile_cached(cu: tuple[int, ...], opts: PlanOptions) -> Plan:
         if opts.placement not in placements:  # min-traffic equals owner-computes on this batch
             placements[opts.placement] = placements["owner-computes"]
     budget = capacity * _BUDGET_FRACTION
-    # Stage placements in order of their surrogate (a lower bound of the staged estimate: per rank
-    # and phase max(compute, traffic)); stop once no remaining one can beat the best estimate.
-    order = sorted(placements, key=lambda n: (placements[n].surrogate(), n != opts.placement, n != "owner-computes", n))
-    priced: dict[str, tuple[float, Split, Staging]] = {}
-    seen: set[tuple] = set()
-    best_t = float("inf")
-    for name in order:
-        pl = placements[name]
-        if name != "owner-computes" and pl.surrogate() >= best_t * (1 - _MIN_GAIN):
-            continue
-        if opts.placement != "auto" and name != opts.placement:
-            continue
-        key = (tuple(pl.home), tuple(map(tuple, pl.bands)))
-        if key in seen:
-            continue
-        seen.add(key)
-        split = Split.of(pl.placed(), size)
-        t, st = _best_staging(split, pr, lat, budget, explore=False)
-        priced[name] = (t, split, st)
-        best_t = min(best_t, t)
-    # explore every stage shape for the few best (and for owner-computes, the reference)
-    top = sorted(priced, key=lambda n: priced[n][0])[:_EXPLORE]
-    top = [n for n in top if priced[n][0] <= priced[top[0]][0] * 1.05]
-    if "owner-computes" in priced and placements["owner-computes"].surrogate() < priced[top[0]][0]:
-        top.append("owner-computes")  # it might still win once its shapes are explored
-    for name in dict.fromkeys(top):
-        t0, split, st0 = priced[name]
-        t, st = _best_staging(split, pr, lat, budget)
-        if t < t0:
-            priced[name] = (t, split, st)
-    alternatives = {n: v[0] for n, v in priced.items()}
-    owner_time = alternatives.get("owner-computes", float("nan"))
-    # Generate code for the best estimate; if its slots do not fit, halve its per-stage budget
-    # and let it compete again (owner-computes, at worst one row per stage, fits any sane pool).
-    best: _Candidate | None = None
-    budgets = {n: budget for n in priced}
-    while priced:
-        name = min(priced, key=lambda n: (priced[n][0], n != "owner-computes"))
-        t, split, st = priced[name]
-        try:
-            cand = _build(name, st.units(), size, shape, capacity, pr, lat, budgets[name])
-        except PoolOverflow:
-            budgets[name] /= 2
-            if budgets[name] < 64:
-                del priced[name]
-                continue
-            t2, st2 = _best_staging(split, pr, lat, budgets[name])
-            priced[name] = (t2, split, st2)
-            alternatives[name] = t2
-            if name == "owner-computes":
-                owner_time = t2
-            continue
-        best = cand
-        break
-    if best is not None and best.name != "owner-computes" and "owner-computes" in priced and best.time >= owner_time:
-        # the quick price of the winner was optimistic by a row's worth: compare exactly
-        _, split, st = priced["owner-computes"]
-        try:
-            oc = _build("owner-computes", st.units(), size, shape, capacity, pr, lat, budgets["owner-computes"])
-            if oc.time <= best.time:
-                best = oc
-        except PoolOverflow:
-            pass
+    priced = _price(placements, size, pr, lat, budget, opts.placement)
+    best, alternatives, owner_time = _choose(priced, size, shape, capacity, pr, lat, budget)
     if best is None:
         raise ConfigError(
             f"pool_bytes={capacity} cannot hold the slots of even one token row per stage; raise pool_bytes "

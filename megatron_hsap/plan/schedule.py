@@ -2,19 +2,26 @@
 carries the same compute on every rank and its inputs arrive, hidden, during the stage before.
 
 Round ``k`` is posted at the start of stage ``k``; it carries the inputs of stage ``k + 1`` and the
-results of stage ``k − 1``. So stage 0 can only compute *local* blocks (inputs already on the rank),
+results of stage ``k − 1``. So stage 0 computes only *local* blocks (inputs already on the rank),
 and results of the last stage travel in a tail round that nothing hides. With ``S ≥ 3`` stages:
 
 * stages ``1 .. S−2`` take the rank's *remote* blocks (some input or result travels), spread
-  evenly by work and cut so each stage's pool use (inputs + results, backward, the larger phase)
-  stays within ``budget`` bytes — cuts follow the side that travels: q rows of a block computed
-  for its q owner elsewhere, kv columns of a block whose kv is fetched, so no byte moves twice;
-* *local* blocks fill every stage up to a common water level ``λ·w_k`` with weights ``w = (α, 1, …,
-  1, α)``: the first and last stages are local only (they hide the first inputs and the last
-  results), and every stage of the most loaded rank carries the same work, so the sum over stages
-  of the slowest rank's compute equals the slowest rank's total.
+  evenly by work (or, ``front``, filled from the first stage at the common level, like a ring)
+  in ring order — at the ``s``-th remote stage rank ``r`` talks to rank ``r − s``, as in
+  DistFlashAttn, so no rank feeds everyone in one round — and cut so that each stage's pool use
+  (inputs + fp32 results, backward) stays within ``budget`` bytes: by q rows when only q travels,
+  by kv columns when only kv does (no byte moves twice), along the longer side when both do (the
+  shorter is re-sent), and in a grid of 2-D tiles when even the shorter side fills the budget;
+* *local* blocks fill every stage up to a common water level ``λ·w_k`` with weights ``w = (α,
+  1, …, 1, α)``: the first and last stages are local only (they hide the first inputs and the
+  last results), so the most loaded rank carries the same work in every stage and the sum over
+  stages of the slowest rank's compute equals the slowest rank's total. A rank short of local
+  work may run thin kv-column slices of blocks it fetched kv for in the last stage (their only
+  travelling result, dkv of a few columns, is small).
 
-Local blocks are split by q rows (a causal block's head rows keep bottom-right alignment).
+Local blocks are split by q rows (a causal block's head rows keep bottom-right alignment), never
+into slivers under 16 rows. ``stage_shapes`` proposes ``(S, α, front)`` candidates; the planner
+prices each (``estimate.price_staging``) and keeps the cheapest.
 """
 
 from __future__ import annotations
@@ -32,6 +39,9 @@ __all__ = ["Split", "Staging", "StagingError", "StageShape", "assign_stages", "d
 
 class StagingError(Exception):
     """Internal: a stage shape cannot hold this placement."""
+
+
+_MIN_SPLIT_ROWS = 16  # local blocks are not cut into slivers thinner than this (one kernel call each)
 
 
 def is_local(u: Unit) -> bool:
@@ -70,15 +80,15 @@ def _with_stage(u: Unit, stage: int) -> Unit:
     return Unit(u.doc, u.q, u.kv, u.causal, u.q_owner, u.kv_owner, u.rank, stage)
 
 
-def _by_cols(u: Unit) -> bool:
+def _by_cols(u: Unit, pr: Prices) -> bool:
     """Which side to cut a remote rectangle along: the one whose rows did not travel (no re-send),
-    else the longer one (the shorter side is re-sent with every part)."""
+    else so that the side re-sent with every part is the one of fewer bytes."""
     q_rem, kv_rem = u.rank != u.q_owner, u.rank != u.kv_owner
     if q_rem and not kv_rem:
         return False
     if kv_rem and not q_rem:
         return True
-    return len(u.kv) >= len(u.q)
+    return len(u.q) * (pr.q_bwd + pr.dq) <= len(u.kv) * (pr.kv + pr.dkv)
 
 
 def _count(amount: float, per: float) -> int:
@@ -90,45 +100,89 @@ def _count(amount: float, per: float) -> int:
     return int(amount // per)
 
 
-def _smallest_piece(u: Unit) -> float:
+def _smallest_piece(u: Unit, pr: Prices) -> float:
     """Work of the smallest part ``_take`` can cut from ``u`` (one row or one column)."""
     if u.causal:
         return float(u.q.start - u.kv.start + 1)
-    return float(len(u.q) if _by_cols(u) else len(u.kv))
+    return float(len(u.q) if _by_cols(u, pr) else len(u.kv))
 
 
-def _take(u: Unit, work: float, room: float, pr: Prices) -> tuple[Unit | None, Unit | None]:
-    """Cut from remote block ``u`` a head part with at most ``work`` pairs and ``room`` pool bytes.
-    Returns (part, rest); part is None when not even one row/column fits."""
+def _grid(u: Unit, share: float, budget: float, pr: Prices) -> list[Unit]:
+    """A block whose q rows and kv both travel and whose shorter side alone nearly fills
+    ``budget`` (so 1-D cuts, which re-send that side with every part, cannot progress): cut into a
+    grid of tiles of about ``share`` pairs (one stage's worth) that each fit the budget; a tile of
+    area A costs r·fq + c·fk, least at r = sqrt(A·fk/fq). Causal blocks first split into their
+    triangles and the rectangle between them."""
+    if u.rank == u.q_owner or u.rank == u.kv_owner:
+        return [u]
+    fq, fk = pr.q_bwd + pr.dq, pr.kv + pr.dkv
+    nq, nk = len(u.q), len(u.kv)
+    if u.causal and (u.q.stop - u.kv.start) * fk + fq <= budget:
+        return [u]  # row cuts (``_take``) can make progress
+    if not u.causal and min(nq * fq, nk * fk) <= budget / 2:
+        return [u]  # cuts along the longer side (re-sending the shorter) can make progress
+    if u.causal:
+        if nq < 2:
+            return [u]
+        m = u.q.start + nq // 2
+        parts = []
+        if u.kv.start < u.q.start:  # keys before the rows: a rectangle of their own
+            parts.append(Unit(u.doc, u.q, TokenRange(u.kv.start, u.q.start), False, u.q_owner, u.kv_owner, u.rank, u.stage))
+        parts += [
+            Unit(u.doc, TokenRange(u.q.start, m), TokenRange(u.q.start, m), True, u.q_owner, u.kv_owner, u.rank, u.stage),
+            Unit(u.doc, TokenRange(m, u.q.stop), TokenRange(u.q.start, m), False, u.q_owner, u.kv_owner, u.rank, u.stage),
+            Unit(u.doc, TokenRange(m, u.q.stop), TokenRange(m, u.q.stop), True, u.q_owner, u.kv_owner, u.rank, u.stage),
+        ]
+        return [t for part in parts for t in _grid(part, share, budget, pr)]
+    area = max(1.0, min(float(share), float(nq) * nk, budget * budget / (4 * fq * fk)))
+    r = min(nq, max(1, int(math.sqrt(area * fk / fq))))
+    c = min(nk, max(1, int(area / r)))
+    while r * fq + c * fk > budget and (r > 1 or c > 1):
+        r, c = max(1, (r * 3) // 4), max(1, (c * 3) // 4)
+    rows = np.linspace(u.q.start, u.q.stop, -(-nq // r) + 1).round().astype(np.int64).tolist()
+    cols = np.linspace(u.kv.start, u.kv.stop, -(-nk // c) + 1).round().astype(np.int64).tolist()
+    return [Unit(u.doc, TokenRange(a, b), TokenRange(x, y), False, u.q_owner, u.kv_owner, u.rank, u.stage)
+            for a, b in zip(rows, rows[1:]) for x, y in zip(cols, cols[1:])]
+
+
+def _take(u: Unit, work: float, room: float, pr: Prices) -> tuple[Unit | None, list[Unit]]:
+    """Cut from remote block ``u`` a part with at most ``work`` pairs and ``room`` pool bytes.
+    Returns (part, rest); part is None when not even one row/column fits.
+
+    A block needing only q rows (kv local) is cut by rows, one needing only kv by columns: no
+    byte travels twice. A rectangle needing both is cut along its longer side (the shorter is
+    re-sent with every part; ``_grid`` tiled the blocks where that side alone is too big). A
+    causal block needing both is cut by rows (the key prefix is re-sent with every part)."""
     q_rem, kv_rem = u.rank != u.q_owner, u.rank != u.kv_owner
     fq, fk = pr.q_bwd + pr.dq, pr.kv + pr.dkv
     nq, nk = len(u.q), len(u.kv)
     if u.causal:
-        # both sides travel; row cuts re-send the kv prefix, so only cut when the pool forces it
         n = rows_for_work(u.q, u.kv.start, True, nk, work)
         while n > 0 and n * fq + (u.q.start + n - u.kv.start) * fk > room:
             n //= 2
         if n <= 0:
-            return None, u
+            return None, [u]
         if n >= nq:
-            return u, None
+            return u, []
         a, b = split_rows(u, u.q.start + n)
-        return a, b
-    if _by_cols(u):
+        return a, [b]
+    if _by_cols(u, pr):
         fixed = nq * fq if q_rem else 0.0
         n = min(_count(work, nq), _count(room - fixed, fk))
         if n <= 0:
-            return None, u
+            return None, [u]
         if n >= nk:
-            return u, None
-        return split_cols(u, u.kv.start + n)
+            return u, []
+        a, b = split_cols(u, u.kv.start + n)
+        return a, [b]
     fixed = nk * fk if kv_rem else 0.0
     n = min(_count(work, nk), _count(room - fixed, fq))
     if n <= 0:
-        return None, u
+        return None, [u]
     if n >= nq:
-        return u, None
-    return split_rows(u, u.q.start + n)
+        return u, []
+    a, b = split_rows(u, u.q.start + n)
+    return a, [b]
 
 
 @dataclass(frozen=True, slots=True)
@@ -340,9 +394,9 @@ def _cut_remote(units: list[Unit], n_mid: int, pr: Prices, budget: float, size: 
     """Spread remote blocks evenly by work over middle stages ``1 .. n_mid`` (or, with ``level``,
     fill each from the first up to that much work) within ``budget`` pool bytes each; returns the
     parts (stage set) and how many middle stages they use (``> n_mid`` when forced)."""
-    units = _interleave(units, size)
     total = float(sum(u.work for u in units))
     per = total / n_mid if level is None else max(level, total / (4 * n_mid), 1.0)
+    units = _interleave([t for u in units for t in _grid(u, per, budget, pr)], size)
     out: list[Unit] = []
     k = 0  # middle stage index (stage k + 1)
     placed_w = acc_b = 0.0  # work placed so far (all stages), pool bytes of stage k
@@ -361,22 +415,20 @@ def _cut_remote(units: list[Unit], n_mid: int, pr: Prices, budget: float, size: 
             if placed_w >= per * (k + 1) * 0.9999 and (k < n_mid - 1 or level is not None):
                 k, acc_b = k + 1, 0.0
             continue
-        part = rest = None
-        if not small or fp > budget - acc_b:
+        part, rest = None, [u]
+        if (not small or fp > budget - acc_b) and room_w >= 0.1 * per:  # else the stage is full
             part, rest = _take(u, max(room_w, 0.0), budget - acc_b, pr)
         if part is None and acc_b == 0.0:
             # an empty stage: take at least one row or column, whatever the work target says
-            part, rest = _take(u, max(room_w, _smallest_piece(u)), budget, pr)
+            part, rest = _take(u, max(room_w, _smallest_piece(u, pr)), budget, pr)
             if part is None:
-                part, rest = u, None  # not one row fits the pool budget: codegen decides
+                part, rest = u, []  # not one row fits the pool budget: codegen decides
         if part is not None:
             out.append(_with_stage(part, k + 1))
             placed_w += part.work
             acc_b += footprint(part, pr)
-        else:
-            rest = u
-        if rest is not None:
-            queue.append(rest)
+        if rest:
+            queue.extend(reversed(rest))
             k, acc_b = k + 1, 0.0
     used = max((u.stage for u in out), default=1)
     return out, used
@@ -401,11 +453,11 @@ def _pour(units: list[Unit], budgets: np.ndarray) -> list[Unit]:
             continue
         room = cum[k] - poured
         n = rows_for_work(u.q, u.kv.start, u.causal, len(u.kv), room)
-        if n <= 0:  # less than one row of room left: the stage is full (short by under a row)
+        if n < min(_MIN_SPLIT_ROWS, len(u.q)):  # under a sliver of room left: the stage is full
             queue.append(u)
             k += 1
             continue
-        if n >= len(u.q):
+        if n >= len(u.q) - _MIN_SPLIT_ROWS:  # all but a sliver fits: overfill a little instead
             out.append(_with_stage(u, k))
             poured += w
             continue
@@ -415,6 +467,21 @@ def _pour(units: list[Unit], budgets: np.ndarray) -> list[Unit]:
         queue.append(b)
         k += 1
     return out
+
+
+def _tiled_bytes(u: Unit, pr: Prices, budget: float) -> float:
+    """Pool bytes ``u`` will occupy over all its stages once cut to fit ``budget``: its footprint,
+    or, when both q rows and kv travel and they do not fit together, one budget per 2D tile
+    (``_take`` re-sends a tile's q rows and kv columns with each neighbouring tile)."""
+    fp = footprint(u, pr)
+    if fp <= budget or u.rank == u.q_owner or u.rank == u.kv_owner:
+        return fp
+    fq, fk = pr.q_bwd + pr.dq, pr.kv + pr.dkv
+    nq, nk = len(u.q), (u.q.stop - u.kv.start) if u.causal else len(u.kv)
+    rows = min(nq, max(1.0, budget / (2 * fq)))
+    cols = min(nk, max(1.0, (budget - rows * fq) / fk))
+    tiles = math.ceil(nq / rows) * math.ceil(nk / cols) * (0.5 if u.causal else 1.0)
+    return max(fp, tiles * (rows * fq + cols * fk))
 
 
 def default_shape(shapes: list[StageShape]) -> StageShape:
@@ -432,7 +499,7 @@ def stage_shapes(split: Split, pr: Prices, budget: float, max_stages: int = 1024
     for r in range(size):
         for u in split.remote[r]:
             remote_w[r] += u.work
-            remote_b[r] += footprint(u, pr)
+            remote_b[r] += _tiled_bytes(u, pr, budget)
     if not remote_w.any() and not remote_b.any():
         return [StageShape(1, 1.0)]
     work = remote_w + split.local_work

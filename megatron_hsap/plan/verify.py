@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from megatron_hsap.errors import PlanError
-from megatron_hsap.plan.ir import Accumulate, Compute, ComputeItem, Merge, Phase, Post, Program, Recv, Send, Slot, TokenRange, Wait, Wire
+from megatron_hsap.plan.ir import Accumulate, Compute, ComputeItem, Merge, Phase, Post, Program, Send, Slot, TokenRange, Wait, Wire
 
 if TYPE_CHECKING:
     from megatron_hsap.plan.plan import Plan

@@ -1,0 +1,83 @@
+"""The plan-quality benchmark and the ``megatron-hsap plan`` command: a smoke run of each, checking
+what they write (CSV columns and rows, markdown table, PNGs, JSON) against the planner itself."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+
+from megatron_hsap.bench import plan_cli, plan_quality
+from megatron_hsap.plan import compile_plan
+
+
+def test_quick_run_writes_csv_table_and_plots(tmp_path: Path, capsys) -> None:
+    code = plan_quality.main(["--quick", "--workloads", "fineweb", "full", "--tokens", "16384", "--inter", "4",
+                              "--heads", "gqa", "--seeds", "2", "--jobs", "1", "--out", str(tmp_path),
+                              "--no-compile-times"])
+    assert code == 0
+    rows = list(csv.DictReader((tmp_path / "plan_quality.csv").open()))
+    assert rows and tuple(rows[0]) == plan_quality.COLUMNS
+    hsap = [r for r in rows if r["method"] == "hsap"]
+    assert {r["workload"] for r in hsap} == {"fineweb", "full"}
+    assert {r["seed"] for r in hsap if r["workload"] == "fineweb"} == {"0", "1"}
+    assert {r["seed"] for r in hsap if r["workload"] == "full"} == {"0"}  # one deterministic batch
+    assert {r["link"] for r in rows} == {"nvlink"} and {r["heads"] for r in rows} == {"32/8"}
+    metrics = {r["metric"] for r in hsap}
+    assert {"imbalance", "bytes", "bytes_over_necessary", "estimated_time", "efficiency", "compute_efficiency",
+            "pool_use", "best_baseline_over_hsap"} <= metrics
+    methods = {r["method"] for r in rows}
+    assert {"te_thd_ring", "allgather_kv", "ulysses", "distflashattn"} <= methods
+    # the CSV's figures are the planner's own
+    eff = next(float(r["value"]) for r in hsap if r["workload"] == "full" and r["metric"] == "efficiency")
+    plan = compile_plan([0, 16384], 4, num_heads=32, num_kv_heads=8, head_dim=128)
+    assert eff == pytest.approx(plan.stats()["efficiency"], rel=1e-12)
+    for r in hsap:
+        if r["metric"] == "efficiency":
+            assert 0.0 < float(r["value"]) <= 1.0 + 1e-9
+    table = (tmp_path / "plan_quality.md").read_text()
+    assert "| fineweb | 16K | 4 | nvlink | 32/8 |" in table and "| full | 16K | 4 | nvlink | 32/8 |" in table
+    assert table in capsys.readouterr().out
+    for name in ("plan_quality_efficiency.png", "plan_quality_speedup.png", "plan_quality_imbalance.png"):
+        assert (tmp_path / name).stat().st_size > 1000
+
+
+def test_grid_follows_design_link_rule() -> None:
+    pts = plan_quality.grid(False, 10, 5, ["fineweb", "full"], [1 << 20], [8, 16, 64], ["mha"])
+    assert {p.link for p in pts if p.P <= 8} == {"nvlink"} and {p.link for p in pts if p.P > 8} == {"ib"}
+    assert all(len(p.seeds) == (1 if p.workload == "full" else 5 if p.P == 64 else 10) for p in pts)
+
+
+def test_plan_cli_sample(capsys) -> None:
+    assert plan_cli.main(["--sample", "--max-lines", "0"]) == 0
+    out = capsys.readouterr().out
+    for token in ("batch: T=32768", "create $send-op", "create $recv-op", "compute stage", "imbalance", "verified in"):
+        assert token in out, token
+    assert "--max-lines" not in out  # the whole program printed
+
+
+def test_plan_cli_json_and_plot(tmp_path: Path, capsys) -> None:
+    png = tmp_path / "fig3.png"
+    assert plan_cli.main(["--cu-seqlens", "0,3000,9000,16384", "--inter", "4", "--kv-heads", "8", "--rank", "2",
+                          "--phase", "bwd", "--json", "--plot", str(png)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["rank"] == 2 and out["phase"] == "bwd" and out["verification"].startswith("verified")
+    assert out["stats"]["inter_size"] == 4 and "inter rank 2/4, bwd" in out["program"]
+    assert png.stat().st_size > 1000
+
+
+def test_plan_cli_bad_batch_names_the_problem(capsys) -> None:
+    assert plan_cli.main(["--cu-seqlens", "0,10,5", "--inter", "2"]) == 1
+    assert "non-decreasing" in capsys.readouterr().err
+
+
+def test_sample_is_figure3_like() -> None:
+    cu = plan_cli.sample_cu_seqlens(64)
+    plan = compile_plan(cu, 8, num_heads=4, head_dim=8)
+    spans = {}
+    for u in plan.work_units:
+        spans.setdefault(u.doc, set()).update((u.q_owner, u.kv_owner))
+    assert len(cu) - 1 == 6
+    assert spans[0] == {0, 1, 2, 3} and spans[1] == {3, 4, 5}
