@@ -463,15 +463,20 @@ def _compile_cached(cu: tuple[int, ...], opts: PlanOptions) -> Plan:
     )
     size = opts.inter_size
     batch = Batch.build(cu, size * opts.intra_size * opts.pad_multiple)
-    if opts.layout == "balanced":
-        try:
-            from megatron_hsap.plan.balanced import balanced_layout
-        except ImportError as exc:
-            raise ConfigError("layout='balanced' is not available in this version; use layout='contiguous'") from exc
+    contiguous = _compile_on(contiguous_layout(batch, size, opts.intra_size), batch, shape, opts)
+    if opts.layout != "balanced":
+        return contiguous
+    from megatron_hsap.plan.balanced import balanced_layout
 
-        layout = balanced_layout(batch, size, opts.intra_size)
-    else:
-        layout = contiguous_layout(batch, size, opts.intra_size)
+    balanced = _compile_on(balanced_layout(batch, size, opts.intra_size), batch, shape, opts)
+    # The balanced layout must never lose to the paper's: on the rare batch where its split
+    # documents cost more traffic than the balance saves, keep the contiguous layout (the plan
+    # carries its layout, so batch sharding follows whichever was kept; stats()["layout"] says which).
+    return balanced if balanced.chosen.time <= contiguous.chosen.time else contiguous
+
+
+def _compile_on(layout: Layout, batch: Batch, shape: HeadShape, opts: PlanOptions) -> Plan:
+    size = opts.inter_size
     validate_layout(layout, batch.padded_tokens)
     hw = HARDWARE[opts.hardware]
     link = LinkClass(opts.link) if opts.link else link_class_for(opts.tp_size * opts.intra_size * size, opts.gpus_per_node)
