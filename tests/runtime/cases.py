@@ -381,9 +381,16 @@ def case_timeout(cu: list[int], skip_rank: int, skip_round: int, timeout_s: floa
     x = torch.randn(plan.local_tokens, 8, 8)
     try:
         ex.forward(x, x, x, 0.35)
-        return "ok"
+        result = "ok"
     except CommunicationError as exc:
-        return f"CommunicationError: {exc}"
+        result = f"CommunicationError: {exc}"
+    if rank == skip_rank:
+        # Stay alive past the peers' deadline: a skipping rank that returns early tears its sockets
+        # down, and the peers would see "connection closed" instead of the timeout under test.
+        import time
+
+        time.sleep(2 * timeout_s + 1)
+    return result
 
 
 def case_bad_input(kind: str) -> str:
