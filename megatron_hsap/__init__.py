@@ -6,8 +6,7 @@ never imports torch, and nothing imports Megatron unless asked.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from megatron_hsap._lazy import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -18,17 +17,5 @@ _LAZY = {
     "hsap_attn_func": "megatron_hsap.runtime",
 }
 
-__all__ = sorted(_LAZY) + ["__version__"]
-
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'megatron_hsap' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return __all__
+__getattr__, __dir__, __all__ = lazy_exports(__name__, _LAZY)
+__all__ = [*__all__, "__version__"]

@@ -117,3 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     code = func(rest)  # type: ignore[operator]
     return 0 if code is None else int(code)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

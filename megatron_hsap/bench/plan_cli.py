@@ -133,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype-bytes", type=int, default=2)
     ap.add_argument("--link", choices=("nvlink", "ib"), default=None, help="default: from the CP size (DESIGN §4)")
     ap.add_argument("--pool-bytes", type=int, default=None)
+    ap.add_argument("--layout", choices=("contiguous", "balanced"), default=None,
+                    help="token layout (default: compile_plan's, balanced; the --sample batch: contiguous, as in Figure 3)")
     ap.add_argument("--rank", type=int, default=None, help="inter rank whose program to print (default: the busiest)")
     ap.add_argument("--phase", choices=("fwd", "bwd"), default="fwd")
     ap.add_argument("--max-lines", type=int, default=120, help="truncate the printed program (0: all)")
@@ -156,6 +158,9 @@ def main(argv: list[str] | None = None) -> int:
         options["link"] = args.link
     if args.pool_bytes:
         options["pool_bytes"] = args.pool_bytes
+    layout = args.layout or ("contiguous" if cu == sample_cu_seqlens() else None)
+    if layout:
+        options["layout"] = layout
     try:
         t0 = time.perf_counter()
         plan = compile_plan(cu, args.inter, args.intra, num_heads=args.heads, num_kv_heads=args.kv_heads,

@@ -188,7 +188,7 @@ class ParallelConfig:
     hsap_intra_size: int = 1
     hsap_inter_size: int = 1
     cp_impl: CPImpl = CPImpl.HSAP
-    hsap_layout: HSAPLayout | None = None  # --hsap-layout; None = the backend's default (contiguous)
+    hsap_layout: HSAPLayout | None = None  # --hsap-layout; None = the backend's default (balanced)
     hsap_pool_bytes: int | None = None  # --hsap-pool-bytes; None = 4 inter chunks (DESIGN §2.1)
     sequence_parallel: bool = False
     sharding: Sharding = Sharding.OPTIM

@@ -6,8 +6,7 @@ megatron-core nor the modules below until a name is used.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from megatron_hsap._lazy import lazy_exports
 
 _LAZY = {
     "initialize_hsap": "megatron_hsap.megatron.parallel_state",
@@ -18,17 +17,4 @@ _LAZY = {
     "get_batch_on_this_cp_rank": "megatron_hsap.megatron.batch",
 }
 
-__all__ = sorted(_LAZY)
-
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'megatron_hsap.megatron' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return __all__
+__getattr__, __dir__, __all__ = lazy_exports(__name__, _LAZY)

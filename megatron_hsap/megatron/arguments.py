@@ -32,7 +32,8 @@ class HSAPArgs:
 
     intra_size: int
     inter_size: int
-    layout: str = "contiguous"
+    layout: str = "balanced"
+    layout_fallback: bool = True
     pool_bytes: int | None = None
     node_check: str = "error"
     derived_sizes: bool = False  # True when P_intra × P_inter were chosen, not given
@@ -65,8 +66,20 @@ def add_hsap_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     if not _has_option(parser, "--context-parallel-size"):
         group.add_argument("--context-parallel-size", type=int, default=1)
     group.add_argument(
-        "--hsap-layout", choices=("contiguous", "balanced"), default="contiguous",
-        help="HSAP token layout: contiguous inter chunks (the paper's) or balanced.",
+        "--hsap-layout", choices=("contiguous", "balanced"), default="balanced",
+        help="HSAP token layout: balanced (default; document-aware: documents kept whole or split "
+        "head-tail so every rank has equal tokens and near-equal work) or contiguous (the paper's chunks).",
+    )
+    group.add_argument(
+        "--hsap-layout-fallback", action=argparse.BooleanOptionalAction, default=True,
+        help="With --hsap-layout balanced: also compile the contiguous plan and keep it on batches where "
+        "it is estimated faster (default; about twice the compile time). --no-hsap-layout-fallback "
+        "always uses the balanced layout.",
+    )
+    group.add_argument(
+        "--hsap-plan-prefetch", action=argparse.BooleanOptionalAction, default=True,
+        help="Read one micro-batch ahead and compile its HSAP plan on a background thread while the "
+        "current one runs (default); --no-hsap-plan-prefetch compiles each plan when its batch is taken.",
     )
     group.add_argument(
         "--hsap-pool-bytes", type=int, default=None,
@@ -192,7 +205,8 @@ def validate_hsap_args(args: Any) -> HSAPArgs | None:
     return HSAPArgs(
         intra_size=intra,
         inter_size=inter,
-        layout=getattr(args, "hsap_layout", "contiguous"),
+        layout=getattr(args, "hsap_layout", "balanced"),
+        layout_fallback=getattr(args, "hsap_layout_fallback", True),
         pool_bytes=getattr(args, "hsap_pool_bytes", None),
         node_check=getattr(args, "hsap_node_check", "error"),
         derived_sizes=derived,

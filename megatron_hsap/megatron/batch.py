@@ -31,6 +31,7 @@ __all__ = [
     "PackedBatch",
     "pack_micro_batch",
     "plan_kwargs_from_config",
+    "plan_for_batch",
     "get_batch_on_this_cp_rank",
     "is_hsap_sharded",
     "positions_in_documents",
@@ -377,6 +378,12 @@ def _host_sum(loss_mask: torch.Tensor) -> int:
     if total != int(total):
         raise BatchError(f"loss_mask must be 0/1, its sum is {total}")
     return int(total)
+
+
+def plan_for_batch(batch: Mapping[str, Any], *, config: Any = None, plan_kwargs: Mapping[str, Any] | None = None) -> Any:
+    """The plan ``get_batch_on_this_cp_rank(batch, config=..., plan_kwargs=...)`` would compile for
+    this micro-batch (pure CPU work, no collective: safe on ``PlanPrefetcher``'s worker thread)."""
+    return _compile_for_batch(pack_micro_batch(batch).cu_seqlens, config=config, plan_kwargs=plan_kwargs)
 
 
 def _compile_for_batch(cu: np.ndarray, *, config: Any, plan_kwargs: Mapping[str, Any] | None) -> Any:

@@ -46,6 +46,8 @@ class TinyRun:
     num_kv_heads: int = 2
     lr: float = 3e-3
     seed: int = 1234
+    layout: str = "balanced"
+    plan_prefetch: bool = True
     data_dir: str | None = None
     progress: bool = True
 
@@ -194,9 +196,10 @@ def _rank_main(rank: int, run: TinyRun, port: int, corpus: Any, queue: Any) -> N
         from megatron.core import parallel_state as mpu
 
         from megatron_hsap.megatron import cpu_shims
-        from megatron_hsap.megatron.batch import get_batch_on_this_cp_rank, plan_kwargs_from_config
+        from megatron_hsap.megatron.batch import get_batch_on_this_cp_rank, plan_for_batch, plan_kwargs_from_config
         from megatron_hsap.megatron.data import ByteTokenizer, build_gpt_dataset, micro_batch
         from megatron_hsap.megatron.parallel_state import destroy_hsap, initialize_hsap
+        from megatron_hsap.megatron.prefetch import PlanPrefetcher
         from megatron_hsap.megatron.spec import hsap_layer_spec
 
         cpu_shims.install()
@@ -212,13 +215,20 @@ def _rank_main(rank: int, run: TinyRun, port: int, corpus: Any, queue: Any) -> N
         dp_rank = mpu.get_data_parallel_rank()
         dp_group = mpu.get_data_parallel_group()
         grad_group = mpu.get_data_parallel_group(with_context_parallel=True)
-        plan_kwargs = plan_kwargs_from_config(config)
+        plan_kwargs = {**plan_kwargs_from_config(config), "layout": run.layout}
         results: list[StepResult] = []
         bar = _progress(run, rank)
-        for step in range(run.steps):
-            start = (step * run.dp_size + dp_rank) * run.micro_batch_size
-            batch = micro_batch(dataset, start, run.micro_batch_size)
-            sharded = get_batch_on_this_cp_rank(batch, plan_kwargs=plan_kwargs, pad_token_id=ByteTokenizer.PAD)
+        steps = iter(range(run.steps))
+
+        def read() -> dict[str, Any] | None:
+            step = next(steps, None)
+            if step is None:
+                return None
+            return micro_batch(dataset, (step * run.dp_size + dp_rank) * run.micro_batch_size, run.micro_batch_size)
+
+        prefetcher = PlanPrefetcher(read, lambda b: plan_for_batch(b, plan_kwargs=plan_kwargs), enabled=run.plan_prefetch)
+        for step, (batch, plan) in enumerate(prefetcher):  # the next plan compiles while this step trains
+            sharded = get_batch_on_this_cp_rank(batch, plan=plan, pad_token_id=ByteTokenizer.PAD)
             n_global, real = _sum_over(dp_group, sharded["num_loss_tokens"], sharded["num_tokens"])
             result = train_step(model, optimizer, sharded, num_loss_tokens=n_global, grad_group=grad_group,
                                 real_tokens=real)
@@ -233,6 +243,7 @@ def _rank_main(rank: int, run: TinyRun, port: int, corpus: Any, queue: Any) -> N
                     bar.set_postfix(loss=f"{result.loss:.4f}", tok_s=f"{rate:,.0f}")
                     bar.write(line, file=sys.stdout)
                     bar.update(1)
+        prefetcher.close()
         if bar is not None:
             bar.close()
         if rank == 0:
@@ -341,6 +352,9 @@ def _parse(argv: list[str] | None) -> tuple[TinyRun, bool]:
     p.add_argument("--num-query-groups", type=int, default=2, help="kv heads (GQA)")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--layout", choices=("contiguous", "balanced"), default="balanced",
+                   help="HSAP token layout (balanced: document-aware, kept only where estimated faster)")
+    p.add_argument("--no-plan-prefetch", action="store_true", help="compile each plan when its batch is taken")
     p.add_argument("--data-dir", default=None, help="where the indexed dataset is written (default ~/.cache/megatron-hsap/data)")
     p.add_argument("--no-compare", action="store_true", help="skip the CP=1 comparison run")
     p.add_argument("--no-progress", action="store_true")
@@ -361,7 +375,8 @@ def _parse(argv: list[str] | None) -> tuple[TinyRun, bool]:
         world_size=a.world_size, intra_size=a.intra_size, inter_size=a.inter_size, steps=a.steps,
         seq_length=a.seq_length, micro_batch_size=a.micro_batch_size, num_layers=a.num_layers,
         hidden_size=a.hidden_size, num_heads=a.num_attention_heads, num_kv_heads=a.num_query_groups,
-        lr=a.lr, seed=a.seed, data_dir=a.data_dir, progress=not a.no_progress,
+        lr=a.lr, seed=a.seed, layout=a.layout, plan_prefetch=not a.no_plan_prefetch, data_dir=a.data_dir,
+        progress=not a.no_progress,
     )
     return run, not a.no_compare
 

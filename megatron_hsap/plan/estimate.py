@@ -78,35 +78,27 @@ def _traffic(units, size: int, n: int, pr: Prices) -> tuple[np.ndarray, np.ndarr
     sb = np.zeros((size, n))
     rb = np.zeros((size, n))
     seen: set[tuple] = set()
-    q, q_bwd, o_lse, dq, kv, dkv = pr.q, pr.q_bwd, pr.o_lse, pr.dq, pr.kv, pr.dkv
+    # per side: (tag, input bytes fwd, input bytes bwd, result bytes fwd, result bytes bwd) per token;
+    # q travels with do/lse/delta in backward and returns o+lse / dq; kv returns dkv in backward
+    q_side = (0, pr.q, pr.q_bwd, pr.o_lse, pr.dq)
+    kv_side = (1, pr.kv, pr.kv, 0.0, pr.dkv)
     for u in units:
         r, k = u.rank, u.stage
-        if r != u.q_owner:
-            a = u.q_owner
-            nq = u.q.stop - u.q.start
-            key = (r, k, a, 0, u.q.start, u.q.stop)
-            if key not in seen:
+        for owner, rng, (tag, f_in, b_in, f_out, b_out) in ((u.q_owner, u.q, q_side), (u.kv_owner, u.kv, kv_side)):
+            if r == owner:
+                continue
+            n = rng.stop - rng.start
+            key = (r, k, owner, tag, rng.start, rng.stop)
+            if key not in seen:  # an input is sent once per rank, stage and range
                 seen.add(key)
-                sf[a, k - 1] += nq * q
-                rf[r, k - 1] += nq * q
-                sb[a, k - 1] += nq * q_bwd
-                rb[r, k - 1] += nq * q_bwd
-            sf[r, k + 1] += nq * o_lse
-            rf[a, k + 1] += nq * o_lse
-            sb[r, k + 1] += nq * dq
-            rb[a, k + 1] += nq * dq
-        if r != u.kv_owner:
-            c = u.kv_owner
-            nk = u.kv.stop - u.kv.start
-            key = (r, k, c, 1, u.kv.start, u.kv.stop)
-            if key not in seen:
-                seen.add(key)
-                sf[c, k - 1] += nk * kv
-                rf[r, k - 1] += nk * kv
-                sb[c, k - 1] += nk * kv
-                rb[r, k - 1] += nk * kv
-            sb[r, k + 1] += nk * dkv
-            rb[c, k + 1] += nk * dkv
+                sf[owner, k - 1] += n * f_in
+                rf[r, k - 1] += n * f_in
+                sb[owner, k - 1] += n * b_in
+                rb[r, k - 1] += n * b_in
+            sf[r, k + 1] += n * f_out
+            rf[owner, k + 1] += n * f_out
+            sb[r, k + 1] += n * b_out
+            rb[owner, k + 1] += n * b_out
     return sf, rf, sb, rb
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,72 +18,14 @@ from megatron_hsap.plan.costs import HeadShape
 from megatron_hsap.plan.estimate import PhaseTime, phase_time, price_staging
 from megatron_hsap.plan.hardware import HARDWARE, Hardware, LinkClass, link_class_for
 from megatron_hsap.plan.ir import Compute, Phase, Program, TokenRange, Unit
-from megatron_hsap.plan.layout import Batch, Layout, check_size, contiguous_layout, normalize_cu_seqlens, validate_layout
-from megatron_hsap.plan.placement import Placement, Prices, balance, min_traffic, owner_computes, region_distflash
+from megatron_hsap.plan.layout import Batch, Layout, contiguous_layout, normalize_cu_seqlens, validate_layout
+from megatron_hsap.plan.options import DEFAULT_POOL_CHUNKS, DEFAULT_POOL_MIN, PlanOptions, kv_heads_per_rank
+from megatron_hsap.plan.placement import Placement, Prices, min_traffic, owner_computes, region_distflash
+from megatron_hsap.plan.rebalance import balance
 from megatron_hsap.plan.schedule import Split, StageShape, Staging, StagingError, default_shape, stage, stage_shapes
 from megatron_hsap.plan.units import Piece, WorkUnit, build_units
 
 __all__ = ["Plan", "PlanOptions", "compile_plan", "clear_plan_cache", "kv_heads_per_rank"]
-
-DEFAULT_POOL_CHUNKS = 4  # pool = 4 × one inter chunk × local heads × (d_qk + d_v) × bytes (DESIGN §2.1)
-DEFAULT_POOL_MIN = 1 << 20  # ... and at least 1 MiB: tiny chunks still need a few 256-byte-aligned slots
-
-
-def kv_heads_per_rank(num_heads: int, num_kv_heads: int, intra_size: int) -> int:
-    """kv heads each intra rank holds after the all-to-all (replicated when P_intra > Hkv)."""
-    if num_heads % intra_size:
-        valid = [p for p in range(1, num_heads + 1) if num_heads % p == 0]
-        raise ConfigError(f"num_heads={num_heads} is not divisible by intra_size={intra_size}; valid intra sizes: {valid}")
-    if num_heads % num_kv_heads:
-        raise ConfigError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
-    if num_kv_heads % intra_size == 0:
-        return num_kv_heads // intra_size
-    if intra_size % num_kv_heads == 0:
-        return 1  # each kv head replicated intra_size / Hkv times
-    valid = [p for p in range(1, num_heads + 1) if num_heads % p == 0 and (num_kv_heads % p == 0 or p % num_kv_heads == 0)]
-    raise ConfigError(
-        f"num_kv_heads={num_kv_heads} and intra_size={intra_size}: one must divide the other "
-        f"(kv heads cannot be split or replicated evenly); valid intra sizes: {valid}"
-    )
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class PlanOptions:
-    """Everything besides ``cu_seqlens`` that a plan depends on (its cache key)."""
-
-    inter_size: int
-    intra_size: int = 1
-    num_heads: int = 32
-    num_kv_heads: int | None = None
-    head_dim: int = 128
-    head_dim_v: int | None = None
-    dtype_bytes: int = 2
-    pad_multiple: int = 1
-    layout: str = "contiguous"
-    pool_bytes: int | None = None
-    link: str | None = None  # "nvlink" | "ib"; default from the CP world size (DESIGN §4)
-    tp_size: int = 1
-    gpus_per_node: int = 8
-    hardware: str = "a100"
-    allow_helpers: bool = True  # move bands of local blocks to a third rank when it pays
-    placement: str = "auto"  # "auto" (lowest estimated time), "owner-computes" or "min-traffic"
-
-    def validate(self) -> "PlanOptions":
-        for name in ("inter_size", "intra_size", "num_heads", "head_dim", "dtype_bytes", "pad_multiple", "tp_size", "gpus_per_node"):
-            check_size(name, getattr(self, name))
-        for name in ("num_kv_heads", "head_dim_v", "pool_bytes"):
-            if getattr(self, name) is not None:
-                check_size(name, getattr(self, name))
-        if self.layout not in ("contiguous", "balanced"):
-            raise ConfigError(f"layout={self.layout!r} is unknown; use 'contiguous' or 'balanced'")
-        if self.link not in (None, "nvlink", "ib"):
-            raise ConfigError(f"link={self.link!r} is unknown; use 'nvlink', 'ib' or None (derived from the CP size)")
-        if self.placement not in ("auto", "owner-computes", "min-traffic"):
-            raise ConfigError(f"placement={self.placement!r} is unknown; use 'auto', 'owner-computes' or 'min-traffic'")
-        if self.hardware not in HARDWARE:
-            raise ConfigError(f"hardware={self.hardware!r} is unknown; choose one of {sorted(HARDWARE)}")
-        return self
-
 
 @dataclass(frozen=True, slots=True)
 class _Candidate:
@@ -227,6 +170,8 @@ class Plan:
 _BUDGET_FRACTION = 0.45  # per-stage remote pool use: two stages' inputs and results live at once
 _TRAFFIC_BUDGETS = (0.3, 0.6, 1.2)  # balanced candidates: traffic per phase vs compute time
 _EXPLORE = 1  # placements whose every stage shape is priced (the rest: the default shape only)
+_EXPLORE_RETRY_BLOCKS = 2000  # pool-overflow retries price every stage shape up to this many remote blocks
+_OWNER_RECHECK = 0.05  # build owner-computes exactly when the chosen plan is within 5% of its quick price
 _MIN_GAIN = 0.01  # a candidate whose lower bound is within 1% of the best estimate is not staged
 
 
@@ -287,8 +232,11 @@ def _placements(units: list[WorkUnit], size: int, pr: Prices, allow_helpers: boo
     if (rd.home, rd.bands) != (owner.home, owner.bands) and (rd.home, rd.bands) != (mt.home, mt.bands):
         out["region-distflash"] = rd
         starts.append(rd)
+    ideal = sum(u.work for u in units) / size * (pr.sec_fwd + pr.sec_bwd)  # perfect balance, no traffic
     for start in starts:
         base = start.surrogate()
+        if base <= ideal * (1 + _MIN_GAIN):
+            continue  # already within 1% of perfect balance (a balanced layout): moving cannot pay
         for beta in sorted(_TRAFFIC_BUDGETS, reverse=True):
             pl = balance(start, traffic_budget=beta, allow_helpers=allow_helpers, name=f"{start.name}+balanced@{beta:g}")
             if pl.surrogate() >= base * (1 - _MIN_GAIN):
@@ -351,22 +299,31 @@ def _choose(priced: dict[str, tuple[float, Split, Staging]], size: int, shape: H
             if budgets[name] < 64:
                 del priced[name]
                 continue
-            t, st = _best_staging(split, pr, lat, budgets[name])
+            # a retry explores every shape only for moderate plans: with thousands of small
+            # remote blocks (≤ 1K tokens per rank) each halving re-staged them all (tens of seconds)
+            explore = sum(map(len, split.remote)) <= _EXPLORE_RETRY_BLOCKS
+            t, st = _best_staging(split, pr, lat, budgets[name], explore=explore)
             priced[name] = (t, split, st)
             alternatives[name] = t
     owner_time = alternatives.get("owner-computes", float("nan"))
     if best is not None and best.name == "owner-computes":
         owner_time = best.time
-    elif best is not None and "owner-computes" in priced and best.time >= owner_time * (1 - 1e-3):
-        # quick prices count local blocks by budget; close to owner-computes, compare exactly
+    elif best is not None and "owner-computes" in priced and best.time >= owner_time * (1 - _OWNER_RECHECK):
+        # quick prices count local blocks by budget (owner-computes' by up to a few % high);
+        # close to owner-computes, compare exact times
         _, split, st = priced["owner-computes"]
-        try:
-            oc = _build("owner-computes", st.units(), size, shape, capacity, pr, lat, budgets["owner-computes"])
+        oc_budget = budgets["owner-computes"]
+        while oc_budget >= 64:  # as above: halve the per-stage budget until its slots fit the pool
+            try:
+                oc = _build("owner-computes", st.units(), size, shape, capacity, pr, lat, oc_budget)
+            except PoolOverflow:
+                oc_budget /= 2
+                _, st = _best_staging(split, pr, lat, oc_budget, explore=sum(map(len, split.remote)) <= _EXPLORE_RETRY_BLOCKS)
+                continue
             owner_time = oc.time
             if oc.time <= best.time:
                 best = oc
-        except PoolOverflow:
-            pass
+            break
     return best, alternatives, owner_time
 
 
@@ -401,10 +358,11 @@ def compile_plan(cu_seqlens: object, inter_size: int, intra_size: int = 1, *, nu
     opts = _options(inter_size, intra_size, num_heads, num_kv_heads, head_dim, head_dim_v, dtype_bytes, tuple(sorted(options.items())))
     key = _fast_key(cu_seqlens)
     if key is not None:
-        hit = _CACHE.get((key, opts))
-        if hit is not None:
-            _CACHE.move_to_end((key, opts))
-            return hit
+        with _CACHE_LOCK:
+            hit = _CACHE.get((key, opts))
+            if hit is not None:
+                _CACHE.move_to_end((key, opts))
+                return hit
     cu = normalize_cu_seqlens(cu_seqlens)
     enabled = gc.isenabled()
     gc.disable()  # compiling allocates ~10^5 small objects; cyclic collections would dominate
@@ -413,19 +371,22 @@ def compile_plan(cu_seqlens: object, inter_size: int, intra_size: int = 1, *, nu
     finally:
         if enabled:
             gc.enable()
-    _CACHE[(cu, opts)] = plan
-    if len(_CACHE) > _CACHE_SIZE:
-        _CACHE.popitem(last=False)
+    with _CACHE_LOCK:  # plans may be compiled on a prefetch thread (megatron/prefetch.py)
+        _CACHE[(cu, opts)] = plan
+        if len(_CACHE) > _CACHE_SIZE:
+            _CACHE.popitem(last=False)
     return plan
 
 
 _CACHE: "OrderedDict[tuple, Plan]" = OrderedDict()
 _CACHE_SIZE = 64
+_CACHE_LOCK = threading.Lock()
 
 
 def clear_plan_cache() -> None:
     """Forget every cached plan (benchmarks time fresh compiles with it)."""
-    _CACHE.clear()
+    with _CACHE_LOCK:
+        _CACHE.clear()
 
 
 compile_plan.cache_clear = clear_plan_cache  # type: ignore[attr-defined]
@@ -463,23 +424,36 @@ def _compile_cached(cu: tuple[int, ...], opts: PlanOptions) -> Plan:
     )
     size = opts.inter_size
     batch = Batch.build(cu, size * opts.intra_size * opts.pad_multiple)
-    contiguous = _compile_on(contiguous_layout(batch, size, opts.intra_size), batch, shape, opts)
-    if opts.layout != "balanced":
-        return contiguous
+    if opts.layout == "contiguous":
+        return _compile_on(contiguous_layout(batch, size, opts.intra_size), batch, shape, opts)
     from megatron_hsap.plan.balanced import balanced_layout
 
-    balanced = _compile_on(balanced_layout(batch, size, opts.intra_size), batch, shape, opts)
-    # The balanced layout must never lose to the paper's: on the rare batch where its split
-    # documents cost more traffic than the balance saves, keep the contiguous layout (the plan
-    # carries its layout, so batch sharding follows whichever was kept; stats()["layout"] says which).
+    hw = HARDWARE[opts.hardware]
+    pr = Prices.of(shape, hw, hw.bandwidth(_link_of(opts)))
+    # pairs of attention one token's kv costs to move (forward kv, backward kv and dkv back)
+    token_cost = (2 * pr.kv + pr.dkv) / pr.bw / (pr.sec_fwd + pr.sec_bwd)
+    balanced = _compile_on(balanced_layout(batch, size, opts.intra_size, token_cost), batch, shape, opts)
+    if not opts.layout_fallback:
+        return balanced
+    # The balanced layout must never lose to the paper's: on the batch where its split documents
+    # cost more traffic than the balance saves, keep the contiguous layout (the plan carries its
+    # layout, so batch sharding follows whichever was kept; stats()["layout"] says which).
+    contiguous = _compile_on(contiguous_layout(batch, size, opts.intra_size), batch, shape, opts)
     return balanced if balanced.chosen.time <= contiguous.chosen.time else contiguous
+
+
+def _link_of(opts: PlanOptions) -> LinkClass:
+    """The inter group's link class: given, or derived from the CP world size (DESIGN §4)."""
+    if opts.link:
+        return LinkClass(opts.link)
+    return link_class_for(opts.tp_size * opts.intra_size * opts.inter_size, opts.gpus_per_node)
 
 
 def _compile_on(layout: Layout, batch: Batch, shape: HeadShape, opts: PlanOptions) -> Plan:
     size = opts.inter_size
     validate_layout(layout, batch.padded_tokens)
     hw = HARDWARE[opts.hardware]
-    link = LinkClass(opts.link) if opts.link else link_class_for(opts.tp_size * opts.intra_size * size, opts.gpus_per_node)
+    link = _link_of(opts)
     capacity = opts.pool_bytes or max(DEFAULT_POOL_CHUNKS * layout.chunk_tokens * shape.chunk_token_bytes, DEFAULT_POOL_MIN)
     pr = Prices.of(shape, hw, hw.bandwidth(link))
     lat = hw.latency(link)

@@ -166,22 +166,15 @@ def _take(u: Unit, work: float, room: float, pr: Prices) -> tuple[Unit | None, l
             return u, []
         a, b = split_rows(u, u.q.start + n)
         return a, [b]
-    if _by_cols(u, pr):
-        fixed = nq * fq if q_rem else 0.0
-        n = min(_count(work, nq), _count(room - fixed, fk))
-        if n <= 0:
-            return None, [u]
-        if n >= nk:
-            return u, []
-        a, b = split_cols(u, u.kv.start + n)
-        return a, [b]
-    fixed = nk * fk if kv_rem else 0.0
-    n = min(_count(work, nk), _count(room - fixed, fq))
+    by_cols = _by_cols(u, pr)
+    # cutting along one axis: the other axis' rows (if remote) travel with every part
+    length, per, fixed = (nk, fk, nq * fq if q_rem else 0.0) if by_cols else (nq, fq, nk * fk if kv_rem else 0.0)
+    n = min(_count(work, nq if by_cols else nk), _count(room - fixed, per))
     if n <= 0:
         return None, [u]
-    if n >= nq:
+    if n >= length:
         return u, []
-    a, b = split_rows(u, u.q.start + n)
+    a, b = split_cols(u, u.kv.start + n) if by_cols else split_rows(u, u.q.start + n)
     return a, [b]
 
 

@@ -6,8 +6,7 @@ in the GPU kernel libraries (they load only when a backend is selected).
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from megatron_hsap._lazy import lazy_exports
 
 _LAZY = {
     "hsap_attn_func": "megatron_hsap.runtime.hsap",
@@ -18,17 +17,4 @@ _LAZY = {
     "attn_backward": "megatron_hsap.runtime.kernels",
 }
 
-__all__ = sorted(_LAZY)
-
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'megatron_hsap.runtime' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return __all__
+__getattr__, __dir__, __all__ = lazy_exports(__name__, _LAZY)

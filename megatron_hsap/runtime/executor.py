@@ -266,7 +266,7 @@ class Executor:
         t, h, dv = q.shape[0], q.shape[1], v.shape[2]
         out = torch.zeros((t, h, dv), dtype=_F32, device=q.device)
         lse = torch.full((t, h), float("-inf"), dtype=_F32, device=q.device)
-        buf = _Buffers(receive_pool(self.plan.pool_capacity, q.device), q.dtype)
+        buf = _Buffers(self._pool(q.device), q.dtype)
         buf.local = {Wire.Q: (q.contiguous(),), Wire.KV: (k.contiguous(), v.contiguous())}
         acc = {Wire.O: out, Wire.LSE: lse}
         self._run(Phase.FWD, self._fwd, buf, acc, softmax_scale)
@@ -285,7 +285,7 @@ class Executor:
         dq = torch.zeros(q.shape, dtype=_F32, device=q.device)
         dk = torch.zeros(k.shape, dtype=_F32, device=q.device)
         dv = torch.zeros(v.shape, dtype=_F32, device=q.device)
-        buf = _Buffers(receive_pool(self.plan.pool_capacity, q.device), q.dtype)
+        buf = _Buffers(self._pool(q.device), q.dtype)
         buf.local = {
             Wire.Q: (q.contiguous(),), Wire.KV: (k.contiguous(), v.contiguous()), Wire.DO: (do,),
             Wire.LSE: (lse,), Wire.DELTA: (delta,), Wire.O: (out,),
@@ -293,6 +293,12 @@ class Executor:
         acc = {Wire.DQ: dq, Wire.DKV: (dk, dv)}
         self._run(Phase.BWD, self._bwd, buf, acc, softmax_scale)
         return dq, dk, dv
+
+    def _pool(self, device: torch.device) -> Tensor:
+        """The shared receive pool; a one-rank plan has no slots and allocates none."""
+        if self.plan.inter_size == 1:
+            return torch.empty(0, dtype=torch.uint8, device=device)
+        return receive_pool(self.plan.pool_capacity, device)
 
     # ------------------------------------------------------------------ checks
     def _check(self, q: Tensor, k: Tensor, v: Tensor) -> None:

@@ -7,24 +7,13 @@ reports); never imports torch.
 
 from __future__ import annotations
 
-__all__ = ["run_method", "simulate", "sim_hardware", "Cluster"]
+from megatron_hsap._lazy import lazy_exports
 
+_LAZY = {
+    "run_method": "megatron_hsap.sim.methods",
+    "simulate": "megatron_hsap.sim.engine",
+    "sim_hardware": "megatron_hsap.sim.config",
+    "Cluster": "megatron_hsap.sim.cluster",
+}
 
-def __getattr__(name: str):  # noqa: ANN202 - lazy re-exports (PEP 562)
-    if name == "run_method":
-        from megatron_hsap.sim.methods import run_method
-
-        return run_method
-    if name == "simulate":
-        from megatron_hsap.sim.engine import simulate
-
-        return simulate
-    if name == "sim_hardware":
-        from megatron_hsap.sim.config import sim_hardware
-
-        return sim_hardware
-    if name == "Cluster":
-        from megatron_hsap.sim.cluster import Cluster
-
-        return Cluster
-    raise AttributeError(f"module 'megatron_hsap.sim' has no attribute {name!r}")
+__getattr__, __dir__, __all__ = lazy_exports(__name__, _LAZY)

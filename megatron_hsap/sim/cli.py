@@ -1,4 +1,4 @@
-"""``megatron-hsap simulate <table2|table3|table4|magi|validate|scale|gantt|all> [--quick]``.
+"""``megatron-hsap simulate <table2|table3|table4|magi|validate|scale|layouts|gantt|all> [--quick]``.
 
 Each command writes ``<out>/<name>.csv`` (DESIGN §4 columns), ``<name>.md`` and its PNG plot,
 and prints the markdown. ``--quick`` runs a reduced grid with one seed (seconds; used by tests).
@@ -15,7 +15,7 @@ from megatron_hsap.errors import HSAPError
 
 __all__ = ["main", "COMMANDS"]
 
-COMMANDS = ("table2", "table3", "table4", "magi", "validate", "scale", "gantt")
+COMMANDS = ("table2", "table3", "table4", "magi", "validate", "scale", "layouts", "gantt")
 
 
 def _validate(out_dir: Path, **_: object) -> "object":
@@ -73,6 +73,10 @@ def _runner(name: str):  # noqa: ANN202
         from megatron_hsap.sim.scale import scale
 
         return scale
+    if name == "layouts":
+        from megatron_hsap.sim.layouts import layouts
+
+        return layouts
     if name == "gantt":
         from megatron_hsap.sim.gantt import gantt
 
@@ -85,13 +89,16 @@ def _parser() -> argparse.ArgumentParser:
         prog="megatron-hsap simulate",
         description="Simulate HSAP and the baselines (TE THD ring, TE a2a+p2p, all-gather KV, Ulysses, USP, "
         "DistFlashAttn) on modelled A100/H100 clusters: the paper's Tables 2-4, MagiAttention's protocol, "
-        "validation against published numbers, a 1024-GPU scale run and a per-rank Gantt chart. Each writes "
-        "<out>/<name>.csv/.md (and .png) and prints its markdown.")
+        "validation against published numbers, a 1024-GPU scale run, contiguous vs balanced token layouts "
+        "over InfiniBand and a per-rank Gantt chart. Each writes <out>/<name>.csv/.md (and .png) and prints "
+        "its markdown.")
     p.add_argument("what", choices=COMMANDS + ("all",), help="which reproduction to run")
     p.add_argument("--quick", action="store_true", help="reduced grid, one seed (seconds)")
     p.add_argument("--out", default="results", help="output directory (default: results/)")
-    p.add_argument("--seeds", type=int, default=None, help="seeded batches per point (default 3; DESIGN §4 asks 10)")
-    p.add_argument("--workload", default=None, help="length distribution for tables 2/3, magi, scale, gantt (default slimpajama)")
+    p.add_argument("--seeds", type=int, default=None, help="seeded batches per point (default 3, layouts 2; DESIGN §4 asks 10)")
+    p.add_argument("--workload", default=None, help="length distribution for tables 2/3, magi, scale, gantt (default slimpajama); "
+                   "layouts: only this one (default: fineweb, slimpajama, ultrachat, sharegpt, full)")
+    p.add_argument("--jobs", type=int, default=1, help="layouts: worker processes (default 1)")
     p.add_argument("--topology", default="1x8", help="gantt: HSAP topology intra x inter (default 1x8)")
     p.add_argument("--config", default=None, help="YAML overrides of the simulator constants (see sim/config.py)")
     return p
@@ -107,8 +114,12 @@ def main(argv: list[str] | None = None) -> int:
         names = COMMANDS if args.what == "all" else (args.what,)
         for name in names:
             kwargs: dict[str, object] = {"quick": args.quick, "seeds": args.seeds}
-            if args.workload and name in ("table2", "table3", "magi", "scale", "gantt"):
+            if args.workload and name in ("table2", "table3", "magi", "scale", "layouts", "gantt"):
                 kwargs["workload"] = args.workload
+            if name == "layouts":
+                if args.jobs < 1:
+                    raise HSAPError("--jobs must be >= 1")
+                kwargs["jobs"] = args.jobs
             if name == "gantt":
                 kwargs["topology"] = args.topology
             if args.seeds is not None and args.seeds < 1:

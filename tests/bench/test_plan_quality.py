@@ -32,7 +32,7 @@ def test_quick_run_writes_csv_table_and_plots(tmp_path: Path, capsys) -> None:
     assert {"te_thd_ring", "allgather_kv", "ulysses", "distflashattn"} <= methods
     # the CSV's figures are the planner's own
     eff = next(float(r["value"]) for r in hsap if r["workload"] == "full" and r["metric"] == "efficiency")
-    plan = compile_plan([0, 16384], 4, num_heads=32, num_kv_heads=8, head_dim=128)
+    plan = compile_plan([0, 16384], 4, num_heads=32, num_kv_heads=8, head_dim=128, layout="contiguous")
     assert eff == pytest.approx(plan.stats()["efficiency"], rel=1e-12)
     for r in hsap:
         if r["metric"] == "efficiency":
@@ -42,12 +42,29 @@ def test_quick_run_writes_csv_table_and_plots(tmp_path: Path, capsys) -> None:
     assert table in capsys.readouterr().out
     for name in ("plan_quality_efficiency.png", "plan_quality_speedup.png", "plan_quality_imbalance.png"):
         assert (tmp_path / name).stat().st_size > 1000
+    # the side-by-side layout table: balanced figures are the forced balanced plan's own, and what
+    # layout="balanced" keeps is the faster estimate of the two
+    assert "### Layouts: contiguous (paper) vs balanced" in table and "| fineweb | 16K | 4 | nvlink | 32/8 |" in table
+    value = {(r["workload"], r["seed"], r["method"], r["metric"]): float(r["value"]) for r in rows}
+    from megatron_hsap.plan.workloads import pack_batches
+
+    cu = pack_batches("fineweb", 16384, 2, 0)[1]
+    forced = compile_plan(cu, 4, num_heads=32, num_kv_heads=8, head_dim=128, layout="balanced", layout_fallback=False)
+    assert value[("fineweb", "1", "hsap-balanced", "estimated_time")] == pytest.approx(forced.stats()["estimated_time_s"], rel=1e-12)
+    assert value[("fineweb", "1", "hsap-balanced", "owner_imbalance")] == pytest.approx(forced.stats()["owner_imbalance"], rel=1e-12)
+    for seed in ("0", "1"):
+        both = (value[("fineweb", seed, "hsap", "estimated_time")], value[("fineweb", seed, "hsap-balanced", "estimated_time")])
+        assert value[("fineweb", seed, "hsap-kept", "estimated_time")] == min(both)
+        assert value[("fineweb", seed, "hsap-kept", "kept_over_contiguous")] <= 1.0
 
 
 def test_grid_follows_design_link_rule() -> None:
     pts = plan_quality.grid(False, 10, 5, ["fineweb", "full"], [1 << 20], [8, 16, 64], ["mha"])
     assert {p.link for p in pts if p.P <= 8} == {"nvlink"} and {p.link for p in pts if p.P > 8} == {"ib"}
     assert all(len(p.seeds) == (1 if p.workload == "full" else 5 if p.P == 64 else 10) for p in pts)
+    # forced InfiniBand at every P (HSAP's inter group spans nodes); forced NVLink only inside a node
+    both = plan_quality.grid(False, 2, 2, ["fineweb"], [1 << 16], [8, 16], ["gqa"], ("auto", "ib", "nvlink"))
+    assert sorted((p.P, p.link) for p in both) == [(8, "ib"), (8, "nvlink"), (16, "ib")]
 
 
 def test_plan_cli_sample(capsys) -> None:
@@ -75,7 +92,7 @@ def test_plan_cli_bad_batch_names_the_problem(capsys) -> None:
 
 def test_sample_is_figure3_like() -> None:
     cu = plan_cli.sample_cu_seqlens(64)
-    plan = compile_plan(cu, 8, num_heads=4, head_dim=8)
+    plan = compile_plan(cu, 8, num_heads=4, head_dim=8, layout="contiguous")  # the paper's Figure 3 layout
     spans = {}
     for u in plan.work_units:
         spans.setdefault(u.doc, set()).update((u.q_owner, u.kv_owner))

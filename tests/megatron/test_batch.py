@@ -125,7 +125,7 @@ def test_round_trip_scrambled_layout(seed: int) -> None:
 
 def test_padding_is_one_extra_document() -> None:
     cu = [0, 3, 10]  # T = 10, P = 4 -> T' = 12, two padding tokens
-    plan = compile_plan(cu, inter_size=2, intra_size=2, num_heads=4, num_kv_heads=2, head_dim=8)
+    plan = compile_plan(cu, inter_size=2, intra_size=2, num_heads=4, num_kv_heads=2, head_dim=8, layout="contiguous")
     out = get_batch_on_this_cp_rank(_batch(cu), plan=plan, cp_rank=3, check_group=False, pad_token_id=PAD)
     assert plan.padded_tokens == 12
     assert out["tokens"][0, -2:].tolist() == [PAD, PAD]
@@ -133,6 +133,17 @@ def test_padding_is_one_extra_document() -> None:
     params = out["packed_seq_params"]
     assert params.cu_seqlens_q.tolist() == [0, 3, 10, 12]
     assert params.max_seqlen_q == 7
+    # balanced layout: the padding document may land on any rank; wherever it is, it is PAD with no loss
+    bal = compile_plan(cu, inter_size=2, intra_size=2, num_heads=4, num_kv_heads=2, head_dim=8,
+                       layout="balanced", layout_fallback=False)
+    seen = 0
+    for rank in range(4):
+        part = get_batch_on_this_cp_rank(_batch(cu), plan=bal, cp_rank=rank, check_group=False, pad_token_id=PAD)
+        pad = bal.local_token_indices(rank) >= 10
+        seen += int(pad.sum())
+        assert all(t == PAD for t in part["tokens"][0, pad].tolist())
+        assert all(m == 0.0 for m in part["loss_mask"][0, pad].tolist())
+    assert seen == 2
 
 
 def test_positions_in_documents_skips_empty_documents() -> None:

@@ -78,13 +78,14 @@ def run_reference(batches: list[dict[str, torch.Tensor]]) -> list[dict[str, floa
 
 
 def run_hsap(intra: int, inter: int, batches: list[dict[str, torch.Tensor]], tp: int = 1,
-             overrides: dict[str, Any] | None = None) -> list[dict[str, float]]:
+             overrides: dict[str, Any] | None = None, layout: str = "contiguous") -> list[dict[str, float]]:
     """Pool case (tp·intra·inter ranks): the same training under HSAP (Megatron's TP inside)."""
     from megatron.core import parallel_state as mpu
 
-    from megatron_hsap.megatron.batch import get_batch_on_this_cp_rank, plan_kwargs_from_config
+    from megatron_hsap.megatron.batch import get_batch_on_this_cp_rank, plan_for_batch, plan_kwargs_from_config
     from megatron_hsap.megatron.data import ByteTokenizer
     from megatron_hsap.megatron.parallel_state import destroy_hsap, initialize_hsap
+    from megatron_hsap.megatron.prefetch import PlanPrefetcher
     from megatron_hsap.megatron.spec import hsap_layer_spec
     from megatron_hsap.megatron.train_tiny import train_step
 
@@ -93,14 +94,22 @@ def run_hsap(intra: int, inter: int, batches: list[dict[str, torch.Tensor]], tp:
     try:
         model, opt = _model(config, hsap_layer_spec(config, use_te=False))
         out = []
-        for batch in batches:
-            sharded = get_batch_on_this_cp_rank(batch, plan_kwargs=plan_kwargs_from_config(config),
-                                                pad_token_id=ByteTokenizer.PAD)
+        # "balanced" without the fallback: the permuted layout must be what trains; its plans come
+        # from the prefetcher (compiled one batch ahead on a worker thread), as in training
+        extra = {"layout": layout, **({"layout_fallback": False} if layout == "balanced" else {})}
+        kwargs = {**plan_kwargs_from_config(config), **extra}
+        source = iter(batches)
+        prefetch = PlanPrefetcher(lambda: next(source, None), lambda b: plan_for_batch(b, plan_kwargs=kwargs),
+                                  enabled=layout == "balanced")
+        for batch, plan in prefetch:
+            sharded = get_batch_on_this_cp_rank(batch, plan=plan, pad_token_id=ByteTokenizer.PAD)
             r = train_step(model, opt, sharded, num_loss_tokens=sharded["num_loss_tokens"],
                            grad_group=mpu.get_data_parallel_group(with_context_parallel=True),  # DP=1: CP
                            tp_group=mpu.get_tensor_model_parallel_group(), real_tokens=sharded["num_tokens"])
             out.append({"loss": r.loss, "grad_norm": r.grad_norm, "loss_tokens": r.loss_tokens,
-                        "counted": r.counted_tokens, "padded": sharded["plan"].padded_tokens})
+                        "counted": r.counted_tokens, "padded": sharded["plan"].padded_tokens,
+                        "layout": sharded["plan"].layout.name})
+        prefetch.close()
         return out
     finally:
         destroy_hsap()
@@ -112,9 +121,10 @@ def _shared() -> tuple[list[dict[str, torch.Tensor]], list[dict[str, float]]]:
     return batches, get_pool(1).run(run_reference, batches, timeout=600)[0]
 
 
-def _check(intra: int, inter: int, tp: int = 1, overrides: dict[str, Any] | None = None) -> None:
+def _check(intra: int, inter: int, tp: int = 1, overrides: dict[str, Any] | None = None,
+           layout: str = "contiguous") -> None:
     batches, ref = _shared()
-    results = get_pool(tp * intra * inter).run(run_hsap, intra, inter, batches, tp, overrides, timeout=600)
+    results = get_pool(tp * intra * inter).run(run_hsap, intra, inter, batches, tp, overrides, layout, timeout=600)
     for rank_result in results[1:]:
         assert rank_result == results[0], "every rank must see the same all-reduced loss and grad norm"
     for step, (got, want, batch) in enumerate(zip(results[0], ref, batches)):
@@ -124,12 +134,24 @@ def _check(intra: int, inter: int, tp: int = 1, overrides: dict[str, Any] | None
         assert got["counted"] == real, f"step {step}: CP ranks hold {got['counted']} loss tokens, expected {real} (each once)"
         assert got["loss"] == pytest.approx(want["loss"], rel=RTOL), f"step {step} loss"
         assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=RTOL), f"step {step} grad norm"
+        assert got["layout"] == layout
     if intra * inter == 4:
         assert results[0][0]["padded"] == SEQ_LENGTH * MICRO_BATCH + 2  # the padding path was exercised
 
 
 def test_gpt_hsap_2x2_matches_cp1() -> None:
     _check(2, 2)
+
+
+def test_gpt_hsap_balanced_layout_matches_cp1() -> None:
+    """Tokens permuted per batch (documents kept whole or split head–tail): labels, loss mask and
+    RoPE positions must travel with them."""
+    _check(2, 2, layout="balanced")
+
+
+@pytest.mark.slow
+def test_gpt_hsap_balanced_layout_1x4_matches_cp1() -> None:
+    _check(1, 4, layout="balanced")
 
 
 @pytest.mark.slow

@@ -1,5 +1,8 @@
 """The planner's API on hand-made batches: units and patterns, layout, messages, dump, stats,
-bad input, padding, determinism, the cache and the no-torch rule (DESIGN §2.1, §3)."""
+bad input, padding, determinism, the cache and the no-torch rule (DESIGN §2.1, §3).
+
+These tests pin the paper's ``contiguous`` layout (their expectations are its chunks); the
+balanced layout (the default) has its own tests in ``test_balanced.py`` and ``test_properties.py``."""
 
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ from megatron_hsap.plan import clear_plan_cache, compile_plan
 from megatron_hsap.plan.ir import Compute, Phase, Post, Recv, Send, TokenRange, Wire
 
 # Small heads keep byte counts readable; the planner's decisions do not depend on them here.
-SMALL = dict(num_heads=4, num_kv_heads=2, head_dim=16)
+SMALL = dict(num_heads=4, num_kv_heads=2, head_dim=16, layout="contiguous")
 
 # Figure 3 of the paper, scaled to 64 tokens per rank: 8 ranks, 6 documents; S1 spans ranks 0–3,
 # S2 spans ranks 3–5, S3 ends exactly on the edge of rank 5, S4 and S5 share rank 6, S6 fills 7.
@@ -270,8 +273,8 @@ def test_cache_hit_is_fast() -> None:
 
 def test_forced_placements() -> None:
     cu = [0, 1 << 13]
-    owner = compile_plan(cu, 4, num_heads=32, head_dim=128, placement="owner-computes")
-    auto = compile_plan(cu, 4, num_heads=32, head_dim=128)
+    owner = compile_plan(cu, 4, num_heads=32, head_dim=128, placement="owner-computes", layout="contiguous")
+    auto = compile_plan(cu, 4, num_heads=32, head_dim=128, layout="contiguous")
     assert owner.stats()["placement"] == "owner-computes"
     assert owner.stats()["imbalance"] == pytest.approx(1.75, rel=1e-3)  # (2P−1)/P with P = 4
     assert auto.stats()["estimated_time_s"] < owner.stats()["estimated_time_s"]

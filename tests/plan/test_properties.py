@@ -3,7 +3,8 @@ never estimated slower than leaving every block with its q owner.
 
 The packings cover P_inter 1–16, P_intra 1–4, 1–300 documents, documents of length 1, one
 document spanning everything, boundaries exactly on chunk edges, empty documents (repeated
-``cu_seqlens`` entries), T not divisible by P, GQA and small receive pools.
+``cu_seqlens`` entries), T not divisible by P, GQA, small receive pools, and both token layouts
+(the balanced one forced as well as with its fallback to contiguous).
 """
 
 from __future__ import annotations
@@ -48,6 +49,9 @@ def packings(draw, max_tokens: int = 4096):
         options["pool_bytes"] = pool
     if draw(st.integers(0, 9)) == 0:
         options["pad_multiple"] = 2
+    layout = draw(st.sampled_from(["contiguous", "balanced", "balanced-forced"]))
+    if layout != "contiguous":
+        options.update(layout="balanced", layout_fallback=layout == "balanced")
     return cu, P, intra, options
 
 
@@ -91,3 +95,18 @@ def test_never_worse_than_owner_computes(case) -> None:
     # exact float comparison of two sums of the same kind of terms; 1e-12 absorbs summation order
     assert auto.stats()["estimated_time_s"] <= owner.stats()["estimated_time_s"] * (1 + 1e-12)
     assert auto.stats()["estimated_time_s"] >= auto.stats()["lower_bound_s"] * (1 - 1e-12)
+
+
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(realistic())
+def test_balanced_never_worse_than_contiguous(case) -> None:
+    cu, P, (h, hkv), link = case
+    kw = dict(num_heads=h, num_kv_heads=hkv, head_dim=128, link=link)
+    balanced = compile_plan(cu, P, layout="balanced", **kw)
+    contiguous = compile_plan(cu, P, layout="contiguous", **kw)
+    forced = compile_plan(cu, P, layout="balanced", layout_fallback=False, **kw)
+    assert forced.layout.name == "balanced" and contiguous.layout.name == "contiguous"
+    best = min(forced.chosen.time, contiguous.chosen.time)
+    # the kept plan is exactly the better of the two (same numbers, no tolerance needed)
+    assert balanced.chosen.time == best
+    assert balanced.layout.name == ("balanced" if forced.chosen.time <= contiguous.chosen.time else "contiguous")

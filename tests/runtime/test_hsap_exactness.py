@@ -6,7 +6,8 @@ checks out, dq, dk, dv against ``tests/reference.py`` (fp32: 1e-5 × max(1, |ref
 executor's P2P bytes against the plan, and the intra all-to-all bytes against Ulysses' volume
 (``ulysses_bytes``, kv replication counted). The degenerate topologies are compared with the
 methods they reduce to, on the same inputs: P×1 with hand-written Ulysses + one varlen call, 1×P
-with ``SAPAttention`` — bit for bit (no reduction is reordered).
+with ``SAPAttention`` — bit for bit (no reduction is reordered). The balanced layout (forced, no
+fallback) runs on every topology too: its permutation must pass through the all-to-all unchanged.
 """
 
 from __future__ import annotations
@@ -25,12 +26,14 @@ def _check(gloo_pool, world: int, specs: list[dict]) -> None:
     results = gloo_pool(world).run(cases.run_cases, specs, timeout=900)
     for i, spec in enumerate(specs):
         per_rank = [r[i] for r in results]
-        cases.compile_for(spec).verify()
+        plan = cases.compile_for(spec)
+        assert plan.layout.name == spec["layout"], "the layout under test must be the one that ran"
+        plan.verify()
         cases.check_against_reference(spec, per_rank)
         cases.check_bytes(spec, per_rank)
 
 
-def _specs(world: int, per_topology: int, seed: int) -> list[dict]:
+def _specs(world: int, per_topology: int, seed: int, layout: str = "contiguous") -> list[dict]:
     rng = np.random.default_rng(seed)
     total = TOKENS[world]
     specs = []
@@ -38,8 +41,14 @@ def _specs(world: int, per_topology: int, seed: int) -> list[dict]:
         for n in range(per_topology):
             cu = cases.random_packing(total, rng) if n else [0, 5, total // 2 + 1, total - 2]
             kv = KV_HEADS[(n + intra) % len(KV_HEADS)]
-            specs.append(cases.build_spec(cu, intra=intra, inter=inter, heads=8, kv_heads=kv, dim=8, seed=n))
+            specs.append(cases.build_spec(cu, intra=intra, inter=inter, heads=8, kv_heads=kv, dim=8, seed=n, layout=layout))
     return specs
+
+
+@pytest.mark.parametrize("world", [4, 8])
+def test_hsap_balanced_layout(gloo_pool, world):
+    """The balanced layout's permutation through the intra all-to-all and the inter plan."""
+    _check(gloo_pool, world, _specs(world, per_topology=2, seed=50 + world, layout="balanced"))
 
 
 @pytest.mark.parametrize("world", [4, 8])
@@ -64,8 +73,9 @@ def test_degenerate_topologies_equal_sap_and_ulysses(gloo_pool, world):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("layout", ["contiguous", "balanced"])
 @pytest.mark.parametrize("world", [4, 8])
-def test_hsap_random_packings(gloo_pool, world):
-    specs = _specs(world, per_topology=10, seed=100 + world)
+def test_hsap_random_packings(gloo_pool, world, layout):
+    specs = _specs(world, per_topology=10, seed=100 + world, layout=layout)
     for start in range(0, len(specs), 10):
         _check(gloo_pool, world, specs[start : start + 10])

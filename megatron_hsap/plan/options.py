@@ -1,0 +1,76 @@
+"""``PlanOptions``: everything besides ``cu_seqlens`` a plan depends on (its cache key), and the
+kv-head rule of the intra all-to-all."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_hsap.errors import ConfigError
+from megatron_hsap.plan.hardware import HARDWARE
+from megatron_hsap.plan.layout import check_size
+
+__all__ = ["PlanOptions", "kv_heads_per_rank", "DEFAULT_POOL_CHUNKS", "DEFAULT_POOL_MIN", "LAYOUTS"]
+
+LAYOUTS = ("contiguous", "balanced")
+
+DEFAULT_POOL_CHUNKS = 4  # pool = 4 × one inter chunk × local heads × (d_qk + d_v) × bytes (DESIGN §2.1)
+DEFAULT_POOL_MIN = 1 << 20  # ... and at least 1 MiB: tiny chunks still need a few 256-byte-aligned slots
+
+
+def kv_heads_per_rank(num_heads: int, num_kv_heads: int, intra_size: int) -> int:
+    """kv heads each intra rank holds after the all-to-all (replicated when P_intra > Hkv)."""
+    if num_heads % intra_size:
+        valid = [p for p in range(1, num_heads + 1) if num_heads % p == 0]
+        raise ConfigError(f"num_heads={num_heads} is not divisible by intra_size={intra_size}; valid intra sizes: {valid}")
+    if num_heads % num_kv_heads:
+        raise ConfigError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+    if num_kv_heads % intra_size == 0:
+        return num_kv_heads // intra_size
+    if intra_size % num_kv_heads == 0:
+        return 1  # each kv head replicated intra_size / Hkv times
+    valid = [p for p in range(1, num_heads + 1) if num_heads % p == 0 and (num_kv_heads % p == 0 or p % num_kv_heads == 0)]
+    raise ConfigError(
+        f"num_kv_heads={num_kv_heads} and intra_size={intra_size}: one must divide the other "
+        f"(kv heads cannot be split or replicated evenly); valid intra sizes: {valid}"
+    )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PlanOptions:
+    """Everything besides ``cu_seqlens`` that a plan depends on (its cache key)."""
+
+    inter_size: int
+    intra_size: int = 1
+    num_heads: int = 32
+    num_kv_heads: int | None = None
+    head_dim: int = 128
+    head_dim_v: int | None = None
+    dtype_bytes: int = 2
+    pad_multiple: int = 1
+    layout: str = "balanced"
+    layout_fallback: bool = True  # "balanced": keep the contiguous plan when it is estimated faster
+    pool_bytes: int | None = None
+    link: str | None = None  # "nvlink" | "ib"; default from the CP world size (DESIGN §4)
+    tp_size: int = 1
+    gpus_per_node: int = 8
+    hardware: str = "a100"
+    allow_helpers: bool = True  # move bands of local blocks to a third rank when it pays
+    placement: str = "auto"  # "auto" (lowest estimated time), "owner-computes" or "min-traffic"
+
+    def validate(self) -> "PlanOptions":
+        for name in ("inter_size", "intra_size", "num_heads", "head_dim", "dtype_bytes", "pad_multiple", "tp_size", "gpus_per_node"):
+            check_size(name, getattr(self, name))
+        for name in ("num_kv_heads", "head_dim_v", "pool_bytes"):
+            if getattr(self, name) is not None:
+                check_size(name, getattr(self, name))
+        if self.layout not in LAYOUTS:
+            raise ConfigError(f"layout={self.layout!r} is unknown; use 'contiguous' or 'balanced'")
+        if not isinstance(self.layout_fallback, bool):
+            raise ConfigError(f"layout_fallback={self.layout_fallback!r} must be True or False")
+        if self.link not in (None, "nvlink", "ib"):
+            raise ConfigError(f"link={self.link!r} is unknown; use 'nvlink', 'ib' or None (derived from the CP size)")
+        if self.placement not in ("auto", "owner-computes", "min-traffic"):
+            raise ConfigError(f"placement={self.placement!r} is unknown; use 'auto', 'owner-computes' or 'min-traffic'")
+        if self.hardware not in HARDWARE:
+            raise ConfigError(f"hardware={self.hardware!r} is unknown; choose one of {sorted(HARDWARE)}")
+        return self

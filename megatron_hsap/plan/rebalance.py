@@ -1,0 +1,237 @@
+"""Greedy rebalancing of a placement (DESIGN §2.1 step 2, the moves of ``placement.py``).
+
+A rank's load is its work plus its bytes sent and received per phase; the target is ``tau =
+total work / P``. Donors (ranks above ``tau``) are visited from the most loaded; each sheds its
+excess through the cheapest moves first (bytes per pair moved): head rows to the kv owner or to
+any rank, rows of a band it holds back to the q owner or on to any rank — into the ranks with the
+most spare work, while no rank's traffic per phase exceeds ``traffic_budget`` × the time ``tau``
+takes to compute in that phase (traffic beyond that could not hide behind compute).
+"""
+
+from __future__ import annotations
+
+import heapq
+
+from megatron_hsap.plan.ir import TokenRange
+from megatron_hsap.plan.placement import _ZERO, Placement, Vec, rows_for_work, tail_rows_for_work
+
+__all__ = ["balance"]
+
+
+_MIN_BAND_ROWS = 8  # a band thinner than this moves too little work for its kv
+_LOCAL_RESERVE = 0.05  # of tau: local work a donor keeps for its local-only end stages
+_RECEIVER_TRIES = 2  # receivers whose link is full, tried per candidate before giving it up
+
+
+class _Receivers:
+    """Ranks below ``tau`` by spare work (a min-heap of work with lazy updates)."""
+
+    def __init__(self, pl: Placement, tau: float, donor: int) -> None:
+        self.pl, self.tau = pl, tau
+        self.heap = [(pl.work[r], r) for r in range(pl.size) if r != donor and pl.work[r] < tau]
+        heapq.heapify(self.heap)
+
+    def best(self, excluded: set[int]) -> int:
+        """The rank with the most spare work, not in ``excluded`` (-1 if none)."""
+        aside = []
+        found = -1
+        work = self.pl.work
+        while self.heap:
+            w, r = self.heap[0]
+            if w != work[r]:  # stale: its work changed since it was pushed
+                heapq.heapreplace(self.heap, (work[r], r))
+                continue
+            if w >= self.tau:
+                break
+            if r in excluded:
+                aside.append(heapq.heappop(self.heap))
+                continue
+            found = r
+            break
+        for item in aside:
+            heapq.heappush(self.heap, item)
+        return found
+
+
+def balance(start: Placement, *, traffic_budget: float, allow_helpers: bool = True, tol: float = 0.005,
+            name: str | None = None) -> Placement:
+    """Shed work from ranks above ``tau = total / P`` (see the module docstring).
+
+    ``traffic_budget``: a rank's bytes per phase may grow only up to this fraction of what its
+    link moves in ``tau``'s compute time of that phase (1.0: traffic as long as compute).
+    ``allow_helpers=False`` restricts moves to a block's own q and kv owners."""
+    pl = start.copy(name or f"{start.name}+balanced")
+    pr, size, units = pl.pr, pl.size, pl.units
+    if size == 1:
+        return pl
+    tau = float(sum(pl.work)) / size
+    if tau <= 0:
+        return pl
+    cap = (tau * pr.sec_fwd * pr.bw * traffic_budget, tau * pr.sec_bwd * pr.bw * traffic_budget)
+    touching: list[list[int]] = [[] for _ in range(size)]
+    for i, u in enumerate(units):
+        touching[u.q_owner].append(i)
+        if u.kv_owner != u.q_owner:
+            touching[u.kv_owner].append(i)
+    for i, bands in enumerate(pl.bands):  # helpers of the start placement
+        for _, _, h in bands:
+            if h not in (units[i].q_owner, units[i].kv_owner):
+                touching[h].append(i)
+
+    def ok(changes: dict[int, tuple[float, Vec]]) -> bool:
+        """No rank's traffic per phase grows beyond the cap."""
+        for r, (_, d) in changes.items():
+            t = pl.traffic[r]
+            for s_, r_, c in ((0, 1, cap[0]), (2, 3, cap[1])):
+                after = max(t[s_] + d[s_], t[r_] + d[r_])
+                if after > c and after > max(t[s_], t[r_]) + 1.0:
+                    return False
+        return True
+
+    # local work (heads of blocks whose q and kv are the rank's own) each rank keeps in reserve:
+    # without some, a rank idles in the first and last stages, which only local blocks may fill
+    local = [0.0] * size
+    for i, u in enumerate(units):
+        if u.q_owner == u.kv_owner:
+            local[u.q_owner] += pl.rows_work(i, u.q.start, pl.home[i])
+    reserve = [min(_LOCAL_RESERVE * tau, w) for w in local]
+    order = sorted(range(size), key=lambda r: -pl.work[r])
+    for b in order:
+        if pl.work[b] <= tau * (1 + tol):
+            continue
+        cands = _candidates(pl, b, touching[b], tau, allow_helpers)
+        receivers = _Receivers(pl, tau, b)
+        for _, kind, i, j in cands:
+            if pl.work[b] - tau <= tau * tol:
+                break
+            u = units[i]
+            keep = 0.0
+            if kind == _HEAD and u.q_owner == u.kv_owner:
+                head = pl.rows_work(i, u.q.start, pl.home[i])
+                keep = max(0.0, reserve[b] - (local[b] - head))  # of this head, what must stay
+                if head - keep <= 0:
+                    continue
+                before = head
+            _shed(pl, b, kind, i, j, tau, ok, receivers, touching, allow_helpers, keep, traffic_budget)
+            if kind == _HEAD and u.q_owner == u.kv_owner:
+                local[b] -= before - pl.rows_work(i, u.q.start, pl.home[i])
+    return pl
+
+
+# move kinds: rows of the head (kind 0) or of band j (kind 1) of a block, to another rank
+_HEAD, _BAND = 0, 1
+
+
+def _candidates(pl: Placement, b: int, blocks: list[int], tau: float, allow_helpers: bool) -> list[tuple[float, int, int, int]]:
+    """(bytes per pair, kind, block, band index) of every way ``b`` can shed work, cheapest first.
+    Prices assume the cheapest receiver (the kv owner for rows of a cross block)."""
+    pr, units = pl.pr, pl.units
+    excess = pl.work[b] - tau
+    out = []
+    for i in blocks:
+        u = units[i]
+        a, c = u.q_owner, u.kv_owner
+        nk = u.kv.stop - u.kv.start
+        if b == a and pl.home[i] > u.q.start:
+            w = pl.rows_work(i, u.q.start, pl.home[i])
+            if c != a:
+                out.append((pr.q_total / nk, _HEAD, i, -1))
+            elif allow_helpers and w > 0:
+                amount = min(w, excess)
+                x = tail_rows_for_work(TokenRange(u.q.start, pl.home[i]), u.kv.start, u.causal, nk, amount)
+                moved = pl.rows_work(i, x, pl.home[i])
+                nkv = (pl.home[i] - u.kv.start) if u.causal else nk
+                if moved > 0:
+                    out.append((((pl.home[i] - x) * pr.q_total + nkv * pr.kv_total) / moved, _HEAD, i, -1))
+        for j, (x, y, h) in enumerate(pl.bands[i]):
+            if h != b:
+                continue
+            w = pl.rows_work(i, x, y)
+            if w <= 0:
+                continue
+            if j == len(pl.bands[i]) - 1 and b != a:
+                # rows back to the q owner: they stop travelling; the head may start fetching kv
+                fetch = nk * pr.kv_total if (c != a and pl.home[i] == u.q.start) else 0.0
+                out.append((max(fetch - (y - x) * pr.q_total, 0.0) / w + 1e-12, _BAND, i, j))
+            elif allow_helpers:
+                out.append((pr.q_total / nk + (pr.kv_total * nk / w if b == c else 0.0), _BAND, i, j))
+    out.sort()
+    return out
+
+
+def _shed(pl: Placement, b: int, kind: int, i: int, j: int, tau: float, ok, receivers: _Receivers,
+          touching: list[list[int]], allow_helpers: bool, keep: float = 0.0, budget_ratio: float = 1.0) -> None:
+    """Apply one candidate: move rows off ``b`` to the best receiver(s) that keep every link
+    within its cap (and at least ``keep`` pairs of a head where it stays). A move whose bytes take
+    the receiver longer than ``budget_ratio`` × the compute time it brings is refused."""
+    u = pl.units[i]
+    a, c = u.q_owner, u.kv_owner
+    nk = u.kv.stop - u.kv.start
+    excluded: set[int] = set()
+    while len(excluded) < _RECEIVER_TRIES:
+        excess = pl.work[b] - tau
+        if excess <= 0:
+            return
+        if kind == _HEAD:
+            lo, hi = u.q.start, pl.home[i]
+            if keep > 0:
+                excess = min(excess, pl.rows_work(i, lo, hi) - keep)
+                if excess <= 0:
+                    return
+        else:
+            if j >= len(pl.bands[i]) or pl.bands[i][j][2] != b:
+                return  # the band changed under us (merged or moved)
+            lo, hi = pl.bands[i][j][0], pl.bands[i][j][1]
+        if hi <= lo:
+            return
+        # the receiver: the natural owner first (no extra traffic), else the most spare
+        if kind == _HEAD and c != a and c not in excluded and pl.work[c] < tau:
+            h = c
+        elif kind == _BAND and j == len(pl.bands[i]) - 1 and b != a and a not in excluded and pl.work[a] < tau:
+            h = a
+        elif allow_helpers:
+            h = receivers.best(excluded)
+        else:
+            return
+        if h < 0:
+            return
+        spare = tau - pl.work[h]
+        if spare <= 0:
+            excluded.add(h)
+            continue
+        amount = min(excess, spare)
+        back_home = kind == _BAND and h == a and j == len(pl.bands[i]) - 1
+        if back_home:  # the band's head rows return next to the head
+            n = rows_for_work(TokenRange(lo, hi), u.kv.start, u.causal, nk, amount)
+            n = max(n, 1)
+            m = lo + n
+            new_home, new_bands = m, pl.bands[i][:j] + [(m, hi, b)]
+        else:  # the tail rows [m, hi) go to h
+            m = tail_rows_for_work(TokenRange(lo, hi), u.kv.start, u.causal, nk, amount)
+            if hi - m < _MIN_BAND_ROWS and m > lo:
+                m = max(lo, hi - _MIN_BAND_ROWS)
+            while pl.rows_work(i, m, hi) > spare * 1.05 + 1 and m < hi - 1:
+                m += max(1, (hi - m) // 16)  # too much for the receiver: a thinner band
+            if kind == _HEAD:
+                new_home, new_bands = m, pl.bands[i] + [(m, hi, h)]
+            else:
+                new_home = pl.home[i]
+                new_bands = pl.bands[i][:j] + [(m, hi, h), (lo, m, b)] + pl.bands[i][j + 1:]
+        changes = pl.delta(i, new_home, new_bands)
+        moved_w, moved_t = changes.get(h, (0.0, _ZERO))
+        pr = pl.pr
+        xfer = (max(moved_t[0], moved_t[1]) + max(moved_t[2], moved_t[3])) / pr.bw
+        if moved_w <= 0 or xfer > budget_ratio * moved_w * (pr.sec_fwd + pr.sec_bwd):
+            excluded.add(h)  # the move's bytes would not hide behind the work it brings
+            continue
+        if not ok(changes):
+            # the donor's own link full: no receiver helps; else try another receiver
+            if any(r == b for r, (_, d) in changes.items() if not ok({r: (0.0, d)})):
+                return
+            excluded.add(h)
+            continue
+        pl.set_rows(i, new_home, new_bands)
+        if h not in (a, c) and i not in touching[h]:
+            touching[h].append(i)
+        if kind == _BAND:
+            return  # the band list changed shape: re-derive candidates next round
