@@ -171,6 +171,7 @@ _BUDGET_FRACTION = 0.45  # per-stage remote pool use: two stages' inputs and res
 _TRAFFIC_BUDGETS = (0.3, 0.6, 1.2)  # balanced candidates: traffic per phase vs compute time
 _EXPLORE = 1  # placements whose every stage shape is priced (the rest: the default shape only)
 _EXPLORE_RETRY_BLOCKS = 2000  # pool-overflow retries price every stage shape up to this many remote blocks
+_LAYOUT_GAIN = 0.01  # layout="balanced" skips its compile when the contiguous plan is this close to the compute bound
 _OWNER_RECHECK = 0.05  # build owner-computes exactly when the chosen plan is within 5% of its quick price
 _MIN_GAIN = 0.01  # a candidate whose lower bound is within 1% of the best estimate is not staged
 
@@ -430,15 +431,19 @@ def _compile_cached(cu: tuple[int, ...], opts: PlanOptions) -> Plan:
 
     hw = HARDWARE[opts.hardware]
     pr = Prices.of(shape, hw, hw.bandwidth(_link_of(opts)))
+    contiguous = None
+    if opts.layout_fallback:
+        contiguous = _compile_on(contiguous_layout(batch, size, opts.intra_size), batch, shape, opts)
+        if contiguous.chosen.time <= batch.total_work() * (pr.sec_fwd + pr.sec_bwd) / size * (1 + _LAYOUT_GAIN):
+            return contiguous  # already within 1% of the compute bound: no layout can gain more
     # pairs of attention one token's kv costs to move (forward kv, backward kv and dkv back)
     token_cost = (2 * pr.kv + pr.dkv) / pr.bw / (pr.sec_fwd + pr.sec_bwd)
     balanced = _compile_on(balanced_layout(batch, size, opts.intra_size, token_cost), batch, shape, opts)
-    if not opts.layout_fallback:
+    if contiguous is None:
         return balanced
     # The balanced layout must never lose to the paper's: on the batch where its split documents
     # cost more traffic than the balance saves, keep the contiguous layout (the plan carries its
     # layout, so batch sharding follows whichever was kept; stats()["layout"] says which).
-    contiguous = _compile_on(contiguous_layout(batch, size, opts.intra_size), batch, shape, opts)
     return balanced if balanced.chosen.time <= contiguous.chosen.time else contiguous
 
 

@@ -10,6 +10,7 @@ document spanning everything, boundaries exactly on chunk edges, empty documents
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -84,11 +85,14 @@ def realistic(draw):
     return cu, P, heads, link
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(realistic())
-def test_never_worse_than_owner_computes(case) -> None:
+@pytest.mark.parametrize("layout", ["contiguous", "balanced"])
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=realistic())
+def test_never_worse_than_owner_computes(case, layout: str) -> None:
+    # the planner's guarantee, per layout (the balanced one forced; the choice between layouts
+    # is test_balanced_never_worse_than_contiguous's)
     cu, P, (h, hkv), link = case
-    kw = dict(num_heads=h, num_kv_heads=hkv, head_dim=128, link=link)
+    kw = dict(num_heads=h, num_kv_heads=hkv, head_dim=128, link=link, layout=layout, layout_fallback=False)
     auto = compile_plan(cu, P, **kw)
     owner = compile_plan(cu, P, placement="owner-computes", **kw)
     assert owner.stats()["placement"] == "owner-computes"
@@ -106,7 +110,11 @@ def test_balanced_never_worse_than_contiguous(case) -> None:
     contiguous = compile_plan(cu, P, layout="contiguous", **kw)
     forced = compile_plan(cu, P, layout="balanced", layout_fallback=False, **kw)
     assert forced.layout.name == "balanced" and contiguous.layout.name == "contiguous"
-    best = min(forced.chosen.time, contiguous.chosen.time)
-    # the kept plan is exactly the better of the two (same numbers, no tolerance needed)
-    assert balanced.chosen.time == best
+    assert balanced.chosen.time <= contiguous.chosen.time  # never worse than the paper's layout
+    if contiguous.chosen.time <= contiguous.stats()["compute_bound_s"] * 1.01:
+        # within 1% of the compute bound no layout can gain more: the balanced compile is skipped
+        assert balanced.layout.name == "contiguous" and balanced.chosen.time == contiguous.chosen.time
+        return
+    # otherwise the kept plan is exactly the better of the two (same numbers, no tolerance needed)
+    assert balanced.chosen.time == min(forced.chosen.time, contiguous.chosen.time)
     assert balanced.layout.name == ("balanced" if forced.chosen.time <= contiguous.chosen.time else "contiguous")
