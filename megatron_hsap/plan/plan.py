@@ -25,7 +25,7 @@ from megatron_hsap.plan.rebalance import balance
 from megatron_hsap.plan.schedule import Split, StageShape, Staging, StagingError, default_shape, stage, stage_shapes
 from megatron_hsap.plan.units import Piece, WorkUnit, build_units
 
-__all__ = ["Plan", "PlanOptions", "compile_plan", "clear_plan_cache", "kv_heads_per_rank"]
+__all__ = ["Plan", "PlanOptions", "compile_plan", "clear_plan_cache", "kv_heads_per_rank", "kept_layout"]
 
 @dataclass(frozen=True, slots=True)
 class _Candidate:
@@ -432,9 +432,10 @@ def _compile_cached(cu: tuple[int, ...], opts: PlanOptions) -> Plan:
     hw = HARDWARE[opts.hardware]
     pr = Prices.of(shape, hw, hw.bandwidth(_link_of(opts)))
     contiguous = None
+    bound = batch.total_work() * (pr.sec_fwd + pr.sec_bwd) / size  # compute bound, any layout
     if opts.layout_fallback:
         contiguous = _compile_on(contiguous_layout(batch, size, opts.intra_size), batch, shape, opts)
-        if contiguous.chosen.time <= batch.total_work() * (pr.sec_fwd + pr.sec_bwd) / size * (1 + _LAYOUT_GAIN):
+        if kept_layout(contiguous.chosen.time, None, bound) == "contiguous":
             return contiguous  # already within 1% of the compute bound: no layout can gain more
     # pairs of attention one token's kv costs to move (forward kv, backward kv and dkv back)
     token_cost = (2 * pr.kv + pr.dkv) / pr.bw / (pr.sec_fwd + pr.sec_bwd)
@@ -444,7 +445,18 @@ def _compile_cached(cu: tuple[int, ...], opts: PlanOptions) -> Plan:
     # The balanced layout must never lose to the paper's: on the batch where its split documents
     # cost more traffic than the balance saves, keep the contiguous layout (the plan carries its
     # layout, so batch sharding follows whichever was kept; stats()["layout"] says which).
-    return balanced if balanced.chosen.time <= contiguous.chosen.time else contiguous
+    return balanced if kept_layout(contiguous.chosen.time, balanced.chosen.time, bound) == "balanced" else contiguous
+
+
+def kept_layout(contiguous_s: float, balanced_s: float | None, compute_bound_s: float) -> str:
+    """The layout ``layout="balanced"`` (with its fallback) ships, from the two plans' estimated
+    times: contiguous when it is within 1% of the compute bound (the balanced plan is then not even
+    compiled: pass ``balanced_s=None``) or estimated faster; balanced otherwise (ties: balanced)."""
+    if contiguous_s <= compute_bound_s * (1 + _LAYOUT_GAIN):
+        return "contiguous"
+    if balanced_s is None:
+        return "balanced"  # undecided until the balanced plan is compiled
+    return "balanced" if balanced_s <= contiguous_s else "contiguous"
 
 
 def _link_of(opts: PlanOptions) -> LinkClass:

@@ -77,6 +77,7 @@ class LayoutRun:
     terms: tuple[tuple[str, float], ...]  # breakdown.TERMS of the critical rank, fwd + bwd, seconds
     rows: tuple[Row, ...]
     error: str = ""
+    compute_bound_s: float = 0.0  # the kept-layout rule needs it (plan.kept_layout)
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,10 +89,12 @@ class LayoutPair:
     def kept(self) -> LayoutRun | None:
         """The plan ``layout="balanced"`` ships: balanced unless contiguous is estimated faster
         (ties go to balanced, as in ``compile_plan``); None when either plan failed."""
+        from megatron_hsap.plan.plan import kept_layout
+
         c, b = self.contiguous, self.balanced
         if c.error or b.error:
             return None
-        return b if b.estimate_s <= c.estimate_s else c
+        return b if kept_layout(c.estimate_s, b.estimate_s, c.compute_bound_s) == "balanced" else c
 
 
 def _run_layout(cu: np.ndarray, hw: SimHardware, inter: int, layout: str, pt: Point) -> LayoutRun:
@@ -102,7 +105,7 @@ def _run_layout(cu: np.ndarray, hw: SimHardware, inter: int, layout: str, pt: Po
     method = f"hsap-{layout}"
     if run is None:
         nan = float("nan")
-        return LayoutRun(layout, nan, nan, nan, nan, nan, (), (pt.row(method, "error", err, "text"),), err)
+        return LayoutRun(layout, nan, nan, nan, nan, nan, (), (pt.row(method, "error", err, "text"),), err, nan)
     # the same arguments as run_method's call: a hit in compile_plan's cache, for the stats it omits
     stats = compile_plan(cu, inter, 1, num_heads=SHAPE.num_heads, num_kv_heads=SHAPE.num_kv_heads, head_dim=SHAPE.head_dim,
                          dtype_bytes=SHAPE.dtype_bytes, hardware=hw.name, **opts).stats()
@@ -114,7 +117,7 @@ def _run_layout(cu: np.ndarray, hw: SimHardware, inter: int, layout: str, pt: Po
         pt.row(method, "owner_imbalance", stats["owner_imbalance"], "ratio"),
         pt.row(method, "bytes_total", stats["bytes_total"], "bytes")]
     return LayoutRun(stats["layout"], run.seconds, stats["estimated_time_s"], stats["owner_imbalance"], stats["imbalance"],
-                     float(stats["bytes_total"]), tuple(terms.items()), tuple(rows))
+                     float(stats["bytes_total"]), tuple(terms.items()), tuple(rows), "", stats["compute_bound_s"])
 
 
 def compare_layouts(cu: np.ndarray, *, hw: SimHardware, inter: int, pt: Point | None = None) -> LayoutPair:

@@ -20,6 +20,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from megatron_hsap.plan.hardware import LinkClass
+from megatron_hsap.plan.plan import kept_layout
 from megatron_hsap.plan.workloads import pack_batches
 from megatron_hsap.sim.breakdown import phase_breakdown
 from megatron_hsap.sim.config import sim_hardware
@@ -69,7 +70,7 @@ def scale(out_dir: str | Path, *, quick: bool = False, seeds: int | None = None,
             rows += method_rows(pt, bal) + [pt.row("hsap-balanced", k, v, u) for k, v, u in (
                 ("bytes_over_necessary", bp["bytes_total"] / max(bp["necessary_bytes"], 1), "ratio"),
                 ("rounds_fwd", bp["rounds_fwd"], "rounds"), ("balanced_over_contiguous", bal.seconds / run.seconds, "ratio"))]
-            kept = "balanced" if bp["estimated_time_s"] <= plan["estimated_time_s"] else "contiguous"
+            kept = kept_layout(plan["estimated_time_s"], bp["estimated_time_s"], plan["compute_bound_s"])
             cells = [bp["imbalance"], f"{bal.fwd.seconds * 1e3:.2f} / {bal.bwd.seconds * 1e3:.2f}",
                      f"{bal.tflops_per_gpu('fwd'):.0f} / {bal.tflops_per_gpu('bwd'):.0f}", f"{bal.seconds / run.seconds:.2f}×", kept]
         side.append([f"{T / M:g}M", plan["imbalance"], f"{run.fwd.seconds * 1e3:.2f} / {run.bwd.seconds * 1e3:.2f}",
