@@ -33,7 +33,7 @@ import numpy as np
 from megatron_hsap.plan.ir import Segment, TokenRange
 from megatron_hsap.plan.layout import Batch, Layout
 
-__all__ = ["balanced_layout", "piece_work"]
+__all__ = ["balanced_layout", "piece_work", "kept_layout"]
 
 
 def piece_work(doc_start: int, a: int, b: int) -> int:
@@ -81,6 +81,7 @@ def _split_counts(lengths: np.ndarray, work: np.ndarray, size: int, chunk: int) 
     return np.clip(k, 1, size).astype(np.int64)
 
 
+_LAYOUT_GAIN = 0.01  # layout="balanced" skips its compile when the contiguous plan is this close to the compute bound
 _SLACK = 0.02  # a document whole on a rank may overshoot the mean work by this before it is split
 _EXPOSED = 0.5  # measured: 0.5 beat 0.1, 0.25 and 1.0 (no overlap) on plan estimates, 64K–1M, P 8–64
 _MIN_PIECE = 64  # tokens: balance alone never cuts a document into head/tail pieces smaller than this
@@ -225,3 +226,14 @@ def balanced_layout(batch: Batch, inter_size: int, intra_size: int, token_cost: 
             row += b - a
         segments.append(tuple(segs))
     return Layout(name="balanced", segments=tuple(segments), chunk_tokens=chunk, intra_size=intra_size)
+
+
+def kept_layout(contiguous_s: float, balanced_s: float | None, compute_bound_s: float) -> str:
+    """The layout ``layout="balanced"`` (with its fallback) ships, from the two plans' estimated
+    times: contiguous when it is within 1% of the compute bound (the balanced plan is then not even
+    compiled: pass ``balanced_s=None``) or estimated faster; balanced otherwise (ties: balanced)."""
+    if contiguous_s <= compute_bound_s * (1 + _LAYOUT_GAIN):
+        return "contiguous"
+    if balanced_s is None:
+        return "balanced"  # undecided until the balanced plan is compiled
+    return "balanced" if balanced_s <= contiguous_s else "contiguous"

@@ -19,6 +19,7 @@ from megatron_hsap.plan.estimate import PhaseTime, phase_time, price_staging
 from megatron_hsap.plan.hardware import HARDWARE, Hardware, LinkClass, link_class_for
 from megatron_hsap.plan.ir import Compute, Phase, Program, TokenRange, Unit
 from megatron_hsap.plan.layout import Batch, Layout, contiguous_layout, normalize_cu_seqlens, validate_layout
+from megatron_hsap.plan.balanced import balanced_layout, kept_layout
 from megatron_hsap.plan.options import DEFAULT_POOL_CHUNKS, DEFAULT_POOL_MIN, PlanOptions, kv_heads_per_rank
 from megatron_hsap.plan.placement import Placement, Prices, min_traffic, owner_computes, region_distflash
 from megatron_hsap.plan.rebalance import balance
@@ -171,7 +172,6 @@ _BUDGET_FRACTION = 0.45  # per-stage remote pool use: two stages' inputs and res
 _TRAFFIC_BUDGETS = (0.3, 0.6, 1.2)  # balanced candidates: traffic per phase vs compute time
 _EXPLORE = 1  # placements whose every stage shape is priced (the rest: the default shape only)
 _EXPLORE_RETRY_BLOCKS = 2000  # pool-overflow retries price every stage shape up to this many remote blocks
-_LAYOUT_GAIN = 0.01  # layout="balanced" skips its compile when the contiguous plan is this close to the compute bound
 _OWNER_RECHECK = 0.05  # build owner-computes exactly when the chosen plan is within 5% of its quick price
 _MIN_GAIN = 0.01  # a candidate whose lower bound is within 1% of the best estimate is not staged
 
@@ -427,7 +427,6 @@ def _compile_cached(cu: tuple[int, ...], opts: PlanOptions) -> Plan:
     batch = Batch.build(cu, size * opts.intra_size * opts.pad_multiple)
     if opts.layout == "contiguous":
         return _compile_on(contiguous_layout(batch, size, opts.intra_size), batch, shape, opts)
-    from megatron_hsap.plan.balanced import balanced_layout
 
     hw = HARDWARE[opts.hardware]
     pr = Prices.of(shape, hw, hw.bandwidth(_link_of(opts)))
@@ -447,16 +446,6 @@ def _compile_cached(cu: tuple[int, ...], opts: PlanOptions) -> Plan:
     # layout, so batch sharding follows whichever was kept; stats()["layout"] says which).
     return balanced if kept_layout(contiguous.chosen.time, balanced.chosen.time, bound) == "balanced" else contiguous
 
-
-def kept_layout(contiguous_s: float, balanced_s: float | None, compute_bound_s: float) -> str:
-    """The layout ``layout="balanced"`` (with its fallback) ships, from the two plans' estimated
-    times: contiguous when it is within 1% of the compute bound (the balanced plan is then not even
-    compiled: pass ``balanced_s=None``) or estimated faster; balanced otherwise (ties: balanced)."""
-    if contiguous_s <= compute_bound_s * (1 + _LAYOUT_GAIN):
-        return "contiguous"
-    if balanced_s is None:
-        return "balanced"  # undecided until the balanced plan is compiled
-    return "balanced" if balanced_s <= contiguous_s else "contiguous"
 
 
 def _link_of(opts: PlanOptions) -> LinkClass:

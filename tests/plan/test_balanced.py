@@ -91,12 +91,15 @@ def test_split_only_when_it_pays_for_its_traffic() -> None:
 def test_layout_time_budget() -> None:
     # issue budget: <= 20 ms for 64K/P=8 and <= 200 ms for 1M/P=64, layout included
     for tokens, inter, budget in [(1 << 16, 8, 0.020), (1 << 20, 64, 0.200)]:
-        times = []
-        for cu in pack_batches("fineweb", tokens, 5, 11):
+        best = []
+        for cu in pack_batches("fineweb", tokens, 3, 11):
             batch = Batch.build(cu, inter)
-            t0 = time.perf_counter()
-            balanced_layout(batch, inter, 1)
-            times.append(time.perf_counter() - t0)
+            times = []
+            for _ in range(3):
+                t0 = time.perf_counter()
+                balanced_layout(batch, inter, 1)
+                times.append(time.perf_counter() - t0)
+            best.append(min(times))
         # the layout alone measures 4–5 ms / 50–80 ms on a quiet machine; noise on a shared box
-        # only slows runs down, so the fastest of five is the code's own cost
-        assert min(times) <= budget, (tokens, inter, times)
+        # only slows runs down, so each batch's fastest of three repeats is the code's own cost
+        assert float(np.median(best)) <= budget, (tokens, inter, best)
