@@ -31,7 +31,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from megatron_hsap.plan.ir import TokenRange, Unit
+from megatron_hsap.plan.cuts import footprint, grid_tiles, is_local, smallest_piece, split_cols, split_rows, take, with_stage
+from megatron_hsap.plan.ir import Unit
 from megatron_hsap.plan.placement import Prices, rows_for_work
 
 __all__ = ["Split", "Staging", "StagingError", "StageShape", "assign_stages", "default_shape", "stage", "footprint", "is_local", "stage_shapes", "split_rows", "split_cols"]
@@ -42,140 +43,6 @@ class StagingError(Exception):
 
 
 _MIN_SPLIT_ROWS = 16  # local blocks are not cut into slivers thinner than this (one kernel call each)
-
-
-def is_local(u: Unit) -> bool:
-    return u.rank == u.q_owner == u.kv_owner
-
-
-def footprint(u: Unit, pr: Prices) -> float:
-    """Pool bytes ``u`` needs on its rank in backward (the larger phase): received inputs plus
-    fp32 partial results it sends home."""
-    total = 0.0
-    if u.rank != u.q_owner:
-        total += len(u.q) * (pr.q_bwd + pr.dq)
-    if u.rank != u.kv_owner:
-        total += len(u.kv) * (pr.kv + pr.dkv)
-    return total
-
-
-def split_rows(u: Unit, m: int) -> tuple[Unit, Unit]:
-    """Split ``u`` before global q row ``m``: a causal block's head keeps bottom-right alignment."""
-    assert u.q.start < m < u.q.stop, (u, m)
-    first_kv = TokenRange(u.kv.start, m) if u.causal else u.kv
-    a = Unit(u.doc, TokenRange(u.q.start, m), first_kv, u.causal, u.q_owner, u.kv_owner, u.rank, u.stage)
-    b = Unit(u.doc, TokenRange(m, u.q.stop), u.kv, u.causal, u.q_owner, u.kv_owner, u.rank, u.stage)
-    return a, b
-
-
-def split_cols(u: Unit, m: int) -> tuple[Unit, Unit]:
-    """Split a rectangle before global kv row ``m``."""
-    assert not u.causal and u.kv.start < m < u.kv.stop, (u, m)
-    a = Unit(u.doc, u.q, TokenRange(u.kv.start, m), False, u.q_owner, u.kv_owner, u.rank, u.stage)
-    b = Unit(u.doc, u.q, TokenRange(m, u.kv.stop), False, u.q_owner, u.kv_owner, u.rank, u.stage)
-    return a, b
-
-
-def _with_stage(u: Unit, stage: int) -> Unit:
-    return Unit(u.doc, u.q, u.kv, u.causal, u.q_owner, u.kv_owner, u.rank, stage)
-
-
-def _by_cols(u: Unit, pr: Prices) -> bool:
-    """Which side to cut a remote rectangle along: the one whose rows did not travel (no re-send),
-    else so that the side re-sent with every part is the one of fewer bytes."""
-    q_rem, kv_rem = u.rank != u.q_owner, u.rank != u.kv_owner
-    if q_rem and not kv_rem:
-        return False
-    if kv_rem and not q_rem:
-        return True
-    return len(u.q) * (pr.q_bwd + pr.dq) <= len(u.kv) * (pr.kv + pr.dkv)
-
-
-def _count(amount: float, per: float) -> int:
-    """How many items of size ``per`` fit in ``amount`` (unbounded amounts give a huge count)."""
-    if amount <= 0:
-        return 0
-    if not math.isfinite(amount):
-        return 1 << 62
-    return int(amount // per)
-
-
-def _smallest_piece(u: Unit, pr: Prices) -> float:
-    """Work of the smallest part ``_take`` can cut from ``u`` (one row or one column)."""
-    if u.causal:
-        return float(u.q.start - u.kv.start + 1)
-    return float(len(u.q) if _by_cols(u, pr) else len(u.kv))
-
-
-def _grid(u: Unit, share: float, budget: float, pr: Prices) -> list[Unit]:
-    """A block whose q rows and kv both travel and whose shorter side alone nearly fills
-    ``budget`` (so 1-D cuts, which re-send that side with every part, cannot progress): cut into a
-    grid of tiles of about ``share`` pairs (one stage's worth) that each fit the budget; a tile of
-    area A costs r·fq + c·fk, least at r = sqrt(A·fk/fq). Causal blocks first split into their
-    triangles and the rectangle between them."""
-    if u.rank == u.q_owner or u.rank == u.kv_owner:
-        return [u]
-    fq, fk = pr.q_bwd + pr.dq, pr.kv + pr.dkv
-    nq, nk = len(u.q), len(u.kv)
-    if u.causal and (u.q.stop - u.kv.start) * fk + fq <= budget:
-        return [u]  # row cuts (``_take``) can make progress
-    if not u.causal and min(nq * fq, nk * fk) <= budget / 2:
-        return [u]  # cuts along the longer side (re-sending the shorter) can make progress
-    if u.causal:
-        if nq < 2:
-            return [u]
-        m = u.q.start + nq // 2
-        parts = []
-        if u.kv.start < u.q.start:  # keys before the rows: a rectangle of their own
-            parts.append(Unit(u.doc, u.q, TokenRange(u.kv.start, u.q.start), False, u.q_owner, u.kv_owner, u.rank, u.stage))
-        parts += [
-            Unit(u.doc, TokenRange(u.q.start, m), TokenRange(u.q.start, m), True, u.q_owner, u.kv_owner, u.rank, u.stage),
-            Unit(u.doc, TokenRange(m, u.q.stop), TokenRange(u.q.start, m), False, u.q_owner, u.kv_owner, u.rank, u.stage),
-            Unit(u.doc, TokenRange(m, u.q.stop), TokenRange(m, u.q.stop), True, u.q_owner, u.kv_owner, u.rank, u.stage),
-        ]
-        return [t for part in parts for t in _grid(part, share, budget, pr)]
-    area = max(1.0, min(float(share), float(nq) * nk, budget * budget / (4 * fq * fk)))
-    r = min(nq, max(1, int(math.sqrt(area * fk / fq))))
-    c = min(nk, max(1, int(area / r)))
-    while r * fq + c * fk > budget and (r > 1 or c > 1):
-        r, c = max(1, (r * 3) // 4), max(1, (c * 3) // 4)
-    rows = np.linspace(u.q.start, u.q.stop, -(-nq // r) + 1).round().astype(np.int64).tolist()
-    cols = np.linspace(u.kv.start, u.kv.stop, -(-nk // c) + 1).round().astype(np.int64).tolist()
-    return [Unit(u.doc, TokenRange(a, b), TokenRange(x, y), False, u.q_owner, u.kv_owner, u.rank, u.stage)
-            for a, b in zip(rows, rows[1:]) for x, y in zip(cols, cols[1:])]
-
-
-def _take(u: Unit, work: float, room: float, pr: Prices) -> tuple[Unit | None, list[Unit]]:
-    """Cut from remote block ``u`` a part with at most ``work`` pairs and ``room`` pool bytes.
-    Returns (part, rest); part is None when not even one row/column fits.
-
-    A block needing only q rows (kv local) is cut by rows, one needing only kv by columns: no
-    byte travels twice. A rectangle needing both is cut along its longer side (the shorter is
-    re-sent with every part; ``_grid`` tiled the blocks where that side alone is too big). A
-    causal block needing both is cut by rows (the key prefix is re-sent with every part)."""
-    q_rem, kv_rem = u.rank != u.q_owner, u.rank != u.kv_owner
-    fq, fk = pr.q_bwd + pr.dq, pr.kv + pr.dkv
-    nq, nk = len(u.q), len(u.kv)
-    if u.causal:
-        n = rows_for_work(u.q, u.kv.start, True, nk, work)
-        while n > 0 and n * fq + (u.q.start + n - u.kv.start) * fk > room:
-            n //= 2
-        if n <= 0:
-            return None, [u]
-        if n >= nq:
-            return u, []
-        a, b = split_rows(u, u.q.start + n)
-        return a, [b]
-    by_cols = _by_cols(u, pr)
-    # cutting along one axis: the other axis' rows (if remote) travel with every part
-    length, per, fixed = (nk, fk, nq * fq if q_rem else 0.0) if by_cols else (nq, fq, nk * fk if kv_rem else 0.0)
-    n = min(_count(work, nq if by_cols else nk), _count(room - fixed, per))
-    if n <= 0:
-        return None, [u]
-    if n >= length:
-        return u, []
-    a, b = split_cols(u, u.kv.start + n) if by_cols else split_rows(u, u.q.start + n)
-    return a, [b]
 
 
 @dataclass(frozen=True, slots=True)
@@ -341,7 +208,7 @@ def _fill_last(parts: list[Unit], floor: np.ndarray, budgets: np.ndarray, weight
         else:
             keep, moved = split_cols(u, u.kv.stop - cols)
         out[i] = keep
-        out.append(_with_stage(moved, last))
+        out.append(with_stage(moved, last))
         floor[u.stage] -= moved.work
         floor[last] += moved.work
         want -= moved.work
@@ -389,7 +256,7 @@ def _cut_remote(units: list[Unit], n_mid: int, pr: Prices, budget: float, size: 
     parts (stage set) and how many middle stages they use (``> n_mid`` when forced)."""
     total = float(sum(u.work for u in units))
     per = total / n_mid if level is None else max(level, total / (4 * n_mid), 1.0)
-    units = _interleave([t for u in units for t in _grid(u, per, budget, pr)], size)
+    units = _interleave([t for u in units for t in grid_tiles(u, per, budget, pr)], size)
     out: list[Unit] = []
     k = 0  # middle stage index (stage k + 1)
     placed_w = acc_b = 0.0  # work placed so far (all stages), pool bytes of stage k
@@ -402,7 +269,7 @@ def _cut_remote(units: list[Unit], n_mid: int, pr: Prices, budget: float, size: 
         w = u.work
         small = w <= 0.25 * per  # not worth a cut: place whole, later stages make up for it
         if (w <= room_w * 1.0001 + 1 or (small and room_w > 0.5 * w)) and fp <= budget - acc_b:
-            out.append(_with_stage(u, k + 1))
+            out.append(with_stage(u, k + 1))
             placed_w += w
             acc_b += fp
             if placed_w >= per * (k + 1) * 0.9999 and (k < n_mid - 1 or level is not None):
@@ -410,14 +277,14 @@ def _cut_remote(units: list[Unit], n_mid: int, pr: Prices, budget: float, size: 
             continue
         part, rest = None, [u]
         if (not small or fp > budget - acc_b) and room_w >= 0.1 * per:  # else the stage is full
-            part, rest = _take(u, max(room_w, 0.0), budget - acc_b, pr)
+            part, rest = take(u, max(room_w, 0.0), budget - acc_b, pr)
         if part is None and acc_b == 0.0:
             # an empty stage: take at least one row or column, whatever the work target says
-            part, rest = _take(u, max(room_w, _smallest_piece(u, pr)), budget, pr)
+            part, rest = take(u, max(room_w, smallest_piece(u, pr)), budget, pr)
             if part is None:
                 part, rest = u, []  # not one row fits the pool budget: codegen decides
         if part is not None:
-            out.append(_with_stage(part, k + 1))
+            out.append(with_stage(part, k + 1))
             placed_w += part.work
             acc_b += footprint(part, pr)
         if rest:
@@ -441,7 +308,7 @@ def _pour(units: list[Unit], budgets: np.ndarray) -> list[Unit]:
             k += 1
         w = u.work
         if k == last or poured + w <= cum[k] * (1 + 1e-9):
-            out.append(_with_stage(u, k))
+            out.append(with_stage(u, k))
             poured += w
             continue
         room = cum[k] - poured
@@ -451,11 +318,11 @@ def _pour(units: list[Unit], budgets: np.ndarray) -> list[Unit]:
             k += 1
             continue
         if n >= len(u.q) - _MIN_SPLIT_ROWS:  # all but a sliver fits: overfill a little instead
-            out.append(_with_stage(u, k))
+            out.append(with_stage(u, k))
             poured += w
             continue
         a, b = split_rows(u, u.q.start + n)
-        out.append(_with_stage(a, k))
+        out.append(with_stage(a, k))
         poured += a.work
         queue.append(b)
         k += 1
@@ -465,7 +332,7 @@ def _pour(units: list[Unit], budgets: np.ndarray) -> list[Unit]:
 def _tiled_bytes(u: Unit, pr: Prices, budget: float) -> float:
     """Pool bytes ``u`` will occupy over all its stages once cut to fit ``budget``: its footprint,
     or, when both q rows and kv travel and they do not fit together, one budget per 2D tile
-    (``_take`` re-sends a tile's q rows and kv columns with each neighbouring tile)."""
+    (``take`` re-sends a tile's q rows and kv columns with each neighbouring tile)."""
     fp = footprint(u, pr)
     if fp <= budget or u.rank == u.q_owner or u.rank == u.kv_owner:
         return fp

@@ -1,0 +1,149 @@
+"""Cutting placed blocks (DESIGN §2.1 step 3, used by ``schedule.py``): by q rows, by kv columns or
+in 2-D tiles, so a stage takes exactly the work and pool bytes it has room for and no input byte
+travels twice."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from megatron_hsap.plan.ir import TokenRange, Unit
+from megatron_hsap.plan.placement import Prices, rows_for_work
+
+__all__ = ["is_local", "footprint", "split_rows", "split_cols", "with_stage", "cut_by_cols", "count_fitting",
+           "smallest_piece", "grid_tiles", "take"]
+
+
+def is_local(u: Unit) -> bool:
+    return u.rank == u.q_owner == u.kv_owner
+
+
+def footprint(u: Unit, pr: Prices) -> float:
+    """Pool bytes ``u`` needs on its rank in backward (the larger phase): received inputs plus
+    fp32 partial results it sends home."""
+    total = 0.0
+    if u.rank != u.q_owner:
+        total += len(u.q) * (pr.q_bwd + pr.dq)
+    if u.rank != u.kv_owner:
+        total += len(u.kv) * (pr.kv + pr.dkv)
+    return total
+
+
+def split_rows(u: Unit, m: int) -> tuple[Unit, Unit]:
+    """Split ``u`` before global q row ``m``: a causal block's head keeps bottom-right alignment."""
+    assert u.q.start < m < u.q.stop, (u, m)
+    first_kv = TokenRange(u.kv.start, m) if u.causal else u.kv
+    a = Unit(u.doc, TokenRange(u.q.start, m), first_kv, u.causal, u.q_owner, u.kv_owner, u.rank, u.stage)
+    b = Unit(u.doc, TokenRange(m, u.q.stop), u.kv, u.causal, u.q_owner, u.kv_owner, u.rank, u.stage)
+    return a, b
+
+
+def split_cols(u: Unit, m: int) -> tuple[Unit, Unit]:
+    """Split a rectangle before global kv row ``m``."""
+    assert not u.causal and u.kv.start < m < u.kv.stop, (u, m)
+    a = Unit(u.doc, u.q, TokenRange(u.kv.start, m), False, u.q_owner, u.kv_owner, u.rank, u.stage)
+    b = Unit(u.doc, u.q, TokenRange(m, u.kv.stop), False, u.q_owner, u.kv_owner, u.rank, u.stage)
+    return a, b
+
+
+def with_stage(u: Unit, stage: int) -> Unit:
+    return Unit(u.doc, u.q, u.kv, u.causal, u.q_owner, u.kv_owner, u.rank, stage)
+
+
+def cut_by_cols(u: Unit, pr: Prices) -> bool:
+    """Which side to cut a remote rectangle along: the one whose rows did not travel (no re-send),
+    else so that the side re-sent with every part is the one of fewer bytes."""
+    q_rem, kv_rem = u.rank != u.q_owner, u.rank != u.kv_owner
+    if q_rem and not kv_rem:
+        return False
+    if kv_rem and not q_rem:
+        return True
+    return len(u.q) * (pr.q_bwd + pr.dq) <= len(u.kv) * (pr.kv + pr.dkv)
+
+
+def count_fitting(amount: float, per: float) -> int:
+    """How many items of size ``per`` fit in ``amount`` (unbounded amounts give a huge count)."""
+    if amount <= 0:
+        return 0
+    if not math.isfinite(amount):
+        return 1 << 62
+    return int(amount // per)
+
+
+def smallest_piece(u: Unit, pr: Prices) -> float:
+    """Work of the smallest part ``take`` can cut from ``u`` (one row or one column)."""
+    if u.causal:
+        return float(u.q.start - u.kv.start + 1)
+    return float(len(u.q) if cut_by_cols(u, pr) else len(u.kv))
+
+
+def grid_tiles(u: Unit, share: float, budget: float, pr: Prices) -> list[Unit]:
+    """A block whose q rows and kv both travel and whose shorter side alone nearly fills
+    ``budget`` (so 1-D cuts, which re-send that side with every part, cannot progress): cut into a
+    grid of tiles of about ``share`` pairs (one stage's worth) that each fit the budget; a tile of
+    area A costs r·fq + c·fk, least at r = sqrt(A·fk/fq). Causal blocks first split into their
+    triangles and the rectangle between them."""
+    if u.rank == u.q_owner or u.rank == u.kv_owner:
+        return [u]
+    fq, fk = pr.q_bwd + pr.dq, pr.kv + pr.dkv
+    nq, nk = len(u.q), len(u.kv)
+    if u.causal and (u.q.stop - u.kv.start) * fk + fq <= budget:
+        return [u]  # row cuts (``take``) can make progress
+    if not u.causal and min(nq * fq, nk * fk) <= budget / 2:
+        return [u]  # cuts along the longer side (re-sending the shorter) can make progress
+    if u.causal:
+        if nq < 2:
+            return [u]
+        m = u.q.start + nq // 2
+        parts = []
+        if u.kv.start < u.q.start:  # keys before the rows: a rectangle of their own
+            parts.append(Unit(u.doc, u.q, TokenRange(u.kv.start, u.q.start), False, u.q_owner, u.kv_owner, u.rank, u.stage))
+        parts += [
+            Unit(u.doc, TokenRange(u.q.start, m), TokenRange(u.q.start, m), True, u.q_owner, u.kv_owner, u.rank, u.stage),
+            Unit(u.doc, TokenRange(m, u.q.stop), TokenRange(u.q.start, m), False, u.q_owner, u.kv_owner, u.rank, u.stage),
+            Unit(u.doc, TokenRange(m, u.q.stop), TokenRange(m, u.q.stop), True, u.q_owner, u.kv_owner, u.rank, u.stage),
+        ]
+        return [t for part in parts for t in grid_tiles(part, share, budget, pr)]
+    area = max(1.0, min(float(share), float(nq) * nk, budget * budget / (4 * fq * fk)))
+    r = min(nq, max(1, int(math.sqrt(area * fk / fq))))
+    c = min(nk, max(1, int(area / r)))
+    while r * fq + c * fk > budget and (r > 1 or c > 1):
+        r, c = max(1, (r * 3) // 4), max(1, (c * 3) // 4)
+    rows = np.linspace(u.q.start, u.q.stop, -(-nq // r) + 1).round().astype(np.int64).tolist()
+    cols = np.linspace(u.kv.start, u.kv.stop, -(-nk // c) + 1).round().astype(np.int64).tolist()
+    return [Unit(u.doc, TokenRange(a, b), TokenRange(x, y), False, u.q_owner, u.kv_owner, u.rank, u.stage)
+            for a, b in zip(rows, rows[1:]) for x, y in zip(cols, cols[1:])]
+
+
+def take(u: Unit, work: float, room: float, pr: Prices) -> tuple[Unit | None, list[Unit]]:
+    """Cut from remote block ``u`` a part with at most ``work`` pairs and ``room`` pool bytes.
+    Returns (part, rest); part is None when not even one row/column fits.
+
+    A block needing only q rows (kv local) is cut by rows, one needing only kv by columns: no
+    byte travels twice. A rectangle needing both is cut along its longer side (the shorter is
+    re-sent with every part; ``grid_tiles`` tiled the blocks where that side alone is too big). A
+    causal block needing both is cut by rows (the key prefix is re-sent with every part)."""
+    q_rem, kv_rem = u.rank != u.q_owner, u.rank != u.kv_owner
+    fq, fk = pr.q_bwd + pr.dq, pr.kv + pr.dkv
+    nq, nk = len(u.q), len(u.kv)
+    if u.causal:
+        n = rows_for_work(u.q, u.kv.start, True, nk, work)
+        while n > 0 and n * fq + (u.q.start + n - u.kv.start) * fk > room:
+            n //= 2
+        if n <= 0:
+            return None, [u]
+        if n >= nq:
+            return u, []
+        a, b = split_rows(u, u.q.start + n)
+        return a, [b]
+    by_cols = cut_by_cols(u, pr)
+    # cutting along one axis: the other axis' rows (if remote) travel with every part
+    length, per, fixed = (nk, fk, nq * fq if q_rem else 0.0) if by_cols else (nq, fq, nk * fk if kv_rem else 0.0)
+    n = min(count_fitting(work, nq if by_cols else nk), count_fitting(room - fixed, per))
+    if n <= 0:
+        return None, [u]
+    if n >= length:
+        return u, []
+    a, b = split_cols(u, u.kv.start + n) if by_cols else split_rows(u, u.q.start + n)
+    return a, [b]
