@@ -45,7 +45,7 @@ COMMANDS: dict[str, Command] = {
         summary="train a tiny Megatron GPT with HSAP context parallelism on CPU ranks",
     ),
     "memory": Command(
-        target="megatron_hsap.bench.memory:main",
+        target="megatron_hsap.bench.memory_report:main",
         summary="activation and buffer-pool memory per rank for a plan",
     ),
 }

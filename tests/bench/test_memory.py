@@ -19,9 +19,9 @@ from megatron_hsap.bench.memory import (
     estimate,
     formula_pool_bytes,
     layer_activation_bytes,
-    main,
     plan_pool,
 )
+from megatron_hsap.bench.memory_report import main
 from megatron_hsap.launch import load_config
 from megatron_hsap.launch.config import Recompute
 
