@@ -143,8 +143,14 @@ def necessary_traffic(units: list[WorkUnit], shape: HeadShape) -> tuple[int, int
     return fwd, bwd
 
 
+def compute_bound(total_work: int, size: int, sec_fwd: float, sec_bwd: float) -> float:
+    """Seconds of forward + backward attention with the work spread perfectly and no traffic
+    (the compute lower bound of every plan, whatever its layout)."""
+    return total_work * (sec_fwd + sec_bwd) / size
+
+
 def lower_bounds(total_work: int, nec_fwd: int, nec_bwd: int, size: int, shape: HeadShape, hw: Hardware, link: LinkClass) -> dict[str, float]:
     """Compute and traffic lower bounds, forward + backward, in seconds."""
-    compute = total_work * (shape.fwd_flops_per_pair / hw.attn_fwd_flops + shape.bwd_flops_per_pair / hw.attn_bwd_flops) / size
+    compute = compute_bound(total_work, size, shape.fwd_flops_per_pair / hw.attn_fwd_flops, shape.bwd_flops_per_pair / hw.attn_bwd_flops)
     traffic = (nec_fwd + nec_bwd) / (size * hw.bandwidth(link))
     return {"compute_s": compute, "traffic_s": traffic, "bound_s": max(compute, traffic)}

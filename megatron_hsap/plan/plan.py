@@ -15,7 +15,7 @@ import numpy as np
 from megatron_hsap.errors import ConfigError
 from megatron_hsap.plan.codegen import Message, PhaseCode, PoolOverflow, generate
 from megatron_hsap.plan.costs import HeadShape
-from megatron_hsap.plan.estimate import PhaseTime, phase_time, price_staging
+from megatron_hsap.plan.estimate import PhaseTime, compute_bound, phase_time, price_staging
 from megatron_hsap.plan.hardware import HARDWARE, Hardware, LinkClass, link_class_for
 from megatron_hsap.plan.ir import Compute, Phase, Program, TokenRange, Unit
 from megatron_hsap.plan.layout import Batch, Layout, contiguous_layout, normalize_cu_seqlens, validate_layout
@@ -233,7 +233,7 @@ def _placements(units: list[WorkUnit], size: int, pr: Prices, allow_helpers: boo
     if (rd.home, rd.bands) != (owner.home, owner.bands) and (rd.home, rd.bands) != (mt.home, mt.bands):
         out["region-distflash"] = rd
         starts.append(rd)
-    ideal = sum(u.work for u in units) / size * (pr.sec_fwd + pr.sec_bwd)  # perfect balance, no traffic
+    ideal = compute_bound(sum(u.work for u in units), size, pr.sec_fwd, pr.sec_bwd)
     for start in starts:
         base = start.surrogate()
         if base <= ideal * (1 + _MIN_GAIN):
@@ -281,6 +281,13 @@ def _price(placements: dict[str, Placement], size: int, pr: Prices, lat: float, 
     return priced
 
 
+def _restage(split: Split, pr: Prices, lat: float, budget: float) -> tuple[float, Staging]:
+    """Stage again under a halved pool budget (a pool-overflow retry). Every shape is explored only
+    for moderate plans: with thousands of small remote blocks (≤ 1K tokens per rank) each halving
+    re-staged them all (tens of seconds)."""
+    return _best_staging(split, pr, lat, budget, explore=sum(map(len, split.remote)) <= _EXPLORE_RETRY_BLOCKS)
+
+
 def _choose(priced: dict[str, tuple[float, Split, Staging]], size: int, shape: HeadShape, capacity: int, pr: Prices,
             lat: float, budget: float) -> tuple[_Candidate | None, dict[str, float], float]:
     """Generate code for the lowest price; if its slots do not fit the pool, halve its per-stage
@@ -300,10 +307,7 @@ def _choose(priced: dict[str, tuple[float, Split, Staging]], size: int, shape: H
             if budgets[name] < 64:
                 del priced[name]
                 continue
-            # a retry explores every shape only for moderate plans: with thousands of small
-            # remote blocks (≤ 1K tokens per rank) each halving re-staged them all (tens of seconds)
-            explore = sum(map(len, split.remote)) <= _EXPLORE_RETRY_BLOCKS
-            t, st = _best_staging(split, pr, lat, budgets[name], explore=explore)
+            t, st = _restage(split, pr, lat, budgets[name])
             priced[name] = (t, split, st)
             alternatives[name] = t
     owner_time = alternatives.get("owner-computes", float("nan"))
@@ -319,7 +323,7 @@ def _choose(priced: dict[str, tuple[float, Split, Staging]], size: int, shape: H
                 oc = _build("owner-computes", st.units(), size, shape, capacity, pr, lat, oc_budget)
             except PoolOverflow:
                 oc_budget /= 2
-                _, st = _best_staging(split, pr, lat, oc_budget, explore=sum(map(len, split.remote)) <= _EXPLORE_RETRY_BLOCKS)
+                _, st = _restage(split, pr, lat, oc_budget)
                 continue
             owner_time = oc.time
             if oc.time <= best.time:
@@ -431,7 +435,7 @@ def _compile_cached(cu: tuple[int, ...], opts: PlanOptions) -> Plan:
     hw = HARDWARE[opts.hardware]
     pr = Prices.of(shape, hw, hw.bandwidth(_link_of(opts)))
     contiguous = None
-    bound = batch.total_work() * (pr.sec_fwd + pr.sec_bwd) / size  # compute bound, any layout
+    bound = compute_bound(batch.total_work(), size, pr.sec_fwd, pr.sec_bwd)  # any layout
     if opts.layout_fallback:
         contiguous = _compile_on(contiguous_layout(batch, size, opts.intra_size), batch, shape, opts)
         if kept_layout(contiguous.chosen.time, None, bound) == "contiguous":

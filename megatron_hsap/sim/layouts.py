@@ -98,17 +98,13 @@ class LayoutPair:
 
 
 def _run_layout(cu: np.ndarray, hw: SimHardware, inter: int, layout: str, pt: Point) -> LayoutRun:
-    from megatron_hsap.plan.plan import compile_plan
-
     opts = plan_options(layout)
     run, err = attempt(run_method, "hsap", cu, hw=hw, intra=1, inter=inter, shape=SHAPE, plan_options=opts)
     method = f"hsap-{layout}"
     if run is None:
         nan = float("nan")
         return LayoutRun(layout, nan, nan, nan, nan, nan, (), (pt.row(method, "error", err, "text"),), err, nan)
-    # the same arguments as run_method's call: a hit in compile_plan's cache, for the stats it omits
-    stats = compile_plan(cu, inter, 1, num_heads=SHAPE.num_heads, num_kv_heads=SHAPE.num_kv_heads, head_dim=SHAPE.head_dim,
-                         dtype_bytes=SHAPE.dtype_bytes, hardware=hw.name, **opts).stats()
+    stats = run.extra["plan"]
     terms = dict.fromkeys(TERMS, 0.0)
     for ph in ("fwd", "bwd"):
         for k, v in phase_breakdown(run, ph, ideal_seconds(cu, SHAPE, hw, inter, ph), hw.latency(LinkClass.INFINIBAND)).items():

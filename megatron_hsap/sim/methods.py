@@ -239,8 +239,8 @@ def run_method(method: str, cu_seqlens: object, *, hw: Any, intra: int, inter: i
                             hardware=hw.name if hw.name in ("a100", "h100", "h100-fa3") else "a100", **opts)
         extra["compile_s"] = time.perf_counter() - t0
         stats = plan.stats()
-        keys = ("placement", "imbalance", "bytes_total", "necessary_bytes", "rounds_fwd", "rounds_bwd", "estimated_time_s",
-                "compute_efficiency", "compute_bound_s", "traffic_bound_s")
+        keys = ("layout", "placement", "imbalance", "owner_imbalance", "bytes_total", "necessary_bytes", "rounds_fwd",
+                "rounds_bwd", "estimated_time_s", "compute_efficiency", "compute_bound_s", "traffic_bound_s")
         extra["plan"] = {k: stats.get(k) for k in keys}
         build = lambda ph: hsap_workload(plan, cluster, ph)  # noqa: E731
         note = f"placement {stats['placement']}, imbalance {stats['imbalance']:.2f}"
