@@ -1,4 +1,4 @@
-"""Executed Llama-3-style all-gather-KV baseline (DESIGN §4), on the same kernels as HSAP.
+"""Executed Llama-3-style all-gather-KV baseline (docs/design.md §4), on the same kernels as HSAP.
 
 Contiguous layout (T padded to a multiple of P at the end, rank r holds ``[rL, (r+1)L)`` — the
 same layout as HSAP's contiguous plans, owner computes, no balancing). Forward: all-gather K and V,

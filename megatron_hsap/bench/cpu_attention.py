@@ -20,7 +20,7 @@ Peak memory = the highest running total of torch CPU allocations during one extr
 profiler's allocator events (``profile_memory=True``: inputs allocated before the step are not
 counted, everything the method allocates is), plus buffers the method keeps between steps (HSAP's
 receive pool, at its full capacity). Results: a markdown table on stdout and CSV rows
-(``results/cpu_attention.csv``, DESIGN §4 columns, one row per metric). On 2 shared cores compute
+(``results/cpu_attention.csv``, docs/design.md §4 columns, one row per metric). On 2 shared cores compute
 dominates wall time; bytes and memory are the meaningful comparisons, and the ratios are printed.
 """
 

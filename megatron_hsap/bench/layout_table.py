@@ -1,7 +1,7 @@
 """The side-by-side layout table of ``megatron-hsap plan-quality`` (issue 8 measures).
 
 For every grid point: the contiguous (paper) and balanced layouts' imbalance before any work
-moves (``owner``) and after the plan (``plan``), estimated time, compute efficiency (DESIGN §4:
+moves (``owner``) and after the plan (``plan``), estimated time, compute efficiency (docs/design.md §4:
 compute bound / estimated time — the bound does not depend on the layout), the share of batches
 that are compute-dominated under the balanced layout and their compute efficiency (target ≥ 0.9
 on packed workloads), and the estimated-time ratios: forced balanced / contiguous (where it

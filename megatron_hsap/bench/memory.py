@@ -193,7 +193,7 @@ PoolFn = Callable[[int, Layout], tuple[int, str]]
 
 
 def formula_pool_bytes(cfg: LaunchConfig, seq: int, lay: Layout) -> int:
-    """``parallel.hsap_pool_bytes`` when set (a fixed capacity), else the DESIGN §2.1 default:
+    """``parallel.hsap_pool_bytes`` when set (a fixed capacity), else the docs/design.md §2.1 default:
     4 × inter chunk tokens × local heads × (d_qk + d_v) × 2 bytes."""
     if lay.inter == 1:
         return 0  # no P2P, no receive pool
@@ -220,7 +220,7 @@ def plan_pool(cfg: LaunchConfig, opts: MemoryOptions) -> PoolFn:
             cache[lay] = _calibrate(cfg, lay) if opts.use_plan and lay == own else None
         cal = cache[lay]
         if cal is None or cal[0] is None:
-            note = cal[1] if cal else "formula (DESIGN §2.1 default)"
+            note = cal[1] if cal else "formula (docs/design.md §2.1 default)"
             return formula_pool_bytes(cfg, seq, lay), note
         per_token, note = cal
         return int(per_token * (seq // lay.inter)), note
@@ -268,7 +268,7 @@ def _attention_bytes(cfg: LaunchConfig, seq: int, s: int, lay: Layout, pool: Poo
         return a2a + dq_accum, ""
     pool_bytes, note = pool(seq, lay)
     acc = 0
-    if lay.inter > 1:  # fp32 merges of partial outputs, fp32 partial dq/dkv (DESIGN §2.2)
+    if lay.inter > 1:  # fp32 merges of partial outputs, fp32 partial dq/dkv (docs/design.md §2.2)
         acc = max(s * a * (d + 1) * FP32, s * (a * d + max(g, lay.intra) * 2 * d) * FP32)
     return a2a + pool_bytes + acc + dq_accum, note
 

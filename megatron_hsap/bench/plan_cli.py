@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--head-dim-v", type=int, default=None)
     ap.add_argument("--dtype-bytes", type=int, default=2)
-    ap.add_argument("--link", choices=("nvlink", "ib"), default=None, help="default: from the CP size (DESIGN §4)")
+    ap.add_argument("--link", choices=("nvlink", "ib"), default=None, help="default: from the CP size (docs/design.md §4)")
     ap.add_argument("--pool-bytes", type=int, default=None)
     ap.add_argument("--layout", choices=("contiguous", "balanced"), default=None,
                     help="token layout (default: compile_plan's, balanced; the --sample batch: contiguous, as in Figure 3)")

@@ -1,9 +1,9 @@
-"""Plan quality over the DESIGN §4 measurement set: ``python -m megatron_hsap.bench.plan_quality``.
+"""Plan quality over the docs/design.md §4 measurement set: ``python -m megatron_hsap.bench.plan_quality``.
 
 For every workload (``workloads.md``'s four plus ``full``: one document filling the batch), batch
 size ``T``, ``P_inter`` and head shape (MHA 32/32, GQA 32/8; bf16, d 128, ``P_intra`` 1), it
 compiles the SAP plan of seeded packed batches and prices the baselines on the same batches with
-the same model (``megatron_hsap.plan.baselines``). The link class follows DESIGN §4: NVLink when
+the same model (``megatron_hsap.plan.baselines``). The link class follows docs/design.md §4: NVLink when
 the CP group fits one 8-GPU node (``P_inter ≤ 8`` here), InfiniBand otherwise.
 
 Outputs (``--out``, default ``results``): ``plan_quality.csv`` (columns ``source, workload, T,
@@ -77,7 +77,7 @@ class Point:
     P: int
     heads: str
     seeds: tuple[int, ...]
-    forced_link: str | None = None  # None: NVLink when the CP group fits one node (DESIGN §4)
+    forced_link: str | None = None  # None: NVLink when the CP group fits one node (docs/design.md §4)
 
     @property
     def link(self) -> str:
@@ -167,7 +167,7 @@ def _run_point(args: tuple[Point, str, tuple[str, ...]]) -> list[tuple]:
 
 
 def grid(quick: bool, seeds: int, seeds_1m64: int, workloads, tokens, inter, heads, links=("auto",)) -> list[Point]:
-    """Grid points; ``links``: "auto" (by P, DESIGN §4), "nvlink" (only where P ≤ 8 fits a node)
+    """Grid points; ``links``: "auto" (by P, docs/design.md §4), "nvlink" (only where P ≤ 8 fits a node)
     and/or "ib" (any P: HSAP's inter group always spans nodes)."""
     if quick:
         workloads = [w for w in workloads if w in ("fineweb", "full")] or list(workloads)[:1]
@@ -238,7 +238,7 @@ def markdown(rows: list[tuple]) -> str:
     head = ("| workload | T | P | link | heads | imbalance | owner imb. | GB | B/necessary | B/TE ring | est. ms | "
             "efficiency | comp. eff. | pool use | " + " | ".join(f"{b} ms" for b in BASELINES) + " | best baseline / HSAP |")
     sep = "|" + "---|" * (head.count("|") - 1)
-    lines = ["Median (worst) over the seeds. Times: forward + backward attention, DESIGN §4 model, A100 constants.", "", head, sep]
+    lines = ["Median (worst) over the seeds. Times: forward + backward attention, docs/design.md §4 model, A100 constants.", "", head, sep]
 
     def cell(d, method, metric, scale=1.0, fmt="{:.3g}") -> str:
         if (method, metric) not in d:

@@ -1,4 +1,4 @@
-"""Executed baselines in Transformer Engine's style, on the same kernels as HSAP (DESIGN §4):
+"""Executed baselines in Transformer Engine's style, on the same kernels as HSAP (docs/design.md §4):
 
 * **THD ring** (``AttnFuncWithCPAndKVP2P``, ``cp_comm_type="p2p"``): every document padded to a
   multiple of 2·P and cut into 2P chunks; rank r holds chunks r and 2P−1−r of every document

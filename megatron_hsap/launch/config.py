@@ -91,7 +91,7 @@ _K = 1024
 
 
 def parse_tokens(value: object, key: str = "value") -> int:
-    """``131072``, ``"128K"`` or ``"1M"`` → tokens (K = 2**10, M = 2**20, as in DESIGN §1)."""
+    """``131072``, ``"128K"`` or ``"1M"`` → tokens (K = 2**10, M = 2**20, as in docs/design.md §1)."""
     if isinstance(value, int) and not isinstance(value, bool):
         return value
     if isinstance(value, str):
@@ -189,7 +189,7 @@ class ParallelConfig:
     hsap_inter_size: int = 1
     cp_impl: CPImpl = CPImpl.HSAP
     hsap_layout: HSAPLayout | None = None  # --hsap-layout; None = the backend's default (balanced)
-    hsap_pool_bytes: int | None = None  # --hsap-pool-bytes; None = 4 inter chunks (DESIGN §2.1)
+    hsap_pool_bytes: int | None = None  # --hsap-pool-bytes; None = 4 inter chunks (docs/design.md §2.1)
     sequence_parallel: bool = False
     sharding: Sharding = Sharding.OPTIM
     inter_link: InterLink = InterLink.AUTO

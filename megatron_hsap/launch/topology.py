@@ -3,11 +3,11 @@
 Inputs are the hostname of every global rank (index = rank) and the parallel sizes. Ranks follow
 Megatron's default order ``tp-cp-ep-dp-pp``: ``rank = tp + TP·(cp + CP·(dp + DP·pp))``; inside a
 CP group, CP rank ``r = i·P_intra + j`` with ``i`` the inter index and ``j`` the intra index
-(DESIGN §1). The intra group of a rank is its ``P_intra`` CP neighbours (all-to-all, must share a
+(docs/design.md §1). The intra group of a rank is its ``P_intra`` CP neighbours (all-to-all, must share a
 host: NVLink); the inter group is the ``P_inter`` ranks with the same ``j`` (P2P).
 
 Decision on "inter groups that do not cross hosts": the config's ``parallel.inter_link`` states
-where the inter (P2P) traffic runs, and the planner prices moves with that link (DESIGN §4: a
+where the inter (P2P) traffic runs, and the planner prices moves with that link (docs/design.md §4: a
 block pays for its transfer above ≈16K tokens over InfiniBand but ≈1.6K over NVLink). So
 ``inter_link: ib`` with an inter group all on one host, or ``inter_link: nvlink`` with an inter
 group spanning hosts, is a contradiction and raises ``ConfigError``; ``inter_link: auto`` lets the

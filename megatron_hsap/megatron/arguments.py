@@ -5,7 +5,7 @@ parse_and_validate_args``; ``validate_hsap_args(args)`` runs after Megatron's ow
 refuses (``ConfigError``) every setting HSAP cannot honour, naming the flag to change.
 
 Topology reuses Megatron's ``--hierarchical-context-parallel-sizes P_intra P_inter`` (level 0 =
-contiguous blocks of CP ranks = intra/NVLink, level 1 = strided = inter/InfiniBand, DESIGN §1), so
+contiguous blocks of CP ranks = intra/NVLink, level 1 = strided = inter/InfiniBand, docs/design.md §1), so
 ``initialize_hsap`` can reuse the groups Megatron builds from it. Without it, P_intra is the
 largest divisor of the CP size whose intra group (× TP) fits in one node of ``LOCAL_WORLD_SIZE``
 GPUs and splits the heads evenly; the choice is printed.

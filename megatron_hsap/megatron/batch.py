@@ -1,4 +1,4 @@
-"""Batch sharding for the HSAP layout: Megatron's ``get_batch_on_this_cp_rank`` equivalent (DESIGN §2.3).
+"""Batch sharding for the HSAP layout: Megatron's ``get_batch_on_this_cp_rank`` equivalent (docs/design.md §2.3).
 
 A packed micro-batch (global ``cu_seqlens``) is compiled into a plan on the host; this CP rank
 keeps the tokens ``plan.local_token_indices(cp_rank)`` names, in that order. Tokens, labels, loss
@@ -171,7 +171,7 @@ def positions_in_documents(ids: np.ndarray, cu_seqlens: np.ndarray, num_tokens: 
 def plan_kwargs_from_config(config: Any, *, tp_size: int | None = None) -> dict[str, Any]:
     """``compile_plan`` keyword arguments for a megatron-core ``TransformerConfig``.
 
-    Head counts are per tensor-parallel rank (DESIGN §1); under sequence parallelism the batch is
+    Head counts are per tensor-parallel rank (docs/design.md §1); under sequence parallelism the batch is
     padded to a multiple of ``P·TP`` so every TP rank's sequence slice is whole.
     """
     tp = int(tp_size if tp_size is not None else config.tensor_model_parallel_size)

@@ -1,4 +1,4 @@
-"""CPU-only shims for megatron-core 0.19.2's CUDA assumptions (DESIGN §5).
+"""CPU-only shims for megatron-core 0.19.2's CUDA assumptions (docs/design.md §5).
 
 Imported ONLY by the tests and the CPU demo (``megatron-hsap train-tiny``); never on the GPU path
 (the core attention, the spec, batch sharding and the wrapper script do not import it). Each shim

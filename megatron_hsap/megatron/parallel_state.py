@@ -1,4 +1,4 @@
-"""HSAP's extension of Megatron's ``parallel_state``: the intra and inter groups (DESIGN §1, §2.3).
+"""HSAP's extension of Megatron's ``parallel_state``: the intra and inter groups (docs/design.md §1, §2.3).
 
 ``initialize_hsap(intra_size, inter_size)`` after ``parallel_state.initialize_model_parallel``
 reads the CP group and tensor-parallel size from Megatron, reuses Megatron's hierarchical CP groups

@@ -1,4 +1,4 @@
-"""RoPE by each token's position inside its document (DESIGN §2.3).
+"""RoPE by each token's position inside its document (docs/design.md §2.3).
 
 Megatron applies rotary embeddings in ``Attention.forward`` and, for THD under CP, assumes
 Transformer Engine's zigzag layout (chunks ``r`` and ``2P-1-r`` of every document). HSAP's layout

@@ -1,4 +1,4 @@
-"""The HSAP layer spec: megatron-core's GPT layer spec with two modules swapped (DESIGN §2.3, §3).
+"""The HSAP layer spec: megatron-core's GPT layer spec with two modules swapped (docs/design.md §2.3, §3).
 
 Only ``self_attention.module`` (→ :class:`HSAPSelfAttention`, RoPE by position) and
 ``self_attention.submodules.core_attention`` (→ :class:`HSAPCoreAttention`) change; norms, QKV and

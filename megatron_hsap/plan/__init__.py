@@ -1,4 +1,4 @@
-"""The SAP planner (pure Python + numpy; never imports torch). See DESIGN §2.1."""
+"""The SAP planner (pure Python + numpy; never imports torch). See docs/design.md §2.1."""
 
 from megatron_hsap.plan.costs import HeadShape
 from megatron_hsap.plan.plan import Plan, PlanOptions, clear_plan_cache, compile_plan

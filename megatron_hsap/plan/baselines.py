@@ -1,4 +1,4 @@
-"""Price the baselines on the same packed batch, with the same constants as the planner (DESIGN §4).
+"""Price the baselines on the same packed batch, with the same constants as the planner (docs/design.md §4).
 
 Each ``_price_*`` function models one published schedule with flat rates: compute time =
 pairs × FLOPs per pair / rate (``hardware.attn_fwd_flops`` forward, ``attn_bwd_flops`` backward);

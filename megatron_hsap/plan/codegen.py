@@ -1,4 +1,4 @@
-"""Code generation (DESIGN §2.1 step 4): staged blocks → per-rank programs with rounds and slots.
+"""Code generation (docs/design.md §2.1 step 4): staged blocks → per-rank programs with rounds and slots.
 
 Timeline of one phase on every rank (``S`` = number of compute stages)::
 

@@ -1,4 +1,4 @@
-"""Byte and FLOP prices of the plan IR (DESIGN §4 wire formats and FLOP counts)."""
+"""Byte and FLOP prices of the plan IR (docs/design.md §4 wire formats and FLOP counts)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from megatron_hsap.plan.ir import Wire
 __all__ = ["HeadShape", "FP32_BYTES", "BWD_FLOP_FACTOR"]
 
 FP32_BYTES = 4
-BWD_FLOP_FACTOR = 2.5  # backward FLOPs = 2.5 × forward (DESIGN §4)
+BWD_FLOP_FACTOR = 2.5  # backward FLOPs = 2.5 × forward (docs/design.md §4)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -1,4 +1,4 @@
-"""Cutting placed blocks (DESIGN §2.1 step 3, used by ``schedule.py``): by q rows, by kv columns or
+"""Cutting placed blocks (docs/design.md §2.1 step 3, used by ``schedule.py``): by q rows, by kv columns or
 in 2-D tiles, so a stage takes exactly the work and pool bytes it has room for and no input byte
 travels twice."""
 

@@ -1,4 +1,4 @@
-"""The estimated time of a staged plan and its lower bounds (DESIGN §4).
+"""The estimated time of a staged plan and its lower bounds (docs/design.md §4).
 
 Per phase and stage ``k``: the slowest rank's ``max(compute of stage k, transfer of round k)``
 plus the round's latency when the round moves anything (round ``k`` overlaps stage ``k``; the last
@@ -128,7 +128,7 @@ def price_staging(st: Staging, size: int, pr: Prices, latency: float) -> float:
 
 
 def necessary_traffic(units: list[WorkUnit], shape: HeadShape) -> tuple[int, int]:
-    """Forward and backward bytes that must move with no balancing at all (DESIGN §4)."""
+    """Forward and backward bytes that must move with no balancing at all (docs/design.md §4)."""
     b = shape.token_bytes
     fwd = bwd = 0
     kv_f, q_f = b(Wire.KV), b(Wire.Q) + b(Wire.O) + b(Wire.LSE)

@@ -1,6 +1,6 @@
 """Hardware constants (pure data) shared by the planner's cost model and the simulator.
 
-Sources: ``shared/workloads.md`` ("Hardware constants for the simulator") and DESIGN.md §4.
+Sources: ``shared/workloads.md`` ("Hardware constants for the simulator") and docs/design.md §4.
 The planner and every bound use the *flat* rates here; the kernel-rate curve by block shape
 (``KernelCurve``) is used only by the simulator and the GPU check.
 """
@@ -57,7 +57,7 @@ class Hardware:
         return self.nvlink_latency if link is LinkClass.NVLINK else self.ib_latency
 
 
-# DESIGN §4 reference constants: FA2 peaks ~205/~174 derated to 190/170; NCCL ~230 GB/s NVLink,
+# docs/design.md §4 reference constants: FA2 peaks ~205/~174 derated to 190/170; NCCL ~230 GB/s NVLink,
 # HDR 200 Gb/s ≈ 23 GB/s per GPU; 10 µs per round inside a node, 15 µs across nodes.
 A100 = Hardware(
     name="a100",
@@ -99,5 +99,5 @@ HARDWARE = {hw.name: hw for hw in (A100, H100, H100_FA3)}
 
 
 def link_class_for(cp_world: int, gpus_per_node: int = 8) -> LinkClass:
-    """DESIGN §4: NVLink when the whole CP group (TP × P_intra × P_inter ranks) fits one node."""
+    """docs/design.md §4: NVLink when the whole CP group (TP × P_intra × P_inter ranks) fits one node."""
     return LinkClass.NVLINK if cp_world <= gpus_per_node else LinkClass.INFINIBAND

@@ -1,6 +1,6 @@
 """The plan IR: frozen, slotted dataclasses shared by the planner, verifier, runtime and simulator.
 
-Vocabulary (DESIGN §1–2):
+Vocabulary (docs/design.md §1–2):
 
 * Token ids are *global* positions in the padded packed batch ``[0, T')``; a ``TokenRange`` is
   ``[start, stop)``. Every range used by an instruction lies inside ONE document.
@@ -45,7 +45,7 @@ __all__ = [
 
 
 class Wire(str, enum.Enum):
-    """What a message carries (DESIGN §4 wire formats)."""
+    """What a message carries (docs/design.md §4 wire formats)."""
 
     Q = "q"  # activation dtype, [n, h, d]
     KV = "kv"  # activation dtype, k [n, hkv, d] then v [n, hkv, dv] (two P2P ops, one message)

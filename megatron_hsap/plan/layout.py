@@ -1,4 +1,4 @@
-"""Batch validation and token layouts (DESIGN §1).
+"""Batch validation and token layouts (docs/design.md §1).
 
 ``Batch`` is the normalised, validated description of one packed micro-batch; ``Layout`` says
 which global tokens each inter rank holds (as ordered ``Segment``s) and how an inter chunk is

@@ -13,7 +13,7 @@ __all__ = ["PlanOptions", "kv_heads_per_rank", "DEFAULT_POOL_CHUNKS", "DEFAULT_P
 
 LAYOUTS = ("contiguous", "balanced")
 
-DEFAULT_POOL_CHUNKS = 4  # pool = 4 × one inter chunk × local heads × (d_qk + d_v) × bytes (DESIGN §2.1)
+DEFAULT_POOL_CHUNKS = 4  # pool = 4 × one inter chunk × local heads × (d_qk + d_v) × bytes (docs/design.md §2.1)
 DEFAULT_POOL_MIN = 1 << 20  # ... and at least 1 MiB: tiny chunks still need a few 256-byte-aligned slots
 
 
@@ -50,7 +50,7 @@ class PlanOptions:
     layout: str = "balanced"
     layout_fallback: bool = True  # "balanced": keep the contiguous plan when it is estimated faster
     pool_bytes: int | None = None
-    link: str | None = None  # "nvlink" | "ib"; default from the CP world size (DESIGN §4)
+    link: str | None = None  # "nvlink" | "ib"; default from the CP world size (docs/design.md §4)
     tp_size: int = 1
     gpus_per_node: int = 8
     hardware: str = "a100"

@@ -1,4 +1,4 @@
-"""Placement (DESIGN §2.1 step 2): which rank computes which q rows of each block.
+"""Placement (docs/design.md §2.1 step 2): which rank computes which q rows of each block.
 
 The exact work of a block is its count of unmasked (q, k) pairs. Every block keeps a *head*
 ``[q.start, home)`` on its q owner and hands *bands* of rows ``[x, y)`` (tiling ``[home, q.stop)``)
@@ -13,7 +13,7 @@ region); ``rebalance.balance`` moves work from the ranks above ``tau = total wor
 
 ``compile_plan`` stages several placements (owner-computes, min-traffic, DistFlashAttn per
 document region, and balanced ones with different budgets) and keeps the lowest *estimated time*
-(DESIGN §4): never worse than leaving every block with its q owner.
+(docs/design.md §4): never worse than leaving every block with its q owner.
 """
 
 from __future__ import annotations

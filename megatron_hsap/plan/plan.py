@@ -1,5 +1,5 @@
 """``compile_plan``: a packed batch → a staged, per-rank SAP plan that ``verify()`` can prove
-(DESIGN §2.1, §3), chosen by estimated time among several placements; cached by every input."""
+(docs/design.md §2.1, §3), chosen by estimated time among several placements; cached by every input."""
 
 from __future__ import annotations
 
@@ -350,10 +350,10 @@ def compile_plan(cu_seqlens: object, inter_size: int, intra_size: int = 1, *, nu
             ``gpus_per_node``, ``hardware``, ``allow_helpers``, ``placement`` ("auto" or a fixed
             start, e.g. "owner-computes" for reference) — see ``PlanOptions``.
 
-    How (DESIGN §2.1): work units (A1 diagonals, A2–A5 rectangles) → several placements
+    How (docs/design.md §2.1): work units (A1 diagonals, A2–A5 rectangles) → several placements
     (owner-computes, min-traffic, DistFlashAttn per document region, each balanced by exact work
     under a few traffic budgets; ``placement.py``) → stages (``schedule.py``) → each priced with
-    the DESIGN §4 model, the cheapest estimate turned into programs with pool slots
+    the docs/design.md §4 model, the cheapest estimate turned into programs with pool slots
     (``codegen.py``). The plan is never estimated slower than owner-computes.
 
     ``T`` not divisible by ``P·pad_multiple`` is padded at the end to the next multiple ``T'``: the
@@ -453,7 +453,7 @@ def _compile_cached(cu: tuple[int, ...], opts: PlanOptions) -> Plan:
 
 
 def _link_of(opts: PlanOptions) -> LinkClass:
-    """The inter group's link class: given, or derived from the CP world size (DESIGN §4)."""
+    """The inter group's link class: given, or derived from the CP world size (docs/design.md §4)."""
     if opts.link:
         return LinkClass(opts.link)
     return link_class_for(opts.tp_size * opts.intra_size * opts.inter_size, opts.gpus_per_node)

@@ -1,4 +1,4 @@
-"""Greedy rebalancing of a placement (DESIGN §2.1 step 2, the moves of ``placement.py``).
+"""Greedy rebalancing of a placement (docs/design.md §2.1 step 2, the moves of ``placement.py``).
 
 A rank's load is its work plus its bytes sent and received per phase; the target is ``tau =
 total work / P``. Donors (ranks above ``tau``) are visited from the most loaded; each sheds its

@@ -1,4 +1,4 @@
-"""Stages (DESIGN §2.1 step 3): cut every rank's placed blocks into ``S`` stages so that each stage
+"""Stages (docs/design.md §2.1 step 3): cut every rank's placed blocks into ``S`` stages so that each stage
 carries the same compute on every rank and its inputs arrive, hidden, during the stage before.
 
 Round ``k`` is posted at the start of stage ``k``; it carries the inputs of stage ``k + 1`` and the

@@ -1,4 +1,4 @@
-"""Plan quality figures (DESIGN §4): work, imbalance, bytes, rounds, pool use, bounds, efficiency."""
+"""Plan quality figures (docs/design.md §4): work, imbalance, bytes, rounds, pool use, bounds, efficiency."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ __all__ = ["plan_stats", "peak_bytes"]
 
 
 def plan_stats(plan: "Plan") -> dict[str, Any]:
-    """Quality figures of ``plan`` (a fresh dict; see DESIGN §4 for each definition). Times in
+    """Quality figures of ``plan`` (a fresh dict; see docs/design.md §4 for each definition). Times in
     seconds, bytes forward + backward unless named ``_fwd``/``_bwd``, work in (q, k) pairs."""
     c = plan.chosen
     size = plan.inter_size

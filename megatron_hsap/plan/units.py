@@ -1,4 +1,4 @@
-"""Work units (DESIGN §2.1 step 1): document pieces per rank and the non-empty blocks between them.
+"""Work units (docs/design.md §2.1 step 1): document pieces per rank and the non-empty blocks between them.
 
 A *piece* is the part of one document held by one rank in one segment. For two pieces ``p`` (q
 side) and ``k`` (kv side) of the same document, the block is causal when ``p is k`` (the diagonal,

@@ -1,4 +1,4 @@
-"""The verifier (DESIGN §2.1 step 5): a symbolic interpreter that runs every rank's programs
+"""The verifier (docs/design.md §2.1 step 5): a symbolic interpreter that runs every rank's programs
 together and proves the plan correct, or raises ``PlanError`` naming the first violation.
 
 It proves, per phase:

@@ -1,4 +1,4 @@
-"""The runtime: executes compiled plans with torch (DESIGN §2.2).
+"""The runtime: executes compiled plans with torch (docs/design.md §2.2).
 
 Names resolve lazily (PEP 562) so ``import megatron_hsap.runtime`` stays cheap and never pulls
 in the GPU kernel libraries (they load only when a backend is selected).

@@ -1,4 +1,4 @@
-"""The executor: runs one inter rank's forward and backward programs of a plan (DESIGN §2.2).
+"""The executor: runs one inter rank's forward and backward programs of a plan (docs/design.md §2.2).
 
 Per phase the program is a flat list ``Post(r) · Compute(s) · Wait(r) · Merge/Accumulate`` (see
 ``megatron_hsap.plan.ir``); this module interprets it in order:
@@ -16,7 +16,7 @@ Slots are typed views of ONE byte tensor per device, :func:`receive_pool`, alloc
 largest capacity asked for and reused by every layer, step and plan that fits: every slot is dead
 when a phase ends (all its rounds were waited), so layers can share it.
 
-Wire formats (DESIGN §4): q, kv, o, do in the activation dtype; lse, delta, dq, dkv in fp32. KV
+Wire formats (docs/design.md §4): q, kv, o, do in the activation dtype; lse, delta, dq, dkv in fp32. KV
 and DKV are two P2P operations, k rows then v rows, packed back to back in one slot.
 """
 

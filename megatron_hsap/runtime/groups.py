@@ -1,4 +1,4 @@
-"""The two process groups HSAP runs on, and their rank layout (DESIGN §1).
+"""The two process groups HSAP runs on, and their rank layout (docs/design.md §1).
 
 Torch only (no Megatron import), so the runtime and its tests can hold groups built by
 ``megatron_hsap.megatron.parallel_state`` or by hand.

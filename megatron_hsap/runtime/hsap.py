@@ -1,4 +1,4 @@
-"""``hsap_attn_func``: Ulysses inside the intra group, SAP across the inter group (paper §3.3, DESIGN §1).
+"""``hsap_attn_func``: Ulysses inside the intra group, SAP across the inter group (paper §3.3, docs/design.md §1).
 
 Rank ``(i, j)`` (CP rank ``i·P_intra + j``) holds ``[t_local, H, d]`` rows of inter chunk ``i``.
 

@@ -1,4 +1,4 @@
-"""``SAPAttention``: the SAP plan over the inter group as a ``torch.autograd.Function`` (DESIGN §2.2).
+"""``SAPAttention``: the SAP plan over the inter group as a ``torch.autograd.Function`` (docs/design.md §2.2).
 
 Forward runs this rank's forward program (:class:`~megatron_hsap.runtime.executor.Executor`) and
 returns the merged output in the activation dtype; it keeps q, k, v, that output and the fp32 LSE

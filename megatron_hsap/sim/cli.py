@@ -1,6 +1,6 @@
 """``megatron-hsap simulate <table2|table3|table4|magi|validate|scale|layouts|gantt|all> [--quick]``.
 
-Each command writes ``<out>/<name>.csv`` (DESIGN §4 columns), ``<name>.md`` and its PNG plot,
+Each command writes ``<out>/<name>.csv`` (docs/design.md §4 columns), ``<name>.md`` and its PNG plot,
 and prints the markdown. ``--quick`` runs a reduced grid with one seed (seconds; used by tests).
 """
 
@@ -95,7 +95,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("what", choices=COMMANDS + ("all",), help="which reproduction to run")
     p.add_argument("--quick", action="store_true", help="reduced grid, one seed (seconds)")
     p.add_argument("--out", default="results", help="output directory (default: results/)")
-    p.add_argument("--seeds", type=int, default=None, help="seeded batches per point (default 3, layouts 2; DESIGN §4 asks 10)")
+    p.add_argument("--seeds", type=int, default=None, help="seeded batches per point (default 3, layouts 2; docs/design.md §4 asks 10)")
     p.add_argument("--workload", default=None, help="length distribution for tables 2/3, magi, scale, gantt (default slimpajama); "
                    "layouts: only this one (default: fineweb, slimpajama, ultrachat, sharegpt, full)")
     p.add_argument("--jobs", type=int, default=1, help="layouts: worker processes (default 1)")

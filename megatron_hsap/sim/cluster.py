@@ -1,6 +1,6 @@
 """The modelled cluster: GPUs in nodes, NVLink inside a node, InfiniBand between nodes.
 
-CP rank ``r = i·P_intra + j`` (DESIGN §1: ``i`` inter index, ``j`` intra index) runs on GPU
+CP rank ``r = i·P_intra + j`` (docs/design.md §1: ``i`` inter index, ``j`` intra index) runs on GPU
 ``r·TP`` of a contiguous allocation, so node ``= r·TP // gpus_per_node``. Each GPU has one
 NVLink port and one NIC (DGX A100/H100: one HDR/NDR NIC per GPU), each full duplex: the
 simulator's network keeps a send and a receive capacity per GPU and link class.
@@ -69,7 +69,7 @@ class Cluster:
 
     @property
     def worst_link(self) -> LinkClass:
-        """InfiniBand when the CP group spans nodes (the planner's link class, DESIGN §4)."""
+        """InfiniBand when the CP group spans nodes (the planner's link class, docs/design.md §4)."""
         last = self.cp_size - 1
         return self.link(0, last)
 

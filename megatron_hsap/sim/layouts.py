@@ -4,7 +4,7 @@ over InfiniBand (issue 8).
 Target: the shipped plan (``layout="balanced"``, which keeps the contiguous plan where that is
 *estimated* faster) simulates in ≤ 0.8× the contiguous plan's attention time (forward + backward)
 wherever the contiguous layout's owner imbalance is ≥ 1.3 — medians over the seeded batches,
-worst reported (DESIGN §4).
+worst reported (docs/design.md §4).
 
 Grid: A100 and H100 models with one GPU per node (HSAP's inter group always has one GPU per node,
 so ``1 × P_inter`` with every rank on its own node IS the inter group over InfiniBand); workloads
@@ -13,7 +13,7 @@ fineweb, slimpajama, ultrachat, sharegpt and ``full`` (one document); T 64K, 256
 simulated: contiguous and the forced balanced one (``layout_fallback=False``). The shipped plan is
 exactly one of them, the one with the lower estimate, so its time is derived, not re-simulated.
 
-CSV (DESIGN §4 columns, which have none for the GPU model): ``link`` is ``ib-a100`` / ``ib-h100``.
+CSV (docs/design.md §4 columns, which have none for the GPU model): ``link`` is ``ib-a100`` / ``ib-h100``.
 Methods ``hsap-contiguous`` and ``hsap-balanced`` (``method_rows`` plus ``owner_imbalance`` and
 ``bytes_total``; ratios ``balanced_over_contiguous`` and ``estimate_balanced_over_contiguous`` on
 ``hsap-balanced``) and ``hsap-kept`` (``kept_over_contiguous``, ``kept_layout``).

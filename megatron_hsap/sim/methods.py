@@ -1,6 +1,6 @@
 """One entry point for every simulated method: ``run_method(name, cu_seqlens, ...)``.
 
-Methods (DESIGN §4's list, as schedules): ``hsap`` (the compiled plan; P_intra 1 is plain SAP),
+Methods (docs/design.md §4's list, as schedules): ``hsap`` (the compiled plan; P_intra 1 is plain SAP),
 ``te_thd_ring`` (TE THD p2p ring, per-document zigzag, documents padded to 2P),
 ``te_a2a_p2p`` and ``usp`` (all-to-all over the intra group, then the per-document zigzag
 ring over the inter group — MagiAttention's USP baseline runs TE's ring too; they differ only in

@@ -1,10 +1,10 @@
 """Reproductions of the paper's Tables 2 and 3 (Table 4 and MagiAttention's protocol live in
 ``table4.py`` and ``magi.py``), each one call returning a ``Report`` (CSV rows, markdown, PNG).
 
-Batches: ``pack_batches(workload, T, 1, seed)`` for seeds ``0..n−1`` (DESIGN §4: median and
+Batches: ``pack_batches(workload, T, 1, seed)`` for seeds ``0..n−1`` (docs/design.md §4: median and
 worst over seeded batches). The paper does not say how its "hybrid-context" batches were packed;
 we use the ``slimpajama`` mixture (short web documents plus ArXiv/Books tails) by default.
-Our SAP balances exact (q, k) pairs, not the paper's block counts (DESIGN §2.1), so per-point
+Our SAP balances exact (q, k) pairs, not the paper's block counts (docs/design.md §2.1), so per-point
 differences from the paper come partly from that.
 """
 
@@ -173,7 +173,7 @@ def table2(out_dir: str | Path, *, quick: bool = False, seeds: int | None = None
     shape_rows = [[f"{points[i][0]}/{points[i][1] // 1024}K → {points[i + 1][0]}/{points[i + 1][1] // 1024}K", pub[i + 1] / pub[i], dfa_col[i + 1] / dfa_col[i]]
                   for i in range(len(points) - 1)]
     md += ["", "Differences from the paper: our SAP balances exact (q, k) pairs, the paper block counts "
-           "(DESIGN §2.1); DistFlashAttn is simulated document-blind (it has no varlen support), so its time "
+           "(docs/design.md §2.1); DistFlashAttn is simulated document-blind (it has no varlen support), so its time "
            "depends on T only, while SAP's depends on the packed documents; the paper's SP-16 DistFlashAttn "
            "times are ~20× its SP-8 ones, which no InfiniBand model reproduces (see `simulate validate`)."]
     md += [f"- {e}" for e in errors]

@@ -1,4 +1,4 @@
-"""Result rows in the CSV schema of DESIGN §4, markdown tables, and writing them to disk."""
+"""Result rows in the CSV schema of docs/design.md §4, markdown tables, and writing them to disk."""
 
 from __future__ import annotations
 

@@ -125,7 +125,7 @@ def test_pool_comes_from_the_planner_when_present() -> None:
     cfg = load_config(ROOT / "configs" / "llama2_7b_8gpu_2x4_16k.yaml")
     lay = config_layout(cfg)
     seq = cfg.training.seq_length
-    # The planner's default capacity is DESIGN §2.1's formula (called directly so that a planner
+    # The planner's default capacity is docs/design.md §2.1's formula (called directly so that a planner
     # failure shows its own traceback).
     plan = plan_mod.compile_plan([0, seq], inter_size=4, intra_size=2, num_heads=32, head_dim=128)
     assert plan.stats()["pool_capacity_bytes"] == formula_pool_bytes(cfg, seq, lay)

@@ -1,6 +1,6 @@
 """HSAP's parallel_state extension: group layout, Megatron parity, misconfigurations, node check.
 
-Expected layouts are written from DESIGN §1 directly (rank r = i·P_intra + j of the CP rank
+Expected layouts are written from docs/design.md §1 directly (rank r = i·P_intra + j of the CP rank
 list), not from the module's helper.
 """
 
@@ -47,7 +47,7 @@ def test_lazy_package_does_not_import_megatron():
 
 
 def _expected(cp_ranks: list[int], intra: int, rank: int) -> tuple[list[int], list[int]]:
-    """(intra members, inter members) of ``rank`` per DESIGN §1, from first principles."""
+    """(intra members, inter members) of ``rank`` per docs/design.md §1, from first principles."""
     r = cp_ranks.index(rank)
     i, j = r // intra, r % intra
     inter = len(cp_ranks) // intra

@@ -1,5 +1,5 @@
 """The planner's API on hand-made batches: units and patterns, layout, messages, dump, stats,
-bad input, padding, determinism, the cache and the no-torch rule (DESIGN §2.1, §3).
+bad input, padding, determinism, the cache and the no-torch rule (docs/design.md §2.1, §3).
 
 These tests pin the paper's ``contiguous`` layout (their expectations are its chunks); the
 balanced layout (the default) has its own tests in ``test_balanced.py`` and ``test_properties.py``."""

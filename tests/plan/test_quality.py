@@ -1,4 +1,4 @@
-"""The issue's plan-quality targets (DESIGN §4 measurement set: bf16, d 128, MHA 32/32 and GQA 32/8),
+"""The issue's plan-quality targets (docs/design.md §4 measurement set: bf16, d 128, MHA 32/32 and GQA 32/8),
 checked on a fast subset; the full grid and the timing budgets run under ``-m slow``.
 
 Efficiency = lower bound / estimated time; compute-dominated = necessary-traffic time ≤ 0.5 ×
@@ -130,7 +130,7 @@ def test_dominating_document_ties_the_ring(heads: str) -> None:
 
 @pytest.mark.parametrize("heads", ["mha", "gqa"])
 def test_bytes_far_below_the_te_ring(heads: str) -> None:
-    # DESIGN §4: targets hold for the median of the seeded batches; the worst is reported. A batch
+    # docs/design.md §4: targets hold for the median of the seeded batches; the worst is reported. A batch
     # with one long document (owner-computes 3× unbalanced) moves up to ~0.4× to halve its time.
     h, hkv = HEADS[heads]
     shape = HeadShape(num_heads=h, num_kv_heads=hkv, head_dim=128, head_dim_v=128)

@@ -10,7 +10,7 @@ from megatron_hsap.sim.cli import COMMANDS, main
 from megatron_hsap.sim.results import COLUMNS, Row, read_csv, write_csv
 from megatron_hsap.sim.validate import RFA_PUBLISHED, ring_flash_attention_check
 
-# DESIGN §4's result columns, copied by hand.
+# docs/design.md §4's result columns, copied by hand.
 DESIGN_COLUMNS = ["source", "workload", "T", "P_intra", "P_inter", "link", "heads", "seed", "method", "metric", "value", "unit"]
 
 
