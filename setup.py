@@ -49,7 +49,7 @@ setup(
     license="Apache-2.0",
     python_requires=">=3.12",
     packages=find_packages(include=["megatron_hsap", "megatron_hsap.*"]),
-    package_data={"megatron_hsap.plan": ["data/*.txt"]},
+    package_data={"megatron_hsap.plan": ["data/*.txt", "data/*.csv"]},
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS_REQUIRE,
     entry_points={"console_scripts": ["megatron-hsap = megatron_hsap.cli:main"]},

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from megatron_hsap.bench.allgather_baseline import AllGatherKVAttention
 from megatron_hsap.bench.ring_baseline import A2AP2PAttention, RingAttention, ZigzagLayout
-from megatron_hsap.plan.baselines import price_baseline
+from megatron_hsap.baselines.flat import price_baseline
 from megatron_hsap.plan.costs import HeadShape
 from megatron_hsap.plan.hardware import A100, LinkClass
 

@@ -3,7 +3,7 @@
 For every workload (``workloads.md``'s four plus ``full``: one document filling the batch), batch
 size ``T``, ``P_inter`` and head shape (MHA 32/32, GQA 32/8; bf16, d 128, ``P_intra`` 1), it
 compiles the SAP plan of seeded packed batches and prices the baselines on the same batches with
-the same model (``megatron_hsap.plan.baselines``). The link class follows docs/design.md §4: NVLink when
+the same model (``megatron_hsap.baselines.flat``). The link class follows docs/design.md §4: NVLink when
 the CP group fits one 8-GPU node (``P_inter ≤ 8`` here), InfiniBand otherwise.
 
 Outputs (``--out``, default ``results``): ``plan_quality.csv`` (columns ``source, workload, T,
@@ -31,7 +31,7 @@ import numpy as np
 
 from megatron_hsap.plan import clear_plan_cache, compile_plan
 from megatron_hsap.plan.plan import kept_layout
-from megatron_hsap.plan.baselines import BASELINES, price_baseline, unavailable_reason
+from megatron_hsap.baselines.flat import BASELINES, price_baseline, unavailable_reason
 from megatron_hsap.plan.costs import HeadShape
 from megatron_hsap.plan.hardware import HARDWARE, LinkClass, link_class_for
 from megatron_hsap.plan.workloads import pack_batches

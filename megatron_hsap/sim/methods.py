@@ -9,6 +9,12 @@ head chunk, compute after it), ``ulysses`` (all-to-all to heads, whole documents
 ``distflashattn`` (document-blind balanced ring) and ``blind_ring`` (the packed batch as ONE
 causal sequence under Megatron's a2a+p2p zigzag CP: Table 4's "packing").
 
+``te_thd_ring_nopad`` (the same ring, padding not computed: cuDNN/FA3 ``pad_between_seqs``),
+``allgather_kv_zigzag`` (document-aware all-gather KV, per-document zigzag) and ``hybrid_cp``
+(Megatron hybrid / dynamic CP) are in ``sim/collectives.py``. Availability rules and sources are
+the records of ``megatron_hsap.baselines.registry`` (one definition each). HSAP runs with the
+shipped default layout (balanced); pass ``plan_options={"layout": "contiguous"}`` for the paper's.
+
 Every method returns a ``MethodRun`` with both phases' timelines; ``None`` plus a reason when
 it cannot run (``unavailable``).
 """
@@ -16,7 +22,7 @@ it cannot run (``unavailable``).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -30,7 +36,8 @@ from megatron_hsap.sim.schedules import distflashattn_schedule, pad_lengths, rin
 
 __all__ = ["METHODS", "MethodRun", "PhaseRun", "run_method", "unavailable", "ideal_seconds", "useful_flops", "ulysses_degree"]
 
-METHODS = ("hsap", "te_thd_ring", "te_a2a_p2p", "usp", "allgather_kv", "ulysses", "distflashattn", "blind_ring")
+METHODS = ("hsap", "te_thd_ring", "te_thd_ring_nopad", "te_a2a_p2p", "usp", "allgather_kv", "allgather_kv_zigzag", "ulysses",
+           "hybrid_cp", "distflashattn", "blind_ring")
 
 
 @dataclass(slots=True)
@@ -78,7 +85,9 @@ def _split(shape: HeadShape, u: int) -> HeadShape:
 
 
 def _heads_ok(shape: HeadShape, u: int) -> bool:
-    return shape.num_heads % u == 0 and (shape.num_kv_heads % u == 0 or u % shape.num_kv_heads == 0)
+    from megatron_hsap.baselines.registry import heads_split_ok
+
+    return heads_split_ok(shape, u)
 
 
 def ulysses_degree(P: int, shape: HeadShape, gpus_per_node: int = 8) -> int:
@@ -87,20 +96,11 @@ def ulysses_degree(P: int, shape: HeadShape, gpus_per_node: int = 8) -> int:
 
 
 def unavailable(method: str, *, intra: int, inter: int, shape: HeadShape) -> str | None:
-    """Why ``method`` cannot run at this size (``n/a (P > H)`` ...), or None."""
-    P = intra * inter
-    if method == "ulysses":
-        if P > shape.num_heads:
-            return "n/a (P > H)"
-        if not _heads_ok(shape, P):
-            return "n/a (heads not divisible by P)"
-    if method in ("hsap", "te_a2a_p2p", "blind_ring") and not _heads_ok(shape, intra):
-        return f"n/a (heads not divisible by P_intra={intra})"
-    if method == "te_a2a_p2p" and shape.num_kv_heads % intra:
-        return "n/a (TE a2a needs kv heads divisible by P_intra)"
-    if method == "distflashattn" and P > 1 and P % 2:
-        return "n/a (odd P)"
-    return None
+    """Why ``method`` cannot run at this size (``n/a (P > H)`` ...), or None: the registry's rule
+    (``hsap`` splits heads over the intra group like USP)."""
+    from megatron_hsap.baselines.registry import unavailable as rule
+
+    return rule("usp" if method == "hsap" else method, intra=intra, inter=inter, shape=shape)
 
 
 def ideal_seconds(cu: np.ndarray, shape: HeadShape, hw: Any, P: int, phase: str) -> float:
@@ -140,6 +140,8 @@ def _ring_methods(method: str, cu: np.ndarray, cluster: Cluster, shape: HeadShap
     padded = pad_lengths(lengths, 2 * P) if P > 1 else lengths
     chunk = padded / (2 * r) if r > 1 else padded / 2.0
     steps = zigzag_steps(chunk, r)
+    if method == "te_thd_ring_nopad":  # kernels on the real tokens, the padded KV still travels
+        steps = replace(zigzag_steps(lengths / (2 * r) if r > 1 else lengths / 2.0, r), local_tokens=steps.local_tokens)
     local = _split(shape, cluster.intra_size)
     before, after = _a2a_times(cluster, shape, float(padded.sum()) / P, phase)
     impl = "ring_flash_attn" if method == "usp" else "te"
@@ -231,9 +233,9 @@ def run_method(method: str, cu_seqlens: object, *, hw: Any, intra: int, inter: i
 
         cluster = Cluster(hw=hw, intra_size=intra, inter_size=inter)
         t0 = time.perf_counter()
-        # the reproductions run the paper's system (contiguous layout) unless told otherwise;
-        # `simulate layouts` compares it with the balanced layout (the shipped default)
-        opts = {"layout": "contiguous", **(plan_options or {})}
+        # the shipped default layout (balanced) unless told otherwise; the paper's variant is
+        # plan_options={"layout": "contiguous"}
+        opts = dict(plan_options or {})
         plan = compile_plan(cu, inter, intra, num_heads=shape.num_heads, num_kv_heads=shape.num_kv_heads,
                             head_dim=shape.head_dim, dtype_bytes=shape.dtype_bytes,
                             hardware=hw.name if hw.name in ("a100", "h100", "h100-fa3") else "a100", **opts)
@@ -244,14 +246,25 @@ def run_method(method: str, cu_seqlens: object, *, hw: Any, intra: int, inter: i
         extra["plan"] = {k: stats.get(k) for k in keys}
         build = lambda ph: hsap_workload(plan, cluster, ph)  # noqa: E731
         note = f"placement {stats['placement']}, imbalance {stats['imbalance']:.2f}"
-    elif method in ("te_thd_ring", "te_a2a_p2p", "usp", "blind_ring"):
-        u = 1 if method == "te_thd_ring" else (ulysses_degree(P, shape, hw.gpus_per_node) if method == "usp" else intra)
+    elif method in ("te_thd_ring", "te_thd_ring_nopad", "te_a2a_p2p", "usp", "blind_ring"):
+        u = 1 if method in ("te_thd_ring", "te_thd_ring_nopad") else (ulysses_degree(P, shape, hw.gpus_per_node) if method == "usp" else intra)
         cluster = Cluster(hw=hw, intra_size=u, inter_size=P // u)
         topo = cluster.topology
         build = lambda ph: _ring_methods(method, cu, cluster, shape, ph)  # noqa: E731
     elif method == "allgather_kv":
         build = lambda ph: _allgather(cu, flat, shape, ph, allgather_stride)  # noqa: E731
         topo = f"1x{P}"
+    elif method == "allgather_kv_zigzag":
+        from megatron_hsap.sim.collectives import allgather_zigzag_schedule
+
+        build = lambda ph: allgather_zigzag_schedule(cu, flat, shape, ph)  # noqa: E731
+        topo = f"1x{P}"
+    elif method == "hybrid_cp":
+        from megatron_hsap.sim.collectives import hybrid_cp_schedule
+
+        build = lambda ph: hybrid_cp_schedule(cu, flat, shape, ph)  # noqa: E731
+        topo = f"1x{P}"
+        note = "per-sample CP group sizes"
     elif method == "ulysses":
         build = lambda ph: _ulysses(cu, flat, shape, ph)  # noqa: E731
         topo = f"{P}x1"
@@ -266,6 +279,6 @@ def run_method(method: str, cu_seqlens: object, *, hw: Any, intra: int, inter: i
     runs = {}
     for ph in ("fwd", "bwd"):
         work, gpus = build(ph)
-        c = cluster if method in ("hsap", "te_thd_ring", "te_a2a_p2p", "usp", "blind_ring") else flat
+        c = cluster if method in ("hsap", "te_thd_ring", "te_thd_ring_nopad", "te_a2a_p2p", "usp", "blind_ring") else flat
         runs[ph] = PhaseRun(simulate_on(work, c, gpus), work, gpus)
     return MethodRun(method, topo, P, runs["fwd"], runs["bwd"], useful_flops(cu, shape), note, extra)

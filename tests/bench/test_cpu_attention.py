@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_hsap.plan.baselines import price_baseline
+from megatron_hsap.baselines.flat import price_baseline
 from megatron_hsap.plan.costs import HeadShape
 from megatron_hsap.plan.hardware import A100, LinkClass
 from tests.reference import reference_packed

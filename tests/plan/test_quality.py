@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from megatron_hsap.plan import clear_plan_cache, compile_plan
-from megatron_hsap.plan.baselines import BASELINES, price_baseline
+from megatron_hsap.baselines.flat import BASELINES, price_baseline
 from megatron_hsap.plan.costs import HeadShape
 from megatron_hsap.plan.hardware import A100, link_class_for
 from megatron_hsap.plan.workloads import pack_batches

@@ -1,4 +1,8 @@
-"""Price the baselines on the same packed batch, with the same constants as the planner (docs/design.md §4).
+"""Flat prices of the baselines on the same packed batch, with the planner's constants (docs/design.md §4).
+
+Moved here from ``plan/baselines.py`` (the planner keeps no baseline code); ``baselines.registry``
+holds one record per method and points at these functions, the simulated schedules and the
+CPU-executed implementations.
 
 Each ``_price_*`` function models one published schedule with flat rates: compute time =
 pairs × FLOPs per pair / rate (``hardware.attn_fwd_flops`` forward, ``attn_bwd_flops`` backward);
@@ -36,7 +40,7 @@ from megatron_hsap.plan.layout import normalize_cu_seqlens
 
 __all__ = ["BASELINES", "BaselineCost", "price_baseline", "unavailable_reason"]
 
-BASELINES = ("te_thd_ring", "allgather_kv", "ulysses", "distflashattn")
+BASELINES = ("te_thd_ring", "te_thd_ring_nopad", "allgather_kv", "allgather_kv_zigzag", "ulysses", "distflashattn")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -119,8 +123,12 @@ def _prefix_pairs(cu: np.ndarray, x: np.ndarray) -> np.ndarray:
     return before[doc] + inside * (inside + 1) / 2
 
 
-def _price_te_thd_ring(env: _Env) -> BaselineCost:
-    """Transformer Engine ``AttnFuncWithCPAndKVP2P``, THD format, causal.
+def _price_te_thd_ring(env: _Env, pad_compute: bool = True) -> BaselineCost:
+    """Transformer Engine ``AttnFuncWithCPAndKVP2P``, THD format, causal
+    (NVIDIA/TransformerEngine ``transformer_engine/pytorch/attention/dot_product_attention/context_parallel.py``).
+
+    ``pad_compute=False`` (``te_thd_ring_nopad``): the same ring and bytes, but the kernel skips
+    the per-document padding (cuDNN / FA3 with ``pad_between_seqs``): compute counts real pairs only.
 
     Layout: every document padded to a multiple of 2P (padding counted as computed tokens, as a
     kernel that cannot skip pre-padded documents does — FA2; cuDNN's pad_between_seqs path would
@@ -150,6 +158,9 @@ def _price_te_thd_ring(env: _Env) -> BaselineCost:
     ranks = np.arange(P)
     fwd_pairs = np.stack([step_pairs((ranks - i) % P) for i in range(P)])  # [P steps, P ranks]
     bwd_pairs = np.stack([step_pairs((ranks + 1 + i) % P) for i in range(P)])
+    if not pad_compute and P > 1:  # padding skipped: scale every step to the real pairs
+        scale = _causal_pairs(env.lengths) / max(float(fwd_pairs.sum()), 1.0)
+        fwd_pairs, bwd_pairs = fwd_pairs * scale, bwd_pairs * scale
     local_tokens = 2 * float(c.sum())  # padded tokens per rank
     kv_bytes = local_tokens * env.tb(Wire.KV)
     dkv_bytes = kv_bytes  # activation dtype, same shape as KV
@@ -167,14 +178,15 @@ def _price_te_thd_ring(env: _Env) -> BaselineCost:
     real = int(env.cu[-1])
     padded = int(round(local_tokens)) * P
     return BaselineCost(
-        method="te_thd_ring",
+        method="te_thd_ring" if pad_compute else "te_thd_ring_nopad",
         fwd_time=fwd_time,
         bwd_time=bwd_time,
         bytes_sent=sent,
         bytes_recv=sent.copy(),
         work=fwd_pairs.sum(axis=0),
         steps=fwd_steps + bwd_steps,
-        note=f"documents padded to 2P={2 * P}: {padded - real} pad tokens ({(padded - real) / real:.1%}); dKV in activation dtype",
+        note=f"documents padded to 2P={2 * P}: {padded - real} pad tokens ({(padded - real) / real:.1%}, "
+        f"{'computed' if pad_compute else 'sent, not computed'}); dKV in activation dtype",
     )
 
 
@@ -184,7 +196,10 @@ def _contiguous_chunk(env: _Env) -> int:
 
 
 def _price_allgather_kv(env: _Env) -> BaselineCost:
-    """Llama-3-style all-gather KV on the contiguous layout (owner computes, no balancing).
+    """All-gather KV on the plain contiguous layout (owner computes, no balancing): what
+    ring-flash-attention's ``llama3_flash_attn_varlen_func`` (zhuzilin/ring-flash-attention
+    ``ring_flash_attn/llama3_flash_attn_varlen.py``) and our CPU ``bench/allgather_baseline.py`` run.
+    The fair, balanced variant is ``allgather_kv_zigzag``.
 
     Rank r holds tokens [rL, (r+1)L), L = ceil(T/P) (the tail padding is not computed). Forward:
     one all-gather of KV (each rank sends its L tokens' KV and receives the other (P−1)·L), then
@@ -215,6 +230,51 @@ def _price_allgather_kv(env: _Env) -> BaselineCost:
         work=work,
         steps=0 if P == 1 else 3,
         note=f"compute after the all-gather (not overlapped); dKV reduce-scatter in activation dtype; imbalance {work.max() / max(work.mean(), 1.0):.2f}",
+    )
+
+
+def _price_allgather_kv_zigzag(env: _Env) -> BaselineCost:
+    """Document-aware all-gather KV with per-document zigzag: Llama 3's CP, Transformer Engine's
+    all-gather CP (``AttnFuncWithCPAndKVAllGather`` in
+    ``transformer_engine/pytorch/attention/dot_product_attention/context_parallel.py``) and
+    MagiAttention's ``ring_allgather`` baseline (SandAI-org/MagiAttention
+    ``exps/dist_attn/baselines/ring_attn.py``, ``TERingAGAttnFunc`` / ``FA3RingAGAttnFunc``).
+
+    Every document padded to a multiple of 2P (``c = padded / 2P``); rank r holds chunks r and
+    2P−1−r of each. Forward: one all-gather of KV (each rank sends its ``2·Σc`` tokens and
+    receives the rest), then the two q halves against the keys before them, real tokens only
+    (the kernels get unpadded ``cu_seqlens``). Backward: the all-gather again, compute, then a
+    reduce-scatter of dKV (activation dtype). Compute is not overlapped with the collectives
+    (TE overlaps the two halves with the gather on a side stream; MagiAttention's does not).
+    """
+    P = env.P
+    lengths = env.lengths.astype(np.float64)
+    c = np.ceil(lengths / (2 * P)) if P > 1 else lengths / 2.0
+
+    def rows_pairs(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        """Causal pairs of document rows [a, b) (clipped to the real length), per document."""
+        a = np.minimum(a, lengths)
+        b = np.minimum(b, lengths)
+        return (b * (b + 1) - a * (a + 1)) / 2
+
+    work = np.array([float((rows_pairs(r * c, (r + 1) * c) + rows_pairs((2 * P - 1 - r) * c, (2 * P - r) * c)).sum())
+                     for r in range(P)])
+    local = 2 * float(c.sum())
+    kv_bytes = float(P - 1) * local * env.tb(Wire.KV)
+    coll = 0.0 if P == 1 else env.lat
+    ag = kv_bytes / env.bw + coll
+    fwd_time = ag + float(np.max(env.fwd_s(work)))
+    bwd_time = ag + float(np.max(env.bwd_s(work))) + ag
+    per_rank = np.full(P, 3 * kv_bytes)
+    return BaselineCost(
+        method="allgather_kv_zigzag",
+        fwd_time=fwd_time,
+        bwd_time=bwd_time,
+        bytes_sent=per_rank,
+        bytes_recv=per_rank.copy(),
+        work=work,
+        steps=0 if P == 1 else 3,
+        note=f"per-document zigzag, documents padded to 2P (padding sent, not computed); imbalance {work.max() / max(work.mean(), 1.0):.2f}",
     )
 
 
@@ -354,20 +414,20 @@ def _price_distflashattn(env: _Env) -> BaselineCost:
 
 _PRICERS: dict[str, Callable[[_Env], BaselineCost]] = {
     "te_thd_ring": _price_te_thd_ring,
+    "te_thd_ring_nopad": lambda env: _price_te_thd_ring(env, pad_compute=False),
     "allgather_kv": _price_allgather_kv,
+    "allgather_kv_zigzag": _price_allgather_kv_zigzag,
     "ulysses": _price_ulysses,
     "distflashattn": _price_distflashattn,
 }
 
 
 def unavailable_reason(method: str, *, world: int, shape: HeadShape) -> str | None:
-    """Why ``method`` cannot run at CP size ``world`` with ``shape`` (e.g. ``"n/a (P > H)"``), or None."""
-    if method == "ulysses":
-        if world > shape.num_heads:
-            return "n/a (P > H)"
-        if shape.num_heads % world:
-            return "n/a (H % P != 0)"
-    return None
+    """Why ``method`` cannot run at CP size ``world`` with ``shape`` (e.g. ``"n/a (P > H)"``), or
+    None: the registry's availability rule for a flat group of ``world`` ranks."""
+    from megatron_hsap.baselines.registry import unavailable
+
+    return unavailable(method, intra=1, inter=int(world), shape=shape)
 
 
 def price_baseline(
