@@ -9,8 +9,12 @@ Backends (GPU ones imported lazily, only when selected):
 ``flash_attn``   flash-attn 2 ``_flash_attn_varlen_forward/_backward``. Keyword arguments are
                  bound from the installed function's own signature (2.0 … 2.7+ renamed and
                  added parameters); the LSE comes back ``[b, h, max_q]`` (older) or ``[h, tq]``.
-``te``           Transformer Engine fused attention (cuDNN, THD layout). Best effort: bound the
-                 same way; TE ≥ 1.x signatures. Untested here (no GPU in CI).
+``te``           Transformer Engine fused attention (cuDNN), every tensor THD: ``qkv_layout``,
+                 and on TE ≥ 2.15 ``o_format`` / ``do_format`` / ``dqkv_layout`` too (their
+                 ``sbhd`` defaults would shape O and dQKV wrongly). Bound the same way, from
+                 TE 1.9 (bottom-right causal mask) to 2.18+; the binding is tested against the
+                 recorded 1.13 / 2.14 / 2.18 signatures, the kernel itself only by
+                 ``scripts/gpu_check.sh`` on a GPU.
 ``torch_cuda``   PyTorch's vendored FlashAttention-2, ``aten._flash_attention_forward/_backward``
                  with ``cum_seq_q/k``. Findings (PyTorch source + its meta kernels): the varlen
                  path calls FA2's ``mha_varlen_fwd`` directly, so causal is bottom-right aligned
@@ -31,7 +35,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -42,12 +45,26 @@ from torch import Tensor
 from megatron_hsap.errors import BatchError, ConfigError
 from megatron_hsap.runtime import cpu_attention
 from megatron_hsap.runtime.env import read_env
+from megatron_hsap.runtime.kernel_signatures import (
+    FA_VETTED_DEFAULTS,
+    TE_THD_FORMATS,
+    TE_VETTED_DEFAULTS,
+    bind,
+    te_support_reason,
+)
 
 __all__ = ["BACKENDS", "attn_forward", "attn_backward", "available_backends", "resolve_backend"]
 
 BACKENDS: tuple[str, ...] = ("flash_attn", "te", "torch_cuda", "cpu")
 _AUTO_CUDA_ORDER: tuple[str, ...] = ("flash_attn", "te", "torch_cuda")
 _INF = float("inf")
+# What to do when a GPU backend does not import (shown at start-up by resolve_backend).
+_INSTALL_HINT = {
+    "flash_attn": "install it with `pip install --no-build-isolation flash-attn` (or a prebuilt "
+    "wheel; scripts/install_gpu.sh, README 'Running on GPUs')",
+    "te": "install it with `pip install --no-build-isolation 'transformer-engine[pytorch]'` "
+    "(scripts/install_gpu.sh, README 'Running on GPUs')",
+}
 
 
 # ----------------------------------------------------------------------------- selection
@@ -57,9 +74,12 @@ def _import_flash_attn() -> tuple[Callable[..., Any], Callable[..., Any]]:
     return mod._flash_attn_varlen_forward, mod._flash_attn_varlen_backward
 
 
+_TE_MODULE = "transformer_engine.pytorch.cpp_extensions.fused_attn"
+
+
 @functools.cache
 def _import_te() -> tuple[Callable[..., Any], Callable[..., Any], Any, Any]:
-    fa = importlib.import_module("transformer_engine.pytorch.cpp_extensions.fused_attn")
+    fa = importlib.import_module(_TE_MODULE)
     consts = importlib.import_module("transformer_engine.pytorch.constants")
     return fa.fused_attn_fwd, fa.fused_attn_bwd, fa.FusedAttnBackend, consts.TE_DType
 
@@ -88,9 +108,12 @@ def _unavailable_reason(name: str, device_key: str) -> str | None:
             if name == "flash_attn":
                 _import_flash_attn()
             else:
+                reason = te_support_reason(importlib.import_module(_TE_MODULE))
+                if reason is not None:
+                    return reason
                 _import_te()
         except Exception as exc:  # a broken install (ABI mismatch) must not break auto-selection
-            return f"import failed: {type(exc).__name__}: {exc}"
+            return f"import failed ({type(exc).__name__}: {exc}); {_INSTALL_HINT[name]}"
     return _sm80_reason(device)
 
 
@@ -163,36 +186,6 @@ def _round8(n: int) -> int:
 
 def _pad_last(x: Tensor, size: int) -> Tensor:
     return x if x.shape[-1] == size else F.pad(x, (0, size - x.shape[-1]))
-
-
-@functools.cache
-def _parameters(fn: Callable[..., Any]) -> tuple[tuple[str, bool], ...]:
-    """``(name, required)`` of ``fn``'s named parameters (cached: ``inspect`` is slow)."""
-    target = getattr(fn, "_init_fn", fn)  # torch.library.custom_op hides the signature
-    return tuple(
-        (p.name, p.default is p.empty)
-        for p in inspect.signature(target).parameters.values()
-        if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
-    )
-
-
-def _bind(fn: Callable[..., Any], values: dict[str, Any], what: str) -> dict[str, Any]:
-    """Keyword arguments for ``fn`` from ``values``, by the function's own parameter names.
-
-    Absorbs renames/additions across versions (``window_size`` tuple vs ``window_size_left``
-    / ``_right``, ``softcap``, ``alibi_slopes``, ...). A required parameter we do not know
-    means an unsupported version: fail loudly instead of guessing.
-    """
-    kwargs: dict[str, Any] = {}
-    for name, required in _parameters(fn):
-        if name in values:
-            kwargs[name] = values[name]
-        elif required:
-            raise ConfigError(
-                f"{what} has a required parameter {name!r} this adapter does not know "
-                "(unsupported version): choose another backend via HSAP_ATTN_BACKEND"
-            )
-    return kwargs
 
 
 def _token_index(cu: Tensor, t: int) -> tuple[Tensor, Tensor]:
@@ -279,7 +272,7 @@ def _fa_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
         v=_pad_last(v, dp).contiguous(), cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
         max_seqlen_q=max_q, max_seqlen_k=max_k, softmax_scale=scale, causal=causal,
     )  # fmt: skip
-    res = fwd(**_bind(fwd, values, "flash_attn._flash_attn_varlen_forward"))
+    res = fwd(**bind(fwd, values, "flash_attn._flash_attn_varlen_forward", vetted=FA_VETTED_DEFAULTS))
     # <= 2.6: (out, q, k, v, out_padded, lse, S_dmask, rng_state); >= 2.7: (out, lse, S, rng)
     out, raw = res[0], res[5] if len(res) == 8 else res[1]
     _LSE_LAYOUT["flash_attn"] = "ht" if raw.dim() == 2 else "bhs"
@@ -300,7 +293,7 @@ def _fa_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scal
         cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k,
         softmax_scale=scale, causal=causal,
     )  # fmt: skip
-    bwd(**_bind(bwd, values, "flash_attn._flash_attn_varlen_backward"))  # writes dq, dk, dv
+    bwd(**bind(bwd, values, "flash_attn._flash_attn_varlen_backward", vetted=FA_VETTED_DEFAULTS))
     return dq[..., :d], dk[..., :d], dvv[..., :dv]
 
 
@@ -331,18 +324,22 @@ def _torch_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, s
     return dq[..., :d], dk[..., :d], dvv[..., :dv]
 
 
-# ----------------------------------------------------------------------------- TE (best effort)
+# ----------------------------------------------------------------------------- TE
 def _te_values(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale) -> dict[str, Any]:
+    """Every argument the TE adapter means, under every name a release has used:
+    ``qkv_dtype`` (1.x) / ``fake_dtype`` (2.x), ``dqkv_dtype`` (≤ 2.14), the THD formats of O,
+    dO and dQKV (≥ 2.15), ``bottom_right_diagonal`` (≥ 2.12). :func:`bind` keeps those the
+    installed function names."""
     _, _, backends, te_dtype = _import_te()
     mask = "padding_causal_bottom_right" if causal else "padding"
     return dict(
-        is_training=True, max_seqlen_q=max_q, max_seqlen_kv=max_k, cu_seqlens_q=cu_q,
-        cu_seqlens_kv=cu_k, cu_seqlens_q_padded=cu_q, cu_seqlens_kv_padded=cu_k,
+        TE_THD_FORMATS, is_training=True, max_seqlen_q=max_q, max_seqlen_kv=max_k,
+        cu_seqlens_q=cu_q, cu_seqlens_kv=cu_k, cu_seqlens_q_padded=cu_q, cu_seqlens_kv_padded=cu_k,
         q=q, k=k, v=v, fake_dtype=q.dtype, qkv_dtype=te_dtype[q.dtype],
         dqkv_dtype=te_dtype[q.dtype], fused_attention_backend=backends["F16_arbitrary_seqlen"],
-        attn_scale=scale, dropout=0.0, fast_zero_fill=True, qkv_layout="thd_thd_thd",
-        attn_bias_type="no_bias", attn_mask_type=mask,
-        window_size=(-1, 0) if causal else (-1, -1), deterministic=False,
+        attn_scale=scale, dropout=0.0, fast_zero_fill=True, attn_bias_type="no_bias",
+        attn_mask_type=mask, window_size=(-1, 0) if causal else (-1, -1),
+        bottom_right_diagonal=causal, return_max_logit=False, deterministic=False,
     )  # fmt: skip
 
 
@@ -352,7 +349,7 @@ def _te_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
     qp, kp = _pad_last(q, _round8(d)).contiguous(), _pad_last(k, _round8(d)).contiguous()
     vp = _pad_last(v, _round8(dv)).contiguous()
     values = _te_values(qp, kp, vp, cu_q, cu_k, max_q, max_k, causal, scale)
-    out, aux = fwd(**_bind(fwd, values, "transformer_engine fused_attn_fwd"))
+    out, aux = fwd(**bind(fwd, values, "transformer_engine fused_attn_fwd", vetted=TE_VETTED_DEFAULTS))
     stats = aux[0]  # softmax stats (natural-log LSE): [b, h, max_q, 1] or packed [tq, h, 1]
     _LSE_LAYOUT["te"] = "bhs1" if stats.dim() == 4 else "th1"
     lse = _lse_to_th(stats, _LSE_LAYOUT["te"], cu_q, q.shape[0])
@@ -372,7 +369,8 @@ def _te_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scal
     values = _te_values(qp, kp, vp, cu_q, cu_k, max_q, max_k, causal, scale)
     values.update(o=_pad_last(out, _round8(dv)).contiguous(),
                   d_o=_pad_last(dout, _round8(dv)).contiguous(), aux_ctx_tensors=[stats, rng_state])
-    dq, dk, dvv = bwd(**_bind(bwd, values, "transformer_engine fused_attn_bwd"))[:3]
+    grads = bwd(**bind(bwd, values, "transformer_engine fused_attn_bwd", vetted=TE_VETTED_DEFAULTS))
+    dq, dk, dvv = grads[:3]  # [dq, dk, dv, (dbias, dsoftmax_offset)]
     empty = _no_key_rows(cu_q, cu_k, q.shape[0], causal)
     return dq[..., :d].masked_fill(empty[:, None, None], 0.0), dk[..., :d], dvv[..., :dv]
 

@@ -11,9 +11,6 @@ machine the CUDA backends join in bf16). Tolerances are relative to ``max(1, |re
 
 from __future__ import annotations
 
-import sys
-import types
-
 import pytest
 import torch
 from hypothesis import given, settings
@@ -31,7 +28,7 @@ from megatron_hsap.runtime.kernels import (
     resolve_backend,
 )
 from megatron_hsap.runtime.merge import merge_into
-from tests.reference import reference_attention, reference_varlen, varlen_positions
+from tests.reference import reference_attention, reference_varlen
 
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 2e-2}
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -351,139 +348,5 @@ def test_torch_cuda_adapter_call_shapes_on_meta():
     assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
 
 
-# ----------------------------------------------------------------------------- fake flash-attn
-def _dense_fa_backward(dout, q, k, v, out, lse_th, cu_q, cu_k, causal, scale):
-    """Dense float64 gradient with a *given* LSE (independent of cpu_attention)."""
-    q_pos, k_pos, q_doc, k_doc = varlen_positions(cu_q.tolist(), cu_k.tolist(), causal)
-    g = q.shape[1] // k.shape[1]
-    kk, vv = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
-    allowed = (q_doc[:, None] == k_doc[None]) & (k_pos[None] <= q_pos[:, None])
-    s = torch.einsum("qhd,khd->hqk", q, kk) * scale
-    p = torch.exp(s - lse_th.t()[:, :, None]) * allowed
-    dvv = torch.einsum("hqk,qhd->khd", p, dout)
-    dp = torch.einsum("qhd,khd->hqk", dout, vv)
-    ds = p * (dp - (dout * out).sum(-1).t()[:, :, None])
-    dq = torch.einsum("hqk,khd->qhd", ds, kk) * scale
-    dk = torch.einsum("hqk,qhd->khd", ds, q) * scale
-    fold = lambda x: x.reshape(x.shape[0], -1, g, x.shape[-1]).sum(2)  # noqa: E731
-    return dq, fold(dk), fold(dvv)
-
-
-def _fake_flash_attn(new_api: bool):
-    """A stand-in ``flash_attn.flash_attn_interface`` with FA2's conventions: one head size
-    that is a multiple of 8, int32 cu_seqlens, ``lse = +inf`` for rows without keys, LSE layout
-    ``[h, tq]`` (2.7 API) or ``[b, h, max_q]`` (older API), in-place dq/dk/dv."""
-
-    def check(q, k, v, cu_q, cu_k):
-        assert q.shape[-1] == k.shape[-1] == v.shape[-1] and q.shape[-1] % 8 == 0
-        assert cu_q.dtype == cu_k.dtype == torch.int32
-
-    def forward(q, k, v, cu_q, cu_k, max_q, causal, scale):
-        check(q, k, v, cu_q, cu_k)
-        out, lse = reference_varlen(q, k, v, cu_q.tolist(), cu_k.tolist(), causal, scale)
-        lse = lse.masked_fill(torch.isneginf(lse), float("inf")).float()
-        if new_api:
-            return out.to(q.dtype), lse.t().contiguous(), None, None
-        padded = torch.zeros(cu_q.numel() - 1, q.shape[1], max_q)
-        for i, (a, b) in enumerate(zip(cu_q.tolist(), cu_q.tolist()[1:])):
-            padded[i, :, : b - a] = lse[a:b].t()
-        return out.to(q.dtype), q, k, v, out, padded, None, None
-
-    def backward(dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, max_q, causal, scale):
-        check(q, k, v, cu_q, cu_k)
-        if new_api:
-            lse_th = lse.t()
-        else:
-            bounds = zip(cu_q.tolist(), cu_q.tolist()[1:])
-            lse_th = torch.cat([lse[i, :, : b - a].t() for i, (a, b) in enumerate(bounds)])
-        grads = _dense_fa_backward(dout, q, k, v, out, lse_th.double(), cu_q, cu_k, causal, scale)
-        for buf, grad in zip((dq, dk, dv), grads):
-            buf.copy_(grad)
-        return None
-
-    if new_api:  # >= 2.7: split window sizes, softcap, 4-tuple
-        def fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-                softmax_scale, causal, window_size_left=-1, window_size_right=-1, softcap=0.0,
-                alibi_slopes=None, return_softmax=False, block_table=None, leftpad_k=None,
-                seqused_k=None):  # fmt: skip
-            assert (window_size_left, window_size_right, dropout_p) == (-1, -1, 0.0)
-            return forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal, softmax_scale)
-
-        def bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
-                max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
-                window_size_left, window_size_right, softcap, alibi_slopes, deterministic,
-                rng_state=None):  # fmt: skip
-            return backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
-                            max_seqlen_q, causal, softmax_scale)  # fmt: skip
-    else:  # 2.3–2.5: window_size tuple, 8-tuple, padded LSE
-        def fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-                softmax_scale, causal, window_size, alibi_slopes, return_softmax):  # fmt: skip
-            assert window_size == (-1, -1) and not return_softmax
-            return forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal, softmax_scale)
-
-        def bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
-                max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_size,
-                alibi_slopes, deterministic, rng_state=None):  # fmt: skip
-            return backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
-                            max_seqlen_q, causal, softmax_scale)  # fmt: skip
-
-    mod = types.ModuleType("flash_attn.flash_attn_interface")
-    mod._flash_attn_varlen_forward, mod._flash_attn_varlen_backward = fwd, bwd
-    return mod
-
-
-@pytest.fixture
-def fake_flash_attn(monkeypatch):
-    def install(new_api: bool):
-        pkg = types.ModuleType("flash_attn")
-        pkg.flash_attn_interface = _fake_flash_attn(new_api)
-        monkeypatch.setitem(sys.modules, "flash_attn", pkg)
-        iface = pkg.flash_attn_interface
-        monkeypatch.setitem(sys.modules, "flash_attn.flash_attn_interface", iface)
-        kernels._import_flash_attn.cache_clear()
-        kernels._LSE_LAYOUT.pop("flash_attn", None)
-
-    yield install
-    kernels._import_flash_attn.cache_clear()
-    kernels._LSE_LAYOUT.pop("flash_attn", None)
-
-
-@pytest.mark.parametrize("new_api", [True, False], ids=["fa2.7", "fa2.3"])
-def test_flash_attn_adapter_absorbs_versions(fake_flash_attn, new_api):
-    """The flash-attn glue (argument binding, tuple shape, LSE layout, +inf rows, head-size
-    padding for d != dv and d % 8 != 0, GQA) against the reference, through a fake module."""
-    fake_flash_attn(new_api)
-    for causal in (True, False):
-        q, k, v, dout = _inputs(LENS_Q, LENS_K, 4, 2, 12, 6, seed=3)
-        cu_q, cu_k = _cu(LENS_Q), _cu(LENS_K)
-        out, lse = kernels._fa_forward(q, k, v, cu_q, cu_k, max(LENS_Q), max(LENS_K), causal, 0.4)
-        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
-        ref_out, ref_lse = reference_varlen(*leaves, cu_q.tolist(), cu_k.tolist(), causal, 0.4)
-        # FA's LSE is float32 (its rounding feeds P in backward), the rest float64 here.
-        _close(out, ref_out.detach(), torch.float32, "out")
-        _close_lse(lse, ref_lse, torch.float32, "lse")
-        ref_out.backward(dout)
-        kernels._LSE_LAYOUT.pop("flash_attn")  # backward must also work before any forward (probe)
-        grads = kernels._fa_backward(
-            dout, q, k, v, out, lse, cu_q, cu_k, max(LENS_Q), max(LENS_K), causal, 0.4
-        )
-        for got, leaf, name in zip(grads, leaves, ("dq", "dk", "dv")):
-            _close(got, leaf.grad, torch.float32, name)
-
-
-def test_flash_attn_unknown_required_parameter_fails_loudly(fake_flash_attn):
-    fake_flash_attn(True)
-    mod = sys.modules["flash_attn.flash_attn_interface"]
-    old = mod._flash_attn_varlen_forward
-
-    def future(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-               softmax_scale, causal, brand_new_flag):  # fmt: skip
-        return old(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-                   softmax_scale, causal)  # fmt: skip
-
-    mod._flash_attn_varlen_forward = future
-    kernels._import_flash_attn.cache_clear()
-    q = torch.randn(4, 2, 8, dtype=torch.float64)
-    cu = _cu([4])
-    with pytest.raises(ConfigError, match="brand_new_flag"):
-        kernels._fa_forward(q, q, q, cu, cu, 4, 4, True, 1.0)
+# The flash-attn and Transformer Engine adapters against the recorded signatures of real
+# releases (fake modules with those signatures): tests/runtime/test_kernel_signatures.py.
