@@ -14,6 +14,7 @@ from megatron_hsap.launch.config import (
     config_from_dict,
     load_config,
 )
+from megatron_hsap.launch.preflight import Feature, check_untested, data_problems, untested_features
 from megatron_hsap.launch.topology import (
     TopologyMap,
     build_topology,
@@ -23,9 +24,11 @@ from megatron_hsap.launch.topology import (
     hostnames_per_rank,
     resolve_topology,
 )
+from megatron_hsap.launch.torchrun import Torchrun, resolve_torchrun
 
 __all__ = [
     "CPImpl", "InterLink", "LaunchConfig", "Recompute", "Sharding", "config_from_dict", "load_config",
     "launch_env", "to_megatron_args", "torchrun_argv", "TopologyMap", "build_topology", "check_topology",
     "expand_nodelist", "format_topology", "hostnames_per_rank", "resolve_topology",
+    "Feature", "check_untested", "data_problems", "untested_features", "Torchrun", "resolve_torchrun",
 ]

@@ -6,6 +6,7 @@ Commands:
   topology CONFIG --nodes L     check the rank map torchrun will produce on nodes L, print it
   resolve CONFIG [...] [-- X]   print the torchrun line of one node (--node-rank) or of all
                                 nodes (--all-nodes); X is appended to the Megatron arguments
+                                (--for-launch: refuse what exec would refuse)
   exec CONFIG [...] [-- X]      replace this process by that torchrun (node rank from
                                 --node-rank or $SLURM_NODEID); srun runs this on every node
 
@@ -14,6 +15,13 @@ position), resolve and exec first check the config against the allocation and th
 (``resolve_topology``); resolve prints the map as ``#`` comments. Both also set what the config
 needs in the environment (``launch_env``; resolve prints ``export`` lines). Errors in the config
 or the allocation print ``error: ...`` and exit with status 2, before anything is launched.
+
+torchrun is the one of this interpreter's environment (``launch/torchrun.py``: ``--torchrun`` /
+``$HSAP_TORCHRUN``, else ``torchrun`` next to this Python, else ``python -m torch.distributed.run``);
+resolve prints which. Every command prints the config's untested features (``launch/preflight.py``)
+and refuses a config whose ``untested:`` list does not name exactly those. A launch (exec,
+``resolve --for-launch``) refuses placeholder data paths (``"<fill in: ...>"``) and, on the node,
+dataset and tokenizer files that do not exist; a dry run only warns.
 """
 
 from __future__ import annotations
@@ -28,12 +36,14 @@ from collections.abc import Sequence
 from megatron_hsap.errors import ConfigError
 from megatron_hsap.launch.arguments import launch_env, to_megatron_args, torchrun_argv
 from megatron_hsap.launch.config import LaunchConfig, load_config
+from megatron_hsap.launch.preflight import check_untested, data_problems, placeholder_keys, untested_notice
 from megatron_hsap.launch.topology import (
     expand_nodelist,
     format_topology,
     hostnames_per_rank,
     resolve_topology,
 )
+from megatron_hsap.launch.torchrun import Torchrun, resolve_torchrun
 
 DEFAULT_PORT = 29500
 
@@ -67,10 +77,14 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--master-port", type=int, default=DEFAULT_PORT)
         p.add_argument("--entry", help="training script (default: the config's entry)")
         p.add_argument("--repo", help="directory a relative entry is resolved against")
-        p.add_argument("--torchrun", default="torchrun")
+        p.add_argument("--torchrun", default=None,
+                       help="torchrun command (default: torchrun next to this Python, else "
+                       "'python -m torch.distributed.run'; the sbatch scripts pass $HSAP_TORCHRUN)")
         if name == "resolve":
             p.add_argument("--all-nodes", action="store_true", help="a '# host' comment + line per node")
             p.add_argument("--format", choices=("torchrun", "args", "json"), default="torchrun")
+            p.add_argument("--for-launch", action="store_true",
+                           help="refuse what exec refuses: placeholder or missing data, no torchrun")
     return parser
 
 
@@ -96,8 +110,21 @@ def _check_allocation(cfg: LaunchConfig, nodes: list[str], gpus_on_node: int | N
         print(f"warning: {w}", file=sys.stderr)
 
 
+def _preflight(cfg: LaunchConfig, torchrun: Torchrun | None, *, strict: bool) -> None:
+    """Refuse (``strict``: a launch) or warn (a dry run) about data and torchrun; untested features
+    must be acknowledged either way."""
+    check_untested(cfg)
+    problems = data_problems(cfg, check_files=strict)
+    if torchrun is not None and torchrun.problem:
+        problems.append(torchrun.problem)
+    if strict and problems:
+        raise ConfigError(f"{cfg.source or cfg.name} cannot be launched: " + "; ".join(problems))
+    for problem in problems:
+        print(f"warning: {problem} (a launch refuses this)", file=sys.stderr)
+
+
 def _argv(cfg: LaunchConfig, ns: argparse.Namespace, nodes: list[str], node_rank: int,
-          extra: Sequence[str]) -> list[str]:
+          extra: Sequence[str], torchrun: Torchrun) -> list[str]:
     nnodes = ns.nnodes or len(nodes) or cfg.cluster.nnodes
     master = ns.master_addr or (nodes[0] if nodes else None)
     if master is None:
@@ -108,13 +135,19 @@ def _argv(cfg: LaunchConfig, ns: argparse.Namespace, nodes: list[str], node_rank
     if ns.repo and not os.path.isabs(entry):
         entry = os.path.join(ns.repo, entry)
     return torchrun_argv(cfg, node_rank=node_rank, master_addr=master, master_port=ns.master_port,
-                         nnodes=nnodes, entry=entry, torchrun=ns.torchrun, extra=extra)
+                         nnodes=nnodes, entry=entry, torchrun=torchrun.argv, extra=extra)
 
 
 def _run(ns: argparse.Namespace, extra: list[str]) -> int:
     if ns.command == "validate":
         for path in ns.configs:
-            print(load_config(path).summary())
+            cfg = load_config(path)
+            check_untested(cfg)
+            print(cfg.summary())
+            print(f"  {untested_notice(cfg)}")
+            keys = placeholder_keys(cfg)
+            if keys:
+                print(f"  to fill in before a launch (placeholders): {', '.join(keys)}")
         return 0
     if ns.command == "hostnames":
         print("\n".join(expand_nodelist(ns.nodelist)))
@@ -127,26 +160,34 @@ def _run(ns: argparse.Namespace, extra: list[str]) -> int:
         print(format_topology(topo, max_rank_rows=10**9 if ns.full else 16))
         return 0
     show = ns.command == "resolve" and ns.all_nodes and ns.format == "torchrun"
+    strict = ns.command == "exec" or ns.for_launch
+    torchrun = resolve_torchrun(ns.torchrun)
+    _preflight(cfg, torchrun if ns.command == "exec" or ns.format == "torchrun" else None, strict=strict)
     _check_allocation(cfg, nodes, ns.gpus_on_node, ns.nnodes, show=show)
     env = launch_env(cfg, os.environ)
     if ns.command == "exec":
         rank = ns.node_rank if ns.node_rank is not None else os.environ.get("SLURM_NODEID")
         if rank is None:
             raise ConfigError("exec needs --node-rank or $SLURM_NODEID (run it under srun)")
-        argv = _argv(cfg, ns, nodes, int(rank), extra)
+        argv = _argv(cfg, ns, nodes, int(rank), extra, torchrun)
+        print(f"[megatron-hsap launch] node rank {rank}: {untested_notice(cfg)}", file=sys.stderr)
+        print(f"[megatron-hsap launch] node rank {rank}: torchrun {torchrun.describe()}", file=sys.stderr)
         sys.stdout.flush()
+        sys.stderr.flush()
         os.execvpe(argv[0], argv, dict(os.environ, **env))
     if ns.format != "torchrun":
         args = to_megatron_args(cfg, extra)
         print(json.dumps(args) if ns.format == "json" else shlex.join(args))
         return 0
+    print(f"# {untested_notice(cfg)}")
+    print(f"# torchrun: {torchrun.describe()}")
     for key, value in env.items():
         print(f"export {key}={shlex.quote(value)}")
     ranks = range(ns.nnodes or len(nodes) or cfg.cluster.nnodes) if ns.all_nodes else [ns.node_rank or 0]
     for rank in ranks:
         if ns.all_nodes:
             print(f"# {nodes[rank] if nodes else f'node {rank}'} (node rank {rank})")
-        print(shlex.join(_argv(cfg, ns, nodes, rank, extra)))
+        print(shlex.join(_argv(cfg, ns, nodes, rank, extra, torchrun)))
     return 0
 
 

@@ -21,6 +21,7 @@ from megatron_hsap.launch.config import (
     Recompute,
     Sharding,
 )
+from megatron_hsap.launch.torchrun import resolve_torchrun
 
 __all__ = ["to_megatron_args", "launch_env", "torchrun_argv"]
 
@@ -92,8 +93,10 @@ def to_megatron_args(cfg: LaunchConfig, extra: Sequence[str] = ()) -> list[str]:
         if value is not None:
             a += [flag, str(value)]
     a += ["--tokenizer-type", d.tokenizer_type, "--vocab-size", str(m.vocab_size)]
-    if d.tokenizer_model:
-        a += ["--tokenizer-model", d.tokenizer_model]
+    for flag, value in (("--tokenizer-model", d.tokenizer_model), ("--vocab-file", d.vocab_file),
+                        ("--merge-file", d.merge_file)):
+        if value:
+            a += [flag, value]
     if d.mock:
         a.append("--mock-data")
     else:
@@ -136,10 +139,12 @@ def launch_env(cfg: LaunchConfig, environ: Mapping[str, str]) -> dict[str, str]:
 
 
 def torchrun_argv(cfg: LaunchConfig, *, node_rank: int, master_addr: str, master_port: int,
-                  nnodes: int | None = None, entry: str | None = None, torchrun: str = "torchrun",
-                  extra: Sequence[str] = ()) -> list[str]:
+                  nnodes: int | None = None, entry: str | None = None,
+                  torchrun: Sequence[str] | None = None, extra: Sequence[str] = ()) -> list[str]:
     """The fully resolved ``torchrun`` command of one node (static rendezvous on ``master_addr``).
 
+    ``torchrun`` is the command prefix (default: :func:`~megatron_hsap.launch.torchrun.
+    resolve_torchrun` for this interpreter: the environment's own torchrun, never a bare name).
     Node-major ranks: node ``n`` runs global ranks ``[n·G, (n+1)·G)`` with ``G`` GPUs per node,
     the placement the topology check assumes.
     """
@@ -150,8 +155,12 @@ def torchrun_argv(cfg: LaunchConfig, *, node_rank: int, master_addr: str, master
             "submit with --nodes matching the config or pick the config for this allocation")
     if not 0 <= node_rank < nnodes:
         raise ConfigError(f"node rank {node_rank} is outside [0, {nnodes})")
+    if torchrun is None:
+        torchrun = resolve_torchrun().argv
+    elif isinstance(torchrun, str):
+        torchrun = [torchrun]
     return [
-        torchrun, f"--nnodes={nnodes}", f"--nproc-per-node={cfg.cluster.gpus_per_node}",
+        *torchrun, f"--nnodes={nnodes}", f"--nproc-per-node={cfg.cluster.gpus_per_node}",
         f"--node-rank={node_rank}", f"--master-addr={master_addr}", f"--master-port={master_port}",
         entry or cfg.entry, *to_megatron_args(cfg, extra),
     ]

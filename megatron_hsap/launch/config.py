@@ -263,13 +263,35 @@ class TrainingConfig:
                                      "save_interval"))
 
 
+# Megatron-LM's tokenizers (megatron/training/tokenizer/tokenizer.py) and the file each one reads.
+_TOKENIZER_NEEDS: dict[str, tuple[str, ...]] = {
+    "GPT2BPETokenizer": ("vocab_file", "merge_file"),
+    "BertWordPieceLowerCase": ("vocab_file",),
+    "BertWordPieceCase": ("vocab_file",),
+    "HuggingFaceTokenizer": ("tokenizer_model",),
+    "SentencePieceTokenizer": ("tokenizer_model",),
+    "GPTSentencePieceTokenizer": ("tokenizer_model",),
+    "Llama2Tokenizer": ("tokenizer_model",),
+    "TikTokenizer": ("tokenizer_model",),
+    "NullTokenizer": (),
+}
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class DataConfig:
-    mock: bool = True  # Megatron's --mock-data: synthetic tokens, no files needed
+    """Megatron's data flags. ``mock: true`` (Megatron's ``--mock-data``, synthetic tokens) is for
+    smoke runs only and must be asked for; real runs give indexed-dataset prefixes in ``data_path``
+    (``PREFIX`` of ``PREFIX.bin``/``PREFIX.idx``, or Megatron's ``WEIGHT PREFIX ...`` blend) and the
+    tokenizer the data was made with. Values starting ``<fill in`` are placeholders the launcher
+    refuses (``preflight.data_problems``)."""
+
+    mock: bool = False
     data_path: tuple[str, ...] = ()
     split: str | None = None
     tokenizer_type: str = "NullTokenizer"
     tokenizer_model: str | None = None
+    vocab_file: str | None = None
+    merge_file: str | None = None
     inter_document_masking: bool = True  # cu_seqlens per document: attention stays inside documents
     reset_position_ids: bool = True  # packed documents: positions restart at every EOD
     eod_mask_loss: bool = True
@@ -277,7 +299,18 @@ class DataConfig:
     def __post_init__(self) -> None:
         if not self.mock and not self.data_path:
             raise ConfigError("data.data_path: empty while data.mock is false; give the indexed "
-                              "dataset prefixes or set mock: true")
+                              "dataset prefixes (PREFIX of PREFIX.bin/.idx) or, for a smoke run, set mock: true")
+        if self.mock and self.data_path:
+            raise ConfigError("data.mock: true would ignore data.data_path; drop data_path (smoke run on "
+                              "synthetic tokens) or set mock: false (real data)")
+        if self.tokenizer_type not in _TOKENIZER_NEEDS:
+            raise ConfigError(f"data.tokenizer_type: {self.tokenizer_type!r} is not one of Megatron's "
+                              f"tokenizers {sorted(_TOKENIZER_NEEDS)}")
+        if not self.mock:
+            missing = [k for k in _TOKENIZER_NEEDS[self.tokenizer_type] if not getattr(self, k)]
+            if missing:
+                raise ConfigError(f"data.{missing[0]}: tokenizer_type {self.tokenizer_type} needs "
+                                  f"{' and '.join('data.' + k for k in missing)}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -292,6 +325,7 @@ class LaunchConfig:
     data: DataConfig = field(default_factory=DataConfig)
     megatron_args: tuple[str, ...] = ()
     entry: str = DEFAULT_ENTRY
+    untested: tuple[str, ...] = ()  # acknowledged untested features (launch/preflight.py checks them)
     source: str | None = None  # the file it was loaded from (for messages)
 
     def __post_init__(self) -> None:

@@ -37,7 +37,7 @@ _SECTIONS: dict[str, type] = {
     "model": ModelConfig, "parallel": ParallelConfig, "cluster": ClusterConfig,
     "training": TrainingConfig, "data": DataConfig,
 }
-_TOP_KEYS = set(_SECTIONS) | {"name", "megatron_args", "entry", "extends", "description"}
+_TOP_KEYS = set(_SECTIONS) | {"name", "megatron_args", "entry", "extends", "description", "untested"}
 _TOKEN_FIELDS = {"seq_length"}
 
 
@@ -103,7 +103,25 @@ def config_from_dict(data: Mapping[str, Any], *, source: str | None = None) -> L
     if not isinstance(extra, list) or not all(isinstance(a, (str, int, float)) for a in extra):
         raise ConfigError("megatron_args: must be a list of command-line tokens")
     return LaunchConfig(name=str(data.get("name", "config")), megatron_args=tuple(str(a) for a in extra),
-                        entry=str(data.get("entry", DEFAULT_ENTRY)), source=source, **sections)
+                        entry=str(data.get("entry", DEFAULT_ENTRY)), untested=_untested(data.get("untested")),
+                        source=source, **sections)
+
+
+def _untested(value: Any) -> tuple[str, ...]:
+    """The ``untested:`` list: names of ``preflight.Feature`` (checked against use at launch)."""
+    from megatron_hsap.launch.preflight import Feature
+
+    if value is None:
+        return ()
+    if isinstance(value, str) or not isinstance(value, list):
+        raise ConfigError(f"untested: expected a list of feature names, got {value!r}")
+    known = [f.value for f in Feature]
+    for name in value:
+        if name not in known:
+            close = difflib.get_close_matches(str(name), known, n=1)
+            raise ConfigError(f"untested: {name!r} is not a feature name"
+                              f"{f'; did you mean {close[0]}?' if close else ''} (known: {known})")
+    return tuple(value)
 
 
 def _parallel_aliases(raw: dict[str, Any]) -> dict[str, Any]:

@@ -13,9 +13,11 @@ usage: sbatch ${0##*/} [--dry-run] [CONFIG] [-- EXTRA_MEGATRON_ARGS...]
 CONFIG defaults to ${HSAP_DEFAULT_CONFIG:-the scenario config}. --dry-run prints the
 exported NCCL settings and one fully resolved torchrun line per node without launching; outside
 SLURM give SLURM_JOB_NODELIST (and optionally SLURM_NNODES, SLURM_JOB_ID).
-Environment: HSAP_PYTHON (a python that imports megatron_hsap, default python3), HSAP_TORCHRUN
-(default torchrun), MEGATRON_LM (Megatron-LM checkout), MASTER_PORT, HSAP_REPO, and
-every NCCL_* default in scripts/slurm/common.sh.
+Environment: HSAP_PYTHON (the training environment's python, which imports megatron_hsap;
+default \$HSAP_REPO/.venv/bin/python when present, else python3), HSAP_TORCHRUN (default: the
+torchrun next to HSAP_PYTHON, else HSAP_PYTHON -m torch.distributed.run; the dry run prints
+which), MEGATRON_LM (Megatron-LM checkout), MASTER_PORT, HSAP_REPO, and every NCCL_* default
+in scripts/slurm/common.sh.
 USAGE
 }
 
@@ -67,7 +69,10 @@ hsap_main() {
   local default_config=$1
   shift
   HSAP_DEFAULT_CONFIG=$default_config
-  HSAP_PYTHON=${HSAP_PYTHON:-python3}
+  if [[ -z ${HSAP_PYTHON:-} ]]; then
+    HSAP_PYTHON=python3
+    if [[ -x $HSAP_REPO/.venv/bin/python ]]; then HSAP_PYTHON=$HSAP_REPO/.venv/bin/python; fi
+  fi
   local dry_run=0 config="" extra=()
   while (($#)); do
     case $1 in
@@ -108,8 +113,9 @@ hsap_main() {
   # The launcher checks the config against the allocation (nodes, GPUs per node) and the rank map
   # torchrun will produce (node-major) before anything starts: intra groups inside one node,
   # inter groups matching parallel.inter_link. It prints that map and every node's torchrun line.
-  local launch=("$config" --nodes "$nodes" --master-port "$master_port" --repo "$HSAP_REPO"
-    --torchrun "${HSAP_TORCHRUN:-torchrun}")
+  # torchrun: $HSAP_TORCHRUN, else the one of HSAP_PYTHON's environment (resolved by the launcher)
+  local launch=("$config" --nodes "$nodes" --master-port "$master_port" --repo "$HSAP_REPO")
+  if [[ -n ${HSAP_TORCHRUN:-} ]]; then launch+=(--torchrun "$HSAP_TORCHRUN"); fi
   if [[ -n ${SLURM_NNODES:-} ]]; then launch+=(--nnodes "$SLURM_NNODES"); fi
   if [[ -n ${MASTER_ADDR:-} ]]; then launch+=(--master-addr "$MASTER_ADDR"); fi
   if [[ -n ${SLURM_GPUS_ON_NODE:-} ]]; then launch+=(--gpus-on-node "$SLURM_GPUS_ON_NODE"); fi
@@ -126,7 +132,12 @@ hsap_main() {
       "checkout: scripts/pretrain_gpt_hsap.py runs its pretrain_gpt" >&2
     return 2
   fi
-  "$HSAP_PYTHON" -m megatron_hsap.launch resolve "${launch[@]}" --all-nodes -- "${extra[@]}" || return 2
+  # A real launch refuses here, once, what every node's exec would refuse (placeholder or missing
+  # data, no torchrun); a dry run only warns.
+  local strict=()
+  if ((!dry_run)); then strict=(--for-launch); fi
+  "$HSAP_PYTHON" -m megatron_hsap.launch resolve "${launch[@]}" --all-nodes "${strict[@]}" -- "${extra[@]}" ||
+    return 2
   if ((dry_run)); then
     return 0
   fi

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,13 @@ import pytest
 from megatron_hsap.errors import ConfigError
 from megatron_hsap.launch import launch_env, load_config, to_megatron_args, torchrun_argv
 from megatron_hsap.launch.config import CPImpl, Recompute, Sharding, config_from_dict
+from megatron_hsap.launch.preflight import (
+    Feature,
+    check_untested,
+    data_problems,
+    placeholder_keys,
+    untested_features,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((ROOT / "configs").rglob("*.yaml"))
@@ -89,6 +97,7 @@ def _gpt(**over: object) -> dict:
         "parallel": {"tensor": 1, "hsap_intra_size": 2, "hsap_inter_size": 4, "inter_link": "ib"},
         "cluster": {"nnodes": 2, "gpus_per_node": 4},
         "training": {"seq_length": "16K"},
+        "data": {"mock": True},
     }
     for dotted, value in over.items():
         section, key = dotted.split("__")
@@ -157,7 +166,7 @@ def test_extends_merges_and_detects_cycles(tmp_path: Path) -> None:
     child = tmp_path / "child.yaml"
     base.write_text("model: {num_layers: 2, hidden_size: 256, num_attention_heads: 16, vocab_size: 1000}\n"
                     "parallel: {hsap_intra_size: 2, hsap_inter_size: 4}\n"
-                    "cluster: {nnodes: 2, gpus_per_node: 4}\ntraining: {seq_length: 8K}\n")
+                    "cluster: {nnodes: 2, gpus_per_node: 4}\ntraining: {seq_length: 8K}\ndata: {mock: true}\n")
     child.write_text("extends: base.yaml\ntraining: {seq_length: 32K}\n")
     cfg = load_config(child)
     assert cfg.name == "child" and cfg.training.seq_length == 32768 and cfg.model.num_layers == 2
@@ -169,12 +178,17 @@ def test_extends_merges_and_detects_cycles(tmp_path: Path) -> None:
 
 def test_torchrun_line_and_environment() -> None:
     cfg = load_config(ROOT / "configs/gpt30b_64gpu_128k.yaml")
-    argv = torchrun_argv(cfg, node_rank=3, master_addr="node01", master_port=29500)
+    argv = torchrun_argv(cfg, node_rank=3, master_addr="node01", master_port=29500, torchrun=["torchrun"])
     assert argv[:7] == ["torchrun", "--nnodes=8", "--nproc-per-node=8", "--node-rank=3",
                         "--master-addr=node01", "--master-port=29500", "scripts/pretrain_gpt_hsap.py"]
     assert argv[7:] == to_megatron_args(cfg)
     with pytest.raises(ConfigError, match="cluster.nnodes"):
         torchrun_argv(cfg, node_rank=0, master_addr="a", master_port=1, nnodes=4)
+    # Default: the torchrun of this interpreter's environment, never a bare name.
+    default = torchrun_argv(cfg, node_rank=3, master_addr="node01", master_port=29500)
+    beside = Path(os.path.abspath(sys.executable)).parent / "torchrun"
+    want = [str(beside)] if beside.is_file() else [sys.executable, "-m", "torch.distributed.run"]
+    assert default[:len(want)] == want and default[len(want):] == argv[1:]
     # Megatron-FSDP refuses CUDA_DEVICE_MAX_CONNECTIONS=1, plain TP/CP requires it.
     assert launch_env(cfg, {}) == {}
     with pytest.raises(ConfigError, match="parallel.sharding"):
@@ -209,3 +223,133 @@ def test_megatron_accepts_every_config(monkeypatch: pytest.MonkeyPatch) -> None:
             assert (hsap.intra_size, hsap.inter_size) == (cfg.parallel.hsap_intra_size, cfg.parallel.hsap_inter_size)
         else:
             assert hsap is None and args.cp_comm_type == ["p2p"]
+
+
+# --------------------------------------------------------------------------- untested features, data
+
+
+def _expected_untested(cfg) -> set[str]:
+    """The untested features, recomputed from the raw settings (not via preflight's table)."""
+    p, args = cfg.parallel, list(cfg.megatron_args)
+    out = set()
+    if p.sharding.value in ("optim_grads", "optim_grads_params") or "--use-megatron-fsdp" in args:
+        out.add("megatron_fsdp")
+    if p.sequence_parallel or "--sequence-parallel" in args:
+        out.add("sequence_parallel")
+    if p.cp_impl is CPImpl.RING and p.hsap_intra_size * p.hsap_inter_size > 1:
+        out.add("ring_cp")
+    if any(a.startswith(("--num-experts", "--cuda-graph", "--enable-cuda-graph", "--fp8")) for a in args):
+        out.add("other")  # none of the shipped configs pass these through
+    return out
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=IDS)
+def test_shipped_configs_list_exactly_their_untested_features(path: Path) -> None:
+    cfg = load_config(path)
+    assert set(cfg.untested) == _expected_untested(cfg)
+    assert {f.value for f in check_untested(cfg)} == set(cfg.untested)
+    # The Figure-5 configs need Megatron-FSDP (29.3B parameters at TP 1 on 40 GB), nothing else does.
+    assert (cfg.parallel.sharding is Sharding.OPTIM_GRADS_PARAMS) == ("megatron_fsdp" in cfg.untested)
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=IDS)
+def test_mock_data_only_in_smoke_configs(path: Path) -> None:
+    cfg = load_config(path)
+    smoke = path.parent.name == "smoke"
+    assert cfg.data.mock is smoke
+    args = to_megatron_args(cfg)
+    assert ("--mock-data" in args) is smoke and ("--data-path" in args) is not smoke
+    if not smoke:  # the examples users copy: a real-data block whose paths are still to fill in
+        assert cfg.data.data_path and all(p.startswith("<fill in") for p in cfg.data.data_path)
+        assert placeholder_keys(cfg)[0] == "data.data_path"
+        assert data_problems(cfg, check_files=False)
+    for flag in ("--dataloader-inter-document-masking", "--reset-position-ids", "--eod-mask-loss",
+                 "--no-create-attention-mask-in-dataloader"):
+        assert flag in args  # packed documents: boundaries, positions, no dense mask
+
+
+def test_every_example_has_a_smoke_config_or_shares_its_base() -> None:
+    smoke = [load_config(p) for p in (ROOT / "configs" / "smoke").glob("*.yaml")]
+    bases = {load_config(p).model for p in (ROOT / "configs" / "base").glob("*.yaml")}
+    assert {c.model for c in smoke} == bases  # one mock-data smoke run per model family
+    for cfg in smoke:
+        real = load_config(ROOT / "configs" / f"{cfg.name.removesuffix('_mock')}.yaml")
+        assert (cfg.parallel, cfg.cluster, cfg.training.seq_length) == (
+            real.parallel, real.cluster, real.training.seq_length)
+
+
+def test_untested_list_must_match_use() -> None:
+    fsdp = _gpt(parallel__sharding="optim_grads_params")
+    with pytest.raises(ConfigError, match=r"untested: .*megatron_fsdp.*acknowledge"):
+        check_untested(config_from_dict(fsdp))
+    assert check_untested(config_from_dict({**fsdp, "untested": ["megatron_fsdp"]})) == [Feature.MEGATRON_FSDP]
+    with pytest.raises(ConfigError, match=r"untested: \['sequence_parallel'\] listed but not used"):
+        check_untested(config_from_dict({**_gpt(), "untested": ["sequence_parallel"]}))
+    with pytest.raises(ConfigError, match="did you mean megatron_fsdp"):
+        config_from_dict({**_gpt(), "untested": ["megatron_fdsp"]})
+    passthrough = {**_gpt(), "megatron_args": ["--num-experts", "8", "--ckpt-format", "torch"]}
+    assert untested_features(config_from_dict(passthrough)) == [Feature.MOE, Feature.CKPT_FORMAT]
+    ring = config_from_dict({**_gpt(), "parallel": {"cp_impl": "ring", "context": 8}})
+    assert untested_features(ring) == [Feature.RING_CP]
+
+
+@pytest.mark.parametrize(("data", "key"), [
+    ({"mock": False}, "data.data_path"),
+    ({"mock": True, "data_path": ["/d/x"]}, "data.mock"),
+    ({"data_path": ["/d/x"], "tokenizer_type": "GPT2BPETokenizer", "vocab_file": "/v"}, "data.merge_file"),
+    ({"data_path": ["/d/x"], "tokenizer_type": "HuggingFaceTokenizer"}, "data.tokenizer_model"),
+    ({"data_path": ["/d/x"], "tokenizer_type": "GPT2Tokenizer"}, "data.tokenizer_type"),
+])
+def test_data_block_errors_name_the_key(data: dict, key: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        config_from_dict({**_gpt(), "data": data})
+    assert str(info.value).startswith(key), str(info.value)
+
+
+def test_data_files_are_checked_at_launch(tmp_path: Path) -> None:
+    prefix = tmp_path / "corpus_text_document"
+    vocab, merges = tmp_path / "vocab.json", tmp_path / "merges.txt"
+    data = {"data_path": ["0.7", str(prefix), "0.3", str(prefix)], "tokenizer_type": "GPT2BPETokenizer",
+            "vocab_file": str(vocab), "merge_file": str(merges)}
+    cfg = config_from_dict({**_gpt(), "data": data})
+    assert data_problems(cfg, check_files=False) == []  # a dry run on a laptop: nothing to check
+    problems = data_problems(cfg, check_files=True)
+    assert len(problems) == 4 and "corpus_text_document.bin/.idx not found" in problems[0]
+    for path in (prefix.with_suffix(".bin"), vocab, merges):
+        path.write_text("x")
+    problems = data_problems(cfg, check_files=True)
+    assert len(problems) == 2 and all("corpus_text_document.idx not found" in p for p in problems)
+    prefix.with_suffix(".idx").write_text("x")
+    assert data_problems(cfg, check_files=True) == []
+    args = to_megatron_args(cfg)
+    assert _flag(args, "--data-path", 4) == data["data_path"] and _flag(args, "--merge-file") == [str(merges)]
+
+
+def test_launcher_refuses_placeholders_and_prints_untested(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from megatron_hsap.launch.__main__ import main
+
+    gpt = str(ROOT / "configs/gpt30b_64gpu_128k.yaml")
+    fake = tmp_path / "torchrun"
+    fake.write_text("#!/bin/sh\n")
+    fake.chmod(0o755)
+    common = ["--nodes", "node[01-08]", "--all-nodes", "--torchrun", str(fake)]
+    assert main(["resolve", gpt, *common]) == 0  # a dry run warns and prints the lines
+    out, err = capsys.readouterr()
+    assert "warning: data.data_path, data.vocab_file, data.merge_file: still the example's" in err
+    assert "# untested by the (CPU) test suite: megatron_fsdp (Megatron-FSDP" in out
+    assert f"# torchrun: {fake} (explicit" in out
+    assert sum(line.startswith(f"{fake} --nnodes=8") for line in out.splitlines()) == 8
+    assert main(["resolve", gpt, *common, "--for-launch"]) == 2  # what a launch runs first
+    out, err = capsys.readouterr()
+    assert out == "" and "error: " in err and "cannot be launched" in err and "configs/smoke/" in err
+    assert main(["exec", gpt, "--nodes", "node[01-08]", "--node-rank", "0", "--torchrun", str(fake)]) == 2
+    assert "placeholder" in capsys.readouterr().err
+    assert main(["validate", gpt, str(ROOT / "configs/smoke/gpt30b_64gpu_128k_mock.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert out.count("untested by the (CPU) test suite: megatron_fsdp") == 2
+    assert out.count("to fill in before a launch (placeholders): data.data_path, data.vocab_file, "
+                     "data.merge_file") == 1  # the smoke config has none
+    unlisted = tmp_path / "unlisted.yaml"
+    unlisted.write_text(f"extends: {ROOT / 'configs/smoke/gpt30b_64gpu_128k_mock.yaml'}\nuntested: []\n")
+    assert main(["validate", str(unlisted)]) == 2
+    assert "untested: the config uses what the test suite does not run (megatron_fsdp" in capsys.readouterr().err

@@ -20,6 +20,10 @@ SCRIPTS = sorted(SLURM.glob("*.sbatch"))
 MULTI = SLURM / "multi_node_8x8.sbatch"
 SINGLE = SLURM / "single_node_8gpu.sbatch"
 GPT = "configs/gpt30b_64gpu_128k.yaml"
+SMOKE = "configs/smoke/gpt30b_64gpu_128k_mock.yaml"
+# HSAP_PYTHON is this interpreter (a venv's python in CI): its own torchrun is the one launched.
+BESIDE = Path(os.path.abspath(sys.executable)).parent / "torchrun"
+TORCHRUN = [str(BESIDE)] if BESIDE.is_file() else [sys.executable, "-m", "torch.distributed.run"]
 
 
 def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
@@ -60,8 +64,10 @@ def test_shellcheck_clean() -> None:
     assert out.returncode == 0, out.stdout + out.stderr
 
 
-def _torchrun_lines(stdout: str) -> list[list[str]]:
-    return [shlex.split(line) for line in stdout.splitlines() if line.startswith("torchrun ")]
+def _torchrun_lines(stdout: str, prefix: list[str] = TORCHRUN) -> list[list[str]]:
+    lines = [shlex.split(line) for line in stdout.splitlines() if " --nnodes=" in line and line[0] != "#"]
+    assert all(argv[:len(prefix)] == prefix for argv in lines), lines
+    return [["torchrun", *argv[len(prefix):]] for argv in lines]
 
 
 def test_multi_node_dry_run_prints_one_line_per_node(tmp_path: Path) -> None:
@@ -81,6 +87,11 @@ def test_multi_node_dry_run_prints_one_line_per_node(tmp_path: Path) -> None:
     assert "export NCCL_IB_HCA='mlx5'" in out.stdout and "export NCCL_NVLS_ENABLE='0'" in out.stdout
     assert "# HSAP topology: 64 ranks on 8 host(s)" in out.stdout  # the pre-launch check ran
     assert "CUDA_DEVICE_MAX_CONNECTIONS" not in out.stdout  # Megatron-FSDP config: must stay unset
+    # The dry run says which torchrun (this environment's, not whatever is first on PATH), what the
+    # config uses that no test runs, and that the example's data paths are still placeholders.
+    assert f"# torchrun: {shlex.join(TORCHRUN)} (" in out.stdout
+    assert "# untested by the (CPU) test suite: megatron_fsdp" in out.stdout
+    assert "warning: data.data_path, data.vocab_file, data.merge_file: still the example's" in out.stderr
 
 
 def test_overrides_extra_args_and_single_node(tmp_path: Path) -> None:
@@ -123,19 +134,22 @@ def test_real_launch_runs_the_dry_run_lines_under_srun(tmp_path: Path) -> None:
     _fake(tmp_path, "srun", 'echo "SRUN $*" >&2\nwhile [[ $1 == --* ]]; do shift; done\n'
                             'for ((i = 0; i < SLURM_NNODES; i++)); do SLURM_NODEID=$i "$@"; done\n')
     _fake(tmp_path, "torchrun", 'echo "torchrun $* CDMC=${CUDA_DEVICE_MAX_CONNECTIONS:-unset}"\n')
-    # GPT-30B on 2 nodes (8x2) keeps the test short: one python start per node.
+    # GPT-30B on 2 nodes (8x2) keeps the test short: one python start per node. HSAP_TORCHRUN
+    # names the fake (a real launch would otherwise run this environment's torchrun).
     cfg = tmp_path / "gpt30b_16gpu.yaml"
-    cfg.write_text(f"extends: {ROOT / 'configs/base/gpt30b_64gpu.yaml'}\n"
+    cfg.write_text(f"extends: {ROOT / SMOKE}\n"
                    "cluster: {nnodes: 2}\nparallel: {hsap_inter_size: 2}\n")
+    fake = str(tmp_path / "bin" / "torchrun")
     base = {"SLURM_JOB_NODELIST": "node[01-02]", "SLURM_NNODES": "2", "SLURM_JOB_ID": "4242",
-            "MEGATRON_LM": str(tmp_path)}
+            "MEGATRON_LM": str(tmp_path), "HSAP_TORCHRUN": fake}
     dry = _run(MULTI, ["--dry-run", str(cfg)], _env(tmp_path, **base))
     real = _run(MULTI, [str(cfg)], _env(tmp_path, SLURM_CPUS_PER_TASK="32", **base))
     assert real.returncode == 0, real.stderr
     assert "SRUN --ntasks-per-node=1 --kill-on-bad-exit=1 --cpus-per-task=32" in real.stderr
+    assert real.stderr.count("torchrun " + fake + " (explicit") == 2  # each node says which it runs
     launched = [line.rsplit(" CDMC=", 1) for line in real.stdout.splitlines() if " CDMC=" in line]
     assert len(launched) == 2
-    assert [shlex.split(cmd) for cmd, _ in launched] == _torchrun_lines(dry.stdout)
+    assert [shlex.split(cmd) for cmd, _ in launched] == _torchrun_lines(dry.stdout, [fake])
     assert {cdmc for _, cdmc in launched} == {"unset"}  # Megatron-FSDP: left unset
     assert "--master-port=29742" in launched[0][0]  # 29500 + job id % 1000
 
@@ -144,3 +158,18 @@ def test_real_launch_needs_megatron_lm(tmp_path: Path) -> None:
     _fake(tmp_path, "srun", "exit 99\n")
     out = _run(MULTI, [GPT], _env(tmp_path, SLURM_JOB_NODELIST="node[01-08]"))
     assert out.returncode == 2 and "MEGATRON_LM" in out.stderr
+
+
+@pytest.mark.parametrize(("config", "env_extra", "needle"), [
+    (GPT, {}, "placeholder"),  # the example's data block is not filled in
+    (SMOKE, {"HSAP_TORCHRUN": "/nonexistent/torchrun"}, "HSAP_TORCHRUN / --torchrun"),
+])
+def test_real_launch_refuses_before_srun(tmp_path: Path, config: str, env_extra: dict, needle: str) -> None:
+    _fake(tmp_path, "srun", "echo SRUN-RAN >&2\nexit 99\n")
+    env = _env(tmp_path, SLURM_JOB_NODELIST="node[01-08]", MEGATRON_LM=str(tmp_path), **env_extra)
+    out = _run(MULTI, [config], env)
+    assert out.returncode == 2 and needle in out.stderr and "cannot be launched" in out.stderr, out.stderr
+    assert "SRUN-RAN" not in out.stderr  # refused once, on the submitting node, before any task starts
+    dry = _run(MULTI, ["--dry-run", config], env)  # the dry run shows the lines and warns
+    assert dry.returncode == 0 and needle in dry.stderr and len(_torchrun_lines(
+        dry.stdout, shlex.split(env_extra.get("HSAP_TORCHRUN", shlex.join(TORCHRUN))))) == 8

@@ -116,6 +116,7 @@ def test_resolve_topology_from_config() -> None:
         "parallel": {"tensor": 2, "hsap_intra_size": 4, "hsap_inter_size": 2, "inter_link": "ib"},
         "cluster": {"nnodes": 2, "gpus_per_node": 8},
         "training": {"seq_length": "16K"},
+        "data": {"mock": True},
     })
     topo, warnings = resolve_topology(cfg, hostnames_per_rank(["x", "y"], 8))
     assert warnings == () and topo.tensor == 2 and topo.data == 1

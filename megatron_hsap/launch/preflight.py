@@ -1,0 +1,179 @@
+"""What the launcher checks before it launches, beyond the config's own validation.
+
+* **Untested features.** :data:`FEATURES` is the one list of settings a config can turn on that
+  the test suite does not run (the suite runs on CPU: Megatron's real ``pretrain()`` loop with
+  DP, TP, PP + virtual PP, the distributed optimizer, full/selective recompute and ``torch_dist``
+  checkpoint save/resume count as tested; see docs/enable.md). A config that uses one must
+  acknowledge it in a top-level ``untested:`` list; a missing or stale entry is refused
+  (:func:`check_untested`), and the launcher prints the list with every dry run and launch.
+* **Data to fill in.** Example configs ship a real-data ``data:`` block whose paths are
+  placeholders (``"<fill in: ...>"``, :data:`PLACEHOLDER`); a launch refuses them, and at launch
+  time also dataset prefixes and tokenizer files that do not exist (:func:`data_problems`). Dry
+  runs only warn, so a laptop can show the torchrun lines of a config it cannot run.
+
+Pure Python (no torch): the sbatch scripts run it on the login node and on every node.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from megatron_hsap.errors import ConfigError
+from megatron_hsap.launch.config import CPImpl, DataConfig, LaunchConfig, Sharding
+
+__all__ = [
+    "Feature", "FEATURES", "PLACEHOLDER", "GPU_ONLY", "is_placeholder", "untested_features",
+    "check_untested", "data_problems", "placeholder_keys", "untested_notice",
+]
+
+PLACEHOLDER = "<fill in"  # a value starting with this is a path the user still has to give
+
+# Every GPU job runs these, and no test can (the suite is CPU-only); printed, never acknowledged.
+GPU_ONLY = ("bf16", "Transformer Engine layer spec", "flash-attn / TE kernels", "NCCL")
+
+
+def _flag(cfg: LaunchConfig, *prefixes: str) -> bool:
+    return any(a.startswith(prefixes) for a in cfg.megatron_args)
+
+
+def _flag_value(cfg: LaunchConfig, flag: str) -> str | None:
+    args = list(cfg.megatron_args)
+    for i, a in enumerate(args):
+        if a == flag and i + 1 < len(args):
+            return args[i + 1]
+        if a.startswith(flag + "="):
+            return a.split("=", 1)[1]
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class _Spec:
+    summary: str
+    used: Callable[[LaunchConfig], bool]
+
+
+class Feature(str, enum.Enum):
+    """A setting the test suite does not run (the value is the name used in ``untested:``)."""
+
+    MEGATRON_FSDP = "megatron_fsdp"
+    SEQUENCE_PARALLEL = "sequence_parallel"
+    RING_CP = "ring_cp"
+    MOE = "moe"
+    CUDA_GRAPHS = "cuda_graphs"
+    FP8 = "fp8"
+    CKPT_FORMAT = "ckpt_format"
+
+    @property
+    def summary(self) -> str:
+        return FEATURES[self].summary
+
+
+FEATURES: dict[Feature, _Spec] = {
+    Feature.MEGATRON_FSDP: _Spec(
+        "Megatron-FSDP (parallel.sharding optim_grads / optim_grads_params, --use-megatron-fsdp, "
+        "--ckpt-format fsdp_dtensor)",
+        lambda c: c.parallel.sharding in (Sharding.OPTIM_GRADS, Sharding.OPTIM_GRADS_PARAMS)
+        or _flag(c, "--use-megatron-fsdp")),
+    Feature.SEQUENCE_PARALLEL: _Spec(
+        "sequence parallelism (parallel.sequence_parallel, --sequence-parallel)",
+        lambda c: c.parallel.sequence_parallel or _flag(c, "--sequence-parallel")),
+    Feature.RING_CP: _Spec(
+        "Megatron's Transformer Engine ring at CP > 1 (cp_impl: ring; the suite runs ring at CP 1 only)",
+        lambda c: c.parallel.cp_impl is CPImpl.RING and c.context_size > 1),
+    Feature.MOE: _Spec("mixture-of-experts layers (--num-experts)", lambda c: _flag(c, "--num-experts")),
+    Feature.CUDA_GRAPHS: _Spec(
+        "CUDA graphs (--cuda-graph-*, --enable-cuda-graph, --external-cuda-graph)",
+        lambda c: _flag(c, "--cuda-graph", "--enable-cuda-graph", "--external-cuda-graph")),
+    Feature.FP8: _Spec("fp8 training (--fp8-*)", lambda c: _flag(c, "--fp8")),
+    Feature.CKPT_FORMAT: _Spec(
+        "a checkpoint format other than torch_dist (--ckpt-format; Megatron-FSDP's fsdp_dtensor is "
+        "part of megatron_fsdp)",
+        lambda c: (_flag_value(c, "--ckpt-format") or "torch_dist") not in ("torch_dist", "fsdp_dtensor")),
+}
+
+
+def untested_features(cfg: LaunchConfig) -> list[Feature]:
+    """The untested features ``cfg`` turns on, in :class:`Feature` order."""
+    return [f for f in Feature if FEATURES[f].used(cfg)]
+
+
+def check_untested(cfg: LaunchConfig) -> list[Feature]:
+    """The untested features of ``cfg``; raises :class:`ConfigError` unless its ``untested:`` list
+    names exactly those (an unlisted feature would run unannounced, a stale entry would cry wolf)."""
+    used = untested_features(cfg)
+    listed = [Feature(name) for name in cfg.untested]
+    missing = [f for f in used if f not in listed]
+    if missing:
+        detail = "; ".join(f"{f.value}: {f.summary}" for f in missing)
+        raise ConfigError(
+            f"untested: the config uses what the test suite does not run ({detail}); acknowledge it with "
+            f"a top-level `untested: [{', '.join(f.value for f in used)}]` or change those settings")
+    stale = [f for f in listed if f not in used]
+    if stale:
+        raise ConfigError(f"untested: {[f.value for f in stale]} listed but not used by the config; "
+                          "remove them")
+    return used
+
+
+def untested_notice(cfg: LaunchConfig) -> str:
+    """One line for validate, dry runs and launches."""
+    used = untested_features(cfg)
+    what = "; ".join(f"{f.value} ({f.summary})" for f in used) if used else "nothing"
+    return f"untested by the (CPU) test suite: {what}; GPU-only paths never run in tests: {', '.join(GPU_ONLY)}"
+
+
+def placeholder_keys(cfg: LaunchConfig) -> list[str]:
+    """The ``data.*`` keys still holding a ``<fill in ...>`` placeholder (none with mock data)."""
+    d = cfg.data
+    if d.mock:
+        return []
+    keys = ["data.data_path"] if any(is_placeholder(p) for p in d.data_path) else []
+    return keys + [f"data.{k}" for k in ("tokenizer_model", "vocab_file", "merge_file") if is_placeholder(getattr(d, k))]
+
+
+def is_placeholder(value: str | None) -> bool:
+    return bool(value) and value.strip().lower().startswith(PLACEHOLDER)
+
+
+def _dataset_prefixes(d: DataConfig) -> list[str]:
+    """Megatron's ``--data-path`` is ``PREFIX...`` or ``WEIGHT PREFIX WEIGHT PREFIX...``."""
+    out = []
+    for item in d.data_path:
+        try:
+            float(item)
+        except ValueError:
+            out.append(item)
+    return out
+
+
+def data_problems(cfg: LaunchConfig, *, check_files: bool) -> list[str]:
+    """What keeps ``cfg``'s ``data:`` block from a real run: placeholders still to fill in, and with
+    ``check_files`` dataset prefixes (``PREFIX.bin``/``.idx``) and tokenizer files that do not exist
+    on this host. Each entry names the key to change."""
+    d = cfg.data
+    if d.mock:
+        return []
+    keys = placeholder_keys(cfg)
+    if keys:
+        return [f"{', '.join(keys)}: still the example's \"<fill in: ...>\" placeholder; give your indexed "
+                "dataset prefix and tokenizer files (or start with a mock-data smoke config: configs/smoke/)"]
+    if not check_files:
+        return []
+    problems = []
+    for prefix in _dataset_prefixes(d):
+        missing = [ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
+        if missing:
+            problems.append(f"data.data_path: {prefix}{'/'.join(missing)} not found on this host; give the "
+                            "prefix of a Megatron indexed dataset (tools/preprocess_data.py writes "
+                            "PREFIX.bin and PREFIX.idx)")
+    for key in ("vocab_file", "merge_file"):
+        path = getattr(d, key)
+        if path and not os.path.isfile(path):
+            problems.append(f"data.{key}: {path} not found on this host")
+    model = d.tokenizer_model
+    if model and model.startswith(("/", "./", "../", "~")) and not os.path.exists(os.path.expanduser(model)):
+        problems.append(f"data.tokenizer_model: {model} not found on this host")
+    return problems
