@@ -19,6 +19,9 @@ from megatron_hsap.plan.ir import Segment, TokenRange
 __all__ = ["Batch", "Layout", "normalize_cu_seqlens", "check_size", "contiguous_layout"]
 
 
+MAX_TOKENS = (1 << 31) - 1  # kernels take int32 cu_seqlens
+
+
 def check_size(name: str, value: object) -> int:
     """A positive integer option, or ``ConfigError`` naming it."""
     if isinstance(value, bool) or not isinstance(value, Integral) or int(value) < 1:
@@ -53,6 +56,11 @@ def normalize_cu_seqlens(cu_seqlens: object) -> tuple[int, ...]:
             )
     if values[-1] == 0:
         raise BatchError("cu_seqlens describes an empty batch (T = 0); a micro-batch needs at least one token")
+    if values[-1] > MAX_TOKENS:
+        raise BatchError(
+            f"cu_seqlens[-1] = T = {values[-1]} tokens exceeds {MAX_TOKENS} (2^31 - 1): attention kernels index "
+            "tokens with int32; split the micro-batch"
+        )
     return tuple(values)
 
 

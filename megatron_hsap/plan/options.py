@@ -63,6 +63,8 @@ class PlanOptions:
         for name in ("num_kv_heads", "head_dim_v", "pool_bytes"):
             if getattr(self, name) is not None:
                 check_size(name, getattr(self, name))
+        if self.dtype_bytes not in (1, 2, 4):
+            raise ConfigError(f"dtype_bytes={self.dtype_bytes} is not an activation size; use 2 (bf16/fp16), 4 (fp32) or 1 (fp8 pricing)")
         if self.layout not in LAYOUTS:
             raise ConfigError(f"layout={self.layout!r} is unknown; use 'contiguous' or 'balanced'")
         if not isinstance(self.layout_fallback, bool):

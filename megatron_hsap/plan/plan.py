@@ -8,11 +8,12 @@ import gc
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from numbers import Integral
 from typing import Any
 
 import numpy as np
 
-from megatron_hsap.errors import ConfigError
+from megatron_hsap.errors import BatchError, ConfigError
 from megatron_hsap.plan.codegen import Message, PhaseCode, PoolOverflow, generate
 from megatron_hsap.plan.costs import HeadShape
 from megatron_hsap.plan.estimate import PhaseTime, compute_bound, phase_time, price_staging
@@ -104,7 +105,20 @@ class Plan:
     def bwd_programs(self) -> tuple[Program, ...]:
         return self.chosen.bwd.programs
 
+    @functools.cached_property
+    def hash(self) -> int:
+        """128-bit identity of the programs (``plan/fingerprint.py``): equal on every node that
+        compiled the same inputs; the runtime's pre-round handshake compares it."""
+        from megatron_hsap.plan.fingerprint import plan_hash
+
+        return plan_hash(self)
+
     def program(self, inter_rank: int, phase: Phase | str) -> Program:
+        if isinstance(inter_rank, bool) or not isinstance(inter_rank, Integral) or not 0 <= inter_rank < self.inter_size:
+            raise ConfigError(
+                f"inter rank {inter_rank!r} is out of range: this plan has inter ranks 0..{self.inter_size - 1} "
+                f"(inter_size={self.inter_size})"
+            )
         phase = Phase(phase)
         progs = self.fwd_programs if phase is Phase.FWD else self.bwd_programs
         return progs[inter_rank]
@@ -360,7 +374,7 @@ def compile_plan(cu_seqlens: object, inter_size: int, intra_size: int = 1, *, nu
     padding tokens form one extra document (causal among themselves), have ids ≥ T in
     ``local_token_indices`` and carry no loss. Raises ``BatchError``/``ConfigError`` on bad input.
     """
-    opts = _options(inter_size, intra_size, num_heads, num_kv_heads, head_dim, head_dim_v, dtype_bytes, tuple(sorted(options.items())))
+    opts = _checked_options(inter_size, intra_size, num_heads, num_kv_heads, head_dim, head_dim_v, dtype_bytes, options)
     key = _fast_key(cu_seqlens)
     if key is not None:
         with _CACHE_LOCK:
@@ -373,6 +387,12 @@ def compile_plan(cu_seqlens: object, inter_size: int, intra_size: int = 1, *, nu
     gc.disable()  # compiling allocates ~10^5 small objects; cyclic collections would dominate
     try:
         plan = _compile_cached(cu, opts)
+    except MemoryError:
+        raise BatchError(
+            f"planning a batch of T={cu[-1]} tokens ({len(cu) - 1} documents) at inter_size={opts.inter_size} ran "
+            "out of host memory (the planner holds a few int64 arrays per token); split the micro-batch or use "
+            "more inter ranks"
+        ) from None
     finally:
         if enabled:
             gc.enable()
@@ -407,14 +427,28 @@ def _fast_key(cu_seqlens: object) -> tuple[int, ...] | None:
     return None
 
 
-@functools.lru_cache(maxsize=256)
+def _checked_options(inter_size, intra_size, num_heads, num_kv_heads, head_dim, head_dim_v, dtype_bytes,
+                     extra: dict) -> PlanOptions:
+    """Validated options, cached by value AND type (``inter_size=True`` must not hit the entry of
+    ``inter_size=1``); unhashable values (``pool_bytes=[1]``) skip the cache and fail validation."""
+    args = (inter_size, intra_size, num_heads, num_kv_heads, head_dim, head_dim_v, dtype_bytes)
+    typed_extra = tuple((k, type(v).__name__, v) for k, v in sorted(extra.items(), key=lambda kv: kv[0]))
+    try:
+        hash((args, typed_extra))
+    except TypeError:
+        return _options.__wrapped__(*args, typed_extra)
+    return _options(*args, typed_extra)
+
+
+@functools.lru_cache(maxsize=256, typed=True)
 def _options(inter_size, intra_size, num_heads, num_kv_heads, head_dim, head_dim_v, dtype_bytes, extra) -> PlanOptions:
     known = set(PlanOptions.__dataclass_fields__)
-    unknown = [k for k, _ in extra if k not in known]
+    unknown = [k for k, _, _ in extra if k not in known]
     if unknown:
         raise ConfigError(f"unknown compile_plan option(s) {unknown}; known: {sorted(known - {'inter_size'})}")
     return PlanOptions(inter_size=inter_size, intra_size=intra_size, num_heads=num_heads, num_kv_heads=num_kv_heads,
-                       head_dim=head_dim, head_dim_v=head_dim_v, dtype_bytes=dtype_bytes, **dict(extra)).validate()
+                       head_dim=head_dim, head_dim_v=head_dim_v, dtype_bytes=dtype_bytes,
+                       **{k: v for k, _, v in extra}).validate()
 
 
 def _compile_cached(cu: tuple[int, ...], opts: PlanOptions) -> Plan:

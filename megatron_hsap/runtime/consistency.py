@@ -24,6 +24,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_hsap.errors import BatchError, ConfigError
+from megatron_hsap.runtime.env import read_env
+from megatron_hsap.runtime.p2p import wait_collective
 
 __all__ = ["check_cu_seqlens_consistent", "cu_seqlens_fingerprint", "fingerprint_mismatch"]
 
@@ -58,14 +60,15 @@ def _exchange_device(group: dist.ProcessGroup | None) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
-def fingerprint_mismatch(cu_seqlens: object, group: Any) -> str | None:
+def fingerprint_mismatch(cu_seqlens: object, group: Any, *, timeout_s: float | None = None) -> str | None:
     """All-gather fingerprints (collective on every rank of the group(s)); the mismatch or None.
 
     ``group`` is one process group (None: the world), or a pair ``(intra, inter)`` of HSAP groups:
     then the rows gathered over ``intra`` are gathered again over ``inter``, so every rank of the
     whole ``P_intra × P_inter`` CP group sees all fingerprints in CP-rank order (checking the two
     groups one after the other would let ranks outside the differing ones pass, and hang later).
-    In the pair, None stands for a side of size 1.
+    In the pair, None stands for a side of size 1. Each all-gather has the deadline ``timeout_s``
+    (default ``HSAP_P2P_TIMEOUT_S``): ``CommunicationError`` naming it when a peer never joins.
     """
     groups = tuple(group) if isinstance(group, (tuple, list)) else (group,)
     if len(groups) > 1 and all(g is None for g in groups):
@@ -76,12 +79,16 @@ def fingerprint_mismatch(cu_seqlens: object, group: Any) -> str | None:
     if all(n == 1 for n in sizes):
         return None
     device = next(_exchange_device(g) for g, n in zip(groups, sizes) if n > 1)
+    if timeout_s is None:
+        timeout_s = read_env().p2p_timeout_s
     rows = torch.tensor([[*cu_seqlens_fingerprint(cu_seqlens), dist.get_rank()]], dtype=torch.int64, device=device)
     for g, n in zip(groups, sizes):  # [1, 4] -> [P_intra, 4] -> [P_inter · P_intra, 4]
         if n == 1:
             continue
         parts = [torch.empty_like(rows) for _ in range(n)]
-        dist.all_gather(parts, rows.contiguous(), group=g)
+        work = dist.all_gather(parts, rows.contiguous(), group=g, async_op=True)
+        wait_collective(work, timeout_s=timeout_s, collective="cu_seqlens fingerprint all_gather",
+                        stage="batch consistency check", group=g, cpu=device.type == "cpu")
         rows = torch.cat(parts)
     table = [tuple(int(x) for x in row) for row in rows.cpu().tolist()]
     label = "CP ranks" if len(groups) > 1 else "group ranks"
@@ -104,7 +111,7 @@ def _describe(prints: Sequence[tuple[int, ...]], global_ranks: Sequence[int], la
     return "; ".join(parts)
 
 
-def check_cu_seqlens_consistent(cu_seqlens: object, group: Any = None) -> None:
+def check_cu_seqlens_consistent(cu_seqlens: object, group: Any = None, *, timeout_s: float | None = None) -> None:
     """Raise :class:`BatchError` on EVERY rank unless all hold the same ``cu_seqlens``.
 
     ``group``: the CP group (None: the world), or the pair ``(intra_group, inter_group)`` of an
@@ -113,7 +120,7 @@ def check_cu_seqlens_consistent(cu_seqlens: object, group: Any = None) -> None:
     tensor). Call it on every rank, where the batch is sharded. The message lists which ranks hold
     which batch (entries and ``T``).
     """
-    report = fingerprint_mismatch(cu_seqlens, group)
+    report = fingerprint_mismatch(cu_seqlens, group, timeout_s=timeout_s)
     if report is not None:
         raise BatchError(
             f"ranks of one context-parallel group hold different cu_seqlens: {report}. Every rank of a "

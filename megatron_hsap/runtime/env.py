@@ -10,7 +10,8 @@ variable                default    meaning
 ======================  =========  ==========================================================
 ``HSAP_ATTN_BACKEND``   (auto)     attention kernel backend: ``flash_attn``, ``te``,
                                    ``torch_cuda`` or ``cpu``; an explicit argument wins
-``HSAP_P2P_TIMEOUT_S``  ``300``    seconds a P2P round may wait before ``CommunicationError``
+``HSAP_P2P_TIMEOUT_S``  ``300``    deadline (s, ≤ one week) of every HSAP collective: P2P rounds,
+                                   the plan handshake, warm-up, Ulysses all-to-all, debug checks
 ``HSAP_DEBUG``          ``0``      ``1``/``true``: extra (slow, syncing) consistency checks
 ======================  =========  ==========================================================
 """
@@ -23,7 +24,9 @@ from dataclasses import dataclass
 
 from megatron_hsap.errors import ConfigError
 
-__all__ = ["ENV_VARS", "EnvVar", "EnvSettings", "read_env"]
+__all__ = ["ENV_VARS", "EnvVar", "EnvSettings", "read_env", "MAX_TIMEOUT_S"]
+
+MAX_TIMEOUT_S = 7 * 24 * 3600.0  # one week: beyond it timedelta / std::chrono conversions overflow
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,8 +93,11 @@ def read_env(environ: Mapping[str, str] | None = None) -> EnvSettings:
             f"HSAP_P2P_TIMEOUT_S={timeout_raw!r} is not a number of seconds: "
             "set it to a positive number, e.g. 300"
         ) from None
-    if not timeout > 0:
-        raise ConfigError(f"HSAP_P2P_TIMEOUT_S={timeout_raw!r} must be > 0 seconds")
+    if not 0 < timeout <= MAX_TIMEOUT_S:  # also rejects nan and inf
+        raise ConfigError(
+            f"HSAP_P2P_TIMEOUT_S={timeout_raw!r} must be a finite number of seconds in (0, {MAX_TIMEOUT_S:g}] "
+            "(one week; larger values overflow the transport's clock), e.g. 300"
+        )
 
     debug = _parse_bool("HSAP_DEBUG", env.get("HSAP_DEBUG", "0"))
     return EnvSettings(attn_backend=backend, p2p_timeout_s=timeout, debug=debug)

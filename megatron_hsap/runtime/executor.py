@@ -10,6 +10,9 @@ Per phase the program is a flat list ``Post(r) · Compute(s) · Wait(r) · Merge
   consecutive items whose operands are adjacent rows of the local tensors and whose results go to
   the local accumulators are batched into one call (same numbers: the calls are per sequence).
 * ``Wait`` — the round with a deadline (``HSAP_P2P_TIMEOUT_S``), raising ``CommunicationError``.
+
+Before a plan's first round on its group, :func:`~megatron_hsap.runtime.handshake.agree` checks
+that every peer runs the same plan (a fixed-size header per pair; cached by plan hash).
 * ``Merge`` / ``Accumulate`` — received partials into the fp32 accumulators (overflow-safe LSE merge).
 
 Slots are typed views of ONE byte tensor per device, :func:`receive_pool`, allocated once at the
@@ -36,6 +39,7 @@ from torch import Tensor
 from megatron_hsap.errors import ConfigError, RuntimeMismatchError
 from megatron_hsap.plan.ir import Accumulate, Compute, ComputeItem, Merge, Phase, Post, Program, Send, Slot, TokenRange, Wait, Wire
 from megatron_hsap.runtime.env import read_env
+from megatron_hsap.runtime.handshake import agree
 from megatron_hsap.runtime.kernels import attn_backward, attn_forward, resolve_backend
 from megatron_hsap.runtime.merge import merge_into
 from megatron_hsap.runtime.p2p import P2PChannel, Transfer, warm_up
@@ -316,8 +320,9 @@ class Executor:
     # ------------------------------------------------------------------ interpreter
     def _run(self, phase: Phase, prep: _Prepared, buf: _Buffers, acc: dict, scale: float) -> None:
         t_start = time.perf_counter()
-        if self.plan.inter_size > 1:
-            warm_up(self.group, buf.pool.device)
+        if self.plan.inter_size > 1:  # plans agree before any payload (cached per plan), then NCCL's warm-up
+            agree(self.plan, self.group, "inter", phase, timeout_s=self.timeout_s, device=buf.pool.device)
+            warm_up(self.group, buf.pool.device, self.timeout_s)
         chan = P2PChannel(self.group, timeout_s=self.timeout_s, phase=phase.value)
         compute_s = 0.0
         kernel_calls = rounds = 0

@@ -19,6 +19,7 @@ plan), so a misconfiguration never leaves some ranks waiting in an all-to-all.
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from collections import OrderedDict
@@ -33,6 +34,7 @@ from megatron_hsap.errors import BatchError, ConfigError, RuntimeMismatchError
 from megatron_hsap.runtime.consistency import fingerprint_mismatch
 from megatron_hsap.runtime.env import read_env
 from megatron_hsap.runtime.executor import ACTIVATION_DTYPES, Executor, executor_for
+from megatron_hsap.runtime.handshake import agree
 from megatron_hsap.runtime.sap import SAPAttention, sap_backward, sap_forward
 from megatron_hsap.runtime.ulysses import expand_kv_for_intra, heads_to_seq, seq_to_heads, sum_kv_grad_for_intra
 
@@ -75,18 +77,28 @@ class HSAPRunner:
         """``[t_local·P, h/P, d] -> [t_local, h, d]`` over the intra group, counting bytes sent."""
         return self._a2a(heads_to_seq, y, phase)
 
+    @property
+    def timeout_s(self) -> float:
+        """Deadline of every collective this runner issues (``HSAP_P2P_TIMEOUT_S``, read once)."""
+        return self.executor.timeout_s
+
+    def agree_intra(self, device: torch.device) -> None:
+        """The intra group's plan handshake before the first all-to-all (cached per plan)."""
+        if self.intra_size > 1:
+            agree(self.plan, self.intra, "intra", "fwd", timeout_s=self.timeout_s, device=device)
+
     def _a2a(self, fn: Any, x: Tensor, phase: str) -> Tensor:
         p = self.intra_size
         t0 = time.perf_counter()
         self.a2a_bytes_sent[phase] += x.numel() * x.element_size() * (p - 1) // p  # my own slice stays
-        out = fn(x.contiguous(), self.intra)
+        out = fn(x.contiguous(), self.intra, timeout_s=self.timeout_s)
         self.a2a_s[phase] += time.perf_counter() - t0
         return out
 
     def check_batch(self) -> None:
         """Debug mode: fingerprint the plan's cu_seqlens over the whole CP group (nested over the
         intra then the inter group, so that every rank sees every fingerprint) and raise if any differ."""
-        report = fingerprint_mismatch(self.plan.batch.cu_seqlens, (self.intra, self.inter))
+        report = fingerprint_mismatch(self.plan.batch.cu_seqlens, (self.intra, self.inter), timeout_s=self.timeout_s)
         if report is not None:
             raise BatchError(f"HSAP_DEBUG: the ranks run plans of different batches: {report}")
 
@@ -215,6 +227,11 @@ def _validate(q: Tensor, k: Tensor, v: Tensor, plan: "Plan", intra: Any, inter: 
         )
     if not (q.device == k.device == v.device):
         raise RuntimeMismatchError(f"q, k, v are on different devices ({q.device}, {k.device}, {v.device})")
+    if q.device.type == "meta":
+        raise RuntimeMismatchError(
+            "q, k, v are on the meta device (shapes without data); HSAP attention needs real tensors "
+            "(build the model on cpu/cuda, or skip attention during meta-device initialisation)"
+        )
     for name, group, size in (("intra", intra, plan.intra_size), ("inter", inter, plan.inter_size)):
         got = 1 if group is None else _size(group)
         if got != size:
@@ -225,8 +242,8 @@ def _validate(q: Tensor, k: Tensor, v: Tensor, plan: "Plan", intra: Any, inter: 
             )
     if softmax_scale is None:
         return d**-0.5
-    if not softmax_scale > 0:
-        raise ConfigError(f"softmax_scale must be > 0, got {softmax_scale!r}")
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) or not 0 < softmax_scale < math.inf:
+        raise ConfigError(f"softmax_scale must be a finite number > 0 (default head_dim ** -0.5), got {softmax_scale!r}")
     return float(softmax_scale)
 
 
@@ -254,6 +271,7 @@ def hsap_attn_func(q: Tensor, k: Tensor, v: Tensor, plan: "Plan", *, intra_group
     runner = _runner(plan, intra, inter, q.device)
     if runner.debug:
         runner.check_batch()
+    runner.agree_intra(q.device)  # the inter group's handshake runs in the executor, before its first round
     if plan.intra_size == 1:
         return SAPAttention.apply(q, k, v, runner.executor, scale)
     return HSAPAttention.apply(q, k, v, runner, scale)

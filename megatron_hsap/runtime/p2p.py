@@ -19,7 +19,11 @@ left; NCCL works are polled with ``is_completed`` (a host-side query of the CUDA
 ``wait``-ed, which only orders the current stream after the transfer.
 
 NCCL also needs the first batched P2P call on a group to involve every rank of the group:
-:func:`warm_up` runs one tiny all-reduce per group, once per process.
+:func:`warm_up` runs one tiny all-reduce per group, once per process, with the same deadline
+(:func:`wait_collective`: a collective that does not finish in time raises ``CommunicationError``
+naming it, its stage, the group's ranks and the likely cause instead of blocking for torch's
+30-minute default). The last round indices are reserved for control messages (the plan
+handshake, ``runtime/handshake.py``): ``CONTROL_ROUNDS``.
 """
 
 from __future__ import annotations
@@ -35,10 +39,13 @@ import torch.distributed as dist
 from torch import Tensor
 
 from megatron_hsap.errors import CommunicationError, RuntimeMismatchError
+from megatron_hsap.runtime.env import MAX_TIMEOUT_S
 
-__all__ = ["Transfer", "P2PChannel", "warm_up"]
+__all__ = ["Transfer", "P2PChannel", "warm_up", "wait_work", "wait_collective", "group_ranks", "CONTROL_ROUNDS"]
 
 _TAG_STRIDE = 1 << 12  # operations per (pair, direction, round); tag = round · stride + index
+_ROUND_LIMIT = (1 << 31) // _TAG_STRIDE  # tags are int32
+CONTROL_ROUNDS = (_ROUND_LIMIT - 2, _ROUND_LIMIT - 1)  # handshake header, handshake inputs; never plan rounds
 _POLL_S = 1e-4  # NCCL polling interval: far below a round's duration, cheap on the host
 
 
@@ -60,16 +67,73 @@ class Transfer:
 _WARM: "weakref.WeakSet[dist.ProcessGroup]" = weakref.WeakSet()
 
 
-def warm_up(group: dist.ProcessGroup | None, device: torch.device) -> None:
+def group_ranks(group: dist.ProcessGroup | None) -> list[int]:
+    """Global ranks of ``group`` in group-rank order (for messages)."""
+    try:
+        return [dist.get_global_rank(group, r) for r in range(dist.get_world_size(group))] if group is not None \
+            else list(range(dist.get_world_size()))
+    except (RuntimeError, ValueError):
+        return []
+
+
+def wait_work(work: object, deadline: float, cpu: bool) -> bool:
+    """Wait for one ``torch.distributed`` work until ``deadline`` (``time.perf_counter``); False on
+    timeout. Gloo (CPU) works take the time left in ``wait``; NCCL works are polled with
+    ``is_completed`` (a host query of the CUDA event), then ``wait``-ed to order the stream."""
+    if cpu:
+        left = max(deadline - time.perf_counter(), 1e-3)
+        try:
+            work.wait(datetime.timedelta(seconds=left))  # type: ignore[attr-defined]
+        except RuntimeError as exc:
+            if "timed out" in str(exc).lower():
+                return False
+            raise
+        return True
+    while not work.is_completed():  # type: ignore[attr-defined]
+        if time.perf_counter() >= deadline:
+            return False
+        time.sleep(_POLL_S)
+    work.wait()  # type: ignore[attr-defined]
+    return True
+
+
+def wait_collective(work: object, *, timeout_s: float, collective: str, stage: str,
+                    group: dist.ProcessGroup | None, cpu: bool) -> None:  # fmt: skip
+    """Wait for an ``async_op=True`` collective with a deadline; :class:`CommunicationError` naming
+    ``collective``, ``stage``, the group's global ranks and the likely cause on expiry or failure."""
+    deadline = time.perf_counter() + timeout_s
+    try:
+        ok = wait_work(work, deadline, cpu)
+        why = f"did not complete within {timeout_s:g} s"
+    except RuntimeError as exc:  # the transport failed: a peer died or closed its sockets
+        ok, why = False, f"failed ({str(exc).splitlines()[0][:200]})"
+    if ok:
+        return
+    me = dist.get_rank() if dist.is_initialized() else 0
+    raise CommunicationError(
+        f"{collective} ({stage}) on global rank {me}, group of global ranks {group_ranks(group)}, {why}. "
+        "Likely cause: a peer never called it (it raised before this point — look for its error, e.g. a "
+        "validation error on the first call — or it is dead), or the peers issue collectives in a different "
+        "order. Raise HSAP_P2P_TIMEOUT_S if it is just slow. This process group cannot be reused after this error."
+    )
+
+
+def warm_up(group: dist.ProcessGroup | None, device: torch.device, timeout_s: float | None = None) -> None:
     """Run one 1-element all-reduce on ``group`` the first time this process uses it for P2P.
 
     Every rank of the group must call this at the same point (the executor does it at its first
-    use of a group, before any round, on every rank, whether or not that rank has rounds).
+    use of a group, before any round, on every rank, whether or not that rank has rounds). With
+    ``timeout_s`` the all-reduce has that deadline (:func:`wait_collective`).
     """
     group = group if group is not None else dist.group.WORLD
     if group in _WARM:
         return
-    dist.all_reduce(torch.zeros(1, device=device), group=group)
+    if timeout_s is None:
+        dist.all_reduce(torch.zeros(1, device=device), group=group)
+    else:
+        work = dist.all_reduce(torch.zeros(1, device=device), group=group, async_op=True)
+        wait_collective(work, timeout_s=timeout_s, collective="P2P warm-up all_reduce",
+                        stage="before the first round on this group", group=group, cpu=device.type == "cpu")
     _WARM.add(group)
 
 
@@ -82,8 +146,8 @@ class P2PChannel:
     """
 
     def __init__(self, group: dist.ProcessGroup | None, *, timeout_s: float, phase: str = "") -> None:
-        if not timeout_s > 0:
-            raise RuntimeMismatchError(f"P2P timeout must be > 0 seconds, got {timeout_s!r}")
+        if not 0 < timeout_s <= MAX_TIMEOUT_S:
+            raise RuntimeMismatchError(f"P2P timeout must be in (0, {MAX_TIMEOUT_S:g}] seconds, got {timeout_s!r}")
         self.group = group
         self.timeout_s = float(timeout_s)
         self.phase = phase
@@ -102,15 +166,16 @@ class P2PChannel:
         """Index of the round posted and not yet waited, or None."""
         return self._round
 
-    def post(self, index: int, transfers: Sequence[Transfer], *, stage: str = "") -> None:
-        """Launch round ``index``: one ``batch_isend_irecv`` of ``transfers`` (in order)."""
+    def post(self, index: int, transfers: Sequence[Transfer], *, stage: str = "", control: bool = False) -> None:
+        """Launch round ``index``: one ``batch_isend_irecv`` of ``transfers`` (in order).
+        ``control``: ``index`` is one of ``CONTROL_ROUNDS`` (the handshake), not a plan round."""
         if self._round is not None:
             raise RuntimeMismatchError(
                 f"P2P misuse: round {index} posted while round {self._round} is still in flight; "
                 "wait for it first (one round at a time per channel)"
             )
-        if not 0 <= index < (1 << 31) // _TAG_STRIDE:
-            raise RuntimeMismatchError(f"P2P round index {index} out of range for tags")
+        if not (index in CONTROL_ROUNDS if control else 0 <= index < CONTROL_ROUNDS[0]):
+            raise RuntimeMismatchError(f"P2P round index {index} out of range for tags (plan rounds < {CONTROL_ROUNDS[0]})")
         t0 = time.perf_counter()
         ops, counters = [], {}
         for tr in transfers:
@@ -165,21 +230,38 @@ class P2PChannel:
 
     def _wait_one(self, work: object, deadline: float) -> bool:
         """True when ``work`` completed before ``deadline``; False on timeout."""
-        if self._cpu:
-            left = max(deadline - time.perf_counter(), 1e-3)
-            try:
-                work.wait(datetime.timedelta(seconds=left))  # type: ignore[attr-defined]
-            except RuntimeError as exc:
-                if "timed out" in str(exc).lower():
-                    return False
-                raise
-            return True
-        while not work.is_completed():  # type: ignore[attr-defined]
-            if time.perf_counter() >= deadline:
-                return False
-            time.sleep(_POLL_S)
-        work.wait()  # type: ignore[attr-defined]
-        return True
+        return wait_work(work, deadline, self._cpu)
+
+    def wait_each(self, index: int) -> list[tuple[Transfer, str | None]]:
+        """Like :meth:`wait` but never raises for a late or failed transfer: every transfer with
+        ``None`` (done) or why it is not (the handshake reports every missing peer at once).
+        Receives are waited before sends (a send to a peer that never posts may never finish)."""
+        if self._round != index:
+            raise RuntimeMismatchError(f"P2P misuse: wait_each for round {index}, in flight: {self._round}")
+        t0 = time.perf_counter()
+        deadline = t0 + self.timeout_s
+        status: list[str | None] = [None] * len(self._transfers)
+        try:
+            if not self._per_op:  # NCCL: one work for the batch
+                try:
+                    ok = all(wait_work(w, deadline, self._cpu) for w in self._works)
+                    why = None if ok else f"did not complete within {self.timeout_s:g} s"
+                except RuntimeError as exc:
+                    why = f"failed: {str(exc).splitlines()[0][:200]}"
+                return [(t, why) for t in self._transfers]
+            order = sorted(range(len(self._transfers)), key=lambda i: self._transfers[i].send)
+            for pos in order:
+                try:
+                    if not wait_work(self._works[pos], deadline, self._cpu):
+                        status[pos] = f"did not complete within {self.timeout_s:g} s"
+                except RuntimeError as exc:
+                    status[pos] = f"failed: {str(exc).splitlines()[0][:200]}"
+                if status[pos] is not None and not self._transfers[pos].send:
+                    deadline = min(deadline, time.perf_counter() + 0.5)  # the rest only gets a grace period
+            return list(zip(self._transfers, status))
+        finally:
+            self._round, self._works, self._transfers = None, [], []
+            self.comm_s += time.perf_counter() - t0
 
     def _error(self, pos: int, why: str) -> CommunicationError:
         pending = self._transfers[pos:] if self._per_op else self._transfers

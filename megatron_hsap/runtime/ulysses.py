@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from megatron_hsap.errors import ConfigError, RuntimeMismatchError
 from megatron_hsap.runtime.groups import positive_int
+from megatron_hsap.runtime.p2p import wait_collective
 
 __all__ = [
     "seq_to_heads",
@@ -162,7 +163,18 @@ def _group_size(group: dist.ProcessGroup | None) -> int:
     return dist.get_world_size(group)
 
 
-def _seq_to_heads(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+def _all_to_all(recv: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup | None, timeout_s: float | None,
+                stage: str) -> None:  # fmt: skip
+    """One ``all_to_all_single``; with ``timeout_s`` it has that deadline (``CommunicationError``)."""
+    if timeout_s is None:
+        dist.all_to_all_single(recv, send, group=group)
+        return
+    work = dist.all_to_all_single(recv, send, group=group, async_op=True)
+    wait_collective(work, timeout_s=timeout_s, collective="Ulysses all_to_all_single", stage=stage, group=group,
+                    cpu=send.device.type == "cpu")
+
+
+def _seq_to_heads(x: torch.Tensor, group: dist.ProcessGroup | None, timeout_s: float | None = None) -> torch.Tensor:
     """``[t, h, d] -> [t·P, h/P, d]`` (no autograd)."""
     p = _group_size(group)
     if x.dim() != 3:
@@ -178,12 +190,12 @@ def _seq_to_heads(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Ten
     # Chunk for destination j = head slice j of all my rows: [P, t, h/P, d], one copy.
     send = x.reshape(t, p, h // p, d).transpose(0, 1).contiguous()
     recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)
+    _all_to_all(recv, send, group, timeout_s, f"sequence to heads, [{t}, {h}, {d}] per rank")
     # recv[s] = source rank s's rows for my head slice: concatenating in rank order is a view.
     return recv.view(p * t, h // p, d)
 
 
-def _heads_to_seq(y: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+def _heads_to_seq(y: torch.Tensor, group: dist.ProcessGroup | None, timeout_s: float | None = None) -> torch.Tensor:
     """``[t·P, h/P, d] -> [t, h, d]`` (no autograd)."""
     p = _group_size(group)
     if y.dim() != 3:
@@ -197,34 +209,34 @@ def _heads_to_seq(y: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Ten
     # Row block s goes back to rank s; the buffer is y itself when y is contiguous.
     send = y.reshape(p, t, hp, d).contiguous()
     recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)
+    _all_to_all(recv, send, group, timeout_s, f"heads to sequence, [{n}, {hp}, {d}] per rank")
     # recv[s] = my rows for head slice s -> [t, P, h/P, d], one copy.
     return recv.transpose(0, 1).reshape(t, p * hp, d)
 
 
 class _SeqToHeads(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-        ctx.group = group
-        return _seq_to_heads(x, group)
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup | None, timeout_s: float | None) -> torch.Tensor:
+        ctx.group, ctx.timeout_s = group, timeout_s
+        return _seq_to_heads(x, group, timeout_s)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _heads_to_seq(grad, ctx.group), None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _heads_to_seq(grad, ctx.group, ctx.timeout_s), None, None
 
 
 class _HeadsToSeq(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, y: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-        ctx.group = group
-        return _heads_to_seq(y, group)
+    def forward(ctx: Any, y: torch.Tensor, group: dist.ProcessGroup | None, timeout_s: float | None) -> torch.Tensor:
+        ctx.group, ctx.timeout_s = group, timeout_s
+        return _heads_to_seq(y, group, timeout_s)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _seq_to_heads(grad, ctx.group), None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _seq_to_heads(grad, ctx.group, ctx.timeout_s), None, None
 
 
-def seq_to_heads(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+def seq_to_heads(x: torch.Tensor, group: dist.ProcessGroup | None = None, *, timeout_s: float | None = None) -> torch.Tensor:
     """Sequence-sharded to head-sharded over ``group`` (the intra group; ``None`` = world).
 
     ``x [t_local, h, d] -> [t_local·P, h/P, d]``: rows are the group ranks' rows concatenated in
@@ -232,14 +244,16 @@ def seq_to_heads(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> tor
     ``t_local, h, d`` (a mismatch is not detectable without another collective). Differentiable;
     backward is :func:`heads_to_seq`. Raises :class:`ConfigError` listing the valid intra sizes when
     ``P`` does not divide ``h`` (for kv heads call :func:`expand_kv_for_intra` first).
+    ``timeout_s``: deadline of each all-to-all (forward and backward), ``CommunicationError`` naming
+    it and its stage on expiry; None blocks under the group's own timeout.
     """
     if _group_size(group) == 1:
         return x
-    return _SeqToHeads.apply(x, group)
+    return _SeqToHeads.apply(x, group, timeout_s)
 
 
-def heads_to_seq(y: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+def heads_to_seq(y: torch.Tensor, group: dist.ProcessGroup | None = None, *, timeout_s: float | None = None) -> torch.Tensor:
     """Inverse of :func:`seq_to_heads`: ``y [t_local·P, h/P, d] -> [t_local, h, d]``. Differentiable."""
     if _group_size(group) == 1:
         return y
-    return _HeadsToSeq.apply(y, group)
+    return _HeadsToSeq.apply(y, group, timeout_s)
