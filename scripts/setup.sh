@@ -6,8 +6,10 @@
 #   bash scripts/setup.sh --pins-hash         # print the hash of setup.py's dependency pins
 #
 # Environment:
-#   HSAP_VENV    where the venv lives (default: .venv in the repository)
-#   HSAP_PYTHON  use this interpreter instead of searching (must be Python >= 3.12)
+#   HSAP_VENV          where the venv lives (default: .venv in the repository)
+#   HSAP_PYTHON        use this interpreter instead of searching (must be Python >= 3.12)
+#   HSAP_VENV_REPOINT  1: take over a venv whose editable install is another, still existing
+#                      checkout's (refused otherwise; allowed when that checkout is gone, and in CI)
 #
 # The search for Python >= 3.12 runs each candidate, because a name on PATH may be a pyenv shim
 # that fails unless its version is selected: python3.13, python3.12, python3 on PATH, then
@@ -111,11 +113,47 @@ pins_hash() {
     fi
 }
 
+# The checkout whose megatron-hsap the venv's python imports (its editable install), or "" if none.
+installed_checkout() {
+    (cd / && "$1" -c 'import importlib.util as u, os
+spec = u.find_spec("megatron_hsap")
+print(os.path.dirname(os.path.dirname(os.path.realpath(spec.origin))) if spec and spec.origin else "")' \
+        2>/dev/null </dev/null) || true
+}
+
+# A venv holds one editable install. If it is another checkout's, installing this one re-points
+# it and that clone's tests (scripts/test.sh) then refuse, or run this clone's code: two live
+# clones sharing one HSAP_VENV would keep re-pointing it at each other. So take it over only when
+# the other checkout is gone, when asked (HSAP_VENV_REPOINT=1), or in CI (.ci/run: a fresh clone
+# in a new folder each run takes over the venv cached per pins hash); otherwise refuse with the fix.
+check_venv_owner() {
+    local venv="$1" owner here
+    owner="$(installed_checkout "$venv/bin/python")"
+    here="$(cd "$ROOT" && pwd -P)"
+    if [[ -z "$owner" || "$owner" == "$here" ]]; then
+        return 0
+    fi
+    if [[ ! -d "$owner/megatron_hsap" ]]; then
+        log "taking over $venv: its editable install points at $owner, which no longer exists"
+    elif [[ "${HSAP_VENV_REPOINT:-}" == 1 ]]; then
+        log "taking over $venv from the checkout $owner (HSAP_VENV_REPOINT=1); run setup.sh there to point it back"
+    elif [[ -n "${CI:-}" ]]; then
+        log "taking over $venv from $owner (CI: this fresh clone reuses the cached venv)"
+    else
+        die "$venv belongs to another checkout: megatron-hsap is installed there (editable) from
+  $owner, which still exists. Installing $ROOT would re-point it, and that
+  clone's scripts/test.sh would then refuse to run (or run this clone's code). Either:
+  - give this checkout its own venv: unset HSAP_VENV (default $ROOT/.venv) or set
+    HSAP_VENV=/path/to/another-venv, or
+  - take this venv over on purpose: HSAP_VENV_REPOINT=1 bash scripts/setup.sh"
+    fi
+}
+
 main() {
     case "${1:-}" in
         --find-python-only) find_python; return 0 ;;
         --pins-hash) pins_hash; return 0 ;;
-        -h | --help) sed -n '2,14p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; return 0 ;;
+        -h | --help) sed -n '2,16p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; return 0 ;;
         "") ;;
         *) die "unknown option '$1' (try --help)" ;;
     esac
@@ -143,6 +181,10 @@ main() {
         fi
     fi
 
+    if ((reuse)); then
+        check_venv_owner "$venv"  # before anything is installed into it
+    fi
+
     if ((!reuse)); then
         py="$(find_python)"
         python_version_ok "$py"
@@ -163,7 +205,7 @@ main() {
         "$vpy" -m pip install "${pip_flags[@]}" -e '.[test]'
         printf '%s\n' "$hash" >"$stamp"
     fi
-    # Always point the venv at this checkout (it may have been installed from another clone).
+    # Point the venv at this checkout (check_venv_owner allowed it if another clone had it).
     # The venv's own setuptools (torch pulls one in) saves an isolated build env when new enough.
     local build_flags=()
     if "$vpy" -c 'import setuptools, sys; sys.exit(int(setuptools.__version__.split(".")[0]) < 71)' 2>/dev/null; then

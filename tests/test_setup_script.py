@@ -259,3 +259,83 @@ def test_python_dash_m_entry_point():
     )
     assert result.returncode == 0
     assert "usage: megatron-hsap <command>" in result.stdout
+
+
+# --------------------------------------------------------------------------- a venv shared by two clones
+
+
+def _pins_hash() -> str:
+    return subprocess.run([BASH, str(SETUP_SH), "--pins-hash"], capture_output=True, text=True, check=True,
+                          timeout=60).stdout.strip()
+
+
+def _shared_venv(tmp_path: pathlib.Path, owner: pathlib.Path | None, *, current_pins: bool = True) -> pathlib.Path:
+    """A venv whose python says megatron_hsap is installed from ``owner`` (None: not installed),
+    logs every ``-m pip`` call instead of running pip, and is this Python otherwise."""
+    venv = tmp_path / "shared-venv"
+    _write_exe(
+        venv / "bin" / "python",
+        "#!/bin/sh\n"
+        'case "$*" in\n'
+        f'  *find_spec*) echo "{owner or ""}"; exit 0 ;;\n'
+        f'  "-m pip "*) shift 2; echo "pip $*" >> "{tmp_path / "pip-calls"}"; exit 0 ;;\n'
+        "esac\n"
+        f'exec "{sys.executable}" "$@"\n',
+    )
+    (venv / "pyvenv.cfg").write_text("home = /usr/bin\n")
+    if current_pins:
+        (venv / ".hsap-pins").write_text(_pins_hash() + "\n")
+    return venv
+
+
+def _setup(venv: pathlib.Path, **env: str) -> subprocess.CompletedProcess[str]:
+    full = {k: v for k, v in os.environ.items() if k not in ("CI", "HSAP_VENV_REPOINT", "HSAP_PYTHON")}
+    full.update(HSAP_VENV=str(venv), **env)
+    return subprocess.run([BASH, str(SETUP_SH)], env=full, capture_output=True, text=True, timeout=120,
+                          stdin=subprocess.DEVNULL)
+
+
+def _pip_calls(tmp_path: pathlib.Path) -> list[str]:
+    log = tmp_path / "pip-calls"
+    return log.read_text().splitlines() if log.exists() else []
+
+
+@pytest.mark.parametrize("current_pins", [True, False], ids=["pins-current", "pins-changed"])
+def test_setup_refuses_a_venv_of_another_live_checkout(tmp_path, current_pins):
+    other = tmp_path / "other-clone"
+    (other / "megatron_hsap").mkdir(parents=True)
+    result = _setup(_shared_venv(tmp_path, other, current_pins=current_pins))
+    assert result.returncode == 1
+    err = result.stderr
+    assert "belongs to another checkout" in err and str(other) in err
+    assert "HSAP_VENV_REPOINT=1 bash scripts/setup.sh" in err and "unset HSAP_VENV" in err  # the fixes
+    assert _pip_calls(tmp_path) == []  # nothing installed: the other clone keeps its venv
+
+
+@pytest.mark.parametrize(("owner_state", "env", "needle"), [
+    ("live", {"HSAP_VENV_REPOINT": "1"}, "(HSAP_VENV_REPOINT=1)"),
+    ("live", {"CI": "true"}, "(CI: this fresh clone reuses the cached venv)"),
+    ("gone", {}, "which no longer exists"),
+    ("this", {}, None),
+    ("none", {}, None),
+])
+def test_setup_takes_over_only_when_allowed(tmp_path, owner_state, env, needle):
+    owner = {"live": tmp_path / "other-clone", "gone": tmp_path / "deleted-clone", "this": ROOT,
+             "none": None}[owner_state]
+    if owner_state == "live":
+        (owner / "megatron_hsap").mkdir(parents=True)
+    result = _setup(_shared_venv(tmp_path, owner), **env)
+    assert result.returncode == 0, result.stderr
+    assert ("taking over" in result.stderr) == (needle is not None)
+    if needle:
+        assert needle in result.stderr
+    calls = _pip_calls(tmp_path)
+    assert len(calls) == 1 and calls[0].startswith("pip install") and calls[0].endswith(" -e .")
+    assert "dependencies are current" in result.stderr  # the cached 5 GB install is reused
+
+
+def test_ci_script_still_takes_over_its_cached_venv():
+    """.ci/run: a fresh clone in a new folder each run, CI=true, one venv per pins hash."""
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert 'HSAP_VENV="${HSAP_VENV:-$HOME/.cache/megatron-hsap/venv-$pins}"' in ci
+    assert "bash scripts/setup.sh" in ci and "HSAP_VENV_REPOINT" not in ci  # CI=true is enough
