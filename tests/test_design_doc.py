@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "design.md"
 DOC_PATH = "docs/design" + ".md"  # spelled apart so this file's own text never looks like a reference
 
-# "docs/design.md §2.1", "… §1, §2.3", "… §1–2" (a range of top-level sections), "… §4's".
+# "<doc> §2.1", "<doc> §1, §2.3", "<doc> §1–2" (a range of top-level sections), "<doc> §4's".
 _REF = re.compile(re.escape(DOC_PATH) + r"\s*§(\d+(?:\.\d+)*)((?:\s*,\s*§\d+(?:\.\d+)*|\s*[–-]\s*\d+(?:\.\d+)*)*)")
 _MORE = re.compile(r"(,\s*§|[–-]\s*)(\d+(?:\.\d+)*)")
 _LINK = re.compile(re.escape(DOC_PATH) + r"#([\w-]+)")
