@@ -127,6 +127,7 @@ def _peak_alloc(fn: Any) -> int | None:
     """Highest running total of torch CPU allocations while ``fn`` runs (profiler memory events)."""
     from torch.profiler import ProfilerActivity, profile
 
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # kineto's CUDA probe: "gpuGetDeviceCount failed" per rank on CPU
     try:
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             fn()
