@@ -43,7 +43,7 @@ EXPECTED = {
     "2": ("layers", ("never torch", "megatron-core")),
     "2.1": ("plan", ("Work units", "Placement", "Stages", "Code generation", "Verifier", "Cost model",
                      "max(4 × L × (H/P_intra) × (d_qk + d_v) × dtype_bytes, 1 MiB)", "exact",
-                     "counts of attention blocks")),
+                     "counts of attention blocks", "Plan.hash")),
     "2.2": ("runtime", ("fp32", "merge", "batch_isend_irecv", "HSAP_P2P_TIMEOUT_S", "SAPAttention", "HSAPAttention")),
     "2.3": ("megatron", ("initialize_hsap", "HSAP_LAYER_SPEC", "position inside its document", "get_batch_on_this_cp_rank",
                          "--calculate-per-token-loss")),
@@ -52,9 +52,10 @@ EXPECTED = {
     "4": ("measures", ("2.5×", "max(bytes sent, bytes received)", "necessary traffic", "190 / 170", "230 GB/s",
                        "23 GB/s", "Link class", "10 seeded batches", "median and the worst",
                        "source, workload, T, P_intra, P_inter, link, heads, seed, method, metric, value, unit",
-                       "16K", "1.6K", "never does worse than leaving every block with its q owner", "compute bound")),
+                       "16K", "1.6K", "never does worse than leaving every block with its q owner", "compute bound",
+                       "Baselines priced on the same batch")),
     "5": ("without a gpu", ("cpu_shims", "pretrain()", "reduce_scatter_tensor", "all_gather_into_tensor", "AVG",
-                            "disable_jit_fuser", "GPTModelConfig", "vp_stage")),
+                            "disable_jit_fuser", "GPTModelConfig", "vp_stage", "before Megatron parses its arguments")),
 }
 
 
