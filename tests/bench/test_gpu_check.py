@@ -1,0 +1,92 @@
+"""The GPU check's dry run (CPU): every section but the CUDA calls, with asserted outputs.
+
+``bash scripts/gpu_check.sh --dry-run`` runs the kernel and executor checks with the ``cpu``
+backend in float32, the multi-rank check as 2 gloo processes, and the calibration from a
+synthetic clock of a known kernel model. Here: the script exits 0, every row passed, the fit
+recovers the known model, and the YAML it wrote loads into the simulator (``--config``) and the
+planner. Plus the calibration helpers on their own (block work against a brute-force count).
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from megatron_hsap.bench import gpu_calibration as gc
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_dry_run_script_passes_and_its_yaml_loads(tmp_path):
+    out = tmp_path / "results"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run(["bash", str(ROOT / "scripts/gpu_check.sh"), "--dry-run", "--out", str(out)],
+                          env={**env, "PYTHON": sys.executable}, capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "0 failed" in proc.stdout and "DRY RUN" in proc.stdout
+    for name in ("checks.csv", "calibration.csv", "calibration.yaml", "ranks.csv", "environment.json", "summary.txt"):
+        assert (out / name).is_file(), name
+    rows = list(csv.DictReader((out / "checks.csv").open()))
+    sections = {r["section"] for r in rows}
+    assert sections == {"kernels", "executor", "multirank", "calibrate", "ranks"}, sections
+    assert all(r["passed"] == "True" for r in rows), [r for r in rows if r["passed"] != "True"]
+    assert sum(r["section"] == "kernels" for r in rows) >= 9  # MHA/GQA/MQA/MLA × masks + large logits
+
+    # The YAML loads into the simulator exactly as written and into the planner.
+    from megatron_hsap.plan import compile_plan
+    from megatron_hsap.plan.hardware import HARDWARE
+    from megatron_hsap.sim import config as sim_config
+
+    name, fields = gc.read_calibration(out / "calibration.yaml")
+    try:
+        sim_config.load_overrides(out / "calibration.yaml")
+        kernel = sim_config.sim_hardware(name).kernel
+        assert kernel.fwd_peak == fields["attn_fwd_peak"] and kernel.curve.launch_s == fields["launch_s"]
+        assert abs(fields["attn_fwd_peak"] / 4.0e10 - 1) < 0.05  # the dry run's synthetic truth
+    finally:
+        sim_config.reset_overrides()
+    registered = gc.register_planner_hardware(out / "calibration.yaml", "dry-calibrated")
+    try:
+        plan = compile_plan([0, 100, 300], 2, 1, num_heads=4, head_dim=16, hardware=registered)
+        assert plan.stats()["hardware"] == registered
+        assert HARDWARE[registered].kernel.half_rate_tokens == fields["half_rate_tokens"]
+    finally:
+        HARDWARE.pop(registered, None)
+    ranks = list(csv.DictReader((out / "ranks.csv").open()))
+    assert len(ranks) == 4 and all(float(r["measured_s"]) > 0 for r in ranks)
+
+
+def test_block_work_counts_unmasked_pairs():
+    for nq in range(1, 9):
+        for nk in range(1, 9):
+            i, j = np.meshgrid(np.arange(nq), np.arange(nk), indexing="ij")
+            assert gc.block_work(nq, nk, True) == int((j <= i + nk - nq).sum()), (nq, nk)
+            assert gc.block_work(nq, nk, False) == nq * nk
+
+
+def test_fit_recovers_a_model_and_rejects_nonsense():
+    truth = gc.Calibration(attn_fwd_peak=3e14, attn_bwd_peak=2e14, half_rate_tokens=500.0, launch_s=1e-5,
+                           max_rel_error=0, median_rel_error=0)  # fmt: skip
+    rows = []
+    for phase, causal, nq, nk, docs in gc.grid([128, 512, 2048, 8192], 32768):
+        flops = docs * gc.block_flops(gc.block_work(nq, nk, causal), 32, 128, 128, phase)
+        rows.append(gc.Measurement(phase=phase, causal=causal, nq=nq, nk=nk, docs=docs, flops=flops,
+                                   seconds=truth.predict(phase, nq, nk, flops)))  # fmt: skip
+    cal = gc.fit(rows)
+    assert abs(cal.attn_fwd_peak / 3e14 - 1) < 0.02 and abs(cal.attn_bwd_peak / 2e14 - 1) < 0.02
+    assert abs(cal.half_rate_tokens / 500 - 1) < 0.03 and cal.max_rel_error < 0.01
+    with pytest.raises(Exception, match="forward and backward"):
+        gc.fit([r for r in rows if r.phase == "fwd"])
+
+
+def test_read_calibration_refuses_other_files(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("hardware:\n  h100:\n    attn_fwd_peak: 1.0\n")
+    with pytest.raises(Exception, match="expected hardware"):
+        gc.read_calibration(bad)
