@@ -329,3 +329,20 @@ def test_stats_keys_listed_in_section_3_exist() -> None:
     keys = set(compile_plan([0, 300, 1000, 1024], 2, num_heads=4, head_dim=16, layout="contiguous").stats())
     assert len(listed) >= 20, listed
     assert not set(listed) - keys, f"§3 lists stats keys the plan does not have: {sorted(set(listed) - keys)}"
+
+
+def test_reference_constants_in_section_4_are_the_code_s() -> None:
+    # §4's constant table against plan/hardware.py (the planner and the simulator read the code).
+    from megatron_hsap.plan.hardware import HARDWARE
+
+    body = _sections(_doc())["4"][2]
+    rows = re.findall(r"^\s*\|\s*`([\w-]+)`\s*\|\s*([\d.]+) / ([\d.]+) TFLOP/s[^|]*\|\s*([\d.]+) GB/s[^|]*\|\s*([\d.]+) GB/s"
+                      r"[^|]*\|\s*([\d.]+) µs / ([\d.]+) µs", body, flags=re.M)
+    assert {"a100", "h100"} <= {r[0] for r in rows}, f"§4 should list the A100 and H100 constants, found {rows}"
+    for name, fwd, bwd, nvl, ib, lat_in, lat_out in rows:
+        assert name in HARDWARE, f"§4 lists constant set {name!r}, which plan/hardware.py does not define"
+        hw = HARDWARE[name]
+        doc = tuple(map(float, (fwd, bwd, nvl, ib, lat_in, lat_out)))
+        code = (hw.attn_fwd_flops / 1e12, hw.attn_bwd_flops / 1e12, hw.nvlink_bw / 1e9, hw.ib_bw / 1e9,
+                hw.nvlink_latency * 1e6, hw.ib_latency * 1e6)
+        assert doc == pytest.approx(code), f"§4 gives {name} {doc}, plan/hardware.py has {code} (TFLOP/s, GB/s, µs)"
