@@ -346,3 +346,10 @@ def test_reference_constants_in_section_4_are_the_code_s() -> None:
         code = (hw.attn_fwd_flops / 1e12, hw.attn_bwd_flops / 1e12, hw.nvlink_bw / 1e9, hw.ib_bw / 1e9,
                 hw.nvlink_latency * 1e6, hw.ib_latency * 1e6)
         assert doc == pytest.approx(code), f"§4 gives {name} {doc}, plan/hardware.py has {code} (TFLOP/s, GB/s, µs)"
+
+
+def test_result_columns_in_section_4_are_the_code_s() -> None:
+    from megatron_hsap.sim.results import COLUMNS
+
+    flat = " ".join(_sections(_doc())["4"][2].split())
+    assert f"`{', '.join(COLUMNS)}`" in flat, f"§4's CSV columns must read `{', '.join(COLUMNS)}` (sim/results.py COLUMNS)"
