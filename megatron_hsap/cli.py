@@ -40,6 +40,14 @@ COMMANDS: dict[str, Command] = {
         target="megatron_hsap.sim.cli:main",
         summary="simulate HSAP and baselines on A100/H100 cluster models",
     ),
+    "tune": Command(
+        target="megatron_hsap.sim.tune:main",
+        summary="choose one intra x inter topology for a run from sample batches (simulated)",
+    ),
+    "report": Command(
+        target="megatron_hsap.sim.report:main",
+        summary="regenerate the README's benchmark tables from results/*.csv",
+    ),
     "train-tiny": Command(
         target="megatron_hsap.megatron.train_tiny:main",
         summary="train a tiny Megatron GPT with HSAP context parallelism on CPU ranks",

@@ -15,7 +15,7 @@ from megatron_hsap.errors import HSAPError
 
 __all__ = ["main", "COMMANDS"]
 
-COMMANDS = ("table2", "table3", "table4", "magi", "validate", "scale", "layouts", "gantt")
+COMMANDS = ("table2", "table3", "table4", "magi", "calibrate", "validate", "scale", "layouts", "gantt")
 
 
 def _validate(out_dir: Path, **_: object) -> "object":
@@ -69,6 +69,10 @@ def _runner(name: str):  # noqa: ANN202
         from megatron_hsap.sim.magi import magi
 
         return magi
+    if name == "calibrate":
+        from megatron_hsap.sim.calibrate import calibrate
+
+        return calibrate
     if name == "scale":
         from megatron_hsap.sim.scale import scale
 
@@ -90,10 +94,14 @@ def _parser() -> argparse.ArgumentParser:
         description="Simulate HSAP and the baselines (TE THD ring, TE a2a+p2p, all-gather KV, Ulysses, USP, "
         "DistFlashAttn) on modelled A100/H100 clusters: the paper's Tables 2-4, MagiAttention's protocol, "
         "validation against published numbers, a 1024-GPU scale run, contiguous vs balanced token layouts "
-        "over InfiniBand and a per-rank Gantt chart. Each writes <out>/<name>.csv/.md (and .png) and prints "
+        "over InfiniBand and a per-rank Gantt chart; `calibrate` prints the simulator's constants and its "
+        "errors against MagiAttention's published figures. Duration on one shared CPU core: --quick takes seconds per "
+        "command; full runs take minutes each (calibrate ~10 s, magi ~2 min) and `all` tens of minutes. Progress "
+        "goes to stderr. Each writes <out>/<name>.csv/.md (and .png) and prints "
         "its markdown.")
     p.add_argument("what", choices=COMMANDS + ("all",), help="which reproduction to run")
     p.add_argument("--quick", action="store_true", help="reduced grid, one seed (seconds)")
+    p.add_argument("--refit", action="store_true", help="calibrate: re-run the fit of the efficiencies on the 8-GPU points")
     p.add_argument("--out", default="results", help="output directory (default: results/)")
     p.add_argument("--seeds", type=int, default=None, help="seeded batches per point (default 3, layouts 2; docs/design.md §4 asks 10)")
     p.add_argument("--workload", default=None, help="length distribution for tables 2/3, magi, scale, gantt (default slimpajama); "
@@ -122,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
                 kwargs["jobs"] = args.jobs
             if name == "gantt":
                 kwargs["topology"] = args.topology
+            if name == "calibrate":
+                kwargs["refit"] = args.refit
             if args.seeds is not None and args.seeds < 1:
                 raise HSAPError("--seeds must be >= 1")
             t0 = time.perf_counter()

@@ -84,16 +84,23 @@ class Cluster:
             nvl = sum(1 for b in members if b != a and self.link(a, b) is LinkClass.NVLINK)
             ib = len(members) - 1 - nvl
             worst = max(worst, nvl * bytes_per_peer / self.hw.nvlink_bw, ib * bytes_per_peer / self.hw.ib_bw)
-        return worst + self.hw.latency(self._span(members))
+        return worst / self.hw.a2a_efficiency + self.hw.latency(self._span(members))
 
     def ring_collective_time(self, members: list[int], bytes_per_rank: float) -> float:
-        """All-gather (or reduce-scatter) of ``bytes_per_rank`` per member, ring algorithm:
-        each member moves ``(m-1)·bytes_per_rank``; the ring runs at its slowest hop."""
+        """All-gather (or reduce-scatter) of ``bytes_per_rank`` per member, NCCL's ring algorithm:
+        each member moves ``(m-1)·bytes_per_rank`` over NVLink; across nodes the rings run one
+        channel per rail (one NIC per GPU), so each remote chunk enters a node once and the
+        ``g`` NICs of a node share ``(m-g)·bytes_per_rank`` (g = members per node) — the reason
+        NCCL's multi-node all-gather bus bandwidth is ≈ g × the NIC rate, not one NIC's."""
         m = len(members)
         if m <= 1 or bytes_per_rank <= 0:
             return 0.0
         link = self._span(members)
-        return (m - 1) * bytes_per_rank / self.hw.bandwidth(link) + self.hw.latency(link)
+        t = (m - 1) * bytes_per_rank / self.hw.nvlink_bw
+        if link is LinkClass.INFINIBAND:
+            g = m / len({self.node(r) for r in members})
+            t = max(t if g > 1 else 0.0, (m - g) * bytes_per_rank / (g * self.hw.ib_bw))
+        return t / self.hw.collective_efficiency + self.hw.latency(link)
 
     def _span(self, members: list[int]) -> LinkClass:
         nodes = {self.node(r) for r in members}

@@ -14,7 +14,7 @@ zigzag, and Megatron's hybrid / dynamic CP (per-sample CP group size).
   each sample gets a CP group of ``g = 2^⌈log2(l / 8K)⌉`` ranks (``baselines.registry.
   hybrid_group_sizes``); samples are placed largest first into *groups* (micro-batch stages)
   where each rank holds at most 8K tokens; a sample with ``g > 1`` runs TE's THD p2p ring
-  (``RingAttnP2P``) over ``g`` consecutive ranks, a sample with ``g = 1`` is one FA3 call on its
+  (``RingAttnP2P``, FA3 kernels: ``impl="fa3"``) over ``g`` consecutive ranks, a sample with ``g = 1`` is one FA3 call on its
   rank (a launch per sample). Stages are separated by ``dist.barrier()``; a stage lasts as long
   as its slowest rank.
 """
@@ -132,7 +132,7 @@ def hybrid_cp_schedule(cu: np.ndarray, cluster: Cluster, shape: HeadShape, phase
             if key not in ring_cache:
                 sub = Cluster(hw=hw, intra_size=1, inter_size=g)
                 chunk = pad_lengths(np.array([n]), 2 * g) / (2 * g)
-                work, gpus = ring_schedule(zigzag_steps(chunk, g), shape, sub, list(range(g)), phase, impl="te",
+                work, gpus = ring_schedule(zigzag_steps(chunk, g), shape, sub, list(range(g)), phase, impl="fa3",
                                            dkv_bytes_per_elem=shape.dtype_bytes)
                 ring_cache[key] = simulate_on(work, sub, gpus).makespan
             for r in range(first, first + g):

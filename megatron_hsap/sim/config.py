@@ -78,6 +78,10 @@ class SimHardware:
     dense_peak_flops: float
     gpus_per_node: int = 8
     dense_mfu: float = constants.DENSE_MFU
+    # Calibrated efficiencies (sim/calibrate.py fits them on MagiAttention's 8-GPU figures):
+    a2a_efficiency: float = 1.0  # NCCL all-to-all: achieved / link bandwidth
+    collective_efficiency: float = 1.0  # NCCL ring all-gather / reduce-scatter: achieved / link bandwidth
+    thd_kernel_factor: float = 1.0  # TE's cuDNN THD kernels (ring p2p steps): rate / FA3 rate
 
     def __post_init__(self) -> None:
         for name in ("nvlink_bw", "ib_bw", "hbm_bw", "dense_peak_flops"):
@@ -90,6 +94,9 @@ class SimHardware:
             raise ConfigError(f"hardware {self.name}: gpus_per_node must be >= 1")
         if not 0 < self.dense_mfu <= 1:
             raise ConfigError(f"hardware {self.name}: dense_mfu must be in (0, 1]")
+        for name in ("a2a_efficiency", "collective_efficiency", "thd_kernel_factor"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ConfigError(f"hardware {self.name}: {name} must be in (0, 1], got {getattr(self, name)!r}")
 
     def bandwidth(self, link: LinkClass) -> float:
         return self.nvlink_bw if link is LinkClass.NVLINK else self.ib_bw
@@ -126,6 +133,9 @@ def sim_hardware(name: str) -> SimHardware:
         dense_peak_flops=float(c["dense_peak_flops"]),
         gpus_per_node=int(c["gpus_per_node"]),
         dense_mfu=float(c.get("dense_mfu", constants.DENSE_MFU)),
+        a2a_efficiency=float(c.get("a2a_efficiency", 1.0)),
+        collective_efficiency=float(c.get("collective_efficiency", 1.0)),
+        thd_kernel_factor=float(c.get("thd_kernel_factor", 1.0)),
     )
 
 
@@ -154,7 +164,7 @@ def load_overrides(path: str | Path) -> None:
     for name, fields in (data.get("hardware") or {}).items():
         if name not in constants.HARDWARE:
             raise ConfigError(f"{path}: unknown hardware {name!r}; choose one of {', '.join(HARDWARE_NAMES)}")
-        bad = set(fields) - set(constants.HARDWARE[name]) - {"dense_mfu"}
+        bad = set(fields) - set(constants.HARDWARE[name]) - {"dense_mfu", "a2a_efficiency", "collective_efficiency", "thd_kernel_factor"}
         if bad:
             raise ConfigError(f"{path}: hardware {name} has no fields {sorted(bad)}")
         _OVERRIDES.setdefault(name, {}).update({k: float(v) for k, v in fields.items()})

@@ -64,6 +64,11 @@ HARDWARE: dict[str, dict[str, Any]] = {
     "h100-fa3": {
         "attn_fwd_peak": _peak(632e12, 16384),
         "attn_bwd_peak": _peak(561e12, 16384),
+        # Fitted on MagiAttention's 8-GPU figures by `megatron-hsap simulate calibrate --refit`
+        # (sim/calibrate.py; checked, not fitted, on its 64-GPU figures).
+        "a2a_efficiency": 0.35,
+        "collective_efficiency": 0.475,
+        "thd_kernel_factor": 0.30,
         "half_rate_tokens": HALF_RATE_TOKENS,
         "launch_s": 5e-6,
         "nvlink_bw": 370e9,
@@ -89,6 +94,7 @@ HARDWARE: dict[str, dict[str, Any]] = {
 #   distflashattn: LightSeq's Triton rescale kernel, like TE: 10 / 12.
 MERGE_BYTES: dict[str, dict[str, float]] = {
     "hsap": {"fwd": 18.0, "bwd": 12.0},
+    "fa3": {"fwd": 10.0, "bwd": 12.0},  # MagiAttention's FA3 ring baselines: a fused correction like TE's
     "te": {"fwd": 10.0, "bwd": 12.0},
     "ring_flash_attn": {"fwd": 18.0, "bwd": 10.0, "half_index_extra": 8.0},
     "distflashattn": {"fwd": 10.0, "bwd": 12.0},

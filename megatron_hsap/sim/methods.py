@@ -11,7 +11,8 @@ causal sequence under Megatron's a2a+p2p zigzag CP: Table 4's "packing").
 
 ``te_thd_ring_nopad`` (the same ring, padding not computed: cuDNN/FA3 ``pad_between_seqs``),
 ``allgather_kv_zigzag`` (document-aware all-gather KV, per-document zigzag) and ``hybrid_cp``
-(Megatron hybrid / dynamic CP) are in ``sim/collectives.py``. Availability rules and sources are
+(Megatron hybrid / dynamic CP) are in ``sim/collectives.py``; ``loongtrain`` (head all-to-all
+over P_intra, double ring over P_inter) in ``sim/double_ring.py``. Availability rules and sources are
 the records of ``megatron_hsap.baselines.registry`` (one definition each). HSAP runs with the
 shipped default layout (balanced); pass ``plan_options={"layout": "contiguous"}`` for the paper's.
 
@@ -37,7 +38,7 @@ from megatron_hsap.sim.schedules import distflashattn_schedule, pad_lengths, rin
 __all__ = ["METHODS", "MethodRun", "PhaseRun", "run_method", "unavailable", "ideal_seconds", "useful_flops", "ulysses_degree"]
 
 METHODS = ("hsap", "te_thd_ring", "te_thd_ring_nopad", "te_a2a_p2p", "usp", "allgather_kv", "allgather_kv_zigzag", "ulysses",
-           "hybrid_cp", "distflashattn", "blind_ring")
+           "hybrid_cp", "loongtrain", "distflashattn", "blind_ring")
 
 
 @dataclass(slots=True)
@@ -144,6 +145,11 @@ def _ring_methods(method: str, cu: np.ndarray, cluster: Cluster, shape: HeadShap
         steps = replace(zigzag_steps(lengths / (2 * r) if r > 1 else lengths / 2.0, r), local_tokens=steps.local_tokens)
     local = _split(shape, cluster.intra_size)
     before, after = _a2a_times(cluster, shape, float(padded.sum()) / P, phase)
+    if method == "loongtrain":
+        from megatron_hsap.sim.double_ring import double_ring_schedule, window_size
+
+        w = window_size(r, cluster.intra_size, cluster.hw.gpus_per_node)
+        return double_ring_schedule(steps, local, cluster, cluster.inter_group(0), phase, w=w, before=before, after=after)
     impl = "ring_flash_attn" if method == "usp" else "te"
     return ring_schedule(steps, local, cluster, cluster.inter_group(0), phase, impl=impl,
                          dkv_bytes_per_elem=shape.dtype_bytes, before=before, after=after)
@@ -246,7 +252,7 @@ def run_method(method: str, cu_seqlens: object, *, hw: Any, intra: int, inter: i
         extra["plan"] = {k: stats.get(k) for k in keys}
         build = lambda ph: hsap_workload(plan, cluster, ph)  # noqa: E731
         note = f"placement {stats['placement']}, imbalance {stats['imbalance']:.2f}"
-    elif method in ("te_thd_ring", "te_thd_ring_nopad", "te_a2a_p2p", "usp", "blind_ring"):
+    elif method in ("te_thd_ring", "te_thd_ring_nopad", "te_a2a_p2p", "usp", "loongtrain", "blind_ring"):
         u = 1 if method in ("te_thd_ring", "te_thd_ring_nopad") else (ulysses_degree(P, shape, hw.gpus_per_node) if method == "usp" else intra)
         cluster = Cluster(hw=hw, intra_size=u, inter_size=P // u)
         topo = cluster.topology
@@ -279,6 +285,6 @@ def run_method(method: str, cu_seqlens: object, *, hw: Any, intra: int, inter: i
     runs = {}
     for ph in ("fwd", "bwd"):
         work, gpus = build(ph)
-        c = cluster if method in ("hsap", "te_thd_ring", "te_thd_ring_nopad", "te_a2a_p2p", "usp", "blind_ring") else flat
+        c = cluster if method in ("hsap", "te_thd_ring", "te_thd_ring_nopad", "te_a2a_p2p", "usp", "loongtrain", "blind_ring") else flat
         runs[ph] = PhaseRun(simulate_on(work, c, gpus), work, gpus)
     return MethodRun(method, topo, P, runs["fwd"], runs["bwd"], useful_flops(cu, shape), note, extra)

@@ -26,9 +26,22 @@ __all__ = ["table2", "table3", "best_hsap", "hsap_topologies", "method_rows", "P
 
 
 def progress(items: list, desc: str) -> Any:
-    from tqdm import tqdm
+    """tqdm on stderr at a terminal; otherwise one line per item on stderr (logs, CI)."""
+    import sys
 
-    return tqdm(items, desc=desc, unit="pt", leave=False)
+    if sys.stderr.isatty():
+        from tqdm import tqdm
+
+        return tqdm(items, desc=desc, unit="pt", leave=False, file=sys.stderr)
+    return _lines(items, desc)
+
+
+def _lines(items: list, desc: str) -> Any:
+    import sys
+
+    for i, item in enumerate(items):
+        print(f"{desc}: {i + 1}/{len(items)} {item}", file=sys.stderr, flush=True)
+        yield item
 
 
 @dataclass(frozen=True, slots=True)

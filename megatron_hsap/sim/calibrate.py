@@ -1,0 +1,133 @@
+"""Calibration against published numbers: MagiAttention's varlen-causal H100 benchmark.
+
+One set of physical constants for every method (``constants.HARDWARE["h100-fa3"]``): link
+bandwidths and latencies from datasheets (workloads.md), FA3 kernel rates by block shape
+(``KernelCurve``), launch overheads, and three efficiencies no datasheet gives, *fitted on the
+8-GPU points only* and then *checked on the 64-GPU points*:
+
+* ``a2a_efficiency`` — NCCL all-to-all achieved / link bandwidth (Ulysses, USP fwd);
+* ``collective_efficiency`` — NCCL ring all-gather / reduce-scatter achieved / link bandwidth
+  (ring_allgather fwd and bwd); across nodes the ring model is rail-aware (``Cluster.
+  ring_collective_time``);
+* ``thd_kernel_factor`` — TE's cuDNN THD kernels with their per-step half-tensor reads and
+  corrections, relative to FA3 (ring-p2p fwd). Megatron hybrid CP (FA3 kernels) is fitted by
+  nothing: it is a pure check at both sizes.
+
+Each efficiency is fitted by a 1-D grid search minimising the worst relative error of the 8-GPU
+points that depend on it (they are separable: each point depends on one of them). Batches:
+``protocols.magi_batches`` (MagiAttention's histogram, chunking and packing), the mean of
+TFLOP/s over ``seeds`` batches — MagiAttention averages over its masks the same way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+
+from megatron_hsap.sim import paper
+from megatron_hsap.sim.config import SimHardware, sim_hardware
+from megatron_hsap.sim.methods import run_method
+from megatron_hsap.sim.protocols import MAGI_TOKENS_PER_GPU, magi_batches, magi_shape
+from megatron_hsap.sim.results import Report, Row, markdown_table
+
+__all__ = ["CalPoint", "simulate_points", "fit", "calibrate", "TOLERANCE", "PARAMS", "MISSING"]
+
+TOLERANCE = 0.20  # the issue's "within 20% per point"
+PARAMS = {  # fitted constant -> the methods whose 8-GPU points fit it
+    "a2a_efficiency": ("ulysses", "usp"),
+    "collective_efficiency": ("allgather_kv_zigzag",),
+    "thd_kernel_factor": ("te_thd_ring",),
+}
+# Where a point is out of tolerance, the structural effect the model lacks (read from the sources).
+MISSING = {
+    "te_thd_ring": "TE's THD ring over InfiniBand: per-step host syncs and cuDNN THD kernel rates at 64-way splits "
+                   "(chunks of l/128 tokens) are not modelled beyond one kernel factor",
+    "ulysses": "inter-node all-to-all: NCCL's PXN / per-peer message-size dependence (64 peers, small messages)",
+    "usp": "inter-node ring of USP: per-step message-size dependent bandwidth",
+    "hybrid_cp": "the BalancedCPScheduler's exact grouping (we place largest-first) and its barriers' skew",
+    "allgather_kv_zigzag": "backward: FA3's varlen backward over all-gathered full-length KV (atomics on dK/dV and "
+                           "the fp32 accumulation) — the model prices it like a forward-shaped kernel",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class CalPoint:
+    gpus: int
+    method: str
+    phase: str
+    published: float
+    simulated: float
+
+    @property
+    def error(self) -> float:
+        return self.simulated / self.published - 1.0
+
+    @property
+    def ok(self) -> bool:
+        return abs(self.error) <= TOLERANCE
+
+
+def simulate_points(hw: SimHardware, gpus: int, seeds: int, methods: tuple[str, ...] | None = None) -> list[CalPoint]:
+    """Simulated TFLOP/s per GPU (mean over ``seeds`` batches) at every published point of ``gpus``."""
+    shape = magi_shape()
+    cus = magi_batches(MAGI_TOKENS_PER_GPU * gpus, seeds, 0)
+    out = []
+    keys = [(m, ph) for (g, m, ph) in paper.MAGI_PUBLISHED if g == gpus and (methods is None or m in methods)]
+    runs: dict[str, list] = {}
+    for m, ph in keys:
+        if m not in runs:
+            runs[m] = [run_method(m, cu, hw=hw, intra=1, inter=gpus, shape=shape) for cu in cus]
+        vals = [r.tflops_per_gpu(ph) for r in runs[m] if r is not None]
+        out.append(CalPoint(gpus, m, ph, paper.MAGI_PUBLISHED[(gpus, m, ph)], float(np.mean(vals)) if vals else float("nan")))
+    return out
+
+
+def fit(hw: SimHardware, seeds: int, grid: np.ndarray | None = None) -> tuple[SimHardware, dict[str, float]]:
+    """Fit ``PARAMS`` on the 8-GPU points; returns the fitted hardware and the values."""
+    grid = np.round(np.arange(0.10, 1.0001, 0.025), 3) if grid is None else grid
+    values: dict[str, float] = {}
+    for name, methods in PARAMS.items():
+        best, best_err = 1.0, float("inf")
+        for v in grid:
+            pts = simulate_points(replace(hw, **{name: float(v)}), 8, seeds, methods)
+            err = max(abs(p.error) for p in pts)
+            if err < best_err:
+                best, best_err = float(v), err
+        values[name] = best
+        hw = replace(hw, **{name: best})
+    return hw, values
+
+
+def calibrate(out_dir: str | Path, *, quick: bool = False, seeds: int | None = None, refit: bool = False) -> Report:
+    """Print the constants and both errors (fit on 8 GPUs, check on 64); ``refit`` re-runs the
+    grid search instead of using the committed constants."""
+    n = 1 if quick else (seeds or 3)
+    hw = sim_hardware("h100-fa3")
+    fitted = {k: getattr(hw, k) for k in PARAMS}
+    if refit:
+        hw, fitted = fit(hw, n)
+    pts = simulate_points(hw, 8, n) + ([] if quick else simulate_points(hw, 64, n))
+    rows: list[Row] = []
+    for p in pts:
+        link = "nvlink" if p.gpus <= 8 else "ib"
+        T = MAGI_TOKENS_PER_GPU * p.gpus
+        rows.append(Row("sim", "magiattention", T, 1, p.gpus, link, "64/8", "mean", p.method, f"{p.phase}_tflops_per_gpu", p.simulated, "TFLOP/s"))
+        rows.append(Row("paper:magiattention", "magiattention", T, 1, p.gpus, link, "64/8", "-", p.method, f"{p.phase}_tflops_per_gpu", p.published, "TFLOP/s"))
+        rows.append(Row("sim", "magiattention", T, 1, p.gpus, link, "64/8", "mean", p.method, f"{p.phase}_calibration_error", 100 * p.error, "%"))
+    consts = [["attn fwd / bwd peak (FA3 curve)", f"{hw.kernel.fwd_peak / 1e12:.0f} / {hw.kernel.bwd_peak / 1e12:.0f} TFLOP/s", "workloads.md FA3 at 16K, KernelCurve"],
+              ["kernel half-rate tokens, launch", f"{hw.kernel.curve.half_rate_tokens:.0f} tokens, {hw.kernel.curve.launch_s * 1e6:.0f} µs", "workloads.md short-document efficiency"],
+              ["NVLink / NIC per GPU", f"{hw.nvlink_bw / 1e9:.0f} / {hw.ib_bw / 1e9:.0f} GB/s", "workloads.md (NCCL achieved)"],
+              ["latency NVLink / IB", f"{hw.nvlink_latency * 1e6:.0f} / {hw.ib_latency * 1e6:.0f} µs", "workloads.md"],
+              ["HBM (elementwise)", f"{hw.hbm_bw / 1e12:.1f} TB/s", "H100 datasheet, 80%"]]
+    consts += [[k, f"{v:.3f}", "fitted on 8 GPUs: " + ", ".join(PARAMS[k])] for k, v in fitted.items()]
+    tab = [[p.gpus, p.method, p.phase, p.published, p.simulated, f"{100 * p.error:+.0f}%", "yes" if p.ok else "NO",
+            "" if p.ok else MISSING.get(p.method, "")] for p in pts]
+    errs = {g: [abs(p.error) for p in pts if p.gpus == g] for g in (8, 64)}
+    summary = "; ".join(f"{g} GPUs: worst {100 * max(e):.0f}%, median {100 * float(np.median(e)):.0f}%" for g, e in errs.items() if e)
+    md = [f"### Calibration — MagiAttention's varlen-causal H100 protocol (mean of {n} batch(es); fit on 8 GPUs, check on 64)", "",
+          markdown_table(["constant", "value", "source"], consts), "",
+          markdown_table(["GPUs", "method", "phase", "published TFLOP/s", "simulated", "error", f"within {TOLERANCE:.0%}", "missing structural effect"], tab),
+          "", f"Errors — {summary}."]
+    return Report("calibration", rows, "\n".join(md), []).write(out_dir)
