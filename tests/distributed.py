@@ -14,8 +14,10 @@ size for the whole pytest session and reused by every case::
 Contract of a case ``fn``:
 - a module-level function of an importable module (a test module, ``tests/cases/*.py``); its
   args/kwargs and return value are pickled (tensors are copied, detach those requiring grad);
-- it runs on every rank at once, after ``dist.init_process_group("gloo")`` (127.0.0.1, a
-  parent-owned TCPStore on a free port) and ``torch.set_num_threads(1)``;
+- it runs on every rank at once, after ``dist.init_process_group("gloo")`` and
+  ``torch.set_num_threads(1)``; the rendezvous is a file store in a private temporary directory and
+  gloo is pinned to the loopback interface (``megatron_hsap.runtime.rendezvous``): nothing listens
+  beyond 127.0.0.1 (a TCPStore master binds every interface);
 - it must leave the default group usable: issue the same collectives on every rank. A case that
   hangs past ``timeout`` gets its ranks' Python stacks dumped into the error, and the pool is
   killed and respawned. A case that raises on *some* ranks only also respawns the pool (the
@@ -143,25 +145,14 @@ def _cleanup_after_case(default_dtype: Any, grad_enabled: bool, groups_before: s
 
 
 def _worker_main(
-    rank: int, world_size: int, store_port: int, conn: Any, sys_path: list[str], dump_path: str
+    rank: int, world_size: int, store_path: str, conn: Any, sys_path: list[str], dump_path: str
 ) -> None:
     """Body of one rank: init gloo, then run cases received on ``conn`` until told to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     for entry in reversed(sys_path):
         if entry not in sys.path:
             sys.path.insert(0, entry)
-    os.environ.update(
-        OMP_NUM_THREADS="1",
-        MKL_NUM_THREADS="1",
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_WORLD_SIZE=str(world_size),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(store_port),
-    )
-    if sys.platform.startswith("linux"):
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    os.environ.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     dump = open(dump_path, "a", encoding="utf-8")  # noqa: SIM115 - lives as long as the rank
     if hasattr(signal, "SIGUSR1"):
         faulthandler.register(signal.SIGUSR1, file=dump, all_threads=True)
@@ -171,8 +162,9 @@ def _worker_main(
 
         torch.set_num_threads(1)
         torch.set_num_interop_threads(1)
-        store = dist.TCPStore("127.0.0.1", store_port, world_size, is_master=False, timeout=_GLOO_TIMEOUT)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=_GLOO_TIMEOUT)
+        from megatron_hsap.runtime.rendezvous import init_local_process_group
+
+        init_local_process_group(rank, world_size, store_path, timeout_s=_GLOO_TIMEOUT.total_seconds())
     except BaseException:  # noqa: BLE001 - everything goes back to the parent
         conn.send_bytes(pickle.dumps(("init-error", rank, traceback.format_exc())))
         return
@@ -251,14 +243,11 @@ class GlooPool:
 
     def _start(self) -> None:
         """Spawn the ranks without waiting for them (they import torch while tests go on)."""
-        import torch.distributed as dist
+        from megatron_hsap.runtime.rendezvous import new_local_store
 
-        # The parent owns the rendezvous store: port 0 lets the OS pick a free port, so pools of
-        # engineers sharing a machine cannot race for one.
-        self._store = dist.TCPStore(
-            "127.0.0.1", 0, self.world_size, is_master=True, wait_for_workers=False,
-            timeout=_GLOO_TIMEOUT,
-        )
+        # A fresh file store per spawn: pools of engineers sharing a machine cannot collide, and
+        # no port is opened for the rendezvous.
+        self._store = new_local_store(prefix=f"hsap-pool-w{self.world_size}-")
         sys_path = [_REPO_ROOT, *sys.path]
         self._procs, self._conns, self._dump_paths = [], [], []
         for rank in range(self.world_size):
@@ -268,7 +257,7 @@ class GlooPool:
             parent_conn, child_conn = self._ctx.Pipe(duplex=True)
             proc = self._ctx.Process(
                 target=_worker_main,
-                args=(rank, self.world_size, self._store.port, child_conn, sys_path, dump_path),
+                args=(rank, self.world_size, self._store, child_conn, sys_path, dump_path),
                 name=f"hsap-gloo-w{self.world_size}-r{rank}",
                 daemon=True,
             )
@@ -311,6 +300,10 @@ class GlooPool:
             conn.close()
         for path in self._dump_paths:
             _remove_quietly(path)
+        if self._store is not None:
+            from megatron_hsap.runtime.rendezvous import remove_local_store
+
+            remove_local_store(self._store)
         self._procs, self._conns, self._dump_paths = [], [], []
         self._store = None
         self._ready = False

@@ -39,6 +39,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from megatron_hsap.runtime.rendezvous import init_local_process_group, new_local_store
+
 CSV_COLUMNS = ("source", "workload", "T", "P_intra", "P_inter", "link", "heads", "seed", "method", "metric", "value", "unit")
 
 
@@ -168,7 +170,7 @@ def _measure(method: Any, args: argparse.Namespace, seed: int) -> dict:
             "predicted_peak": method.predicted_peak()}  # fmt: skip
 
 
-def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out_path: str) -> None:
+def _rank_main(rank: int, world: int, store: str, args: argparse.Namespace, out_path: str) -> None:
     os.environ.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     import torch
     import torch.distributed as dist
@@ -176,8 +178,7 @@ def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out_p
     from megatron_hsap.plan.workloads import pack_batches
 
     torch.set_num_threads(1)
-    store = dist.TCPStore("127.0.0.1", port, world, is_master=False)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    init_local_process_group(rank, world, store)  # file store + loopback gloo: nothing listens outside
     sweep = world in args.sweep_worlds
     groups = _make_groups(world, _topologies(world, sweep, args.heads))
     rows: list[dict] = []
@@ -215,10 +216,9 @@ def _check_bytes(name: str, topology: tuple[int, int], everyone: list[dict]) -> 
 
 
 def _run_world(world: int, args: argparse.Namespace) -> tuple[list[dict], Exception | None]:
-    import torch.distributed as dist
     import torch.multiprocessing as mp
 
-    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
+    store = new_local_store(prefix=f"hsap-bench-w{world}-")
     fd, path = tempfile.mkstemp(prefix=f"hsap-bench-w{world}-", suffix=".pkl")
     os.close(fd)
     # Large tensors come and go every step: a fixed mmap threshold hands them back to the OS at
@@ -226,7 +226,7 @@ def _run_world(world: int, args: argparse.Namespace) -> tuple[list[dict], Except
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
     error = None
     try:
-        mp.start_processes(_rank_main, args=(world, store.port, args, path), nprocs=world, start_method="spawn")
+        mp.start_processes(_rank_main, args=(world, store, args, path), nprocs=world, start_method="spawn")
     except Exception as exc:  # noqa: BLE001 - keep what the ranks measured before the failure
         error = exc
     try:

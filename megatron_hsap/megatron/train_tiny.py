@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import socket
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
@@ -180,18 +179,17 @@ def _sum_over(group: Any, *values: int) -> list[int]:
     return [int(x) for x in t.tolist()]
 
 
-def _rank_main(rank: int, run: TinyRun, port: int, corpus: Any, queue: Any) -> None:
+def _rank_main(rank: int, run: TinyRun, store: str, corpus: Any, queue: Any) -> None:
     """One spawned rank: init gloo + Megatron + HSAP, train, report (rank 0) through ``queue``."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(run.world_size), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
-    if sys.platform.startswith("linux"):
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    os.environ.update(OMP_NUM_THREADS="1")
     _quiet_megatron()
     import torch
     import torch.distributed as dist
 
+    from megatron_hsap.runtime.rendezvous import init_local_process_group
+
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=run.world_size)
+    init_local_process_group(rank, run.world_size, store)  # file store + loopback gloo: nothing listens outside
     try:
         from megatron.core import parallel_state as mpu
 
@@ -280,12 +278,6 @@ def _progress(run: TinyRun, rank: int) -> Any:
                 unit="step", file=sys.stderr, dynamic_ncols=True, disable=None)
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def run_training(run: TinyRun) -> list[StepResult]:
     """Spawn ``run.world_size`` gloo ranks, train, return rank 0's per-step results."""
     import torch.multiprocessing as mp
@@ -295,8 +287,10 @@ def run_training(run: TinyRun) -> list[StepResult]:
     corpus = build_stdlib_corpus(run.data_dir)  # once, in the parent: ranks only read it
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()  # one rendezvous port for all ranks of this run
-    procs = [ctx.Process(target=_rank_main, args=(r, run, port, corpus, queue), daemon=False)
+    from megatron_hsap.runtime.rendezvous import new_local_store
+
+    store = new_local_store(prefix="hsap-train-tiny-")  # one file store for all ranks of this run
+    procs = [ctx.Process(target=_rank_main, args=(r, run, store, corpus, queue), daemon=False)
              for r in range(run.world_size)]
     for p in procs:
         p.start()
