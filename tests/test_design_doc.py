@@ -345,3 +345,15 @@ def test_result_columns_in_section_4_are_the_code_s() -> None:
 
     flat = " ".join(_sections(_doc())["4"][2].split())
     assert f"`{', '.join(COLUMNS)}`" in flat, f"§4's CSV columns must read `{', '.join(COLUMNS)}` (sim/results.py COLUMNS)"
+
+
+def test_plan_attributes_listed_in_section_3_exist() -> None:
+    from megatron_hsap.plan import compile_plan
+
+    body = _sections(_doc())["3"][2]
+    row = next(line for line in body.splitlines() if line.startswith("| `megatron_hsap.Plan` |"))
+    listed = re.findall(r"`(\w+)`", row.split("|")[3])
+    plan = compile_plan([0, 300, 1000, 1024], 2, num_heads=4, head_dim=16, layout="contiguous")
+    assert len(listed) >= 10, listed
+    assert not [a for a in listed if not hasattr(plan, a)], f"§3 lists Plan attributes the code lacks: {[a for a in listed if not hasattr(plan, a)]}"
+    assert (plan.num_tokens, plan.padded_tokens, plan.chunk_tokens, plan.local_tokens, plan.cp_size) == (1024, 1024, 512, 512, 2)
