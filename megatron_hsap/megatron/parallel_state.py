@@ -340,14 +340,15 @@ def _create_groups(
 ) -> tuple[dist.ProcessGroup, dist.ProcessGroup, tuple[dist.ProcessGroup, ...]]:
     """``new_group`` for every CP group's intra blocks then inter strides, same order on all ranks."""
     intra = inter = None
+    timeout = job_timeout()  # Megatron's --distributed-timeout-minutes, else the job's (torch's 30 min otherwise)
     for cp in all_cp:
         intra_lists, inter_lists = hierarchical_rank_lists(cp, intra_size, inter_size)
         for ranks in intra_lists:
-            group = dist.new_group(ranks, group_desc="HSAP_INTRA")
+            group = dist.new_group(ranks, timeout=timeout, group_desc="HSAP_INTRA")
             if rank in ranks:
                 intra = group
         for ranks in inter_lists:
-            group = dist.new_group(ranks, group_desc="HSAP_INTER")
+            group = dist.new_group(ranks, timeout=timeout, group_desc="HSAP_INTER")
             if rank in ranks:
                 inter = group
     assert intra is not None and inter is not None  # rank is in its own CP group (checked)

@@ -10,14 +10,42 @@ Megatron's ``--hierarchical-context-parallel-sizes P_intra P_inter`` levels 0 an
 
 from __future__ import annotations
 
+import datetime
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 
 from megatron_hsap.errors import ConfigError
 
-__all__ = ["HSAPGroups", "hierarchical_rank_lists", "validate_hsap_sizes", "positive_int"]
+__all__ = ["HSAPGroups", "hierarchical_rank_lists", "validate_hsap_sizes", "positive_int", "job_timeout"]
+
+
+def job_timeout() -> datetime.timedelta | None:
+    """The timeout HSAP's process groups are created with: the job's.
+
+    Megatron's ``--distributed-timeout-minutes`` when Megatron's arguments are parsed, else the
+    default group's own timeout (what ``init_process_group(timeout=...)`` got), else None
+    (torch's default). ``new_group`` does not inherit the default group's timeout by itself: without
+    this, HSAP's groups waited torch's 30 minutes whatever the job set.
+    """
+    gv = sys.modules.get("megatron.training.global_vars")
+    args = getattr(gv, "_GLOBAL_ARGS", None) if gv is not None else None
+    minutes = getattr(args, "distributed_timeout_minutes", None)
+    if isinstance(minutes, (int, float)) and not isinstance(minutes, bool) and minutes > 0:
+        return datetime.timedelta(minutes=minutes)
+    if not dist.is_available() or not dist.is_initialized():
+        return None
+    try:
+        from torch.distributed import distributed_c10d as c10d
+
+        pg = c10d._get_default_group()
+        device = torch.device("cpu") if "gloo" in str(dist.get_backend()).lower() else torch.device("cuda")
+        return pg._get_backend(device).options._timeout
+    except (AttributeError, RuntimeError, ValueError):  # private API: fall back to torch's default
+        return None
 
 
 def positive_int(name: str, value: object) -> int:
