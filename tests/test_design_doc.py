@@ -283,7 +283,7 @@ def _resolve(name: str) -> object:
 
 def test_api_tables_list_the_contract() -> None:
     names = {n for n, _ in _api_rows()}
-    # The names DESIGN §3 promised other code and tests (issue 17 item 1): the tables must keep them.
+    # The names the original shared design promised in its §3 (issue 17 item 1): the tables must keep them.
     required = {
         "megatron_hsap.compile_plan", "megatron_hsap.hsap_attn_func", "megatron_hsap.HSAPError",
         "megatron_hsap.Plan.local_token_indices", "megatron_hsap.Plan.compute_units", "megatron_hsap.Plan.messages",
