@@ -39,6 +39,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from megatron_hsap.argtypes import nonnegative_int, positive_float, positive_int
 from megatron_hsap.runtime.rendezvous import init_local_process_group, new_local_store
 
 CSV_COLUMNS = ("source", "workload", "T", "P_intra", "P_inter", "link", "heads", "seed", "method", "metric", "value", "unit")
@@ -46,18 +47,18 @@ CSV_COLUMNS = ("source", "workload", "T", "P_intra", "P_inter", "link", "heads",
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m megatron_hsap.bench.cpu_attention", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--worlds", type=int, nargs="+", default=[4, 8], help="gloo world sizes (CP sizes)")
+    ap.add_argument("--worlds", type=positive_int, nargs="+", default=[4, 8], help="gloo world sizes (CP sizes)")
     ap.add_argument("--workloads", nargs="+", default=["fineweb", "sharegpt"])
-    ap.add_argument("--tokens", type=int, nargs="+", default=[16384, 65536], help="tokens per packed batch T")
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--kv-heads", type=int, default=None, help="default: --heads (MHA)")
-    ap.add_argument("--head-dim", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=5, help="timed steps per method (median reported)")
-    ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--seed", type=int, default=0, help="batch seed of pack_batches")
-    ap.add_argument("--sweep-worlds", type=int, nargs="*", default=[8], help="worlds that run the Table-4 sweep")
+    ap.add_argument("--tokens", type=positive_int, nargs="+", default=[16384, 65536], help="tokens per packed batch T")
+    ap.add_argument("--heads", type=positive_int, default=8)
+    ap.add_argument("--kv-heads", type=positive_int, default=None, help="default: --heads (MHA)")
+    ap.add_argument("--head-dim", type=positive_int, default=64)
+    ap.add_argument("--repeats", type=positive_int, default=5, help="timed steps per method (median reported)")
+    ap.add_argument("--warmup", type=nonnegative_int, default=1)
+    ap.add_argument("--seed", type=nonnegative_int, default=0, help="batch seed of pack_batches")
+    ap.add_argument("--sweep-worlds", type=positive_int, nargs="*", default=[8], help="worlds that run the Table-4 sweep")
     ap.add_argument("--no-memory", action="store_true", help="skip the profiled step (peak memory)")
-    ap.add_argument("--pool-chunks", type=float, default=None,
+    ap.add_argument("--pool-chunks", type=positive_float, default=None,
                     help="HSAP receive pool in inter chunks × heads × (d + dv) × bytes (planner default: 4)")
     ap.add_argument("--out", default="results/cpu_attention.csv")
     ap.add_argument("--quick", action="store_true", help="smoke run: world 4, fineweb 2K, 1 repeat, no warm-up")
@@ -359,6 +360,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         w = csv.writer(f)
         w.writerow(CSV_COLUMNS)
         w.writerows(_csv_rows(rows, args))
+    if not rows:
+        print(f"\nno measurement completed (worlds {args.worlds}); nothing was asserted", file=sys.stderr)
+        return 1
     print(f"\nwrote {out} ({time.perf_counter() - t0:.0f} s; bytes asserted equal to the predictions)")
     if failed:
         print(f"INCOMPLETE: worlds {failed} stopped early (see stderr)")

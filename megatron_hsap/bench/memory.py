@@ -113,6 +113,13 @@ class MemoryOptions:
     mean_doc_tokens: int | None = None  # TE ring padding; None = one document per sequence
     flash: bool = True  # False: Korthikanti's unfused 5as/h score term (for checking the formula)
 
+    def __post_init__(self) -> None:
+        if not (isinstance(self.reserve_gib, (int, float)) and 0 <= self.reserve_gib < float("inf")):
+            raise ConfigError(f"reserve_gib={self.reserve_gib!r} must be a finite number of GiB >= 0")
+        if self.mean_doc_tokens is not None and (isinstance(self.mean_doc_tokens, bool)
+                                                 or not isinstance(self.mean_doc_tokens, int) or self.mean_doc_tokens < 1):
+            raise ConfigError(f"mean_doc_tokens={self.mean_doc_tokens!r} must be an integer >= 1 (or None: one document)")
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class MemoryBreakdown:

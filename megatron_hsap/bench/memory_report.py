@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from megatron_hsap.bench.memory import (DEFAULT_RESERVE_GIB, GIB, MemoryBreakdown, MemoryOptions, Method, PoolFn,
                                         best_max_seq_length, best_peak, config_layout, estimate, max_seq_length,
                                         plan_pool)
+from megatron_hsap.argtypes import nonnegative_float, positive_float, positive_int, writable_file
 from megatron_hsap.errors import ConfigError
 from megatron_hsap.launch.config import LaunchConfig, load_config
 
@@ -96,13 +97,13 @@ def plot_peaks(cfg: LaunchConfig, caps: Sequence[float], seqs: Sequence[int], op
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="megatron-hsap memory", description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", required=True)
-    ap.add_argument("--gpu-mem-gib", type=float, nargs="+", help="GPU sizes (default: the config's)")
-    ap.add_argument("--reserve-gib", type=float, default=DEFAULT_RESERVE_GIB,
+    ap.add_argument("--gpu-mem-gib", type=positive_float, nargs="+", help="GPU sizes (default: the config's)")
+    ap.add_argument("--reserve-gib", type=nonnegative_float, default=DEFAULT_RESERVE_GIB,
                     help="CUDA context, NCCL buffers, fragmentation")
     ap.add_argument("--seq-lengths", nargs="+", default=["32K", "64K", "128K", "256K", "512K", "1M", "2M"])
-    ap.add_argument("--mean-doc-tokens", type=int, help="TE ring document padding (default: one document)")
+    ap.add_argument("--mean-doc-tokens", type=positive_int, help="TE ring document padding (default: one document)")
     ap.add_argument("--no-plan", action="store_true", help="pool from the formula, not compile_plan")
-    ap.add_argument("--plot", help="write a PNG of peak memory vs sequence length")
+    ap.add_argument("--plot", type=writable_file, help="write a PNG of peak memory vs sequence length")
     ns = ap.parse_args(argv)
     from megatron_hsap.launch.config import parse_tokens
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from megatron_hsap.argtypes import nonnegative_int, positive_int, writable_file
 from megatron_hsap.errors import HSAPError
 from megatron_hsap.plan import compile_plan
 from megatron_hsap.plan.ir import Phase
@@ -35,10 +36,14 @@ def sample_cu_seqlens(chunk: int = SAMPLE_CHUNK) -> list[int]:
 
 
 def _parse_cu(text: str) -> list[int]:
+    """argparse type of ``--cu-seqlens``: an empty value is an error, never the sample batch."""
     try:
-        return [int(v) for v in text.replace(" ", "").split(",") if v != ""]
-    except ValueError as exc:
-        raise SystemExit(f"--cu-seqlens must be comma-separated integers, got {text!r}") from exc
+        values = [int(v) for v in text.replace(" ", "").split(",") if v != ""]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be comma-separated integers 0,l0,l0+l1,...,T, got {text!r}") from None
+    if len(values) < 2:
+        raise argparse.ArgumentTypeError(f"needs at least two entries 0,...,T, got {text!r}")
+    return values
 
 
 def plot_plan(plan, path: Path, *, max_labels: int = 400) -> Path:
@@ -119,32 +124,32 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--sample", action="store_true", help="the Figure-3-like batch (default when no batch is given)")
-    src.add_argument("--cu-seqlens", type=str, help="global cu_seqlens, comma-separated: 0,l0,l0+l1,...,T")
+    src.add_argument("--cu-seqlens", type=_parse_cu, help="global cu_seqlens, comma-separated: 0,l0,l0+l1,...,T")
     src.add_argument("--workload", choices=("fineweb", "slimpajama", "ultrachat", "sharegpt", "full"),
                      help="pack a seeded batch of --tokens tokens from this workload")
-    ap.add_argument("--tokens", type=int, default=65536, help="T for --workload (default 65536)")
-    ap.add_argument("--seed", type=int, default=0, help="seed for --workload")
-    ap.add_argument("--inter", type=int, default=8, help="P_inter (default 8)")
-    ap.add_argument("--intra", type=int, default=1, help="P_intra (default 1)")
-    ap.add_argument("--heads", type=int, default=32, help="q heads per TP rank (default 32)")
-    ap.add_argument("--kv-heads", type=int, default=None, help="kv heads (default: --heads; fewer = GQA)")
-    ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--head-dim-v", type=int, default=None)
-    ap.add_argument("--dtype-bytes", type=int, default=2)
+    ap.add_argument("--tokens", type=positive_int, default=65536, help="T for --workload (default 65536)")
+    ap.add_argument("--seed", type=nonnegative_int, default=0, help="seed for --workload")
+    ap.add_argument("--inter", type=positive_int, default=8, help="P_inter (default 8)")
+    ap.add_argument("--intra", type=positive_int, default=1, help="P_intra (default 1)")
+    ap.add_argument("--heads", type=positive_int, default=32, help="q heads per TP rank (default 32)")
+    ap.add_argument("--kv-heads", type=positive_int, default=None, help="kv heads (default: --heads; fewer = GQA)")
+    ap.add_argument("--head-dim", type=positive_int, default=128)
+    ap.add_argument("--head-dim-v", type=positive_int, default=None)
+    ap.add_argument("--dtype-bytes", type=positive_int, default=2)
     ap.add_argument("--link", choices=("nvlink", "ib"), default=None, help="default: from the CP size (docs/design.md §4)")
-    ap.add_argument("--pool-bytes", type=int, default=None)
+    ap.add_argument("--pool-bytes", type=positive_int, default=None)
     ap.add_argument("--layout", choices=("contiguous", "balanced"), default=None,
                     help="token layout (default: compile_plan's, balanced; the --sample batch: contiguous, as in Figure 3)")
-    ap.add_argument("--rank", type=int, default=None, help="inter rank whose program to print (default: the busiest)")
+    ap.add_argument("--rank", type=nonnegative_int, default=None, help="inter rank whose program to print (default: the busiest)")
     ap.add_argument("--phase", choices=("fwd", "bwd"), default="fwd")
-    ap.add_argument("--max-lines", type=int, default=120, help="truncate the printed program (0: all)")
+    ap.add_argument("--max-lines", type=nonnegative_int, default=120, help="truncate the printed program (0: all)")
     ap.add_argument("--json", action="store_true", help="print one JSON object (stats, program, verification)")
-    ap.add_argument("--plot", type=Path, default=None, help="write the Figure-3 picture to this PNG")
+    ap.add_argument("--plot", type=writable_file, default=None, help="write the Figure-3 picture to this PNG")
     ap.add_argument("--no-verify", action="store_true")
     args = ap.parse_args(argv)
 
-    if args.cu_seqlens:
-        cu = _parse_cu(args.cu_seqlens)
+    if args.cu_seqlens is not None:
+        cu = args.cu_seqlens
     elif args.workload:
         from megatron_hsap.plan.workloads import pack_batches
 
@@ -182,7 +187,11 @@ def main(argv: list[str] | None = None) -> int:
     lines = program.splitlines()
     if args.max_lines and len(lines) > args.max_lines + 1:
         program = "\n".join(lines[: args.max_lines + 1] + [f"      ... {len(lines) - 1 - args.max_lines} more lines (--max-lines 0 prints all)"])
-    plot_path = plot_plan(plan, args.plot) if args.plot else None
+    try:
+        plot_path = plot_plan(plan, args.plot) if args.plot else None
+    except OSError as exc:
+        print(f"megatron-hsap plan: cannot write --plot {args.plot}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
     if args.json:
         out = {"cu_seqlens": list(cu), "compile_s": compile_s, "rank": rank, "phase": args.phase,
                "stats": stats, "program": program, "verification": verdict,

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from megatron_hsap.argtypes import positive_int
 from megatron_hsap.plan import clear_plan_cache, compile_plan
 from megatron_hsap.plan.plan import kept_layout
 from megatron_hsap.baselines.flat import BASELINES, price_baseline, unavailable_reason
@@ -328,18 +329,18 @@ def write_csv(rows: list[tuple], path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="megatron-hsap plan-quality", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="small grid (fineweb + full, T ≤ 64K, P 4 and 16, 2 seeds)")
-    ap.add_argument("--seeds", type=int, default=10, help="seeded batches per point (default 10)")
-    ap.add_argument("--seeds-1m64", type=int, default=5, help="seeds at T = 1M, P_inter = 64 (default 5)")
+    ap.add_argument("--seeds", type=positive_int, default=10, help="seeded batches per point (default 10)")
+    ap.add_argument("--seeds-1m64", type=positive_int, default=5, help="seeds at T = 1M, P_inter = 64 (default 5)")
     ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
-    ap.add_argument("--tokens", nargs="+", type=int, default=list(TOKENS), help="batch sizes T")
-    ap.add_argument("--inter", nargs="+", type=int, default=list(INTER), help="P_inter values")
+    ap.add_argument("--tokens", nargs="+", type=positive_int, default=list(TOKENS), help="batch sizes T")
+    ap.add_argument("--inter", nargs="+", type=positive_int, default=list(INTER), help="P_inter values")
     ap.add_argument("--heads", nargs="+", default=list(HEADS), choices=list(HEADS))
     ap.add_argument("--hardware", default="a100", choices=sorted(HARDWARE))
     ap.add_argument("--links", nargs="+", default=["auto"], choices=["auto", "nvlink", "ib"],
                     help="link classes: auto (NVLink for P ≤ 8, else InfiniBand), or forced nvlink (P ≤ 8) / ib")
     ap.add_argument("--layouts", nargs="+", default=["contiguous", "balanced"], choices=["contiguous", "balanced"],
                     help="token layouts to measure (balanced adds the side-by-side layout table)")
-    ap.add_argument("--jobs", type=int, default=min(4, os.cpu_count() or 1), help="worker processes")
+    ap.add_argument("--jobs", type=positive_int, default=min(4, os.cpu_count() or 1), help="worker processes")
     ap.add_argument("--out", type=Path, default=Path("results"), help="output folder")
     ap.add_argument("--no-plots", action="store_true")
     ap.add_argument("--no-compile-times", action="store_true")

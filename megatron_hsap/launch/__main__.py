@@ -33,6 +33,7 @@ import shlex
 import sys
 from collections.abc import Sequence
 
+from megatron_hsap.argtypes import port
 from megatron_hsap.errors import ConfigError
 from megatron_hsap.launch.arguments import launch_env, to_megatron_args, torchrun_argv
 from megatron_hsap.launch.config import LaunchConfig, load_config
@@ -74,7 +75,7 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--nnodes", type=int, help="nodes in the job (default: --nodes count, else the config's)")
         p.add_argument("--node-rank", type=int)
         p.add_argument("--master-addr", help="rendezvous host (default: the first of --nodes)")
-        p.add_argument("--master-port", type=int, default=DEFAULT_PORT)
+        p.add_argument("--master-port", type=port, default=DEFAULT_PORT)
         p.add_argument("--entry", help="training script (default: the config's entry)")
         p.add_argument("--repo", help="directory a relative entry is resolved against")
         p.add_argument("--torchrun", default=None,

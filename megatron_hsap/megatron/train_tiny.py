@@ -332,18 +332,20 @@ def _stop(procs: list[Any]) -> None:
 
 
 def _parse(argv: list[str] | None) -> tuple[TinyRun, bool]:
+    from megatron_hsap.argtypes import positive_int  # sizes are argparse errors, not a rank's traceback
+
     p = argparse.ArgumentParser(prog="megatron-hsap train-tiny", description=__doc__.split("\n\n")[0])
-    p.add_argument("--world-size", type=int, default=4, help="gloo ranks = DP × P_intra × P_inter")
+    p.add_argument("--world-size", type=positive_int, default=4, help="gloo ranks = DP × P_intra × P_inter")
     p.add_argument("--context-parallel-impl", choices=("hsap", "ring"), default="hsap")
-    p.add_argument("--intra-size", type=int, default=2, help="P_intra (all-to-all group)")
-    p.add_argument("--inter-size", type=int, default=2, help="P_inter (SAP P2P group)")
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--seq-length", type=int, default=512, help="tokens per sample")
-    p.add_argument("--micro-batch-size", type=int, default=2, help="samples packed into one micro-batch")
-    p.add_argument("--num-layers", type=int, default=2)
-    p.add_argument("--hidden-size", type=int, default=64)
-    p.add_argument("--num-attention-heads", type=int, default=4)
-    p.add_argument("--num-query-groups", type=int, default=2, help="kv heads (GQA)")
+    p.add_argument("--intra-size", type=positive_int, default=2, help="P_intra (all-to-all group)")
+    p.add_argument("--inter-size", type=positive_int, default=2, help="P_inter (SAP P2P group)")
+    p.add_argument("--steps", type=positive_int, default=20)
+    p.add_argument("--seq-length", type=positive_int, default=512, help="tokens per sample")
+    p.add_argument("--micro-batch-size", type=positive_int, default=2, help="samples packed into one micro-batch")
+    p.add_argument("--num-layers", type=positive_int, default=2)
+    p.add_argument("--hidden-size", type=positive_int, default=64)
+    p.add_argument("--num-attention-heads", type=positive_int, default=4)
+    p.add_argument("--num-query-groups", type=positive_int, default=2, help="kv heads (GQA)")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--layout", choices=("contiguous", "balanced"), default="balanced",

@@ -20,12 +20,14 @@ needs (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR=127.0.0.1``, ``GLOO_SOCKET_IFNAME
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import os
 import shutil
 import sys
 import tempfile
 
+from megatron_hsap.argtypes import port
 from megatron_hsap.errors import ConfigError
 from megatron_hsap.runtime.env import MAX_TIMEOUT_S
 
@@ -35,14 +37,11 @@ _STORE_VAR = "HSAP_LOCAL_STORE"
 
 
 def check_port(value: object, name: str = "MASTER_PORT") -> int:
-    """A TCP port number 1..65535 (an argparse ``type=`` too); :class:`ConfigError` naming ``name``."""
+    """A TCP port number 1..65535 (the rule of ``argtypes.port``); :class:`ConfigError` naming ``name``."""
     try:
-        port = int(str(value).strip())
-    except ValueError:
-        raise ConfigError(f"{name}={value!r} is not a port number; use an integer in 1..65535") from None
-    if not 1 <= port <= 65535:
-        raise ConfigError(f"{name}={value!r} is out of range; use a port in 1..65535")
-    return port
+        return port(str(value).strip())
+    except argparse.ArgumentTypeError as exc:
+        raise ConfigError(f"{name}={value!r}: {exc}") from None
 
 
 def new_local_store(prefix: str = "hsap-local-") -> str:

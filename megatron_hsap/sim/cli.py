@@ -107,9 +107,17 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--workload", default=None, help="length distribution for tables 2/3, magi, scale, gantt (default slimpajama); "
                    "layouts: only this one (default: fineweb, slimpajama, ultrachat, sharegpt, full)")
     p.add_argument("--jobs", type=int, default=1, help="layouts: worker processes (default 1)")
-    p.add_argument("--topology", default="1x8", help="gantt: HSAP topology intra x inter (default 1x8)")
+    p.add_argument("--topology", type=_topology, default="1x8", help="gantt: HSAP topology intra x inter (default 1x8)")
     p.add_argument("--config", default=None, help="YAML overrides of the simulator constants (see sim/config.py)")
     return p
+
+
+def _topology(text: str) -> str:
+    """argparse type: ``intra x inter`` with both sizes ≥ 1, e.g. ``2x4``."""
+    parts = text.lower().split("x")
+    if len(parts) != 2 or not all(p.isdigit() and int(p) >= 1 for p in parts):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a topology intra x inter with sizes >= 1, e.g. 2x4")
+    return f"{int(parts[0])}x{int(parts[1])}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -118,7 +126,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.config:
             from megatron_hsap.sim.config import load_overrides
 
-            load_overrides(args.config)
+            import yaml
+
+            try:
+                load_overrides(args.config)
+            except (yaml.YAMLError, ValueError, TypeError, AttributeError) as exc:  # YAML syntax, a wrong type
+                raise HSAPError(f"simulator config {args.config} is invalid: {str(exc).splitlines()[0]}") from None
         names = COMMANDS if args.what == "all" else (args.what,)
         for name in names:
             kwargs: dict[str, object] = {"quick": args.quick, "seeds": args.seeds}
