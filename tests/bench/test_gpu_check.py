@@ -90,3 +90,56 @@ def test_read_calibration_refuses_other_files(tmp_path):
     bad.write_text("hardware:\n  h100:\n    attn_fwd_peak: 1.0\n")
     with pytest.raises(Exception, match="expected hardware"):
         gc.read_calibration(bad)
+
+
+# ----------------------------------------------------------------------------- scripts/install_gpu.sh
+def _gpu_pins() -> list[str]:
+    import ast
+
+    tree = ast.parse((ROOT / "setup.py").read_text())
+    extras = next(n.value for n in ast.walk(tree) if isinstance(n, ast.Assign)
+                  and any(getattr(t, "id", None) == "EXTRAS_REQUIRE" for t in n.targets))  # fmt: skip
+    return ast.literal_eval(extras)["gpu"]
+
+
+def _commands(stdout: str) -> list[list[str]]:
+    import shlex
+
+    return [shlex.split(line[2:]) for line in stdout.splitlines() if line.startswith("+ ")]
+
+
+def _install(*args, python=sys.executable):
+    return subprocess.run(["bash", str(ROOT / "scripts/install_gpu.sh"), "--dry-run", *args],
+                          env={**os.environ, "PYTHON": python}, capture_output=True, text=True, timeout=300)  # fmt: skip
+
+
+def test_install_gpu_dry_run_prints_the_no_isolation_steps():
+    pins = _gpu_pins()
+    assert any(p.startswith("flash-attn") for p in pins) and any(p.startswith("transformer-engine") for p in pins)
+    assert all(any(op in p for op in ("==", ">=", "<")) for p in pins), f"unpinned gpu requirement in {pins}"
+    proc = _install()
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    commands = _commands(proc.stdout)
+    assert len(commands) == 2 and {"ninja", "psutil", "setuptools>=64"} <= set(commands[0])
+    assert commands[1][-3:] == ["--no-build-isolation", "-e", f"{ROOT}[gpu]"]  # one pip call: setup.py's pins
+    assert f"gpu extra pins: {' '.join(pins)}" in proc.stdout
+    assert "backend cpu        available" in proc.stdout and "nothing was installed" in proc.stdout
+
+    only_fa = _install("--no-te", "--wheel", "/wheels/flash_attn-2.8.3-cp313-linux_x86_64.whl")
+    assert only_fa.returncode == 0, only_fa.stderr
+    commands = _commands(only_fa.stdout)
+    assert commands[1][-2:] == ["--no-deps", "/wheels/flash_attn-2.8.3-cp313-linux_x86_64.whl"]
+    fa_pin = next(p for p in pins if p.startswith("flash-attn"))
+    assert commands[3][-2:] == ["--no-build-isolation", fa_pin]  # copy-pastable: the shell quoting round-trips
+    assert not any("transformer-engine" in " ".join(c) for c in commands)
+
+
+def test_install_gpu_refuses_an_environment_without_pip_or_torch(tmp_path):
+    bare = tmp_path / "python-bare"
+    bare.write_text(f'#!/bin/sh\nexec {sys.executable} -S "$@"\n')  # no site-packages: no pip, no torch
+    bare.chmod(0o755)
+    proc = _install(python=str(bare))
+    assert proc.returncode != 0 and "install_gpu.sh: error:" in proc.stderr, proc.stdout + proc.stderr
+    assert "+ " not in proc.stdout  # nothing is run after a failed precondition
+    assert subprocess.run(["bash", str(ROOT / "scripts/install_gpu.sh"), "--bogus"], capture_output=True,
+                          text=True).returncode != 0  # fmt: skip
