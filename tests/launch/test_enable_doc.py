@@ -79,7 +79,7 @@ def test_minimal_flag_set_is_accepted_as_printed(megatron_parser: argparse.Argum
     assert torchrun[0].endswith("/.venv/bin/torchrun")  # the environment's torchrun, not a bare name
     model = ["--num-layers", "2", "--hidden-size", "256", "--num-attention-heads", "16",
              "--seq-length", "4096", "--max-position-embeddings", "4096", "--micro-batch-size", "1",
-             "--global-batch-size", "1", "--train-iters", "1", "--lr", "1e-4", "--mock-data",
+             "--global-batch-size", "16", "--train-iters", "1", "--lr", "1e-4", "--mock-data",
              "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000", "--transformer-impl", "local"]
     monkeypatch.setattr(arguments, "get_device_arch_version", lambda: 8)
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # Megatron's rule for CP > 1
@@ -99,6 +99,11 @@ def test_minimal_flag_set_is_accepted_as_printed(megatron_parser: argparse.Argum
         without = hsap[:i] + hsap[i + (2 if required == "--attention-dropout" else 1):]
         with pytest.raises(ConfigError, match=required):
             validate(model + without)
+    # The parity reference: plain Megatron at CP 1 with a dense per-document causal mask.
+    reference = shlex.split(_block("parity-reference").replace("\\\n", " "))
+    args, got = validate(model + reference)
+    assert got is None and args.context_parallel_size == 1 and args.context_parallel_impl == "ring"
+    assert args.reset_attention_mask and args.create_attention_mask_in_dataloader and args.reset_position_ids
 
 
 def test_loss_comparison_snippet(tmp_path: Path) -> None:
