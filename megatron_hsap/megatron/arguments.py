@@ -19,11 +19,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron_hsap.errors import ConfigError
+from megatron_hsap.plan.hardware import HARDWARE
 
 __all__ = ["HSAPArgs", "add_hsap_args", "validate_hsap_args", "IMPLS"]
 
 IMPLS = ("ring", "hsap")
 SPEC_MODULE = "megatron_hsap.megatron.spec"
+SPEC_NAME = "hsap_layer_spec"  # a callable: Megatron calls it with the run's GPTModelConfig
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -84,6 +86,15 @@ def add_hsap_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument(
         "--hsap-pool-bytes", type=int, default=None,
         help="HSAP receive-buffer pool per rank in bytes (default: 4 inter chunks of q/k/v rows).",
+    )
+    group.add_argument(
+        "--hsap-hardware", choices=sorted(HARDWARE), default=None,
+        help="Hardware constants the HSAP planner prices plans with (default: from the GPU's name, "
+        "A100 when unknown; printed at start-up).",
+    )
+    group.add_argument(
+        "--hsap-gpus-per-node", type=int, default=None,
+        help="GPUs per node for the planner's link choice (default: LOCAL_WORLD_SIZE from the launcher).",
     )
     group.add_argument(
         "--hsap-node-check", choices=("error", "warn", "off"), default="error",
@@ -192,16 +203,18 @@ def validate_hsap_args(args: Any) -> HSAPArgs | None:
         f"--pipeline-model-parallel-size {pp} with --micro-batch-size {mbs}: HSAP activations are "
         "packed [t, 1, h], not [s/cp, mbs, h]; use --micro-batch-size 1",
     )
-    wanted = "HSAP_LAYER_SPEC" if getattr(args, "transformer_impl", "transformer_engine") == "transformer_engine" else "HSAP_LOCAL_LAYER_SPEC"
-    spec = getattr(args, "spec", None)
-    if not spec:
-        args.spec = [SPEC_MODULE, wanted]
-    else:
-        _refuse(
-            list(spec)[0] != SPEC_MODULE,
+    spec = list(getattr(args, "spec", None) or [])
+    if spec and spec[0] != SPEC_MODULE:
+        raise ConfigError(
             f"--spec {' '.join(spec)}: --context-parallel-impl hsap needs the HSAP layer spec "
-            f"(--spec {SPEC_MODULE} {wanted}) or no --spec",
+            f"(--spec {SPEC_MODULE} {SPEC_NAME}) or no --spec"
         )
+    # The module-level specs were built without the run's config (QK norm, MoE ... would be lost):
+    # always hand Megatron the callable it calls with the config.
+    args.spec = [SPEC_MODULE, SPEC_NAME]
+    if getattr(args, "attention_backend", None) is not None and str(getattr(args.attention_backend, "name", args.attention_backend)) == "local":
+        raise ConfigError("--attention-backend local makes Megatron replace the spec's core attention with its own "
+                          "DotProductAttention; with --context-parallel-impl hsap use --attention-backend auto")
     return HSAPArgs(
         intra_size=intra,
         inter_size=inter,

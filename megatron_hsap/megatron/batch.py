@@ -84,9 +84,11 @@ def _host_cu_seqlens(value: Any) -> np.ndarray:
     if isinstance(value, torch.Tensor):
         # One host copy per micro-batch, in the batch function (never in the layer); on the GPU
         # path the tensor is already on the host unless TP broadcast moved it to the device.
-        value = value.detach().to("cpu")
-        return value.numpy().astype(np.int64, copy=False)
-    return np.asarray(value, dtype=np.int64)
+        value = value.detach().to("cpu").numpy()
+    arr = np.asarray(value)
+    if arr.dtype.kind not in "iu":  # floats would be truncated silently (compile_plan rejects them too)
+        raise BatchError(f"cu_seqlens must hold integers, got dtype {arr.dtype}; pass an int32/int64 tensor")
+    return arr.astype(np.int64, copy=False)
 
 
 def _merge_sample_rows(rows: np.ndarray, seq_length: int) -> np.ndarray:
@@ -262,7 +264,7 @@ def _megatron_cp_group() -> Any:
 
 
 def get_batch_on_this_cp_rank(
-    batch: Mapping[str, Any],
+    batch: "Mapping[str, Any] | PackedBatch",
     *,
     plan: Any = None,
     cp_rank: int | None = None,
@@ -302,7 +304,7 @@ def get_batch_on_this_cp_rank(
                            check_group=check_group, pad_token_id=pad_token_id, device=device)
     if qkv_format != "thd":
         raise ConfigError(f"qkv_format={qkv_format!r}: use 'thd' (packed) or 'sbhd' (one document per sample)")
-    packed = pack_micro_batch(batch)
+    packed = batch if isinstance(batch, PackedBatch) else pack_micro_batch(batch)
     cu = packed.cu_seqlens
     if plan is None:
         plan = _compile_for_batch(cu, config=config, plan_kwargs=plan_kwargs)
@@ -374,16 +376,22 @@ def get_batch_on_this_cp_rank(
 
 def _host_sum(loss_mask: torch.Tensor) -> int:
     # A device loss mask costs one sync here (batch function, before the step); host masks none.
-    total = float(loss_mask.sum().item())
-    if total != int(total):
-        raise BatchError(f"loss_mask must be 0/1, its sum is {total}")
+    # One transfer carries the sum and the number of entries that are neither 0 nor 1.
+    lm = loss_mask.double()
+    total, other = torch.stack([lm.sum(), ((lm != 0) & (lm != 1)).sum().double()]).tolist()
+    if other:
+        raise BatchError(
+            f"loss_mask must hold only 0 and 1, but {int(other)} entries hold other values (e.g. 0.5); "
+            "pass a 0/1 mask (per-token loss weights are not supported by HSAP batch sharding)"
+        )
     return int(total)
 
 
-def plan_for_batch(batch: Mapping[str, Any], *, config: Any = None, plan_kwargs: Mapping[str, Any] | None = None) -> Any:
+def plan_for_batch(batch: "Mapping[str, Any] | PackedBatch", *, config: Any = None, plan_kwargs: Mapping[str, Any] | None = None) -> Any:
     """The plan ``get_batch_on_this_cp_rank(batch, config=..., plan_kwargs=...)`` would compile for
     this micro-batch (pure CPU work, no collective: safe on ``PlanPrefetcher``'s worker thread)."""
-    return _compile_for_batch(pack_micro_batch(batch).cu_seqlens, config=config, plan_kwargs=plan_kwargs)
+    packed = batch if isinstance(batch, PackedBatch) else pack_micro_batch(batch)
+    return _compile_for_batch(packed.cu_seqlens, config=config, plan_kwargs=plan_kwargs)
 
 
 def _compile_for_batch(cu: np.ndarray, *, config: Any, plan_kwargs: Mapping[str, Any] | None) -> Any:

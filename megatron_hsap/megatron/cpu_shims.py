@@ -142,7 +142,7 @@ def _no_cuda_rng_state(*args: Any, **kwargs: Any) -> None:
     return None
 
 
-def _targets() -> list[tuple[Any, str, Callable[..., Any]]]:
+def _targets(rng: bool = True) -> list[tuple[Any, str, Callable[..., Any]]]:
     from megatron.core import utils as core_utils
     from megatron.core.models.common.embeddings import rope_utils, rotary_pos_embedding
     from megatron.core.tensor_parallel import random as tp_random
@@ -154,6 +154,10 @@ def _targets() -> list[tuple[Any, str, Callable[..., Any]]]:
         (rotary_pos_embedding, "get_pos_emb_on_this_cp_rank", _pos_emb_on_this_cp_rank),
         (core_utils.GlobalMemoryBuffer, "get_tensor", _memory_buffer_get_tensor),
         (transformer_utils, "get_default_causal_mask", _default_causal_mask),
+    ]
+    if not rng:  # the caller provides a CUDA generator stand-in (megatron/cpu/device.py)
+        return targets
+    targets += [
         (tp_random, "get_cuda_rng_tracker", _get_rng_tracker),
         (tp_random, "_get_cuda_rng_state", _no_cuda_rng_state),
         (tp_random, "_set_cuda_rng_state", _no_cuda_rng_state),
@@ -165,9 +169,12 @@ def _targets() -> list[tuple[Any, str, Callable[..., Any]]]:
     return targets
 
 
-def install() -> None:
-    """Patch megatron-core's CUDA-only spots for CPU runs. Idempotent."""
-    for owner, name, value in _targets():
+def install(*, rng: bool = True) -> None:
+    """Patch megatron-core's CUDA-only spots for CPU runs. Idempotent.
+
+    ``rng=False`` leaves Megatron's CUDA RNG tracker alone (for a process whose ``torch.cuda``
+    RNG functions are a stand-in with a real generator)."""
+    for owner, name, value in _targets(rng):
         if hasattr(owner, name):
             _patch(owner, name, value)
 

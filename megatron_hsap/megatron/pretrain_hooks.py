@@ -1,8 +1,10 @@
-"""Megatron-LM ``pretrain()`` hooks for ``--context-parallel-impl hsap`` (GPU clusters).
+"""Megatron-LM ``pretrain()`` with ``--context-parallel-impl hsap``: the one wiring every entry point uses.
 
-Used by ``scripts/pretrain_gpt_hsap.py`` and by the ``patches/`` patch to ``pretrain_gpt.py``:
-:func:`hsap_entry_points` turns ``pretrain_gpt``'s dataset provider and loss function into the HSAP
-ones — ``initialize_hsap`` once on every rank after Megatron's initialisation, and a
+:func:`run_pretrain` is Megatron-LM's ``pretrain_gpt.py`` main (tag ``core_v0.19.0``) with HSAP's
+hooks: ``scripts/pretrain_gpt_hsap.py`` calls it with ``pretrain_gpt``'s dataset provider, forward
+step and loss function, ``megatron-hsap pretrain-cpu`` with the CPU corpus's
+(:mod:`megatron_hsap.megatron.cpu.loop`). :func:`hsap_entry_points` turns a dataset provider and loss
+function into HSAP's: ``initialize_hsap`` once on every rank after Megatron's initialisation, and a
 ``forward_step`` whose batches are sharded by :func:`~megatron_hsap.megatron.batch.
 get_batch_on_this_cp_rank` (plan in ``packed_seq_params``, no attention mask). Imports
 ``megatron.training`` lazily: importing this module needs neither CUDA nor Megatron-LM.
@@ -10,13 +12,16 @@ get_batch_on_this_cp_rank` (plan in ``packed_seq_params``, no attention mask). I
 
 from __future__ import annotations
 
-from functools import lru_cache, partial
+import copy
+import functools
+import time
 from typing import Any, Callable, Iterator
 
-__all__ = ["hsap_get_batch", "make_forward_step", "with_hsap_init", "hsap_entry_points"]
+__all__ = ["run_pretrain", "hsap_get_batch", "make_forward_step", "with_hsap_init", "hsap_entry_points",
+           "hsap_extra_args_provider"]
 
 
-@lru_cache(maxsize=1)
+@functools.lru_cache(maxsize=1)
 def _core_config() -> Any:
     from megatron.training import get_args
     from megatron.training.arguments import core_transformer_config_from_args
@@ -24,9 +29,9 @@ def _core_config() -> Any:
     return core_transformer_config_from_args(get_args())
 
 
-def _broadcast_host_batch(batch: dict[str, Any] | None) -> dict[str, Any] | None:
-    """TP rank 0 reads the data iterator; the other TP ranks get the same host tensors (``None``
-    at the end of the data, so every TP rank stops together).
+def _broadcast_host_batch(batch: Any) -> Any:
+    """TP rank 0 reads the data iterator; the other TP ranks get the same host batch (``None`` at
+    the end of the data, so every TP rank stops together).
 
     One pickled object per micro-batch over the TP group: ``cu_seqlens`` stays on the host, so the
     plan is compiled without a device-to-host sync.
@@ -42,48 +47,122 @@ def _broadcast_host_batch(batch: dict[str, Any] | None) -> dict[str, Any] | None
     return box[0]
 
 
-def _host(batch: dict[str, Any]) -> dict[str, Any]:
+def _pack(batch: dict[str, Any]) -> Any:
+    """The host side of one micro-batch, packed once (the plan and the sharding both read it)."""
+    from megatron_hsap.megatron.batch import pack_micro_batch
+
     keep = ("tokens", "labels", "loss_mask", "cu_seqlens")
-    return {k: (v.cpu() if hasattr(v, "cpu") else v) for k, v in batch.items() if k in keep and v is not None}
+    host = {k: (v.cpu() if hasattr(v, "cpu") else v) for k, v in batch.items() if k in keep and v is not None}
+    return pack_micro_batch(host)
 
 
-def _read_host_batch(data_iterator: Iterator[dict[str, Any]]) -> dict[str, Any] | None:
-    """The next host micro-batch on every TP rank, or ``None`` when the iterator is exhausted."""
+def _replaying() -> bool:
+    """Whether Megatron's rerun state machine is re-running this step (the same on every rank:
+    the decision to rerun is reduced over the world)."""
+    from megatron.core.rerun_state_machine import RerunState, get_rerun_state_machine
+
+    return get_rerun_state_machine().state in (RerunState.RERUNNING_IN_PLACE, RerunState.RERUNNING_FROM_CHECKPOINT)
+
+
+class _RecordingReader:
+    """Reads micro-batches for the plan prefetcher without breaking Megatron's step replay.
+
+    Megatron wraps data iterators in ``RerunDataIterator``, which saves every micro-batch read
+    during an iteration so a re-run (NaN or spiky loss) replays them. A read-ahead would save the
+    next iteration's first batch into this one. So the prefetcher reads the *underlying* iterator,
+    and a batch is saved into the wrapper's list when it is handed to the step — exactly what the
+    wrapper saves without prefetch (a shallow copy, only while the rerun mode is enabled).
+    """
+
+    def __init__(self, data_iterator: Iterator[dict[str, Any]] | None) -> None:
+        self.wrapper = data_iterator if hasattr(data_iterator, "saved_microbatches") else None
+        self.source = self.wrapper.iterable if self.wrapper is not None else data_iterator
+
+    def read(self) -> tuple[Any, Any] | None:
+        """``(raw batch, packed host batch)`` on TP rank 0, the broadcast packed batch elsewhere."""
+        from megatron.core import mpu
+
+        raw = packed = None
+        if mpu.get_tensor_model_parallel_rank() == 0:
+            try:
+                raw = next(self.source)
+            except StopIteration:
+                raw = None
+            packed = _pack(raw) if raw is not None else None
+        packed = _broadcast_host_batch(packed)
+        return None if packed is None else (raw, packed)
+
+    def consumed(self, raw: Any) -> None:
+        from megatron.core.rerun_state_machine import RerunMode, get_rerun_state_machine
+
+        if self.wrapper is not None and raw is not None and get_rerun_state_machine().get_mode() != RerunMode.DISABLED:
+            self.wrapper.saved_microbatches.append(copy.copy(raw))
+
+
+def _read_direct(data_iterator: Iterator[dict[str, Any]] | None) -> Any:
+    """The next packed host micro-batch on every TP rank through the iterator itself (replays and
+    evaluation), or ``None`` at the end of the data."""
     from megatron.core import mpu
 
-    local = None
+    packed = None
     if mpu.get_tensor_model_parallel_rank() == 0:
         try:
-            local = _host(next(data_iterator))
+            packed = _pack(next(data_iterator))
         except StopIteration:
-            local = None
-    return _broadcast_host_batch(local)
+            packed = None
+    return _broadcast_host_batch(packed)
+
+
+def _plan_kwargs(args: Any) -> dict[str, Any]:
+    from megatron_hsap.megatron.batch import plan_kwargs_from_config
+    from megatron_hsap.megatron.hardware import run_hardware
+
+    kwargs = plan_kwargs_from_config(_core_config())
+    kwargs["layout"] = getattr(args, "hsap_layout", "balanced")
+    if kwargs["layout"] == "balanced":
+        kwargs["layout_fallback"] = getattr(args, "hsap_layout_fallback", True)
+    if getattr(args, "hsap_pool_bytes", None):
+        kwargs["pool_bytes"] = args.hsap_pool_bytes
+    hardware = run_hardware(args)
+    kwargs.update(hardware=hardware.name, gpus_per_node=hardware.gpus_per_node)
+    return kwargs
+
+
+def _feed_seqlen_stats(cu_seqlens: Any) -> None:
+    """Megatron's TFLOP/s line counts packed batches by document: Σ L and Σ L² of the real lengths.
+
+    Called on every rank of the DP group with the same lengths (Megatron divides its world
+    all-reduce by TP·CP·PP)."""
+    import numpy as np
+    import torch
+    from megatron.training.training import update_seqlen_stats_from_cu_seqlens
+
+    update_seqlen_stats_from_cu_seqlens(torch.from_numpy(np.asarray(cu_seqlens, dtype=np.int64)).to(torch.int32))
 
 
 def hsap_get_batch(data_iterator: Iterator[dict[str, Any]] | None, vp_stage: int | None = None, *,
-                   prefetchers: dict[int, Any] | None = None) -> dict[str, Any]:
+                   prefetchers: dict[Any, Any] | None = None, training: bool = True) -> dict[str, Any]:
     """This rank's HSAP share of the next micro-batch: tokens, labels, loss mask, position ids
-    (``[1, t_local]`` on the GPU) and ``packed_seq_params`` with the plan.
+    (``[1, t_local]`` on the device) and ``packed_seq_params`` with the plan.
 
-    ``prefetchers`` (one dict per ``forward_step``, keyed by data iterator): with
-    ``--hsap-plan-prefetch`` (default) the next micro-batch is read ahead and its plan compiled on a
-    background thread while this one runs (``megatron/prefetch.py``)."""
+    ``prefetchers`` (one dict per ``forward_step``): with ``--hsap-plan-prefetch`` (default) the next
+    training micro-batch is read ahead and its plan compiled on a background thread while this one
+    runs (``megatron/prefetch.py``). Prefetchers are keyed by ``vp_stage`` — the same on every TP
+    rank, where Megatron passes ``None`` iterators to TP ranks ≠ 0 — and used in training only:
+    evaluation and step replays read the iterator directly, in the same order on every rank.
+    """
+    import numpy as np
     import torch
     from megatron.training import get_args
     from megatron.training.utils import is_first_or_last_pipeline_stage
 
     from megatron_hsap.errors import ConfigError
-    from megatron_hsap.megatron.batch import get_batch_on_this_cp_rank, plan_for_batch, plan_kwargs_from_config
+    from megatron_hsap.megatron.batch import get_batch_on_this_cp_rank, pack_micro_batch, plan_for_batch
     from megatron_hsap.megatron.prefetch import PlanPrefetcher
 
     args = get_args()
     has_cu = bool(getattr(args, "sft", False) or getattr(args, "dataloader_inter_document_masking", False))
-    plan_kwargs = plan_kwargs_from_config(_core_config())
-    plan_kwargs["layout"] = getattr(args, "hsap_layout", "balanced")
-    if plan_kwargs["layout"] == "balanced":
-        plan_kwargs["layout_fallback"] = getattr(args, "hsap_layout_fallback", True)
-    if getattr(args, "hsap_pool_bytes", None):
-        plan_kwargs["pool_bytes"] = args.hsap_pool_bytes
+    plan_kwargs = _plan_kwargs(args)
     device = torch.cuda.current_device()
     if data_iterator is None and not is_first_or_last_pipeline_stage(vp_stage):
         if has_cu:
@@ -93,36 +172,38 @@ def hsap_get_batch(data_iterator: Iterator[dict[str, Any]] | None, vp_stage: int
                 "dataset on every stage) or PP = 1"
             )
         # Unpacked pretraining: every sample is one document, so the plan needs no data (and is cached).
-        batch = {"tokens": torch.zeros(args.micro_batch_size, args.seq_length, dtype=torch.long)}
-        return get_batch_on_this_cp_rank(batch, config=_core_config(), plan_kwargs=plan_kwargs, device=device)
+        packed = pack_micro_batch({"tokens": torch.zeros(args.micro_batch_size, args.seq_length, dtype=torch.long)})
+        _feed_seqlen_stats(packed.cu_seqlens)
+        return get_batch_on_this_cp_rank(packed, config=_core_config(), plan_kwargs=plan_kwargs, device=device)
 
-    def read() -> dict[str, Any] | None:
-        return _read_host_batch(data_iterator)
+    def compile_(item: Any) -> Any:
+        return plan_for_batch(item[1] if isinstance(item, tuple) else item, config=_core_config(), plan_kwargs=plan_kwargs)
 
-    def compile_(batch: dict[str, Any]) -> Any:
-        return plan_for_batch(batch, config=_core_config(), plan_kwargs=plan_kwargs)
-
-    if prefetchers is None or not getattr(args, "hsap_plan_prefetch", True):
-        batch = read()
-        if batch is None:
+    if prefetchers is None or not training or _replaying() or not getattr(args, "hsap_plan_prefetch", True):
+        packed = _read_direct(data_iterator)
+        if packed is None:
             raise StopIteration
-        plan = compile_(batch)
+        plan = compile_(packed)
     else:
-        prefetcher = prefetchers.get(id(data_iterator))
-        if prefetcher is None:
-            prefetcher = prefetchers[id(data_iterator)] = PlanPrefetcher(read, compile_)
-        batch, plan = next(prefetcher)
-    return get_batch_on_this_cp_rank(batch, plan=plan, config=_core_config(), device=device)
+        entry = prefetchers.get(vp_stage)
+        if entry is None:
+            reader = _RecordingReader(data_iterator)
+            entry = prefetchers[vp_stage] = (reader, PlanPrefetcher(reader.read, compile_))
+        reader, prefetcher = entry
+        (raw, packed), plan = next(prefetcher)
+        reader.consumed(raw)
+    _feed_seqlen_stats(np.asarray(packed.cu_seqlens))
+    return get_batch_on_this_cp_rank(packed, plan=plan, config=_core_config(), device=device)
 
 
 def make_forward_step(loss_func: Callable[..., Any]) -> Callable[..., Any]:
     """``pretrain_gpt.forward_step`` with HSAP batch sharding; the model and ``loss_func`` are Megatron's."""
 
-    prefetchers: dict[int, Any] = {}  # one plan prefetcher per data iterator (train, valid)
+    prefetchers: dict[Any, Any] = {}  # one plan prefetcher per virtual-pipeline stage (training only)
 
     def hsap_forward_step(data_iterator: Any, model: Any, return_schedule_plan: bool = False) -> Any:
+        from megatron.core.utils import get_attr_wrapped_model
         from megatron.training import get_timers
-        from megatron.training.utils import get_attr_wrapped_model
 
         from megatron_hsap.errors import ConfigError
 
@@ -130,13 +211,14 @@ def make_forward_step(loss_func: Callable[..., Any]) -> Callable[..., Any]:
             raise ConfigError("--overlap-moe-expert-parallel-comm schedule plans are not supported with HSAP")
         timers = get_timers()
         timers("batch-generator", log_level=2).start()
-        batch = hsap_get_batch(data_iterator, get_attr_wrapped_model(model, "vp_stage"), prefetchers=prefetchers)
+        batch = hsap_get_batch(data_iterator, get_attr_wrapped_model(model, "vp_stage"),
+                               prefetchers=prefetchers, training=bool(model.training))
         timers("batch-generator").stop()
         output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
                        loss_mask=batch["loss_mask"], packed_seq_params=batch["packed_seq_params"])
         # loss_func returns (Σ loss·mask, local loss tokens); --calculate-per-token-loss makes
         # Megatron divide by the tokens summed over DP×CP: every real token counted once.
-        return output, partial(loss_func, batch["loss_mask"], model=model)
+        return output, functools.partial(loss_func, batch["loss_mask"], model=model)
 
     return hsap_forward_step
 
@@ -145,17 +227,47 @@ def with_hsap_init(provider: Any, hsap: Any) -> Any:
     """Run ``initialize_hsap`` once, on every rank, right after Megatron's initialisation.
 
     Megatron calls a dataset provider marked ``is_distributed`` on every rank before training,
-    after ``initialize_model_parallel`` — the one point where a world collective is safe.
+    after ``initialize_model_parallel`` — the one point where a world collective is safe. The
+    wrapper keeps the provider's signature (Megatron checks it for ``vp_stage``).
     """
     from megatron_hsap.megatron.parallel_state import initialize_hsap, is_hsap_initialized
 
+    @functools.wraps(provider)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         if not is_hsap_initialized():
-            initialize_hsap(intra_size=hsap.intra_size, inter_size=hsap.inter_size, node_check=hsap.node_check)
+            from megatron.training import get_args
+
+            timeout = getattr(get_args(), "distributed_timeout_minutes", None)
+            initialize_hsap(intra_size=hsap.intra_size, inter_size=hsap.inter_size, node_check=hsap.node_check,
+                            **({"timeout_minutes": timeout} if timeout and _accepts_timeout() else {}))
+            _print_banner(hsap)
         return provider(*args, **kwargs)
 
     wrapped.is_distributed = True  # type: ignore[attr-defined]
     return wrapped
+
+
+def _accepts_timeout() -> bool:
+    import inspect
+
+    from megatron_hsap.megatron.parallel_state import initialize_hsap
+
+    return "timeout_minutes" in inspect.signature(initialize_hsap).parameters
+
+
+def _print_banner(hsap: Any) -> None:
+    """One start-up line per run (rank 0): HSAP is on, with what topology, layout and prices."""
+    import torch.distributed as dist
+    from megatron.training import get_args
+
+    from megatron_hsap.megatron.hardware import run_hardware
+
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
+    hw = run_hardware(get_args())
+    print(f"[megatron-hsap] HSAP context parallelism on: topology {hsap.intra_size}x{hsap.inter_size} "
+          f"(intra×inter), layout {hsap.layout}, planner priced for {hw.name} ({hw.source}), "
+          f"{hw.gpus_per_node} GPUs per node", flush=True)
 
 
 def hsap_entry_points(args: Any, datasets_provider: Any, loss_func: Callable[..., Any]) -> tuple[Any, Any]:
@@ -172,3 +284,94 @@ def hsap_entry_points(args: Any, datasets_provider: Any, loss_func: Callable[...
         raise ConfigError("hsap_entry_points is for --context-parallel-impl hsap")
     args.hsap = hsap
     return with_hsap_init(datasets_provider, hsap), make_forward_step(loss_func)
+
+
+def hsap_extra_args_provider(extra: Callable[[Any], Any] | None = None) -> Callable[[Any], Any]:
+    """An ``extra_args_provider``: Megatron's ModelOpt arguments (when installed), ``extra``'s, HSAP's."""
+    from megatron_hsap.megatron.arguments import add_hsap_args
+
+    def provider(parser: Any) -> Any:
+        try:
+            from megatron.post_training.arguments import add_modelopt_args
+
+            parser = add_modelopt_args(parser)
+        except ImportError:
+            pass
+        if extra is not None:
+            parser = extra(parser)
+        return add_hsap_args(parser)
+
+    return provider
+
+
+def _use_prebuilt_dataset_helpers() -> None:
+    """Megatron's start-up runs ``make`` in ``megatron/core/datasets`` to build its C++ index helpers;
+    the megatron-core wheel ships them prebuilt (``helpers_cpp*.so``) but no Makefile, so ``make``
+    fails and Megatron exits. When there is no Makefile and the prebuilt module imports, use it."""
+    import os
+
+    from megatron.core.datasets import utils as dataset_utils
+
+    folder = os.path.dirname(os.path.abspath(dataset_utils.__file__))
+    if os.path.exists(os.path.join(folder, "Makefile")):
+        return  # a Megatron-LM checkout: let Megatron build them as usual
+    try:
+        from megatron.core.datasets import helpers_cpp  # noqa: F401
+    except ImportError:
+        return  # neither: Megatron's own error explains it
+
+    def compile_helpers() -> None:
+        """The wheel's prebuilt helpers are already importable (see ``_use_prebuilt_dataset_helpers``)."""
+
+    dataset_utils.compile_helpers = compile_helpers
+
+
+def run_pretrain(datasets_provider: Any, forward_step: Callable[..., Any], loss_func: Callable[..., Any], *,
+                 get_embedding_ranks: Callable[..., Any] | None = None,
+                 extra_args_provider: Callable[[Any], Any] | None = None,
+                 args_defaults: dict[str, Any] | None = None, store: Any = None,
+                 program_start: float | None = None) -> None:
+    """Megatron's ``pretrain()`` for a GPT, with HSAP when ``--context-parallel-impl hsap``.
+
+    The order is ``pretrain_gpt.py``'s (``core_v0.19.0``): start-up timestamps, in-process restart
+    wrapper, argument parsing and validation (HSAP's flags included), ModelOpt, then for ``hsap`` the
+    HSAP spec, batch hook and group initialisation, then the model config and ``pretrain``.
+    ``forward_step`` / ``loss_func`` are the ``ring`` path's (``pretrain_gpt``'s); for ``hsap`` the
+    forward step is HSAP's around ``loss_func``. ``store`` (a ``torch.distributed.Store``) overrides
+    the in-process-restart store (the CPU command passes a loopback one).
+    """
+    main_entry = time.time()
+    from megatron.core.enums import ModelType
+    from megatron.training import inprocess_restart, pretrain, set_startup_timestamps
+    from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args
+    from megatron.training.arguments import parse_and_validate_args
+
+    set_startup_timestamps(program_start=program_start if program_start is not None else main_entry,
+                           main_entry=main_entry)
+    datasets_provider.is_distributed = True
+    _use_prebuilt_dataset_helpers()
+    run, restart_store = inprocess_restart.maybe_wrap_for_inprocess_restart(pretrain)
+    args = parse_and_validate_args(extra_args_provider=hsap_extra_args_provider(extra_args_provider),
+                                   args_defaults=args_defaults or {"tokenizer_type": "GPT2BPETokenizer"})
+    try:
+        from megatron.post_training.utils import maybe_enable_modelopt
+    except ImportError:  # Megatron-LM's post_training package is not in the megatron-core wheel
+        maybe_enable_modelopt = None
+    if maybe_enable_modelopt is not None:
+        maybe_enable_modelopt(args)
+    if getattr(args, "context_parallel_impl", "ring") == "hsap":  # validates, sets args.spec
+        if getattr(args, "modelopt_enabled", False):
+            from megatron_hsap.errors import ConfigError
+
+            raise ConfigError("ModelOpt builds its own layer spec, which has no HSAP attention: "
+                              "drop the ModelOpt flags or use --context-parallel-impl ring")
+        datasets_provider, forward_step = hsap_entry_points(args, datasets_provider, loss_func)
+    model_cfg = gpt_config_from_args(args)
+    run(
+        pretrain_cfg_container_from_args(args, model_cfg),
+        datasets_provider,
+        ModelType.encoder_or_decoder,
+        forward_step,
+        store=store if store is not None else restart_store,
+        get_embedding_ranks=get_embedding_ranks,
+    )

@@ -5,10 +5,10 @@ Only ``self_attention.module`` (→ :class:`HSAPSelfAttention`, RoPE by position
 output projections, MLP/MoE, bias-dropout-add and the sharded-state-dict key map stay Megatron's,
 so checkpoints load unchanged.
 
-``--spec megatron_hsap.megatron.spec HSAP_LAYER_SPEC`` loads the module-level spec (Transformer
-Engine's when TE imports, else the local one; ``HSAP_LOCAL_LAYER_SPEC`` forces local). megatron-core
-0.19.2 passes the named object as ``transformer_layer_spec`` without calling it. The spec is only
-valid with HSAP batch sharding: the core attention raises ``BatchError`` on other batches.
+``--spec megatron_hsap.megatron.spec hsap_layer_spec`` (what ``--context-parallel-impl hsap`` sets)
+names a callable: megatron-core 0.19.2's ``GPTModelBuilder`` calls it with the run's
+``GPTModelConfig`` (and ``vp_stage``), so the base spec is the one Megatron would build. The spec is
+only valid with HSAP batch sharding: the core attention raises ``BatchError`` on other batches.
 """
 
 from __future__ import annotations
@@ -61,18 +61,43 @@ def swap_attention(layer_spec: ModuleSpec) -> ModuleSpec:
     return dataclasses.replace(layer_spec, submodules=dataclasses.replace(subs, self_attention=new_attn))
 
 
-def hsap_layer_spec(config: Any = None, *, use_te: bool | None = None) -> ModuleSpec:
-    """GPT ``TransformerLayer`` spec for HSAP context parallelism.
+def _swap_all(spec: Any) -> Any:
+    """Swap attention in a layer spec, or in every layer of a block spec (MoE / mixed layers)."""
+    if isinstance(spec, ModuleSpec):
+        return swap_attention(spec)
+    layers = getattr(spec, "layer_specs", None)
+    if layers is None:
+        raise ConfigError(f"Megatron built a {type(spec).__name__} layer spec; HSAP can swap a ModuleSpec or a "
+                          "block spec's layer_specs only")
+    return dataclasses.replace(spec, layer_specs=[swap_attention(layer) for layer in layers])
+
+
+def hsap_layer_spec(config: Any = None, vp_stage: int | None = None, *, use_te: bool | None = None) -> Any:
+    """GPT layer spec for HSAP context parallelism: Megatron's own, with attention and RoPE swapped.
+
+    Megatron's ``GPTModelBuilder`` calls it with its ``GPTModelConfig`` (``--spec
+    megatron_hsap.megatron.spec hsap_layer_spec``, set by ``--context-parallel-impl hsap``): the base
+    spec is Megatron's ``default_layer_spec(config, vp_stage)``, so QK layernorm / L2 norm, MoE
+    (a block spec, every layer swapped), TE or local modules, the TE op fuser and activation
+    options carry over exactly as Megatron builds them without HSAP.
 
     Args:
-        config: a ``TransformerConfig`` (optional): its ``qk_layernorm``, ``qk_l2_norm``,
-            ``normalization``, ``num_moe_experts`` and ``moe_grouped_gemm`` select the base spec
-            as Megatron's GPT builder does; ``multi_latent_attention`` is refused.
-        use_te: Transformer Engine's spec (True) or the local one (False); default: TE when it is
-            installed and ``config.transformer_impl`` (if given) is ``"transformer_engine"``.
+        config: a ``GPTModelConfig`` (Megatron's builder), or a ``TransformerConfig`` (own model
+            builders): its ``qk_layernorm``, ``qk_l2_norm``, ``normalization``, ``num_moe_experts``
+            and ``moe_grouped_gemm`` select the base spec; None gives the plain local/TE layer.
+        vp_stage: virtual pipeline stage (Megatron passes it; selects the block spec's layers).
+        use_te: for a ``TransformerConfig`` or no config only: Transformer Engine's spec (True) or
+            the local one (False); default TE when installed and ``transformer_impl`` asks for it.
     Returns:
-        ``ModuleSpec`` for ``GPTModel(transformer_layer_spec=...)``.
+        ``ModuleSpec`` (or a block spec for MoE) for ``GPTModel(transformer_layer_spec=...)``.
     """
+    transformer = getattr(config, "transformer", None)
+    if transformer is not None:  # Megatron's GPTModelConfig
+        if getattr(transformer, "multi_latent_attention", False):
+            raise ConfigError("--multi-latent-attention is not supported by the HSAP layer spec yet")
+        from megatron.training.models.gpt import default_layer_spec
+
+        return _swap_all(default_layer_spec(config, vp_stage))
     if use_te is None:
         impl = getattr(config, "transformer_impl", "transformer_engine")
         use_te = have_transformer_engine() and impl == "transformer_engine"
@@ -97,5 +122,8 @@ def hsap_layer_spec(config: Any = None, *, use_te: bool | None = None) -> Module
     return swap_attention(base)
 
 
+# For code that builds GPTModel itself without a config (a plain layer: no QK norm, no MoE). Megatron's
+# `--spec` names `hsap_layer_spec`, which Megatron calls with the run's config; `validate_hsap_args`
+# rewrites `--spec megatron_hsap.megatron.spec HSAP_LAYER_SPEC` to it so no config option is dropped.
 HSAP_LOCAL_LAYER_SPEC: ModuleSpec = hsap_layer_spec(use_te=False)
 HSAP_LAYER_SPEC: ModuleSpec = hsap_layer_spec(use_te=have_transformer_engine())

@@ -95,7 +95,30 @@ H100_FA3 = Hardware(
     dense_peak_flops=989e12,
 )
 
-HARDWARE = {hw.name: hw for hw in (A100, H100, H100_FA3)}
+# H200 SXM (NVIDIA H200 Tensor Core GPU datasheet: 989 TFLOP/s dense BF16 like the H100, 141 GB
+# HBM3e at 4.8 TB/s, NVLink 900 GB/s bidirectional; nodes with ConnectX-7 NDR 400 Gb/s per GPU):
+# the H100's compute and link figures — attention kernels are compute-bound at these block sizes.
+H200 = Hardware(
+    name="h200",
+    attn_fwd_flops=330e12,
+    attn_bwd_flops=300e12,
+    nvlink_bw=370e9,
+    ib_bw=48e9,
+    nvlink_latency=10e-6,
+    ib_latency=15e-6,
+    dense_peak_flops=989e12,
+)
+
+HARDWARE = {hw.name: hw for hw in (A100, H100, H100_FA3, H200)}
+
+# GPU product names (torch.cuda.get_device_name) -> constant set; the first match wins.
+_DEVICE_NAMES = (("H200", "h200"), ("H100", "h100"), ("H800", "h100"), ("A100", "a100"), ("A800", "a100"))
+
+
+def hardware_for_device(device_name: str) -> str | None:
+    """The constant set for a GPU product name (``"NVIDIA H200"`` -> ``"h200"``); None when unknown."""
+    upper = device_name.upper()
+    return next((name for key, name in _DEVICE_NAMES if key in upper), None)
 
 
 def link_class_for(cp_world: int, gpus_per_node: int = 8) -> LinkClass:

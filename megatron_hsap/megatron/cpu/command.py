@@ -1,0 +1,262 @@
+"""``megatron-hsap pretrain-cpu``: Megatron's own ``pretrain()`` loop with HSAP on CPU gloo ranks.
+
+    megatron-hsap pretrain-cpu --world-size 4 --intra-size 2 --inter-size 2 --steps 6
+    megatron-hsap pretrain-cpu --world-size 4 --tp 2 --intra-size 1 --inter-size 2 -- --use-distributed-optimizer
+
+Spawns one process per rank (``python -m megatron_hsap.megatron.cpu.rank``) with Megatron's own
+flags: a small GPT (RoPE, GQA, SwiGLU, RMSNorm, fp32, CPU initialisation), Megatron's fusions off by
+its own flags, gloo pinned to loopback, a file-store rendezvous. Every flag after ``--`` goes to
+Megatron unchanged (``--use-distributed-optimizer``, ``--save DIR``, ``--qk-layernorm``,
+``--num-experts 2`` ...). The last rank's output — Megatron's own log lines, incl. its
+``validation loss`` lines — is printed; every rank's log is kept under ``--log-dir``.
+``--reference`` runs the same job at CP=1, TP=1 with Megatron's local attention and the
+dataloader's per-document causal mask (the loss to compare HSAP against).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from megatron_hsap.errors import ConfigError
+
+__all__ = ["CPURun", "CPUResult", "megatron_flags", "run", "parse_log", "main"]
+
+_ITER = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.Ee+-]+)")
+_VALID = re.compile(r"validation loss at iteration (\d+).*?lm loss value: ([0-9.Ee+-]+)")
+_VALID_END = re.compile(r"validation loss at the end of training.*?lm loss value: ([0-9.Ee+-]+)")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CPURun:
+    """One CPU run of Megatron's loop (sizes, steps, and Megatron flags passed through)."""
+
+    world_size: int = 4
+    tp: int = 1
+    pp: int = 1
+    vp: int | None = None  # layers per virtual pipeline stage (Megatron's --num-layers-per-virtual-pipeline-stage)
+    intra_size: int = 2
+    inter_size: int = 2
+    reference: bool = False  # CP=1 TP=1 with Megatron's local attention and the dataloader's mask
+    steps: int = 6
+    micro_batch_size: int = 2
+    global_batch_size: int | None = None  # default: micro-batch × DP (one micro-batch per step)
+    seq_length: int = 256
+    num_layers: int = 2
+    eval_interval: int = 3
+    eval_iters: int = 2
+    seed: int = 1234
+    extra: tuple[str, ...] = ()
+    log_dir: str | None = None
+    timeout_s: float = 900.0
+
+    @property
+    def cp_size(self) -> int:
+        return 1 if self.reference else self.intra_size * self.inter_size
+
+    @property
+    def dp_size(self) -> int:
+        return self.world_size // (self.tp * self.pp * self.cp_size)
+
+    def check(self) -> None:
+        """Refuse bad sizes before any process is spawned."""
+        for name in ("world_size", "tp", "pp", "intra_size", "inter_size", "steps", "micro_batch_size",
+                     "seq_length", "num_layers", "eval_iters"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < (0 if name == "eval_iters" else 1):
+                raise ConfigError(f"--{name.replace('_', '-')} {value!r}: must be a positive integer")
+        if self.reference and (self.tp, self.pp) != (1, 1):
+            raise ConfigError("--reference runs at TP=1, PP=1, CP=1: drop --tp/--pp")
+        model = self.tp * self.pp * self.cp_size
+        if self.world_size % model:
+            raise ConfigError(f"--world-size {self.world_size} is not a multiple of TP×PP×CP = {model}")
+        if self.world_size > 8:
+            raise ConfigError(f"--world-size {self.world_size}: at most 8 CPU ranks on one machine")
+
+
+@dataclass(frozen=True, slots=True)
+class CPUResult:
+    """Losses Megatron logged (``lm loss`` per iteration; validation losses by iteration), the logs."""
+
+    returncode: int
+    losses: dict[int, float]
+    validation: dict[int, float]
+    final_validation: float | None
+    log_dir: str
+    output: str = field(repr=False)
+
+
+def megatron_flags(run: CPURun) -> list[str]:
+    """Megatron's command line for ``run`` (model, parallelism, data, fusions off, gloo)."""
+    from megatron_hsap.megatron.cpu.device import FUSION_OFF_FLAGS
+
+    gbs = run.global_batch_size or run.micro_batch_size * run.dp_size
+    flags = [
+        "--num-layers", str(run.num_layers), "--hidden-size", "64", "--ffn-hidden-size", "128",
+        "--num-attention-heads", "4", "--group-query-attention", "--num-query-groups", "2",
+        "--seq-length", str(run.seq_length), "--max-position-embeddings", str(run.seq_length),
+        "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
+        "--disable-bias-linear", "--untie-embeddings-and-output-weights",
+        "--attention-dropout", "0.0", "--hidden-dropout", "0.0", "--init-method-std", "0.02",
+        "--micro-batch-size", str(run.micro_batch_size), "--global-batch-size", str(gbs),
+        "--train-iters", str(run.steps), "--eval-interval", str(run.eval_interval),
+        "--eval-iters", str(run.eval_iters), "--log-interval", "1",
+        "--lr", "3e-3", "--min-lr", "3e-3", "--lr-decay-style", "constant", "--weight-decay", "0.01",
+        "--clip-grad", "1.0", "--seed", str(run.seed),
+        "--tokenizer-type", "NullTokenizer", "--vocab-size", "258", "--make-vocab-size-divisible-by", "1",
+        "--split", "90,5,5", "--num-workers", "0", "--reset-position-ids", "--calculate-per-token-loss",
+        "--use-cpu-initialization", "--distributed-backend", "gloo", "--distributed-timeout-minutes", "10",
+        "--tensor-model-parallel-size", str(run.tp), "--pipeline-model-parallel-size", str(run.pp),
+        "--log-throughput",
+        *FUSION_OFF_FLAGS,
+    ]
+    if run.vp is not None:
+        flags += ["--num-layers-per-virtual-pipeline-stage", str(run.vp)]
+    if run.reference:
+        flags += ["--context-parallel-impl", "ring", "--reset-attention-mask"]
+    else:
+        flags += [
+            "--context-parallel-impl", "hsap", "--context-parallel-size", str(run.cp_size),
+            "--hierarchical-context-parallel-sizes", str(run.intra_size), str(run.inter_size),
+            "--dataloader-inter-document-masking", "--no-create-attention-mask-in-dataloader",
+        ]
+    return flags + list(run.extra)
+
+
+def parse_log(text: str) -> tuple[dict[int, float], dict[int, float], float | None]:
+    """``(lm loss by iteration, validation lm loss by iteration, final validation)`` from Megatron's log."""
+    losses = {int(i): float(v) for i, v in _ITER.findall(text)}
+    validation = {int(i): float(v) for i, v in _VALID.findall(text)}
+    end = _VALID_END.findall(text)
+    return losses, validation, float(end[-1]) if end else None
+
+
+def _env(rank: int, world: int, store: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT="0", HSAP_CPU_STORE=store,
+        GLOO_SOCKET_IFNAME="lo",  # gloo's pair sockets on loopback only
+        CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", CUDA_DEVICE_MAX_CONNECTIONS="1",
+        # Megatron writes its dataset index cache and may probe a GPU; keep both quiet and local.
+        TORCH_CPP_LOG_LEVEL=env.get("TORCH_CPP_LOG_LEVEL", "ERROR"),
+    )
+    return env
+
+
+def run(opts: CPURun, *, echo: bool = False) -> CPUResult:
+    """Spawn the ranks, wait for them (bounded by ``timeout_s``), parse the last rank's log."""
+    opts.check()
+    log_dir = Path(opts.log_dir or tempfile.mkdtemp(prefix="hsap-pretrain-cpu-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    store = str(log_dir / "store")
+    if os.path.exists(store):
+        os.remove(store)
+    flags = megatron_flags(opts)
+    if not any(f == "--data-cache-path" for f in flags):
+        flags += ["--data-cache-path", str(log_dir / "index-cache")]
+    cmd = [sys.executable, "-m", "megatron_hsap.megatron.cpu.rank", *flags]
+    procs, files = [], []
+    for rank in range(opts.world_size):
+        out = open(log_dir / f"rank{rank}.log", "w")
+        files.append(out)
+        procs.append(subprocess.Popen(cmd, env=_env(rank, opts.world_size, store), stdout=out,
+                                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
+    codes = _wait(procs, opts.timeout_s)
+    for f in files:
+        f.close()
+    last = (log_dir / f"rank{opts.world_size - 1}.log").read_text(errors="replace")
+    text = last
+    if any(codes):
+        bad = next(r for r, c in enumerate(codes) if c)
+        text = last + f"\n--- rank {bad} (exit {codes[bad]}) ---\n" + (log_dir / f"rank{bad}.log").read_text(errors="replace")[-6000:]
+    if echo:
+        sys.stdout.write(text)
+    losses, validation, final = parse_log(last)
+    return CPUResult(returncode=max(codes, key=abs), losses=losses, validation=validation,
+                     final_validation=final, log_dir=str(log_dir), output=text)
+
+
+def _wait(procs: list[subprocess.Popen], timeout_s: float) -> list[int]:
+    """Wait for every rank; when one fails or time runs out, stop the rest (no orphan hangs)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        codes = [p.poll() for p in procs]
+        if all(c is not None for c in codes):
+            return [int(c) for c in codes]
+        failed = any(c not in (None, 0) for c in codes)
+        if failed or time.monotonic() > deadline:
+            time.sleep(2.0 if failed else 0.0)  # let the failing rank's peers print their errors
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+            return [int(p.wait()) if p.returncode is None else int(p.returncode) for p in procs]
+        time.sleep(0.2)
+
+
+def build_parser(prog: str = "megatron-hsap pretrain-cpu") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                                epilog="Flags after `--` go to Megatron unchanged. About 1 GB of memory and "
+                                "~10 s of imports per rank; a 4-rank 6-step run takes about a minute.")
+    p.add_argument("--world-size", type=int, default=4)
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    p.add_argument("--vp", type=int, default=None, help="layers per virtual pipeline stage")
+    p.add_argument("--intra-size", type=int, default=2, help="P_intra (Ulysses all-to-all group)")
+    p.add_argument("--inter-size", type=int, default=2, help="P_inter (SAP group)")
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--micro-batch-size", type=int, default=2)
+    p.add_argument("--seq-length", type=int, default=256)
+    p.add_argument("--num-layers", type=int, default=2)
+    p.add_argument("--eval-interval", type=int, default=3)
+    p.add_argument("--eval-iters", type=int, default=2)
+    p.add_argument("--reference", action="store_true",
+                   help="CP=1, TP=1 with Megatron's local attention and the dataloader's document mask")
+    p.add_argument("--compare", action="store_true",
+                   help="also run --reference and print the largest per-step relative loss difference")
+    p.add_argument("--log-dir", default=None, help="where every rank's log goes (default: a temporary folder)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra: list[str] = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, extra = argv[:cut], argv[cut + 1:]
+    ns = build_parser().parse_args(argv)
+    opts = CPURun(world_size=ns.world_size, tp=ns.tp, pp=ns.pp, vp=ns.vp, intra_size=ns.intra_size,
+                  inter_size=ns.inter_size, reference=ns.reference, steps=ns.steps,
+                  micro_batch_size=ns.micro_batch_size, seq_length=ns.seq_length, num_layers=ns.num_layers,
+                  eval_interval=ns.eval_interval, eval_iters=ns.eval_iters, extra=tuple(extra), log_dir=ns.log_dir)
+    try:
+        opts.check()
+    except ConfigError as exc:
+        print(f"megatron-hsap pretrain-cpu: error: {exc}", file=sys.stderr)
+        return 2
+    result = run(opts, echo=True)
+    print(f"[pretrain-cpu] exit {result.returncode}; {len(result.losses)} steps logged; logs in {result.log_dir}")
+    if result.returncode or not ns.compare:
+        return 1 if result.returncode else 0
+    ref = run(replace(opts, reference=True, tp=1, pp=1, vp=None, world_size=opts.dp_size,
+                      log_dir=str(Path(result.log_dir) / "reference")))
+    if ref.returncode:
+        sys.stdout.write(ref.output[-4000:])
+        return 1
+    worst = max(abs(result.losses[i] - ref.losses[i]) / abs(ref.losses[i]) for i in ref.losses)
+    print(f"[pretrain-cpu] reference (CP=1, local attention) losses: {[ref.losses[i] for i in sorted(ref.losses)]}")
+    print(f"[pretrain-cpu] largest per-step relative loss difference vs the reference: {worst:.2e}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,121 @@
+"""What a CPU run of Megatron's ``pretrain()`` needs besides HSAP's hooks: data, loss, reference step.
+
+``pretrain_gpt.py`` is not in the megatron-core wheel, so the CPU command brings its own dataset
+provider (megatron-core's ``GPTDataset`` over the ``train-tiny`` corpus, packed, with document
+boundaries) and loss function, written against megatron-core APIs like Megatron-LM's own
+(``pretrain_gpt.loss_func`` at ``core_v0.19.0``: Σ loss·mask, token count, and the rerun state
+machine's NaN / Inf / spiky-loss checks). ``reference_forward_step`` is the CP=1 comparison: Megatron's
+local ``DotProductAttention`` with the dataloader's per-document causal mask.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any, Iterator
+
+import torch
+
+__all__ = ["cpu_datasets_provider", "cpu_loss_func", "reference_forward_step", "SPIKY_LOSS_FACTOR"]
+
+SPIKY_LOSS_FACTOR = 10  # a loss 10× the largest seen so far is "spiky" (Megatron-LM's factor)
+
+
+def _dataset_config(args: Any) -> Any:
+    from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
+
+    from megatron_hsap.megatron.data import ByteTokenizer, build_stdlib_corpus
+
+    corpus = build_stdlib_corpus(getattr(args, "hsap_cpu_data_dir", None))
+    return GPTDatasetConfig(
+        random_seed=args.seed,
+        sequence_length=args.seq_length,
+        blend=([corpus.prefix], None),
+        split=args.split or "90,5,5",
+        path_to_cache=args.data_cache_path,
+        tokenizer=ByteTokenizer(),
+        reset_position_ids=args.reset_position_ids,
+        reset_attention_mask=args.reset_attention_mask,
+        eod_mask_loss=args.eod_mask_loss,
+        create_attention_mask=args.create_attention_mask_in_dataloader,
+        inter_document_masking=bool(getattr(args, "dataloader_inter_document_masking", False)),
+    )
+
+
+def cpu_datasets_provider(train_val_test_num_samples: list[int], vp_stage: int | None = None) -> tuple[Any, Any, Any]:
+    """``(train, valid, test)`` ``GPTDataset`` s over the standard-library corpus (Megatron's builder).
+
+    Built on the first and last pipeline stages' TP rank 0, as ``pretrain_gpt`` does; the other
+    ranks get ``None`` and receive their batches from the hooks' TP broadcast.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset
+    from megatron.training import get_args, print_rank_0
+    from megatron.training.utils import is_first_or_last_pipeline_stage
+
+    def built_here() -> bool:
+        return is_first_or_last_pipeline_stage(vp_stage) and parallel_state.get_tensor_model_parallel_rank() == 0
+
+    print_rank_0("> building train, validation, and test datasets (megatron-hsap CPU corpus) ...")
+    return BlendedMegatronDatasetBuilder(GPTDataset, train_val_test_num_samples, built_here,
+                                         _dataset_config(get_args())).build()
+
+
+def cpu_loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, model: Any = None) -> tuple[Any, Any, dict]:
+    """``(Σ loss·mask, loss tokens, report)`` with the rerun state machine's checks, as Megatron's.
+
+    ``loss_mask`` / ``output_tensor`` ``[b, s]`` (``[1, t_local]`` under HSAP). With
+    ``--calculate-per-token-loss`` Megatron divides by the tokens summed over DP×CP.
+    """
+    from megatron.core.rerun_state_machine import get_rerun_state_machine
+    from megatron.training import get_args
+
+    del model
+    args = get_args()
+    losses = output_tensor.view(-1).float()
+    mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * mask)
+    num_tokens = mask.sum().clone().detach().to(torch.int)
+    report = {"lm loss": torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])}
+    machine = get_rerun_state_machine()
+    if args.check_for_nan_in_loss_and_grad:
+        for reject, what in ((torch.isnan, "NaN"), (torch.isinf, "Inf")):
+            machine.validate_result(result=loss, rejection_func=reject, tolerance=0.0, fatal=True,
+                                    message=f"found {what} in local forward loss calculation")
+    if args.check_for_spiky_loss:
+        machine.validate_result(
+            result=loss, tolerance=0.0, fatal=False, message="Spiky loss",
+            rejection_func=partial(machine.is_unexpectedly_large, threshold=SPIKY_LOSS_FACTOR, context="loss"),
+        )
+    return loss, num_tokens, report
+
+
+def reference_forward_step(data_iterator: Iterator[dict[str, Any]] | None, model: Any,
+                           return_schedule_plan: bool = False) -> tuple[Any, Any]:
+    """CP=1, TP=1, PP=1 forward step with the dataloader's attention mask (Megatron's local attention).
+
+    The comparison run for HSAP: ``--reset-attention-mask --reset-position-ids`` and the mask made in
+    the dataloader give every document its own causal block, which is what HSAP computes packed.
+    """
+    from megatron.core import parallel_state
+    from megatron.training import get_timers
+
+    from megatron_hsap.errors import ConfigError
+
+    if return_schedule_plan:
+        raise ConfigError("the reference forward step builds no schedule plan")
+    if (parallel_state.get_tensor_model_parallel_world_size() != 1
+            or parallel_state.get_pipeline_model_parallel_world_size() != 1
+            or parallel_state.get_context_parallel_world_size() != 1):
+        raise ConfigError("the reference forward step is for TP=1, PP=1, CP=1 runs")
+    timers = get_timers()
+    timers("batch-generator", log_level=2).start()
+    batch = next(data_iterator)
+    timers("batch-generator").stop()
+    mask = batch.get("attention_mask")
+    if mask is None:
+        raise ConfigError("the reference run needs the dataloader's mask: --create-attention-mask-in-dataloader "
+                          "--reset-attention-mask")
+    loss_mask = batch["loss_mask"]
+    output = model(batch["tokens"], batch["position_ids"], mask, labels=batch["labels"], loss_mask=loss_mask)
+    return output, partial(cpu_loss_func, loss_mask, model=model)

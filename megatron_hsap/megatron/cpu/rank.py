@@ -1,0 +1,33 @@
+"""One rank of ``megatron-hsap pretrain-cpu``: ``python -m megatron_hsap.megatron.cpu.rank <Megatron flags>``.
+
+Installs the CUDA→CPU redirect before Megatron is imported for real, then runs the same
+:func:`~megatron_hsap.megatron.pretrain_hooks.run_pretrain` a GPU job runs, with the CPU corpus's
+dataset provider and loss. The rendezvous is a file store (``HSAP_CPU_STORE``): nothing listens on
+a TCP port for it, and gloo is pinned to the loopback interface by the launcher.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+
+def main() -> None:
+    start = time.time()
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(int(os.environ.get("HSAP_CPU_THREADS", "1")))
+    from megatron_hsap.megatron.cpu import device
+
+    device.install()
+    from megatron_hsap.megatron.cpu.loop import cpu_datasets_provider, cpu_loss_func, reference_forward_step
+    from megatron_hsap.megatron.pretrain_hooks import run_pretrain
+
+    store = dist.FileStore(os.environ["HSAP_CPU_STORE"], int(os.environ["WORLD_SIZE"]))
+    run_pretrain(cpu_datasets_provider, reference_forward_step, cpu_loss_func,
+                 args_defaults={}, store=store, program_start=start)
+
+
+if __name__ == "__main__":
+    main()
