@@ -29,7 +29,7 @@ from typing import Any
 import torch.distributed as dist
 
 from megatron_hsap.errors import ConfigError, RuntimeMismatchError
-from megatron_hsap.runtime.groups import HSAPGroups, hierarchical_rank_lists, positive_int, validate_hsap_sizes
+from megatron_hsap.runtime.groups import HSAPGroups, hierarchical_rank_lists, job_timeout, positive_int, validate_hsap_sizes
 
 __all__ = [
     "NodeCheck",
