@@ -59,6 +59,7 @@ class Blocks:
         fpp = shape.fwd_flops_per_pair if phase == "fwd" else shape.bwd_flops_per_pair
         flops = self.pairs * fpp
         t = hw.kernel.blocks_time(self.nq, self.nk, flops, phase)
+        t += hw.kernel.grid_time(float(self.nq.max()), float(self.nk.max()), len(self.pairs), shape.num_heads, phase)
         if launch:
             t += hw.kernel.curve.launch_s
         return t, float(flops.sum())

@@ -76,15 +76,20 @@ class Cluster:
     # ------------------------------------------------------------------ closed-form collectives
     def all_to_all_time(self, members: list[int], bytes_per_peer: float) -> float:
         """Symmetric all-to-all: every member sends ``bytes_per_peer`` to every other member and
-        receives as much. NVLink and NIC traffic flow in parallel; one latency of the worst link."""
+        receives as much. NVLink and NIC traffic flow in parallel; one latency of the worst link.
+        Plus the layout copies around it: the ``t h d -> h t d`` rearrange before and the inverse
+        after are each a ``.contiguous()`` read + write of the whole tensor (MagiAttention
+        ``exps/dist_attn/baselines/utils_cp.py`` ``_varlen_all2all_before/after_attn``, DeepSpeed's
+        ``_SeqAllToAll``, our ``runtime/ulysses.py``): 4 × the tensor's bytes through HBM."""
         if len(members) <= 1 or bytes_per_peer <= 0:
             return 0.0
+        copies = 4 * bytes_per_peer * len(members) / self.hw.hbm_bw
         worst = 0.0
         for a in members:
             nvl = sum(1 for b in members if b != a and self.link(a, b) is LinkClass.NVLINK)
             ib = len(members) - 1 - nvl
             worst = max(worst, nvl * bytes_per_peer / self.hw.nvlink_bw, ib * bytes_per_peer / self.hw.ib_bw)
-        return worst / self.hw.a2a_efficiency + self.hw.latency(self._span(members))
+        return worst / self.hw.a2a_efficiency + self.hw.latency(self._span(members)) + copies
 
     def ring_collective_time(self, members: list[int], bytes_per_rank: float) -> float:
         """All-gather (or reduce-scatter) of ``bytes_per_rank`` per member, NCCL's ring algorithm:

@@ -72,7 +72,8 @@ def allgather_zigzag_schedule(cu: np.ndarray, cluster: Cluster, shape: HeadShape
             b.elementwise(r, full_kv, hw, "zero dkv")
         b.kernel(r, front, hw, shape, phase, "front half")
         b.kernel(r, back, hw, shape, phase, "back half")
-        if phase == "bwd":
+        if phase == "bwd":  # each half returns full-length dk, dv (written, then dk.add_: read 2, write 1)
+            b.elementwise(r, 2 * 4 * full_kv, hw, "dk/dv of both halves")
             b.elementwise(r, 2 * full_kv, hw, "reorder dkv")
             for i, t in enumerate(gathers):
                 b.collective(r, tags[2 + i], t, "collective", "reduce-scatter dk" if i == 0 else "reduce-scatter dv")

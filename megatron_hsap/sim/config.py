@@ -33,6 +33,7 @@ class KernelModel:
     fwd_peak: float
     bwd_peak: float
     curve: KernelCurve = field(default_factory=KernelCurve)
+    cta_s: float = 0.0  # seconds per grid CTA of a varlen call (see grid_time)
 
     def efficiency(self, nq: np.ndarray | int, nk: np.ndarray | int) -> np.ndarray:
         """eff(min(nq, nk)) in (0, 1); arrays broadcast. Shapes: ``[n]`` -> ``[n]``."""
@@ -58,6 +59,16 @@ class KernelModel:
             n = max(1, min(nq, nk))
             total += flops * (n + half) / (peak * n)
         return total
+
+    def grid_time(self, max_nq: float, max_nk: float, n_blocks: int, heads: int, phase: str) -> float:
+        """Scheduling cost of a varlen *backward* call's grid: FlashAttention-3's backward sizes it
+        by the longest kv block, ``⌈max_nk / 128⌉ × heads × n_blocks`` CTAs, most of which exit at
+        once when blocks differ in length (its forward walks only real tiles with a varlen-aware
+        persistent scheduler: no cost). ``cta_s`` per CTA (averaged over the SMs) is fitted in
+        ``sim/calibrate.py``; 0 leaves the model as before."""
+        if self.cta_s <= 0 or n_blocks == 0 or phase == "fwd":
+            return 0.0
+        return self.cta_s * float(np.ceil(max_nk / 128.0)) * heads * n_blocks
 
     def call_time(self, nq: np.ndarray, nk: np.ndarray, flops: np.ndarray, phase: str) -> float:
         """One varlen kernel call over several document blocks (``[n]`` arrays)."""
@@ -124,7 +135,8 @@ def sim_hardware(name: str) -> SimHardware:
             raise ConfigError(f"hardware {name}: {key} must be > 0, got {c[key]!r}")
     return SimHardware(
         name=name,
-        kernel=KernelModel(fwd_peak=float(c["attn_fwd_peak"]), bwd_peak=float(c["attn_bwd_peak"]), curve=curve),
+        kernel=KernelModel(fwd_peak=float(c["attn_fwd_peak"]), bwd_peak=float(c["attn_bwd_peak"]), curve=curve,
+                           cta_s=float(c.get("cta_s", 0.0))),
         nvlink_bw=float(c["nvlink_bw"]),
         ib_bw=float(c["ib_bw"]),
         nvlink_latency=float(c["nvlink_latency"]),
@@ -164,7 +176,7 @@ def load_overrides(path: str | Path) -> None:
     for name, fields in (data.get("hardware") or {}).items():
         if name not in constants.HARDWARE:
             raise ConfigError(f"{path}: unknown hardware {name!r}; choose one of {', '.join(HARDWARE_NAMES)}")
-        bad = set(fields) - set(constants.HARDWARE[name]) - {"dense_mfu", "a2a_efficiency", "collective_efficiency", "thd_kernel_factor"}
+        bad = set(fields) - set(constants.HARDWARE[name]) - {"dense_mfu"}
         if bad:
             raise ConfigError(f"{path}: hardware {name} has no fields {sorted(bad)}")
         _OVERRIDES.setdefault(name, {}).update({k: float(v) for k, v in fields.items()})

@@ -123,7 +123,8 @@ def hsap_workload(plan: object, cluster: Cluster, phase: str) -> tuple[Workload,
                     groups[(it.srcs, it.causal)].append(it)
                 for items in groups.values():  # one varlen call per group of shared input buffers
                     blocks = [(len(it.q), len(it.kv), it.work * fpp) for it in items]
-                    secs = hw.kernel.curve.launch_s + hw.kernel.blocks_time_py(blocks, phase)
+                    secs = hw.kernel.curve.launch_s + hw.kernel.blocks_time_py(blocks, phase) + hw.kernel.grid_time(
+                        max(x[0] for x in blocks), max(x[1] for x in blocks), len(blocks), h, phase)
                     b.busy(r, secs, "compute", f"stage {ins.stage}", sum(x[2] for x in blocks))
                     b.elementwise(r, sum(_item_merge_bytes(it, widths, cov) for it in items), hw, "merge local")
             elif isinstance(ins, Merge):

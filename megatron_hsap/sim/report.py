@@ -82,9 +82,78 @@ def _magi(rows: list[dict[str, str]]) -> str:
     return "\n".join(out)
 
 
+def _medians(rows: list[dict[str, str]], metric: str, keys: tuple[str, ...]) -> dict[tuple[str, ...], dict[str, float]]:
+    """Median over seeds of ``metric`` per (``keys`` columns) and method (simulated rows only)."""
+    acc: dict[tuple[str, ...], dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for r in rows:
+        if r["source"] == "sim" and r["metric"] == metric and r["seed"].isdigit():
+            acc[tuple(r[k] for k in keys)][r["method"]].append(_f(r["value"]))
+    return {k: {m: float(np.median(v)) for m, v in d.items()} for k, d in acc.items()}
+
+
+def _best(med: dict[str, float], lower_is_better: bool) -> tuple[str, float]:
+    from megatron_hsap.baselines.registry import REGISTRY
+
+    aware = {m: v for m, v in med.items() if m in REGISTRY and REGISTRY[m].document_aware and v == v}
+    name = (min if lower_is_better else max)(aware, key=aware.__getitem__)
+    return name, aware[name]
+
+
+def _table2(rows: list[dict[str, str]]) -> str:
+    from megatron_hsap.baselines.registry import REGISTRY
+    from megatron_hsap.sim import paper
+
+    med = _medians(rows, "time", ("workload", "P_inter", "T"))
+    order = sorted(med, key=lambda k: (k[0] == "full", int(k[1]), int(k[2])))
+    tab, loses = [], []
+    for wl, sp, T in order:
+        d = med[(wl, sp, T)]
+        name, best = _best(d, lower_is_better=True)
+        h = d["hsap"]
+        p_dfa, p_sap = paper.TABLE2[(int(sp), int(T))]
+        tab.append([wl, sp, f"{int(T) // 1024}K", f"{h:.2f}", f"{d.get('hsap_contiguous', float('nan')):.2f}",
+                    f"{REGISTRY[name].label}: {best:.2f}", f"{best / h:.2f}×", f"{d['distflashattn']:.2f}",
+                    f"{d['distflashattn'] / h:.2f}×", f"{p_dfa / p_sap:.2f}×"])
+        if h > best:
+            loses.append(f"{wl} SP {sp} {int(T) // 1024}K ({best / h:.2f}× of {REGISTRY[name].label})")
+    out = [markdown_table(["workload", "SP", "T", "SAP (balanced) ms", "SAP contiguous ms", "best document-aware baseline ms",
+                           "SAP speed-up over best", "DistFlashAttn ms (document-blind)", "SAP over DistFlashAttn",
+                           "paper SAP over DistFlashAttn"], tab), ""]
+    out.append("**Where SAP loses to the best document-aware baseline:** " + ("; ".join(loses) + "." if loses else "nowhere."))
+    return "\n".join(out)
+
+
+def _table4(rows: list[dict[str, str]]) -> str:
+    from megatron_hsap.baselines.registry import REGISTRY
+
+    acc: dict[tuple[str, str, str], dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for r in rows:
+        if r["source"] == "sim" and r["seed"].isdigit() and r["metric"] in ("tokens_per_s_per_gpu", "best_baseline_tokens_per_s_per_gpu"):
+            key = (r["workload"], r["T"], f"{r['P_intra']}x{r['P_inter']}")
+            name = r["method"] if r["metric"] == "tokens_per_s_per_gpu" else "best:" + r["method"]
+            acc[key][name].append(_f(r["value"]))
+    tab, loses = [], []
+    for key in sorted(acc, key=lambda k: (k[0] == "full", k[0], int(k[1]), k[2])):
+        d = {m: float(np.median(v)) for m, v in acc[key].items()}
+        bests = [(m[5:], v) for m, v in d.items() if m.startswith("best:")]
+        bname = max(bests, key=lambda kv: len(acc[key]["best:" + kv[0]]))[0]
+        bb = float(np.median([v for m, vs in acc[key].items() if m.startswith("best:") for v in vs]))
+        h = d["hsap"]
+        tab.append([key[0], f"{int(key[1]) // 1024}K", key[2], f"{h:.0f}", f"{REGISTRY[bname].label}: {bb:.0f}", f"{h / bb:.2f}×",
+                    f"{d['packing']:.0f}", f"{d['batching']:.0f}", f"{h / d['packing']:.2f}×"])
+        if h < bb:
+            loses.append(f"{key[0]} {int(key[1]) // 1024}K {key[2]} ({h / bb:.2f}×)")
+    out = [markdown_table(["dataset", "T", "topology", "HSAP", "best document-aware baseline", "HSAP / best",
+                           "packing (document-blind)", "batching", "HSAP / packing"], tab), ""]
+    out.append("**Where HSAP loses to the best document-aware baseline:** " + ("; ".join(loses) + "." if loses else "nowhere."))
+    return "\n".join(out)
+
+
 REGIONS: dict[str, tuple[str, Callable[[list[dict[str, str]]], str]]] = {
-    "calibration": ("calibration.csv", _calibration),
+    "calibration": ("calibrate.csv", _calibration),
     "magi": ("magi.csv", _magi),
+    "table2": ("table2.csv", _table2),
+    "table4": ("table4.csv", _table4),
 }
 
 
@@ -115,12 +184,23 @@ def _plots(results: Path) -> list[Path]:
         return []
     from megatron_hsap.baselines.registry import REGISTRY
 
+    out = []
+    t2 = results / "table2.csv"
+    if t2.exists():
+        med = _medians(read_csv(t2), "time", ("workload", "P_inter", "T"))
+        keys = sorted(med, key=lambda k: (k[0] == "full", int(k[1]), int(k[2])))
+        series: dict[str, list[float]] = {}
+        for k in keys:
+            series.setdefault("SAP / best document-aware baseline (speed-up)", []).append(_best(med[k], True)[1] / med[k]["hsap"])
+        out.append(_plot(results / "report_table2.png", [f"{k[0][:4]} SP{k[1]} {int(k[2]) // 1024}K" for k in keys], series,
+                         "speed-up (>1: SAP faster)", "Table 2: SAP vs the best document-aware baseline, by SP and T"))
     means = _magi_means(read_csv(path))
     Ps = sorted(means, key=int)
     best = [max(v["fwd"] for m, v in means[P].items() if m in REGISTRY and REGISTRY[m].document_aware) for P in Ps]
-    return [_plot(results / "report_magi.png", [f"{P} GPUs" for P in Ps],
-                  {"HSAP": [means[P]["hsap"]["fwd"] for P in Ps], "best document-aware baseline": best},
-                  "forward TFLOP/s per GPU", "MagiAttention protocol: HSAP vs best baseline (simulated)")]
+    out.append(_plot(results / "report_magi.png", [f"{P} GPUs" for P in Ps],
+                     {"HSAP": [means[P]["hsap"]["fwd"] for P in Ps], "best document-aware baseline": best},
+                     "forward TFLOP/s per GPU", "MagiAttention protocol: HSAP vs best baseline (simulated)"))
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,7 +18,7 @@ def test_readme_regions_match_committed_csvs() -> None:
 
 
 def test_only_region_bodies_change(tmp_path: Path) -> None:
-    (tmp_path / "calibration.csv").write_text(
+    (tmp_path / "calibrate.csv").write_text(
         "source,workload,T,P_intra,P_inter,link,heads,seed,method,metric,value,unit\n"
         "sim,magiattention,65536,1,8,nvlink,64/8,mean,ulysses,fwd_tflops_per_gpu,300,TFLOP/s\n"
         "paper:magiattention,magiattention,65536,1,8,nvlink,64/8,-,ulysses,fwd_tflops_per_gpu,250,TFLOP/s\n")
