@@ -124,3 +124,13 @@ def test_readme_links_the_page_first_and_names_hsap_torchrun() -> None:
     assert first_link and first_link.group(1) == "docs/enable.md"
     install = README[README.index("**1. Install**"):README.index("**2. Pick a config**")]
     assert "HSAP_TORCHRUN" in install
+
+
+def test_start_up_lines_quoted_on_the_page_are_the_code_s() -> None:
+    hooks = (ROOT / "megatron_hsap" / "megatron" / "pretrain_hooks.py").read_text()
+    args = (ROOT / "megatron_hsap" / "megatron" / "arguments.py").read_text()
+    assert "[megatron-hsap] HSAP context parallelism on: topology 8x2 (intra×inter), layout balanced," in DOC
+    assert '"[megatron-hsap] HSAP context parallelism on: topology {hsap.intra_size}x{hsap.inter_size} "' in hooks
+    assert '"(intra×inter), layout {hsap.layout}, planner priced for {hw.name} ({hw.source}), "' in hooks
+    assert "[megatron-hsap] --hierarchical-context-parallel-sizes not given: using P_intra=8 P_inter=2" in DOC
+    assert '[megatron-hsap] --hierarchical-context-parallel-sizes not given: using P_intra={intra} ' in args
