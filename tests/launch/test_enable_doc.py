@@ -134,3 +134,14 @@ def test_start_up_lines_quoted_on_the_page_are_the_code_s() -> None:
     assert '"(intra×inter), layout {hsap.layout}, planner priced for {hw.name} ({hw.source}), "' in hooks
     assert "[megatron-hsap] --hierarchical-context-parallel-sizes not given: using P_intra=8 P_inter=2" in DOC
     assert '[megatron-hsap] --hierarchical-context-parallel-sizes not given: using P_intra={intra} ' in args
+
+
+def test_path_2_text_matches_the_patch() -> None:
+    """Whether the patch gives Megatron's parser the --hsap-* flags decides what section 2 says."""
+    patch = (ROOT / "patches" / "megatron-lm-core_v0.19.0-context-parallel-impl.patch").read_text()
+    path2 = DOC[DOC.index("### Path 2"):DOC.index("### What the SLURM launcher adds")]
+    adds_hsap_flags = "add_hsap_args" in patch
+    assert ("do not exist on this path" not in path2) == adds_hsap_flags, (
+        "docs/enable.md section 2, Path 2: say whether the patch adds HSAP's --hsap-* flags "
+        f"(it {'does' if adds_hsap_flags else 'does not'}), and the table title 'Path 1 only'")
+    assert ("Path 1 only" not in DOC) == adds_hsap_flags
