@@ -8,7 +8,8 @@ Backends (GPU ones imported lazily, only when selected):
 
 ``flash_attn``   flash-attn 2 ``_flash_attn_varlen_forward/_backward``. Keyword arguments are
                  bound from the installed function's own signature (2.0 … 2.7+ renamed and
-                 added parameters); the LSE comes back ``[b, h, max_q]`` (older) or ``[h, tq]``.
+                 added parameters; tested against the recorded 2.5.9 / 2.6.3 / 2.7.4 / 2.8.3
+                 signatures); the LSE comes back ``[b, h, max_q]`` (< 2.6) or ``[h, tq]``.
 ``te``           Transformer Engine fused attention (cuDNN), every tensor THD: ``qkv_layout``,
                  and on TE ≥ 2.15 ``o_format`` / ``do_format`` / ``dqkv_layout`` too (their
                  ``sbhd`` defaults would shape O and dQKV wrongly). Bound the same way, from
