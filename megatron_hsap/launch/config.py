@@ -446,7 +446,10 @@ def _check_passthrough(cfg: LaunchConfig) -> None:
                 f"megatron_args: --hierarchical-context-parallel-sizes {args[i + 1:i + 3]} contradicts "
                 f"parallel.hsap_intra_size × hsap_inter_size = {want[0]}x{want[1]}; drop the flag or fix it")
     owned = {"--context-parallel-size", "--tensor-model-parallel-size", "--pipeline-model-parallel-size",
-             "--seq-length", "--context-parallel-impl", "--hsap-layout", "--hsap-pool-bytes"}
+             "--seq-length", "--context-parallel-impl", "--hsap-layout", "--hsap-pool-bytes",
+             # the data: section (a second --data-path would silently win over data.data_path)
+             "--data-path", "--mock-data", "--split", "--tokenizer-type", "--tokenizer-model",
+             "--vocab-file", "--merge-file"}
     clash = sorted(owned & set(args))
     if clash:
         raise ConfigError(f"megatron_args: {clash} are set from the config sections; change them there")

@@ -159,6 +159,8 @@ def test_megatron_spelling_of_the_sizes_is_accepted() -> None:
         config_from_dict({**_gpt(), "megatron_args": ["--hierarchical-context-parallel-sizes", "4", "2"]})
     with pytest.raises(ConfigError, match="megatron_args"):
         config_from_dict({**_gpt(), "megatron_args": ["--seq-length", "8"]})
+    with pytest.raises(ConfigError, match=r"megatron_args: \['--data-path'\] are set from the config"):
+        config_from_dict({**_gpt(), "megatron_args": ["--data-path", "/d/x"]})
 
 
 def test_extends_merges_and_detects_cycles(tmp_path: Path) -> None:
