@@ -38,7 +38,7 @@ from torch import Tensor
 
 from megatron_hsap.errors import ConfigError, RuntimeMismatchError
 from megatron_hsap.plan.ir import Accumulate, Compute, ComputeItem, Merge, Phase, Post, Program, Send, Slot, TokenRange, Wait, Wire
-from megatron_hsap.runtime.env import read_env
+from megatron_hsap.runtime.env import MAX_TIMEOUT_S, read_env
 from megatron_hsap.runtime.handshake import agree
 from megatron_hsap.runtime.kernels import attn_backward, attn_forward, resolve_backend
 from megatron_hsap.runtime.merge import merge_into
@@ -246,6 +246,8 @@ class Executor:
             self.rank = 0
         env = read_env()
         self.timeout_s = env.p2p_timeout_s if timeout_s is None else float(timeout_s)
+        if not 0 < self.timeout_s <= MAX_TIMEOUT_S:  # inf would overflow after a round is posted
+            raise ConfigError(f"timeout_s={timeout_s!r} must be a finite number of seconds in (0, {MAX_TIMEOUT_S:g}]")
         self.backend = resolve_backend(backend, self.device)
         self.skip_rounds = frozenset(skip_rounds)
         rows = _Rows(plan.layout.segments[self.rank])

@@ -17,8 +17,10 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
 
-from megatron_hsap.errors import BatchError, CommunicationError, ConfigError, RuntimeMismatchError
+from megatron_hsap.errors import BatchError, CommunicationError, ConfigError
 from megatron_hsap.plan import compile_plan
 from megatron_hsap.plan.fingerprint import INPUT_NAMES, differing_inputs, input_vector, join_hash, split_hash
 from megatron_hsap.runtime.env import read_env
@@ -81,14 +83,15 @@ def case_plans(specs: list[dict], *, backward: bool = True, check_usable: bool =
         plan = cases.compile_for(spec)
         groups = _fresh_groups(spec["intra"], spec["inter"])
         idx = torch.from_numpy(plan.local_token_indices(rank))
-        q, k, v, do = (torch.from_numpy(spec[n])[idx].float().requires_grad_(n != "do") for n in ("q", "k", "v", "do"))
+        dtype = cases.DTYPES[spec["dtype"]]
+        q, k, v, do = (torch.from_numpy(spec[n])[idx].to(dtype).requires_grad_(n != "do") for n in ("q", "k", "v", "do"))
         try:
             out = hsap_attn_func(q, k, v, plan, intra_group=groups[0], inter_group=groups[1])
             if backward:
                 out.backward(do)
-            result: dict = {"ok": True, "idx": idx.numpy(), "out": out.detach().numpy()}
+            result: dict = {"ok": True, "idx": idx.numpy(), "out": out.detach().float().numpy()}
             if backward:
-                result.update(dq=q.grad.numpy(), dk=k.grad.numpy(), dv=v.grad.numpy())
+                result.update(dq=q.grad.float().numpy(), dk=k.grad.float().numpy(), dv=v.grad.float().numpy())
         except HSAPError as exc:
             result = {"ok": False, "error": type(exc).__name__, "message": str(exc)}
         if check_usable:
@@ -321,6 +324,14 @@ def test_timeout_must_be_finite_and_bounded(raw):
     assert read_env({"HSAP_P2P_TIMEOUT_S": "604800"}).p2p_timeout_s == 604800.0
 
 
+def test_executor_refuses_an_unbounded_timeout_at_construction():
+    from megatron_hsap.runtime.executor import Executor
+
+    plan = compile_plan([0, 16], 1, num_heads=2, head_dim=4, dtype_bytes=4)
+    with pytest.raises(ConfigError, match="timeout_s=inf must be a finite number of seconds"):
+        Executor(plan, None, "cpu", timeout_s=math.inf)
+
+
 # --------------------------------------------------------------------------- bad input, before any collective
 
 
@@ -360,3 +371,74 @@ def test_option_cache_does_not_confuse_true_with_one():
     compile_plan([0, 16], 2, pad_multiple=1)
     with pytest.raises(ConfigError, match="pad_multiple must be an integer >= 1, got True"):
         compile_plan([0, 16], 2, pad_multiple=True)
+
+
+# --------------------------------------------------------------------------- property: raise everywhere or exact
+
+
+_MUTATIONS = ("same", "boundary", "T", "pool_bytes", "layout", "heads", "dtype")
+
+
+@st.composite
+def _rank_pair(draw: st.DrawFn, topologies: tuple[tuple[int, int], ...]) -> tuple[dict, dict, str]:
+    """Two ranks' specs: a random packing, and the same or a mutated batch / option set."""
+    intra, inter = draw(st.sampled_from(topologies))
+    lengths = draw(st.lists(st.integers(1, 20), min_size=1, max_size=4))
+    cu = [0, *np.cumsum(lengths).tolist()]
+    kind = draw(st.sampled_from(_MUTATIONS))
+    other_cu, extra_a, extra_b = list(cu), {}, {}
+    heads_b, dtype_b = 4, "float32"
+    if kind == "boundary" and len(cu) > 2:
+        pos = draw(st.integers(1, len(cu) - 2))
+        other_cu[pos] = other_cu[pos] + (1 if other_cu[pos] < other_cu[pos + 1] else -1)
+        other_cu = sorted(other_cu)
+    elif kind in ("boundary", "T"):
+        other_cu[-1] += draw(st.integers(1, 9))
+    elif kind == "pool_bytes":
+        extra_b["pool_bytes"] = draw(st.sampled_from([1 << 21, 1 << 22]))
+    elif kind == "layout":
+        extra_b["layout"] = "balanced"
+    elif kind == "heads":
+        heads_b = 8
+    elif kind == "dtype":
+        dtype_b = "bfloat16"
+    base = dict(intra=intra, inter=inter, kv_heads=2, dim=4, seed=draw(st.integers(0, 3)))
+    a = cases.build_spec(cu, heads=4, **base, **extra_a)
+    b = cases.build_spec(other_cu, heads=heads_b, dtype=dtype_b, **{**base, "kv_heads": 2}, **extra_b)
+    return a, b, kind
+
+
+def _raise_everywhere_or_exact(pool: Any, a: dict, b: dict, kind: str) -> None:
+    """Rank 0 runs ``a``, every other rank ``b``: all exact when the plans agree, else every rank
+    raises. Ranks whose own groups agree but whose inter peer raised at the intra handshake (2×2)
+    fail by the deadline instead, naming the silent peer; every other rank names both plans."""
+    world = a["intra"] * a["inter"]
+    specs = [a] + [b] * (world - 1)
+    same_plan = cases.compile_for(a).hash == cases.compile_for(b).hash
+    event(f"{kind}: {'same plan' if same_plan else 'plans differ'}")
+    results = pool.run(case_plans, specs, check_usable=world == 2, timeout=CASE_TIMEOUT)
+    outcomes = [r["ok"] for r in results]
+    if same_plan:
+        _check_exact(specs, results)
+        return
+    assert not any(outcomes), f"{kind}: plans differ but ranks {[i for i, ok in enumerate(outcomes) if ok]} returned"
+    assert results[0]["error"] == "RuntimeMismatchError", (kind, results[0]["message"])
+    for r in results:
+        if r["error"] == "RuntimeMismatchError":
+            assert "ranks run different plans" in r["message"], (kind, r["message"])
+            assert r.get("usable", True), f"{kind}: the handshake left the group unusable"
+        else:
+            assert r["error"] == "CommunicationError" and "no header from peer" in r["message"], (kind, r)
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(pair=_rank_pair(((1, 2), (2, 1))))
+def test_property_two_ranks_raise_everywhere_or_are_exact(gloo_pool, pair):
+    _raise_everywhere_or_exact(gloo_pool(2), *pair)
+
+
+@pytest.mark.slow
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(pair=_rank_pair(((1, 4), (2, 2), (4, 1))))
+def test_property_four_ranks_raise_everywhere_or_are_exact(gloo_pool, pair):
+    _raise_everywhere_or_exact(gloo_pool(4), *pair)

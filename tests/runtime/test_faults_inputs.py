@@ -1,0 +1,186 @@
+"""Bad input of every front end is one clear error before anything runs (issue 18, Why 4–6):
+argparse errors (exit 2, one line naming the flag) for the commands, ``BatchError`` for batches,
+and HSAP's process groups created with the job's timeout instead of torch's 30-minute default.
+"""
+
+from __future__ import annotations
+
+import datetime
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_hsap.errors import BatchError
+
+
+def _argparse_error(main, argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    """Run a command's ``main(argv)``; it must exit 2 with one ``error:`` line. Returns that line."""
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if "error:" in ln]
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+def _plan_main(argv):
+    from megatron_hsap.bench.plan_cli import main
+
+    return main(argv)
+
+
+def _bench_main(argv):
+    from megatron_hsap.bench.cpu_attention import main
+
+    return main(argv)
+
+
+def _memory_main(argv):
+    from megatron_hsap.bench.memory_report import main
+
+    return main(argv)
+
+
+def _simulate_main(argv):
+    from megatron_hsap.sim.cli import main
+
+    return main(argv)
+
+
+def _quality_main(argv):
+    from megatron_hsap.bench.plan_quality import main
+
+    return main(argv)
+
+
+def _tiny_main(argv):
+    from megatron_hsap.megatron.train_tiny import main
+
+    return main(argv)
+
+
+def _launch_main(argv):
+    from megatron_hsap.launch.__main__ import main
+
+    return main(argv)
+
+
+@pytest.mark.parametrize(
+    ("main", "argv", "says"),
+    [
+        (_plan_main, ["--cu-seqlens", ""], "argument --cu-seqlens: needs at least two entries"),
+        (_plan_main, ["--inter", "0"], "argument --inter: '0' must be an integer >= 1"),
+        (_plan_main, ["--dtype-bytes", "-1"], "argument --dtype-bytes: '-1' must be an integer >= 1"),
+        (_bench_main, ["--worlds", "-2"], "argument --worlds: '-2' must be an integer >= 1"),
+        (_bench_main, ["--worlds", "0"], "argument --worlds: '0' must be an integer >= 1"),
+        (_memory_main, ["--config", "x", "--gpu-mem-gib", "-80"], "argument --gpu-mem-gib: '-80' must be a number > 0"),
+        (_memory_main, ["--config", "x", "--reserve-gib", "-3"], "argument --reserve-gib: '-3' must be a number >= 0"),
+        (_memory_main, ["--config", "x", "--mean-doc-tokens", "-1"], "argument --mean-doc-tokens: '-1' must be an integer >= 1"),
+        (_memory_main, ["--config", "x", "--reserve-gib", "inf"], "argument --reserve-gib: 'inf' is not a finite number"),
+        (_simulate_main, ["gantt", "--topology", "0x8"], "argument --topology: '0x8' is not a topology intra x inter"),
+        (_quality_main, ["--inter", "0"], "argument --inter: '0' must be an integer >= 1"),
+        (_tiny_main, ["--seq-length", "0"], "argument --seq-length: '0' must be an integer >= 1"),
+        (_launch_main, ["resolve", "cfg.yaml", "--master-port", "99999"], "argument --master-port: '99999' is not a port"),
+    ],
+)
+def test_commands_refuse_bad_values_with_one_line(capsys, main, argv, says):
+    assert says in _argparse_error(main, argv, capsys)
+
+
+def test_plan_plot_to_an_unwritable_path_is_one_line(capsys):
+    assert _plan_main(["--cu-seqlens", "0,16", "--inter", "2", "--no-verify", "--plot", "/proc/x.png"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("megatron-hsap plan: cannot write --plot /proc/x.png"), err
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        ("hardware: [1, 2\n", "is invalid: while parsing a flow sequence"),
+        ("hardware:\n  a100:\n    nvlink_bw: fast\n", "is invalid: could not convert string to float: 'fast'"),
+        ("hardware:\n  a100: 5\n", "is invalid: 'int' object is not iterable"),
+    ],
+)
+def test_simulator_yaml_errors_are_one_line(tmp_path: Path, capsys, text, says):
+    from megatron_hsap.sim.config import reset_overrides
+
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    try:
+        assert _simulate_main(["gantt", "--quick", "--config", str(path), "--out", str(tmp_path)]) == 2
+    finally:
+        reset_overrides()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"megatron-hsap simulate: simulator config {path} ") and says in err[0], err
+
+
+def _packed(**changes):
+    batch = {
+        "tokens": torch.arange(16).view(1, 16), "labels": torch.arange(16).view(1, 16),
+        "loss_mask": torch.ones(1, 16), "cu_seqlens": torch.tensor([0, 5, 16], dtype=torch.int32),
+    }  # fmt: skip
+    batch.update(changes)
+    return batch
+
+
+@pytest.mark.parametrize(
+    ("changes", "says"),
+    [
+        ({"cu_seqlens": torch.tensor([0.0, 5.0, 16.0])}, "cu_seqlens must hold integers, got dtype float32"),
+        ({"cu_seqlens": [0, 5.5, 16]}, "cu_seqlens must hold integers, got dtype float64"),
+        ({"loss_mask": torch.full((1, 16), 0.5)}, "loss_mask must hold only 0 and 1, but 16 entries hold other values"),
+    ],
+)
+def test_batch_sharding_refuses_what_it_would_truncate(changes, says):
+    from megatron_hsap.megatron.batch import get_batch_on_this_cp_rank
+    from megatron_hsap.plan import compile_plan
+
+    plan = compile_plan([0, 5, 16], 2, 1, num_heads=2, head_dim=4, dtype_bytes=4)
+    good = get_batch_on_this_cp_rank(_packed(), plan=plan, cp_rank=0, check_group=False)
+    assert good["num_loss_tokens"] == 16  # the unchanged batch goes through
+    with pytest.raises(BatchError, match=says):
+        get_batch_on_this_cp_rank(_packed(**changes), plan=plan, cp_rank=0, check_group=False)
+
+
+# --------------------------------------------------------------------------- group creation timeout
+
+
+def case_group_timeouts(megatron_minutes: float | None) -> list[float]:
+    """Seconds of the default group's and of initialize_hsap's groups' timeouts on this rank,
+    with Megatron's ``--distributed-timeout-minutes`` set (a stand-in args object) or not."""
+    import sys
+    import types
+
+    import torch.distributed as dist
+
+    from megatron_hsap.megatron.parallel_state import destroy_hsap, initialize_hsap
+
+    def timeout_of(group) -> float:
+        return group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+
+    saved = sys.modules.get("megatron.training.global_vars")
+    if megatron_minutes is not None:
+        fake = types.ModuleType("megatron.training.global_vars")
+        fake._GLOBAL_ARGS = types.SimpleNamespace(distributed_timeout_minutes=megatron_minutes)
+        sys.modules["megatron.training.global_vars"] = fake
+    try:
+        groups = initialize_hsap(1, dist.get_world_size(), node_check="off")
+        out = [timeout_of(dist.group.WORLD), timeout_of(groups.inter)]
+    finally:
+        destroy_hsap()
+        if megatron_minutes is not None:
+            if saved is None:
+                sys.modules.pop("megatron.training.global_vars", None)
+            else:
+                sys.modules["megatron.training.global_vars"] = saved
+    return out
+
+
+def test_hsap_groups_get_the_jobs_timeout(gloo_pool):
+    pool = gloo_pool(2)
+    default = torch.distributed.distributed_c10d.default_pg_timeout.total_seconds()
+    for world_s, inter_s in pool.run(case_group_timeouts, None, timeout=60):
+        assert inter_s == world_s != default  # the pool's job timeout (2 h), not torch's 30 minutes
+    for _, inter_s in pool.run(case_group_timeouts, 7, timeout=60):
+        assert inter_s == datetime.timedelta(minutes=7).total_seconds()
