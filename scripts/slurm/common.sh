@@ -14,7 +14,7 @@ CONFIG defaults to ${HSAP_DEFAULT_CONFIG:-the scenario config}. --dry-run prints
 exported NCCL settings and one fully resolved torchrun line per node without launching; outside
 SLURM give SLURM_JOB_NODELIST (and optionally SLURM_NNODES, SLURM_JOB_ID).
 Environment: HSAP_PYTHON (the training environment's python, which imports megatron_hsap;
-default \$HSAP_REPO/.venv/bin/python when present, else python3), HSAP_TORCHRUN (default: the
+default \${HSAP_VENV:-\$HSAP_REPO/.venv}/bin/python when present, else python3), HSAP_TORCHRUN (default: the
 torchrun next to HSAP_PYTHON, else HSAP_PYTHON -m torch.distributed.run; the dry run prints
 which), MEGATRON_LM (Megatron-LM checkout), MASTER_PORT, HSAP_REPO, and every NCCL_* default
 in scripts/slurm/common.sh.
@@ -69,9 +69,11 @@ hsap_main() {
   local default_config=$1
   shift
   HSAP_DEFAULT_CONFIG=$default_config
+  # The training environment: HSAP_PYTHON, else the venv scripts/setup.sh made (HSAP_VENV or .venv).
   if [[ -z ${HSAP_PYTHON:-} ]]; then
+    local venv=${HSAP_VENV:-$HSAP_REPO/.venv}
     HSAP_PYTHON=python3
-    if [[ -x $HSAP_REPO/.venv/bin/python ]]; then HSAP_PYTHON=$HSAP_REPO/.venv/bin/python; fi
+    if [[ -x $venv/bin/python ]]; then HSAP_PYTHON=$venv/bin/python; fi
   fi
   local dry_run=0 config="" extra=()
   while (($#)); do

@@ -175,17 +175,23 @@ def test_real_launch_refuses_before_srun(tmp_path: Path, config: str, env_extra:
         dry.stdout, shlex.split(env_extra.get("HSAP_TORCHRUN", shlex.join(TORCHRUN))))) == 8
 
 
-def test_hsap_python_defaults_to_the_repository_venv(tmp_path: Path) -> None:
-    """Without HSAP_PYTHON the scripts use $HSAP_REPO/.venv/bin/python (not whatever python3 is)."""
+@pytest.mark.parametrize("where", ["repo-venv", "hsap-venv"])
+def test_hsap_python_defaults_to_the_setup_venv(tmp_path: Path, where: str) -> None:
+    """Without HSAP_PYTHON the scripts use the python of scripts/setup.sh's venv ($HSAP_VENV, else
+    $HSAP_REPO/.venv), not whatever python3 is first on PATH."""
     repo = tmp_path / "repo"
     log = tmp_path / "python-calls"
-    venv_python = repo / ".venv" / "bin" / "python"
+    venv = repo / ".venv" if where == "repo-venv" else tmp_path / "cache" / "venv-abc"
+    venv_python = venv / "bin" / "python"
     venv_python.parent.mkdir(parents=True)
     venv_python.write_text(f'#!/bin/sh\necho "$*" >> "{log}"\nexec "{sys.executable}" "$@"\n')
     venv_python.chmod(0o755)
+    repo.mkdir(exist_ok=True)
     (repo / "scripts").symlink_to(ROOT / "scripts")  # the sbatch script sources $HSAP_REPO/scripts/slurm
     env = _env(tmp_path, SLURM_JOB_NODELIST="node01", HSAP_REPO=str(repo))
     del env["HSAP_PYTHON"]
+    if where == "hsap-venv":
+        env["HSAP_VENV"] = str(venv)
     out = _run(SINGLE, ["--dry-run", str(ROOT / "configs/smoke/llama2_7b_8gpu_2x4_32k_mock.yaml")], env)
     assert out.returncode == 0, out.stderr
     assert "-m megatron_hsap.launch resolve" in log.read_text()
