@@ -263,7 +263,8 @@ class TrainingConfig:
                                      "save_interval"))
 
 
-# Megatron-LM's tokenizers (megatron/training/tokenizer/tokenizer.py) and the file each one reads.
+# Megatron's text tokenizers (megatron-core 0.19.2 megatron/core/tokenizers/utils/build_tokenizer.py)
+# and the files each one reads.
 _TOKENIZER_NEEDS: dict[str, tuple[str, ...]] = {
     "GPT2BPETokenizer": ("vocab_file", "merge_file"),
     "BertWordPieceLowerCase": ("vocab_file",),
