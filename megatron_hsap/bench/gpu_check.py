@@ -21,7 +21,8 @@ Transformer Engine are checked when they import. Runs from a plain copy of the t
 5. ``ranks``     per inter rank of a P-rank plan: its kernel calls timed on this GPU vs the
                  calibrated model's prediction of the same calls, beside the planned work.
 
-Everything goes to one folder (``checks.csv``, ``calibration.csv``, ``calibration.yaml``,
+``--only kernels,calibrate`` runs some sections; ``--budget-s`` (default 240) starts no
+section later than that (such a section is reported as failed). Everything goes to one folder (``checks.csv``, ``calibration.csv``, ``calibration.yaml``,
 ``ranks.csv``, ``environment.json``, ``summary.txt``) and the summary table is printed. Exit
 status 1 when any check failed.
 
@@ -381,9 +382,18 @@ def _summary(ctx: _Ctx, env: dict[str, Any], seconds: float) -> str:
     return "\n".join(lines)
 
 
-def run_check(out: Path, *, dry_run: bool, hardware: str | None = None) -> tuple[list[CheckRow], Path]:
-    """Run every section, write the result folder, return the rows and the summary path."""
+SECTIONS = ("kernels", "executor", "multirank", "calibrate")  # calibrate includes the per-rank comparison
+
+
+def run_check(out: Path, *, dry_run: bool, hardware: str | None = None, only: tuple[str, ...] = SECTIONS,
+              budget_s: float = 240.0) -> tuple[list[CheckRow], Path]:  # fmt: skip
+    """Run the ``only`` sections in order, write the result folder, return the rows and the
+    summary path. A section that would start past ``budget_s`` is not run and counts as failed
+    (the check did not complete), so a slow machine cannot pass by running less."""
     t0 = time.monotonic()
+    unknown = set(only) - set(SECTIONS)
+    if unknown:
+        raise SystemExit(f"gpu_check: unknown sections {sorted(unknown)}; choose from {', '.join(SECTIONS)}")
     if not dry_run and not torch.cuda.is_available():
         raise SystemExit("gpu_check: no CUDA device visible; use --dry-run on a CPU machine")
     device = torch.device("cpu") if dry_run else torch.device("cuda", torch.cuda.current_device())
@@ -391,21 +401,33 @@ def run_check(out: Path, *, dry_run: bool, hardware: str | None = None) -> tuple
     ctx = _Ctx(out, dry_run, device)
     env = _environment(ctx)
     (out / "environment.json").write_text(json.dumps(env, indent=1, default=str) + "\n")
-    for section in (check_kernels, check_executor, check_merges, check_multirank):
-        t = time.monotonic()
-        section(ctx)
-        print(f"gpu_check: {section.__name__} {time.monotonic() - t:.1f} s", file=sys.stderr)
-    from megatron_hsap.bench.gpu_check_timing import calibrate, check_ranks, hardware_name
 
-    backend = "cpu" if dry_run else kernels.resolve_backend(None, device)
-    hw = hardware_name(ctx.device, hardware)
-    header = [f"megatron-hsap kernel calibration ({'dry run: synthetic timings' if dry_run else 'measured'}): "
-              f"{env.get('gpu', 'cpu')}, backend {backend}, torch {env['torch']}, {env['date']}"]  # fmt: skip
-    try:
-        cal = calibrate(ctx, backend, hw, header)
-        check_ranks(ctx, cal, backend, hw)
-    except Exception as exc:
-        ctx.fail("calibrate", "calibration / per-rank comparison", exc)
+    def timed_calibration(ctx: _Ctx) -> None:
+        from megatron_hsap.bench.gpu_check_timing import calibrate, check_ranks, hardware_name
+
+        backend = "cpu" if dry_run else kernels.resolve_backend(None, device)
+        hw = hardware_name(ctx.device, hardware)
+        header = [f"megatron-hsap kernel calibration ({'dry run: synthetic timings' if dry_run else 'measured'}): "
+                  f"{env.get('gpu', 'cpu')}, backend {backend}, torch {env['torch']}, {env['date']}"]  # fmt: skip
+        try:
+            cal = calibrate(ctx, backend, hw, header)
+            check_ranks(ctx, cal, backend, hw)
+        except Exception as exc:
+            ctx.fail("calibrate", "calibration / per-rank comparison", exc)
+
+    runs = {"kernels": [check_kernels], "executor": [check_executor, check_merges], "multirank": [check_multirank],
+            "calibrate": [timed_calibration]}  # fmt: skip
+    for name in only:
+        for section in runs[name]:
+            if time.monotonic() - t0 > budget_s:
+                ctx.add(name, f"{section.__name__} not run", math.nan, math.nan,
+                        f"FAILED: past the {budget_s:g} s budget (rerun with --only {name})")  # fmt: skip
+                continue
+            t = time.monotonic()
+            section(ctx)
+            print(f"gpu_check: {section.__name__} {time.monotonic() - t:.1f} s", file=sys.stderr)
+    if not ctx.rows:
+        ctx.add("check", "nothing ran", math.nan, math.nan, "FAILED: no section selected")
     with open(out / "checks.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(asdict(ctx.rows[0])))
         w.writeheader()
@@ -420,12 +442,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=None, help="result folder (default gpu_check_results/<UTC time>)")
     ap.add_argument("--dry-run", action="store_true", help="CPU: every section but the CUDA calls (synthetic timings)")
     ap.add_argument("--hardware", default=None, help="constant set the calibration overrides (default: from the GPU name)")
+    ap.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated sections (default: all of {','.join(SECTIONS)})")
+    ap.add_argument("--budget-s", type=float, default=240.0, help="start no section after this many seconds (default 240)")
     args = ap.parse_args(argv)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     out = args.out or Path("gpu_check_results") / (stamp + ("-dry" if args.dry_run else ""))
     if args.dry_run:
         torch.set_num_threads(min(2, os.cpu_count() or 1))
-    rows, summary = run_check(out, dry_run=args.dry_run, hardware=args.hardware)
+    only = tuple(x.strip() for x in args.only.split(",") if x.strip())
+    rows, summary = run_check(out, dry_run=args.dry_run, hardware=args.hardware, only=only, budget_s=args.budget_s)
     print(summary.read_text(), end="")
     print(f"results: {out}")
     return 0 if all(r.passed for r in rows) else 1

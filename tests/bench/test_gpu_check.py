@@ -143,3 +143,13 @@ def test_install_gpu_refuses_an_environment_without_pip_or_torch(tmp_path):
     assert "+ " not in proc.stdout  # nothing is run after a failed precondition
     assert subprocess.run(["bash", str(ROOT / "scripts/install_gpu.sh"), "--bogus"], capture_output=True,
                           text=True).returncode != 0  # fmt: skip
+
+
+def test_sections_past_the_budget_fail_instead_of_being_dropped(tmp_path):
+    from megatron_hsap.bench.gpu_check import run_check
+
+    rows, summary = run_check(tmp_path / "r", dry_run=True, only=("executor", "calibrate"), budget_s=0.0)
+    assert [(r.section, r.passed) for r in rows] == [("executor", False), ("executor", False), ("calibrate", False)]
+    assert all("budget" in r.detail for r in rows) and "0 passed, 3 failed" in summary.read_text()
+    with pytest.raises(SystemExit, match="unknown sections"):
+        run_check(tmp_path / "s", dry_run=True, only=("kernel",))
