@@ -145,3 +145,11 @@ def test_path_2_text_matches_the_patch() -> None:
         "docs/enable.md section 2, Path 2: say whether the patch adds HSAP's --hsap-* flags "
         f"(it {'does' if adds_hsap_flags else 'does not'}), and the table title 'Path 1 only'")
     assert ("Path 1 only" not in DOC) == adds_hsap_flags
+
+
+def test_the_untested_names_on_the_page_are_preflight_s() -> None:
+    from megatron_hsap.launch.preflight import Feature
+
+    bullet = DOC[DOC.index("- **Untested features**"):DOC.index("## 4.")]
+    listed = re.findall(r"`([a-z_0-9]+)`", bullet[bullet.index("Not tested, to be listed"):])
+    assert [n for n in listed if n in {f.value for f in Feature}] == [f.value for f in Feature]
