@@ -23,13 +23,29 @@ from megatron_hsap.bench import gpu_calibration as gc
 ROOT = Path(__file__).resolve().parents[2]
 
 
+# What the GPU box lacks: the check must not import any of it (blocked in the run below, in
+# the spawned ranks too, through a sitecustomize on PYTHONPATH).
+_NOT_ON_THE_GPU_BOX = ("pytest", "hypothesis", "yaml", "megatron", "matplotlib", "einops", "tqdm")
+_BLOCKER = f"""
+import sys
+class _NotOnTheGpuBox:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {_NOT_ON_THE_GPU_BOX!r}:
+            raise ImportError(f"{{name}} is not installed on the GPU box")
+sys.meta_path.insert(0, _NotOnTheGpuBox())
+"""
+
+
 def test_dry_run_script_passes_and_its_yaml_loads(tmp_path):
     out = tmp_path / "results"
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(_BLOCKER)
+    env = {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": str(tmp_path / "site")}
     proc = subprocess.run(["bash", str(ROOT / "scripts/gpu_check.sh"), "--dry-run", "--out", str(out)],
-                          env={**env, "PYTHON": sys.executable}, capture_output=True, text=True, timeout=600)  # fmt: skip
+                          env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "0 failed" in proc.stdout and "DRY RUN" in proc.stdout
+    assert "no PyYAML here" in proc.stdout  # the blocker was active: the GPU box's path ran
     for name in ("checks.csv", "calibration.csv", "calibration.yaml", "ranks.csv", "environment.json", "summary.txt"):
         assert (out / name).is_file(), name
     rows = list(csv.DictReader((out / "checks.csv").open()))
@@ -38,7 +54,7 @@ def test_dry_run_script_passes_and_its_yaml_loads(tmp_path):
     assert all(r["passed"] == "True" for r in rows), [r for r in rows if r["passed"] != "True"]
     assert sum(r["section"] == "kernels" for r in rows) >= 9  # MHA/GQA/MQA/MLA × masks + large logits
 
-    # The YAML loads into the simulator exactly as written and into the planner.
+    # The YAML loads into the simulator (PyYAML, here) exactly as written and into the planner.
     from megatron_hsap.plan import compile_plan
     from megatron_hsap.plan.hardware import HARDWARE
     from megatron_hsap.sim import config as sim_config
