@@ -16,7 +16,8 @@ Run it from a Megatron-LM checkout (it imports ``pretrain_gpt`` from there)::
         --context-parallel-impl hsap --hierarchical-context-parallel-sizes 8 2 \\
         --calculate-per-token-loss --attention-dropout 0.0 --dataloader-inter-document-masking
 
-``MEGATRON_LM=/path/to/Megatron-LM`` works too. GPU only: ``pretrain()`` needs CUDA.
+``MEGATRON_LM=/path/to/Megatron-LM`` works too. To try the same loop without a GPU (and without a
+Megatron-LM checkout), run ``megatron-hsap pretrain-cpu``.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from __future__ import annotations
 import os
 import sys
 import time
-from typing import Any
 
 _PROGRAM_START_TIME = time.time()
 
@@ -39,46 +39,20 @@ def _megatron_lm_root() -> str:
     return root
 
 
-def extra_args_provider(parser: Any) -> Any:
-    """Megatron's own extra arguments (ModelOpt when installed) plus HSAP's."""
-    from megatron_hsap.megatron.arguments import add_hsap_args
-
-    try:
-        from megatron.post_training.arguments import add_modelopt_args
-
-        parser = add_modelopt_args(parser)
-    except ImportError:
-        pass
-    return add_hsap_args(parser)
-
-
 def main() -> None:
     sys.path.insert(0, _megatron_lm_root())
-    main_entry = time.time()
     import pretrain_gpt
-    from megatron.core.enums import ModelType
-    from megatron.training import inprocess_restart, pretrain, set_startup_timestamps
-    from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args
-    from megatron.training.arguments import parse_and_validate_args
 
-    from megatron_hsap.megatron.pretrain_hooks import hsap_entry_points
+    from megatron_hsap.megatron.pretrain_hooks import run_pretrain
 
-    set_startup_timestamps(program_start=_PROGRAM_START_TIME, main_entry=main_entry)
-    setattr(pretrain_gpt.train_valid_test_datasets_provider, "is_distributed", True)
-    run, store = inprocess_restart.maybe_wrap_for_inprocess_restart(pretrain)
-    args = parse_and_validate_args(extra_args_provider=extra_args_provider,
-                                   args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
-    provider, forward_step = pretrain_gpt.train_valid_test_datasets_provider, pretrain_gpt.forward_step
-    if args.context_parallel_impl == "hsap":  # validates the flags, sets args.spec to the HSAP spec
-        provider, forward_step = hsap_entry_points(args, provider, pretrain_gpt.loss_func)
-    model_cfg = gpt_config_from_args(args)
-    run(
-        pretrain_cfg_container_from_args(args, model_cfg),
-        provider,
-        ModelType.encoder_or_decoder,
-        forward_step,
-        store=store,
-        get_embedding_ranks=pretrain_gpt.get_embedding_ranks,
+    # The wiring (argument parsing with HSAP's flags, ModelOpt, the HSAP spec, batch hook and groups,
+    # pretrain()) is the one function the CPU command `megatron-hsap pretrain-cpu` runs too.
+    run_pretrain(
+        pretrain_gpt.train_valid_test_datasets_provider,
+        pretrain_gpt.forward_step,
+        pretrain_gpt.loss_func,
+        get_embedding_ranks=getattr(pretrain_gpt, "get_embedding_ranks", None),
+        program_start=_PROGRAM_START_TIME,
     )
 
 

@@ -50,7 +50,12 @@ def _has_option(parser: argparse.ArgumentParser, option: str) -> bool:
 
 
 def add_hsap_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add HSAP's flags to a Megatron (or plain) argparse parser; returns the parser."""
+    """Add HSAP's flags to a Megatron (or plain) argparse parser; returns the parser.
+
+    Idempotent: the patched Megatron-LM adds them in ``parse_args`` and an entry point's
+    ``extra_args_provider`` may add them again."""
+    if _has_option(parser, "--hsap-layout"):
+        return parser
     group = parser.add_argument_group(title="HSAP context parallelism (megatron-hsap)")
     if not _has_option(parser, "--context-parallel-impl"):  # present when patches/ is applied
         group.add_argument(

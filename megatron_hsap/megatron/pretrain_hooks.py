@@ -128,11 +128,28 @@ def _plan_kwargs(args: Any) -> dict[str, Any]:
     return kwargs
 
 
-def _feed_seqlen_stats(cu_seqlens: Any) -> None:
+def _feeds_stats(vp_stage: int | None) -> bool:
+    """Whether this forward step is the one that counts its micro-batch on this rank.
+
+    Megatron sums the statistics over the world and divides by TP·CP·PP, so every rank counts each
+    micro-batch exactly once: with virtual pipelining, at its first model chunk, except on the last
+    pipeline stage (its last chunk reads the batch; its earlier chunks may not have it)."""
+    from megatron.core import parallel_state as mpu
+
+    if vp_stage is None:
+        return True
+    vp = mpu.get_virtual_pipeline_model_parallel_world_size() or 1
+    last_only = mpu.is_pipeline_last_stage(ignore_virtual=True) and not mpu.is_pipeline_first_stage(ignore_virtual=True)
+    return vp_stage == (vp - 1 if last_only else 0)
+
+
+def _feed_seqlen_stats(cu_seqlens: Any, vp_stage: int | None = None) -> None:
     """Megatron's TFLOP/s line counts packed batches by document: Σ L and Σ L² of the real lengths.
 
-    Called on every rank of the DP group with the same lengths (Megatron divides its world
-    all-reduce by TP·CP·PP)."""
+    Every rank of the DP group counts each micro-batch once with the same lengths (Megatron divides
+    its world all-reduce by TP·CP·PP)."""
+    if not _feeds_stats(vp_stage):
+        return
     import numpy as np
     import torch
     from megatron.training.training import update_seqlen_stats_from_cu_seqlens
@@ -173,7 +190,8 @@ def hsap_get_batch(data_iterator: Iterator[dict[str, Any]] | None, vp_stage: int
             )
         # Unpacked pretraining: every sample is one document, so the plan needs no data (and is cached).
         packed = pack_micro_batch({"tokens": torch.zeros(args.micro_batch_size, args.seq_length, dtype=torch.long)})
-        _feed_seqlen_stats(packed.cu_seqlens)
+        if training:  # evaluation batches are not part of the iteration's FLOPs
+            _feed_seqlen_stats(packed.cu_seqlens, vp_stage)
         return get_batch_on_this_cp_rank(packed, config=_core_config(), plan_kwargs=plan_kwargs, device=device)
 
     def compile_(item: Any) -> Any:
@@ -192,7 +210,8 @@ def hsap_get_batch(data_iterator: Iterator[dict[str, Any]] | None, vp_stage: int
         reader, prefetcher = entry
         (raw, packed), plan = next(prefetcher)
         reader.consumed(raw)
-    _feed_seqlen_stats(np.asarray(packed.cu_seqlens))
+    if training:
+        _feed_seqlen_stats(np.asarray(packed.cu_seqlens), vp_stage)
     return get_batch_on_this_cp_rank(packed, plan=plan, config=_core_config(), device=device)
 
 

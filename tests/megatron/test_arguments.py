@@ -39,7 +39,7 @@ def test_megatron_parser_accepts_flags_and_validation_passes() -> None:
     assert args.hierarchical_context_parallel_sizes == [4, 2]  # Megatron's own flag, reused
     hsap = validate_hsap_args(args)
     assert hsap == HSAPArgs(intra_size=4, inter_size=2)
-    assert args.spec == ["megatron_hsap.megatron.spec", "HSAP_LAYER_SPEC"]  # TE impl is the default
+    assert args.spec == ["megatron_hsap.megatron.spec", "hsap_layer_spec"]  # a callable Megatron calls with its config
 
 
 def test_megatron_parse_args_with_extra_args_provider(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -47,7 +47,7 @@ def test_megatron_parse_args_with_extra_args_provider(monkeypatch: pytest.Monkey
     monkeypatch.setattr(sys, "argv", ["pretrain_gpt_hsap.py", *GOOD, "--transformer-impl", "local"])
     args = megatron_arguments.parse_args(extra_args_provider=add_hsap_args)
     assert validate_hsap_args(args) == HSAPArgs(intra_size=4, inter_size=2)
-    assert args.spec == ["megatron_hsap.megatron.spec", "HSAP_LOCAL_LAYER_SPEC"]
+    assert args.spec == ["megatron_hsap.megatron.spec", "hsap_layer_spec"]
 
 
 def test_ring_is_the_default_and_untouched() -> None:
@@ -143,7 +143,7 @@ def test_patch_adds_flag_and_megatron_validate_args_runs_hsap_checks(tmp_path: P
     module = _patched_arguments_module(tmp_path, monkeypatch)
     args = _validate_patched(module, PATCHED_ARGV + ["--context-parallel-impl", "hsap", "--calculate-per-token-loss"])
     assert args.hsap == HSAPArgs(intra_size=2, inter_size=2)
-    assert args.spec == ["megatron_hsap.megatron.spec", "HSAP_LOCAL_LAYER_SPEC"]
+    assert args.spec == ["megatron_hsap.megatron.spec", "hsap_layer_spec"]
     with pytest.raises(ConfigError, match="--calculate-per-token-loss"):
         _validate_patched(module, PATCHED_ARGV + ["--context-parallel-impl", "hsap"])
     ring = _validate_patched(module, PATCHED_ARGV)  # default: Megatron unchanged

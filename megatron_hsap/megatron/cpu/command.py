@@ -29,8 +29,9 @@ from megatron_hsap.errors import ConfigError
 __all__ = ["CPURun", "CPUResult", "megatron_flags", "run", "parse_log", "main"]
 
 _ITER = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.Ee+-]+)")
-_VALID = re.compile(r"validation loss at iteration (\d+).*?lm loss value: ([0-9.Ee+-]+)")
-_VALID_END = re.compile(r"validation loss at the end of training.*?lm loss value: ([0-9.Ee+-]+)")
+_VALID = re.compile(r"validation loss at iteration (\d+) \| lm loss value: ([0-9.Ee+-]+)")
+# After training Megatron evaluates once more on the validation and the test split.
+_VALID_END = re.compile(r"validation loss at iteration \d+ on (validation|test) set \| lm loss value: ([0-9.Ee+-]+)")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -44,6 +45,7 @@ class CPURun:
     intra_size: int = 2
     inter_size: int = 2
     reference: bool = False  # CP=1 TP=1 with Megatron's local attention and the dataloader's mask
+    packed: bool = True  # documents as they come (cu_seqlens); False: every sample one document
     steps: int = 6
     micro_batch_size: int = 2
     global_batch_size: int | None = None  # default: micro-batch × DP (one micro-batch per step)
@@ -88,6 +90,7 @@ class CPUResult:
     losses: dict[int, float]
     validation: dict[int, float]
     final_validation: float | None
+    final_test: float | None
     log_dir: str
     output: str = field(repr=False)
 
@@ -124,17 +127,20 @@ def megatron_flags(run: CPURun) -> list[str]:
         flags += [
             "--context-parallel-impl", "hsap", "--context-parallel-size", str(run.cp_size),
             "--hierarchical-context-parallel-sizes", str(run.intra_size), str(run.inter_size),
-            "--dataloader-inter-document-masking", "--no-create-attention-mask-in-dataloader",
+            "--no-create-attention-mask-in-dataloader",
         ]
+        if run.packed:
+            flags.append("--dataloader-inter-document-masking")
     return flags + list(run.extra)
 
 
-def parse_log(text: str) -> tuple[dict[int, float], dict[int, float], float | None]:
-    """``(lm loss by iteration, validation lm loss by iteration, final validation)`` from Megatron's log."""
+def parse_log(text: str) -> tuple[dict[int, float], dict[int, float], dict[str, float]]:
+    """``(lm loss by iteration, validation lm loss by iteration, {"validation"|"test": final lm loss})``
+    from Megatron's log."""
     losses = {int(i): float(v) for i, v in _ITER.findall(text)}
     validation = {int(i): float(v) for i, v in _VALID.findall(text)}
-    end = _VALID_END.findall(text)
-    return losses, validation, float(end[-1]) if end else None
+    final = {split: float(v) for split, v in _VALID_END.findall(text)}
+    return losses, validation, final
 
 
 def _env(rank: int, world: int, store: str) -> dict[str, str]:
@@ -180,7 +186,8 @@ def run(opts: CPURun, *, echo: bool = False) -> CPUResult:
         sys.stdout.write(text)
     losses, validation, final = parse_log(last)
     return CPUResult(returncode=max(codes, key=abs), losses=losses, validation=validation,
-                     final_validation=final, log_dir=str(log_dir), output=text)
+                     final_validation=final.get("validation"), final_test=final.get("test"),
+                     log_dir=str(log_dir), output=text)
 
 
 def _wait(procs: list[subprocess.Popen], timeout_s: float) -> list[int]:
@@ -219,6 +226,9 @@ def build_parser(prog: str = "megatron-hsap pretrain-cpu") -> argparse.ArgumentP
     p.add_argument("--num-layers", type=int, default=2)
     p.add_argument("--eval-interval", type=int, default=3)
     p.add_argument("--eval-iters", type=int, default=2)
+    p.add_argument("--no-packed", dest="packed", action="store_false",
+                   help="every sample one document (no --dataloader-inter-document-masking); needed with "
+                   "pipeline stages that read no data (PP > 2, or virtual pipelining)")
     p.add_argument("--reference", action="store_true",
                    help="CP=1, TP=1 with Megatron's local attention and the dataloader's document mask")
     p.add_argument("--compare", action="store_true",
@@ -235,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         argv, extra = argv[:cut], argv[cut + 1:]
     ns = build_parser().parse_args(argv)
     opts = CPURun(world_size=ns.world_size, tp=ns.tp, pp=ns.pp, vp=ns.vp, intra_size=ns.intra_size,
-                  inter_size=ns.inter_size, reference=ns.reference, steps=ns.steps,
+                  inter_size=ns.inter_size, reference=ns.reference, packed=ns.packed, steps=ns.steps,
                   micro_batch_size=ns.micro_batch_size, seq_length=ns.seq_length, num_layers=ns.num_layers,
                   eval_interval=ns.eval_interval, eval_iters=ns.eval_iters, extra=tuple(extra), log_dir=ns.log_dir)
     try:

@@ -25,7 +25,9 @@ def _dataset_config(args: Any) -> Any:
 
     from megatron_hsap.megatron.data import ByteTokenizer, build_stdlib_corpus
 
-    corpus = build_stdlib_corpus(getattr(args, "hsap_cpu_data_dir", None))
+    # Documents of 24–160 bytes (longer blocks cut): several per 256-token sample, so batches are
+    # really packed and documents span CP ranks.
+    corpus = build_stdlib_corpus(getattr(args, "hsap_cpu_data_dir", None), min_doc_bytes=24, max_doc_bytes=160)
     return GPTDatasetConfig(
         random_seed=args.seed,
         sequence_length=args.seq_length,
@@ -70,13 +72,16 @@ def cpu_loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, model: A
     from megatron.core.rerun_state_machine import get_rerun_state_machine
     from megatron.training import get_args
 
-    del model
+    from megatron_hsap.megatron.cpu.record import record_loss, record_params
+
+    record_params(model)
     args = get_args()
     losses = output_tensor.view(-1).float()
     mask = loss_mask.view(-1).float()
     loss = torch.sum(losses * mask)
     num_tokens = mask.sum().clone().detach().to(torch.int)
     report = {"lm loss": torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])}
+    record_loss(loss, num_tokens, training=bool(getattr(model, "training", True)))
     machine = get_rerun_state_machine()
     if args.check_for_nan_in_loss_and_grad:
         for reject, what in ((torch.isnan, "NaN"), (torch.isinf, "Inf")):

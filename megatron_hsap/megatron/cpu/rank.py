@@ -21,6 +21,9 @@ def main() -> None:
     from megatron_hsap.megatron.cpu import device
 
     device.install()
+    from megatron_hsap.megatron.cpu import record
+
+    record.install()
     from megatron_hsap.megatron.cpu.loop import cpu_datasets_provider, cpu_loss_func, reference_forward_step
     from megatron_hsap.megatron.pretrain_hooks import run_pretrain
 

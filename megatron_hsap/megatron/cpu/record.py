@@ -1,0 +1,69 @@
+"""What a CPU run records for its tests (``HSAP_CPU_RECORD=DIR``): parameters and FLOP counts.
+
+Test instrumentation of the CPU command only. ``params-rank{R}.json``: every parameter's name and
+shape on rank R, as Megatron built the model. ``flops-rank{R}.jsonl``: one line per call of Megatron's
+``num_floating_point_operations`` (the TFLOP/s line's numerator) with the packed-sequence statistics
+Megatron passed it and the result, so a test can check the statistics against the batches' lengths.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+__all__ = ["install", "record_params", "record_loss"]
+
+_DONE: set[str] = set()
+
+
+def _dir() -> Path | None:
+    path = os.environ.get("HSAP_CPU_RECORD")
+    return Path(path) if path else None
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def record_params(model: Any) -> None:
+    """Write the model's parameter names and shapes once per process (no-op unless recording)."""
+    out = _dir()
+    if out is None or "params" in _DONE or model is None:
+        return
+    _DONE.add("params")
+    chunks = model if isinstance(model, (list, tuple)) else [model]
+    names = {f"{i}.{name}": list(p.shape) for i, chunk in enumerate(chunks) for name, p in chunk.named_parameters()}
+    (out / f"params-rank{_rank()}.json").write_text(json.dumps(names, sort_keys=True))
+
+
+def record_loss(loss: Any, num_tokens: Any, training: bool) -> None:
+    """Append one micro-batch's local ``Σ loss·mask`` and token count (no-op unless recording)."""
+    out = _dir()
+    if out is None:
+        return
+    with open(out / f"losses-rank{_rank()}.jsonl", "a") as f:
+        f.write(json.dumps({"loss_sum": float(loss), "tokens": int(num_tokens), "training": bool(training)}) + "\n")
+
+
+def install() -> None:
+    """Wrap Megatron's FLOP count (called by ``train`` once per iteration) to record its inputs."""
+    out = _dir()
+    if out is None:
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    from megatron.training import training
+
+    original = training.num_floating_point_operations
+
+    def num_floating_point_operations(args: Any, batch_size: Any, seqlen_squared_sum_in_batch: Any = None,
+                                      total_real_tokens_in_batch: Any = None) -> Any:
+        result = original(args, batch_size, seqlen_squared_sum_in_batch=seqlen_squared_sum_in_batch,
+                          total_real_tokens_in_batch=total_real_tokens_in_batch)
+        with open(out / f"flops-rank{_rank()}.jsonl", "a") as f:
+            f.write(json.dumps({"batch_size": int(batch_size), "seqlen_squared_sum": seqlen_squared_sum_in_batch,
+                                "total_real_tokens": total_real_tokens_in_batch, "flops": float(result)}) + "\n")
+        return result
+
+    training.num_floating_point_operations = num_floating_point_operations
