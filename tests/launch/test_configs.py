@@ -270,7 +270,7 @@ def test_mock_data_only_in_smoke_configs(path: Path) -> None:
         assert flag in args  # packed documents: boundaries, positions, no dense mask
 
 
-def test_every_example_has_a_smoke_config_or_shares_its_base() -> None:
+def test_one_mock_data_smoke_config_per_model_family() -> None:
     smoke = [load_config(p) for p in (ROOT / "configs" / "smoke").glob("*.yaml")]
     bases = {load_config(p).model for p in (ROOT / "configs" / "base").glob("*.yaml")}
     assert {c.model for c in smoke} == bases  # one mock-data smoke run per model family
