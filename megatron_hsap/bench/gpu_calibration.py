@@ -3,13 +3,18 @@
 Part of the GPU check (:mod:`megatron_hsap.bench.gpu_check`). The simulator prices one varlen
 kernel call over blocks ``(n_q, n_kv, flops)`` as (``sim/config.py``, ``plan/hardware.py``)::
 
-    t = launch_s + Σ flops / (peak_phase · eff(n)),   eff(n) = n / (n + half_rate_tokens),  n = min(n_q, n_kv)
+    t = launch_s + Σ flops / (peak_phase · eff(n))  [+ cta_s · ⌈max n_kv / 128⌉ · H · blocks, backward]
+    eff(n) = n / (n + half_rate_tokens),  n = min(n_q, n_kv)
 
-With ``a = 1/peak`` and ``b = half_rate_tokens/peak`` that is linear in ``(launch_s, a, b)``:
-``t = launch_s + a·flops + b·flops/n``. :func:`fit` solves it by least squares on relative errors
-for a grid of ``half_rate_tokens`` shared by forward and backward (as the simulator shares it)
-and keeps the best. FLOPs per block are docs/design.md §4's: ``2·H·(d_qk + d_v)·work`` forward,
-2.5× that backward, with ``work`` the unmasked (q, k) pairs.
+(the bracket is ``KernelModel.grid_time``: a varlen backward's grid is sized by its longest kv
+block, so calls mixing one long and many short blocks pay for idle CTAs). For a fixed
+``half_rate_tokens`` this is linear in ``(launch_s, 1/peak_fwd, 1/peak_bwd, cta_s)``; :func:`fit`
+solves it by least squares on relative errors over a grid of ``half_rate_tokens`` (shared by
+both phases, as in the simulator) and keeps the best. The measurement grid (:func:`grid`) is
+forward/backward × causal/rectangle × every q×kv size pair as equal blocks, plus "ragged"
+backward calls (one long block and many short ones) that pin ``cta_s``. FLOPs per block are
+docs/design.md §4's: ``2·H·(d_qk + d_v)·work`` forward, 2.5× that backward, ``work`` the
+unmasked (q, k) pairs.
 
 The YAML written is exactly what ``megatron-hsap simulate --config`` reads
 (``sim.config.load_overrides``: ``hardware: {name: {field: value}}``), written by hand because
@@ -31,12 +36,12 @@ import numpy as np
 from megatron_hsap.errors import ConfigError
 
 __all__ = [
-    "Measurement", "Calibration", "block_work", "block_flops", "grid", "fit", "write_calibration",
+    "Measurement", "Calibration", "block_work", "block_flops", "call_flops", "grid", "fit", "write_calibration",
     "read_calibration", "planner_hardware", "register_planner_hardware", "PLANNER_REFERENCE_TOKENS",
 ]  # fmt: skip
 
 PLANNER_REFERENCE_TOKENS = 8192  # the planner's flat rates: the curve at 8K blocks (docs/design.md §4's peaks)
-_FIELDS = ("attn_fwd_peak", "attn_bwd_peak", "half_rate_tokens", "launch_s")
+_FIELDS = ("attn_fwd_peak", "attn_bwd_peak", "half_rate_tokens", "launch_s", "cta_s")
 
 
 def block_work(nq: int, nk: int, causal: bool) -> int:
@@ -55,17 +60,26 @@ def block_flops(work: int, heads: int, d: int, dv: int, phase: str) -> float:
     return fwd if phase == "fwd" else 2.5 * fwd
 
 
+Block = tuple[int, int]  # (n_q, n_kv) of one document block of a varlen call
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Measurement:
-    """One timed kernel call: ``docs`` equal blocks of ``nq × nk`` in one varlen call."""
+    """One timed varlen kernel call over ``blocks`` (all causal or all rectangles)."""
 
     phase: str  # "fwd" | "bwd"
     causal: bool
-    nq: int
-    nk: int
-    docs: int
+    blocks: tuple[Block, ...]
+    heads: int  # query heads
     flops: float  # of the whole call
     seconds: float  # median over repeats
+
+    @property
+    def label(self) -> str:
+        first, n = self.blocks[0], len(self.blocks)
+        if all(b == first for b in self.blocks):
+            return f"{n} blocks {first[0]}x{first[1]}"
+        return f"ragged: 1 block {max(b[1] for b in self.blocks)} + {n - 1} short"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -76,6 +90,7 @@ class Calibration:
     attn_bwd_peak: float
     half_rate_tokens: float
     launch_s: float
+    cta_s: float  # seconds per CTA of a varlen backward's grid (``KernelModel.grid_time``)
     max_rel_error: float  # of the model over the measurements
     median_rel_error: float
 
@@ -85,17 +100,24 @@ class Calibration:
             if not (math.isfinite(value) and value >= 0) or (name != "launch_s" and value <= 0):
                 raise ConfigError(f"calibration {name}={value!r} is not a positive finite number")
 
-    def predict(self, phase: str, nq: int, nk: int, flops: float) -> float:
-        """Seconds of one call of ``flops`` over blocks of ``nq × nk`` (launch included)."""
+    def call_seconds(self, phase: str, blocks: Sequence[Block], flops: Sequence[float], heads: int) -> float:
+        """Seconds of one varlen call over ``blocks`` of ``flops`` each: the simulator's
+        ``KernelModel.call_time`` plus ``grid_time`` (launch, curve, backward grid)."""
         peak = self.attn_fwd_peak if phase == "fwd" else self.attn_bwd_peak
-        n = max(1, min(nq, nk))
-        return self.launch_s + flops * (n + self.half_rate_tokens) / (peak * n)
+        t = self.launch_s
+        for (nq, nk), fl in zip(blocks, flops):
+            n = max(1, min(nq, nk))
+            t += fl * (n + self.half_rate_tokens) / (peak * n)
+        if phase == "bwd" and blocks:
+            t += self.cta_s * math.ceil(max(nk for _, nk in blocks) / 128) * heads * len(blocks)
+        return t
 
 
-def grid(sizes: Sequence[int], tokens_per_call: int) -> list[tuple[str, bool, int, int, int]]:
-    """``(phase, causal, nq, nk, docs)`` for every phase, mask and q×kv size pair; ``docs`` fills
-    about ``tokens_per_call`` kv tokens per call (at least one block), so short blocks are
-    measured as the planner issues them: many documents in one varlen call."""
+def grid(sizes: Sequence[int], tokens_per_call: int) -> list[tuple[str, bool, tuple[Block, ...]]]:
+    """``(phase, causal, blocks)`` of every call to time: each phase, mask and q×kv size pair as
+    equal blocks filling about ``tokens_per_call`` kv tokens (short blocks are measured as the
+    planner issues them, many documents in one varlen call); then ragged backward calls, one
+    block of each of the two largest sizes plus short blocks of the smallest (``cta_s``)."""
     out = []
     for phase in ("fwd", "bwd"):
         for causal in (True, False):
@@ -103,28 +125,58 @@ def grid(sizes: Sequence[int], tokens_per_call: int) -> list[tuple[str, bool, in
                 for nk in sizes:
                     if causal and nk < nq:
                         continue  # a causal block's kv ends where its q ends: nk >= nq
-                    out.append((phase, causal, nq, nk, max(1, tokens_per_call // max(nq, nk))))
+                    out.append((phase, causal, ((nq, nk),) * max(1, tokens_per_call // max(nq, nk))))
+    short = min(sizes)
+    for long in sorted(sizes)[-2:]:
+        for causal in (True, False):
+            many = max(1, tokens_per_call // short - 1)
+            out.append(("bwd", causal, ((long, long),) + ((short, short),) * many))
     return out
 
 
+def call_flops(m_blocks: Sequence[Block], causal: bool, heads: int, d: int, dv: int, phase: str) -> list[float]:
+    """FLOPs of each block of one call."""
+    return [block_flops(block_work(nq, nk, causal), heads, d, dv, phase) for nq, nk in m_blocks]
+
+
+def _nonnegative_lstsq(a: np.ndarray, b: np.ndarray, free: int) -> np.ndarray:
+    """Least squares with columns ``free:`` forced >= 0 by dropping the negative ones (a
+    negative launch or CTA cost is noise); columns before ``free`` must come out positive."""
+    keep = list(range(a.shape[1]))
+    while True:
+        coef = np.zeros(a.shape[1])
+        coef[keep] = np.linalg.lstsq(a[:, keep], b, rcond=None)[0]
+        negative = [j for j in keep if j >= free and coef[j] < 0]
+        if not negative:
+            return coef
+        keep.remove(min(negative, key=lambda j: coef[j]))
+
+
 def fit(measurements: Sequence[Measurement]) -> Calibration:
-    """Least-squares fit of the simulator's kernel model (relative errors, non-negative launch)."""
+    """Least-squares fit of the simulator's kernel model (relative errors; launch and CTA costs
+    non-negative)."""
     if len({m.phase for m in measurements}) < 2:
         raise ConfigError("calibration needs forward and backward measurements")
     t = np.array([m.seconds for m in measurements])
-    f = np.array([m.flops for m in measurements])
-    n = np.array([max(1, min(m.nq, m.nk)) for m in measurements], dtype=np.float64)
     is_fwd = np.array([m.phase == "fwd" for m in measurements])
+    # per call: A = Σ flops, B = Σ flops / n over its blocks, so Σ flops·(1 + half/n) = A + half·B;
+    # flops per block from the call's total, split in proportion to each block's work
+    a_sum, b_sum, ctas = np.zeros(len(t)), np.zeros(len(t)), np.zeros(len(t))
+    for i, m in enumerate(measurements):
+        works = np.array([block_work(nq, nk, m.causal) for nq, nk in m.blocks], dtype=np.float64)
+        fl = m.flops * works / works.sum()
+        n = np.array([max(1, min(nq, nk)) for nq, nk in m.blocks], dtype=np.float64)
+        a_sum[i], b_sum[i] = fl.sum(), (fl / n).sum()
+        if m.phase == "bwd":
+            ctas[i] = math.ceil(max(nk for _, nk in m.blocks) / 128) * m.heads * len(m.blocks)
     w = 1.0 / t  # relative errors: every shape counts alike, whatever its duration
     best = None
     for half in np.geomspace(1.0, 1e5, 321):
-        scale = f * (1.0 + half / n)  # seconds × peak, of the whole call (docs blocks)
-        cols = [np.ones_like(t), np.where(is_fwd, scale, 0.0), np.where(is_fwd, 0.0, scale)]
+        scale = a_sum + half * b_sum  # seconds × peak of the call's blocks
+        cols = [np.where(is_fwd, scale, 0.0), np.where(is_fwd, 0.0, scale), np.ones_like(t), ctas]
         a = np.stack(cols, 1) * w[:, None]
-        coef, *_ = np.linalg.lstsq(a, t * w, rcond=None)
-        if coef[0] < 0:  # a negative launch cost is noise: refit without it
-            coef = np.concatenate([[0.0], np.linalg.lstsq(a[:, 1:], t * w, rcond=None)[0]])
-        if coef[1] <= 0 or coef[2] <= 0:
+        coef = _nonnegative_lstsq(a, t * w, free=2)
+        if coef[0] <= 0 or coef[1] <= 0:
             continue
         rel = np.abs(a @ coef - t * w)
         if best is None or rel.sum() < best[0]:
@@ -132,8 +184,8 @@ def fit(measurements: Sequence[Measurement]) -> Calibration:
     if best is None:
         raise ConfigError("calibration fit failed: the timings do not grow with the FLOPs (re-run the check)")
     _, half, coef, rel = best
-    return Calibration(attn_fwd_peak=1.0 / coef[1], attn_bwd_peak=1.0 / coef[2], half_rate_tokens=half,
-                       launch_s=float(coef[0]), max_rel_error=float(rel.max()),
+    return Calibration(attn_fwd_peak=1.0 / coef[0], attn_bwd_peak=1.0 / coef[1], half_rate_tokens=half,
+                       launch_s=float(coef[2]), cta_s=float(coef[3]), max_rel_error=float(rel.max()),
                        median_rel_error=float(np.median(rel)))  # fmt: skip
 
 
@@ -232,10 +284,8 @@ def compare_ranks(
         predicted = measured = 0.0
         for phase in ("fwd", "bwd"):
             for items in rank_calls(plan, rank, phase):
-                flops = [block_flops(block_work(nq, nk, c), heads, d, dv, phase) for nq, nk, c in items]
-                predicted += cal.launch_s + sum(
-                    cal.predict(phase, nq, nk, fl) - cal.launch_s for (nq, nk, _), fl in zip(items, flops)
-                )
+                blocks = [(nq, nk) for nq, nk, _ in items]
+                predicted += cal.call_seconds(phase, blocks, call_flops(blocks, items[0][2], heads, d, dv, phase), heads)
                 measured += time_call(phase, items)
         rows.append({"rank": rank, "work": float(work[rank]), "predicted_s": predicted, "measured_s": measured,
                      "measured_over_predicted": measured / predicted if predicted else float("nan")})  # fmt: skip

@@ -28,7 +28,7 @@ __all__ = ["DRY_TRUTH", "calibrate", "check_ranks", "hardware_name"]
 # the synthetic kernel model of the dry run (the GPU curve's shape at rates that make the dry
 # run's small blocks compute-dominated): the fit must recover it
 DRY_TRUTH = gc.Calibration(attn_fwd_peak=4.0e10, attn_bwd_peak=3.2e10, half_rate_tokens=390.0, launch_s=8e-6,
-                           max_rel_error=0.0, median_rel_error=0.0)  # fmt: skip
+                           cta_s=2e-6, max_rel_error=0.0, median_rel_error=0.0)  # fmt: skip
 
 
 def _cu(lens: list[int], device: torch.device) -> torch.Tensor:
@@ -59,11 +59,8 @@ class _Clock:
         self.calls += 1
         if self.ctx.dry:
             run()
-            exact = DRY_TRUTH.launch_s + sum(
-                DRY_TRUTH.predict(phase, a, b, gc.block_flops(gc.block_work(a, b, causal), h, d, dv, phase))
-                - DRY_TRUTH.launch_s
-                for a, b in zip(lq, lk)
-            )
+            blocks = list(zip(lq, lk))
+            exact = DRY_TRUTH.call_seconds(phase, blocks, gc.call_flops(blocks, causal, h, d, dv, phase), h)
             return exact * (1 + 0.01 * math.sin(self.calls))
         run()  # warm-up (and the first call's lazy initialisation)
         times = []
@@ -97,26 +94,26 @@ def calibrate(ctx: Any, backend: str, hardware: str, header: list[str]) -> gc.Ca
     dtype = torch.float32 if ctx.dry else torch.bfloat16
     clock = _Clock(ctx, backend, reps=5)
     rows = []
-    for phase, causal, nq, nk, docs in gc.grid(sizes, per_call):
-        items = [(nq, nk, causal)] * docs
-        secs = clock.time(phase, items, heads, d, d, dtype)
-        flops = docs * gc.block_flops(gc.block_work(nq, nk, causal), heads[0], d, d, phase)
-        rows.append(gc.Measurement(phase=phase, causal=causal, nq=nq, nk=nk, docs=docs, flops=flops, seconds=secs))
+    for phase, causal, blocks in gc.grid(sizes, per_call):
+        secs = clock.time(phase, [(nq, nk, causal) for nq, nk in blocks], heads, d, d, dtype)
+        flops = sum(gc.call_flops(blocks, causal, heads[0], d, d, phase))
+        rows.append(gc.Measurement(phase=phase, causal=causal, blocks=blocks, heads=heads[0], flops=flops, seconds=secs))
     cal = gc.fit(rows)
     with open(ctx.out / "calibration.csv", "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["phase", "mask", "nq", "nk", "docs", "flops", "seconds", "tflops", "model_seconds"])
+        w.writerow(["phase", "mask", "blocks", "flops", "seconds", "tflops", "model_seconds", "model_error"])
         for m in rows:
-            model = cal.predict(m.phase, m.nq, m.nk, m.flops)
-            w.writerow([m.phase, "causal" if m.causal else "rect", m.nq, m.nk, m.docs, f"{m.flops:.6g}",
-                        f"{m.seconds:.6g}", f"{m.flops / m.seconds / 1e12:.2f}", f"{model:.6g}"])  # fmt: skip
+            model = cal.call_seconds(m.phase, m.blocks, gc.call_flops(m.blocks, m.causal, heads[0], d, d, m.phase), m.heads)
+            w.writerow([m.phase, "causal" if m.causal else "rect", m.label, f"{m.flops:.6g}", f"{m.seconds:.6g}",
+                        f"{m.flops / m.seconds / 1e12:.3f}", f"{model:.6g}", f"{model / m.seconds - 1:+.3f}"])  # fmt: skip
     path = gc.write_calibration(ctx.out / "calibration.yaml", cal, hardware, header)
     ctx.add("calibrate", f"fit over {len(rows)} shapes ({backend})", cal.median_rel_error, 0.25,
             f"peak fwd {cal.attn_fwd_peak:.3g} bwd {cal.attn_bwd_peak:.3g} FLOP/s, "
-            f"half-rate {cal.half_rate_tokens:.0f} tokens, launch {cal.launch_s * 1e6:.1f} us")  # fmt: skip
+            f"half-rate {cal.half_rate_tokens:.0f} tokens, launch {cal.launch_s * 1e6:.1f} us, "
+            f"CTA {cal.cta_s * 1e9:.1f} ns")  # fmt: skip
     _check_yaml_loads(ctx, path, cal, hardware)
     if ctx.dry:  # the synthetic model must come back (±1% noise: 5% margin)
-        for name in ("attn_fwd_peak", "attn_bwd_peak", "half_rate_tokens"):
+        for name in ("attn_fwd_peak", "attn_bwd_peak", "half_rate_tokens", "cta_s"):
             got, want = getattr(cal, name), getattr(DRY_TRUTH, name)
             ctx.add("calibrate", f"dry fit recovers {name}", abs(got / want - 1), 0.05, f"{got:.4g} vs {want:.4g}")
     return cal
@@ -137,7 +134,7 @@ def _check_yaml_loads(ctx: Any, path: Path, cal: gc.Calibration, hardware: str) 
             sim_config.load_overrides(path)
             got = sim_config.sim_hardware(hardware).kernel
             err = max(abs(got.fwd_peak / cal.attn_fwd_peak - 1), abs(got.bwd_peak / cal.attn_bwd_peak - 1),
-                      abs(got.curve.half_rate_tokens / cal.half_rate_tokens - 1))  # fmt: skip
+                      abs(got.curve.half_rate_tokens / cal.half_rate_tokens - 1), abs(got.cta_s - cal.cta_s) / max(cal.cta_s, 1e-30))  # fmt: skip
             ctx.add("calibrate", "simulator --config load", err, 1e-12)
         finally:
             sim_config.reset_overrides()

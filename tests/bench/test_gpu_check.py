@@ -64,6 +64,7 @@ def test_dry_run_script_passes_and_its_yaml_loads(tmp_path):
         sim_config.load_overrides(out / "calibration.yaml")
         kernel = sim_config.sim_hardware(name).kernel
         assert kernel.fwd_peak == fields["attn_fwd_peak"] and kernel.curve.launch_s == fields["launch_s"]
+        assert kernel.cta_s == fields["cta_s"] > 0
         assert abs(fields["attn_fwd_peak"] / 4.0e10 - 1) < 0.05  # the dry run's synthetic truth
     finally:
         sim_config.reset_overrides()
@@ -87,23 +88,26 @@ def test_block_work_counts_unmasked_pairs():
 
 
 def test_fit_recovers_a_model_and_rejects_nonsense():
+    """The GPU grid timed by a known model (H100-like, CTA cost included) fits back to it."""
     truth = gc.Calibration(attn_fwd_peak=3e14, attn_bwd_peak=2e14, half_rate_tokens=500.0, launch_s=1e-5,
-                           max_rel_error=0, median_rel_error=0)  # fmt: skip
+                           cta_s=2e-8, max_rel_error=0, median_rel_error=0)  # fmt: skip
     rows = []
-    for phase, causal, nq, nk, docs in gc.grid([128, 512, 2048, 8192], 32768):
-        flops = docs * gc.block_flops(gc.block_work(nq, nk, causal), 32, 128, 128, phase)
-        rows.append(gc.Measurement(phase=phase, causal=causal, nq=nq, nk=nk, docs=docs, flops=flops,
-                                   seconds=truth.predict(phase, nq, nk, flops)))  # fmt: skip
+    for phase, causal, blocks in gc.grid([128, 512, 2048, 8192], 32768):
+        flops = gc.call_flops(blocks, causal, 32, 128, 128, phase)
+        rows.append(gc.Measurement(phase=phase, causal=causal, blocks=blocks, heads=32, flops=sum(flops),
+                                   seconds=truth.call_seconds(phase, blocks, flops, 32)))  # fmt: skip
+    assert sum(len(set(r.blocks)) > 1 for r in rows) == 4  # the ragged backward calls
     cal = gc.fit(rows)
-    assert abs(cal.attn_fwd_peak / 3e14 - 1) < 0.02 and abs(cal.attn_bwd_peak / 2e14 - 1) < 0.02
-    assert abs(cal.half_rate_tokens / 500 - 1) < 0.03 and cal.max_rel_error < 0.01
+    for name in ("attn_fwd_peak", "attn_bwd_peak", "half_rate_tokens", "cta_s"):
+        assert abs(getattr(cal, name) / getattr(truth, name) - 1) < 0.03, (name, getattr(cal, name))
+    assert cal.max_rel_error < 0.01
     with pytest.raises(Exception, match="forward and backward"):
         gc.fit([r for r in rows if r.phase == "fwd"])
 
 
 def test_read_calibration_refuses_other_files(tmp_path):
     bad = tmp_path / "bad.yaml"
-    bad.write_text("hardware:\n  h100:\n    attn_fwd_peak: 1.0\n")
+    bad.write_text("hardware:\n  h100:\n    attn_fwd_peak: 1.0\n")  # the other fields missing
     with pytest.raises(Exception, match="expected hardware"):
         gc.read_calibration(bad)
 
