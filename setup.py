@@ -18,6 +18,7 @@ EXTRAS_REQUIRE = {
         "torch==2.13.0",
         "megatron-core==0.19.2",
         "einops",  # megatron-core's hierarchical CP groups need it (only in its dev extra)
+        "psutil",  # megatron-core's torch_dist checkpoint writer needs it (pretrain-cpu's save/resume)
         "numpy",
         "matplotlib",
         "tqdm",
@@ -30,8 +31,8 @@ EXTRAS_REQUIRE = {
     # Optional GPU kernels, imported lazily; NVIDIA Apex is not on PyPI (see README). Both build
     # against the installed torch: install with scripts/install_gpu.sh (--no-build-isolation).
     # Ranges = the releases whose signatures the adapters are tested against
-    # (tests/fixtures/kernel_signatures: flash-attn 2.6.3-2.8.3, TE 2.14 = 2.12-2.14.1 and
-    # 2.18 = 2.15-2.20.dev).
+    # (tests/fixtures/kernel_signatures: flash-attn 2.6.3-2.8.3; TE 2.14 = 2.12-2.14.1, 2.18 =
+    # 2.15-2.18, 2.20.2).
     "gpu": [
         "flash-attn>=2.6.3,<2.9",
         "transformer-engine[pytorch]>=2.12,<2.21",

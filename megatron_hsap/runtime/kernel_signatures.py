@@ -14,9 +14,10 @@ modes are caught here rather than on the GPU:
 
 The signatures of the releases the adapters are written against are recorded (names and
 defaults only) in ``tests/fixtures/kernel_signatures/`` and the binding is tested against them:
-Transformer Engine 1.13, 2.14 and 2.18 (``transformer_engine/pytorch/cpp_extensions/
-fused_attn.py``; 2.18 equals the 2.20 development branch) and flash-attn 2.5.9, 2.6.3, 2.7.4,
-2.8.3 (``flash_attn/flash_attn_interface.py``).
+Transformer Engine 1.13, 2.14 (= 2.12 – 2.14.1), 2.18 (= 2.15 – 2.17.1) and 2.20.2, the
+PyPI release of late 2026 (same signature as 2.18; its ``FusedAttnBackend`` became an
+``IntEnum``, still indexed by name) — ``transformer_engine/pytorch/cpp_extensions/
+fused_attn.py`` — and flash-attn 2.5.9, 2.6.3, 2.7.4, 2.8.3 (``flash_attn/flash_attn_interface.py``).
 """
 
 from __future__ import annotations
@@ -108,6 +109,16 @@ def bind(
     return kwargs
 
 
+def _has_name(table: Any, name: str) -> bool:
+    """``table[name]`` exists: TE's tables are dicts, some became enums (``FusedAttnBackend`` in
+    2.20), and ``name in EnumClass`` compares values, not names."""
+    try:
+        table[name]
+    except (KeyError, TypeError):
+        return False
+    return True
+
+
 def te_support_reason(fused_attn: Any) -> str | None:
     """Why the imported ``transformer_engine.pytorch.cpp_extensions.fused_attn`` module cannot
     serve the THD adapter (None: it can). Needs the separate-q/k/v functions, the
@@ -115,9 +126,9 @@ def te_support_reason(fused_attn: Any) -> str | None:
     for name in ("fused_attn_fwd", "fused_attn_bwd"):
         if not callable(getattr(fused_attn, name, None)):
             return f"this Transformer Engine has no {name}; install transformer-engine[pytorch] >= 1.9"
-    layouts = getattr(fused_attn, "QKVLayout", {})
-    masks = getattr(fused_attn, "AttnMaskType", {})
-    if "thd_thd_thd" not in layouts or "padding_causal_bottom_right" not in masks:
+    if not _has_name(getattr(fused_attn, "QKVLayout", {}), "thd_thd_thd") or not _has_name(
+        getattr(fused_attn, "AttnMaskType", {}), "padding_causal_bottom_right"
+    ):
         return (
             "this Transformer Engine lacks the THD layout or the bottom-right causal mask "
             "(added in 1.9); install transformer-engine[pytorch] >= 1.9"

@@ -1,6 +1,6 @@
 """The kernel adapters' argument binding against the *recorded* signatures of real releases.
 
-Transformer Engine 1.13 / 2.14 / 2.18 and flash-attn 2.5.9 / 2.6.3 / 2.7.4 / 2.8.3
+Transformer Engine 1.13 / 2.14 / 2.18 / 2.20.2 and flash-attn 2.5.9 / 2.6.3 / 2.7.4 / 2.8.3
 (``tests/fixtures/kernel_signatures``). Each fake function has exactly the recorded signature
 and emulates what the C++ side does with what it is given: it refuses a layout or format other
 than packed THD — TE ≥ 2.15 shapes O and dQKV from ``o_format`` / ``dqkv_layout`` (``sbhd`` by
@@ -13,6 +13,7 @@ misbound argument fails. Tolerances as in ``test_kernels``: float64 inputs, the 
 
 from __future__ import annotations
 
+import enum
 import sys
 import types
 import warnings
@@ -87,7 +88,11 @@ _TE_DTYPE = {torch.float16: "kFloat16", torch.bfloat16: "kBFloat16", torch.float
 _BACKENDS = {"F16_arbitrary_seqlen": "F16_arbitrary_seqlen", "FP8": "FP8", "No_Backend": "No_Backend"}
 
 
-def _expect_thd_call(a: dict, backward: bool) -> None:
+def _v(version: str) -> tuple[int, int]:
+    return tuple(int(p) for p in version.split(".")[:2])  # type: ignore[return-value]
+
+
+def _expect_thd_call(a: dict, backward: bool, backends) -> None:
     """What the C++ side needs from a THD call, given the complete (defaulted) arguments."""
     assert a["qkv_layout"] == "thd_thd_thd", a["qkv_layout"]
     if "o_format" in a:  # TE >= 2.15: O is shaped from o_format, default "sbhd"
@@ -101,7 +106,7 @@ def _expect_thd_call(a: dict, backward: bool) -> None:
         assert a["fake_dtype"] is dtype
     if backward and "dqkv_dtype" in a:  # TE <= 2.14
         assert a["dqkv_dtype"] == _TE_DTYPE[dtype]
-    assert a["fused_attention_backend"] == "F16_arbitrary_seqlen" and a["attn_bias_type"] == "no_bias"
+    assert a["fused_attention_backend"] == backends["F16_arbitrary_seqlen"] and a["attn_bias_type"] == "no_bias"
     assert a["dropout"] == 0.0 and not a.get("return_max_logit", False)
     causal = a["attn_mask_type"] == "padding_causal_bottom_right"
     assert causal or a["attn_mask_type"] == "padding", a["attn_mask_type"]
@@ -117,9 +122,11 @@ def _fake_te(version: str, stats_layout: str) -> types.ModuleType:
     """``fused_attn`` of one recorded release; Stats ``[tq, h, 1]`` ("th1", newer cuDNN) or
     ``[b, h, max_q, 1]`` ("bhs1", older cuDNN); cuDNN leaves rows without keys unspecified."""
     sigs = load("te", version)
+    # a dict of the pybind enum until 2.19, an IntEnum from 2.20 (looked up by name either way)
+    backends = _BACKENDS if _v(version) < (2, 20) else enum.IntEnum("FusedAttnBackend", ["No_Backend", "F16_arbitrary_seqlen", "FP8"])
 
     def fwd(a):
-        _expect_thd_call(a, backward=False)
+        _expect_thd_call(a, backward=False, backends=backends)
         causal = a["attn_mask_type"] != "padding"
         q, k, v, cu_q, cu_k = a["q"], a["k"], a["v"], a["cu_seqlens_q"], a["cu_seqlens_kv"]
         out, lse = reference_varlen(q, k, v, cu_q.tolist(), cu_k.tolist(), causal, a["attn_scale"])
@@ -134,7 +141,7 @@ def _fake_te(version: str, stats_layout: str) -> types.ModuleType:
         return out.to(q.dtype), [stats, torch.zeros(2, dtype=torch.int64)]
 
     def bwd(a):
-        _expect_thd_call(a, backward=True)
+        _expect_thd_call(a, backward=True, backends=backends)
         stats, rng = a["aux_ctx_tensors"]
         assert rng.dtype == torch.int64 and rng.numel() == 2
         cu_q = a["cu_seqlens_q"]
@@ -154,9 +161,12 @@ def _fake_te(version: str, stats_layout: str) -> types.ModuleType:
     mod = types.ModuleType("transformer_engine.pytorch.cpp_extensions.fused_attn")
     mod.fused_attn_fwd = fake_callable(sigs["fused_attn_fwd"], fwd)
     mod.fused_attn_bwd = fake_callable(sigs["fused_attn_bwd"], bwd)
-    mod.FusedAttnBackend = _BACKENDS
+    mod.FusedAttnBackend = backends
     mod.QKVLayout = {"thd_thd_thd": 0, "sbh3d": 1}
     mod.AttnMaskType = {"padding": 0, "padding_causal": 1, "padding_causal_bottom_right": 2}
+    if _v(version) >= (2, 20):  # tables looked up by name must keep working if they turn into enums
+        mod.QKVLayout = enum.IntEnum("QKVLayout", ["sbh3d", "thd_thd_thd"])
+        mod.AttnMaskType = enum.IntEnum("AttnMaskType", ["padding", "padding_causal", "padding_causal_bottom_right"])
     return mod
 
 
@@ -200,7 +210,7 @@ def test_te_binding_per_release(install_te, version):
     values.update(o=x, d_o=x, aux_ctx_tensors=[])
     fwd = bind(mod.fused_attn_fwd, values, "fwd", vetted=kernel_signatures.TE_VETTED_DEFAULTS)
     bwd = bind(mod.fused_attn_bwd, values, "bwd", vetted=kernel_signatures.TE_VETTED_DEFAULTS)
-    major_minor = tuple(int(p) for p in version.split(".")[:2])
+    major_minor = _v(version)
     assert fwd["qkv_layout"] == bwd["qkv_layout"] == "thd_thd_thd"
     if major_minor >= (2, 15):
         assert fwd["o_format"] == bwd["o_format"] == bwd["do_format"] == "thd"
@@ -249,6 +259,7 @@ def test_unvetted_optional_parameter_warns_and_unknown_required_fails():
 
 def test_te_support_reason_names_the_version_to_install():
     assert te_support_reason(_fake_te("2.18", "th1")) is None
+    assert te_support_reason(_fake_te("2.20.2", "th1")) is None  # its tables as enums, by name
     old = _fake_te("1.13", "th1")
     old.AttnMaskType = {"padding": 0, "padding_causal": 1}  # TE < 1.9
     assert ">= 1.9" in te_support_reason(old)
