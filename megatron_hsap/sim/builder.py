@@ -74,6 +74,8 @@ class Builder:
         self._bytes: dict[tuple[int, int, int], float] = defaultdict(float)
         self._labels: dict[tuple[int, int, int], str] = {}
         self._next_tag = 0
+        self._moves: set[tuple[int, int]] = set()  # (tag, rank) pairs with bytes to move
+        self._open: list[set[int]] = [set() for _ in range(n)]  # tags posted, not yet waited, per rank
 
     def new_tag(self) -> int:
         self._next_tag += 1
@@ -83,21 +85,32 @@ class Builder:
         if src == dst or nbytes <= 0:
             return
         self._bytes[(tag, src, dst)] += float(nbytes)
+        self._moves.update(((tag, src), (tag, dst)))
         self._labels.setdefault((tag, src, dst), label)
 
     def post(self, rank: int, tag: int) -> None:
         self.progs[rank].append(Post(tag))
+        if (tag, rank) in self._moves:
+            self._open[rank].add(tag)
 
     def wait(self, rank: int, tag: int) -> None:
         self.progs[rank].append(Wait(tag))
+        self._open[rank].discard(tag)
+
+    def overlapped(self, rank: int) -> bool:
+        """Whether ``rank`` has a posted transfer in flight (posted, not yet waited) in program order."""
+        return bool(self._open[rank])
 
     def busy(self, rank: int, seconds: float, kind: str = "compute", label: str = "", flops: float = 0.0) -> None:
         if seconds > 0:
             self.progs[rank].append(Busy(seconds, kind, label, flops))
 
     def kernel(self, rank: int, blocks: Blocks, hw: SimHardware, shape: HeadShape, phase: str, label: str = "") -> float:
-        """Append one varlen attention call; returns its seconds."""
+        """Append one varlen attention call; returns its seconds. While a posted transfer of this
+        rank is in flight, the kernel shares SMs and HBM with NCCL: ``hw.overlap_slowdown``."""
         t, f = blocks.seconds(hw, shape, phase)
+        if self.overlapped(rank):
+            t *= 1.0 + hw.overlap_slowdown
         self.busy(rank, t, "compute", label, f)
         return t
 

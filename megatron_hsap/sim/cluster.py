@@ -88,8 +88,10 @@ class Cluster:
         for a in members:
             nvl = sum(1 for b in members if b != a and self.link(a, b) is LinkClass.NVLINK)
             ib = len(members) - 1 - nvl
-            worst = max(worst, nvl * bytes_per_peer / self.hw.nvlink_bw, ib * bytes_per_peer / self.hw.ib_bw)
-        return worst / self.hw.a2a_efficiency + self.hw.latency(self._span(members)) + copies
+            # a2a_efficiency: NCCL's all-to-all over NVLink against the NVLink figure (an all-gather /
+            # all-reduce bus bandwidth); the NIC figure is already NDR's achieved large-message rate
+            worst = max(worst, nvl * bytes_per_peer / (self.hw.nvlink_bw * self.hw.a2a_efficiency), ib * bytes_per_peer / self.hw.ib_bw)
+        return worst + self.hw.latency(self._span(members)) + copies
 
     def ring_collective_time(self, members: list[int], bytes_per_rank: float) -> float:
         """All-gather (or reduce-scatter) of ``bytes_per_rank`` per member, NCCL's ring algorithm:

@@ -92,7 +92,8 @@ class SimHardware:
     # Calibrated efficiencies (sim/calibrate.py fits them on MagiAttention's 8-GPU figures):
     a2a_efficiency: float = 1.0  # NCCL all-to-all: achieved / link bandwidth
     collective_efficiency: float = 1.0  # NCCL ring all-gather / reduce-scatter: achieved / link bandwidth
-    thd_kernel_factor: float = 1.0  # TE's cuDNN THD kernels (ring p2p steps): rate / FA3 rate
+    te_step_s: float = 0.0  # host + launch overhead of one step of TE's THD p2p ring (seconds)
+    overlap_slowdown: float = 0.0  # kernel slowdown while NCCL transfers run beside it (SM/HBM contention)
 
     def __post_init__(self) -> None:
         for name in ("nvlink_bw", "ib_bw", "hbm_bw", "dense_peak_flops"):
@@ -105,7 +106,11 @@ class SimHardware:
             raise ConfigError(f"hardware {self.name}: gpus_per_node must be >= 1")
         if not 0 < self.dense_mfu <= 1:
             raise ConfigError(f"hardware {self.name}: dense_mfu must be in (0, 1]")
-        for name in ("a2a_efficiency", "collective_efficiency", "thd_kernel_factor"):
+        if not 0 <= self.overlap_slowdown < 1:
+            raise ConfigError(f"hardware {self.name}: overlap_slowdown must be in [0, 1), got {self.overlap_slowdown!r}")
+        if self.te_step_s < 0:
+            raise ConfigError(f"hardware {self.name}: te_step_s must be >= 0, got {self.te_step_s!r}")
+        for name in ("a2a_efficiency", "collective_efficiency"):
             if not 0 < getattr(self, name) <= 1:
                 raise ConfigError(f"hardware {self.name}: {name} must be in (0, 1], got {getattr(self, name)!r}")
 
@@ -147,7 +152,8 @@ def sim_hardware(name: str) -> SimHardware:
         dense_mfu=float(c.get("dense_mfu", constants.DENSE_MFU)),
         a2a_efficiency=float(c.get("a2a_efficiency", 1.0)),
         collective_efficiency=float(c.get("collective_efficiency", 1.0)),
-        thd_kernel_factor=float(c.get("thd_kernel_factor", 1.0)),
+        te_step_s=float(c.get("te_step_s", 0.0)),
+        overlap_slowdown=float(c.get("overlap_slowdown", 0.0)),
     )
 
 

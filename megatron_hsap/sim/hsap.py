@@ -125,6 +125,8 @@ def hsap_workload(plan: object, cluster: Cluster, phase: str) -> tuple[Workload,
                     blocks = [(len(it.q), len(it.kv), it.work * fpp) for it in items]
                     secs = hw.kernel.curve.launch_s + hw.kernel.blocks_time_py(blocks, phase) + hw.kernel.grid_time(
                         max(x[0] for x in blocks), max(x[1] for x in blocks), len(blocks), h, phase)
+                    if b.overlapped(r):  # NCCL transfers in flight share the SMs (as Builder.kernel)
+                        secs *= 1.0 + hw.overlap_slowdown
                     b.busy(r, secs, "compute", f"stage {ins.stage}", sum(x[2] for x in blocks))
                     b.elementwise(r, sum(_item_merge_bytes(it, widths, cov) for it in items), hw, "merge local")
             elif isinstance(ins, Merge):

@@ -151,8 +151,9 @@ def ring_schedule(
                 b.send(kv_tags[s], r, nxt, kv_bytes, "kv")
                 b.post(r, kv_tags[s])
             blocks = steps.blocks[r][s]
-            t, f = blocks.seconds(hw, shape, phase)
-            b.busy(r, t / (hw.thd_kernel_factor if impl == "te" else 1.0), "compute", f"step {s}", f)
+            if impl == "te":  # TE THD p2p: per-step half-tensor reads, cu_seqlens, launches (host-bound)
+                b.busy(r, hw.te_step_s, "host", f"step {s} setup")
+            b.kernel(r, blocks, hw, shape, phase, f"step {s}")
             if phase == "fwd":
                 if s > 0 and not blocks.empty:
                     b.elementwise(r, steps.out_rows[r, s] * h * dv * merge_bytes(impl, "fwd") + steps.extra_bytes[r, s], hw)

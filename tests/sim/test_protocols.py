@@ -112,3 +112,13 @@ def test_double_ring_computes_what_the_single_ring_computes(intra: int, inter: i
     outer = [t for t in dr.fwd.workload.transfers if t.label == "kv outer"]
     inner = [t for t in dr.fwd.workload.transfers if t.label == "kv inner"]
     assert len(outer) == inter * (inter // w - 1) and len(inner) == inter * (inter // w) * (w - 1)
+
+
+def test_tune_command_prints_the_megatron_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    assert tune_mod.main(["--gpus", "4", "--tokens-per-gpu", "2048", "--samples", "1", "--heads", "8/8",
+                          "--hardware", "a100", "--workload", "fineweb"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    chosen = [line for line in out if "<- chosen" in line]
+    assert len(chosen) == 1 and out[-1] == "--hierarchical-context-parallel-sizes {} {}".format(
+        *chosen[0].split(":")[0].strip().split("x"))
+    assert tune_mod.main(["--heads", "64"]) == 2 and "--heads" in capsys.readouterr().err

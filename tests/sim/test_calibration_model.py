@@ -1,0 +1,66 @@
+"""The calibrated structural terms, each on a case computed by hand (TOY constants of
+test_schedules: one pair per second, NVLink 1 B/s + 0.5 s, InfiniBand 0.25 B/s + 1 s)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from megatron_hsap.sim.builder import Blocks, Builder
+from megatron_hsap.sim.cluster import Cluster
+from megatron_hsap.sim.methods import run_method
+from tests.sim.test_schedules import ONE, TIGHT, TOY
+
+
+def test_ring_collective_is_rail_aware_across_nodes() -> None:
+    hw = replace(TOY, gpus_per_node=4, nvlink_bw=10.0, ib_bw=1.0)
+    c = Cluster(hw=hw, intra_size=1, inter_size=8)  # 2 nodes of 4
+    ranks = list(range(8))
+    # NVLink: 7 chunks of 4 B at 10 B/s = 2.8 s; NICs: (8 - 4) remote chunks per node over 4 NICs = 4 B at 1 B/s
+    assert c.ring_collective_time(ranks, 4.0) == pytest.approx(max(2.8, 4.0) + 1.0, **TIGHT)
+    one_node = Cluster(hw=hw, intra_size=1, inter_size=4)
+    assert one_node.ring_collective_time([0, 1, 2, 3], 4.0) == pytest.approx(3 * 4 / 10 + 0.5, **TIGHT)
+    slow = replace(hw, collective_efficiency=0.5)
+    assert Cluster(hw=slow, intra_size=1, inter_size=8).ring_collective_time(ranks, 4.0) == pytest.approx(8.0 + 1.0, **TIGHT)
+
+
+def test_all_to_all_pays_layout_copies_and_nvlink_efficiency() -> None:
+    hw = replace(TOY, hbm_bw=100.0, a2a_efficiency=0.5)
+    c = Cluster(hw=hw, intra_size=4, inter_size=1)
+    # 3 peers × 2 B at 1 B/s / 0.5 = 12 s, + 0.5 s latency, + 4 × (4 × 2 B) / 100 B/s of copies
+    assert c.all_to_all_time([0, 1, 2, 3], 2.0) == pytest.approx(12.0 + 0.5 + 0.32, **TIGHT)
+
+
+def test_backward_grid_cost_counts_empty_ctas() -> None:
+    hw = replace(TOY, kernel=replace(TOY.kernel, cta_s=1.0))
+    blocks = Blocks.of([1, 1], [300, 1], [1, 1])  # longest kv block 300 -> 3 CTAs of 128 per block
+    fwd, _ = blocks.seconds(hw, ONE, "fwd")
+    bwd, _ = blocks.seconds(hw, ONE, "bwd")
+    assert fwd == pytest.approx(2 * 4 / 4, **TIGHT)  # forward: real tiles only
+    assert bwd == pytest.approx(2 * 10 / 10 + 3 * 1 * 2, **TIGHT)  # + ceil(300/128) × heads × blocks
+
+
+def test_overlap_slowdown_applies_only_while_a_transfer_is_in_flight() -> None:
+    hw = replace(TOY, overlap_slowdown=0.5)
+    b = Builder(2)
+    tag = b.new_tag()
+    b.send(tag, 0, 1, 100.0)
+    blk = Blocks.of([2], [2], [4])  # 4 pairs = 4 s
+    b.post(0, tag)
+    b.post(1, tag)
+    t_in = b.kernel(0, blk, hw, ONE, "fwd")
+    b.wait(0, tag)
+    t_out = b.kernel(0, blk, hw, ONE, "fwd")
+    assert t_in == pytest.approx(6.0, **TIGHT) and t_out == pytest.approx(4.0, **TIGHT)
+    b.wait(1, tag)
+
+
+def test_te_ring_pays_one_fixed_cost_per_step() -> None:
+    base = run_method("te_thd_ring", [0, 8], hw=TOY, intra=1, inter=2, shape=ONE)
+    slow = run_method("te_thd_ring", [0, 8], hw=replace(TOY, te_step_s=3.0), intra=1, inter=2, shape=ONE)
+    hybrid = run_method("hybrid_cp", [0, 8], hw=replace(TOY, te_step_s=3.0), intra=1, inter=2, shape=ONE)
+    # forward: 2 steps on every rank, each on the critical path (the KV round hides under step 0 either way)
+    assert slow.fwd.seconds - base.fwd.seconds == pytest.approx(2 * 3.0, **TIGHT)
+    base_h = run_method("hybrid_cp", [0, 8], hw=TOY, intra=1, inter=2, shape=ONE)
+    assert hybrid.fwd.seconds == pytest.approx(base_h.fwd.seconds, **TIGHT)  # FA3 rings: no TE step cost
