@@ -21,9 +21,10 @@ Transformer Engine are checked when they import. Runs from a plain copy of the t
 5. ``ranks``     per inter rank of a P-rank plan: its kernel calls timed on this GPU vs the
                  calibrated model's prediction of the same calls, beside the planned work.
 
-``--only kernels,calibrate`` runs some sections; ``--budget-s`` (default 240) starts no
-section later than that (such a section is reported as failed). Everything goes to one folder (``checks.csv``, ``calibration.csv``, ``calibration.yaml``,
-``ranks.csv``, ``environment.json``, ``summary.txt``) and the summary table is printed. Exit
+``--only kernels,calibrate`` runs some sections; ``--budget-s`` (default 240 on a GPU, none on
+the dry run) starts no section later than that (such a section is reported as failed). Everything goes to one folder (``checks.csv``, ``calibration.csv``, ``calibration.yaml``,
+``ranks.csv``, ``environment.json``, ``summary.txt``, and ``summary.md`` for the README) and the
+summary table is printed. Exit
 status 1 when any check failed.
 
 ``--dry-run`` (CPU) runs every section with the ``cpu`` backend in float32 at small sizes, the
@@ -336,12 +337,12 @@ def check_multirank(ctx: _Ctx) -> None:
         procs = mp.start_processes(_rank_main, args=(world, backend, _free_port(), str(out_file),
                                    str(dtype).removeprefix("torch.")), nprocs=world, join=False,
                                    start_method="spawn")  # fmt: skip
-        deadline = time.monotonic() + 180
+        deadline = time.monotonic() + 300  # a hang guard (NCCL or gloo stuck), not a speed check
         while not procs.join(timeout=5):
             if time.monotonic() > deadline:
                 for p in procs.processes:
                     p.kill()
-                raise TimeoutError("multi-rank check did not finish in 180 s")
+                raise TimeoutError("multi-rank check did not finish in 300 s (a hang: see the ranks' output)")
         errors = json.loads(out_file.read_text())
         ctx.add("multirank", name, max(errors.values()), TOL[dtype], " ".join(f"{k} {v:.1e}" for k, v in errors.items()))
     except Exception as exc:
@@ -382,15 +383,31 @@ def _summary(ctx: _Ctx, env: dict[str, Any], seconds: float) -> str:
     return "\n".join(lines)
 
 
+def _summary_markdown(ctx: _Ctx, env: dict[str, Any]) -> str:
+    """The same table as markdown, with the GPU, versions and date: for the README's "Running on
+    GPUs" section."""
+    versions = ", ".join(f"{k} {env[k]}" for k in ("torch", "cuda", "cudnn", "flash-attn", "transformer-engine") if k in env)
+    lines = [f"GPU check on {env.get('gpu', 'cpu (dry run)')} (SM {env.get('sm', '-')}), {versions}, {env['date'][:10]}:", "",
+             "| section | check | result | error | tolerance | detail |", "|---|---|---|---|---|---|"]  # fmt: skip
+    for r in ctx.rows:
+        err = "" if math.isnan(r.error) else f"{r.error:.2e}"
+        tol = "" if math.isnan(r.tol) else f"{r.tol:.2g}"
+        lines.append(f"| {r.section} | {r.name} | {'ok' if r.passed else 'FAIL'} | {err} | {tol} | {r.detail.replace('|', '/')} |")
+    return "\n".join(lines)
+
+
 SECTIONS = ("kernels", "executor", "multirank", "calibrate")  # calibrate includes the per-rank comparison
 
 
 def run_check(out: Path, *, dry_run: bool, hardware: str | None = None, only: tuple[str, ...] = SECTIONS,
-              budget_s: float = 240.0) -> tuple[list[CheckRow], Path]:  # fmt: skip
+              budget_s: float | None = None) -> tuple[list[CheckRow], Path]:  # fmt: skip
     """Run the ``only`` sections in order, write the result folder, return the rows and the
-    summary path. A section that would start past ``budget_s`` is not run and counts as failed
-    (the check did not complete), so a slow machine cannot pass by running less."""
+    summary path. A section that would start past ``budget_s`` (default: 240 s on a GPU, none on
+    the dry run, whose duration depends on a shared CPU) is not run and counts as failed (the
+    check did not complete), so a slow machine cannot pass by running less."""
     t0 = time.monotonic()
+    if budget_s is None:
+        budget_s = math.inf if dry_run else 240.0
     unknown = set(only) - set(SECTIONS)
     if unknown:
         raise SystemExit(f"gpu_check: unknown sections {sorted(unknown)}; choose from {', '.join(SECTIONS)}")
@@ -434,6 +451,7 @@ def run_check(out: Path, *, dry_run: bool, hardware: str | None = None, only: tu
         w.writerows(asdict(r) for r in ctx.rows)
     summary = _summary(ctx, env, time.monotonic() - t0)
     (out / "summary.txt").write_text(summary + "\n")
+    (out / "summary.md").write_text(_summary_markdown(ctx, env) + "\n")
     return ctx.rows, out / "summary.txt"
 
 
@@ -443,7 +461,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dry-run", action="store_true", help="CPU: every section but the CUDA calls (synthetic timings)")
     ap.add_argument("--hardware", default=None, help="constant set the calibration overrides (default: from the GPU name)")
     ap.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated sections (default: all of {','.join(SECTIONS)})")
-    ap.add_argument("--budget-s", type=float, default=240.0, help="start no section after this many seconds (default 240)")
+    ap.add_argument("--budget-s", type=float, default=None, help="start no section after this many seconds (default 240; none with --dry-run)")
     args = ap.parse_args(argv)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     out = args.out or Path("gpu_check_results") / (stamp + ("-dry" if args.dry_run else ""))

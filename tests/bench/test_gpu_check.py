@@ -46,7 +46,8 @@ def test_dry_run_script_passes_and_its_yaml_loads(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "0 failed" in proc.stdout and "DRY RUN" in proc.stdout
     assert "no PyYAML here" in proc.stdout  # the blocker was active: the GPU box's path ran
-    for name in ("checks.csv", "calibration.csv", "calibration.yaml", "ranks.csv", "environment.json", "summary.txt"):
+    for name in ("checks.csv", "calibration.csv", "calibration.yaml", "ranks.csv", "environment.json", "summary.txt",
+                 "summary.md"):  # fmt: skip
         assert (out / name).is_file(), name
     rows = list(csv.DictReader((out / "checks.csv").open()))
     sections = {r["section"] for r in rows}
@@ -75,6 +76,9 @@ def test_dry_run_script_passes_and_its_yaml_loads(tmp_path):
         assert HARDWARE[registered].kernel.half_rate_tokens == fields["half_rate_tokens"]
     finally:
         HARDWARE.pop(registered, None)
+    table = (out / "summary.md").read_text().splitlines()
+    assert table[0].startswith("GPU check on cpu (dry run)") and table[2].startswith("| section |")
+    assert len(table) == 4 + len(rows)  # one markdown row per check
     ranks = list(csv.DictReader((out / "ranks.csv").open()))
     assert len(ranks) == 4 and all(float(r["measured_s"]) > 0 for r in ranks)
 
@@ -168,7 +172,7 @@ def test_install_gpu_refuses_an_environment_without_pip_or_torch(tmp_path):
 def test_sections_past_the_budget_fail_instead_of_being_dropped(tmp_path):
     from megatron_hsap.bench.gpu_check import run_check
 
-    rows, summary = run_check(tmp_path / "r", dry_run=True, only=("executor", "calibrate"), budget_s=0.0)
+    rows, summary = run_check(tmp_path / "r", dry_run=True, only=("executor", "calibrate"), budget_s=-1.0)
     assert [(r.section, r.passed) for r in rows] == [("executor", False), ("executor", False), ("calibrate", False)]
     assert all("budget" in r.detail for r in rows) and "0 passed, 3 failed" in summary.read_text()
     with pytest.raises(SystemExit, match="unknown sections"):
