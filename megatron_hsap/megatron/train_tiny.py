@@ -339,7 +339,7 @@ def _parse(argv: list[str] | None) -> tuple[TinyRun, bool]:
     p.add_argument("--context-parallel-impl", choices=("hsap", "ring"), default="hsap")
     p.add_argument("--intra-size", type=positive_int, default=2, help="P_intra (all-to-all group)")
     p.add_argument("--inter-size", type=positive_int, default=2, help="P_inter (SAP P2P group)")
-    p.add_argument("--steps", type=positive_int, default=20)
+    p.add_argument("--steps", type=int, default=20)
     p.add_argument("--seq-length", type=positive_int, default=512, help="tokens per sample")
     p.add_argument("--micro-batch-size", type=positive_int, default=2, help="samples packed into one micro-batch")
     p.add_argument("--num-layers", type=positive_int, default=2)
