@@ -364,6 +364,18 @@ def test_plan_inputs_raise_one_line_errors(call, error, says):
     assert says in str(info.value)
 
 
+def test_planning_out_of_host_memory_is_a_batch_error(monkeypatch):
+    """A batch too large for the planner's per-token arrays (2^30 tokens on a small host): one line."""
+    from megatron_hsap.plan import plan as plan_module
+
+    def no_memory(*_args, **_kwargs):
+        raise MemoryError
+
+    monkeypatch.setattr(plan_module, "_compile_cached", no_memory)
+    with pytest.raises(BatchError, match=r"planning a batch of T=1073741824 tokens \(1 documents\) at inter_size=2 ran out of host memory"):
+        compile_plan([0, 1 << 30], 2, num_heads=3)  # num_heads=3: not a cached plan
+
+
 def test_option_cache_does_not_confuse_true_with_one():
     compile_plan([0, 16], 1)
     with pytest.raises(ConfigError, match="inter_size must be an integer >= 1, got True"):
