@@ -3,13 +3,14 @@ kv-head rule of the intra all-to-all."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from megatron_hsap.errors import ConfigError
 from megatron_hsap.plan.hardware import HARDWARE
 from megatron_hsap.plan.layout import check_size
 
-__all__ = ["PlanOptions", "kv_heads_per_rank", "DEFAULT_POOL_CHUNKS", "DEFAULT_POOL_MIN", "LAYOUTS"]
+__all__ = ["PlanOptions", "kv_heads_per_rank", "validated_options", "DEFAULT_POOL_CHUNKS", "DEFAULT_POOL_MIN", "LAYOUTS"]
 
 LAYOUTS = ("contiguous", "balanced")
 
@@ -76,3 +77,27 @@ class PlanOptions:
         if self.hardware not in HARDWARE:
             raise ConfigError(f"hardware={self.hardware!r} is unknown; choose one of {sorted(HARDWARE)}")
         return self
+
+
+def validated_options(inter_size, intra_size, num_heads, num_kv_heads, head_dim, head_dim_v, dtype_bytes,
+                      extra: dict) -> PlanOptions:
+    """Validated options, cached by value AND type (``inter_size=True`` must not hit the entry of
+    ``inter_size=1``); unhashable values (``pool_bytes=[1]``) skip the cache and fail validation."""
+    args = (inter_size, intra_size, num_heads, num_kv_heads, head_dim, head_dim_v, dtype_bytes)
+    typed_extra = tuple((k, type(v).__name__, v) for k, v in sorted(extra.items(), key=lambda kv: kv[0]))
+    try:
+        hash((args, typed_extra))
+    except TypeError:
+        return _options.__wrapped__(*args, typed_extra)
+    return _options(*args, typed_extra)
+
+
+@functools.lru_cache(maxsize=256, typed=True)
+def _options(inter_size, intra_size, num_heads, num_kv_heads, head_dim, head_dim_v, dtype_bytes, extra) -> PlanOptions:
+    known = set(PlanOptions.__dataclass_fields__)
+    unknown = [k for k, _, _ in extra if k not in known]
+    if unknown:
+        raise ConfigError(f"unknown compile_plan option(s) {unknown}; known: {sorted(known - {'inter_size'})}")
+    return PlanOptions(inter_size=inter_size, intra_size=intra_size, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                       head_dim=head_dim, head_dim_v=head_dim_v, dtype_bytes=dtype_bytes,
+                       **{k: v for k, _, v in extra}).validate()

@@ -21,7 +21,7 @@ from megatron_hsap.plan.hardware import HARDWARE, Hardware, LinkClass, link_clas
 from megatron_hsap.plan.ir import Compute, Phase, Program, TokenRange, Unit
 from megatron_hsap.plan.layout import Batch, Layout, contiguous_layout, normalize_cu_seqlens, validate_layout
 from megatron_hsap.plan.balanced import balanced_layout, kept_layout
-from megatron_hsap.plan.options import DEFAULT_POOL_CHUNKS, DEFAULT_POOL_MIN, PlanOptions, kv_heads_per_rank
+from megatron_hsap.plan.options import DEFAULT_POOL_CHUNKS, DEFAULT_POOL_MIN, PlanOptions, kv_heads_per_rank, validated_options
 from megatron_hsap.plan.placement import Placement, Prices, min_traffic, owner_computes, region_distflash
 from megatron_hsap.plan.rebalance import balance
 from megatron_hsap.plan.schedule import Split, StageShape, Staging, StagingError, default_shape, stage, stage_shapes
@@ -374,7 +374,7 @@ def compile_plan(cu_seqlens: object, inter_size: int, intra_size: int = 1, *, nu
     padding tokens form one extra document (causal among themselves), have ids ≥ T in
     ``local_token_indices`` and carry no loss. Raises ``BatchError``/``ConfigError`` on bad input.
     """
-    opts = _checked_options(inter_size, intra_size, num_heads, num_kv_heads, head_dim, head_dim_v, dtype_bytes, options)
+    opts = validated_options(inter_size, intra_size, num_heads, num_kv_heads, head_dim, head_dim_v, dtype_bytes, options)
     key = _fast_key(cu_seqlens)
     if key is not None:
         with _CACHE_LOCK:
@@ -425,30 +425,6 @@ def _fast_key(cu_seqlens: object) -> tuple[int, ...] | None:
     if isinstance(cu_seqlens, (list, tuple)) and set(map(type, cu_seqlens)) == {int}:
         return tuple(cu_seqlens)
     return None
-
-
-def _checked_options(inter_size, intra_size, num_heads, num_kv_heads, head_dim, head_dim_v, dtype_bytes,
-                     extra: dict) -> PlanOptions:
-    """Validated options, cached by value AND type (``inter_size=True`` must not hit the entry of
-    ``inter_size=1``); unhashable values (``pool_bytes=[1]``) skip the cache and fail validation."""
-    args = (inter_size, intra_size, num_heads, num_kv_heads, head_dim, head_dim_v, dtype_bytes)
-    typed_extra = tuple((k, type(v).__name__, v) for k, v in sorted(extra.items(), key=lambda kv: kv[0]))
-    try:
-        hash((args, typed_extra))
-    except TypeError:
-        return _options.__wrapped__(*args, typed_extra)
-    return _options(*args, typed_extra)
-
-
-@functools.lru_cache(maxsize=256, typed=True)
-def _options(inter_size, intra_size, num_heads, num_kv_heads, head_dim, head_dim_v, dtype_bytes, extra) -> PlanOptions:
-    known = set(PlanOptions.__dataclass_fields__)
-    unknown = [k for k, _, _ in extra if k not in known]
-    if unknown:
-        raise ConfigError(f"unknown compile_plan option(s) {unknown}; known: {sorted(known - {'inter_size'})}")
-    return PlanOptions(inter_size=inter_size, intra_size=intra_size, num_heads=num_heads, num_kv_heads=num_kv_heads,
-                       head_dim=head_dim, head_dim_v=head_dim_v, dtype_bytes=dtype_bytes,
-                       **{k: v for k, _, v in extra}).validate()
 
 
 def _compile_cached(cu: tuple[int, ...], opts: PlanOptions) -> Plan:
