@@ -165,8 +165,11 @@ def _group_size(group: dist.ProcessGroup | None) -> int:
 
 def _all_to_all(recv: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup | None, timeout_s: float | None,
                 stage: str) -> None:  # fmt: skip
-    """One ``all_to_all_single``; with ``timeout_s`` it has that deadline (``CommunicationError``)."""
-    if timeout_s is None:
+    """One ``all_to_all_single``; with ``timeout_s`` and CPU tensors (gloo) it has that deadline
+    (``CommunicationError``). On CUDA (NCCL) it stays stream-ordered: a host-side deadline would
+    block the host until the exchange finished (no launch-ahead); NCCL's watchdog enforces the
+    group's timeout instead, which HSAP's groups take from the job (``groups.job_timeout``)."""
+    if timeout_s is None or send.device.type != "cpu":
         dist.all_to_all_single(recv, send, group=group)
         return
     work = dist.all_to_all_single(recv, send, group=group, async_op=True)
