@@ -64,3 +64,15 @@ def test_te_ring_pays_one_fixed_cost_per_step() -> None:
     assert slow.fwd.seconds - base.fwd.seconds == pytest.approx(2 * 3.0, **TIGHT)
     base_h = run_method("hybrid_cp", [0, 8], hw=TOY, intra=1, inter=2, shape=ONE)
     assert hybrid.fwd.seconds == pytest.approx(base_h.fwd.seconds, **TIGHT)  # FA3 rings: no TE step cost
+
+
+def test_committed_constants_reproduce_the_8_gpu_points() -> None:
+    """The fit's own targets: every MagiAttention 8-GPU figure within 20% with the committed
+    constants (mean of 8 batches, as `simulate calibrate`); guards the constants against drift."""
+    from megatron_hsap.sim.calibrate import TOLERANCE, simulate_points
+    from megatron_hsap.sim.config import sim_hardware
+
+    pts = simulate_points(sim_hardware("h100-fa3"), 8, 8)
+    assert len(pts) == 6
+    for p in pts:
+        assert abs(p.error) <= TOLERANCE, p
