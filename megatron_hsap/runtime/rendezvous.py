@@ -13,9 +13,9 @@ The one helper pair::
     ...spawn ranks, hand them store_path...
     init_local_process_group(rank, world, store_path, timeout_s=300)   # each rank
 
-``loopback_env(rank, world, store_path)`` gives the environment a rank started as a subprocess
-needs (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR=127.0.0.1``, ``GLOO_SOCKET_IFNAME=lo``,
-``HSAP_LOCAL_STORE``); ``init_local_process_group`` reads ``HSAP_LOCAL_STORE`` when no path is given.
+``loopback_env(rank, world)`` gives the environment entries of a local rank (``RANK``,
+``WORLD_SIZE``, ``MASTER_ADDR=127.0.0.1``, ``GLOO_SOCKET_IFNAME=lo``); a launcher that starts ranks
+as subprocesses passes them the store path itself (``pretrain-cpu``: ``HSAP_CPU_STORE``).
 """
 
 from __future__ import annotations
@@ -32,9 +32,6 @@ from megatron_hsap.errors import ConfigError
 from megatron_hsap.runtime.env import MAX_TIMEOUT_S
 
 __all__ = ["new_local_store", "remove_local_store", "loopback_env", "init_local_process_group", "check_port"]
-
-_STORE_VAR = "HSAP_LOCAL_STORE"
-
 
 def check_port(value: object, name: str = "MASTER_PORT") -> int:
     """A TCP port number 1..65535 (the rule of ``argtypes.port``); :class:`ConfigError` naming ``name``."""
@@ -54,19 +51,18 @@ def remove_local_store(path: str) -> None:
     shutil.rmtree(os.path.dirname(path), ignore_errors=True)
 
 
-def loopback_env(rank: int, world_size: int, store_path: str, *, local_world_size: int | None = None) -> dict[str, str]:
+def loopback_env(rank: int, world_size: int, *, local_world_size: int | None = None) -> dict[str, str]:
     """Environment entries of one local rank (merge them into ``os.environ`` or a subprocess env)."""
     env = {
         "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
         "LOCAL_WORLD_SIZE": str(local_world_size or world_size), "MASTER_ADDR": "127.0.0.1",
-        _STORE_VAR: store_path,
     }  # fmt: skip
     if sys.platform.startswith("linux"):
         env["GLOO_SOCKET_IFNAME"] = "lo"  # gloo's pair sockets: loopback only
     return env
 
 
-def init_local_process_group(rank: int, world_size: int, store_path: str | None = None, *,
+def init_local_process_group(rank: int, world_size: int, store_path: str, *,
                              timeout_s: float = 300.0, backend: str = "gloo") -> None:  # fmt: skip
     """``init_process_group`` over a file store on this machine; nothing listens beyond loopback.
 
@@ -75,16 +71,16 @@ def init_local_process_group(rank: int, world_size: int, store_path: str | None 
     """
     import torch.distributed as dist
 
-    path = store_path or os.environ.get(_STORE_VAR)
+    path = store_path
     if not path:
-        raise ConfigError(f"init_local_process_group needs a store path (argument or {_STORE_VAR}); see new_local_store()")
+        raise ConfigError("init_local_process_group needs a store path; create one with new_local_store()")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ConfigError(f"world_size must be a positive integer, got {world_size!r}")
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
         raise ConfigError(f"rank {rank!r} is out of range for world_size={world_size}")
     if not 0 < timeout_s <= MAX_TIMEOUT_S:
         raise ConfigError(f"timeout_s={timeout_s!r} must be a finite number of seconds in (0, {MAX_TIMEOUT_S:g}]")
-    os.environ.update(loopback_env(rank, world_size, path))
+    os.environ.update(loopback_env(rank, world_size))
     store = dist.FileStore(path, world_size)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s))

@@ -103,8 +103,10 @@ def test_proc_reader_sees_a_wildcard_listener():
 
 def test_rendezvous_helper_refuses_bad_arguments(tmp_path):
     store = str(tmp_path / "store")
-    env = loopback_env(1, 2, store)
-    assert env["MASTER_ADDR"] == "127.0.0.1" and env["GLOO_SOCKET_IFNAME"] == "lo" and env["HSAP_LOCAL_STORE"] == store
+    env = loopback_env(1, 2)
+    assert env["MASTER_ADDR"] == "127.0.0.1" and env["GLOO_SOCKET_IFNAME"] == "lo" and env["RANK"] == "1"
+    with pytest.raises(ConfigError, match="needs a store path"):
+        init_local_process_group(0, 2, "")
     with pytest.raises(ConfigError, match="rank 2 is out of range for world_size=2"):
         init_local_process_group(2, 2, store)
     with pytest.raises(ConfigError, match="timeout_s=inf must be a finite number"):
