@@ -40,7 +40,8 @@ def _lines(items: list, desc: str) -> Any:
     import sys
 
     for i, item in enumerate(items):
-        print(f"{desc}: {i + 1}/{len(items)} {item}", file=sys.stderr, flush=True)
+        label = str(item)
+        print(f"{desc}: {i + 1}/{len(items)}" + (f" {label}" if len(label) <= 60 else ""), file=sys.stderr, flush=True)
         yield item
 
 
