@@ -14,18 +14,19 @@ Transformer Engine are checked when they import. Runs from a plain copy of the t
                  included; the receive pool on the device.
 3. ``multirank`` when >= 2 GPUs are visible: a 1×P plan over NCCL (one process per GPU) vs the
                  reference; skipped (and said so) with one GPU.
-4. ``calibrate`` kernel time by block shape (fwd/bwd × causal/rectangle × q×kv grid), fitted
-                 to the simulator's curve (:mod:`~megatron_hsap.bench.gpu_calibration`) and
+4. ``calibrate`` kernel time by block shape (fwd/bwd × causal/rectangle × q×kv grid, plus
+                 ragged backward calls), fitted to the simulator's kernel model (:mod:`~megatron_hsap.bench.gpu_calibration`) and
                  written as ``calibration.yaml`` for ``megatron-hsap simulate --config`` and
                  ``gpu_calibration.register_planner_hardware``.
 5. ``ranks``     per inter rank of a P-rank plan: its kernel calls timed on this GPU vs the
                  calibrated model's prediction of the same calls, beside the planned work.
 
-``--only kernels,calibrate`` runs some sections; ``--budget-s`` (default 240 on a GPU, none on
-the dry run) starts no section later than that (such a section is reported as failed). Everything goes to one folder (``checks.csv``, ``calibration.csv``, ``calibration.yaml``,
-``ranks.csv``, ``environment.json``, ``summary.txt``, and ``summary.md`` for the README) and the
-summary table is printed. Exit
-status 1 when any check failed.
+``--only kernels,calibrate`` runs some sections (``ranks`` runs inside ``calibrate``);
+``--budget-s`` (default 240 on a GPU, none on the dry run) starts no section later than that
+(such a section is reported as failed). Everything goes to one folder (``checks.csv``,
+``calibration.csv``, ``calibration.yaml``, ``ranks.csv``, ``environment.json``, ``summary.txt``
+and ``summary.md``, the table for the README) and the summary table is printed. Exit status 1
+when any check failed.
 
 ``--dry-run`` (CPU) runs every section with the ``cpu`` backend in float32 at small sizes, the
 multi-rank section as 2 gloo processes, and times with a synthetic clock drawn from a known
