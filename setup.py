@@ -18,6 +18,7 @@ EXTRAS_REQUIRE = {
         "torch==2.13.0",
         "megatron-core==0.19.2",
         "einops",  # megatron-core's hierarchical CP groups need it (only in its dev extra)
+        "psutil",  # megatron-core's torch_dist checkpoint writer needs it (pretrain-cpu's save/resume)
         "numpy",
         "matplotlib",
         "tqdm",

@@ -52,6 +52,10 @@ COMMANDS: dict[str, Command] = {
         target="megatron_hsap.megatron.train_tiny:main",
         summary="train a tiny Megatron GPT with HSAP context parallelism on CPU ranks",
     ),
+    "pretrain-cpu": Command(
+        target="megatron_hsap.megatron.cpu.command:main",
+        summary="run Megatron's own pretrain() loop with HSAP on CPU gloo ranks (no GPU needed)",
+    ),
     "memory": Command(
         target="megatron_hsap.bench.memory_report:main",
         summary="activation and buffer-pool memory per rank for a plan",

@@ -193,14 +193,17 @@ def validate_hsap_args(args: Any) -> HSAPArgs | None:
     _refuse(getattr(args, "window_size", None) is not None, "--window-size: sliding-window attention is not supported by HSAP yet")
     _refuse(getattr(args, "multi_latent_attention", False), "--multi-latent-attention is not supported by HSAP yet")
     _refuse(bool(getattr(args, "mtp_num_layers", None)), "--mtp-num-layers: multi-token prediction is not supported with HSAP yet")
-    for flag in ("hybrid_context_parallel", "dynamic_context_parallel"):
-        _refuse(bool(getattr(args, flag, False)), f"--{flag.replace('_', '-')} and --context-parallel-impl hsap are alternatives; pick one")
+    _refuse(bool(getattr(args, "hybrid_context_parallel", False)),
+            "--hybrid-context-parallel and --context-parallel-impl hsap are alternatives; pick one")
     pos = getattr(args, "position_embedding_type", "rope")
     _refuse(pos not in ("rope", "learned_absolute", "none"), f"--position-embedding-type {pos}: HSAP supports rope, learned_absolute and none")
     _refuse(getattr(args, "softmax_type", "vanilla") != "vanilla", f"--softmax-type {getattr(args, 'softmax_type', None)}: HSAP supports vanilla only")
-    _refuse(bool(getattr(args, "fp8_dot_product_attention", False)), "--fp8-dot-product-attention is not supported by HSAP")
+    # Config fields without a flag in 0.19.2 (a YAML config or a wrapper may set them).
+    _refuse(bool(getattr(args, "fp8_dot_product_attention", False)),
+            "fp8_dot_product_attention (TransformerConfig) is not supported by HSAP: set it False")
     _refuse(bool(getattr(args, "qk_clip", False)), "--qk-clip needs Transformer Engine's attention; not supported by HSAP")
-    _refuse(bool(getattr(args, "fused_single_qkv_rope", False)), "--fused-single-qkv-rope applies RoPE by row; HSAP applies it by position: turn it off")
+    _refuse(bool(getattr(args, "fused_single_qkv_rope", False)),
+            "fused_single_qkv_rope (TransformerConfig) applies RoPE by row; HSAP applies it by position: set it False")
     pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
     mbs = int(getattr(args, "micro_batch_size", 1) or 1)
     _refuse(

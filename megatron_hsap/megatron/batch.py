@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -24,6 +24,9 @@ import torch.distributed as dist
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from megatron_hsap.errors import BatchError, ConfigError
+
+if TYPE_CHECKING:
+    from megatron_hsap.plan import Plan
 
 __all__ = [
     "HSAP_MARKER",
@@ -51,7 +54,7 @@ class HSAPPackedSeqParams(PackedSeqParams):
     """
 
     hsap_marker: str | None = None
-    hsap_plan: Any = None
+    hsap_plan: "Plan | None" = None
     hsap_cp_rank: int | None = None
     hsap_position_ids: torch.Tensor | None = None
     hsap_num_loss_tokens: int | None = None
@@ -193,7 +196,7 @@ def plan_kwargs_from_config(config: Any, *, tp_size: int | None = None) -> dict[
     )
 
 
-def _resolve_rank_and_sizes(cp_rank: int | None, plan: Any) -> tuple[int, Any]:
+def _resolve_rank_and_sizes(cp_rank: int | None, plan: "Plan | None") -> tuple[int, Any]:
     from megatron_hsap.megatron import parallel_state as hsap_ps
 
     groups = hsap_ps.get_hsap_groups() if hsap_ps.is_hsap_initialized() else None
@@ -266,7 +269,7 @@ def _megatron_cp_group() -> Any:
 def get_batch_on_this_cp_rank(
     batch: "Mapping[str, Any] | PackedBatch",
     *,
-    plan: Any = None,
+    plan: "Plan | None" = None,
     cp_rank: int | None = None,
     config: Any = None,
     plan_kwargs: Mapping[str, Any] | None = None,
@@ -314,11 +317,10 @@ def get_batch_on_this_cp_rank(
             f"(plan T={plan.num_tokens}, batch T={int(cu[-1])}); compile the plan from this batch"
         )
     cp_rank, groups = _resolve_rank_and_sizes(cp_rank, plan)
-    if groups is not None and (groups.intra_size, groups.inter_size) != (plan.intra_size, plan.inter_size):
-        raise ConfigError(
-            f"the plan is for topology {plan.intra_size}x{plan.inter_size} (intra×inter) but HSAP "
-            f"groups are {groups.topology}; compile the plan with the initialised sizes"
-        )
+    if groups is not None:
+        from megatron_hsap.runtime.groups import check_plan_groups
+
+        check_plan_groups(plan, groups)
     if not 0 <= cp_rank < plan.cp_size:
         raise ConfigError(f"cp_rank={cp_rank} out of range for a plan over {plan.cp_size} CP ranks")
     _check_consistent(cu, check_group, groups, plan.cp_size)
@@ -387,14 +389,14 @@ def _host_sum(loss_mask: torch.Tensor) -> int:
     return int(total)
 
 
-def plan_for_batch(batch: "Mapping[str, Any] | PackedBatch", *, config: Any = None, plan_kwargs: Mapping[str, Any] | None = None) -> Any:
+def plan_for_batch(batch: "Mapping[str, Any] | PackedBatch", *, config: Any = None, plan_kwargs: Mapping[str, Any] | None = None) -> "Plan":
     """The plan ``get_batch_on_this_cp_rank(batch, config=..., plan_kwargs=...)`` would compile for
     this micro-batch (pure CPU work, no collective: safe on ``PlanPrefetcher``'s worker thread)."""
     packed = batch if isinstance(batch, PackedBatch) else pack_micro_batch(batch)
     return _compile_for_batch(packed.cu_seqlens, config=config, plan_kwargs=plan_kwargs)
 
 
-def _compile_for_batch(cu: np.ndarray, *, config: Any, plan_kwargs: Mapping[str, Any] | None) -> Any:
+def _compile_for_batch(cu: np.ndarray, *, config: Any, plan_kwargs: Mapping[str, Any] | None) -> "Plan":
     from megatron_hsap.megatron import parallel_state as hsap_ps
     from megatron_hsap.plan import compile_plan
 
@@ -416,7 +418,7 @@ def _compile_for_batch(cu: np.ndarray, *, config: Any, plan_kwargs: Mapping[str,
     return compile_plan(cu, **kwargs)
 
 
-def _sbhd_batch(batch: Mapping[str, Any], *, plan: Any, cp_rank: int | None, config: Any,
+def _sbhd_batch(batch: Mapping[str, Any], *, plan: "Plan | None", cp_rank: int | None, config: Any,
                 plan_kwargs: Mapping[str, Any] | None, check_group: Any, pad_token_id: int,
                 device: torch.device | str | None) -> dict[str, Any]:
     """Unpacked ``[b, s]`` batch, every sample one document sharded by the same layout."""

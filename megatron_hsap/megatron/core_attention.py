@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
@@ -35,6 +35,9 @@ from torch import Tensor
 
 from megatron_hsap.errors import BatchError, ConfigError, RuntimeMismatchError
 from megatron_hsap.megatron.batch import is_hsap_sharded
+
+if TYPE_CHECKING:
+    from megatron_hsap.plan import Plan
 
 __all__ = ["HSAPCoreAttention", "SUPPORTED_MASK_TYPES"]
 
@@ -133,7 +136,7 @@ class HSAPCoreAttention(MegatronModule):
         if getattr(cfg, "softmax_type", "vanilla") != "vanilla":
             raise ConfigError(f"softmax_type={cfg.softmax_type!r}: HSAP supports the vanilla softmax only (no attention sinks)")
         if getattr(cfg, "fp8_dot_product_attention", False):
-            raise ConfigError("fp8_dot_product_attention is not supported by HSAP; unset --fp8-dot-product-attention")
+            raise ConfigError("fp8_dot_product_attention is not supported by HSAP; set TransformerConfig.fp8_dot_product_attention=False")
         if getattr(cfg, "qk_clip", False) or getattr(cfg, "log_max_attention_logit", False):
             raise ConfigError("qk_clip / log_max_attention_logit need Transformer Engine's max-logit output; not supported by HSAP")
         if getattr(cfg, "multi_latent_attention", False):
@@ -163,7 +166,7 @@ class HSAPCoreAttention(MegatronModule):
                 "--attention-dropout 0 (TransformerConfig.attention_dropout=0.0)"
             )
 
-    def _groups(self, plan: Any, cp_rank: int) -> tuple[Any, Any]:
+    def _groups(self, plan: "Plan", cp_rank: int) -> tuple[Any, Any]:
         from megatron_hsap.megatron import parallel_state as hsap_ps
 
         cp_group = getattr(self.pg_collection, "cp", None) if self.pg_collection is not None else None
@@ -181,17 +184,12 @@ class HSAPCoreAttention(MegatronModule):
         if not hsap_ps.is_hsap_initialized():
             raise ConfigError("HSAP groups are not initialised: call initialize_hsap(intra_size, inter_size) after initialize_model_parallel")
         groups = hsap_ps.get_hsap_groups()
-        if (groups.intra_size, groups.inter_size) != (plan.intra_size, plan.inter_size):
-            raise ConfigError(
-                f"plan topology {plan.intra_size}x{plan.inter_size} != HSAP groups {groups.topology} (intra×inter)"
-            )
-        if groups.cp_rank != cp_rank:
-            raise RuntimeMismatchError(
-                f"the batch was sharded for CP rank {cp_rank} but this is CP rank {groups.cp_rank}"
-            )
+        from megatron_hsap.runtime.groups import check_plan_groups
+
+        check_plan_groups(plan, groups, cp_rank=cp_rank)
         return groups.intra, groups.inter
 
-    def _check_heads(self, plan: Any, t: int, heads: int, kv_heads: int, what: str) -> None:
+    def _check_heads(self, plan: "Plan", t: int, heads: int, kv_heads: int, what: str) -> None:
         opts = plan.options
         want_kv = opts.num_kv_heads or opts.num_heads
         if (opts.num_heads, want_kv) != (heads, kv_heads):

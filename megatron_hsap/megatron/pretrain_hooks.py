@@ -253,25 +253,13 @@ def with_hsap_init(provider: Any, hsap: Any) -> Any:
 
     @functools.wraps(provider)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
-        if not is_hsap_initialized():
-            from megatron.training import get_args
-
-            timeout = getattr(get_args(), "distributed_timeout_minutes", None)
-            initialize_hsap(intra_size=hsap.intra_size, inter_size=hsap.inter_size, node_check=hsap.node_check,
-                            **({"timeout_minutes": timeout} if timeout and _accepts_timeout() else {}))
+        if not is_hsap_initialized():  # groups get the job's timeout (runtime.groups.job_timeout)
+            initialize_hsap(intra_size=hsap.intra_size, inter_size=hsap.inter_size, node_check=hsap.node_check)
             _print_banner(hsap)
         return provider(*args, **kwargs)
 
     wrapped.is_distributed = True  # type: ignore[attr-defined]
     return wrapped
-
-
-def _accepts_timeout() -> bool:
-    import inspect
-
-    from megatron_hsap.megatron.parallel_state import initialize_hsap
-
-    return "timeout_minutes" in inspect.signature(initialize_hsap).parameters
 
 
 def _print_banner(hsap: Any) -> None:

@@ -103,7 +103,7 @@ class HSAPSelfAttention(SelfAttention):
         if getattr(config, "fused_single_qkv_rope", False):
             raise ConfigError(
                 "fused_single_qkv_rope applies RoPE by row index inside the fused QKV split; HSAP needs "
-                "RoPE by position inside each document: turn off --fused-single-qkv-rope"
+                "RoPE by position inside each document: set TransformerConfig.fused_single_qkv_rope=False"
             )
         if getattr(config, "mrope_section", None):
             raise ConfigError("multimodal RoPE (mrope_section) is not supported by HSAP yet; use position_embedding_type='rope'")

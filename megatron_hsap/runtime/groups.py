@@ -18,9 +18,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megatron_hsap.errors import ConfigError
+from megatron_hsap.errors import ConfigError, RuntimeMismatchError
 
-__all__ = ["HSAPGroups", "hierarchical_rank_lists", "validate_hsap_sizes", "positive_int", "job_timeout"]
+__all__ = ["HSAPGroups", "hierarchical_rank_lists", "validate_hsap_sizes", "positive_int", "job_timeout",
+           "check_plan_groups"]
 
 
 def job_timeout() -> datetime.timedelta | None:
@@ -138,3 +139,20 @@ class HSAPGroups:
     def _need_cp_ranks(self) -> None:
         if not self.cp_ranks:
             raise ConfigError("HSAPGroups was built without cp_ranks; pass the CP group's global ranks")
+
+
+def check_plan_groups(plan: object, groups: "HSAPGroups", *, cp_rank: int | None = None) -> None:
+    """The one rule for running ``plan`` on ``groups``: the same topology, and — when the caller
+    knows which CP rank a batch was sharded for — this rank. Host-only, no collective.
+
+    Raises :class:`ConfigError` for a topology mismatch (compile with the initialised sizes) and
+    :class:`RuntimeMismatchError` for a batch sharded for another CP rank.
+    """
+    p_intra, p_inter = plan.intra_size, plan.inter_size  # type: ignore[attr-defined]
+    if (groups.intra_size, groups.inter_size) != (p_intra, p_inter):
+        raise ConfigError(
+            f"the plan is {p_intra}x{p_inter} (intra×inter) but the HSAP groups are {groups.topology}; "
+            f"compile the plan with intra_size={groups.intra_size}, inter_size={groups.inter_size}"
+        )
+    if cp_rank is not None and groups.cp_rank != cp_rank:
+        raise RuntimeMismatchError(f"the batch was sharded for CP rank {cp_rank} but this is CP rank {groups.cp_rank}")

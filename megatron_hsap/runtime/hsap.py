@@ -34,6 +34,7 @@ from megatron_hsap.errors import BatchError, ConfigError, RuntimeMismatchError
 from megatron_hsap.runtime.consistency import fingerprint_mismatch
 from megatron_hsap.runtime.env import read_env
 from megatron_hsap.runtime.executor import ACTIVATION_DTYPES, Executor, executor_for
+from megatron_hsap.runtime.groups import check_plan_groups
 from megatron_hsap.runtime.handshake import agree
 from megatron_hsap.runtime.sap import SAPAttention, sap_backward, sap_forward
 from megatron_hsap.runtime.ulysses import expand_kv_for_intra, heads_to_seq, seq_to_heads, sum_kv_grad_for_intra
@@ -178,12 +179,7 @@ def _resolve_groups(plan: "Plan", intra: dist.ProcessGroup | None,
         ps = sys.modules.get(_HSAP_PS)  # only initialised if something imported it
         if ps is not None and ps.is_hsap_initialized():
             groups = ps.get_hsap_groups()
-            if (groups.intra_size, groups.inter_size) != (p_intra, p_inter):
-                raise ConfigError(
-                    f"the plan is {p_intra}x{p_inter} (intra×inter) but the HSAP groups are "
-                    f"{groups.topology}; compile the plan with intra_size={groups.intra_size}, "
-                    f"inter_size={groups.inter_size}"
-                )
+            check_plan_groups(plan, groups)
             return groups.intra, groups.inter
         if p_intra == 1:
             return None, dist.group.WORLD

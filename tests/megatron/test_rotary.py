@@ -97,5 +97,5 @@ def test_self_attention_refuses_fused_qkv_rope() -> None:
     config = _config(False)
     config.fused_single_qkv_rope = True  # set after __post_init__: only the refusal is under test
     subs = get_gpt_layer_local_spec().submodules.self_attention.submodules
-    with pytest.raises(ConfigError, match="fused-single-qkv-rope"):
+    with pytest.raises(ConfigError, match="fused_single_qkv_rope"):
         HSAPSelfAttention(config, subs, layer_number=1)
