@@ -13,6 +13,13 @@ Rank ``(i, j)`` (CP rank ``i·P_intra + j``) holds ``[t_local, H, d]`` rows of i
 ``P_intra = 1`` is pure SAP (:class:`~megatron_hsap.runtime.sap.SAPAttention`, no all-to-all);
 ``P_inter = 1`` is pure Ulysses with local attention (the plan has no P2P).
 
+Attention sinks (``sinks [H]``, GPT-OSS / megatron-core ``softmax_offset``) enter each row's softmax
+once, after its last LSE merge (:func:`~megatron_hsap.runtime.merge.merge_sinks`). Under Ulysses a
+rank holds heads ``[j·H/P, (j+1)·H/P)`` of the whole inter chunk and merges those heads' sinks; its
+sink gradient is non-zero on those heads only and covers only the rows it computed, so the
+contributions of all CP ranks sum to the full gradient (Megatron's DP×CP gradient all-reduce does
+that sum; HSAP reduces nothing).
+
 Every check runs before the first collective and raises on every rank alike (same inputs, same
 plan), so a misconfiguration never leaves some ranks waiting in an all-to-all.
 """
@@ -36,6 +43,7 @@ from megatron_hsap.runtime.env import read_env
 from megatron_hsap.runtime.executor import ACTIVATION_DTYPES, Executor, executor_for
 from megatron_hsap.runtime.groups import check_plan_groups
 from megatron_hsap.runtime.handshake import agree
+from megatron_hsap.runtime.merge import sink_grad
 from megatron_hsap.runtime.sap import SAPAttention, sap_backward, sap_forward
 from megatron_hsap.runtime.ulysses import expand_kv_for_intra, heads_to_seq, seq_to_heads, sum_kv_grad_for_intra
 
@@ -64,6 +72,14 @@ class HSAPRunner:
     @property
     def intra_size(self) -> int:
         return self.plan.intra_size
+
+    def head_slice(self, num_heads: int) -> slice:
+        """The q heads this rank holds between the all-to-alls (``seq_to_heads``' slice)."""
+        if self.intra_size == 1:
+            return slice(0, num_heads)
+        per = num_heads // self.intra_size
+        j = dist.get_rank(self.intra)
+        return slice(j * per, (j + 1) * per)
 
     def reset_stats(self) -> None:
         self.executor.reset_stats()
@@ -130,23 +146,27 @@ def runner_for(plan: "Plan", *, intra_group: dist.ProcessGroup | None = None,
 
 
 class HSAPAttention(torch.autograd.Function):
-    """``HSAPAttention.apply(q, k, v, runner, softmax_scale) -> out`` (a2a, SAP, a2a back)."""
+    """``HSAPAttention.apply(q, k, v, runner, softmax_scale, sinks) -> out`` (a2a, SAP, a2a back);
+    ``sinks`` ``[H]`` or None (this rank merges and differentiates its head slice only)."""
 
     @staticmethod
-    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, runner: HSAPRunner, scale: float) -> Tensor:
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, runner: HSAPRunner, scale: float,
+                sinks: Tensor | None = None) -> Tensor:  # fmt: skip
         p = runner.intra_size
         qh = runner.to_heads(q, "fwd")  # [t·P, H/P, d]: the whole inter chunk, my head slice
         kh = runner.to_heads(expand_kv_for_intra(k, p), "fwd")
         vh = runner.to_heads(expand_kv_for_intra(v, p), "fwd")
-        oh, lse = sap_forward(runner.executor, qh, kh, vh, scale)
+        heads = runner.head_slice(q.shape[1])
+        sinks_h = None if sinks is None else sinks[heads]  # [H/P]: the sinks of my heads
+        oh, lse = sap_forward(runner.executor, qh, kh, vh, scale, sinks_h)
         out = runner.to_seq(oh, "fwd")  # [t, H, dv]
-        ctx.save_for_backward(qh, kh, vh, oh, lse)
-        ctx.runner, ctx.scale, ctx.num_kv_heads = runner, scale, k.shape[1]
+        ctx.save_for_backward(qh, kh, vh, oh, lse, sinks)
+        ctx.runner, ctx.scale, ctx.num_kv_heads, ctx.heads = runner, scale, k.shape[1], heads
         return out
 
     @staticmethod
     def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
-        qh, kh, vh, oh, lse = ctx.saved_tensors
+        qh, kh, vh, oh, lse, sinks = ctx.saved_tensors
         runner: HSAPRunner = ctx.runner
         doh = runner.to_heads(dout.to(oh.dtype), "bwd")
         dqh, dkh, dvh = sap_backward(runner.executor, doh, qh, kh, vh, oh, lse, ctx.scale)
@@ -154,7 +174,11 @@ class HSAPAttention(torch.autograd.Function):
         # Replicated kv heads: their gradients come back in the activation dtype, summed in fp32.
         dk = sum_kv_grad_for_intra(runner.to_seq(dkh, "bwd").float(), ctx.num_kv_heads).to(kh.dtype)
         dv = sum_kv_grad_for_intra(runner.to_seq(dvh, "bwd").float(), ctx.num_kv_heads).to(vh.dtype)
-        return dq, dk, dv, None, None
+        dsinks = None
+        if sinks is not None and ctx.needs_input_grad[5]:
+            dsinks = torch.zeros_like(sinks)  # [H]: my heads' rows only; other heads are other ranks'
+            dsinks[ctx.heads] = sink_grad(doh, oh, lse, sinks[ctx.heads])
+        return dq, dk, dv, None, None, dsinks
 
 
 # --------------------------------------------------------------------------- validation
@@ -243,8 +267,26 @@ def _validate(q: Tensor, k: Tensor, v: Tensor, plan: "Plan", intra: Any, inter: 
     return float(softmax_scale)
 
 
+def _validate_sinks(sinks: Any, q: Tensor) -> None:
+    """``sinks`` must be a float ``[H]`` tensor on q's device (values are not read: no host sync)."""
+    if sinks is None:
+        return
+    if not isinstance(sinks, Tensor):
+        raise RuntimeMismatchError(f"sinks must be a torch.Tensor of shape [{q.shape[1]}] (one logit per q head) or None, got {type(sinks).__name__}")
+    if tuple(sinks.shape) != (q.shape[1],):
+        raise RuntimeMismatchError(
+            f"sinks has shape {tuple(sinks.shape)} but q has {q.shape[1]} heads; pass one sink logit per "
+            "query head of this rank ([H], megatron-core's softmax_offset of this TP rank)"
+        )
+    if not sinks.is_floating_point():
+        raise RuntimeMismatchError(f"sinks must be a floating-point tensor, got {sinks.dtype}")
+    if sinks.device != q.device:
+        raise RuntimeMismatchError(f"sinks are on {sinks.device} but q is on {q.device}; move them to q's device")
+
+
 def hsap_attn_func(q: Tensor, k: Tensor, v: Tensor, plan: "Plan", *, intra_group: dist.ProcessGroup | None = None,
-                   inter_group: dist.ProcessGroup | None = None, softmax_scale: float | None = None) -> Tensor:  # fmt: skip
+                   inter_group: dist.ProcessGroup | None = None, softmax_scale: float | None = None,
+                   sinks: Tensor | None = None) -> Tensor:  # fmt: skip
     """Document-causal attention of a packed batch over the ``P_intra × P_inter`` CP group.
 
     Args:
@@ -256,18 +298,24 @@ def hsap_attn_func(q: Tensor, k: Tensor, v: Tensor, plan: "Plan", *, intra_group
             else the world for a ``1×P`` (pure SAP) or ``P×1`` (pure Ulysses) plan, else none for
             a ``1×1`` plan (no torch.distributed needed).
         softmax_scale: default ``d ** -0.5``.
+        sinks: optional ``[H]`` per-query-head sink logits (GPT-OSS convention: softmax over
+            ``[scores, sink]``, the sink column contributing no value; megatron-core's
+            ``softmax_offset``). Merged once per row after all partials; its gradient (through
+            autograd) holds only this CP rank's rows' contribution — sum it over the CP group
+            (Megatron's DP×CP gradient all-reduce does).
     Returns:
-        ``out [t_local, H, d_v]`` in ``q.dtype``; differentiable w.r.t. q, k, v.
+        ``out [t_local, H, d_v]`` in ``q.dtype``; differentiable w.r.t. q, k, v and sinks.
 
     Raises ``RuntimeMismatchError`` / ``ConfigError`` before any collective when tensors, groups
     or the plan do not match.
     """
     intra, inter = _resolve_groups(plan, intra_group, inter_group)
     scale = _validate(q, k, v, plan, intra, inter, softmax_scale)
+    _validate_sinks(sinks, q)
     runner = _runner(plan, intra, inter, q.device)
     if runner.debug:
         runner.check_batch()
     runner.agree_intra(q.device)  # the inter group's handshake runs in the executor, before its first round
     if plan.intra_size == 1:
-        return SAPAttention.apply(q, k, v, runner.executor, scale)
-    return HSAPAttention.apply(q, k, v, runner, scale)
+        return SAPAttention.apply(q, k, v, runner.executor, scale, sinks)
+    return HSAPAttention.apply(q, k, v, runner, scale, sinks)

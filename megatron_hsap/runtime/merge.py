@@ -1,4 +1,4 @@
-"""The one LSE merge: combine two partial attention results over disjoint key sets.
+"""The one LSE merge: combine partial attention results over disjoint key sets (and attention sinks).
 
 Derivation (the standard one, e.g. FlashAttention-2 §3.1 and ring-attention write-ups): a row's
 attention over keys ``A ∪ B`` with partial results ``(o_a, lse_a)`` and ``(o_b, lse_b)``,
@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["merge_into"]
+__all__ = ["merge_into", "merge_sinks", "sink_grad"]
 
 
 def merge_into(out_acc: Tensor, lse_acc: Tensor, out_part: Tensor, lse_part: Tensor) -> None:
@@ -40,3 +40,48 @@ def merge_into(out_acc: Tensor, lse_acc: Tensor, out_part: Tensor, lse_part: Ten
     w_part = torch.exp(lse_part - lse_new_safe).unsqueeze(-1)
     out_acc.mul_(w_acc).addcmul_(out_part, w_part)  # mixed dtypes promote to out_acc's
     lse_acc.copy_(lse_new)
+
+
+# --------------------------------------------------------------------------- attention sinks
+#
+# A sink (GPT-OSS; megatron-core's softmax_type "learnable" / "off-by-one") is one more column of a
+# row's softmax with logit ``s`` (per query head) and value 0:  o' = Σ_j e^{s_j} v_j / (e^{lse} + e^{s}).
+# It is exactly one more partial with ``(o, lse) = (0, s)``, merged ONCE, after every partial of the
+# row has met (merging it into each partial would count it once per partial):
+#
+#     lse' = logaddexp(lse, s),    o' = e^{lse - lse'} · o.
+#
+# Backward: the usual softmax backward over all columns, with the final (o', lse'). Columns j of
+# real keys give exactly the sink-free formulas with (o', lse') in place of (o, lse) — so the
+# executor's backward runs unchanged on (o', lse') — and the sink column, whose value is 0 (dP = 0),
+# gives  ds = Σ_rows p_sink · (0 - D) = -Σ_rows e^{s - lse'} · rowsum(dO ∘ o').
+
+
+def merge_sinks(out: Tensor, lse: Tensor, sinks: Tensor) -> None:
+    """Merge per-head sink logits into final results, in place (call once per row, after all merges).
+
+    Args:
+        out: ``[n, h, dv]`` float32 final output of the keys (updated to ``o'``).
+        lse: ``[n, h]`` float32 final LSE of the keys, may be ``-inf`` (updated to ``lse'``).
+        sinks: ``[h]`` sink logits of these ``h`` heads (any float dtype; ``-inf`` = no sink).
+    """
+    sink = sinks.detach().to(device=lse.device, dtype=lse.dtype).expand_as(lse)
+    merge_into(out, lse, torch.zeros((), dtype=out.dtype, device=out.device).expand_as(out), sink)
+
+
+def sink_grad(do: Tensor, out: Tensor, lse: Tensor, sinks: Tensor) -> Tensor:
+    """Gradient of the sink logits from this rank's rows: ``-Σ_rows e^{s - lse'} · rowsum(dO ∘ o')``.
+
+    Args:
+        do: ``[n, h, dv]`` gradient of the output; out: ``[n, h, dv]`` the final ``o'``;
+        lse: ``[n, h]`` float32 final ``lse'`` (finite wherever a sink is finite).
+        sinks: ``[h]`` the sink logits.
+    Returns:
+        ``[h]`` in ``sinks.dtype``: only these rows' contribution (no reduction across ranks).
+    """
+    delta = (do.float() * out.float()).sum(dim=-1)  # [n, h]
+    s = sinks.detach().to(device=lse.device, dtype=torch.float32)
+    lse = lse.float()
+    # p_sink = e^{s - lse'} in [0, 1]; a row with neither keys nor sink (lse' = -inf) gets 0, not NaN
+    p_sink = torch.where(lse == float("-inf"), torch.zeros_like(lse), torch.exp(s - lse))  # [n, h]
+    return (-(p_sink * delta).sum(dim=0)).to(sinks.dtype)

@@ -3,7 +3,10 @@
 Forward runs this rank's forward program (:class:`~megatron_hsap.runtime.executor.Executor`) and
 returns the merged output in the activation dtype; it keeps q, k, v, that output and the fp32 LSE
 for backward, which runs the backward program (partials of dq/dkv accumulate in fp32 and are cast
-to the input dtypes once, at the end).
+to the input dtypes once, at the end). Attention sinks (``sinks [h]``) are merged once into the
+final fp32 result (:func:`~megatron_hsap.runtime.merge.merge_sinks`); the backward program then runs
+on the sink-corrected output and LSE, and the sink gradient of this rank's rows is returned as is
+(no reduction: Megatron's DP×CP gradient all-reduce sums the ranks' contributions).
 
 Use :func:`megatron_hsap.runtime.hsap.hsap_attn_func` (validation, group defaults, Ulysses when
 ``P_intra > 1``); this Function assumes its inputs were checked.
@@ -17,14 +20,19 @@ import torch
 from torch import Tensor
 
 from megatron_hsap.runtime.executor import Executor
+from megatron_hsap.runtime.merge import merge_sinks, sink_grad
 
 __all__ = ["SAPAttention", "sap_forward", "sap_backward"]
 
 
-def sap_forward(ex: Executor, q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor]:
-    """``q [t, h, d]``, ``k [t, hkv, d]``, ``v [t, hkv, dv]`` (one inter chunk) -> ``out [t, h, dv]``
-    in ``q.dtype`` and ``lse [t, h]`` float32."""
-    out, lse = ex.forward(q, k, v, scale)
+def sap_forward(ex: Executor, q: Tensor, k: Tensor, v: Tensor, scale: float,
+                sinks: Tensor | None = None) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """``q [t, h, d]``, ``k [t, hkv, d]``, ``v [t, hkv, dv]`` (one inter chunk), optional sink
+    logits ``sinks [h]`` -> ``out [t, h, dv]`` in ``q.dtype`` and ``lse [t, h]`` float32 (both
+    with the sinks merged in)."""
+    out, lse = ex.forward(q, k, v, scale)  # float32, every partial of every row merged
+    if sinks is not None:
+        merge_sinks(out, lse, sinks)
     return out.to(q.dtype), lse
 
 
@@ -36,17 +44,20 @@ def sap_backward(ex: Executor, do: Tensor, q: Tensor, k: Tensor, v: Tensor, out:
 
 
 class SAPAttention(torch.autograd.Function):
-    """``SAPAttention.apply(q, k, v, executor, softmax_scale) -> out``; inter group only."""
+    """``SAPAttention.apply(q, k, v, executor, softmax_scale, sinks) -> out``; inter group only
+    (``sinks``: ``[h]`` tensor or None; its gradient covers this rank's rows only)."""
 
     @staticmethod
-    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, ex: Executor, scale: float) -> Tensor:
-        out, lse = sap_forward(ex, q, k, v, scale)
-        ctx.save_for_backward(q, k, v, out, lse)
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, ex: Executor, scale: float,
+                sinks: Tensor | None = None) -> Tensor:  # fmt: skip
+        out, lse = sap_forward(ex, q, k, v, scale, sinks)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.ex, ctx.scale = ex, scale
         return out
 
     @staticmethod
     def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         dq, dk, dv = sap_backward(ctx.ex, dout, q, k, v, out, lse, ctx.scale)
-        return dq, dk, dv, None, None
+        dsinks = sink_grad(dout, out, lse, sinks) if sinks is not None and ctx.needs_input_grad[5] else None
+        return dq, dk, dv, None, None, dsinks
