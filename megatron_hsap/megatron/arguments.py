@@ -102,6 +102,17 @@ def add_hsap_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="GPUs per node for the planner's link choice (default: LOCAL_WORLD_SIZE from the launcher).",
     )
     group.add_argument(
+        "--hsap-metrics", action=argparse.BooleanOptionalAction, default=True,
+        help="Per-iteration HSAP figures (layout, imbalance, estimated attention time, compile ms, prefetch "
+        "hits, pool use, bytes per rank) in Megatron's TensorBoard/W&B writers and a log line every "
+        "--log-interval iterations (default on).",
+    )
+    group.add_argument(
+        "--hsap-dump-plan", nargs=2, metavar=("ITER", "DIR"), default=None,
+        help="Write the plan of iteration ITER's first micro-batch to DIR: every inter rank's fwd/bwd "
+        "program, plan.json (inputs, figures, verification) and plot.sh (redraws its picture).",
+    )
+    group.add_argument(
         "--hsap-node-check", choices=("error", "warn", "off"), default="error",
         help="What to do when an HSAP intra group spans hosts (all-to-all over the network).",
     )
@@ -223,6 +234,10 @@ def validate_hsap_args(args: Any) -> HSAPArgs | None:
     if getattr(args, "attention_backend", None) is not None and str(getattr(args.attention_backend, "name", args.attention_backend)) == "local":
         raise ConfigError("--attention-backend local makes Megatron replace the spec's core attention with its own "
                           "DotProductAttention; with --context-parallel-impl hsap use --attention-backend auto")
+    dump = getattr(args, "hsap_dump_plan", None)
+    if dump:
+        _refuse(not str(dump[0]).isdigit() or int(dump[0]) < 1,
+                f"--hsap-dump-plan {dump[0]} {dump[1]}: ITER must be an iteration number >= 1")
     return HSAPArgs(
         intra_size=intra,
         inter_size=inter,

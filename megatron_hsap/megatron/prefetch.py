@@ -39,6 +39,8 @@ class PlanPrefetcher(Generic[B, P]):
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hsap-plan") if enabled else None
         self._ahead: tuple[B, Future[P]] | None = None
         self._done = False
+        # Whether the plan just returned was compiled before it was asked for (None: no lookahead).
+        self.last_ready: bool | None = None
 
     def __iter__(self) -> Iterator[tuple[B, P]]:
         return self
@@ -46,6 +48,7 @@ class PlanPrefetcher(Generic[B, P]):
     def __next__(self) -> tuple[B, P]:
         if self._pool is None:
             batch = self._read_one()
+            self.last_ready = None
             return batch, self._compile(batch)
         current = self._ahead or self._submit(self._read_one())
         self._ahead = None
@@ -54,6 +57,7 @@ class PlanPrefetcher(Generic[B, P]):
         except StopIteration:
             pass
         batch, plan = current
+        self.last_ready = plan.done()
         return batch, plan.result()
 
     def _read_one(self) -> B:

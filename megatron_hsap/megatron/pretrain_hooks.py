@@ -157,6 +157,46 @@ def _feed_seqlen_stats(cu_seqlens: Any, vp_stage: int | None = None) -> None:
     update_seqlen_stats_from_cu_seqlens(torch.from_numpy(np.asarray(cu_seqlens, dtype=np.int64)).to(torch.int32))
 
 
+_METRICS: list[Any] = []  # this process's HSAPMetrics (one training loop per process)
+
+
+def _metrics(args: Any) -> Any:
+    if not _METRICS:
+        import atexit
+
+        import torch.distributed as dist
+        from megatron.training import get_tensorboard_writer, get_wandb_writer
+
+        from megatron_hsap.megatron.metrics import HSAPMetrics
+
+        rank0 = not dist.is_initialized() or dist.get_rank() == 0
+        metrics = HSAPMetrics(log_interval=getattr(args, "log_interval", 1) or 1, is_logging_rank=rank0,
+                              writers=lambda: (get_tensorboard_writer(), get_wandb_writer()),
+                              echo=lambda line: print(line, flush=True))
+        atexit.register(metrics.flush)  # the last iteration has no successor to flush it
+        _METRICS.append(metrics)
+    return _METRICS[0]
+
+
+def _observe(args: Any, plan: Any, *, compile_s: float, prefetched: bool | None, plan_kwargs: dict[str, Any]) -> None:
+    """Per-iteration metrics and ``--hsap-dump-plan`` for one training micro-batch."""
+    iteration = int(getattr(args, "curr_iteration", 0) or 0)
+    metrics = _metrics(args) if getattr(args, "hsap_metrics", True) else None
+    dump = getattr(args, "hsap_dump_plan", None)
+    if dump and int(dump[0]) == iteration + 1 and not getattr(args, "_hsap_dumped", False):
+        import torch.distributed as dist
+
+        args._hsap_dumped = True
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            from megatron_hsap.megatron.metrics import dump_plan
+
+            out = dump_plan(plan, dump[1], iteration=iteration + 1, plan_kwargs=plan_kwargs)
+            print(f"[megatron-hsap] wrote the plan of iteration {iteration + 1} to {out} "
+                  f"(picture: bash {out / 'plot.sh'})", flush=True)
+    if metrics is not None:
+        metrics.add(iteration, plan, compile_s=compile_s, prefetched=prefetched)
+
+
 def hsap_get_batch(data_iterator: Iterator[dict[str, Any]] | None, vp_stage: int | None = None, *,
                    prefetchers: dict[Any, Any] | None = None, training: bool = True) -> dict[str, Any]:
     """This rank's HSAP share of the next micro-batch: tokens, labels, loss mask, position ids
@@ -194,24 +234,30 @@ def hsap_get_batch(data_iterator: Iterator[dict[str, Any]] | None, vp_stage: int
             _feed_seqlen_stats(packed.cu_seqlens, vp_stage)
         return get_batch_on_this_cp_rank(packed, config=_core_config(), plan_kwargs=plan_kwargs, device=device)
 
-    def compile_(item: Any) -> Any:
-        return plan_for_batch(item[1] if isinstance(item, tuple) else item, config=_core_config(), plan_kwargs=plan_kwargs)
+    def compile_(item: Any) -> tuple[Any, float]:
+        start = time.perf_counter()
+        plan = plan_for_batch(item[1] if isinstance(item, tuple) else item, config=_core_config(), plan_kwargs=plan_kwargs)
+        return plan, time.perf_counter() - start
 
+    prefetched: bool | None = None
     if prefetchers is None or not training or _replaying() or not getattr(args, "hsap_plan_prefetch", True):
         packed = _read_direct(data_iterator)
         if packed is None:
             raise StopIteration
-        plan = compile_(packed)
+        plan, compile_s = compile_(packed)
     else:
         entry = prefetchers.get(vp_stage)
         if entry is None:
             reader = _RecordingReader(data_iterator)
             entry = prefetchers[vp_stage] = (reader, PlanPrefetcher(reader.read, compile_))
         reader, prefetcher = entry
-        (raw, packed), plan = next(prefetcher)
+        (raw, packed), (plan, compile_s) = next(prefetcher)
+        prefetched = prefetcher.last_ready
         reader.consumed(raw)
     if training:
         _feed_seqlen_stats(np.asarray(packed.cu_seqlens), vp_stage)
+        if _feeds_stats(vp_stage):  # once per micro-batch, like the FLOP statistics
+            _observe(args, plan, compile_s=compile_s, prefetched=prefetched, plan_kwargs=plan_kwargs)
     return get_batch_on_this_cp_rank(packed, plan=plan, config=_core_config(), device=device)
 
 
@@ -263,7 +309,8 @@ def with_hsap_init(provider: Any, hsap: Any) -> Any:
 
 
 def _print_banner(hsap: Any) -> None:
-    """One start-up line per run (rank 0): HSAP is on, with what topology, layout and prices."""
+    """Start-up lines (rank 0): HSAP is on, with what topology, layout, prices, kernels and pool;
+    and a warning when batches carry no document boundaries."""
     import torch.distributed as dist
     from megatron.training import get_args
 
@@ -271,10 +318,49 @@ def _print_banner(hsap: Any) -> None:
 
     if dist.is_initialized() and dist.get_rank() != 0:
         return
-    hw = run_hardware(get_args())
+    args = get_args()
+    hw = run_hardware(args)
     print(f"[megatron-hsap] HSAP context parallelism on: topology {hsap.intra_size}x{hsap.inter_size} "
           f"(intra×inter), layout {hsap.layout}, planner priced for {hw.name} ({hw.source}), "
           f"{hw.gpus_per_node} GPUs per node", flush=True)
+    print(f"[megatron-hsap] attention kernels: {_kernel_backend()}; receive pool: "
+          f"{_pool_text(args)}", flush=True)
+    if not (getattr(args, "sft", False) or getattr(args, "dataloader_inter_document_masking", False)):
+        print("[megatron-hsap] WARNING: no --dataloader-inter-document-masking (or --sft): batches carry no "
+              "document boundaries, so HSAP treats every sample as ONE document (attention crosses the "
+              "packed documents' boundaries). Pass --dataloader-inter-document-masking for packed data.",
+              flush=True)
+
+
+def _kernel_backend() -> str:
+    """The attention kernel backend HSAP will use on this rank's device (``HSAP_KERNEL`` honoured)."""
+    import sys
+
+    import torch
+
+    from megatron_hsap.runtime.kernels import resolve_backend
+
+    standin = sys.modules.get("megatron_hsap.megatron.cpu.device")  # CPU demo: tensors live on the CPU
+    on_gpu = torch.cuda.is_available() and not (standin is not None and standin.installed())
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    try:
+        return f"{resolve_backend(None, device)} on {device}"
+    except Exception as exc:  # noqa: BLE001 - the banner reports; the first attention call raises
+        return f"none available on {device} ({exc})"
+
+
+def _pool_text(args: Any) -> str:
+    if getattr(args, "hsap_pool_bytes", None):
+        return f"{args.hsap_pool_bytes / 2**20:.1f} MiB per rank (--hsap-pool-bytes)"
+    from megatron_hsap.plan import compile_plan
+
+    kwargs = _plan_kwargs(args)
+    tokens = int(args.seq_length) * int(args.micro_batch_size)
+    hsap = args.hsap
+    plan = compile_plan([0, tokens], hsap.inter_size, intra_size=hsap.intra_size,
+                        **{k: v for k, v in kwargs.items() if k not in ("layout", "layout_fallback")})
+    return (f"{plan.stats()['pool_capacity_bytes'] / 2**20:.1f} MiB per rank (default: 4 inter chunks of q/k/v "
+            f"rows at {tokens} tokens per micro-batch; --hsap-pool-bytes to set)")
 
 
 def hsap_entry_points(args: Any, datasets_provider: Any, loss_func: Callable[..., Any]) -> tuple[Any, Any]:

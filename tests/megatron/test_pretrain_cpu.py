@@ -26,6 +26,7 @@ pytestmark = pytest.mark.timeout(1800)
 # differences are 0 to ~1e-7 relative; 1e-5 leaves room for the reorder on other BLAS builds.
 RTOL = 1e-5
 BASE = dict(steps=4, eval_interval=2, eval_iters=1)
+DUMP_ITER = 2
 _RUNS: dict[tuple, CPUResult] = {}
 
 
@@ -92,8 +93,13 @@ def _iteration_seqlen_stats(result: CPUResult, gbs: int, steps: int, seq_length:
     return stats
 
 
+def _hsap_2x2(root: Path) -> CPUResult:
+    return _run(root, world_size=4, intra_size=2, inter_size=2, **BASE,
+                extra=("--hsap-dump-plan", str(DUMP_ITER), str(root / "dump")))
+
+
 def test_hsap_2x2_in_megatrons_loop_equals_cp1_local_attention(root: Path) -> None:
-    hsap = _run(root, world_size=4, intra_size=2, inter_size=2, **BASE)
+    hsap = _hsap_2x2(root)
     ref = _reference(root)
     _same_losses(hsap.losses, ref.losses)
     assert sorted(hsap.losses) == [1, 2, 3, 4]
@@ -119,6 +125,58 @@ def test_hsap_2x2_in_megatrons_loop_equals_cp1_local_attention(root: Path) -> No
     assert all(c["seqlen_squared_sum"] is None for c in _records(ref, "flops-rank0.jsonl"))
 
 
+def test_hsap_metrics_and_plan_dump_in_megatrons_log(root: Path) -> None:
+    hsap = _hsap_2x2(root)
+    log = (Path(hsap.log_dir) / "rank0.log").read_text()
+    lines = re.findall(r"\[megatron-hsap\] iteration (\d+) \| micro-batches (\d+) \| layout ([a-z ,0-9]+) \| "
+                       r"imbalance max ([0-9.]+) mean [0-9.]+ \| estimated attention fwd\+bwd ([0-9.e+-]+) (?:s|ms|us|ns) \| "
+                       r"compile ([0-9.]+) ms \| prefetch hits (\d+)/(\d+) \|", log)
+    assert [int(m[0]) for m in lines] == [1, 2, 3, 4]  # every iteration, the last one flushed at exit
+    assert all(int(m[1]) == 1 and float(m[3]) >= 1.0 and float(m[4]) > 0 for m in lines)
+    assert sum(int(m[6]) for m in lines) >= 2  # the prefetch thread compiled ahead of the step
+    assert "[megatron-hsap] attention kernels: cpu on cpu; receive pool:" in log
+    assert "WARNING: no --dataloader-inter-document-masking" not in log
+    # --hsap-dump-plan: iteration 2's plan, every inter rank's programs, its inputs and a picture.
+    dump = root / "dump"
+    assert sorted(p.name for p in dump.glob("rank*.txt")) == ["rank0-bwd.txt", "rank0-fwd.txt", "rank1-bwd.txt", "rank1-fwd.txt"]
+    doc = json.loads((dump / "plan.json").read_text())
+    assert doc["iteration"] == DUMP_ITER and doc["verified"] == "ok" and doc["cu_seqlens"][-1] == 2 * 256
+    assert doc["stats"]["layout"] in ("balanced", "contiguous")
+    import subprocess
+
+    subprocess.run(["bash", str(dump / "plot.sh")], check=True, capture_output=True, timeout=300)
+    assert (dump / "plan.png").stat().st_size > 1000
+
+
+def test_metrics_reach_megatrons_writers() -> None:
+    from megatron_hsap.megatron.metrics import HSAPMetrics
+    from megatron_hsap.plan import compile_plan
+
+    class Writer:
+        def __init__(self) -> None:
+            self.scalars: list[tuple[str, float, int]] = []
+
+        def add_scalar(self, name: str, value: float, step: int) -> None:
+            self.scalars.append((name, value, step))
+
+        def log(self, values: dict, step: int) -> None:
+            self.scalars += [(k, v, step) for k, v in values.items()]
+
+    tb, wandb, lines = Writer(), Writer(), []
+    metrics = HSAPMetrics(log_interval=2, writers=lambda: (tb, wandb), is_logging_rank=True, echo=lines.append)
+    plan = compile_plan([0, 300, 700, 1024], 2, intra_size=2, num_heads=4, num_kv_heads=2, head_dim=16)
+    for iteration in (0, 0, 1, 2):  # Megatron's 0-based curr_iteration: logged as 1, 2, 3
+        metrics.add(iteration, plan, compile_s=0.002, prefetched=iteration > 0)
+    metrics.flush()
+    steps = sorted({step for _, _, step in tb.scalars})
+    assert steps == [1, 2, 3] and tb.scalars == wandb.scalars
+    by_step = {(name, step): value for name, value, step in tb.scalars}
+    assert by_step[("hsap/imbalance_max", 1)] == pytest.approx(plan.stats()["imbalance"])
+    assert by_step[("hsap/compile_ms", 1)] == pytest.approx(4.0)  # two micro-batches of 2 ms
+    assert by_step[("hsap/prefetch_hit_rate", 1)] == 0.0 and by_step[("hsap/prefetch_hit_rate", 2)] == 1.0
+    assert [line.split(" |")[0] for line in lines] == ["[megatron-hsap] iteration 2"]  # every 2nd iteration
+
+
 @pytest.mark.slow
 def test_tensor_parallel_2_with_cp_1x2_equals_reference(root: Path) -> None:
     hsap = _run(root, world_size=4, tp=2, intra_size=1, inter_size=2, **BASE)
@@ -136,7 +194,7 @@ def test_distributed_optimizer_with_overlapped_grad_reduce_equals_reference(root
 
 @pytest.mark.slow
 def test_checkpoint_save_stop_resume_continues_with_the_same_losses(root: Path, tmp_path: Path) -> None:
-    full = _run(root, world_size=4, intra_size=2, inter_size=2, **BASE)
+    full = _hsap_2x2(root)
     ckpt = str(tmp_path / "ckpt")
     first = _run(root, world_size=4, intra_size=2, inter_size=2, **BASE,
                  extra=("--save", ckpt, "--save-interval", "2", "--exit-interval", "2", "--ckpt-format", "torch_dist"))
@@ -170,6 +228,7 @@ def test_pipeline_2_with_virtual_pipeline_2_trains(root: Path) -> None:
     assert res.losses[2] < res.losses[1]
     log = (Path(res.log_dir) / "rank0.log").read_text()
     assert "Number of virtual stages per pipeline stage: 2" in log
+    assert "WARNING: no --dataloader-inter-document-masking" in log  # unpacked: said once at start-up
     # Each micro-batch counted once per rank in Megatron's FLOP statistics: 4 samples of one document.
     stats = {(int(c["total_real_tokens"]), int(c["seqlen_squared_sum"])) for c in _records(res, "flops-rank0.jsonl")}
     assert stats == {(4 * 256, 4 * 256 * 256)}
