@@ -7,6 +7,11 @@ mask and position ids travel together, so every token carries its position *insi
 mask 0 and position 0. The plan rides with the batch in :class:`HSAPPackedSeqParams` (the marker
 the core attention checks), so the layer never syncs the device to learn the layout.
 
+No host stalls (issue 16 item 3): a host batch (the prefetcher hands the packed host batch on) is
+indexed and gathered on the host, and everything the rank gets — tokens, labels, loss mask,
+positions, the padded ``cu_seqlens`` — goes to the device in one pinned, non-blocking copy; the
+fingerprint and the loss-token count are computed from the host values (no ``.item()``/``.cpu()``).
+
 Loss: every real token sits on exactly one CP rank, so the loss is the sum over CP (and DP) ranks
 of ``Σ loss_mask·loss`` divided by the global number of loss tokens (``num_loss_tokens``, known on
 the host) — CP ranks act as extra data-parallel ranks (Megatron: ``--calculate-per-token-loss``).
@@ -328,11 +333,11 @@ def get_batch_on_this_cp_rank(
     num_tokens = plan.num_tokens
     ids = np.asarray(plan.local_token_indices(cp_rank), dtype=np.int64)
     real_np = ids < num_tokens
-    clipped = torch.from_numpy(np.where(real_np, ids, 0))
-    real = torch.from_numpy(real_np)
     src_device = packed.tokens.device
     out_device = torch.device(device) if device is not None else src_device
-    gather_idx, real_dev = clipped.to(src_device), real.to(src_device)
+    # Gather where the batch is (the host, when it comes from the prefetcher), then move every
+    # result in one pinned non-blocking copy (_to_device): no blocking copy, no host sync.
+    gather_idx, real_dev = _to_device([torch.from_numpy(np.where(real_np, ids, 0)), torch.from_numpy(real_np)], src_device)
 
     tokens = torch.where(real_dev, packed.tokens[gather_idx], torch.full_like(gather_idx, pad_token_id))
     labels = None
@@ -340,16 +345,18 @@ def get_batch_on_this_cp_rank(
         labels = torch.where(real_dev, packed.labels[gather_idx], torch.full_like(gather_idx, pad_token_id))
     if packed.loss_mask is not None:
         loss_mask = packed.loss_mask[gather_idx] * real_dev
-        num_loss_tokens = _host_sum(packed.loss_mask)
+        num_loss_tokens = _host_sum(packed.loss_mask)  # a host mask: no device sync
     else:
         loss_mask = real_dev.to(torch.float32)
         num_loss_tokens = num_tokens
     positions = torch.from_numpy(positions_in_documents(ids, cu, num_tokens))
 
     doc_lengths = np.diff(np.asarray(plan.batch.doc_starts, dtype=np.int64))
-    cu_padded = torch.from_numpy(np.asarray(plan.batch.doc_starts, dtype=np.int32)).to(out_device)
+    cu_padded = torch.from_numpy(np.asarray(plan.batch.doc_starts, dtype=np.int32))
     max_seqlen = int(doc_lengths.max()) if doc_lengths.size else 1
-    positions_dev = positions.to(out_device)
+    moved = _to_device([tokens, loss_mask, positions, cu_padded, *([labels] if labels is not None else [])], out_device)
+    tokens, loss_mask, positions_dev, cu_padded = moved[:4]
+    labels = moved[4] if labels is not None else None
     params = HSAPPackedSeqParams(
         qkv_format="thd",
         cu_seqlens_q=cu_padded,
@@ -363,9 +370,9 @@ def get_batch_on_this_cp_rank(
         hsap_num_loss_tokens=num_loss_tokens,
     )
     return {
-        "tokens": tokens.to(out_device).unsqueeze(0),
-        "labels": labels.to(out_device).unsqueeze(0) if labels is not None else None,
-        "loss_mask": loss_mask.to(out_device).unsqueeze(0),
+        "tokens": tokens.unsqueeze(0),
+        "labels": labels.unsqueeze(0) if labels is not None else None,
+        "loss_mask": loss_mask.unsqueeze(0),
         "position_ids": positions_dev.unsqueeze(0),
         "attention_mask": None,
         "packed_seq_params": params,
@@ -374,6 +381,16 @@ def get_batch_on_this_cp_rank(
         "plan": plan,
         "cp_rank": cp_rank,
     }
+
+
+def _to_device(tensors: list[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, ...]:
+    """``tensors`` on ``device``: as they are when all already are, else one packed non-blocking
+    upload from pinned memory (``runtime/upload.py``; never a blocking ``.to(device)`` apiece)."""
+    if all(t.device == device for t in tensors):
+        return tuple(tensors)
+    from megatron_hsap.runtime.upload import upload
+
+    return upload(tensors, device)
 
 
 def _host_sum(loss_mask: torch.Tensor) -> int:
@@ -393,7 +410,9 @@ def plan_for_batch(batch: "Mapping[str, Any] | PackedBatch", *, config: Any = No
     """The plan ``get_batch_on_this_cp_rank(batch, config=..., plan_kwargs=...)`` would compile for
     this micro-batch (pure CPU work, no collective: safe on ``PlanPrefetcher``'s worker thread)."""
     packed = batch if isinstance(batch, PackedBatch) else pack_micro_batch(batch)
-    return _compile_for_batch(packed.cu_seqlens, config=config, plan_kwargs=plan_kwargs)
+    plan = _compile_for_batch(packed.cu_seqlens, config=config, plan_kwargs=plan_kwargs)
+    _ = plan.hash  # the handshake's identity, computed here (off the step) rather than before round 0
+    return plan
 
 
 def _compile_for_batch(cu: np.ndarray, *, config: Any, plan_kwargs: Mapping[str, Any] | None) -> "Plan":
@@ -449,17 +468,19 @@ def _sbhd_batch(batch: Mapping[str, Any], *, plan: "Plan | None", cp_rank: int |
     real_np = ids < s
     src = tokens.device
     out_device = torch.device(device) if device is not None else src
-    idx = torch.from_numpy(np.where(real_np, ids, 0)).to(src)
-    real = torch.from_numpy(real_np).to(src)
+    idx, real = _to_device([torch.from_numpy(np.where(real_np, ids, 0)), torch.from_numpy(real_np)], src)
 
     def take(x: torch.Tensor, fill: float) -> torch.Tensor:
-        return torch.where(real, x[:, idx], torch.full_like(x[:, idx], fill)).to(out_device)
+        return torch.where(real, x[:, idx], torch.full_like(x[:, idx], fill))
 
     loss_mask = batch.get("loss_mask")
     if loss_mask is None:
         loss_mask = torch.ones(b, s, dtype=torch.float32, device=src)
     labels = batch.get("labels")
-    positions = torch.from_numpy(np.where(real_np, ids, 0)).to(out_device)
+    num_loss_tokens = _host_sum(loss_mask)
+    got = [take(tokens, pad_token_id), take(loss_mask.to(torch.float32), 0.0), torch.from_numpy(np.where(real_np, ids, 0))]
+    got = _to_device([*got, *([take(labels, pad_token_id)] if labels is not None else [])], out_device)
+    positions = got[2]
     params = HSAPPackedSeqParams(
         qkv_format="sbhd",
         max_seqlen_q=plan.padded_tokens,
@@ -468,12 +489,12 @@ def _sbhd_batch(batch: Mapping[str, Any], *, plan: "Plan | None", cp_rank: int |
         hsap_plan=plan,
         hsap_cp_rank=cp_rank,
         hsap_position_ids=positions,
-        hsap_num_loss_tokens=_host_sum(loss_mask),
+        hsap_num_loss_tokens=num_loss_tokens,
     )
     return {
-        "tokens": take(tokens, pad_token_id),
-        "labels": take(labels, pad_token_id) if labels is not None else None,
-        "loss_mask": take(loss_mask.to(torch.float32), 0.0),
+        "tokens": got[0],
+        "labels": got[3] if labels is not None else None,
+        "loss_mask": got[1],
         "position_ids": positions.unsqueeze(0).expand(b, -1),
         "attention_mask": None,
         "packed_seq_params": params,

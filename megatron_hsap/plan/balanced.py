@@ -81,7 +81,7 @@ def _split_counts(lengths: np.ndarray, work: np.ndarray, size: int, chunk: int) 
     return np.clip(k, 1, size).astype(np.int64)
 
 
-_LAYOUT_GAIN = 0.01  # layout="balanced" skips its compile when the contiguous plan is this close to the compute bound
+_LAYOUT_GAIN_PERCENT = 1  # layout="balanced" skips its compile when the contiguous plan is this close to the compute bound
 _SLACK = 0.02  # a document whole on a rank may overshoot the mean work by this before it is split
 _EXPOSED = 0.5  # measured: 0.5 beat 0.1, 0.25 and 1.0 (no overlap) on plan estimates, 64K–1M, P 8–64
 _MIN_PIECE = 64  # tokens: balance alone never cuts a document into head/tail pieces smaller than this
@@ -228,12 +228,29 @@ def balanced_layout(batch: Batch, inter_size: int, intra_size: int, token_cost: 
     return Layout(name="balanced", segments=tuple(segments), chunk_tokens=chunk, intra_size=intra_size)
 
 
+_PS_PER_S = 10**12  # kept_layout compares estimates in integer picoseconds
+
+
+def _ps(seconds: float) -> int:
+    """An estimate in whole picoseconds (fixed units: equal for floats a few ulps apart)."""
+    return round(float(seconds) * _PS_PER_S)
+
+
 def kept_layout(contiguous_s: float, balanced_s: float | None, compute_bound_s: float) -> str:
     """The layout ``layout="balanced"`` (with its fallback) ships, from the two plans' estimated
     times: contiguous when it is within 1% of the compute bound (the balanced plan is then not even
-    compiled: pass ``balanced_s=None``) or estimated faster; balanced otherwise (ties: balanced)."""
-    if contiguous_s <= compute_bound_s * (1 + _LAYOUT_GAIN):
+    compiled: pass ``balanced_s=None``) or estimated faster; balanced otherwise (ties: balanced).
+
+    Every rank compiles its own plan, so this choice must come out the same on every node
+    (issue 16): the estimates are rounded to integer picoseconds and compared as integers
+    (``100·c ≤ 101·bound``, ``b ≤ c``), so estimates that differ in the last bits (another BLAS,
+    FMA contraction, summation order) give the same layout. Only an estimate within rounding noise
+    of a half-picosecond edge could still round apart; the plan hash covers the layout
+    (``plan/fingerprint.py``), so such ranks are stopped by the pre-round handshake with a
+    ``RuntimeMismatchError`` before any payload moves, never run on different layouts."""
+    c = _ps(contiguous_s)
+    if 100 * c <= (100 + _LAYOUT_GAIN_PERCENT) * _ps(compute_bound_s):
         return "contiguous"
     if balanced_s is None:
         return "balanced"  # undecided until the balanced plan is compiled
-    return "balanced" if balanced_s <= contiguous_s else "contiguous"
+    return "balanced" if _ps(balanced_s) <= c else "contiguous"

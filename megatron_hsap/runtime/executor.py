@@ -9,11 +9,16 @@ Per phase the program is a flat list ``Post(r) · Compute(s) · Wait(r) · Merge
 * ``Compute`` — one varlen kernel call per item (:mod:`~megatron_hsap.runtime.kernels`);
   consecutive items whose operands are adjacent rows of the local tensors and whose results go to
   the local accumulators are batched into one call (same numbers: the calls are per sequence).
-* ``Wait`` — the round with a deadline (``HSAP_P2P_TIMEOUT_S``), raising ``CommunicationError``.
+  The calls and their ``cu_seqlens`` are prepared once per plan (``runtime/prepared.py``: one
+  asynchronous upload of both phases' metadata from pinned memory).
+* ``Wait`` — the round with a deadline (``HSAP_P2P_TIMEOUT_S``), raising ``CommunicationError``;
+  on CUDA waited on the device (stream order), the deadline kept by the watchdog (``runtime/p2p.py``).
+* ``Merge`` / ``Accumulate`` — received partials into the fp32 accumulators (overflow-safe LSE merge).
 
 Before a plan's first round on its group, :func:`~megatron_hsap.runtime.handshake.agree` checks
-that every peer runs the same plan (a fixed-size header per pair; cached by plan hash).
-* ``Merge`` / ``Accumulate`` — received partials into the fp32 accumulators (overflow-safe LSE merge).
+that every peer runs the same plan (a fixed-size header per pair; cached by plan hash). The hash
+is computed on the host — by the plan prefetcher's thread (``megatron/batch.py plan_for_batch``),
+else when the executor is built — so the exchange before the first round only moves headers.
 
 Slots are typed views of ONE byte tensor per device, :func:`receive_pool`, allocated once at the
 largest capacity asked for and reused by every layer, step and plan that fits: every slot is dead
@@ -25,7 +30,6 @@ and DKV are two P2P operations, k rows then v rows, packed back to back in one s
 
 from __future__ import annotations
 
-import bisect
 import math
 import time
 from collections import OrderedDict
@@ -37,12 +41,15 @@ import torch.distributed as dist
 from torch import Tensor
 
 from megatron_hsap.errors import ConfigError, RuntimeMismatchError
-from megatron_hsap.plan.ir import Accumulate, Compute, ComputeItem, Merge, Phase, Post, Program, Send, Slot, TokenRange, Wait, Wire
+from megatron_hsap.plan.ir import ComputeItem, Merge, Phase, Send, Slot, Wire
 from megatron_hsap.runtime.env import MAX_TIMEOUT_S, read_env
 from megatron_hsap.runtime.handshake import agree
 from megatron_hsap.runtime.kernels import attn_backward, attn_forward, resolve_backend
 from megatron_hsap.runtime.merge import merge_into
 from megatron_hsap.runtime.p2p import P2PChannel, Transfer, warm_up
+from megatron_hsap.runtime.prepared import KernelCall, Prepared, Rows, prepare
+
+_Rows = Rows  # the name the tests used before the split
 
 if TYPE_CHECKING:
     from megatron_hsap.plan.plan import Plan
@@ -98,110 +105,6 @@ class PhaseStats:
         return {name: getattr(self, name) for name in self.__slots__}
 
 
-# --------------------------------------------------------------------------- prepared programs
-
-
-class _Rows:
-    """Global token range -> local rows of one inter rank (its layout segments)."""
-
-    def __init__(self, segments: tuple) -> None:
-        self._starts = [s.tokens.start for s in segments]
-        self._segs = segments
-
-    def __call__(self, tokens: TokenRange) -> slice:
-        i = bisect.bisect_right(self._starts, tokens.start) - 1
-        if i < 0:
-            raise RuntimeMismatchError(f"tokens {tokens} are not held by this rank")
-        seg = self._segs[i]
-        a = seg.local_start + tokens.start - seg.tokens.start
-        end_seg = self._segs[bisect.bisect_right(self._starts, tokens.stop - 1) - 1]
-        b = end_seg.local_start + tokens.stop - end_seg.tokens.start
-        if tokens.stop > end_seg.tokens.stop or b - a != len(tokens):
-            raise RuntimeMismatchError(f"tokens {tokens} are not contiguous local rows of this rank")
-        return slice(a, b)
-
-
-@dataclass(frozen=True, slots=True)
-class _Call:
-    """One kernel call: ``items`` (one, or several batched), their local rows (None: from a slot)."""
-
-    items: tuple[ComputeItem, ...]
-    causal: bool
-    q_rows: slice | None
-    kv_rows: slice | None
-    cu_q: Tensor
-    cu_k: Tensor
-    max_q: int
-    max_k: int
-
-
-@dataclass(frozen=True, slots=True)
-class _Prepared:
-    steps: tuple  # ("post", Round) | ("compute", stage, (_Call, ...)) | ("wait", int) | Merge | Accumulate
-    expected_sent: int
-    expected_recv: int
-
-
-def _local_only(item: ComputeItem) -> bool:
-    return all(s is None for _, s in item.srcs) and all(s is None for _, s in item.dsts)
-
-
-def _prepare(program: Program, rows: _Rows, device: torch.device) -> _Prepared:
-    steps: list = []
-    sent = recv = 0
-
-    def cu(lengths: list[int]) -> Tensor:
-        out = [0]
-        for n in lengths:
-            out.append(out[-1] + n)
-        return torch.tensor(out, dtype=torch.int32, device=device)
-
-    def flush(batch: list[ComputeItem], calls: list[_Call]) -> None:
-        if not batch:
-            return
-        first = batch[0]
-        q_local = dict(first.srcs)[Wire.Q] is None
-        kv_local = dict(first.srcs)[Wire.KV] is None
-        q_rows = slice(rows(batch[0].q).start, rows(batch[-1].q).stop) if q_local else None
-        kv_rows = slice(rows(batch[0].kv).start, rows(batch[-1].kv).stop) if kv_local else None
-        lq, lk = [len(it.q) for it in batch], [len(it.kv) for it in batch]
-        calls.append(_Call(tuple(batch), first.causal, q_rows, kv_rows, cu(lq), cu(lk), max(lq), max(lk)))
-        batch.clear()
-
-    for ins in program.instrs:
-        if isinstance(ins, Post):
-            steps.append(("post", ins.round))
-            for op in ins.round.ops:
-                if isinstance(op, Send):
-                    sent += op.nbytes
-                else:
-                    recv += op.nbytes
-        elif isinstance(ins, Wait):
-            steps.append(("wait", ins.index))
-        elif isinstance(ins, Compute):
-            calls: list[_Call] = []
-            batch: list[ComputeItem] = []
-            for it in ins.items:
-                if batch:
-                    prev = batch[-1]
-                    joinable = (
-                        _local_only(it) and _local_only(prev) and it.causal == prev.causal
-                        and rows(it.q).start == rows(prev.q).stop and rows(it.kv).start == rows(prev.kv).stop
-                    )  # fmt: skip
-                    if not joinable:
-                        flush(batch, calls)
-                batch.append(it)
-                if not _local_only(it):
-                    flush(batch, calls)
-            flush(batch, calls)
-            steps.append(("compute", ins.stage, tuple(calls)))
-        elif isinstance(ins, (Merge, Accumulate)):
-            steps.append(ins)
-        else:  # pragma: no cover - the IR has no other instruction
-            raise RuntimeMismatchError(f"unknown instruction {ins!r}")
-    return _Prepared(tuple(steps), sent, recv)
-
-
 # --------------------------------------------------------------------------- the executor
 
 
@@ -250,10 +153,11 @@ class Executor:
             raise ConfigError(f"timeout_s={timeout_s!r} must be a finite number of seconds in (0, {MAX_TIMEOUT_S:g}]")
         self.backend = resolve_backend(backend, self.device)
         self.skip_rounds = frozenset(skip_rounds)
-        rows = _Rows(plan.layout.segments[self.rank])
+        _ = plan.hash  # host work for the handshake, here rather than before the first round
+        rows = Rows(plan.layout.segments[self.rank])
         self._rows = rows
-        self._fwd = _prepare(plan.program(self.rank, Phase.FWD), rows, self.device)
-        self._bwd = _prepare(plan.program(self.rank, Phase.BWD), rows, self.device)
+        self._fwd, self._bwd = prepare((plan.program(self.rank, Phase.FWD), plan.program(self.rank, Phase.BWD)),
+                                       rows, self.device)  # fmt: skip
         self.stats = {Phase.FWD: PhaseStats(), Phase.BWD: PhaseStats()}
 
     # ------------------------------------------------------------------ public
@@ -320,7 +224,7 @@ class Executor:
             )
 
     # ------------------------------------------------------------------ interpreter
-    def _run(self, phase: Phase, prep: _Prepared, buf: _Buffers, acc: dict, scale: float) -> None:
+    def _run(self, phase: Phase, prep: Prepared, buf: _Buffers, acc: dict, scale: float) -> None:
         t_start = time.perf_counter()
         if self.plan.inter_size > 1:  # plans agree before any payload (cached per plan), then NCCL's warm-up
             agree(self.plan, self.group, "inter", phase, timeout_s=self.timeout_s, device=buf.pool.device)
@@ -416,12 +320,13 @@ class Executor:
                 out.append(Transfer(send, x, op.peer, what))
         return out
 
-    def _fwd_call(self, call: _Call, buf: _Buffers, acc: dict, scale: float) -> None:
+    def _fwd_call(self, call: KernelCall, buf: _Buffers, acc: dict, scale: float) -> None:
         item = call.items[0]
         q, = self._operand(buf, item, Wire.Q, call.q_rows)
         k, v = self._operand(buf, item, Wire.KV, call.kv_rows)
         o, lse = attn_forward(q, k, v, cu_seqlens_q=call.cu_q, cu_seqlens_k=call.cu_k, max_seqlen_q=call.max_q,
-                              max_seqlen_k=call.max_k, causal=call.causal, softmax_scale=scale, backend=self.backend)
+                              max_seqlen_k=call.max_k, causal=call.causal, softmax_scale=scale, backend=self.backend,
+                              window=call.window)
         o_dst, lse_dst = dict(item.dsts)[Wire.O], dict(item.dsts)[Wire.LSE]
         if o_dst is None:
             if call.q_rows is None:
@@ -431,7 +336,7 @@ class Executor:
             self._view(buf, o_dst, Wire.O, len(item.q))[0].copy_(o)
             self._view(buf, lse_dst, Wire.LSE, len(item.q))[0].copy_(lse)
 
-    def _bwd_call(self, call: _Call, buf: _Buffers, acc: dict, scale: float) -> None:
+    def _bwd_call(self, call: KernelCall, buf: _Buffers, acc: dict, scale: float) -> None:
         item = call.items[0]
         q, = self._operand(buf, item, Wire.Q, call.q_rows)
         do, = self._operand(buf, item, Wire.DO, call.q_rows)
@@ -444,7 +349,8 @@ class Executor:
             out = _out_for_delta(do, delta, self.backend)
         dq, dk, dv = attn_backward(do, q, k, v, out, lse, cu_seqlens_q=call.cu_q, cu_seqlens_k=call.cu_k,
                                    max_seqlen_q=call.max_q, max_seqlen_k=call.max_k, causal=call.causal,
-                                   softmax_scale=scale, delta=delta, backend=self.backend)  # fmt: skip
+                                   softmax_scale=scale, delta=delta, backend=self.backend,
+                                   window=call.window)  # fmt: skip
         dq_dst, dkv_dst = dict(item.dsts)[Wire.DQ], dict(item.dsts)[Wire.DKV]
         if dq_dst is None:
             acc[Wire.DQ][call.q_rows] += dq

@@ -13,10 +13,16 @@ this pair's operations in this direction``, so a round that was abandoned (timed
 be matched by a later one. NCCL ignores tags and matches by order, which the plan keeps identical
 on both sides (its verifier checks it).
 
-Waiting with a deadline: gloo's send/recv works only report completion from ``wait`` (their
-``is_completed`` stays False until then), so on CPU tensors each work is waited with the time
-left; NCCL works are polled with ``is_completed`` (a host-side query of the CUDA event) and then
-``wait``-ed, which only orders the current stream after the transfer.
+Waiting with a deadline (issue 16 item 3): gloo's send/recv works only report completion from
+``wait`` (their ``is_completed`` stays False until then), so on CPU tensors each work is waited on
+the host with the time left. Rounds of CUDA tensors are waited *on the device*: ``work.wait()`` on
+NCCL makes the current stream wait for the transfer and returns at once (the host runs ahead,
+queueing the next kernels), and the round's deadline goes to the watchdog
+(``runtime/watchdog.py``: one host thread sleeping until the earliest deadline, no polling); a
+round that misses it raises its :class:`CommunicationError` (round, stage, peer, tensor) at the
+channel's next ``post`` / ``wait`` / ``close``, and its group is aborted so the stream cannot stall
+for the job's whole timeout. Collectives whose result the host reads (:func:`wait_collective`: the
+handshake, warm-up, fingerprint, once per plan or group) still poll ``is_completed``.
 
 NCCL also needs the first batched P2P call on a group to involve every rank of the group:
 :func:`warm_up` runs one tiny all-reduce per group, once per process, with the same deadline
@@ -40,13 +46,14 @@ from torch import Tensor
 
 from megatron_hsap.errors import CommunicationError, RuntimeMismatchError
 from megatron_hsap.runtime.env import MAX_TIMEOUT_S
+from megatron_hsap.runtime.watchdog import WATCHDOG, Watchdog
 
 __all__ = ["Transfer", "P2PChannel", "warm_up", "wait_work", "wait_collective", "group_ranks", "CONTROL_ROUNDS"]
 
 _TAG_STRIDE = 1 << 12  # operations per (pair, direction, round); tag = round · stride + index
 _ROUND_LIMIT = (1 << 31) // _TAG_STRIDE  # tags are int32
 CONTROL_ROUNDS = (_ROUND_LIMIT - 2, _ROUND_LIMIT - 1)  # handshake header, handshake inputs; never plan rounds
-_POLL_S = 1e-4  # NCCL polling interval: far below a round's duration, cheap on the host
+_POLL_S = 1e-4  # NCCL polling interval of host-read collectives (once per plan/group, never per round)
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,13 +149,22 @@ class P2PChannel:
 
     ``bytes_sent``/``bytes_recv`` accumulate the sizes of the tensors actually handed to
     ``isend``/``irecv``; ``comm_s`` the host seconds spent posting and waiting (the part of
-    communication not hidden behind compute).
+    communication not hidden behind compute; ~0 for device-waited rounds).
+
+    ``device_wait``: wait rounds on the device with the deadline on ``watchdog`` (default: rounds
+    of CUDA tensors do, CPU rounds wait on the host). ``True`` on CPU tensors is the test mode of
+    the watchdog: the host does not wait at all (there is no stream to order) and only the
+    watchdog keeps the deadline. ``device_waits`` counts the rounds waited that way.
     """
 
-    def __init__(self, group: dist.ProcessGroup | None, *, timeout_s: float, phase: str = "") -> None:
+    def __init__(self, group: dist.ProcessGroup | None, *, timeout_s: float, phase: str = "",
+                 device_wait: bool | None = None, watchdog: Watchdog | None = None) -> None:  # fmt: skip
         if not 0 < timeout_s <= MAX_TIMEOUT_S:
             raise RuntimeMismatchError(f"P2P timeout must be in (0, {MAX_TIMEOUT_S:g}] seconds, got {timeout_s!r}")
         self.group = group
+        self.device_wait = device_wait
+        self.watchdog = WATCHDOG if watchdog is None else watchdog
+        self.device_waits = 0
         self.timeout_s = float(timeout_s)
         self.phase = phase
         self.bytes_sent = 0
@@ -169,6 +185,7 @@ class P2PChannel:
     def post(self, index: int, transfers: Sequence[Transfer], *, stage: str = "", control: bool = False) -> None:
         """Launch round ``index``: one ``batch_isend_irecv`` of ``transfers`` (in order).
         ``control``: ``index`` is one of ``CONTROL_ROUNDS`` (the handshake), not a plan round."""
+        self.watchdog.check()  # a device-waited round that missed its deadline raises here
         if self._round is not None:
             raise RuntimeMismatchError(
                 f"P2P misuse: round {index} posted while round {self._round} is still in flight; "
@@ -214,8 +231,13 @@ class P2PChannel:
                 f"P2P misuse: wait for round {index} but "
                 + ("no round is in flight" if self._round is None else f"round {self._round} is in flight")
             )
+        self.watchdog.check()
         t0 = time.perf_counter()
         deadline = t0 + self.timeout_s
+        if (not self._cpu) if self.device_wait is None else self.device_wait:
+            self._wait_on_device(deadline)
+            self.comm_s += time.perf_counter() - t0
+            return
         try:
             for pos, work in enumerate(self._works):
                 try:
@@ -227,6 +249,30 @@ class P2PChannel:
         finally:
             self._round, self._works, self._transfers = None, [], []
             self.comm_s += time.perf_counter() - t0
+
+    def _wait_on_device(self, deadline: float) -> None:
+        """Order the current stream after the round (NCCL ``wait`` does not block the host) and
+        hand the deadline to the watchdog with what it needs to name the round if it fires."""
+        works, transfers = self._works, self._transfers
+        round_, stage, per_op = self._round, self._stage, self._per_op
+        try:
+            if not self._cpu:
+                for work in works:
+                    work.wait()  # type: ignore[attr-defined]  # cudaStreamWaitEvent: returns at once
+        except RuntimeError as exc:  # the transport failed already
+            raise self._error(0, f"failed: {exc}") from exc
+        finally:
+            self._round, self._works, self._transfers = None, [], []
+        self.device_waits += 1
+        if not works:
+            return
+
+        def error() -> CommunicationError:  # runs on the watchdog thread at the deadline
+            pos = next((i for i, w in enumerate(works) if not _done(w)), 0) if per_op else 0
+            return _round_error(self.group, self.phase, round_, stage, transfers, per_op, pos,
+                                f"did not complete within {self.timeout_s:g} s (device-waited; watchdog)")
+
+        self.watchdog.watch(works, deadline, error, self.group)
 
     def _wait_one(self, work: object, deadline: float) -> bool:
         """True when ``work`` completed before ``deadline``; False on timeout."""
@@ -264,27 +310,44 @@ class P2PChannel:
             self.comm_s += time.perf_counter() - t0
 
     def _error(self, pos: int, why: str) -> CommunicationError:
-        pending = self._transfers[pos:] if self._per_op else self._transfers
-        first = pending[0] if pending else None
-        me = dist.get_rank(self.group) if dist.is_initialized() else 0
-        where = f"{self.phase} " if self.phase else ""
-        head = f"P2P round {self._round} ({where}{self._stage}) on group rank {me}"
-        if first is None:
-            return CommunicationError(f"{head} {why}")
-        direction = "send to" if first.send else "recv from"
-        also = ""
-        if len(pending) > 1:
-            also = "; still outstanding: " + ", ".join(
-                f"{'send to' if t.send else 'recv from'} peer {t.peer} {t.what}" for t in pending[1:6]
-            ) + (" ..." if len(pending) > 6 else "")
-        return CommunicationError(
-            f"{head}: {direction} peer {first.peer} (group rank), tensor {first.what}, {why}{also}. "
-            f"The peer is probably stuck, dead or running a different plan (check that every rank "
-            f"compiled its plan from the same cu_seqlens; raise HSAP_P2P_TIMEOUT_S if it is just slow). "
-            f"This process group cannot be reused after this error."
-        )
+        return _round_error(self.group, self.phase, self._round, self._stage, self._transfers, self._per_op, pos, why)
 
     def close(self) -> None:
         """Check that no round is left in flight (end of a phase)."""
+        self.watchdog.check()
         if self._round is not None:
             raise RuntimeMismatchError(f"P2P misuse: round {self._round} was posted but never waited")
+
+
+def _done(work: object) -> bool:
+    try:
+        return bool(work.is_completed())  # type: ignore[attr-defined]
+    except RuntimeError:
+        return False
+
+
+def _round_error(group: dist.ProcessGroup | None, phase: str, round_: int | None, stage: str,
+                 transfers: Sequence[Transfer], per_op: bool, pos: int, why: str) -> CommunicationError:  # fmt: skip
+    """The error of round ``round_`` whose ``pos``-th work (per-op works) did not complete."""
+    pending = list(transfers[pos:] if per_op else transfers)
+    first = pending[0] if pending else None
+    try:
+        me = dist.get_rank(group) if dist.is_initialized() else 0
+    except (RuntimeError, ValueError):  # the group was destroyed meanwhile (watchdog thread)
+        me = -1
+    where = f"{phase} " if phase else ""
+    head = f"P2P round {round_} ({where}{stage}) on group rank {me}"
+    if first is None:
+        return CommunicationError(f"{head} {why}")
+    direction = "send to" if first.send else "recv from"
+    also = ""
+    if len(pending) > 1:
+        also = "; still outstanding: " + ", ".join(
+            f"{'send to' if t.send else 'recv from'} peer {t.peer} {t.what}" for t in pending[1:6]
+        ) + (" ..." if len(pending) > 6 else "")
+    return CommunicationError(
+        f"{head}: {direction} peer {first.peer} (group rank), tensor {first.what}, {why}{also}. "
+        f"The peer is probably stuck, dead or running a different plan (check that every rank "
+        f"compiled its plan from the same cu_seqlens; raise HSAP_P2P_TIMEOUT_S if it is just slow). "
+        f"This process group cannot be reused after this error."
+    )
