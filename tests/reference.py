@@ -5,7 +5,8 @@ from per-token positions and document ids, run softmax attention in float64, and
 provide the backward. Only for small sizes (it materialises ``[h, tq, tk]``).
 
 The mask rule is the whole specification: query ``i`` may attend key ``j`` iff they belong to
-the same document and ``k_pos[j] <= q_pos[i]``. Every layout the project uses is expressed
+the same document and ``k_pos[j] <= q_pos[i]`` — and, with a sliding window ``left`` (flash-attn's
+``window_size=(left, 0)``), ``k_pos[j] >= q_pos[i] - left``. Every layout the project uses is expressed
 through positions and document ids:
 
 * packed document-causal batch: positions inside each document (``reference_packed``);
@@ -37,6 +38,7 @@ def reference_attention(
     q_doc: Tensor,
     k_doc: Tensor,
     softmax_scale: float,
+    window_left: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Dense-mask attention in float64, differentiable with autograd.
 
@@ -47,6 +49,7 @@ def reference_attention(
         q_pos, k_pos: ``[tq]``, ``[tk]`` integer positions.
         q_doc, k_doc: ``[tq]``, ``[tk]`` integer document ids.
         softmax_scale: multiplies ``q · k`` before the softmax.
+        window_left: sliding window (keys at most this far back); None or -1: none.
     Returns:
         ``out [tq, h, dv]`` float64 and ``lse [tq, h]`` float64 (natural log). Rows that may
         attend no key get ``out = 0`` and ``lse = -inf`` (and zero gradient).
@@ -61,6 +64,8 @@ def reference_attention(
     v64 = v64.repeat_interleave(group, dim=1)  # [tk, h, dv]
 
     allowed = (q_doc[:, None] == k_doc[None, :]) & (k_pos[None, :] <= q_pos[:, None])  # [tq, tk]
+    if window_left is not None and window_left >= 0:
+        allowed &= k_pos[None, :] >= q_pos[:, None] - window_left
     has_key = allowed.any(dim=1)  # [tq]
 
     scores = torch.einsum("qhd,khd->hqk", q64, k64) * softmax_scale  # [h, tq, tk]
@@ -85,13 +90,15 @@ def positions_from_cu_seqlens(cu_seqlens: Tensor | list[int]) -> tuple[Tensor, T
 
 
 def reference_packed(
-    q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor | list[int], softmax_scale: float
+    q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor | list[int], softmax_scale: float,
+    window_left: int | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Document-causal attention of a whole packed batch (q, k, v share ``cu_seqlens``)."""
+    """Document-causal attention of a whole packed batch (q, k, v share ``cu_seqlens``), under a
+    sliding window of ``window_left`` earlier keys when given."""
     pos, doc = positions_from_cu_seqlens(cu_seqlens)
     dev = q.device
     pos, doc = pos.to(dev), doc.to(dev)
-    return reference_attention(q, k, v, pos, pos, doc, doc, softmax_scale)
+    return reference_attention(q, k, v, pos, pos, doc, doc, softmax_scale, window_left)
 
 
 def varlen_positions(

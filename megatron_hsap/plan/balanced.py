@@ -32,13 +32,17 @@ import numpy as np
 
 from megatron_hsap.plan.ir import Segment, TokenRange
 from megatron_hsap.plan.layout import Batch, Layout
+from megatron_hsap.plan.window import banded_pairs
 
 __all__ = ["balanced_layout", "piece_work", "kept_layout"]
 
 
-def piece_work(doc_start: int, a: int, b: int) -> int:
-    """Owner-computes pairs of rows ``[a, b)`` of a document starting at ``doc_start``."""
-    n = b - a
+def piece_work(doc_start: int, a: int, b: int, window: int = -1) -> int:
+    """Owner-computes pairs of rows ``[a, b)`` of a document starting at ``doc_start`` (banded
+    under a sliding ``window``: ``plan/window.py``)."""
+    if window >= 0:
+        return banded_pairs(a, b, doc_start, b, window)
+    n = b - a  # the causal case inline: called per piece in the layout's inner loop
     return n * (a - doc_start + 1) + n * (n - 1) // 2
 
 
@@ -88,7 +92,7 @@ _MIN_PIECE = 64  # tokens: balance alone never cuts a document into head/tail pi
 
 
 def _assign(starts: np.ndarray, lengths: np.ndarray, work: np.ndarray, k_of: np.ndarray | None, size: int,
-            chunk: int, projected: bool, token_cost: float) -> tuple[list[list[tuple[int, int]]], np.ndarray]:
+            chunk: int, projected: bool, token_cost: float, window: int = -1) -> tuple[list[list[tuple[int, int]]], np.ndarray]:
     """One greedy assignment: ``(pieces held per rank, estimated cost per rank)``.
 
     Documents go largest work first. With ``k_of`` a document is cut head–tail over ``k_of[d]``
@@ -109,7 +113,7 @@ def _assign(starts: np.ndarray, lengths: np.ndarray, work: np.ndarray, k_of: np.
     def give(r: int, a: int, b: int, doc_start: int, remote: float) -> None:
         held[r].append((a, b))
         room[r] -= b - a
-        load[r] += piece_work(doc_start, a, b)
+        load[r] += piece_work(doc_start, a, b, window)
         traffic[r] += token_cost * remote
 
     order = np.lexsort((np.arange(len(lengths)), -work))
@@ -184,19 +188,20 @@ def _cost(load: np.ndarray, traffic: np.ndarray) -> np.ndarray:
     return np.maximum(load, traffic) + _EXPOSED * np.minimum(load, traffic)
 
 
-def balanced_layout(batch: Batch, inter_size: int, intra_size: int, token_cost: float = 0.0) -> Layout:
+def balanced_layout(batch: Batch, inter_size: int, intra_size: int, token_cost: float = 0.0, window: int = -1) -> Layout:
     """Document-aware layout of ``batch`` over ``inter_size`` ranks (see the module docstring).
 
     ``token_cost``: the time of moving one token's kv (forward and backward) in units of the time
     of one (q, k) pair of attention (0: balance work only). A few greedy variants (split only
     what exceeds a rank's tokens, split by work, split by density, or choose each split; LPT or
     projected placement) each take a few milliseconds; the one with the lowest busiest-rank cost
-    is kept (within 0.5%: fewer pieces, i.e. less traffic)."""
+    is kept (within 0.5%: fewer pieces, i.e. less traffic). Under a sliding ``window`` every work
+    count is the banded one (a windowed document's work grows linearly with its length)."""
     size = inter_size
     chunk = batch.padded_tokens // size
     starts = batch.doc_starts
     lengths = np.diff(starts)
-    work = lengths * (lengths + 1) / 2.0
+    work = batch.doc_work(window).astype(float)
     tau = float(work.sum()) / size
     must = np.clip(np.ceil(lengths / chunk), 1, size).astype(np.int64)
     plain = np.clip(np.maximum(np.ceil(work / tau) if tau else 1, must), 1, size).astype(np.int64)
@@ -208,7 +213,7 @@ def balanced_layout(batch: Batch, inter_size: int, intra_size: int, token_cost: 
     variants = []
     # (the projected placement pays mostly with per-document splits: 5 variants, not 8)
     for k_of, projected in [*((k, False) for k in splits), (None, False), (None, True)]:
-        held, cost = _assign(starts, lengths, work, k_of, size, chunk, projected, token_cost)
+        held, cost = _assign(starts, lengths, work, k_of, size, chunk, projected, token_cost, window)
         variants.append((float(cost.max()), sum(map(len, held)), held))
     low = min(v[0] for v in variants)
     held = min((v for v in variants if v[0] <= low * 1.005), key=lambda v: (v[1], v[0]))[2]

@@ -200,14 +200,14 @@ def generate(units: list[Unit], phase: Phase, size: int, shape: HeadShape, capac
     for i, u in enumerate(units):
         k, r = u.stage, u.rank
         if r == u.q_owner == u.kv_owner:
-            items[(r, k)].append(ComputeItem(q=u.q, kv=u.kv, causal=u.causal, srcs=local_srcs, dsts=local_dsts))
+            items[(r, k)].append(ComputeItem(q=u.q, kv=u.kv, causal=u.causal, srcs=local_srcs, dsts=local_dsts, window=u.window))
             continue
         srcs = []
         for owner, toks, wires in ((u.q_owner, u.q, q_wires), (u.kv_owner, u.kv, kv_wires)):
             for w in wires:
                 srcs.append((w, None if owner == r else slot_of[input_at[(r, k, owner, w, toks.start, toks.stop)]]))
         dsts = tuple((w, slot_of[out_at[(i, w)]] if (i, w) in out_at else None) for w in results)
-        items[(r, k)].append(ComputeItem(q=u.q, kv=u.kv, causal=u.causal, srcs=tuple(srcs), dsts=dsts))
+        items[(r, k)].append(ComputeItem(q=u.q, kv=u.kv, causal=u.causal, srcs=tuple(srcs), dsts=dsts, window=u.window))
     src_of_result = {result_at[key]: slot_of[out_key] for key, out_key in out_at.items()}
     ops: dict[tuple[int, int], list[Send | Recv]] = defaultdict(list)
     after: dict[tuple[int, int], list[Instr]] = defaultdict(list)

@@ -5,11 +5,13 @@ travels twice."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 
 from megatron_hsap.plan.ir import TokenRange, Unit
 from megatron_hsap.plan.placement import Prices, rows_for_work
+from megatron_hsap.plan.units import clip_unit
 
 __all__ = ["is_local", "footprint", "split_rows", "split_cols", "with_stage", "cut_by_cols", "count_fitting",
            "smallest_piece", "grid_tiles", "take"]
@@ -34,21 +36,29 @@ def split_rows(u: Unit, m: int) -> tuple[Unit, Unit]:
     """Split ``u`` before global q row ``m``: a causal block's head keeps bottom-right alignment."""
     assert u.q.start < m < u.q.stop, (u, m)
     first_kv = TokenRange(u.kv.start, m) if u.causal else u.kv
-    a = Unit(u.doc, TokenRange(u.q.start, m), first_kv, u.causal, u.q_owner, u.kv_owner, u.rank, u.stage)
-    b = Unit(u.doc, TokenRange(m, u.q.stop), u.kv, u.causal, u.q_owner, u.kv_owner, u.rank, u.stage)
+    a = _part(u, TokenRange(u.q.start, m), first_kv, u.causal)
+    b = _part(u, TokenRange(m, u.q.stop), u.kv, u.causal)
+    assert a is not None and b is not None, (u, m)
     return a, b
 
 
 def split_cols(u: Unit, m: int) -> tuple[Unit, Unit]:
     """Split a rectangle before global kv row ``m``."""
     assert not u.causal and u.kv.start < m < u.kv.stop, (u, m)
-    a = Unit(u.doc, u.q, TokenRange(u.kv.start, m), False, u.q_owner, u.kv_owner, u.rank, u.stage)
-    b = Unit(u.doc, u.q, TokenRange(m, u.kv.stop), False, u.q_owner, u.kv_owner, u.rank, u.stage)
+    a = _part(u, u.q, TokenRange(u.kv.start, m), False)
+    b = _part(u, u.q, TokenRange(m, u.kv.stop), False)
+    assert a is not None and b is not None, (u, m)
     return a, b
 
 
 def with_stage(u: Unit, stage: int) -> Unit:
-    return Unit(u.doc, u.q, u.kv, u.causal, u.q_owner, u.kv_owner, u.rank, stage)
+    return replace(u, stage=stage)
+
+
+def _part(u: Unit, q: TokenRange, kv: TokenRange, causal: bool) -> Unit | None:
+    """A part of ``u`` on its rank and stage, clipped to the sliding window (None: beyond it).
+    Row and column cuts of a clipped block are never empty (``plan/window.py``)."""
+    return clip_unit(replace(u, q=q, kv=kv, causal=causal), u.window)
 
 
 def cut_by_cols(u: Unit, pr: Prices) -> bool:
@@ -98,13 +108,13 @@ def grid_tiles(u: Unit, share: float, budget: float, pr: Prices) -> list[Unit]:
         m = u.q.start + nq // 2
         parts = []
         if u.kv.start < u.q.start:  # keys before the rows: a rectangle of their own
-            parts.append(Unit(u.doc, u.q, TokenRange(u.kv.start, u.q.start), False, u.q_owner, u.kv_owner, u.rank, u.stage))
+            parts.append(_part(u, u.q, TokenRange(u.kv.start, u.q.start), False))
         parts += [
-            Unit(u.doc, TokenRange(u.q.start, m), TokenRange(u.q.start, m), True, u.q_owner, u.kv_owner, u.rank, u.stage),
-            Unit(u.doc, TokenRange(m, u.q.stop), TokenRange(u.q.start, m), False, u.q_owner, u.kv_owner, u.rank, u.stage),
-            Unit(u.doc, TokenRange(m, u.q.stop), TokenRange(m, u.q.stop), True, u.q_owner, u.kv_owner, u.rank, u.stage),
+            _part(u, TokenRange(u.q.start, m), TokenRange(u.q.start, m), True),
+            _part(u, TokenRange(m, u.q.stop), TokenRange(u.q.start, m), False),
+            _part(u, TokenRange(m, u.q.stop), TokenRange(m, u.q.stop), True),
         ]
-        return [t for part in parts for t in grid_tiles(part, share, budget, pr)]
+        return [t for part in parts if part is not None for t in grid_tiles(part, share, budget, pr)]
     area = max(1.0, min(float(share), float(nq) * nk, budget * budget / (4 * fq * fk)))
     r = min(nq, max(1, int(math.sqrt(area * fk / fq))))
     c = min(nk, max(1, int(area / r)))
@@ -112,8 +122,9 @@ def grid_tiles(u: Unit, share: float, budget: float, pr: Prices) -> list[Unit]:
         r, c = max(1, (r * 3) // 4), max(1, (c * 3) // 4)
     rows = np.linspace(u.q.start, u.q.stop, -(-nq // r) + 1).round().astype(np.int64).tolist()
     cols = np.linspace(u.kv.start, u.kv.stop, -(-nk // c) + 1).round().astype(np.int64).tolist()
-    return [Unit(u.doc, TokenRange(a, b), TokenRange(x, y), False, u.q_owner, u.kv_owner, u.rank, u.stage)
-            for a, b in zip(rows, rows[1:]) for x, y in zip(cols, cols[1:])]
+    tiles = [_part(u, TokenRange(a, b), TokenRange(x, y), False)
+             for a, b in zip(rows, rows[1:]) for x, y in zip(cols, cols[1:])]
+    return [t for t in tiles if t is not None]
 
 
 def take(u: Unit, work: float, room: float, pr: Prices) -> tuple[Unit | None, list[Unit]]:
@@ -128,7 +139,7 @@ def take(u: Unit, work: float, room: float, pr: Prices) -> tuple[Unit | None, li
     fq, fk = pr.q_bwd + pr.dq, pr.kv + pr.dkv
     nq, nk = len(u.q), len(u.kv)
     if u.causal:
-        n = rows_for_work(u.q, u.kv.start, True, nk, work)
+        n = rows_for_work(u.q, u.kv.start, True, nk, work, u.window)
         while n > 0 and n * fq + (u.q.start + n - u.kv.start) * fk > room:
             n //= 2
         if n <= 0:

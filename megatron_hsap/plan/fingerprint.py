@@ -130,6 +130,8 @@ def plan_hash(plan: "Plan") -> int:
     h.update(f"hsap-plan-v{HASH_VERSION}\n".encode())
     h.update(repr(tuple(plan.batch.cu_seqlens)).encode())
     for name in _OPTION_NAMES:
+        if name == "window_size" and plan.options.window_size is None:
+            continue  # plans without a window keep the hashes they had before windows existed
         h.update(f"\n{name}={getattr(plan.options, name)!r}".encode())
     h.update(f"\npool={plan.pool_capacity}\nlayout={plan.layout.name}:{plan.layout.chunk_tokens}\n".encode())
     for rank, segs in enumerate(plan.layout.segments):

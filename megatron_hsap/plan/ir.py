@@ -23,6 +23,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from megatron_hsap.plan.window import banded_pairs, kernel_window
+
 __all__ = [
     "Wire",
     "Phase",
@@ -165,6 +167,7 @@ class ComputeItem:
     causal: bool
     srcs: tuple[tuple[Wire, Slot | None], ...]
     dsts: tuple[tuple[Wire, Slot | None], ...]
+    window: int = -1  # the plan's sliding window ``left`` (plan/window.py), -1: none
 
     def __post_init__(self) -> None:
         if len(self.q) == 0 or len(self.kv) == 0:
@@ -177,13 +180,13 @@ class ComputeItem:
 
     @property
     def work(self) -> int:
-        """Unmasked (q, k) pairs."""
-        nq, nk = len(self.q), len(self.kv)
-        if not self.causal:
-            return nq * nk
-        # rows q.start..q.stop-1 attend keys kv.start..row: sum of (row - kv.start + 1)
-        first = self.q.start - self.kv.start + 1
-        return nq * first + nq * (nq - 1) // 2
+        """Unmasked (q, k) pairs (causal and inside the window: ``plan/window.py``)."""
+        return banded_pairs(self.q.start, self.q.stop, self.kv.start, self.kv.stop, self.window)
+
+    @property
+    def kernel_window(self) -> tuple[int, int]:
+        """flash-attn ``window_size`` of this call relative to its block; ``(-1, -1)``: plain call."""
+        return kernel_window(self.q.start, self.q.stop, self.kv.start, self.kv.stop, self.causal, self.window)
 
     def src(self, wire: Wire) -> Slot | None:
         return dict(self.srcs)[wire]
@@ -244,11 +247,8 @@ class Unit:
     kv_owner: int
     rank: int
     stage: int = field(default=0)
+    window: int = -1  # the plan's sliding window ``left`` (plan/window.py), -1: none
 
     @property
     def work(self) -> int:
-        nq, nk = len(self.q), len(self.kv)
-        if not self.causal:
-            return nq * nk
-        first = self.q.start - self.kv.start + 1
-        return nq * first + nq * (nq - 1) // 2
+        return banded_pairs(self.q.start, self.q.stop, self.kv.start, self.kv.stop, self.window)

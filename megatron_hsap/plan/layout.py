@@ -118,10 +118,19 @@ class Batch:
     def doc_range(self, doc: int) -> TokenRange:
         return TokenRange(int(self.doc_starts[doc]), int(self.doc_starts[doc + 1]))
 
-    def total_work(self) -> int:
-        """Unmasked (q, k) pairs of the whole padded batch: Σ n(n+1)/2 over documents."""
-        n = np.diff(self.doc_starts)
-        return int((n * (n + 1) // 2).sum())
+    def doc_work(self, window: int = -1) -> np.ndarray:
+        """Unmasked (q, k) pairs per document (int64): n(n+1)/2, or under a sliding ``window`` the
+        banded count — ``plan/window.py``'s ``doc_pairs``, vectorised (row i sees min(i+1, window+1)
+        keys)."""
+        n = np.diff(self.doc_starts).astype(np.int64)
+        if window < 0:
+            return n * (n + 1) // 2
+        m = np.minimum(n, window + 1)
+        return m * (m + 1) // 2 + (n - m) * (window + 1)
+
+    def total_work(self, window: int = -1) -> int:
+        """Unmasked (q, k) pairs of the whole padded batch (``doc_work`` summed)."""
+        return int(self.doc_work(window).sum())
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from megatron_hsap.errors import ConfigError
 from megatron_hsap.plan.hardware import HARDWARE
 from megatron_hsap.plan.layout import check_size
+from megatron_hsap.plan.window import normalize_window, window_left
 
 __all__ = ["PlanOptions", "kv_heads_per_rank", "validated_options", "DEFAULT_POOL_CHUNKS", "DEFAULT_POOL_MIN", "LAYOUTS"]
 
@@ -57,6 +58,12 @@ class PlanOptions:
     hardware: str = "a100"
     allow_helpers: bool = True  # move bands of local blocks to a third rank when it pays
     placement: str = "auto"  # "auto" (lowest estimated time), "owner-computes" or "min-traffic"
+    window_size: tuple[int, int] | None = None  # sliding window (left, 0), flash-attn's convention; None: full causal
+
+    @property
+    def window(self) -> int:
+        """The window's ``left`` as one int (-1: none; ``plan/window.py``)."""
+        return window_left(self.window_size)
 
     def validate(self) -> "PlanOptions":
         for name in ("inter_size", "intra_size", "num_heads", "head_dim", "dtype_bytes", "pad_multiple", "tp_size", "gpus_per_node"):
@@ -74,6 +81,8 @@ class PlanOptions:
             raise ConfigError(f"link={self.link!r} is unknown; use 'nvlink', 'ib' or None (derived from the CP size)")
         if self.placement not in ("auto", "owner-computes", "min-traffic"):
             raise ConfigError(f"placement={self.placement!r} is unknown; use 'auto', 'owner-computes' or 'min-traffic'")
+        if normalize_window(self.window_size) != self.window_size:
+            raise ConfigError(f"window_size={self.window_size!r}: pass it through compile_plan (normalised to None or (left, 0))")
         if self.hardware not in HARDWARE:
             raise ConfigError(f"hardware={self.hardware!r} is unknown; choose one of {sorted(HARDWARE)}")
         return self
@@ -84,6 +93,10 @@ def validated_options(inter_size, intra_size, num_heads, num_kv_heads, head_dim,
     """Validated options, cached by value AND type (``inter_size=True`` must not hit the entry of
     ``inter_size=1``); unhashable values (``pool_bytes=[1]``) skip the cache and fail validation."""
     args = (inter_size, intra_size, num_heads, num_kv_heads, head_dim, head_dim_v, dtype_bytes)
+    if "window_size" in extra:  # (-1, -1), [64, 0] and (64, -1) name the same plans as None / (64, 0)
+        extra = {**extra, "window_size": normalize_window(extra["window_size"])}
+        if extra["window_size"] is None:
+            del extra["window_size"]
     typed_extra = tuple((k, type(v).__name__, v) for k, v in sorted(extra.items(), key=lambda kv: kv[0]))
     try:
         hash((args, typed_extra))

@@ -26,7 +26,8 @@ import numpy as np
 from megatron_hsap.plan.costs import HeadShape
 from megatron_hsap.plan.hardware import Hardware
 from megatron_hsap.plan.ir import TokenRange, Unit, Wire
-from megatron_hsap.plan.units import WorkUnit, causal_work
+from megatron_hsap.plan.units import WorkUnit, causal_work, clip_unit
+from megatron_hsap.plan.window import banded_pairs
 
 __all__ = ["Prices", "Placement", "owner_computes", "min_traffic", "region_distflash", "rows_for_work", "tail_rows_for_work"]
 
@@ -98,13 +99,24 @@ def _minus(a: Vec, b: Vec) -> Vec:
     return (a[0] - b[0], a[1] - b[1], a[2] - b[2], a[3] - b[3])
 
 
-def rows_for_work(q: TokenRange, kv_start: int, causal: bool, nk: int, work: float) -> int:
+def rows_for_work(q: TokenRange, kv_start: int, causal: bool, nk: int, work: float, window: int = -1) -> int:
     """Largest ``n`` such that the first ``n`` rows of a block (causal: rows attend keys from
-    ``kv_start``; rectangle: ``nk`` keys each) hold at most ``work`` pairs; closed form."""
+    ``kv_start``; rectangle: ``nk`` keys each) hold at most ``work`` pairs; closed form, or a
+    bisection on the banded pair count under a sliding ``window``."""
     if work <= 0:
         return 0
     if not math.isfinite(work):
         return len(q)
+    if window >= 0:
+        kv_stop = q.stop if causal else kv_start + nk
+        lo, hi = 0, len(q)  # banded_pairs is monotone in the row count
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if banded_pairs(q.start, q.start + mid, kv_start, kv_stop, window) <= work:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
     if not causal:
         return min(len(q), int(work // nk))
     first = q.start - kv_start + 1  # keys seen by the first row
@@ -115,12 +127,12 @@ def rows_for_work(q: TokenRange, kv_start: int, causal: bool, nk: int, work: flo
     return min(len(q), max(0, n))
 
 
-def tail_rows_for_work(q: TokenRange, kv_start: int, causal: bool, nk: int, work: float) -> int:
+def tail_rows_for_work(q: TokenRange, kv_start: int, causal: bool, nk: int, work: float, window: int = -1) -> int:
     """Smallest row ``x`` such that rows ``[x, q.stop)`` hold at least ``work`` pairs."""
-    total = causal_work(q, TokenRange(kv_start, q.stop) if causal else TokenRange(0, nk), causal)
+    total = causal_work(q, TokenRange(kv_start, q.stop) if causal else TokenRange(kv_start, kv_start + nk), causal, window)
     if work >= total:
         return q.start
-    head = rows_for_work(q, kv_start, causal, nk, total - work)
+    head = rows_for_work(q, kv_start, causal, nk, total - work, window)
     return q.start + head
 
 
@@ -152,6 +164,8 @@ class Placement:
         u = self.units[i]
         if y <= x:
             return 0.0
+        if u.window >= 0:
+            return float(banded_pairs(x, y, u.kv.start, u.kv.stop if not u.causal else y, u.window))
         if u.causal:
             n, first = y - x, x - u.kv.start + 1
             return float(n * first + n * (n - 1) // 2)
@@ -179,7 +193,7 @@ class Placement:
                 out.append((a, 0.0, q))
                 out.append((h, 0.0, _mirror(q)))
             if h != c:
-                kv = pr.kv_side((y - u.kv.start) if u.causal else nk)
+                kv = pr.kv_side(_band_keys(u, x, y) if u.causal else nk)
                 out.append((c, 0.0, kv))
                 out.append((h, 0.0, _mirror(kv)))
         return out
@@ -223,14 +237,19 @@ class Placement:
             h0 = self.home[i]
             if h0 > u.q.start:
                 kv = TokenRange(u.kv.start, h0) if u.causal else u.kv
-                out.append(Unit(u.doc, TokenRange(u.q.start, h0), kv, u.causal, a, c, a))
+                out.append(Unit(u.doc, TokenRange(u.q.start, h0), kv, u.causal, a, c, a, window=u.window))
             for x, y, h in self.bands[i]:
+                parts = []
                 if not u.causal:
-                    out.append(Unit(u.doc, TokenRange(x, y), u.kv, False, a, c, h))
-                    continue
-                if x > u.kv.start:
-                    out.append(Unit(u.doc, TokenRange(x, y), TokenRange(u.kv.start, x), False, a, c, h))
-                out.append(Unit(u.doc, TokenRange(x, y), TokenRange(x, y), True, a, c, h))
+                    parts.append(Unit(u.doc, TokenRange(x, y), u.kv, False, a, c, h, window=u.window))
+                else:
+                    if x > u.kv.start:
+                        parts.append(Unit(u.doc, TokenRange(x, y), TokenRange(u.kv.start, x), False, a, c, h, window=u.window))
+                    parts.append(Unit(u.doc, TokenRange(x, y), TokenRange(x, y), True, a, c, h, window=u.window))
+                for part in parts:  # under a window: clipped to the band, beyond it dropped
+                    part = clip_unit(part, u.window)
+                    if part is not None:
+                        out.append(part)
         return out
 
     def surrogate(self) -> float:
@@ -245,6 +264,13 @@ class Placement:
 
 
 _ZERO: Vec = (0.0, 0.0, 0.0, 0.0)
+
+
+def _band_keys(u: WorkUnit, x: int, y: int) -> int:
+    """Keys rows ``[x, y)`` of causal block ``u`` need: from its first key (or, under a window,
+    from row ``x``'s oldest key) to ``y``."""
+    start = u.kv.start if u.window < 0 else max(u.kv.start, x - u.window)
+    return y - start
 
 
 def _normalise(u: WorkUnit, home: int, bands: list[Band]) -> tuple[int, list[Band]]:
@@ -265,7 +291,7 @@ def _normalise(u: WorkUnit, home: int, bands: list[Band]) -> tuple[int, list[Ban
 
 def _empty(name: str, units: list[WorkUnit], size: int, pr: Prices, base: list[Unit] | None) -> Placement:
     if base is None:
-        base = [Unit(u.doc, u.q, u.kv, u.causal, u.q_owner, u.kv_owner, u.q_owner) for u in units]
+        base = [Unit(u.doc, u.q, u.kv, u.causal, u.q_owner, u.kv_owner, u.q_owner, window=u.window) for u in units]
     work = [0.0] * size
     for u in units:
         work[u.q_owner] += u.work

@@ -169,6 +169,14 @@ class Plan:
 
         return dump_program(self, rank, Phase(phase))
 
+    def with_window(self, window_size: object) -> "Plan":
+        """This batch's plan under another sliding window (``None``: full causal) on THIS plan's
+        token layout, so a model mixing full and windowed layers shards its batch once
+        (``plan/shared_layout.py``)."""
+        from megatron_hsap.plan.shared_layout import compile_on_layout
+
+        return compile_on_layout(self, window_size)
+
     def stats(self) -> dict[str, Any]:
         from megatron_hsap.plan.stats import plan_stats
 
@@ -445,14 +453,14 @@ def _compile_cached(cu: tuple[int, ...], opts: PlanOptions) -> Plan:
     hw = HARDWARE[opts.hardware]
     pr = Prices.of(shape, hw, hw.bandwidth(_link_of(opts)))
     contiguous = None
-    bound = compute_bound(batch.total_work(), size, pr.sec_fwd, pr.sec_bwd)  # any layout
+    bound = compute_bound(batch.total_work(opts.window), size, pr.sec_fwd, pr.sec_bwd)  # any layout
     if opts.layout_fallback:
         contiguous = _compile_on(contiguous_layout(batch, size, opts.intra_size), batch, shape, opts)
         if kept_layout(contiguous.chosen.time, None, bound) == "contiguous":
             return contiguous  # already within 1% of the compute bound: no layout can gain more
     # pairs of attention one token's kv costs to move (forward kv, backward kv and dkv back)
     token_cost = (2 * pr.kv + pr.dkv) / pr.bw / (pr.sec_fwd + pr.sec_bwd)
-    balanced = _compile_on(balanced_layout(batch, size, opts.intra_size, token_cost), batch, shape, opts)
+    balanced = _compile_on(balanced_layout(batch, size, opts.intra_size, token_cost, opts.window), batch, shape, opts)
     if contiguous is None:
         return balanced
     # The balanced layout must never lose to the paper's: on the batch where its split documents
@@ -477,7 +485,7 @@ def _compile_on(layout: Layout, batch: Batch, shape: HeadShape, opts: PlanOption
     capacity = opts.pool_bytes or max(DEFAULT_POOL_CHUNKS * layout.chunk_tokens * shape.chunk_token_bytes, DEFAULT_POOL_MIN)
     pr = Prices.of(shape, hw, hw.bandwidth(link))
     lat = hw.latency(link)
-    pieces, units = build_units(batch, layout)
+    pieces, units = build_units(batch, layout, opts.window)
     placements = _placements(units, size, pr, opts.allow_helpers)
     if opts.placement != "auto":
         placements = {n: pl for n, pl in placements.items() if n in (opts.placement, "owner-computes")}

@@ -138,7 +138,7 @@ def _candidates(pl: Placement, b: int, blocks: list[int], tau: float, allow_help
                 out.append((pr.q_total / nk, _HEAD, i, -1))
             elif allow_helpers and w > 0:
                 amount = min(w, excess)
-                x = tail_rows_for_work(TokenRange(u.q.start, pl.home[i]), u.kv.start, u.causal, nk, amount)
+                x = tail_rows_for_work(TokenRange(u.q.start, pl.home[i]), u.kv.start, u.causal, nk, amount, u.window)
                 moved = pl.rows_work(i, x, pl.home[i])
                 nkv = (pl.home[i] - u.kv.start) if u.causal else nk
                 if moved > 0:
@@ -202,12 +202,12 @@ def _shed(pl: Placement, b: int, kind: int, i: int, j: int, tau: float, ok, rece
         amount = min(excess, spare)
         back_home = kind == _BAND and h == a and j == len(pl.bands[i]) - 1
         if back_home:  # the band's head rows return next to the head
-            n = rows_for_work(TokenRange(lo, hi), u.kv.start, u.causal, nk, amount)
+            n = rows_for_work(TokenRange(lo, hi), u.kv.start, u.causal, nk, amount, u.window)
             n = max(n, 1)
             m = lo + n
             new_home, new_bands = m, pl.bands[i][:j] + [(m, hi, b)]
         else:  # the tail rows [m, hi) go to h
-            m = tail_rows_for_work(TokenRange(lo, hi), u.kv.start, u.causal, nk, amount)
+            m = tail_rows_for_work(TokenRange(lo, hi), u.kv.start, u.causal, nk, amount, u.window)
             if hi - m < _MIN_BAND_ROWS and m > lo:
                 m = max(lo, hi - _MIN_BAND_ROWS)
             while pl.rows_work(i, m, hi) > spare * 1.05 + 1 and m < hi - 1:

@@ -312,7 +312,7 @@ def _pour(units: list[Unit], budgets: np.ndarray) -> list[Unit]:
             poured += w
             continue
         room = cum[k] - poured
-        n = rows_for_work(u.q, u.kv.start, u.causal, len(u.kv), room)
+        n = rows_for_work(u.q, u.kv.start, u.causal, len(u.kv), room, u.window)
         if n < min(_MIN_SPLIT_ROWS, len(u.q)):  # under a sliver of room left: the stage is full
             queue.append(u)
             k += 1

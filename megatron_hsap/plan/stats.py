@@ -21,7 +21,7 @@ def plan_stats(plan: "Plan") -> dict[str, Any]:
     c = plan.chosen
     size = plan.inter_size
     work = c.fwd_time.work
-    total = plan.batch.total_work()
+    total = plan.batch.total_work(plan.options.window)
     mean = total / size
     nec_f, nec_b = necessary_traffic(list(plan.work_units), plan.shape)
     bounds = lower_bounds(total, nec_f, nec_b, size, plan.shape, plan.hardware, plan.link)
@@ -43,6 +43,7 @@ def plan_stats(plan: "Plan") -> dict[str, Any]:
         "link": plan.link.value,
         "hardware": plan.hardware.name,
         "layout": plan.layout.name,
+        "window_size": plan.options.window_size,
         "placement": c.name,
         "work_per_rank": work.tolist(),
         "total_work": total,

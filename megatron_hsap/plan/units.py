@@ -3,26 +3,38 @@
 A *piece* is the part of one document held by one rank in one segment. For two pieces ``p`` (q
 side) and ``k`` (kv side) of the same document, the block is causal when ``p is k`` (the diagonal,
 pattern A1), a dense rectangle when ``k`` lies before ``p`` (A2–A5), and empty otherwise — empty
-blocks are never materialised, so they cost nothing.
+blocks are never materialised, so they cost nothing. Under a sliding window (``plan/window.py``)
+blocks are clipped to the band and those wholly outside it are empty too.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from megatron_hsap.plan.ir import TokenRange
 from megatron_hsap.plan.layout import Batch, Layout, segment_pieces
+from megatron_hsap.plan.window import NO_WINDOW, banded_pairs, clip_block
 
-__all__ = ["Piece", "WorkUnit", "build_units", "causal_work", "pattern_of"]
+__all__ = ["Piece", "WorkUnit", "build_units", "causal_work", "pattern_of", "clip_unit"]
 
 
-def causal_work(q: TokenRange, kv: TokenRange, causal: bool) -> int:
-    """Unmasked pairs of a block (see ``ComputeItem.work``)."""
-    nq, nk = len(q), len(kv)
-    if not causal:
-        return nq * nk
-    first = q.start - kv.start + 1
-    return nq * first + nq * (nq - 1) // 2
+def causal_work(q: TokenRange, kv: TokenRange, causal: bool, window: int = NO_WINDOW) -> int:
+    """Unmasked pairs of a block (see ``ComputeItem.work``; ``causal`` is implied by the ranges)."""
+    return banded_pairs(q.start, q.stop, kv.start, kv.stop, window)
+
+
+def clip_unit(u, window: int):
+    """``u`` (a ``WorkUnit`` or ``ir.Unit``) cut to its banded pairs, or None when none is left
+    (``plan/window.py``'s ``clip_block``); unchanged without a window."""
+    if window < 0:
+        return u
+    got = clip_block(u.q.start, u.q.stop, u.kv.start, u.kv.stop, u.causal, window)
+    if got is None:
+        return None
+    qs, qe, ks, ke = got
+    if (qs, qe, ks, ke) == (u.q.start, u.q.stop, u.kv.start, u.kv.stop):
+        return u
+    return replace(u, q=TokenRange(qs, qe), kv=TokenRange(ks, ke))
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,10 +56,11 @@ class WorkUnit:
     q_owner: int
     kv_owner: int
     pattern: str
+    window: int = NO_WINDOW
 
     @property
     def work(self) -> int:
-        return causal_work(self.q, self.kv, self.causal)
+        return causal_work(self.q, self.kv, self.causal, self.window)
 
 
 def pattern_of(q: TokenRange, kv: TokenRange, causal: bool, chunk: int) -> str:
@@ -61,8 +74,9 @@ def pattern_of(q: TokenRange, kv: TokenRange, causal: bool, chunk: int) -> str:
     return {(True, True): "A2", (True, False): "A3", (False, True): "A4", (False, False): "A5"}[(rows_whole, cols_whole)]
 
 
-def build_units(batch: Batch, layout: Layout) -> tuple[list[Piece], list[WorkUnit]]:
-    """All pieces and all non-empty blocks, in (doc, q start, kv start) order."""
+def build_units(batch: Batch, layout: Layout, window: int = NO_WINDOW) -> tuple[list[Piece], list[WorkUnit]]:
+    """All pieces and all non-empty blocks, in (doc, q start, kv start) order; under a window
+    each block is clipped to the band (``clip_unit``) and blocks beyond it are left out."""
     pieces: list[Piece] = []
     for rank, segs in enumerate(layout.segments):
         for doc, rng, local in segment_pieces(batch, segs):
@@ -78,7 +92,9 @@ def build_units(batch: Batch, layout: Layout) -> tuple[list[Piece], list[WorkUni
         for qi, qp in enumerate(plist):
             for kp in plist[: qi + 1]:
                 causal = kp is qp
-                units.append(
+                if window >= 0 and qp.tokens.start - window >= kp.tokens.stop:
+                    continue  # every key older than every row's window: an empty block
+                unit = clip_unit(
                     WorkUnit(
                         doc=doc,
                         q=qp.tokens,
@@ -87,6 +103,10 @@ def build_units(batch: Batch, layout: Layout) -> tuple[list[Piece], list[WorkUni
                         q_owner=qp.owner,
                         kv_owner=kp.owner,
                         pattern=pattern_of(qp.tokens, kp.tokens, causal, chunk),
-                    )
+                        window=window,
+                    ),
+                    window,
                 )
+                if unit is not None:
+                    units.append(unit)
     return pieces, units

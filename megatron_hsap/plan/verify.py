@@ -9,8 +9,8 @@ It proves, per phase:
   arrived (its round was waited); local operands are rows the rank owns; no slot is written while a
   send from it or a receive into it is in flight, and an overwritten datum is reported when read;
 * **pool bounds**: every slot lies inside the configured capacity;
-* **coverage**: the compute items tile each document's causal mask exactly once (no pair twice,
-  none missing, none across documents);
+* **coverage**: the compute items tile each document's causal mask — or, under a sliding window,
+  its banded mask — exactly once (no pair twice, none missing, none across documents);
 * **delivery**: every partial result (o/lse forward, dq and dkv backward) reaches its owner's
   accumulators exactly once;
 * **program order** (what the executor runs): rounds posted and waited alternately, in order; the
@@ -353,10 +353,51 @@ def check_coverage(plan: "Plan", items: list[ComputeItem], phase: Phase | str = 
             raise PlanError(f"{name}: item q{it.q} kv{it.kv} crosses a document boundary")
         by_doc[d].append(it)
         total += it.work
-    if total != plan.batch.total_work():
-        raise PlanError(f"{name}: items cover {total} pairs, the batch has {plan.batch.total_work()}")
+    if total != plan.batch.total_work(plan.options.window):
+        raise PlanError(f"{name}: items cover {total} pairs, the batch has {plan.batch.total_work(plan.options.window)}")
+    left = plan.options.window
     for d in range(plan.batch.num_docs):
-        _check_doc(d, int(starts[d]), int(starts[d + 1]), by_doc.get(d, []), name)
+        if left < 0:
+            _check_doc(d, int(starts[d]), int(starts[d + 1]), by_doc.get(d, []), name)
+        else:
+            _check_doc_banded(d, int(starts[d]), int(starts[d + 1]), by_doc.get(d, []), name, left)
+
+
+def _check_doc_banded(d: int, lo: int, hi: int, its: list[ComputeItem], name: str, left: int) -> None:
+    """Exact coverage of the banded mask ``i - left <= j <= i`` (``plan/window.py``): each item's
+    banded pairs lie in the band by construction and their count is the item's work, so with the
+    total equal to the band's (checked by the caller) it suffices that the items' blocks are
+    pairwise disjoint — swept over q rows: on every row exactly one causal item (the pair (i, i)),
+    and the active spans (rectangles ``[a, b)``, the causal item ``[a, row]``) do not overlap.
+    Each item must also carry the plan's window and be clipped to it (every row and every key takes
+    part in a pair: no byte moves for keys beyond the window, no row leaves the kernel empty)."""
+    events: list[tuple[int, int, int]] = []
+    for n, it in enumerate(its):
+        if it.window != left:
+            raise PlanError(f"{name}: item q{it.q} kv{it.kv} has window {it.window}, the plan's is {left}")
+        if it.kv.start < it.q.start - left:
+            raise PlanError(f"{name}: item q{it.q} kv{it.kv} holds keys older than every row's window of {left}")
+        if not it.causal and it.q.stop - it.kv.stop > left:
+            raise PlanError(f"{name}: item q{it.q} kv{it.kv} has rows that see no key inside the window of {left}")
+        events.append((it.q.start, 1, n))
+        events.append((it.q.stop, -1, n))
+    events.sort()  # removals (-1) before additions at the same row
+    active: set[int] = set()
+    row, i = lo, 0
+    while row < hi:
+        while i < len(events) and events[i][0] <= row:
+            _, sign, n = events[i]
+            i += 1
+            (active.add if sign > 0 else active.discard)(n)
+        nxt = min(events[i][0] if i < len(events) else hi, hi)
+        diag = [its[n] for n in active if its[n].causal]
+        if len(diag) != 1:
+            raise PlanError(f"{name}: rows [{row}:{nxt}) of document {d} have {len(diag)} diagonal blocks (expected 1)")
+        spans = sorted((its[n].kv.start, its[n].kv.stop if not its[n].causal else hi) for n in active)
+        for (a0, b0), (a1, _) in zip(spans, spans[1:]):
+            if a1 < b0:
+                raise PlanError(f"{name}: rows [{row}:{nxt}) of document {d}: keys [{a1}:{b0}) are computed twice")
+        row = nxt
 
 
 def _check_doc(d: int, lo: int, hi: int, its: list[ComputeItem], name: str) -> None:

@@ -12,6 +12,9 @@ Conventions (shared with :mod:`megatron_hsap.runtime.kernels`):
   head ``i`` uses kv head ``i // (h // hkv)``); ``dv`` may differ from ``d``.
 * causal is bottom-right aligned per sequence: with lengths ``(lq, lk)`` query ``i`` sees key
   ``j`` iff ``j <= i + lk - lq``. Rows that see no key get ``out = 0`` and ``lse = -inf``.
+* ``window=(left, right)`` (flash-attn's sliding window, same alignment; -1: unbounded side)
+  further restricts query ``i`` to keys ``i + lk - lq - left <= j <= i + lk - lq + right``; only
+  the key tiles inside the band are computed (work per block, never ``T × T``).
 * math in float64 for float64 inputs, else float32 (bf16/fp16 inputs are upcast per tile).
 
 GQA is handled by folding the ``g = h // hkv`` query heads of one kv head into the rows of a
@@ -50,16 +53,39 @@ def _sequences(cu_q: Tensor, cu_k: Tensor) -> Iterator[tuple[int, int, int, int]
             yield cq[i], lq, ck[i], lk
 
 
-def _key_end(b: int, offset: int, lk: int, causal: bool) -> int:
-    """Exclusive end of the keys that any of the rows ``[.., b)`` may see."""
-    return max(0, min(lk, b + offset)) if causal else lk
+def _band(offset: int, causal: bool, window: tuple[int, int]) -> tuple[int | None, int | None]:
+    """``(lo, hi)``: row ``i`` sees key ``j`` iff ``lo <= j - i <= hi`` (None: unbounded)."""
+    left, right = window
+    hi = offset if causal else None
+    if right >= 0:
+        hi = offset + right if hi is None else min(hi, offset + right)
+    lo = offset - left if left >= 0 else None
+    return lo, hi
 
 
-def _tile_mask(a: int, b: int, c: int, e: int, offset: int, device: torch.device) -> Tensor:
-    """``[b - a, e - c]`` bool, True where key ``j`` lies after row ``i``'s diagonal."""
+def _key_span(a: int, b: int, lk: int, lo: int | None, hi: int | None) -> tuple[int, int]:
+    """``[start, end)`` of the keys any of the rows ``[a, b)`` may see (empty: start >= end)."""
+    start = 0 if lo is None else max(0, a + lo)
+    end = lk if hi is None else max(0, min(lk, b - 1 + hi + 1))
+    return start, end
+
+
+def _tile_mask(a: int, b: int, c: int, e: int, lo: int | None, hi: int | None, device: torch.device) -> Tensor | None:
+    """``[b - a, e - c]`` bool, True where key ``j`` lies outside row ``i``'s band; None when the
+    whole tile lies inside it."""
+    above = hi is not None and (e - 1) - a > hi  # some key after some row's diagonal
+    below = lo is not None and c - (b - 1) < lo  # some key older than some row's window
+    if not (above or below):
+        return None
     rows = torch.arange(a, b, device=device).unsqueeze(1)
     cols = torch.arange(c, e, device=device).unsqueeze(0)
-    return (cols - rows) > offset
+    diff = cols - rows
+    mask = torch.zeros((b - a, e - c), dtype=torch.bool, device=device)
+    if above:
+        mask |= diff > hi
+    if below:
+        mask |= diff < lo
+    return mask
 
 
 def _rows(x: Tensor, start: int, stop: int, hkv: int, dtype: torch.dtype) -> Tensor:
@@ -91,6 +117,7 @@ def varlen_forward(
     *,
     causal: bool,
     softmax_scale: float,
+    window: tuple[int, int] = (-1, -1),
     block_q: int = DEFAULT_BLOCK_Q,
     block_k: int = DEFAULT_BLOCK_K,
 ) -> tuple[Tensor, Tensor]:
@@ -108,24 +135,24 @@ def varlen_forward(
     lse = torch.full((tq, h), _NEG_INF, dtype=cdt, device=q.device)
 
     for q0, lq, k0, lk in _sequences(cu_seqlens_q, cu_seqlens_k):
-        offset = lk - lq
+        lo, hi = _band(lk - lq, causal, window)
         ks = k[k0 : k0 + lk].to(cdt).transpose(0, 1).contiguous()  # [hkv, lk, d]
         vs = v[k0 : k0 + lk].to(cdt).transpose(0, 1).contiguous()  # [hkv, lk, dv]
         for a in range(0, lq, block_q):
             b = min(a + block_q, lq)
-            kend = _key_end(b, offset, lk, causal)
-            if kend == 0:
+            kstart, kend = _key_span(a, b, lk, lo, hi)
+            if kstart >= kend:
                 continue  # every row of the tile sees no key: stays 0 / -inf
             n = b - a
             qt = _rows(q, q0 + a, q0 + b, hkv, cdt) * softmax_scale  # [hkv, n·g, d]
             m = torch.full((hkv, n * g), _NEG_INF, dtype=cdt, device=q.device)
             l = torch.zeros((hkv, n * g), dtype=cdt, device=q.device)
             acc = torch.zeros((hkv, n * g, dv), dtype=cdt, device=q.device)
-            for c in range(0, kend, block_k):
+            for c in range(kstart, kend, block_k):
                 e = min(c + block_k, kend)
                 s = torch.bmm(qt, ks[:, c:e].transpose(1, 2))  # [hkv, n·g, e-c]
-                if causal and e - 1 > a + offset:  # tile crosses the diagonal
-                    mask = _tile_mask(a, b, c, e, offset, q.device)
+                mask = _tile_mask(a, b, c, e, lo, hi, q.device)
+                if mask is not None:  # tile crosses the diagonal or the window's edge
                     s.view(hkv, n, g, e - c).masked_fill_(mask.unsqueeze(1), _NEG_INF)
                 m_new = torch.maximum(m, s.amax(dim=-1))
                 # A row that has seen only masked keys keeps m = -inf; shift it by 0 instead.
@@ -157,6 +184,7 @@ def varlen_backward(
     *,
     causal: bool,
     softmax_scale: float,
+    window: tuple[int, int] = (-1, -1),
     block_q: int = DEFAULT_BLOCK_Q,
     block_k: int = DEFAULT_BLOCK_K,
 ) -> tuple[Tensor, Tensor, Tensor]:
@@ -179,15 +207,15 @@ def varlen_backward(
     dvv = torch.zeros((tk, hkv, dv), dtype=cdt, device=q.device)
 
     for q0, lq, k0, lk in _sequences(cu_seqlens_q, cu_seqlens_k):
-        offset = lk - lq
+        lo, hi = _band(lk - lq, causal, window)
         ks = k[k0 : k0 + lk].to(cdt).transpose(0, 1).contiguous()  # [hkv, lk, d]
         vs = v[k0 : k0 + lk].to(cdt).transpose(0, 1).contiguous()  # [hkv, lk, dv]
         dks = torch.zeros_like(ks)
         dvs = torch.zeros_like(vs)
         for a in range(0, lq, block_q):
             b = min(a + block_q, lq)
-            kend = _key_end(b, offset, lk, causal)
-            if kend == 0:
+            kstart, kend = _key_span(a, b, lk, lo, hi)
+            if kstart >= kend:
                 continue
             n = b - a
             qt = _rows(q, q0 + a, q0 + b, hkv, cdt)  # [hkv, n·g, d]
@@ -198,12 +226,12 @@ def varlen_backward(
             lse_t = lse_t.masked_fill(lse_t == _NEG_INF, float("inf")).unsqueeze(-1)
             delta_t = _rows_vec(delta, q0 + a, q0 + b, hkv, cdt).unsqueeze(-1)
             dqt = torch.zeros_like(qt)
-            for c in range(0, kend, block_k):
+            for c in range(kstart, kend, block_k):
                 e = min(c + block_k, kend)
                 kt, vt = ks[:, c:e], vs[:, c:e]
                 s = torch.bmm(qts, kt.transpose(1, 2))  # [hkv, n·g, e-c]
-                if causal and e - 1 > a + offset:
-                    mask = _tile_mask(a, b, c, e, offset, q.device)
+                mask = _tile_mask(a, b, c, e, lo, hi, q.device)
+                if mask is not None:
                     s.view(hkv, n, g, e - c).masked_fill_(mask.unsqueeze(1), _NEG_INF)
                 p = s.sub_(lse_t).exp_()  # P from the final lse
                 dvs[:, c:e].baddbmm_(p.transpose(1, 2), dot)

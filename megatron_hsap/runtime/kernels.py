@@ -265,13 +265,20 @@ _FA_FIXED: dict[str, Any] = dict(
 )  # fmt: skip
 
 
-def _fa_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
+def _window_values(window: tuple[int, int]) -> dict[str, Any]:
+    """flash-attn's sliding window under each name a release has used (``window_size`` ≥ 2.3,
+    ``window_size_left/right`` in the 2.7 internals); ``bind`` keeps the installed ones."""
+    return dict(window_size=tuple(window), window_size_left=window[0], window_size_right=window[1])
+
+
+def _fa_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window=(-1, -1)):
     fwd, _ = _import_flash_attn()
     dv, dp = v.shape[-1], _round8(max(q.shape[-1], v.shape[-1]))  # FA2: one head size, 8 | d
     values = dict(
         _FA_FIXED, q=_pad_last(q, dp).contiguous(), k=_pad_last(k, dp).contiguous(),
         v=_pad_last(v, dp).contiguous(), cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
         max_seqlen_q=max_q, max_seqlen_k=max_k, softmax_scale=scale, causal=causal,
+        **_window_values(window),
     )  # fmt: skip
     res = fwd(**bind(fwd, values, "flash_attn._flash_attn_varlen_forward", vetted=FA_VETTED_DEFAULTS))
     # <= 2.6: (out, q, k, v, out_padded, lse, S_dmask, rng_state); >= 2.7: (out, lse, S, rng)
@@ -281,7 +288,7 @@ def _fa_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
     return out[..., :dv].contiguous(), lse.masked_fill_(lse == _INF, -_INF)
 
 
-def _fa_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale):
+def _fa_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, window=(-1, -1)):
     _, bwd = _import_flash_attn()
     d, dv, dp = q.shape[-1], v.shape[-1], _round8(max(q.shape[-1], v.shape[-1]))
     qp, kp, vp = (_pad_last(x, dp).contiguous() for x in (q, k, v))
@@ -292,18 +299,24 @@ def _fa_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scal
         _FA_FIXED, dout=_pad_last(dout, dp).contiguous(), q=qp, k=kp, v=vp,
         out=_pad_last(out, dp).contiguous(), softmax_lse=raw, dq=dq, dk=dk, dv=dvv,
         cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k,
-        softmax_scale=scale, causal=causal,
+        softmax_scale=scale, causal=causal, **_window_values(window),
     )  # fmt: skip
     bwd(**bind(bwd, values, "flash_attn._flash_attn_varlen_backward", vetted=FA_VETTED_DEFAULTS))
     return dq[..., :d], dk[..., :d], dvv[..., :dv]
 
 
 # ----------------------------------------------------------------------------- torch_cuda
-def _torch_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
+def _torch_window(window: tuple[int, int]) -> dict[str, int]:
+    """aten's ``window_size_left/right`` keywords (torch ≥ 2.5), only when a window is set."""
+    return {} if tuple(window) == (-1, -1) else dict(window_size_left=window[0], window_size_right=window[1])
+
+
+def _torch_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window=(-1, -1)):
     dv, dp = v.shape[-1], _round8(max(q.shape[-1], v.shape[-1]))
     res = torch.ops.aten._flash_attention_forward(
         _pad_last(q, dp).contiguous(), _pad_last(k, dp).contiguous(),
         _pad_last(v, dp).contiguous(), cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale,
+        **_torch_window(window),
     )  # fmt: skip
     out, raw = res[0], res[1]
     _LSE_LAYOUT["torch_cuda"] = "ht" if raw.dim() == 2 else "bhs"
@@ -311,7 +324,7 @@ def _torch_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
     return out[..., :dv].contiguous(), lse.masked_fill_(lse == _INF, -_INF)
 
 
-def _torch_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale):
+def _torch_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, window=(-1, -1)):
     d, dv, dp = q.shape[-1], v.shape[-1], _round8(max(q.shape[-1], v.shape[-1]))
     raw = _lse_from_th(lse.masked_fill(lse == -_INF, _INF), _lse_layout("torch_cuda", q.device),
                        cu_q, max_q)  # fmt: skip
@@ -320,36 +333,42 @@ def _torch_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, s
     offset = torch.zeros((), dtype=seed_dtype, device=q.device)
     dq, dk, dvv = torch.ops.aten._flash_attention_backward(
         *(_pad_last(x, dp).contiguous() for x in (dout, q, k, v, out)), raw, cu_q, cu_k,
-        max_q, max_k, 0.0, causal, seed, offset, scale=scale,
+        max_q, max_k, 0.0, causal, seed, offset, scale=scale, **_torch_window(window),
     )  # fmt: skip
     return dq[..., :d], dk[..., :d], dvv[..., :dv]
 
 
 # ----------------------------------------------------------------------------- TE
-def _te_values(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale) -> dict[str, Any]:
+def _te_values(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window=(-1, -1)) -> dict[str, Any]:
     """Every argument the TE adapter means, under every name a release has used:
     ``qkv_dtype`` (1.x) / ``fake_dtype`` (2.x), ``dqkv_dtype`` (≤ 2.14), the THD formats of O,
     dO and dQKV (≥ 2.15), ``bottom_right_diagonal`` (≥ 2.12). :func:`bind` keeps those the
-    installed function names."""
+    installed function names. A sliding ``window`` (flash-attn's convention, bottom-right
+    aligned like our blocks) goes in ``window_size`` with ``bottom_right_diagonal=True``."""
     _, _, backends, te_dtype = _import_te()
     mask = "padding_causal_bottom_right" if causal else "padding"
+    windowed = tuple(window) != (-1, -1)
+    if windowed:
+        window_size = (window[0], 0 if causal else window[1])
+    else:
+        window_size = (-1, 0) if causal else (-1, -1)
     return dict(
         TE_THD_FORMATS, is_training=True, max_seqlen_q=max_q, max_seqlen_kv=max_k,
         cu_seqlens_q=cu_q, cu_seqlens_kv=cu_k, cu_seqlens_q_padded=cu_q, cu_seqlens_kv_padded=cu_k,
         q=q, k=k, v=v, fake_dtype=q.dtype, qkv_dtype=te_dtype[q.dtype],
         dqkv_dtype=te_dtype[q.dtype], fused_attention_backend=backends["F16_arbitrary_seqlen"],
         attn_scale=scale, dropout=0.0, fast_zero_fill=True, attn_bias_type="no_bias",
-        attn_mask_type=mask, window_size=(-1, 0) if causal else (-1, -1),
-        bottom_right_diagonal=causal, return_max_logit=False, deterministic=False,
+        attn_mask_type=mask, window_size=window_size,
+        bottom_right_diagonal=causal or windowed, return_max_logit=False, deterministic=False,
     )  # fmt: skip
 
 
-def _te_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
+def _te_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window=(-1, -1)):
     fwd = _import_te()[0]
     d, dv = q.shape[-1], v.shape[-1]
     qp, kp = _pad_last(q, _round8(d)).contiguous(), _pad_last(k, _round8(d)).contiguous()
     vp = _pad_last(v, _round8(dv)).contiguous()
-    values = _te_values(qp, kp, vp, cu_q, cu_k, max_q, max_k, causal, scale)
+    values = _te_values(qp, kp, vp, cu_q, cu_k, max_q, max_k, causal, scale, window)
     out, aux = fwd(**bind(fwd, values, "transformer_engine fused_attn_fwd", vetted=TE_VETTED_DEFAULTS))
     stats = aux[0]  # softmax stats (natural-log LSE): [b, h, max_q, 1] or packed [tq, h, 1]
     _LSE_LAYOUT["te"] = "bhs1" if stats.dim() == 4 else "th1"
@@ -359,7 +378,7 @@ def _te_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
     return out, lse.masked_fill_(empty[:, None], -_INF)
 
 
-def _te_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale):
+def _te_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, window=(-1, -1)):
     bwd = _import_te()[1]
     d, dv = q.shape[-1], v.shape[-1]
     qp, kp = _pad_last(q, _round8(d)).contiguous(), _pad_last(k, _round8(d)).contiguous()
@@ -367,7 +386,7 @@ def _te_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scal
     stats = _lse_from_th(lse.masked_fill(lse == -_INF, _INF), _lse_layout("te", q.device),
                          cu_q, max_q)  # fmt: skip
     rng_state = torch.zeros(2, dtype=torch.int64, device=q.device)  # unused without dropout
-    values = _te_values(qp, kp, vp, cu_q, cu_k, max_q, max_k, causal, scale)
+    values = _te_values(qp, kp, vp, cu_q, cu_k, max_q, max_k, causal, scale, window)
     values.update(o=_pad_last(out, _round8(dv)).contiguous(),
                   d_o=_pad_last(dout, _round8(dv)).contiguous(), aux_ctx_tensors=[stats, rng_state])
     grads = bwd(**bind(bwd, values, "transformer_engine fused_attn_bwd", vetted=TE_VETTED_DEFAULTS))
@@ -384,7 +403,7 @@ _GPU_BACKWARD = {"flash_attn": _fa_backward, "torch_cuda": _torch_backward, "te"
 def attn_forward(
     q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
     max_seqlen_q: int, max_seqlen_k: int, causal: bool, softmax_scale: float,
-    backend: str | None = None,
+    backend: str | None = None, window: tuple[int, int] = (-1, -1),
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     """Varlen attention forward.
 
@@ -394,6 +413,9 @@ def attn_forward(
     ``j <= i + lk - lq``). Returns ``out [tq, h, dv]`` in ``q.dtype`` and ``lse [tq, h]`` float32
     (float64 for float64 inputs on ``cpu``); rows that see no key get ``out 0``, ``lse -inf``.
     ``backend=None`` resolves once per device (argument > ``HSAP_ATTN_BACKEND`` > auto).
+    ``window=(left, right)``: flash-attn's sliding window with the same alignment (query ``i``
+    sees keys ``i + lk - lq - left .. i + lk - lq + right``; -1 unbounded), as every plan item
+    gives it (``ComputeItem.kernel_window``; ``(-1, -1)``: none).
     """
     _check_shapes(q, k, v, cu_seqlens_q, cu_seqlens_k)
     name = _resolved(backend, str(q.device))
@@ -404,17 +426,18 @@ def attn_forward(
         return out, torch.full((tq, h), -_INF, dtype=lse_dtype, device=q.device)
     if name == "cpu":
         return cpu_attention.varlen_forward(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, causal=causal, softmax_scale=softmax_scale
+            q, k, v, cu_seqlens_q, cu_seqlens_k, causal=causal, softmax_scale=softmax_scale, window=window
         )
     _half_inputs(q, name)
     cu_q, cu_k, max_q = _gpu_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q)
-    return _GPU_FORWARD[name](q, k, v, cu_q, cu_k, max_q, max_seqlen_k, causal, softmax_scale)
+    return _GPU_FORWARD[name](q, k, v, cu_q, cu_k, max_q, max_seqlen_k, causal, softmax_scale, tuple(window))
 
 
 def attn_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *,
     cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
     causal: bool, softmax_scale: float, delta: Tensor | None = None, backend: str | None = None,
+    window: tuple[int, int] = (-1, -1),
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """Varlen attention backward of one kv block, against the *final* merged result.
 
@@ -437,12 +460,12 @@ def attn_backward(
             delta = (dout.to(gdt) * out.to(gdt)).sum(dim=-1)
         return cpu_attention.varlen_backward(
             dout, q, k, v, lse, delta, cu_seqlens_q, cu_seqlens_k,
-            causal=causal, softmax_scale=softmax_scale,
+            causal=causal, softmax_scale=softmax_scale, window=window,
         )  # fmt: skip
     _half_inputs(q, name)
     cu_q, cu_k, max_q = _gpu_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q)
     dout, out = dout.to(q.dtype), out.to(q.dtype)  # kernels want q's dtype (out may be fp32)
     grads = _GPU_BACKWARD[name](
-        dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_seqlen_k, causal, softmax_scale
+        dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_seqlen_k, causal, softmax_scale, tuple(window)
     )
     return tuple(g.float() for g in grads)  # type: ignore[return-value]

@@ -47,6 +47,7 @@ def compile_for(spec: dict) -> Any:
         spec["cu"], spec["inter"], spec["intra"], num_heads=spec["heads"], num_kv_heads=spec["kv_heads"],
         head_dim=spec["dim"], head_dim_v=spec["dim_v"], dtype_bytes=torch.tensor([], dtype=DTYPES[spec["dtype"]]).element_size(),
         **({"pool_bytes": spec["pool_bytes"]} if spec.get("pool_bytes") else {}),
+        **({"window_size": tuple(spec["window"])} if spec.get("window") else {}),
         # "balanced" is forced (no fallback to contiguous), so the permuted layout is what runs
         layout=spec.get("layout", "contiguous"), **({"layout_fallback": False} if spec.get("layout") == "balanced" else {}),
     )  # fmt: skip
@@ -110,14 +111,15 @@ def run_cases(specs: list[dict]) -> list[dict]:
 
 def build_spec(cu: list[int], *, intra: int = 1, inter: int, heads: int = 8, kv_heads: int = 8, dim: int = 8,
                dim_v: int | None = None, dtype: str = "float32", seed: int = 0, pool_bytes: int | None = None,
-               groups: str = "explicit", large_logits: bool = False, layout: str = "contiguous") -> dict:  # fmt: skip
+               groups: str = "explicit", large_logits: bool = False, layout: str = "contiguous",
+               window: tuple[int, int] | None = None) -> dict:  # fmt: skip
     """A spec with seeded global tensors over the padded batch (see the module docstring).
 
     ``large_logits``: small integers in q and k except a first component of 2500 in q and 4 in k,
     with ``softmax_scale = 1``: every logit is an exact fp32 integer near 1e4 (naive ``exp``
     overflows even in float64)."""
     spec = dict(cu=[int(x) for x in cu], intra=intra, inter=inter, heads=heads, kv_heads=kv_heads, dim=dim,
-                dim_v=dim_v or dim, dtype=dtype, pool_bytes=pool_bytes, groups=groups, layout=layout,
+                dim_v=dim_v or dim, dtype=dtype, pool_bytes=pool_bytes, groups=groups, layout=layout, window=window,
                 scale=1.0 if large_logits else None,
                 # fp32 LSE near 1e4 resolves 2^-10 ≈ 1e-3: merge weights exp(lse_a - lse) and the
                 # backward's P = exp(s - lse) inherit it (a single GPU kernel has the same error)
@@ -141,7 +143,8 @@ def reference(spec: dict) -> dict[str, torch.Tensor]:
     padded = spec["q"].shape[0]
     cu = list(spec["cu"]) + ([padded] if padded > spec["cu"][-1] else [])  # padding: one extra document
     q, k, v = (torch.from_numpy(spec[n]).double().requires_grad_(True) for n in ("q", "k", "v"))
-    out, _ = reference_packed(q, k, v, cu, spec["scale"] or spec["dim"] ** -0.5)
+    window = spec.get("window")
+    out, _ = reference_packed(q, k, v, cu, spec["scale"] or spec["dim"] ** -0.5, window[0] if window else None)
     out.backward(torch.from_numpy(spec["do"]).double())
     return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
 
