@@ -61,7 +61,6 @@ class Feature(str, enum.Enum):
     MEGATRON_FSDP = "megatron_fsdp"
     SEQUENCE_PARALLEL = "sequence_parallel"
     RING_CP = "ring_cp"
-    MOE = "moe"
     CUDA_GRAPHS = "cuda_graphs"
     FP8 = "fp8"
     CKPT_FORMAT = "ckpt_format"
@@ -83,7 +82,6 @@ FEATURES: dict[Feature, _Spec] = {
     Feature.RING_CP: _Spec(
         "Megatron's Transformer Engine ring at CP > 1 (cp_impl: ring; the suite runs ring at CP 1 only)",
         lambda c: c.parallel.cp_impl is CPImpl.RING and c.context_size > 1),
-    Feature.MOE: _Spec("mixture-of-experts layers (--num-experts)", lambda c: _flag(c, "--num-experts")),
     Feature.CUDA_GRAPHS: _Spec(
         "CUDA graphs (--cuda-graph-*, --enable-cuda-graph, --external-cuda-graph)",
         lambda c: _flag(c, "--cuda-graph", "--enable-cuda-graph", "--external-cuda-graph")),

@@ -52,7 +52,10 @@ def test_every_flag_on_the_page_exists(megatron_parser: argparse.ArgumentParser)
     from megatron_hsap.bench.memory_report import main as _memory_main  # noqa: F401 - imports its parser
     from megatron_hsap.launch.__main__ import _parser as launch_parser
 
-    known = _options(megatron_parser) | _options(get_args_parser()) | _options(launch_parser()) | OTHER_TOOLS
+    from megatron_hsap.megatron.cpu.command import build_parser as pretrain_cpu_parser
+
+    known = (_options(megatron_parser) | _options(get_args_parser()) | _options(launch_parser())
+             | _options(pretrain_cpu_parser()) | OTHER_TOOLS)
     known |= {"--config", "--gpu-mem-gib"}  # megatron-hsap memory (checked below)
     flags = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*[a-z0-9](?![\w*-])", DOC))
     assert len(flags) > 40  # the page is about flags: this guards the regex itself

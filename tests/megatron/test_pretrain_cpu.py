@@ -133,7 +133,9 @@ def test_hsap_metrics_and_plan_dump_in_megatrons_log(root: Path) -> None:
                        r"compile ([0-9.]+) ms \| prefetch hits (\d+)/(\d+) \|", log)
     assert [int(m[0]) for m in lines] == [1, 2, 3, 4]  # every iteration, the last one flushed at exit
     assert all(int(m[1]) == 1 and float(m[3]) >= 1.0 and float(m[4]) > 0 for m in lines)
-    assert sum(int(m[6]) for m in lines) >= 2  # the prefetch thread compiled ahead of the step
+    # Every training micro-batch came through the prefetcher (whether its plan was ready in time is
+    # a matter of thread timing: counted, not asserted).
+    assert sum(int(m[7]) for m in lines) == 4 and all(int(m[6]) <= int(m[7]) for m in lines)
     assert "[megatron-hsap] attention kernels: cpu on cpu; receive pool:" in log
     assert "WARNING: no --dataloader-inter-document-masking" not in log
     # --hsap-dump-plan: iteration 2's plan, every inter rank's programs, its inputs and a picture.

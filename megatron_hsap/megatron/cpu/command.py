@@ -179,6 +179,10 @@ def run(opts: CPURun, *, echo: bool = False) -> CPUResult:
         f.close()
     last = (log_dir / f"rank{opts.world_size - 1}.log").read_text(errors="replace")
     text = last
+    if opts.world_size > 1:  # HSAP's own lines (start-up, per-iteration metrics) come from rank 0
+        ours = [line for line in (log_dir / "rank0.log").read_text(errors="replace").splitlines()
+                if line.startswith("[megatron-hsap]")]
+        text = "\n".join(ours) + "\n" + last
     if any(codes):
         bad = next(r for r, c in enumerate(codes) if c)
         text = last + f"\n--- rank {bad} (exit {codes[bad]}) ---\n" + (log_dir / f"rank{bad}.log").read_text(errors="replace")[-6000:]
