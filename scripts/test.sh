@@ -3,6 +3,7 @@
 #
 #   bash scripts/test.sh                 # fast tests: -m "not slow"
 #   bash scripts/test.sh --slow          # every test, slow multi-process ones included
+#   bash scripts/test.sh --slow-only     # only the slow-marked tests (CI runs them after the default suite)
 #   bash scripts/test.sh -k pool -x      # any other argument goes to pytest
 #
 # Environment: HSAP_VENV (default .venv in the repository), CI (adds a durations report).
@@ -31,6 +32,8 @@ args=()
 for arg in "$@"; do
     if [[ "$arg" == "--slow" ]]; then
         marker=()
+    elif [[ "$arg" == "--slow-only" ]]; then
+        marker=(-m "slow")
     else
         args+=("$arg")
     fi
