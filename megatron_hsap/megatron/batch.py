@@ -189,12 +189,15 @@ def plan_kwargs_from_config(config: Any, *, tp_size: int | None = None) -> dict[
     if heads % tp:
         raise ConfigError(f"num_attention_heads={heads} is not divisible by tensor_model_parallel_size={tp}")
     kv = max(1, groups // tp)  # Megatron gives each TP rank one kv group when groups < TP
+    head_dim, head_dim_v = config.kv_channels, None
+    if getattr(config, "multi_latent_attention", False):  # MLA: k/v per q head, q/k with the RoPE part
+        kv, head_dim, head_dim_v = heads // tp, config.qk_head_dim + config.qk_pos_emb_head_dim, config.v_head_dim
     dtype_bytes = 2 if (config.bf16 or config.fp16) else 4
     return dict(
         num_heads=heads // tp,
         num_kv_heads=kv,
-        head_dim=config.kv_channels,
-        head_dim_v=None,
+        head_dim=head_dim,
+        head_dim_v=head_dim_v,
         dtype_bytes=dtype_bytes,
         pad_multiple=tp if config.sequence_parallel else 1,
         tp_size=tp,

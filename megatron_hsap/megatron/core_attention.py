@@ -16,10 +16,16 @@ What it refuses (``ConfigError`` at construction or before any collective; ``Bat
 batch without the HSAP marker) instead of computing something else:
 cross attention; attention masks other than causal / padding-causal (no_mask, padding, arbitrary,
 causal_bottom_right); an explicit ``attention_mask`` tensor (the mask is implied by the documents);
-``attention_bias``; attention dropout > 0 in training; sliding-window attention; softmax types other
-than vanilla (off-by-one, learnable sinks); a ``softmax_scale`` that disagrees with
-``config.softmax_scale``; fp8 dot-product attention; qk-clip / max-logit logging; multi-latent
-attention; a plan whose CP size, CP rank or head counts differ from this layer's.
+``attention_bias``; attention dropout > 0 in training; sliding-window attention; a ``softmax_scale``
+that disagrees with ``config.softmax_scale``; fp8 dot-product attention; qk-clip / max-logit
+logging; a plan whose CP size, CP rank or head counts differ from this layer's. Multi-latent
+attention runs through :mod:`megatron_hsap.megatron.mla` (k/v per q head, ``v_channels`` its own).
+
+Attention sinks (``softmax_type`` "learnable" / "off-by-one"): ``softmax_offset`` is megatron-core's
+own parameter — same name, ``[num_attention_heads / TP]`` per TP rank, TP-sharded on axis 0 in the
+distributed checkpoint, as ``DotProductAttention`` declares it — so checkpoints load unchanged; it is
+passed to ``hsap_attn_func(sinks=...)``, which merges it once per row after the last LSE merge. Each
+CP rank's gradient holds its own rows' contribution; Megatron's DP×CP gradient all-reduce sums them.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import math
 import sys
 from typing import TYPE_CHECKING, Any
 
+import torch
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import is_layer_window_attention
@@ -39,9 +46,10 @@ from megatron_hsap.megatron.batch import is_hsap_sharded
 if TYPE_CHECKING:
     from megatron_hsap.plan import Plan
 
-__all__ = ["HSAPCoreAttention", "SUPPORTED_MASK_TYPES"]
+__all__ = ["HSAPCoreAttention", "SUPPORTED_MASK_TYPES", "SOFTMAX_TYPES"]
 
 SUPPORTED_MASK_TYPES = (AttnMaskType.causal, AttnMaskType.padding_causal)
+SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")  # megatron-core's TransformerConfig.softmax_type
 
 _NOT_SHARDED = (
     "HSAPCoreAttention got a batch that was not sharded by HSAP (packed_seq_params is {kind}, "
@@ -101,7 +109,10 @@ class HSAPCoreAttention(MegatronModule):
         self.num_heads = _per_partition(config.num_attention_heads, tp, "num_attention_heads")
         groups = config.num_query_groups or config.num_attention_heads
         self.num_kv_heads = max(1, groups // tp)
+        if getattr(config, "multi_latent_attention", False):  # MLA up-projects k and v per q head
+            self.num_kv_heads = self.num_heads
         self._refuse_unsupported_config()
+        self._init_softmax_offset()
 
     # ------------------------------------------------------------------ construction checks
     def _resolve_scale(self, softmax_scale: float | None) -> float:
@@ -133,16 +144,45 @@ class HSAPCoreAttention(MegatronModule):
             )
         if is_layer_window_attention(cfg.window_size, getattr(cfg, "window_attn_skip_freq", None), self.layer_number):
             raise ConfigError(f"window_size={cfg.window_size}: sliding-window attention is not supported by HSAP yet; unset --window-size")
-        if getattr(cfg, "softmax_type", "vanilla") != "vanilla":
-            raise ConfigError(f"softmax_type={cfg.softmax_type!r}: HSAP supports the vanilla softmax only (no attention sinks)")
+        if getattr(cfg, "softmax_type", "vanilla") not in SOFTMAX_TYPES:
+            raise ConfigError(f"softmax_type={cfg.softmax_type!r}: HSAP supports {', '.join(SOFTMAX_TYPES)}")
         if getattr(cfg, "fp8_dot_product_attention", False):
             raise ConfigError("fp8_dot_product_attention is not supported by HSAP; set TransformerConfig.fp8_dot_product_attention=False")
         if getattr(cfg, "qk_clip", False) or getattr(cfg, "log_max_attention_logit", False):
             raise ConfigError("qk_clip / log_max_attention_logit need Transformer Engine's max-logit output; not supported by HSAP")
-        if getattr(cfg, "multi_latent_attention", False):
-            raise ConfigError("multi-latent attention is not supported by the HSAP layer spec yet")
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(f"{self.num_heads} q heads per TP rank are not a multiple of {self.num_kv_heads} kv heads")
+
+    def _init_softmax_offset(self) -> None:
+        """megatron-core's ``softmax_offset`` (``DotProductAttention.__init__``): None (vanilla), a
+        fixed zero logit per head (off-by-one), or a learnable ``[np]`` parameter (GPT-OSS sinks)."""
+        kind = getattr(self.config, "softmax_type", "vanilla")
+        if kind == "vanilla":
+            self.softmax_offset = None
+            return
+        device = "cpu" if getattr(self.config, "use_cpu_initialization", False) else torch.cuda.current_device()
+        sinks = torch.zeros(self.num_heads, device=device, dtype=self.config.params_dtype)
+        if kind == "off-by-one":
+            self.register_buffer("softmax_offset", sinks, persistent=False)  # not in checkpoints (as Megatron)
+            return
+        self.softmax_offset = torch.nn.Parameter(sinks)
+        if self.config.perform_initialization:
+            self.softmax_offset = self.config.init_method(self.softmax_offset)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> Any:
+        """The learnable ``softmax_offset`` TP-sharded on axis 0, exactly as megatron-core's
+        ``DotProductAttention.sharded_state_dict`` writes it (nothing else is stored here)."""
+        from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
+
+        state = self.state_dict(prefix="", keep_vars=True) if getattr(self.config, "softmax_type", "vanilla") == "learnable" else {}
+        tp_group = getattr(self.pg_collection, "tp", None) if self.pg_collection is not None else None
+        if tp_group is None:
+            from megatron.core import parallel_state
+
+            tp_group = parallel_state.get_tensor_model_parallel_group()
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        return make_sharded_tensors_for_checkpoint(state, prefix, {"softmax_offset": 0}, sharded_offsets,
+                                                   tp_group=tp_group, dp_cp_group=metadata["dp_cp_group"])  # fmt: skip
 
     # ------------------------------------------------------------------ forward checks
     def _check_call(self, attention_mask: Tensor | None, attn_mask_type: AttnMaskType | None,
@@ -203,6 +243,14 @@ class HSAPCoreAttention(MegatronModule):
                 "was sharded with another plan"
             )
 
+    def _sinks(self, query: Tensor, batch: int) -> Tensor | None:
+        """``softmax_offset`` as ``[b·np]`` sink logits (SBHD folds the batch into heads: sample
+        ``b_i``'s head ``h`` is head ``b_i·np + h``); on q's device, differentiable."""
+        if self.softmax_offset is None:
+            return None
+        sinks = self.softmax_offset.to(query.device)
+        return sinks.repeat(batch) if batch > 1 else sinks
+
     # ------------------------------------------------------------------ forward
     def forward(
         self,
@@ -225,7 +273,7 @@ class HSAPCoreAttention(MegatronModule):
             self._check_heads(plan, query.shape[0], query.shape[1], key.shape[1], "this THD batch")
             intra, inter = self._groups(plan, cp_rank)
             out = _hsap_attn_func()(query, key, value, plan, intra_group=intra, inter_group=inter,
-                                 softmax_scale=self.softmax_scale)  # [t, np, dv]
+                                 softmax_scale=self.softmax_scale, sinks=self._sinks(query, 1))  # [t, np, dv]
             return out.reshape(out.shape[0], -1)
         if fmt == "sbhd":
             if query.dim() != 4:
@@ -236,6 +284,7 @@ class HSAPCoreAttention(MegatronModule):
             # [s, b, n, d] -> [s, b·n, d]: a view; sample b_i's heads stay contiguous.
             out = _hsap_attn_func()(query.reshape(s, b * heads, -1), key.reshape(s, b * key.shape[2], -1),
                                  value.reshape(s, b * value.shape[2], -1), plan, intra_group=intra,
-                                 inter_group=inter, softmax_scale=self.softmax_scale)  # [s, b·np, dv]
+                                 inter_group=inter, softmax_scale=self.softmax_scale,
+                                 sinks=self._sinks(query, b))  # [s, b·np, dv]
             return out.reshape(s, b, -1)
         raise ConfigError(f"qkv_format={fmt!r} is not supported by HSAP; use 'thd' (packed) or 'sbhd'")

@@ -1,9 +1,18 @@
 """The HSAP layer spec: megatron-core's GPT layer spec with two modules swapped (docs/design.md §2.3, §3).
 
-Only ``self_attention.module`` (→ :class:`HSAPSelfAttention`, RoPE by position) and
-``self_attention.submodules.core_attention`` (→ :class:`HSAPCoreAttention`) change; norms, QKV and
+Only ``self_attention.module`` (→ :class:`HSAPSelfAttention`, RoPE by position; multi-latent
+attention → :class:`~megatron_hsap.megatron.mla.HSAPMLASelfAttention`, its decoupled RoPE by position)
+and ``self_attention.submodules.core_attention`` (→ :class:`HSAPCoreAttention`) change; norms, QKV and
 output projections, MLP/MoE, bias-dropout-add and the sharded-state-dict key map stay Megatron's,
 so checkpoints load unchanged.
+
+``HybridModel`` (megatron-core 0.19.2's successor of ``GPTModel``): :func:`hsap_hybrid_stack_spec`
+swaps the same modules in the ``attention_layer`` and ``mla_layer`` of a hybrid stack spec;
+``--spec megatron_hsap.megatron.spec HSAP_HYBRID_STACK_SPEC`` (what ``--context-parallel-impl hsap``
+sets with ``--hybrid-layer-pattern``) feeds it to Megatron's ``HybridModelBuilder``. Layers HSAP has
+not made layout-aware — Mamba (its CP all-to-all and ``seq_idx`` assume Megatron's token order),
+gated delta net and DSA — are replaced by a module that raises ``ConfigError`` when the pattern uses
+them, instead of computing over HSAP's token layout as if it were Megatron's.
 
 ``--spec megatron_hsap.megatron.spec hsap_layer_spec`` (what ``--context-parallel-impl hsap`` sets)
 names a callable: megatron-core 0.19.2's ``GPTModelBuilder`` calls it with the run's
@@ -18,19 +27,28 @@ from typing import Any
 
 from megatron.core.models.gpt import gpt_layer_specs
 from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_hsap.errors import ConfigError
 from megatron_hsap.megatron.core_attention import HSAPCoreAttention
+from megatron_hsap.megatron.mla import HSAPMLASelfAttention
 from megatron_hsap.megatron.rotary import HSAPSelfAttention
 
 __all__ = [
     "hsap_layer_spec",
+    "hsap_hybrid_stack_spec",
     "swap_attention",
     "have_transformer_engine",
     "HSAP_LAYER_SPEC",
     "HSAP_LOCAL_LAYER_SPEC",
+    "HSAP_HYBRID_STACK_SPEC",
+    "HSAPUnsupportedLayer",
 ]
+
+# megatron-core's self-attention modules and the HSAP module each is swapped for
+_SWAPS = {SelfAttention: HSAPSelfAttention, MLASelfAttention: HSAPMLASelfAttention}
 
 
 def have_transformer_engine() -> bool:
@@ -41,20 +59,20 @@ def have_transformer_engine() -> bool:
 def swap_attention(layer_spec: ModuleSpec) -> ModuleSpec:
     """A copy of a GPT ``TransformerLayer`` spec with HSAP's self-attention and core attention.
 
-    Raises ``ConfigError`` when the layer's self-attention is not megatron-core's ``SelfAttention``
-    (e.g. multi-latent attention), instead of swapping a module it was not written for.
+    Raises ``ConfigError`` when the layer's self-attention is neither megatron-core's
+    ``SelfAttention`` nor its ``MLASelfAttention``, instead of swapping a module it was not written for.
     """
     subs = layer_spec.submodules
     attn = getattr(subs, "self_attention", None)
-    if not isinstance(attn, ModuleSpec) or attn.module is not SelfAttention:
+    if not isinstance(attn, ModuleSpec) or attn.module not in _SWAPS:
         found = getattr(attn, "module", attn)
         raise ConfigError(
             f"the layer's self_attention is {getattr(found, '__name__', found)!r}, not megatron-core's "
-            "SelfAttention; HSAP swaps SelfAttention only (no MLA / custom attention yet)"
+            "SelfAttention or MLASelfAttention; HSAP swaps those only"
         )
     new_attn = dataclasses.replace(
         attn,
-        module=HSAPSelfAttention,
+        module=_SWAPS[attn.module],
         params=dict(attn.params),
         submodules=dataclasses.replace(attn.submodules, core_attention=HSAPCoreAttention),
     )
@@ -93,8 +111,6 @@ def hsap_layer_spec(config: Any = None, vp_stage: int | None = None, *, use_te: 
     """
     transformer = getattr(config, "transformer", None)
     if transformer is not None:  # Megatron's GPTModelConfig
-        if getattr(transformer, "multi_latent_attention", False):
-            raise ConfigError("--multi-latent-attention is not supported by the HSAP layer spec yet")
         from megatron.training.models.gpt import default_layer_spec
 
         return _swap_all(default_layer_spec(config, vp_stage))
@@ -105,13 +121,12 @@ def hsap_layer_spec(config: Any = None, vp_stage: int | None = None, *, use_te: 
         raise ConfigError("use_te=True but Transformer Engine is not installed; pass use_te=False for the local spec")
     kwargs: dict[str, Any] = {}
     if config is not None:
-        if getattr(config, "multi_latent_attention", False):
-            raise ConfigError("multi-latent attention is not supported by the HSAP layer spec yet")
         kwargs = dict(
             num_experts=getattr(config, "num_moe_experts", None),
             moe_grouped_gemm=getattr(config, "moe_grouped_gemm", False),
             qk_layernorm=getattr(config, "qk_layernorm", False),
             qk_l2_norm=getattr(config, "qk_l2_norm", False),
+            multi_latent_attention=getattr(config, "multi_latent_attention", False),
         )
         if not use_te:
             kwargs["normalization"] = getattr(config, "normalization", None)
@@ -122,8 +137,86 @@ def hsap_layer_spec(config: Any = None, vp_stage: int | None = None, *, use_te: 
     return swap_attention(base)
 
 
+class HSAPUnsupportedLayer(MegatronModule):
+    """Stands in a hybrid stack spec for a layer kind HSAP has not made layout-aware: building it
+    (the hybrid pattern uses the layer) raises :class:`ConfigError` naming the layer symbol."""
+
+    def __init__(self, config: Any, *args: Any, layer_kind: str = "", symbol: str = "", reason: str = "", **kwargs: Any) -> None:
+        del args, kwargs
+        raise ConfigError(
+            f"--hybrid-layer-pattern uses {layer_kind} layers ('{symbol}'): {reason}. HSAP supports "
+            "attention ('*'), MLA and MLP ('-') / MoE ('E') layers of HybridModel; use --context-parallel-impl ring "
+            "for this pattern"
+        )
+
+
+_UNSUPPORTED_HYBRID = {
+    "mamba_layer": ("Mamba", "M", "Megatron's Mamba context parallelism and packed seq_idx assume its own token order, not HSAP's layout (and its kernels need CUDA)"),
+    "gdn_layer": ("gated delta net", "G", "its context parallelism assumes Megatron's token order, not HSAP's layout"),
+    "dsa_layer": ("DSA (sparse MLA)", "D", "its indexer attends by Megatron's token order, not HSAP's layout"),
+}
+
+
+def _local_hybrid_stack_spec(normalization: str = "RMSNorm") -> ModuleSpec:
+    """megatron-core's hybrid stack spec built from its local (non-TE) GPT modules: an attention
+    layer (norm + self-attention), an MLA layer and an MLP layer (norm + MLP), for CPU runs."""
+    from megatron.core.models.hybrid.hybrid_block import HybridStack, HybridStackSubmodules
+    from megatron.core.ssm.mlp_layer import MLPLayer
+    from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+    def local(mla: bool) -> Any:
+        return gpt_layer_specs.get_gpt_layer_local_submodules(normalization=normalization, multi_latent_attention=mla)
+
+    def attention_only(subs: Any) -> ModuleSpec:
+        return ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
+            input_layernorm=subs.input_layernorm, self_attention=subs.self_attention, self_attn_bda=subs.self_attn_bda))  # fmt: skip
+
+    gpt = local(False)
+    mlp = ModuleSpec(module=MLPLayer, submodules=TransformerLayerSubmodules(
+        pre_mlp_layernorm=gpt.pre_mlp_layernorm, mlp=gpt.mlp, mlp_bda=gpt.mlp_bda))  # fmt: skip
+    return ModuleSpec(module=HybridStack, submodules=HybridStackSubmodules(
+        attention_layer=attention_only(gpt), mla_layer=attention_only(local(True)), mlp_layer=mlp))  # fmt: skip
+
+
+def hsap_hybrid_stack_spec(base: ModuleSpec | None = None, *, use_te: bool | None = None,
+                           normalization: str = "RMSNorm") -> ModuleSpec:  # fmt: skip
+    """A ``HybridModel`` stack spec with HSAP attention: Megatron's own, with the attention and MLA
+    layers swapped (:func:`swap_attention`) and the layers HSAP cannot run refused.
+
+    Args:
+        base: a hybrid stack spec (``ModuleSpec(HybridStack, HybridStackSubmodules)``); default
+            megatron-core's ``hybrid_stack_spec`` (Transformer Engine modules) with ``use_te``, else
+            the same layers from megatron-core's local modules (``normalization`` for their norms).
+        use_te: default: Transformer Engine when installed.
+    Returns:
+        ``ModuleSpec`` for ``HybridModel(hybrid_stack_spec=...)`` / ``--spec``.
+    """
+    if base is None:
+        use_te = have_transformer_engine() if use_te is None else use_te
+        if use_te and not have_transformer_engine():
+            raise ConfigError("use_te=True but Transformer Engine is not installed; pass use_te=False for local modules")
+        if use_te:
+            from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec
+
+            base = hybrid_stack_spec
+        else:
+            base = _local_hybrid_stack_spec(normalization)
+    subs = base.submodules
+    changes: dict[str, Any] = {}
+    for name in ("attention_layer", "mla_layer"):
+        layer = getattr(subs, name, None)
+        if isinstance(layer, ModuleSpec):
+            changes[name] = swap_attention(layer)
+    for name, (kind, symbol, reason) in _UNSUPPORTED_HYBRID.items():
+        if isinstance(getattr(subs, name, None), ModuleSpec):
+            changes[name] = ModuleSpec(module=HSAPUnsupportedLayer, params=dict(layer_kind=kind, symbol=symbol, reason=reason))
+    return dataclasses.replace(base, submodules=dataclasses.replace(subs, **changes))
+
+
 # For code that builds GPTModel itself without a config (a plain layer: no QK norm, no MoE). Megatron's
 # `--spec` names `hsap_layer_spec`, which Megatron calls with the run's config; `validate_hsap_args`
 # rewrites `--spec megatron_hsap.megatron.spec HSAP_LAYER_SPEC` to it so no config option is dropped.
 HSAP_LOCAL_LAYER_SPEC: ModuleSpec = hsap_layer_spec(use_te=False)
 HSAP_LAYER_SPEC: ModuleSpec = hsap_layer_spec(use_te=have_transformer_engine())
+# Megatron's HybridModelBuilder takes `--spec` as the stack spec itself (it does not call it).
+HSAP_HYBRID_STACK_SPEC: ModuleSpec = hsap_hybrid_stack_spec()

@@ -146,7 +146,7 @@ def _edge_specs(intra: int, inter: int, layout: str = "contiguous", dtype: str =
     total = TOKENS.get(world, 32 * world)
     kinds = ("random", "with_inf", "zero", "random")
     specs = []
-    for n, cu in enumerate(cases.special_packings(total, inter).values()):
+    for n, cu in enumerate(cases.special_packings(total, world).values()):  # chunks of every CP rank
         heads = dict(HEADS[n % len(HEADS)])
         if intra > 1 and heads["kv_heads"] % intra and intra % heads["kv_heads"]:
             heads = dict(HEADS[0])
