@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 
@@ -52,17 +51,23 @@ def test_reads_exactly_one_batch_ahead() -> None:
 
 
 def test_compile_overlaps_training() -> None:
-    # a 0.2 s compile and a 0.2 s training step: prefetch hides every compile but the first
-    def run(enabled: bool) -> float:
-        t0 = time.perf_counter()
-        with PlanPrefetcher(Source(5), lambda b: time.sleep(0.2) or b, enabled=enabled) as pf:
-            for _ in pf:
-                time.sleep(0.2)
-        return time.perf_counter() - t0
+    # Ordering, not timing: while batch k trains (the loop body, which waits here), the worker thread
+    # starts compiling batch k+1. Without the lookahead this test would fail at the first wait.
+    started = [threading.Event() for _ in range(5)]
 
-    serial, overlapped = run(False), run(True)
-    assert serial >= 2.0  # 5 × (0.2 + 0.2)
-    assert overlapped < serial - 0.5, (serial, overlapped)  # ≈ 0.2 + 5 × 0.2 = 1.2 s
+    def compile_(b: int) -> int:
+        started[b].set()
+        return b
+
+    with PlanPrefetcher(Source(5), compile_) as pf:
+        for batch, plan in pf:
+            assert plan == batch
+            if batch + 1 < 5:
+                assert started[batch + 1].wait(timeout=30), f"batch {batch + 1} did not compile during step {batch}"
+    taken: list[int] = []
+    with PlanPrefetcher(Source(3), lambda b: taken.append(b) or b, enabled=False) as pf:
+        for batch, _ in pf:
+            assert taken == list(range(batch + 1))  # disabled: compiled when taken, never ahead
 
 
 def test_compile_error_surfaces_with_its_batch() -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -259,16 +258,22 @@ def test_cache_by_every_input() -> None:
     assert compile_plan(cu, 4, **SMALL, pool_bytes=1 << 20) is not a
 
 
-def test_cache_hit_is_fast() -> None:
+def test_cache_hit_does_no_planning(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A hit returns the cached object before any planning work (neither normalising nor compiling);
+    # its cost is measured by `megatron-hsap plan-quality` (compile times), not asserted here.
+    import megatron_hsap.plan.plan as plan_module
+
     cu = np.array([0, *range(1000, 65536, 1000), 65536], dtype=np.int64)
-    compile_plan(cu, 8)
-    times = []
-    for _ in range(30):
-        t0 = time.perf_counter()
-        compile_plan(cu, 8)
-        times.append(time.perf_counter() - t0)
-    # the budget is 0.1 ms; the minimum of 30 tries is immune to a busy shared machine
-    assert min(times) <= 1e-4, min(times)
+    first = compile_plan(cu, 8)
+
+    def no_planning(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a cache hit must not plan")
+
+    monkeypatch.setattr(plan_module, "_compile_cached", no_planning)
+    monkeypatch.setattr(plan_module, "normalize_cu_seqlens", no_planning)
+    for _ in range(3):
+        assert compile_plan(cu, 8) is first
+        assert compile_plan(cu.tolist(), 8) is first
 
 
 def test_forced_placements() -> None:

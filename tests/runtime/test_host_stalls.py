@@ -148,8 +148,9 @@ def test_watchdog_drops_completed_rounds_and_fires_only_late_ones():
     dog = Watchdog(on_fire=lambda err, g: fired.append(str(err)))
     now = time.perf_counter()
     done, late = _Work(True), _Work(False)
-    dog.watch([done], now + 0.1, lambda: CommunicationError("round 1 late"))
-    dog.watch([late], now + 0.3, lambda: CommunicationError("round 2 late"))
+    # Deadlines far enough out that a loaded machine cannot pass them before the check below.
+    dog.watch([done], now + 2.0, lambda: CommunicationError("round 1 late"))
+    dog.watch([late], now + 4.0, lambda: CommunicationError("round 2 late"))
     dog.check()  # nothing fired yet: check is a no-op (nor does watch query the works)
     assert done.queries == 0 and late.queries == 0
     err = dog.wait_fired(20.0)
