@@ -19,8 +19,10 @@ The helpers here (``run_model``, ``ReferenceCoreAttention``) also serve the MLA 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -107,6 +109,19 @@ def reference_hybrid_spec() -> Any:
 
 # --------------------------------------------------------------------------- runs (pool cases)
 
+
+@contextlib.contextmanager
+def cpu_current_device() -> Iterator[None]:
+    """MLA's rotary modules (RoPE and YaRN) put their tables on ``torch.cuda.current_device()``
+    whatever ``use_cpu_initialization`` says; on these CPU-only ranks that device is the CPU."""
+    original = torch.cuda.current_device
+    torch.cuda.current_device = lambda: "cpu"
+    try:
+        yield
+    finally:
+        torch.cuda.current_device = original
+
+
 MLA_FIELDS = dict(multi_latent_attention=True, q_lora_rank=None, kv_lora_rank=16, qk_head_dim=8,
                   qk_pos_emb_head_dim=4, v_head_dim=6, num_query_groups=4, rope_type="rope")  # fmt: skip
 
@@ -150,6 +165,12 @@ def run_model(topology: tuple[int, int] | None, batches: list[dict[str, torch.Te
     """Pool case: 5 training steps of a tiny GPT / HybridModel; ``topology`` None = the CP=1
     reference (float64 core attention, Megatron's RoPE), else HSAP over ``intra × inter`` ranks.
     Returns per-step losses and grad norms, the final sink values and the parameter names."""
+    with cpu_current_device():
+        return _run_model(topology, batches, overrides, model, pattern)
+
+
+def _run_model(topology: tuple[int, int] | None, batches: list[dict[str, torch.Tensor]], overrides: dict[str, Any],
+               model: str, pattern: str | None) -> dict[str, Any]:  # fmt: skip
     from megatron.core import parallel_state as mpu
 
     from megatron_hsap.megatron.train_tiny import train_step
