@@ -63,7 +63,7 @@ def test_ring_is_the_default_and_untouched() -> None:
         (["--hierarchical-context-parallel-sizes", "2", "2"], "product must equal"),
         (["--hierarchical-context-parallel-sizes", "2", "2", "2"], "exactly two"),
         (["--num-attention-heads", "12"], "P_intra=4"),  # 6 heads per TP rank: 4 does not divide them
-        (["--window-size", "(128,0)"], "--window-size"),
+        (["--window-size", "(128,4)"], "--window-size"),  # right > 0: HSAP plans are causal
         (["--multi-latent-attention"], "multi-latent"),
         (["--mtp-num-layers", "1"], "--mtp-num-layers"),
         (["--position-embedding-type", "yarn"], "position-embedding-type"),
@@ -151,3 +151,27 @@ def test_patch_adds_flag_and_megatron_validate_args_runs_hsap_checks(tmp_path: P
     # add_hsap_args on top of the patched parser must not clash over --context-parallel-impl.
     parser = add_hsap_args(module.add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False)))
     assert parser.parse_args(["--context-parallel-impl", "hsap"]).context_parallel_impl == "hsap"
+
+
+def test_patched_parse_args_registers_hsap_flags(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The patch-only path (plain pretrain_gpt.py): Megatron's own parse_args knows --hsap-*, and an
+    # entry point that adds them again (scripts/pretrain_gpt_hsap.py) does not clash.
+    module = _patched_arguments_module(tmp_path, monkeypatch)
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *PATCHED_ARGV, "--hsap-layout", "contiguous",
+                                      "--hsap-hardware", "h200"])
+    args = module.parse_args()
+    assert (args.hsap_layout, args.hsap_hardware) == ("contiguous", "h200")
+    assert module.parse_args(extra_args_provider=add_hsap_args).hsap_layout == "contiguous"
+
+
+def test_module_level_spec_names_become_the_callable_and_local_backend_is_refused() -> None:
+    for name in ("HSAP_LAYER_SPEC", "HSAP_LOCAL_LAYER_SPEC"):
+        args = _parse([*GOOD, "--spec", "megatron_hsap.megatron.spec", name])
+        validate_hsap_args(args)
+        assert args.spec == ["megatron_hsap.megatron.spec", "hsap_layer_spec"]  # built from the config
+    args = _parse([*GOOD, "--attention-backend", "local"])
+    with pytest.raises(ConfigError, match="--attention-backend local"):
+        validate_hsap_args(args)
+    args = _parse([*GOOD, "--hsap-dump-plan", "0", "/tmp/x"])
+    with pytest.raises(ConfigError, match="ITER must be"):
+        validate_hsap_args(args)
