@@ -225,7 +225,9 @@ class P2PChannel:
         self.comm_s += time.perf_counter() - t0
 
     def wait(self, index: int) -> None:
-        """Block until round ``index`` completed; raise :class:`CommunicationError` after the timeout."""
+        """Round ``index`` done: on the host, block until it completed (CPU rounds) and raise
+        :class:`CommunicationError` after the timeout; on the device (CUDA rounds, or
+        ``device_wait``), order the stream after it and hand the deadline to the watchdog."""
         if self._round != index:
             raise RuntimeMismatchError(
                 f"P2P misuse: wait for round {index} but "

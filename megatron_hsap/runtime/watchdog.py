@@ -16,6 +16,8 @@ host query of the CUDA event); a round still incomplete *fires*:
   round's process group, so that a stream stuck behind the transfer errors out instead of
   blocking the host's next synchronisation for the job's whole NCCL timeout).
 
+The deadline counts from the host's ``wait`` call; the host runs at most a launch queue ahead of
+the device, far less than ``HSAP_P2P_TIMEOUT_S``, so a slow device is not mistaken for a lost peer.
 Works that completed before their deadline are dropped at that deadline (or earlier when more than
 ``_PRUNE_AT`` rounds are filed: :meth:`watch` then drops completed ones, amortised O(1) per round).
 Gloo/CPU rounds never come here: they keep the bounded host wait of ``runtime/p2p.py``.
@@ -140,7 +142,10 @@ class Watchdog:
             if not self._heap:
                 self._cond.wait(timeout=60.0)  # idle: nothing filed (the thread exits when unused)
                 self.wakeups += 1
-                return bool(self._heap)
+                if not self._heap:
+                    self._thread = None  # decided under the lock: the next watch() starts a new one
+                    return False
+                return True
             left = self._heap[0].deadline - time.perf_counter()
             if left > 0:
                 self._cond.wait(timeout=left)
