@@ -201,7 +201,14 @@ def validate_hsap_args(args: Any) -> HSAPArgs | None:
         "HSAP counts every real token exactly once across CP ranks, whose token counts differ: pass "
         "--calculate-per-token-loss so the loss is divided by the global number of loss tokens",
     )
-    _refuse(getattr(args, "window_size", None) is not None, "--window-size: sliding-window attention is not supported by HSAP yet")
+    window = getattr(args, "window_size", None)
+    if window is not None:  # sliding windows are planned (plan/window.py); only causal ones exist
+        from megatron_hsap.plan.window import normalize_window
+
+        try:
+            normalize_window(tuple(window))
+        except (ConfigError, TypeError) as err:
+            raise ConfigError(f"--window-size {window}: {err}") from None
     _refuse(getattr(args, "multi_latent_attention", False), "--multi-latent-attention is not supported by HSAP yet")
     _refuse(bool(getattr(args, "mtp_num_layers", None)), "--mtp-num-layers: multi-token prediction is not supported with HSAP yet")
     _refuse(bool(getattr(args, "hybrid_context_parallel", False)),

@@ -409,12 +409,22 @@ def _host_sum(loss_mask: torch.Tensor) -> int:
     return int(total)
 
 
-def plan_for_batch(batch: "Mapping[str, Any] | PackedBatch", *, config: Any = None, plan_kwargs: Mapping[str, Any] | None = None) -> "Plan":
+def plan_for_batch(batch: "Mapping[str, Any] | PackedBatch", *, config: Any = None, plan_kwargs: Mapping[str, Any] | None = None,
+                   windows: Any = None) -> "Plan":
     """The plan ``get_batch_on_this_cp_rank(batch, config=..., plan_kwargs=...)`` would compile for
-    this micro-batch (pure CPU work, no collective: safe on ``PlanPrefetcher``'s worker thread)."""
+    this micro-batch (pure CPU work, no collective: safe on ``PlanPrefetcher``'s worker thread).
+    The plans of the model's sliding windows (``windows``, default from ``config``'s layers:
+    ``megatron/windows.py``) are compiled here too, on this plan's layout (``Plan.with_window``,
+    cached), so the core attention of every layer finds its plan ready."""
     packed = batch if isinstance(batch, PackedBatch) else pack_micro_batch(batch)
     plan = _compile_for_batch(packed.cu_seqlens, config=config, plan_kwargs=plan_kwargs)
     _ = plan.hash  # the handshake's identity, computed here (off the step) rather than before round 0
+    if windows is None and config is not None:
+        from megatron_hsap.megatron.windows import model_windows
+
+        windows = model_windows(config)
+    for window in windows or ():
+        _ = plan.with_window(window).hash
     return plan
 
 

@@ -16,10 +16,12 @@ What it refuses (``ConfigError`` at construction or before any collective; ``Bat
 batch without the HSAP marker) instead of computing something else:
 cross attention; attention masks other than causal / padding-causal (no_mask, padding, arbitrary,
 causal_bottom_right); an explicit ``attention_mask`` tensor (the mask is implied by the documents);
-``attention_bias``; attention dropout > 0 in training; sliding-window attention; a ``softmax_scale``
+``attention_bias``; attention dropout > 0 in training; a sliding window with ``right != 0``; a ``softmax_scale``
 that disagrees with ``config.softmax_scale``; fp8 dot-product attention; qk-clip / max-logit
 logging; a plan whose CP size, CP rank or head counts differ from this layer's. Multi-latent
 attention runs through :mod:`megatron_hsap.megatron.mla` (k/v per q head, ``v_channels`` its own).
+Sliding windows (``window_size`` / ``window_attn_skip_freq``, per layer as megatron-core decides):
+the layer runs the batch plan's ``with_window`` plan, on the same token layout.
 
 Attention sinks (``softmax_type`` "learnable" / "off-by-one"): ``softmax_offset`` is megatron-core's
 own parameter — same name, ``[num_attention_heads / TP]`` per TP rank, TP-sharded on axis 0 in the
@@ -37,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.utils import is_layer_window_attention
+from megatron_hsap.megatron.windows import layer_window
 from torch import Tensor
 
 from megatron_hsap.errors import BatchError, ConfigError, RuntimeMismatchError
@@ -142,10 +144,15 @@ class HSAPCoreAttention(MegatronModule):
                 f"attn_mask_type={self.attn_mask_type.name}: HSAP computes causal attention inside each "
                 "document only (causal / padding_causal); use the causal GPT layer spec"
             )
-        if is_layer_window_attention(cfg.window_size, getattr(cfg, "window_attn_skip_freq", None), self.layer_number):
-            raise ConfigError(f"window_size={cfg.window_size}: sliding-window attention is not supported by HSAP yet; unset --window-size")
+        # sliding window of this layer (megatron/windows.py): its plan is the batch plan's with_window
+        self.window_size = layer_window(cfg, self.layer_number)
         if getattr(cfg, "softmax_type", "vanilla") not in SOFTMAX_TYPES:
             raise ConfigError(f"softmax_type={cfg.softmax_type!r}: HSAP supports {', '.join(SOFTMAX_TYPES)}")
+        if getattr(cfg, "multi_latent_attention", False) and getattr(cfg, "mla_down_proj_fusion", False):
+            raise ConfigError(
+                "mla_down_proj_fusion: HybridModel then swaps MLA for FusedMLASelfAttention, whose RoPE assumes "
+                "Megatron's token layout; HSAP applies MLA's RoPE by position: set mla_down_proj_fusion=False"
+            )
         if getattr(cfg, "fp8_dot_product_attention", False):
             raise ConfigError("fp8_dot_product_attention is not supported by HSAP; set TransformerConfig.fp8_dot_product_attention=False")
         if getattr(cfg, "qk_clip", False) or getattr(cfg, "log_max_attention_logit", False):
@@ -266,6 +273,7 @@ class HSAPCoreAttention(MegatronModule):
         SBHD: q ``[s, b, np, hn]``, k/v ``[s, b, ng, hn]`` → ``[s, b, np·hn]``."""
         self._check_call(attention_mask, attn_mask_type, attention_bias, packed_seq_params)
         plan, cp_rank = packed_seq_params.hsap_plan, int(packed_seq_params.hsap_cp_rank)
+        plan = plan.with_window(self.window_size)  # this layer's window on the batch's layout (cached)
         fmt = packed_seq_params.qkv_format or "thd"
         if fmt == "thd":
             if query.dim() != 3:

@@ -30,6 +30,12 @@ class ReferenceCoreAttention(MegatronModule):
                  cp_comm_type: str | None = None, pg_collection: Any = None) -> None:
         super().__init__(config=config)
         self.scale = softmax_scale if softmax_scale is not None else config.kv_channels**-0.5
+        # megatron-core's own per-layer rule for sliding windows (keys at most `left` back)
+        from megatron.core.transformer.utils import is_layer_window_attention
+
+        window = getattr(config, "window_size", None)
+        on = is_layer_window_attention(window, getattr(config, "window_attn_skip_freq", None), layer_number)
+        self.window_left = int(window[0]) if on else None
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
                 attn_mask_type: Any = None, attention_bias: Any = None, packed_seq_params: Any = None) -> torch.Tensor:
@@ -37,7 +43,7 @@ class ReferenceCoreAttention(MegatronModule):
         cu = packed_seq_params.cu_seqlens_q.tolist()
         pos = torch.cat([torch.arange(b - a) for a, b in zip(cu[:-1], cu[1:])])
         doc = torch.cat([torch.full((b - a,), i) for i, (a, b) in enumerate(zip(cu[:-1], cu[1:]))])
-        out, _ = reference_attention(query, key, value, pos, pos, doc, doc, self.scale)
+        out, _ = reference_attention(query, key, value, pos, pos, doc, doc, self.scale, self.window_left)
         return out.to(query.dtype).reshape(query.shape[0], -1)
 
 

@@ -72,7 +72,7 @@ def test_refuses_marker_forged_without_plan() -> None:
         ({}, {"attn_mask_type": AttnMaskType.no_mask}, "no_mask"),
         ({}, {"attn_mask_type": AttnMaskType.padding}, "padding"),
         ({}, {"attn_mask_type": AttnMaskType.arbitrary}, "arbitrary"),
-        ({"window_size": (16, 0)}, {}, "sliding-window"),
+        ({"window_size": (16, 4)}, {}, "right=4"),  # windows are planned; only causal ones (right 0)
         ({"softmax_type": "off-by-one"}, {}, "vanilla"),
         ({"softmax_scale": 0.5}, {"softmax_scale": 0.25}, "disagrees"),
         ({"qk_clip": True}, {}, "qk_clip"),

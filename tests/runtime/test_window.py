@@ -97,7 +97,7 @@ def _specs(world: int, topologies, layouts=("contiguous",), per=None) -> list[di
     n = 0
     for intra, inter in topologies:
         chunk = total // inter
-        packings = list(cases.special_packings(total, inter).items())
+        packings = list(cases.special_packings(total, max(inter, 2)).items())  # (parts=1 has no chunk edges)
         windows = [0, 1, 5, chunk - 1, chunk, chunk + 7, total // 2, total]
         for i, ((label, cu), left) in enumerate(zip(packings * 2, windows)):
             if per is not None and i >= per:
