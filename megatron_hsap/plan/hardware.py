@@ -8,7 +8,7 @@ The planner and every bound use the *flat* rates here; the kernel-rate curve by 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 class LinkClass(str, enum.Enum):
@@ -98,16 +98,7 @@ H100_FA3 = Hardware(
 # H200 SXM (NVIDIA H200 Tensor Core GPU datasheet: 989 TFLOP/s dense BF16 like the H100, 141 GB
 # HBM3e at 4.8 TB/s, NVLink 900 GB/s bidirectional; nodes with ConnectX-7 NDR 400 Gb/s per GPU):
 # the H100's compute and link figures — attention kernels are compute-bound at these block sizes.
-H200 = Hardware(
-    name="h200",
-    attn_fwd_flops=330e12,
-    attn_bwd_flops=300e12,
-    nvlink_bw=370e9,
-    ib_bw=48e9,
-    nvlink_latency=10e-6,
-    ib_latency=15e-6,
-    dense_peak_flops=989e12,
-)
+H200 = replace(H100, name="h200")
 
 HARDWARE = {hw.name: hw for hw in (A100, H100, H100_FA3, H200)}
 
