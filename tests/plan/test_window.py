@@ -243,3 +243,25 @@ def test_phase_items_carry_the_window_in_both_phases():
         items = [it for p in progs for ins in p.instrs if isinstance(ins, Compute) for it in ins.items]
         assert items and all(it.window == 10 for it in items)
         check_coverage(plan, items, phase)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_random_windowed_packings_compile_and_verify(seed):
+    """Random packings (tests/plan/test_properties.py's generator) under random windows, small
+    pools (blocks cut across stages) and both layouts: every plan verifies and its work is the
+    band's."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from tests.plan.test_properties import packings
+
+    @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True,
+              database=None)
+    @given(packings(max_tokens=2048), st.sampled_from([0, 1, 2, 7, 33, 100, 500, 3000]))
+    def run(case, left):
+        cu, inter, intra, options = case
+        plan = compile_plan(cu, inter, intra, window_size=(left + seed, 0), **options)
+        plan.verify()
+        assert sum(plan.stats()["work_per_rank"]) == plan.batch.total_work(left + seed)
+
+    run()
