@@ -65,6 +65,8 @@ def format_program(program, *, round_base: int = 0, limit: int | None = None) ->
                     rows = it.kv if w is Wire.KV else it.q
                     emit(f"copy-{w.value}{rows} {_buf(srcs[w])} $comp")
                 kind = "causal" if it.causal else "full"
+                if it.kernel_window != (-1, -1):  # partly outside the sliding window: a banded call
+                    kind += " window{}".format(it.kernel_window)
                 emit(f"compute stage {ins.stage}: q{it.q} kv{it.kv} {kind}")
                 for w, slot in dsts.items():
                     if w is Wire.LSE:
