@@ -26,6 +26,8 @@ __all__ = ["HSAPArgs", "add_hsap_args", "validate_hsap_args", "IMPLS"]
 IMPLS = ("ring", "hsap")
 SPEC_MODULE = "megatron_hsap.megatron.spec"
 SPEC_NAME = "hsap_layer_spec"  # a callable: Megatron calls it with the run's GPTModelConfig
+HYBRID_SPEC_NAME = "HSAP_HYBRID_STACK_SPEC"  # a ModuleSpec: HybridModelBuilder does not call --spec
+HYBRID_REFUSED = {"M": "Mamba ('M')", "G": "gated delta net ('G')", "D": "DSA ('D')"}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -209,13 +211,22 @@ def validate_hsap_args(args: Any) -> HSAPArgs | None:
             normalize_window(tuple(window))
         except (ConfigError, TypeError) as err:
             raise ConfigError(f"--window-size {window}: {err}") from None
-    _refuse(getattr(args, "multi_latent_attention", False), "--multi-latent-attention is not supported by HSAP yet")
+    if getattr(args, "multi_latent_attention", False):  # megatron/mla.py: RoPE of the decoupled part by position
+        rope_type = getattr(args, "rope_type", None) or "yarn"  # MLATransformerConfig's default
+        _refuse(rope_type not in ("rope", "yarn"), f"--rope-type {rope_type}: HSAP's MLA supports rope and yarn")
+        _refuse(bool(getattr(args, "apply_rope_fusion", False)),
+                "--multi-latent-attention: Transformer Engine's fused MLA RoPE assumes the zigzag CP layout; "
+                "HSAP applies it by position: pass --no-rope-fusion")
+        _refuse(bool(getattr(args, "mla_down_proj_fusion", False)),
+                "--mla-down-proj-fusion swaps in FusedMLASelfAttention (RoPE by Megatron's layout); drop it with HSAP")
     _refuse(bool(getattr(args, "mtp_num_layers", None)), "--mtp-num-layers: multi-token prediction is not supported with HSAP yet")
     _refuse(bool(getattr(args, "hybrid_context_parallel", False)),
             "--hybrid-context-parallel and --context-parallel-impl hsap are alternatives; pick one")
     pos = getattr(args, "position_embedding_type", "rope")
     _refuse(pos not in ("rope", "learned_absolute", "none"), f"--position-embedding-type {pos}: HSAP supports rope, learned_absolute and none")
-    _refuse(getattr(args, "softmax_type", "vanilla") != "vanilla", f"--softmax-type {getattr(args, 'softmax_type', None)}: HSAP supports vanilla only")
+    softmax_type = getattr(args, "softmax_type", "vanilla") or "vanilla"  # sinks: merged once per row (runtime/merge.py)
+    _refuse(softmax_type not in ("vanilla", "off-by-one", "learnable"),
+            f"--softmax-type {softmax_type}: HSAP supports vanilla, off-by-one and learnable")
     # Config fields without a flag in 0.19.2 (a YAML config or a wrapper may set them).
     _refuse(bool(getattr(args, "fp8_dot_product_attention", False)),
             "fp8_dot_product_attention (TransformerConfig) is not supported by HSAP: set it False")
@@ -235,9 +246,17 @@ def validate_hsap_args(args: Any) -> HSAPArgs | None:
             f"--spec {' '.join(spec)}: --context-parallel-impl hsap needs the HSAP layer spec "
             f"(--spec {SPEC_MODULE} {SPEC_NAME}) or no --spec"
         )
-    # The module-level specs were built without the run's config (QK norm, MoE ... would be lost):
-    # always hand Megatron the callable it calls with the config.
-    args.spec = [SPEC_MODULE, SPEC_NAME]
+    pattern = getattr(args, "hybrid_layer_pattern", None) or getattr(args, "hybrid_override_pattern", None)
+    if pattern:  # HybridModel: Megatron's HybridModelBuilder takes the stack spec object itself
+        bad = sorted(set(pattern) & set(HYBRID_REFUSED))
+        _refuse(bool(bad), f"--hybrid-layer-pattern {pattern}: {', '.join(HYBRID_REFUSED[b] for b in bad)} layers "
+                "are not supported by HSAP (their CP assumes Megatron's token layout); use attention '*', MLA '+', "
+                "MLP '-' and MoE 'E' layers, or --context-parallel-impl ring")  # fmt: skip
+        args.spec = [SPEC_MODULE, HYBRID_SPEC_NAME]
+    else:
+        # The module-level specs were built without the run's config (QK norm, MoE ... would be lost):
+        # always hand Megatron the callable it calls with the config.
+        args.spec = [SPEC_MODULE, SPEC_NAME]
     if getattr(args, "attention_backend", None) is not None and str(getattr(args.attention_backend, "name", args.attention_backend)) == "local":
         raise ConfigError("--attention-backend local makes Megatron replace the spec's core attention with its own "
                           "DotProductAttention; with --context-parallel-impl hsap use --attention-backend auto")

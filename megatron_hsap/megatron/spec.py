@@ -145,7 +145,7 @@ class HSAPUnsupportedLayer(MegatronModule):
         del args, kwargs
         raise ConfigError(
             f"--hybrid-layer-pattern uses {layer_kind} layers ('{symbol}'): {reason}. HSAP supports "
-            "attention ('*'), MLA and MLP ('-') / MoE ('E') layers of HybridModel; use --context-parallel-impl ring "
+            "attention ('*'), MLA ('+'), MLP ('-') and MoE ('E') layers of HybridModel; use --context-parallel-impl ring "
             "for this pattern"
         )
 
@@ -207,9 +207,8 @@ def hsap_hybrid_stack_spec(base: ModuleSpec | None = None, *, use_te: bool | Non
         layer = getattr(subs, name, None)
         if isinstance(layer, ModuleSpec):
             changes[name] = swap_attention(layer)
-    for name, (kind, symbol, reason) in _UNSUPPORTED_HYBRID.items():
-        if isinstance(getattr(subs, name, None), ModuleSpec):
-            changes[name] = ModuleSpec(module=HSAPUnsupportedLayer, params=dict(layer_kind=kind, symbol=symbol, reason=reason))
+    for name, (kind, symbol, reason) in _UNSUPPORTED_HYBRID.items():  # always: an IdentityOp default would skip the layer
+        changes[name] = ModuleSpec(module=HSAPUnsupportedLayer, params=dict(layer_kind=kind, symbol=symbol, reason=reason))
     return dataclasses.replace(base, submodules=dataclasses.replace(subs, **changes))
 
 

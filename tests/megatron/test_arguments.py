@@ -64,7 +64,9 @@ def test_ring_is_the_default_and_untouched() -> None:
         (["--hierarchical-context-parallel-sizes", "2", "2", "2"], "exactly two"),
         (["--num-attention-heads", "12"], "P_intra=4"),  # 6 heads per TP rank: 4 does not divide them
         (["--window-size", "(128,4)"], "--window-size"),  # right > 0: HSAP plans are causal
-        (["--multi-latent-attention"], "multi-latent"),
+        (["--multi-latent-attention"], "--no-rope-fusion"),  # MLA is supported; TE's fused MLA RoPE is not
+        (["--multi-latent-attention", "--no-rope-fusion", "--mla-down-proj-fusion"], "--mla-down-proj-fusion"),
+        (["--hybrid-layer-pattern", "M*M*"], "Mamba"),
         (["--mtp-num-layers", "1"], "--mtp-num-layers"),
         (["--position-embedding-type", "yarn"], "position-embedding-type"),
         (["--pipeline-model-parallel-size", "2", "--micro-batch-size", "2"], "--micro-batch-size 1"),

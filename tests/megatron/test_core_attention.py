@@ -73,7 +73,6 @@ def test_refuses_marker_forged_without_plan() -> None:
         ({}, {"attn_mask_type": AttnMaskType.padding}, "padding"),
         ({}, {"attn_mask_type": AttnMaskType.arbitrary}, "arbitrary"),
         ({"window_size": (16, 4)}, {}, "right=4"),  # windows are planned; only causal ones (right 0)
-        ({"softmax_type": "off-by-one"}, {}, "vanilla"),
         ({"softmax_scale": 0.5}, {"softmax_scale": 0.25}, "disagrees"),
         ({"qk_clip": True}, {}, "qk_clip"),
     ],

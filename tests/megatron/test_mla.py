@@ -127,3 +127,12 @@ def test_mla_refuses_batches_not_sharded_by_hsap() -> None:
     from tests.distributed import get_pool
 
     assert "HSAP marker" in get_pool(1).run(unsharded_case, timeout=300)[0]
+
+
+@pytest.mark.parametrize("extra", [[], ["--rope-type", "rope"], ["--rope-type", "yarn"]])
+def test_arguments_accept_mla(extra: list[str]) -> None:
+    from megatron_hsap.megatron.arguments import validate_hsap_args
+    from tests.megatron.test_arguments import GOOD, _parse
+
+    args = _parse(GOOD + ["--multi-latent-attention", "--no-rope-fusion", *extra])
+    assert validate_hsap_args(args) is not None and args.spec == ["megatron_hsap.megatron.spec", "hsap_layer_spec"]

@@ -165,8 +165,24 @@ def run_model(topology: tuple[int, int] | None, batches: list[dict[str, torch.Te
     """Pool case: 5 training steps of a tiny GPT / HybridModel; ``topology`` None = the CP=1
     reference (float64 core attention, Megatron's RoPE), else HSAP over ``intra × inter`` ranks.
     Returns per-step losses and grad norms, the final sink values and the parameter names."""
-    with cpu_current_device():
+    with cpu_current_device(), local_final_norm():
         return _run_model(topology, batches, overrides, model, pattern)
+
+
+@contextlib.contextmanager
+def local_final_norm() -> Iterator[None]:
+    """megatron-core 0.19.2's ``HybridStack`` builds its final norm as ``TENorm`` whatever the spec
+    ("Hybrid always uses TransformerEngine"); without TE (CPU) both runs use megatron-core's
+    ``WrappedTorchNorm`` with the same arguments instead."""
+    from megatron.core.models.hybrid import hybrid_block
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    original = hybrid_block.TENorm
+    hybrid_block.TENorm = WrappedTorchNorm
+    try:
+        yield
+    finally:
+        hybrid_block.TENorm = original
 
 
 def _run_model(topology: tuple[int, int] | None, batches: list[dict[str, torch.Tensor]], overrides: dict[str, Any],
@@ -257,3 +273,11 @@ def test_gpt_off_by_one_1x4_matches_cp1() -> None:
 @pytest.mark.slow
 def test_gpt_learnable_sinks_4x1_matches_cp1() -> None:
     check_equal_to_cp1((4, 1), {"softmax_type": "learnable"})  # pure Ulysses: each rank its head slice
+
+
+@pytest.mark.parametrize("softmax_type", ["learnable", "off-by-one", "vanilla"])
+def test_arguments_accept_softmax_types(softmax_type: str) -> None:
+    from megatron_hsap.megatron.arguments import validate_hsap_args
+    from tests.megatron.test_arguments import GOOD, _parse
+
+    assert validate_hsap_args(_parse(GOOD + ["--softmax-type", softmax_type])) is not None

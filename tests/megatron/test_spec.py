@@ -53,6 +53,8 @@ def test_refusals() -> None:
     if not gpt_layer_specs.HAVE_TE:
         with pytest.raises(ConfigError, match="Transformer Engine is not installed"):
             hsap_layer_spec(use_te=True)
-    mla = gpt_layer_specs.get_gpt_layer_local_spec(multi_latent_attention=True)
-    with pytest.raises(ConfigError, match="SelfAttention"):
-        swap_attention(mla)
+    local = gpt_layer_specs.get_gpt_layer_local_spec()
+    other = dataclasses.replace(local, submodules=dataclasses.replace(  # an attention HSAP was not written for
+        local.submodules, self_attention=dataclasses.replace(local.submodules.self_attention, module=HSAPCoreAttention)))
+    with pytest.raises(ConfigError, match="SelfAttention or MLASelfAttention"):
+        swap_attention(other)

@@ -1,0 +1,83 @@
+"""HybridModel (megatron-core 0.19.2's successor of GPTModel) under HSAP, built by Megatron's own
+``HybridModel`` / ``HybridStack`` from :func:`hsap_hybrid_stack_spec`.
+
+Mamba layers need CUDA kernels (mamba_ssm / causal_conv1d), so on CPU the pattern is attention
+and MLP layers only (``*-*-``; ``M`` / ``G`` / ``D`` layers are refused by the HSAP spec, tested
+below). The reference is the same stack built from megatron-core's modules at CP=1 with the
+float64 core attention of test_sinks_gpt (1e-5 relative over 5 Adam steps, reason there).
+``HybridStack`` hard-codes Transformer Engine's ``TENorm`` as its final norm; without TE both runs
+use megatron-core's ``WrappedTorchNorm`` there (``test_sinks_gpt.local_final_norm``).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.megatron.test_sinks_gpt import check_equal_to_cp1
+
+PATTERN = "*-*-"  # attention, MLP, attention, MLP: 4 layers
+
+
+def test_hybrid_attention_mlp_2x2_matches_cp1() -> None:
+    got = check_equal_to_cp1((2, 2), {"num_layers": 4}, model="hybrid", pattern=PATTERN)
+    assert any("self_attention.linear_qkv" in n for n in got["names"])
+    assert any("mlp.linear_fc1" in n for n in got["names"])
+
+
+@pytest.mark.slow
+def test_hybrid_with_sinks_1x4_matches_cp1() -> None:
+    check_equal_to_cp1((1, 4), {"num_layers": 4, "softmax_type": "learnable"}, model="hybrid", pattern=PATTERN)
+
+
+def test_hybrid_spec_swaps_attention_and_refuses_mamba() -> None:
+    from megatron_hsap.megatron.core_attention import HSAPCoreAttention
+    from megatron_hsap.megatron.mla import HSAPMLASelfAttention
+    from megatron_hsap.megatron.rotary import HSAPSelfAttention
+    from megatron_hsap.megatron.spec import HSAP_HYBRID_STACK_SPEC, HSAPUnsupportedLayer, hsap_hybrid_stack_spec
+
+    for spec in (HSAP_HYBRID_STACK_SPEC, hsap_hybrid_stack_spec(use_te=False)):
+        subs = spec.submodules
+        attn = subs.attention_layer.submodules.self_attention
+        assert attn.module is HSAPSelfAttention and attn.submodules.core_attention is HSAPCoreAttention
+        mla = subs.mla_layer.submodules.self_attention
+        assert mla.module is HSAPMLASelfAttention and mla.submodules.core_attention is HSAPCoreAttention
+    assert hsap_hybrid_stack_spec(use_te=False).submodules.mamba_layer.module is HSAPUnsupportedLayer
+
+
+def mamba_pattern_case() -> str:
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
+
+    from megatron_hsap.errors import ConfigError
+    from megatron_hsap.megatron.spec import hsap_hybrid_stack_spec
+    from tests.megatron.test_sinks_gpt import _config, local_final_norm
+
+    config = _config(1, {"num_layers": 2})
+    try:
+        with local_final_norm():
+            HybridModel(config=config, hybrid_stack_spec=hsap_hybrid_stack_spec(use_te=False), vocab_size=64,
+                        max_sequence_length=32, hybrid_layer_pattern="M*", position_embedding_type="rope")  # fmt: skip
+    except ConfigError as e:
+        return str(e)
+    return "built"
+
+
+def test_hybrid_pattern_with_mamba_is_refused_by_name() -> None:
+    from tests.distributed import get_pool
+
+    msg = get_pool(1).run(mamba_pattern_case, timeout=300)[0]
+    assert "Mamba layers ('M')" in msg and "--context-parallel-impl ring" in msg
+
+
+def test_arguments_hybrid_pattern_selects_the_hybrid_stack_spec() -> None:
+    """``--hybrid-layer-pattern``: Megatron's HybridModelBuilder gets HSAP's stack spec object (it
+    does not call ``--spec``), through Megatron's own importer."""
+    from megatron.core.transformer.spec_utils import import_module
+
+    from megatron_hsap.megatron.arguments import validate_hsap_args
+    from megatron_hsap.megatron.spec import HSAP_HYBRID_STACK_SPEC
+    from tests.megatron.test_arguments import GOOD, _parse
+
+    args = _parse(GOOD + ["--hybrid-layer-pattern", "*-+-E"])
+    assert validate_hsap_args(args) is not None
+    assert args.spec == ["megatron_hsap.megatron.spec", "HSAP_HYBRID_STACK_SPEC"]
+    assert import_module(args.spec) is HSAP_HYBRID_STACK_SPEC
