@@ -25,10 +25,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from megatron_hsap.errors import BatchError, ConfigError
+from megatron_hsap.megatron.batch_agreement import agree_before_sharding, check_consistent
 
 if TYPE_CHECKING:
     from megatron_hsap.plan import Plan
@@ -221,59 +221,6 @@ def _resolve_rank_and_sizes(cp_rank: int | None, plan: "Plan | None") -> tuple[i
     return int(cp_rank), groups
 
 
-def _check_consistent(cu: np.ndarray, check_group: Any, groups: Any, cp_size: int) -> None:
-    """Fingerprint exchange of ``cu_seqlens`` over the CP ranks (host side); raises on every rank."""
-    if cp_size == 1 or check_group is False:
-        return
-    from megatron_hsap.runtime import check_cu_seqlens_consistent
-
-    if check_group is not None:
-        check_cu_seqlens_consistent(cu, check_group)
-    elif (meg := _megatron_cp_group()) is not None:
-        check_cu_seqlens_consistent(cu, meg)
-    elif groups is not None:
-        _check_over_intra_and_inter(cu, groups)
-    elif dist.is_initialized() and dist.get_world_size() == cp_size:
-        check_cu_seqlens_consistent(cu, None)  # the default group is the CP group
-    else:
-        raise ConfigError(
-            "cannot tell which ranks share this batch: pass check_group=<CP group>, call "
-            "initialize_hsap(...), or check_group=False to skip the consistency check"
-        )
-
-
-def _check_over_intra_and_inter(cu: np.ndarray, groups: Any) -> None:
-    """The CP group is not available as one group: compare within every intra and every inter
-    group, then spread the verdict over intra then inter. (i, j) and (i', j') are linked through
-    (i, j') by one intra and one inter hop, so two rounds reach every CP rank and all of them raise
-    together — a rank whose own groups agree must not run on into a P2P round alone."""
-    from megatron_hsap.runtime.consistency import fingerprint_mismatch
-
-    reports = [fingerprint_mismatch(cu, g) for g in (groups.intra, groups.inter)]
-    bad = any(r is not None for r in reports)
-    for g in (groups.intra, groups.inter):
-        # Verdicts that differ inside g mean some member saw a mismatch: then all of g has one.
-        # (The exchange runs on every rank: never short-circuit a collective.)
-        spread = fingerprint_mismatch(np.asarray([int(bad)]), g) is not None
-        bad = bad or spread
-    if bad:
-        detail = "; ".join(r for r in reports if r) or "another rank of this CP group holds a different batch"
-        raise BatchError(
-            f"ranks of one context-parallel group hold different cu_seqlens: {detail}. Every rank of a CP "
-            "group must get the same global packed batch (same data-loader seed and sampler)"
-        )
-
-
-def _megatron_cp_group() -> Any:
-    import sys
-
-    mpu = sys.modules.get("megatron.core.parallel_state")
-    if mpu is None or not mpu.model_parallel_is_initialized():
-        return None
-    group = mpu.get_context_parallel_group(check_initialized=False)
-    return group if group is not None and group.size() > 1 else None
-
-
 def get_batch_on_this_cp_rank(
     batch: "Mapping[str, Any] | PackedBatch",
     *,
@@ -331,7 +278,8 @@ def get_batch_on_this_cp_rank(
         check_plan_groups(plan, groups)
     if not 0 <= cp_rank < plan.cp_size:
         raise ConfigError(f"cp_rank={cp_rank} out of range for a plan over {plan.cp_size} CP ranks")
-    _check_consistent(cu, check_group, groups, plan.cp_size)
+    check_consistent(cu, check_group, groups, plan.cp_size)
+    agree_before_sharding(plan, groups, check_group)
 
     num_tokens = plan.num_tokens
     ids = np.asarray(plan.local_token_indices(cp_rank), dtype=np.int64)
@@ -476,7 +424,8 @@ def _sbhd_batch(batch: Mapping[str, Any], *, plan: "Plan | None", cp_rank: int |
         raise BatchError(f"an sbhd plan must be compiled for cu_seqlens=[0, {s}] (one sample), got T={plan.num_tokens}")
     cp_rank, groups = _resolve_rank_and_sizes(cp_rank, plan)
     # Fingerprint the sample count too: ranks with different b would mismatch shapes in the a2a.
-    _check_consistent(np.arange(0, b * s + 1, s, dtype=np.int64), check_group, groups, plan.cp_size)
+    check_consistent(np.arange(0, b * s + 1, s, dtype=np.int64), check_group, groups, plan.cp_size)
+    agree_before_sharding(plan, groups, check_group)
     ids = np.asarray(plan.local_token_indices(cp_rank), dtype=np.int64)
     real_np = ids < s
     src = tokens.device

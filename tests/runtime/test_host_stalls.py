@@ -115,6 +115,33 @@ def case_handshake_then_rounds(cu: list[int]) -> dict:
             "control": list(p2p.CONTROL_ROUNDS), "rounds": ex.stats[Phase.FWD].rounds + ex.stats[Phase.BWD].rounds}  # fmt: skip
 
 
+def case_batch_function_agrees(cu: list[int]) -> dict:
+    """Handshake exchanges made by batch sharding under HSAP groups (2×2), then by the attention."""
+    import torch.distributed as dist
+
+    from megatron_hsap.megatron.batch import get_batch_on_this_cp_rank
+    from megatron_hsap.megatron.parallel_state import destroy_hsap, initialize_hsap
+    from megatron_hsap.runtime import hsap_attn_func
+    from megatron_hsap.runtime.handshake import forget_agreements, handshake_count
+
+    forget_agreements()
+    initialize_hsap(intra_size=2, inter_size=2, node_check="off")
+    try:
+        n0 = handshake_count()
+        got = get_batch_on_this_cp_rank({"tokens": torch.arange(cu[-1]).unsqueeze(0), "cu_seqlens": torch.tensor(cu)},
+                                        plan_kwargs=dict(num_heads=4, num_kv_heads=2, head_dim=8, dtype_bytes=4))  # fmt: skip
+        n1 = handshake_count()
+        t = got["tokens"].shape[1]
+        gen = torch.Generator().manual_seed(dist.get_rank())
+        q = torch.randn(t, 4, 8, generator=gen, requires_grad=True)
+        k, v = (torch.randn(t, 2, 8, generator=gen, requires_grad=True) for _ in range(2))
+        hsap_attn_func(q, k, v, got["plan"]).sum().backward()
+        n2 = handshake_count()
+    finally:
+        destroy_hsap()
+    return {"in_batch_function": n1 - n0, "in_attention": n2 - n1}
+
+
 # --------------------------------------------------------------------------- the watchdog
 
 
@@ -204,6 +231,12 @@ def test_handshake_runs_once_per_plan_before_its_first_round(gloo_pool):
         assert posted[0] == control[0] and posted.count(control[0]) == 1, posted  # first, and only once
         assert not any(i in control for i in posted[1:])
         assert got["rounds"] > 0 and len(posted) - 1 == got["rounds"]  # then exactly the plan's rounds
+
+
+def test_batch_sharding_runs_the_handshake_so_the_attention_waits_on_none(gloo_pool):
+    results = gloo_pool(4).run(case_batch_function_agrees, [0, 9, 30, 41], timeout=120)
+    # one exchange per group (inter, then intra) in the batch function; none left for the layer
+    assert results == [{"in_batch_function": 2, "in_attention": 0}] * 4, results
 
 
 # --------------------------------------------------------------------------- batch sharding
