@@ -1,8 +1,12 @@
-"""argparse ``type=`` callables shared by every command (``plan``, ``bench``, ``memory``,
-``simulate``, ``plan-quality``, ``train-tiny``): a bad value is an argparse error — one line naming
-the flag, exit status 2 — before anything runs, never a traceback or an absurd table.
+"""The command-line vocabulary shared by every ``megatron-hsap`` command (``plan``, ``plan-quality``,
+``bench``, ``simulate``, ``tune``, ``report``, ``train-tiny``, ``memory``, ``pretrain-cpu``,
+``launch``): argparse ``type=`` callables — a bad value is an argparse error, one line naming the
+flag, exit status 2, before anything runs, never a traceback or an absurd table —, the help
+formatter that shows every default, the topology flags ``--intra-size`` / ``--inter-size`` with
+their deprecated aliases, and the one-line statement of the link the planner prices.
 
-Pure standard library, so any layer may import it.
+Standard library only (``link_line`` imports the planner's pure-Python hardware table when called),
+so any layer above ``plan`` may import it.
 """
 
 from __future__ import annotations
@@ -10,9 +14,11 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import sys
 from pathlib import Path
 
-__all__ = ["positive_int", "nonnegative_int", "positive_float", "nonnegative_float", "port", "writable_file"]
+__all__ = ["positive_int", "nonnegative_int", "positive_float", "nonnegative_float", "port", "writable_file",
+           "output_dir", "HelpFormatter", "DeprecatedAlias", "add_renamed", "add_topology_args", "link_line"]
 
 
 def _number(text: str, kind: type) -> float:
@@ -77,3 +83,91 @@ def writable_file(text: str) -> Path:
     if not os.access(probe, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
         raise argparse.ArgumentTypeError(f"cannot write {text!r}: {probe} is not writable")
     return path
+
+
+def output_dir(text: str) -> Path:
+    """An output folder (``--out DIR``): created when missing; an existing file is refused."""
+    path = Path(text)
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a file; --out takes a folder (files are written inside it)")
+    probe = path
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not os.access(probe, os.W_OK):
+        raise argparse.ArgumentTypeError(f"cannot write into {text!r}: {probe} is not writable")
+    return path
+
+
+# --------------------------------------------------------------------------- the shared vocabulary
+#
+# One spelling per concept in every ``megatron-hsap`` command: ``--intra-size`` / ``--inter-size``
+# for the topology (as ``train-tiny`` and ``pretrain-cpu``; Megatron's own flag is
+# ``--hierarchical-context-parallel-sizes P_intra P_inter``), ``--out DIR`` for an output folder,
+# every default in ``--help``. Old spellings stay accepted as hidden aliases that print one note.
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """``--help`` with every option's default: ``(default: X)`` appended unless the help already
+    states it; on/off flags (``store_true``) are off by default and say nothing. Descriptions and
+    epilogs keep their line breaks (command examples)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if (action.default is argparse.SUPPRESS or action.nargs == 0 or not action.option_strings
+                or "default" in text.lower()):
+            return text
+        return f"{text} (default: %(default)s)" if text else "(default: %(default)s)"
+
+
+class DeprecatedAlias(argparse.Action):
+    """A hidden old spelling: stores like the new flag, prints one deprecation line on stderr."""
+
+    def __init__(self, option_strings: list[str], dest: str, *, new: str, **kwargs: object) -> None:
+        self.new = new
+        super().__init__(option_strings, dest, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
+                 option_string: str | None = None) -> None:
+        print(f"{parser.prog}: note: {option_string} is deprecated, use {self.new}", file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
+def add_renamed(parser: argparse.ArgumentParser | argparse._ArgumentGroup, new: str, *old: str,
+                **kwargs: object) -> argparse.Action:
+    """``parser.add_argument(new, **kwargs)`` plus hidden deprecated aliases ``old`` (same dest,
+    type, nargs and choices) that print ``note: --old is deprecated, use --new``."""
+    action = parser.add_argument(new, **kwargs)  # type: ignore[arg-type]
+    for name in old:
+        parser.add_argument(name, dest=action.dest, action=DeprecatedAlias, new=new, type=action.type,
+                            nargs=action.nargs, choices=action.choices, default=argparse.SUPPRESS,
+                            metavar=action.metavar, help=argparse.SUPPRESS)
+    return action
+
+
+def add_topology_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup, *, intra: object = 1,
+                      inter: object = 8, nargs: str | None = None, old: bool = True) -> None:
+    """``--intra-size`` (P_intra: the all-to-all group inside a node) and ``--inter-size``
+    (P_inter: the SAP point-to-point group); ``old`` keeps ``--intra`` / ``--inter`` as
+    deprecated aliases. ``nargs="+"`` for commands that sweep sizes."""
+    many = "values" if nargs else "size"
+    add_renamed(parser, "--intra-size", *(["--intra"] if old else []), type=positive_int, default=intra,
+                nargs=nargs, metavar="P_INTRA",
+                help=f"P_intra {many}: the Ulysses all-to-all group inside one node")
+    add_renamed(parser, "--inter-size", *(["--inter"] if old else []), type=positive_int, default=inter,
+                nargs=nargs, metavar="P_INTER",
+                help=f"P_inter {many}: the SAP point-to-point group")
+
+
+def link_line(*, intra: int, inter: int, tp: int = 1, gpus_per_node: int = 8, forced: str | None = None) -> str:
+    """One line naming the link class the planner prices and why (docs/design.md §4's rule,
+    ``plan.hardware.link_class_for``: NVLink when the whole CP group TP × P_intra × P_inter fits in
+    one node, InfiniBand otherwise); ``forced``: a ``--link`` given on the command line."""
+    from megatron_hsap.plan.hardware import LinkClass, link_class_for
+
+    world = tp * intra * inter
+    if forced:
+        return f"link {LinkClass(forced).value} (forced by --link; the rule would give {link_class_for(world, gpus_per_node).value})"
+    link = link_class_for(world, gpus_per_node)
+    where = "fits in" if link is LinkClass.NVLINK else "spans more than"
+    return (f"link {link.value}: the CP group TP {tp} × P_intra {intra} × P_inter {inter} = {world} GPUs "
+            f"{where} one {gpus_per_node}-GPU node (docs/design.md §4)")

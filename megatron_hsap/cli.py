@@ -56,6 +56,10 @@ COMMANDS: dict[str, Command] = {
         target="megatron_hsap.megatron.cpu.command:main",
         summary="run Megatron's own pretrain() loop with HSAP on CPU gloo ranks (no GPU needed)",
     ),
+    "launch": Command(
+        target="megatron_hsap.launch.__main__:main",
+        summary="cluster launch from a YAML config: validate, topology, resolve (dry run), exec torchrun",
+    ),
     "memory": Command(
         target="megatron_hsap.bench.memory_report:main",
         summary="activation and buffer-pool memory per rank for a plan",

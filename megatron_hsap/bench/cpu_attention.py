@@ -1,4 +1,4 @@
-"""CPU attention benchmark: ``python -m megatron_hsap.bench.cpu_attention [--quick]``.
+"""CPU attention benchmark: ``megatron-hsap bench [--quick] [--out DIR]``.
 
 One process tree per world size (4 and 8 gloo ranks on 127.0.0.1, one thread each) runs forward +
 backward attention of packed fineweb and sharegpt batches (``pack_batches``; H 8, d 64, fp32) with
@@ -20,7 +20,8 @@ Peak memory = the highest running total of torch CPU allocations during one extr
 profiler's allocator events (``profile_memory=True``: inputs allocated before the step are not
 counted, everything the method allocates is), plus buffers the method keeps between steps (HSAP's
 receive pool, at its full capacity). Results: a markdown table on stdout and CSV rows
-(``results/cpu_attention.csv``, docs/design.md §4 columns, one row per metric). On 2 shared cores compute
+(``<--out>/cpu_attention.csv``, default ``results/cpu_attention.csv``, or ``--csv FILE``;
+docs/design.md §4 columns, one row per metric). On 2 shared cores compute
 dominates wall time; bytes and memory are the meaningful comparisons, and the ratios are printed.
 """
 
@@ -39,35 +40,61 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from megatron_hsap.argtypes import nonnegative_int, positive_float, positive_int
+from megatron_hsap.argtypes import (HelpFormatter, link_line, nonnegative_int, output_dir, positive_float, positive_int,
+                                   writable_file)
 from megatron_hsap.runtime.rendezvous import init_local_process_group, new_local_store
 
 CSV_COLUMNS = ("source", "workload", "T", "P_intra", "P_inter", "link", "heads", "seed", "method", "metric", "value", "unit")
 
 
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m megatron_hsap.bench.cpu_attention", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--worlds", type=positive_int, nargs="+", default=[4, 8], help="gloo world sizes (CP sizes)")
-    ap.add_argument("--workloads", nargs="+", default=["fineweb", "sharegpt"])
+CSV_NAME = "cpu_attention.csv"  # the file written inside --out
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="megatron-hsap bench", formatter_class=HelpFormatter,
+        description=__doc__.split("\n\n")[0] + " Duration on 2 shared cores: --quick about a minute; the default "
+        "grid tens of minutes. Every rank is one gloo process on 127.0.0.1; the planner prices plans with "
+        "docs/design.md §4's link rule (printed), the wire is gloo over loopback.")
+    ap.add_argument("--worlds", type=positive_int, nargs="+", default=[4, 8],
+                    help="gloo world sizes = CP sizes P_intra × P_inter (each runs 1×P, P×1 and, in --sweep-worlds, "
+                    "every P_intra × P_inter in between)")
+    ap.add_argument("--workloads", nargs="+", default=["fineweb", "sharegpt"], help="length distributions")
     ap.add_argument("--tokens", type=positive_int, nargs="+", default=[16384, 65536], help="tokens per packed batch T")
-    ap.add_argument("--heads", type=positive_int, default=8)
-    ap.add_argument("--kv-heads", type=positive_int, default=None, help="default: --heads (MHA)")
-    ap.add_argument("--head-dim", type=positive_int, default=64)
+    ap.add_argument("--heads", type=positive_int, default=8, help="q heads")
+    ap.add_argument("--kv-heads", type=positive_int, default=None, help="kv heads (default: --heads, MHA)")
+    ap.add_argument("--head-dim", type=positive_int, default=64, help="head dimension")
     ap.add_argument("--repeats", type=positive_int, default=5, help="timed steps per method (median reported)")
-    ap.add_argument("--warmup", type=nonnegative_int, default=1)
+    ap.add_argument("--warmup", type=nonnegative_int, default=1, help="untimed steps before them")
     ap.add_argument("--seed", type=nonnegative_int, default=0, help="batch seed of pack_batches")
     ap.add_argument("--sweep-worlds", type=positive_int, nargs="*", default=[8], help="worlds that run the Table-4 sweep")
     ap.add_argument("--no-memory", action="store_true", help="skip the profiled step (peak memory)")
     ap.add_argument("--pool-chunks", type=positive_float, default=None,
-                    help="HSAP receive pool in inter chunks × heads × (d + dv) × bytes (planner default: 4)")
-    ap.add_argument("--out", default="results/cpu_attention.csv")
+                    help="HSAP receive pool in inter chunks × heads × (d + dv) × bytes (default: the planner's, 4)")
+    ap.add_argument("--out", type=output_dir, default=Path("results"), metavar="DIR",
+                    help=f"output folder; the CSV is written inside it as {CSV_NAME}")
+    ap.add_argument("--csv", type=writable_file, default=None, metavar="FILE",
+                    help="write the CSV to this file instead (default: DIR/" + CSV_NAME + ")")
     ap.add_argument("--quick", action="store_true", help="smoke run: world 4, fineweb 2K, 1 repeat, no warm-up")
+    return ap
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    ap = _parser()
     args = ap.parse_args(argv)
+    if args.out.suffix == ".csv" and not args.out.is_dir() and args.csv is None:
+        ap.error(f"--out {args.out} looks like a CSV file: --out takes a folder (the CSV is written inside as "
+                 f"{CSV_NAME}); use --csv FILE for a single file")
     if args.quick:
         args.worlds, args.workloads, args.tokens = [4], ["fineweb"], [2048]
         args.repeats, args.warmup, args.sweep_worlds = 1, 0, [4]
     args.kv_heads = args.kv_heads or args.heads
     return args
+
+
+def csv_path(args: argparse.Namespace) -> Path:
+    """Where the CSV goes: ``--csv FILE``, else ``--out DIR`` / cpu_attention.csv."""
+    return Path(args.csv) if args.csv is not None else Path(args.out) / CSV_NAME
 
 
 # --------------------------------------------------------------------------- rank side
@@ -346,6 +373,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     t0 = time.perf_counter()
     rows, failed = [], []
     for world in args.worlds:
+        # every topology of one world has the same CP group size, hence the same priced link
+        print(f"[bench] {world} ranks: plans priced with {link_line(intra=1, inter=world)}; "
+              "the measured wire is gloo on 127.0.0.1", flush=True)
         got, error = _run_world(world, args)
         rows += got
         if error is not None:
@@ -354,7 +384,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         row["summary"] = _summarise(row)
     print(_table(rows))
     print(_targets(rows))
-    out = Path(args.out)
+    out = csv_path(args)
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("w", newline="") as f:
         w = csv.writer(f)

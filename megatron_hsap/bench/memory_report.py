@@ -10,7 +10,8 @@ from collections.abc import Sequence
 from megatron_hsap.bench.memory import (DEFAULT_RESERVE_GIB, GIB, MemoryBreakdown, MemoryOptions, Method, PoolFn,
                                         best_max_seq_length, best_peak, config_layout, estimate, max_seq_length,
                                         plan_pool)
-from megatron_hsap.argtypes import nonnegative_float, positive_float, positive_int, writable_file
+from megatron_hsap.argtypes import (HelpFormatter, link_line, nonnegative_float, positive_float, positive_int,
+                                   writable_file)
 from megatron_hsap.errors import ConfigError
 from megatron_hsap.launch.config import LaunchConfig, load_config
 
@@ -95,15 +96,18 @@ def plot_peaks(cfg: LaunchConfig, caps: Sequence[float], seqs: Sequence[int], op
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="megatron-hsap memory", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--config", required=True)
+    ap = argparse.ArgumentParser(prog="megatron-hsap memory", description=__doc__.split("\n\n")[0] +
+                                 " The topology (TP, P_intra × P_inter) is the config's. Seconds.",
+                                 formatter_class=HelpFormatter)
+    ap.add_argument("--config", required=True, help="launch config YAML (configs/*.yaml)")
     ap.add_argument("--gpu-mem-gib", type=positive_float, nargs="+", help="GPU sizes (default: the config's)")
     ap.add_argument("--reserve-gib", type=nonnegative_float, default=DEFAULT_RESERVE_GIB,
                     help="CUDA context, NCCL buffers, fragmentation")
-    ap.add_argument("--seq-lengths", nargs="+", default=["32K", "64K", "128K", "256K", "512K", "1M", "2M"])
+    ap.add_argument("--seq-lengths", nargs="+", default=["32K", "64K", "128K", "256K", "512K", "1M", "2M"],
+                    help="sequence lengths of the comparison tables")
     ap.add_argument("--mean-doc-tokens", type=positive_int, help="TE ring document padding (default: one document)")
     ap.add_argument("--no-plan", action="store_true", help="pool from the formula, not compile_plan")
-    ap.add_argument("--plot", type=writable_file, help="write a PNG of peak memory vs sequence length")
+    ap.add_argument("--plot", type=writable_file, help="write a PNG of peak memory vs sequence length (default: none)")
     ns = ap.parse_args(argv)
     from megatron_hsap.launch.config import parse_tokens
 
@@ -123,6 +127,9 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"{cfg.model.num_parameters() / 1e9:.2f}B parameters)\n")
     print(f"## This config: {lay.method.title} {lay.label()}, seq {_tok(cfg.training.seq_length)}, "
           f"recompute {cfg.training.recompute.value}, sharding {cfg.parallel.sharding.value}\n")
+    par = cfg.parallel
+    print(link_line(intra=par.hsap_intra_size, inter=par.hsap_inter_size, tp=par.tensor,
+                    gpus_per_node=cfg.cluster.gpus_per_node) + "\n")
     print(breakdown_table(b, caps, opts.reserve_gib))
     if b.pool_source:
         print(f"\nHSAP pool: {b.pool_source}.")

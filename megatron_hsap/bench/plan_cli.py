@@ -2,8 +2,8 @@
 the verifier's verdict; optionally draw the paper's Figure 3 picture.
 
     megatron-hsap plan --sample                      # Figure-3-like batch: 8 ranks, 6 documents
-    megatron-hsap plan --cu-seqlens 0,3000,9000,16384 --inter 4 --rank 2 --phase bwd
-    megatron-hsap plan --workload fineweb --tokens 65536 --inter 8 --seed 3 --json
+    megatron-hsap plan --cu-seqlens 0,3000,9000,16384 --inter-size 4 --rank 2 --phase bwd
+    megatron-hsap plan --workload fineweb --tokens 65536 --intra-size 2 --inter-size 8 --seed 3 --json
     megatron-hsap plan --sample --plot figure3.png   # mask blocks coloured by computing rank
 """
 
@@ -17,7 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-from megatron_hsap.argtypes import nonnegative_int, positive_int, writable_file
+from megatron_hsap.argtypes import (HelpFormatter, add_topology_args, link_line, nonnegative_int, positive_int,
+                                   writable_file)
 from megatron_hsap.errors import HSAPError
 from megatron_hsap.plan import compile_plan
 from megatron_hsap.plan.ir import Phase
@@ -119,33 +120,53 @@ def _stats_lines(s: dict) -> list[str]:
     return [f"  {k:<24} {fmt.format(s[k])}" for k, fmt in keys if k in s]
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="megatron-hsap plan", description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
+                                 formatter_class=HelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
     src = ap.add_mutually_exclusive_group()
-    src.add_argument("--sample", action="store_true", help="the Figure-3-like batch (default when no batch is given)")
+    src.add_argument("--sample", action="store_true", help="the Figure-3-like batch (the default when no batch is given)")
     src.add_argument("--cu-seqlens", type=_parse_cu, help="global cu_seqlens, comma-separated: 0,l0,l0+l1,...,T")
     src.add_argument("--workload", choices=("fineweb", "slimpajama", "ultrachat", "sharegpt", "full"),
                      help="pack a seeded batch of --tokens tokens from this workload")
-    ap.add_argument("--tokens", type=positive_int, default=65536, help="T for --workload (default 65536)")
+    ap.add_argument("--tokens", type=positive_int, default=65536, help="T for --workload")
     ap.add_argument("--seed", type=nonnegative_int, default=0, help="seed for --workload")
-    ap.add_argument("--inter", type=positive_int, default=8, help="P_inter (default 8)")
-    ap.add_argument("--intra", type=positive_int, default=1, help="P_intra (default 1)")
-    ap.add_argument("--heads", type=positive_int, default=32, help="q heads per TP rank (default 32)")
-    ap.add_argument("--kv-heads", type=positive_int, default=None, help="kv heads (default: --heads; fewer = GQA)")
-    ap.add_argument("--head-dim", type=positive_int, default=128)
-    ap.add_argument("--head-dim-v", type=positive_int, default=None)
-    ap.add_argument("--dtype-bytes", type=positive_int, default=2)
-    ap.add_argument("--link", choices=("nvlink", "ib"), default=None, help="default: from the CP size (docs/design.md §4)")
-    ap.add_argument("--pool-bytes", type=positive_int, default=None)
+    add_topology_args(ap, intra=1, inter=8)
+    ap.add_argument("--tp", type=positive_int, default=1,
+                    help="tensor-parallel size: only enters the link rule (the CP group is TP × P_intra × P_inter GPUs)")
+    ap.add_argument("--gpus-per-node", type=positive_int, default=8, help="GPUs per node, for the link rule")
+    ap.add_argument("--heads", type=positive_int, default=32, help="q heads per TP rank")
+    ap.add_argument("--kv-heads", type=positive_int, default=None, help="kv heads per TP rank (default: --heads; fewer = GQA)")
+    ap.add_argument("--head-dim", type=positive_int, default=128, help="q/k head dimension")
+    ap.add_argument("--head-dim-v", type=positive_int, default=None, help="v head dimension (default: --head-dim)")
+    ap.add_argument("--dtype-bytes", type=positive_int, default=2, help="bytes per element (2: bf16)")
+    ap.add_argument("--link", choices=("nvlink", "ib"), default=None,
+                    help="force the link class (default: NVLink when the CP group fits one node, docs/design.md §4)")
+    ap.add_argument("--pool-bytes", type=positive_int, default=None,
+                    help="receive-pool capacity (default: the planner's, 4 inter chunks)")
     ap.add_argument("--layout", choices=("contiguous", "balanced"), default=None,
                     help="token layout (default: compile_plan's, balanced; the --sample batch: contiguous, as in Figure 3)")
     ap.add_argument("--rank", type=nonnegative_int, default=None, help="inter rank whose program to print (default: the busiest)")
-    ap.add_argument("--phase", choices=("fwd", "bwd"), default="fwd")
+    ap.add_argument("--phase", choices=("fwd", "bwd"), default="fwd", help="which program to print")
     ap.add_argument("--max-lines", type=nonnegative_int, default=120, help="truncate the printed program (0: all)")
     ap.add_argument("--json", action="store_true", help="print one JSON object (stats, program, verification)")
-    ap.add_argument("--plot", type=writable_file, default=None, help="write the Figure-3 picture to this PNG")
-    ap.add_argument("--no-verify", action="store_true")
+    ap.add_argument("--plot", type=writable_file, default=None, help="write the Figure-3 picture to this PNG (default: none)")
+    ap.add_argument("--no-verify", action="store_true", help="skip the verifier")
+    return ap
+
+
+def layout_line(plan) -> str:  # noqa: ANN001
+    """Which token layout the plan kept, and why (``balanced`` falls back to ``contiguous`` where
+    the paper's layout is estimated faster, docs/design.md §2.1)."""
+    asked, kept = plan.options.layout, plan.layout.name
+    if asked == kept:
+        why = "as requested" if asked == "contiguous" or not plan.options.layout_fallback else \
+            "estimated faster than the contiguous one"
+        return f"layout {kept} ({why})"
+    return f"layout {kept} (requested {asked}; the contiguous plan was estimated at least as fast, so it was kept)"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = _parser()
     args = ap.parse_args(argv)
 
     if args.cu_seqlens is not None:
@@ -156,9 +177,9 @@ def main(argv: list[str] | None = None) -> int:
         cu = pack_batches(args.workload, args.tokens, 1, args.seed)[0].tolist()
     else:
         cu = sample_cu_seqlens()
-        if args.inter != 8:
+        if args.inter_size != 8:
             print("note: the sample batch is laid out for 8 inter ranks", file=sys.stderr)
-    options = {}
+    options: dict[str, object] = {"tp_size": args.tp, "gpus_per_node": args.gpus_per_node}
     if args.link:
         options["link"] = args.link
     if args.pool_bytes:
@@ -168,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         options["layout"] = layout
     try:
         t0 = time.perf_counter()
-        plan = compile_plan(cu, args.inter, args.intra, num_heads=args.heads, num_kv_heads=args.kv_heads,
+        plan = compile_plan(cu, args.inter_size, args.intra_size, num_heads=args.heads, num_kv_heads=args.kv_heads,
                             head_dim=args.head_dim, head_dim_v=args.head_dim_v, dtype_bytes=args.dtype_bytes, **options)
         compile_s = time.perf_counter() - t0
         stats = plan.stats()
@@ -192,8 +213,12 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:
         print(f"megatron-hsap plan: cannot write --plot {args.plot}: {exc.strerror or exc}", file=sys.stderr)
         return 1
+    links = link_line(intra=plan.intra_size, inter=plan.inter_size, tp=args.tp, gpus_per_node=args.gpus_per_node,
+                      forced=args.link)
     if args.json:
         out = {"cu_seqlens": list(cu), "compile_s": compile_s, "rank": rank, "phase": args.phase,
+               "link": plan.link.value, "link_reason": links, "layout": plan.layout.name,
+               "layout_requested": plan.options.layout,
                "stats": stats, "program": program, "verification": verdict,
                "plot": str(plot_path) if plot_path else None}
         print(json.dumps(out, indent=2, default=lambda o: o.tolist() if hasattr(o, "tolist") else str(o)))
@@ -201,7 +226,9 @@ def main(argv: list[str] | None = None) -> int:
     n_docs = plan.batch.num_docs
     print(f"batch: T={plan.num_tokens} (padded {plan.padded_tokens}), {n_docs} documents, "
           f"topology {plan.intra_size}x{plan.inter_size} (intra×inter), chunk {plan.chunk_tokens} tokens, "
-          f"heads {plan.shape.num_heads}/{plan.shape.num_kv_heads} per rank, link {plan.link.value}")
+          f"heads {plan.shape.num_heads}/{plan.shape.num_kv_heads} per rank")
+    print(links)
+    print(layout_line(plan))
     print(f"compiled in {compile_s * 1e3:.1f} ms\n")
     print(program)
     print("\nplan:")

@@ -1,4 +1,4 @@
-"""Plan quality over the docs/design.md §4 measurement set: ``python -m megatron_hsap.bench.plan_quality``.
+"""Plan quality over the docs/design.md §4 measurement set: ``megatron-hsap plan-quality``.
 
 For every workload (``workloads.md``'s four plus ``full``: one document filling the batch), batch
 size ``T``, ``P_inter`` and head shape (MHA 32/32, GQA 32/8; bf16, d 128, ``P_intra`` 1), it
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from megatron_hsap.argtypes import positive_int
+from megatron_hsap.argtypes import HelpFormatter, add_renamed, output_dir, positive_int
 from megatron_hsap.plan import clear_plan_cache, compile_plan
 from megatron_hsap.plan.plan import kept_layout
 from megatron_hsap.baselines.flat import BASELINES, price_baseline, unavailable_reason
@@ -349,28 +349,30 @@ def _progress_bar():  # noqa: ANN202
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        prog="megatron-hsap plan-quality",
+        prog="megatron-hsap plan-quality", formatter_class=HelpFormatter,
         description=__doc__.split("\n\n")[0] + " Duration on the shared CPUs: --quick about a minute; the full grid "
         "2.5–6 minutes with 4 workers (longer with fewer). Progress goes to stderr (a bar at a terminal, a line per "
         "point otherwise).")
     ap.add_argument("--quick", action="store_true", help="small grid (fineweb + full, T ≤ 64K, P 4 and 16, 2 seeds)")
-    ap.add_argument("--seeds", type=positive_int, default=10, help="seeded batches per point (default 10)")
-    ap.add_argument("--seeds-1m64", type=positive_int, default=5, help="seeds at T = 1M, P_inter = 64 (default 5)")
-    ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
+    ap.add_argument("--seeds", type=positive_int, default=10, help="seeded batches per point")
+    ap.add_argument("--seeds-1m64", type=positive_int, default=5, help="seeds at T = 1M, P_inter = 64")
+    ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS, help="length distributions")
     ap.add_argument("--tokens", nargs="+", type=positive_int, default=list(TOKENS), help="batch sizes T")
-    ap.add_argument("--inter", nargs="+", type=positive_int, default=list(INTER), help="P_inter values")
-    ap.add_argument("--heads", nargs="+", default=list(HEADS), choices=list(HEADS))
-    ap.add_argument("--hardware", default="a100", choices=sorted(HARDWARE))
+    add_renamed(ap, "--inter-size", "--inter", nargs="+", type=positive_int, default=list(INTER), metavar="P_INTER",
+                help="P_inter values (P_intra is 1 here: the plan of one inter group)")
+    ap.add_argument("--heads", nargs="+", default=list(HEADS), choices=list(HEADS), help="head shapes (mha 32/32, gqa 32/8)")
+    ap.add_argument("--hardware", default="a100", choices=sorted(HARDWARE), help="hardware constants the plans are priced with")
     ap.add_argument("--links", nargs="+", default=["auto"], choices=["auto", "nvlink", "ib"],
-                    help="link classes: auto (NVLink for P ≤ 8, else InfiniBand), or forced nvlink (P ≤ 8) / ib")
+                    help="link classes: auto (docs/design.md §4: NVLink when the CP group of P GPUs fits one 8-GPU node, else InfiniBand), or forced nvlink (P ≤ 8) / ib")
     ap.add_argument("--layouts", nargs="+", default=["contiguous", "balanced"], choices=["contiguous", "balanced"],
                     help="token layouts to measure (balanced adds the side-by-side layout table)")
     ap.add_argument("--jobs", type=positive_int, default=min(4, os.cpu_count() or 1), help="worker processes")
-    ap.add_argument("--out", type=Path, default=Path("results"), help="output folder")
-    ap.add_argument("--no-plots", action="store_true")
-    ap.add_argument("--no-compile-times", action="store_true")
+    ap.add_argument("--out", type=output_dir, default=Path("results"), metavar="DIR",
+                    help="output folder (plan_quality.csv, plan_quality.md, PNG plots)")
+    ap.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    ap.add_argument("--no-compile-times", action="store_true", help="skip the compile-time table")
     args = ap.parse_args(argv)
-    pts = grid(args.quick, args.seeds, args.seeds_1m64, args.workloads, args.tokens, args.inter, args.heads, args.links)
+    pts = grid(args.quick, args.seeds, args.seeds_1m64, args.workloads, args.tokens, args.inter_size, args.heads, args.links)
     # the slowest points first, so workers stay busy to the end
     pts.sort(key=lambda p: -(p.T * max(p.P, 8) * len(p.seeds) * (200 if p.workload == "full" else 1)))
     rows: list[tuple] = []

@@ -1,4 +1,4 @@
-"""``python -m megatron_hsap.launch <command>``: what the sbatch scripts call.
+"""``megatron-hsap launch <command>`` (= ``python -m megatron_hsap.launch``): what the sbatch scripts call.
 
 Commands:
   validate CONFIG...            check configs, print one summary line each
@@ -18,7 +18,8 @@ or the allocation print ``error: ...`` and exit with status 2, before anything i
 
 torchrun is the one of this interpreter's environment (``launch/torchrun.py``: ``--torchrun`` /
 ``$HSAP_TORCHRUN``, else ``torchrun`` next to this Python, else ``python -m torch.distributed.run``);
-resolve prints which. Every command prints the config's untested features (``launch/preflight.py``)
+resolve prints which, and the link the planner prices (docs/design.md §4: NVLink when the CP group
+TP × P_intra × P_inter fits one node, else InfiniBand). Every command prints the config's untested features (``launch/preflight.py``)
 and refuses a config whose ``untested:`` list does not name exactly those. A launch (exec,
 ``resolve --for-launch``) refuses placeholder data paths (``"<fill in: ...>"``) and, on the node,
 dataset and tokenizer files that do not exist; a dry run only warns.
@@ -33,10 +34,10 @@ import shlex
 import sys
 from collections.abc import Sequence
 
-from megatron_hsap.argtypes import port
+from megatron_hsap.argtypes import HelpFormatter, link_line, nonnegative_int, port, positive_int
 from megatron_hsap.errors import ConfigError
 from megatron_hsap.launch.arguments import launch_env, to_megatron_args, torchrun_argv
-from megatron_hsap.launch.config import LaunchConfig, load_config
+from megatron_hsap.launch.config import CPImpl, LaunchConfig, load_config
 from megatron_hsap.launch.preflight import check_untested, data_problems, placeholder_keys, untested_notice
 from megatron_hsap.launch.topology import (
     expand_nodelist,
@@ -55,38 +56,50 @@ def _nodes(value: str | None) -> list[str]:
     return [h for part in value.replace("\n", " ").split() for h in expand_nodelist(part)]
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m megatron_hsap.launch", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+def _parser(prog: str = "megatron-hsap launch") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=HelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    v = sub.add_parser("validate", help="check configs")
-    v.add_argument("configs", nargs="+")
-    h = sub.add_parser("hostnames", help="expand a SLURM node list")
-    h.add_argument("nodelist")
+    v = sub.add_parser("validate", help="check configs", formatter_class=HelpFormatter)
+    v.add_argument("configs", nargs="+", help="launch config YAML files")
+    h = sub.add_parser("hostnames", help="expand a SLURM node list", formatter_class=HelpFormatter)
+    h.add_argument("nodelist", help="e.g. node[01-04]")
     for name, text in (("topology", "check and print the rank map"), ("resolve", "print torchrun lines"),
                        ("exec", "exec torchrun for this node")):
-        p = sub.add_parser(name, help=text)
-        p.add_argument("config")
-        p.add_argument("--nodes", required=name == "topology", help="SLURM node list or host,host,...")
-        p.add_argument("--gpus-on-node", type=int, help="GPUs SLURM gave each node ($SLURM_GPUS_ON_NODE)")
+        p = sub.add_parser(name, help=text, description=text, formatter_class=HelpFormatter)
+        p.add_argument("config", help="launch config YAML")
+        p.add_argument("--nodes", required=name == "topology",
+                       help="SLURM node list or host,host,..." + ("" if name == "topology" else " (default: none, no map check)"))
+        p.add_argument("--gpus-on-node", type=positive_int,
+                       help="GPUs SLURM gave each node ($SLURM_GPUS_ON_NODE; default: not checked)")
         if name == "topology":
             p.add_argument("--full", action="store_true", help="one row per rank even for large jobs")
             continue
-        p.add_argument("--nnodes", type=int, help="nodes in the job (default: --nodes count, else the config's)")
-        p.add_argument("--node-rank", type=int)
+        p.add_argument("--nnodes", type=positive_int, help="nodes in the job (default: --nodes count, else the config's)")
+        p.add_argument("--node-rank", type=nonnegative_int,
+                       help="this node's rank (default: 0 for resolve; exec: $SLURM_NODEID)")
         p.add_argument("--master-addr", help="rendezvous host (default: the first of --nodes)")
-        p.add_argument("--master-port", type=port, default=DEFAULT_PORT)
+        p.add_argument("--master-port", type=port, default=DEFAULT_PORT, help="rendezvous port")
         p.add_argument("--entry", help="training script (default: the config's entry)")
-        p.add_argument("--repo", help="directory a relative entry is resolved against")
+        p.add_argument("--repo", help="directory a relative entry is resolved against (default: the working directory)")
         p.add_argument("--torchrun", default=None,
                        help="torchrun command (default: torchrun next to this Python, else "
                        "'python -m torch.distributed.run'; the sbatch scripts pass $HSAP_TORCHRUN)")
         if name == "resolve":
             p.add_argument("--all-nodes", action="store_true", help="a '# host' comment + line per node")
-            p.add_argument("--format", choices=("torchrun", "args", "json"), default="torchrun")
+            p.add_argument("--format", choices=("torchrun", "args", "json"), default="torchrun",
+                           help="torchrun lines, or only the Megatron arguments (shell words or JSON)")
             p.add_argument("--for-launch", action="store_true",
                            help="refuse what exec refuses: placeholder or missing data, no torchrun")
     return parser
+
+
+def _link(cfg: LaunchConfig) -> str:
+    """The link the planner prices this config with (the one rule, ``argtypes.link_line``)."""
+    p = cfg.parallel
+    if p.cp_impl is not CPImpl.HSAP:
+        return f"{p.cp_impl.value} context parallelism (no HSAP plans)"
+    return link_line(intra=p.hsap_intra_size, inter=p.hsap_inter_size, tp=p.tensor,
+                     gpus_per_node=cfg.cluster.gpus_per_node)
 
 
 def _check_allocation(cfg: LaunchConfig, nodes: list[str], gpus_on_node: int | None, nnodes: int | None,
@@ -146,6 +159,7 @@ def _run(ns: argparse.Namespace, extra: list[str]) -> int:
             check_untested(cfg)
             print(cfg.summary())
             print(f"  {untested_notice(cfg)}")
+            print(f"  {_link(cfg)}")
             keys = placeholder_keys(cfg)
             if keys:
                 print(f"  to fill in before a launch (placeholders): {', '.join(keys)}")
@@ -173,6 +187,7 @@ def _run(ns: argparse.Namespace, extra: list[str]) -> int:
         argv = _argv(cfg, ns, nodes, int(rank), extra, torchrun)
         print(f"[megatron-hsap launch] node rank {rank}: {untested_notice(cfg)}", file=sys.stderr)
         print(f"[megatron-hsap launch] node rank {rank}: torchrun {torchrun.describe()}", file=sys.stderr)
+        print(f"[megatron-hsap launch] node rank {rank}: {_link(cfg)}", file=sys.stderr)
         sys.stdout.flush()
         sys.stderr.flush()
         os.execvpe(argv[0], argv, dict(os.environ, **env))
@@ -182,6 +197,7 @@ def _run(ns: argparse.Namespace, extra: list[str]) -> int:
         return 0
     print(f"# {untested_notice(cfg)}")
     print(f"# torchrun: {torchrun.describe()}")
+    print(f"# {_link(cfg)}")
     for key, value in env.items():
         print(f"export {key}={shlex.quote(value)}")
     ranks = range(ns.nnodes or len(nodes) or cfg.cluster.nnodes) if ns.all_nodes else [ns.node_rank or 0]
@@ -192,13 +208,13 @@ def _run(ns: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, *, prog: str = "megatron-hsap launch") -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     extra: list[str] = []
     if "--" in argv:
         cut = argv.index("--")
         argv, extra = argv[:cut], argv[cut + 1:]
-    ns = _parser().parse_args(argv)
+    ns = _parser(prog).parse_args(argv)
     try:
         return _run(ns, extra)
     except ConfigError as exc:
@@ -207,4 +223,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(prog="python -m megatron_hsap.launch"))

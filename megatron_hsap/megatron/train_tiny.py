@@ -331,42 +331,69 @@ def _stop(procs: list[Any]) -> None:
         p.join(timeout=10)
 
 
-def _parse(argv: list[str] | None) -> tuple[TinyRun, bool]:
-    from megatron_hsap.argtypes import positive_int  # sizes are argparse errors, not a rank's traceback
+def _impl(text: str) -> str:
+    """argparse type of ``--context-parallel-impl``: only ``hsap`` runs here; ``ring`` is refused
+    with the command that runs Megatron's own attention on CPU."""
+    if text == "hsap":
+        return text
+    if text == "ring":
+        raise argparse.ArgumentTypeError(
+            "'ring' does not run in train-tiny (its CP=1 comparison at the end is the reference); for "
+            "Megatron's own local attention on CPU run: megatron-hsap pretrain-cpu --reference")
+    raise argparse.ArgumentTypeError(f"{text!r}: train-tiny runs hsap only")
 
-    p = argparse.ArgumentParser(prog="megatron-hsap train-tiny", description=__doc__.split("\n\n")[0])
+
+def _parser() -> argparse.ArgumentParser:
+    from megatron_hsap.argtypes import HelpFormatter, add_topology_args, nonnegative_int, positive_float, positive_int
+
+    p = argparse.ArgumentParser(prog="megatron-hsap train-tiny", description=__doc__.split("\n\n")[0] +
+                                " About a minute for 4 ranks and 20 steps, plus the CP=1 comparison.",
+                                formatter_class=HelpFormatter)
     p.add_argument("--world-size", type=positive_int, default=4, help="gloo ranks = DP × P_intra × P_inter")
-    p.add_argument("--context-parallel-impl", choices=("hsap", "ring"), default="hsap")
-    p.add_argument("--intra-size", type=positive_int, default=2, help="P_intra (all-to-all group)")
-    p.add_argument("--inter-size", type=positive_int, default=2, help="P_inter (SAP P2P group)")
-    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--context-parallel-impl", type=_impl, default="hsap", metavar="{hsap}",
+                   help="the CP backend (ring: use megatron-hsap pretrain-cpu --reference)")
+    add_topology_args(p, intra=2, inter=2, old=False)
+    p.add_argument("--steps", type=positive_int, default=20, help="optimizer steps")
     p.add_argument("--seq-length", type=positive_int, default=512, help="tokens per sample")
     p.add_argument("--micro-batch-size", type=positive_int, default=2, help="samples packed into one micro-batch")
-    p.add_argument("--num-layers", type=positive_int, default=2)
-    p.add_argument("--hidden-size", type=positive_int, default=64)
-    p.add_argument("--num-attention-heads", type=positive_int, default=4)
+    p.add_argument("--num-layers", type=positive_int, default=2, help="transformer layers")
+    p.add_argument("--hidden-size", type=positive_int, default=64, help="model width")
+    p.add_argument("--num-attention-heads", type=positive_int, default=4, help="q heads")
     p.add_argument("--num-query-groups", type=positive_int, default=2, help="kv heads (GQA)")
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--lr", type=positive_float, default=3e-3, help="AdamW learning rate")
+    p.add_argument("--seed", type=nonnegative_int, default=1234, help="initial weights and data order")
     p.add_argument("--layout", choices=("contiguous", "balanced"), default="balanced",
                    help="HSAP token layout (balanced: document-aware, kept only where estimated faster)")
     p.add_argument("--no-plan-prefetch", action="store_true", help="compile each plan when its batch is taken")
-    p.add_argument("--data-dir", default=None, help="where the indexed dataset is written (default ~/.cache/megatron-hsap/data)")
+    p.add_argument("--data-dir", default=None, help="where the indexed dataset is written (default: ~/.cache/megatron-hsap/data)")
     p.add_argument("--no-compare", action="store_true", help="skip the CP=1 comparison run")
-    p.add_argument("--no-progress", action="store_true")
-    a = p.parse_args(argv)
-    from megatron_hsap.errors import ConfigError
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    return p
 
-    if a.context_parallel_impl == "ring":
-        raise ConfigError(
-            "--context-parallel-impl ring is Megatron/Transformer Engine's CP and needs CUDA; train-tiny "
-            "runs on CPU ranks: use --context-parallel-impl hsap (the CP=1 comparison runs at the end)"
-        )
-    cp = a.intra_size * a.inter_size
-    if a.intra_size < 1 or a.inter_size < 1 or a.world_size < 1 or a.world_size % cp:
-        raise ConfigError(f"--world-size {a.world_size} must be a positive multiple of --intra-size × --inter-size = {cp}")
-    if a.steps < 1:
-        raise ConfigError("--steps must be >= 1")
+
+def check_run(run: TinyRun) -> None:
+    """Refuse in the parent, before any rank is spawned, what a rank would fail on: the world
+    against the topology, the heads against P_intra (the one rule of ``plan.options``), the width
+    against the heads. Raises ``ConfigError`` naming the flag to change."""
+    from megatron_hsap.errors import ConfigError
+    from megatron_hsap.plan.options import kv_heads_per_rank
+
+    cp = run.intra_size * run.inter_size
+    if run.world_size % cp:
+        raise ConfigError(f"--world-size {run.world_size} must be a positive multiple of --intra-size × --inter-size "
+                          f"= {run.intra_size} × {run.inter_size} = {cp}")
+    if run.hidden_size % run.num_heads:
+        raise ConfigError(f"--hidden-size {run.hidden_size} must be a multiple of --num-attention-heads {run.num_heads}")
+    try:
+        kv_heads_per_rank(run.num_heads, run.num_kv_heads, run.intra_size)
+    except ConfigError as exc:
+        text = (str(exc).replace("num_heads=", "--num-attention-heads ").replace("num_kv_heads=", "--num-query-groups ")
+                .replace("intra_size=", "--intra-size "))
+        raise ConfigError(text) from None
+
+
+def _parse(argv: list[str] | None) -> tuple[TinyRun, bool]:
+    a = _parser().parse_args(argv)
     run = TinyRun(
         world_size=a.world_size, intra_size=a.intra_size, inter_size=a.inter_size, steps=a.steps,
         seq_length=a.seq_length, micro_batch_size=a.micro_batch_size, num_layers=a.num_layers,
@@ -374,6 +401,7 @@ def _parse(argv: list[str] | None) -> tuple[TinyRun, bool]:
         lr=a.lr, seed=a.seed, layout=a.layout, plan_prefetch=not a.no_plan_prefetch, data_dir=a.data_dir,
         progress=not a.no_progress,
     )
+    check_run(run)
     return run, not a.no_compare
 
 
@@ -399,6 +427,10 @@ def main(argv: list[str] | None = None) -> int:
         f"tokens per micro-batch, {run.steps} steps",
         flush=True,
     )
+    from megatron_hsap.argtypes import link_line
+
+    # the link the plans are priced with (plan_kwargs_from_config: TP 1, the default 8 GPUs per node)
+    print(f"train-tiny: plans priced with {link_line(intra=run.intra_size, inter=run.inter_size)}", flush=True)
     hsap = run_training(run)
     total_tokens = sum(r.real_tokens for r in hsap)
     total_time = sum(r.seconds for r in hsap)

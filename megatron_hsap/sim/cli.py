@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+from megatron_hsap.argtypes import DeprecatedAlias, HelpFormatter, add_topology_args, link_line, output_dir, positive_int
 from megatron_hsap.errors import HSAPError
 
 __all__ = ["main", "COMMANDS"]
@@ -19,6 +20,7 @@ COMMANDS = ("table2", "table3", "table4", "magi", "calibrate", "validate", "scal
 
 
 def _validate(out_dir: Path, **_: object) -> "object":
+    from megatron_hsap.plan.hardware import link_class_for
     from megatron_hsap.sim.results import Report, Row, markdown_table
     from megatron_hsap.sim.validate import (RFA_SOURCE, TOLERANCE, column_shape_checks, distflashattn_column,
                                             distflashattn_table3, ring_flash_attention_check)
@@ -33,13 +35,13 @@ def _validate(out_dir: Path, **_: object) -> "object":
             rows.append(Row("paper:ring-flash-attention", "ring-flash-attention-varlen", 65536, 1, 8, "nvlink", "32/8", "-", c.method, metric, pub, "%"))
     col = distflashattn_column()
     for p in col:
-        link = "nvlink" if p.sp <= 8 else "ib"
+        link = link_class_for(p.sp).value  # docs/design.md §4: the CP group (TP 1 × SP) in one 8-GPU node?
         rows.append(Row("sim", "any (document-blind)", p.T, 1, p.sp, link, "16/16", "-", "distflashattn", "time", p.simulated_ms, "ms"))
         rows.append(Row("paper:hsap-table2", "unknown", p.T, 1, p.sp, link, "16/16", "-", "distflashattn", "time", p.paper_ms, "ms"))
     shape = column_shape_checks(col)
     t3 = distflashattn_table3()
     for per_gpu, P, sim, pub in t3:
-        link = "nvlink" if P <= 8 else "ib"
+        link = link_class_for(P).value
         rows.append(Row("sim", "any (document-blind)", per_gpu * P, 1, P, link, "16/16", "-", "distflashattn", "time", sim, "ms"))
         rows.append(Row("paper:hsap-table3", "unknown", per_gpu * P, 1, P, link, "16/16", "-", "distflashattn", "time", pub, "ms"))
     ratios = [sim / pub for _, _, sim, pub in t3]
@@ -90,7 +92,7 @@ def _runner(name: str):  # noqa: ANN202
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="megatron-hsap simulate",
+        prog="megatron-hsap simulate", formatter_class=HelpFormatter,
         description="Simulate HSAP and the baselines (TE THD ring, TE a2a+p2p, all-gather KV, Ulysses, USP, "
         "DistFlashAttn) on modelled A100/H100 clusters: the paper's Tables 2-4, MagiAttention's protocol, "
         "validation against published numbers, a 1024-GPU scale run, contiguous vs balanced token layouts "
@@ -102,13 +104,20 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("what", choices=COMMANDS + ("all",), help="which reproduction to run")
     p.add_argument("--quick", action="store_true", help="reduced grid, one seed (seconds)")
     p.add_argument("--refit", action="store_true", help="calibrate: re-run the fit of the efficiencies on the 8-GPU points")
-    p.add_argument("--out", default="results", help="output directory (default: results/)")
-    p.add_argument("--seeds", type=int, default=None, help="seeded batches per point (default 3, layouts 2; docs/design.md §4 asks 10)")
-    p.add_argument("--workload", default=None, help="length distribution for tables 2/3, magi, scale, gantt (default slimpajama); "
-                   "layouts: only this one (default: fineweb, slimpajama, ultrachat, sharegpt, full)")
-    p.add_argument("--jobs", type=int, default=1, help="layouts: worker processes (default 1)")
-    p.add_argument("--topology", type=_topology, default="1x8", help="gantt: HSAP topology intra x inter (default 1x8)")
-    p.add_argument("--config", default=None, help="YAML overrides of the simulator constants (see sim/config.py)")
+    p.add_argument("--out", type=output_dir, default=Path("results"), metavar="DIR",
+                   help="output folder (<name>.csv, <name>.md, <name>.png)")
+    p.add_argument("--seeds", type=positive_int, default=None,
+                   help="seeded batches per point (default: 3, layouts 2; docs/design.md §4 asks 10)")
+    p.add_argument("--workload", default=None, help="length distribution for tables 2/3, magi, scale, gantt (default: slimpajama); "
+                   "layouts: only this one (default there: fineweb, slimpajama, ultrachat, sharegpt, full)")
+    p.add_argument("--jobs", type=positive_int, default=1, help="layouts: worker processes")
+    add_topology_args(p, intra=None, inter=None, old=False)
+    for action in p._actions:  # the topology only enters gantt
+        if action.dest in ("intra_size", "inter_size"):
+            action.help = f"gantt: HSAP {action.help} (default: {1 if action.dest == 'intra_size' else 8})"
+    p.add_argument("--topology", dest="topology", type=_topology, default=None, action=DeprecatedAlias,
+                   new="--intra-size I --inter-size J", help=argparse.SUPPRESS)
+    p.add_argument("--config", default=None, help="YAML overrides of the simulator constants (see sim/config.py; default: none)")
     return p
 
 
@@ -120,8 +129,23 @@ def _topology(text: str) -> str:
     return f"{int(parts[0])}x{int(parts[1])}"
 
 
+def _gantt_topology(ap: argparse.ArgumentParser, args: argparse.Namespace) -> str:
+    """``intra x inter`` of gantt from ``--intra-size``/``--inter-size`` (or the old ``--topology``);
+    refused on the commands that take no topology, so a flag is never silently ignored."""
+    given = args.intra_size is not None or args.inter_size is not None
+    if given and args.topology is not None:
+        ap.error("give either --intra-size/--inter-size or the deprecated --topology, not both")
+    if (given or args.topology is not None) and args.what != "gantt":
+        ap.error(f"--intra-size/--inter-size choose gantt's topology; {args.what} simulates its own grid of topologies")
+    if args.topology is not None:
+        return args.topology
+    return f"{args.intra_size or 1}x{args.inter_size or 8}"
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    ap = _parser()
+    args = ap.parse_args(argv)
+    args.topology = _gantt_topology(ap, args)
     try:
         if args.config:
             from megatron_hsap.sim.config import load_overrides
@@ -138,17 +162,15 @@ def main(argv: list[str] | None = None) -> int:
             if args.workload and name in ("table2", "table3", "magi", "scale", "layouts", "gantt"):
                 kwargs["workload"] = args.workload
             if name == "layouts":
-                if args.jobs < 1:
-                    raise HSAPError("--jobs must be >= 1")
                 kwargs["jobs"] = args.jobs
             if name == "gantt":
                 kwargs["topology"] = args.topology
+                intra, inter = (int(x) for x in args.topology.split("x"))
+                print(f"[gantt: HSAP {args.topology}; {link_line(intra=intra, inter=inter)}]", flush=True)
             if name == "calibrate":
                 kwargs["refit"] = args.refit
-            if args.seeds is not None and args.seeds < 1:
-                raise HSAPError("--seeds must be >= 1")
             t0 = time.perf_counter()
-            report = _runner(name)(Path(args.out), **kwargs)
+            report = _runner(name)(args.out, **kwargs)
             print(report.markdown)
             print(f"\n[{name}: {time.perf_counter() - t0:.1f} s; wrote {', '.join(str(f) for f in report.files)}]\n", flush=True)
     except HSAPError as exc:

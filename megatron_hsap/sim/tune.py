@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from megatron_hsap.argtypes import HelpFormatter, link_line, positive_int
 from megatron_hsap.errors import HSAPError
 from megatron_hsap.plan.costs import HeadShape
 
@@ -78,25 +79,24 @@ def tune_topology(method: str, batches: list[np.ndarray], *, hw: Any, P: int, sh
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="megatron-hsap tune",
+        prog="megatron-hsap tune", formatter_class=HelpFormatter,
         description="Choose one intra×inter topology for a whole run from a sample of the workload's batches "
-        "(simulated; seconds at 8 GPUs, about a minute at 64) and print the Megatron flag.")
+        "(simulated; seconds at 8 GPUs, about a minute at 64) and print the Megatron flag and the link the "
+        "planner prices it with.")
     p.add_argument("--workload", default="magiattention", help="length distribution (default: magiattention, "
                    "MagiAttention's histogram and chunking; or fineweb, slimpajama, ultrachat, sharegpt, full)")
-    p.add_argument("--gpus", type=int, default=64, help="CP size P (default 64)")
-    p.add_argument("--tokens-per-gpu", type=int, default=8192, help="T / P (default 8192)")
-    p.add_argument("--heads", default="64/8", help="q/kv heads per TP rank (default 64/8)")
+    p.add_argument("--gpus", type=positive_int, default=64, help="CP size P = P_intra × P_inter to split")
+    p.add_argument("--tokens-per-gpu", type=positive_int, default=8192, help="T / P")
+    p.add_argument("--heads", default="64/8", help="q/kv heads per TP rank")
     p.add_argument("--hardware", default="h100-fa3", help="simulator hardware (a100, h100, h100-fa3)")
-    p.add_argument("--method", default="hsap", help="hsap, te_a2a_p2p, usp or blind_ring (default hsap)")
+    p.add_argument("--method", default="hsap", help="hsap, te_a2a_p2p, usp or blind_ring")
     p.add_argument("--layout", default=None, help="HSAP layout (default: the shipped balanced one)")
-    p.add_argument("--samples", type=int, default=4, help="batches sampled (default 4)")
+    p.add_argument("--samples", type=positive_int, default=4, help="batches sampled")
     args = p.parse_args(argv)
     try:
         from megatron_hsap.sim.config import sim_hardware
         from megatron_hsap.sim.methods import full_shape
 
-        if args.gpus < 1 or args.samples < 1 or args.tokens_per_gpu < 1:
-            raise HSAPError("--gpus, --samples and --tokens-per-gpu must be >= 1")
         try:
             h, hkv = (int(x) for x in args.heads.split("/"))
         except ValueError:
@@ -110,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     for topo, s in t.mean_s.items():
         print(f"{topo:>6}: {s * 1e3:9.3f} ms fwd+bwd (mean of {args.samples})" + ("  <- chosen" if topo == t.topology else ""))
+    print(link_line(intra=t.intra, inter=t.inter, gpus_per_node=hw.gpus_per_node))
     print(t.flag)
     return 0
 

@@ -95,14 +95,15 @@ def test_baselines_match_reference(gloo_pool, method, topology):
 
 
 def test_quick_benchmark_runs_and_writes_csv(tmp_path):
-    out = tmp_path / "cpu_attention.csv"
+    out = tmp_path / "cpu_attention.csv"  # --out is a folder; the CSV has a fixed name inside it
     proc = subprocess.run(
-        [sys.executable, "-m", "megatron_hsap.bench.cpu_attention", "--quick", "--out", str(out)],
+        [sys.executable, "-m", "megatron_hsap.bench.cpu_attention", "--quick", "--out", str(tmp_path)],
         cwd=REPO, capture_output=True, text=True, timeout=600, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "| sap | 1x4 |" in proc.stdout and "| te_thd_ring | 1x4 |" in proc.stdout
     assert "SAP bytes / ring bytes" in proc.stdout
+    assert "[bench] 4 ranks: plans priced with link nvlink" in proc.stdout
     with out.open() as f:
         rows = list(csv.DictReader(f))
     assert list(rows[0]) == ["source", "workload", "T", "P_intra", "P_inter", "link", "heads", "seed", "method",

@@ -14,7 +14,7 @@ from megatron_hsap.plan import compile_plan
 
 
 def test_quick_run_writes_csv_table_and_plots(tmp_path: Path, capsys) -> None:
-    code = plan_quality.main(["--quick", "--workloads", "fineweb", "full", "--tokens", "16384", "--inter", "4",
+    code = plan_quality.main(["--quick", "--workloads", "fineweb", "full", "--tokens", "16384", "--inter-size", "4",
                               "--heads", "gqa", "--seeds", "2", "--jobs", "1", "--out", str(tmp_path),
                               "--no-compile-times"])
     assert code == 0
@@ -77,7 +77,7 @@ def test_plan_cli_sample(capsys) -> None:
 
 def test_plan_cli_json_and_plot(tmp_path: Path, capsys) -> None:
     png = tmp_path / "fig3.png"
-    assert plan_cli.main(["--cu-seqlens", "0,3000,9000,16384", "--inter", "4", "--kv-heads", "8", "--rank", "2",
+    assert plan_cli.main(["--cu-seqlens", "0,3000,9000,16384", "--inter-size", "4", "--kv-heads", "8", "--rank", "2",
                           "--phase", "bwd", "--json", "--plot", str(png)]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["rank"] == 2 and out["phase"] == "bwd" and out["verification"].startswith("verified")
@@ -86,7 +86,7 @@ def test_plan_cli_json_and_plot(tmp_path: Path, capsys) -> None:
 
 
 def test_plan_cli_bad_batch_names_the_problem(capsys) -> None:
-    assert plan_cli.main(["--cu-seqlens", "0,10,5", "--inter", "2"]) == 1
+    assert plan_cli.main(["--cu-seqlens", "0,10,5", "--inter-size", "2"]) == 1
     assert "non-decreasing" in capsys.readouterr().err
 
 

@@ -70,7 +70,7 @@ def _launch_main(argv):
     ("main", "argv", "says"),
     [
         (_plan_main, ["--cu-seqlens", ""], "argument --cu-seqlens: needs at least two entries"),
-        (_plan_main, ["--inter", "0"], "argument --inter: '0' must be an integer >= 1"),
+        (_plan_main, ["--inter-size", "0"], "argument --inter-size: '0' must be an integer >= 1"),
         (_plan_main, ["--dtype-bytes", "-1"], "argument --dtype-bytes: '-1' must be an integer >= 1"),
         (_bench_main, ["--worlds", "-2"], "argument --worlds: '-2' must be an integer >= 1"),
         (_bench_main, ["--worlds", "0"], "argument --worlds: '0' must be an integer >= 1"),
@@ -78,8 +78,8 @@ def _launch_main(argv):
         (_memory_main, ["--config", "x", "--reserve-gib", "-3"], "argument --reserve-gib: '-3' must be a number >= 0"),
         (_memory_main, ["--config", "x", "--mean-doc-tokens", "-1"], "argument --mean-doc-tokens: '-1' must be an integer >= 1"),
         (_memory_main, ["--config", "x", "--reserve-gib", "inf"], "argument --reserve-gib: 'inf' is not a finite number"),
-        (_simulate_main, ["gantt", "--topology", "0x8"], "argument --topology: '0x8' is not a topology intra x inter"),
-        (_quality_main, ["--inter", "0"], "argument --inter: '0' must be an integer >= 1"),
+        (_simulate_main, ["gantt", "--intra-size", "0"], "argument --intra-size: '0' must be an integer >= 1"),
+        (_quality_main, ["--inter-size", "0"], "argument --inter-size: '0' must be an integer >= 1"),
         (_tiny_main, ["--seq-length", "0"], "argument --seq-length: '0' must be an integer >= 1"),
         (_launch_main, ["resolve", "cfg.yaml", "--master-port", "99999"], "argument --master-port: '99999' is not a port"),
     ],
@@ -89,7 +89,7 @@ def test_commands_refuse_bad_values_with_one_line(capsys, main, argv, says):
 
 
 def test_plan_plot_to_an_unwritable_path_is_one_line(capsys):
-    assert _plan_main(["--cu-seqlens", "0,16", "--inter", "2", "--no-verify", "--plot", "/proc/x.png"]) == 1
+    assert _plan_main(["--cu-seqlens", "0,16", "--inter-size", "2", "--no-verify", "--plot", "/proc/x.png"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("megatron-hsap plan: cannot write --plot /proc/x.png"), err
 

@@ -8,7 +8,7 @@ flags: a small GPT (RoPE, GQA, SwiGLU, RMSNorm, fp32, CPU initialisation), Megat
 its own flags, gloo pinned to loopback, a file-store rendezvous. Every flag after ``--`` goes to
 Megatron unchanged (``--use-distributed-optimizer``, ``--save DIR``, ``--qk-layernorm``,
 ``--num-experts 2`` ...). The last rank's output — Megatron's own log lines, incl. its
-``validation loss`` lines — is printed; every rank's log is kept under ``--log-dir``.
+``validation loss`` lines — is printed; every rank's log is kept under ``--out``.
 ``--reference`` runs the same job at CP=1, TP=1 with Megatron's local attention and the
 dataloader's per-document causal mask (the loss to compare HSAP against).
 """
@@ -80,6 +80,21 @@ class CPURun:
             raise ConfigError(f"--world-size {self.world_size} is not a multiple of TP×PP×CP = {model}")
         if self.world_size > 8:
             raise ConfigError(f"--world-size {self.world_size}: at most 8 CPU ranks on one machine")
+        if not self.reference:
+            self._check_heads()
+
+    def _check_heads(self) -> None:
+        """The model's 4 heads / 2 kv groups split by TP, then by P_intra (``plan.options``' rule)."""
+        from megatron_hsap.plan.options import kv_heads_per_rank
+
+        heads, groups = 4, 2  # megatron_flags' model
+        if groups % self.tp:
+            raise ConfigError(f"--tp {self.tp}: the model's {heads} heads and {groups} kv groups split over TP 1 or 2")
+        try:
+            kv_heads_per_rank(heads // self.tp, groups // self.tp, self.intra_size)
+        except ConfigError as exc:
+            raise ConfigError(f"--intra-size {self.intra_size} with --tp {self.tp} ({heads // self.tp} heads, "
+                              f"{groups // self.tp} kv heads per TP rank): {exc}") from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,22 +229,22 @@ def _wait(procs: list[subprocess.Popen], timeout_s: float) -> list[int]:
 
 
 def build_parser(prog: str = "megatron-hsap pretrain-cpu") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    from megatron_hsap.argtypes import HelpFormatter, add_renamed, add_topology_args, nonnegative_int, output_dir, positive_int
+
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter,
                                 epilog="Flags after `--` go to Megatron unchanged. About 1 GB of memory and "
                                 "~10 s of imports per rank; a 4-rank 6-step run takes about a minute.")
-    p.add_argument("--world-size", type=int, default=4)
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
-    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
-    p.add_argument("--vp", type=int, default=None, help="layers per virtual pipeline stage")
-    p.add_argument("--intra-size", type=int, default=2, help="P_intra (Ulysses all-to-all group)")
-    p.add_argument("--inter-size", type=int, default=2, help="P_inter (SAP group)")
-    p.add_argument("--steps", type=int, default=6)
-    p.add_argument("--micro-batch-size", type=int, default=2)
-    p.add_argument("--seq-length", type=int, default=256)
-    p.add_argument("--num-layers", type=int, default=2)
-    p.add_argument("--eval-interval", type=int, default=3)
-    p.add_argument("--eval-iters", type=int, default=2)
+    p.add_argument("--world-size", type=positive_int, default=4, help="gloo ranks = TP × PP × CP × DP (at most 8)")
+    p.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel size")
+    p.add_argument("--pp", type=positive_int, default=1, help="pipeline-parallel size")
+    p.add_argument("--vp", type=positive_int, default=None, help="layers per virtual pipeline stage (default: none)")
+    add_topology_args(p, intra=2, inter=2, old=False)
+    p.add_argument("--steps", type=positive_int, default=6, help="training iterations")
+    p.add_argument("--micro-batch-size", type=positive_int, default=2, help="samples per micro-batch")
+    p.add_argument("--seq-length", type=positive_int, default=256, help="tokens per sample")
+    p.add_argument("--num-layers", type=positive_int, default=2, help="transformer layers")
+    p.add_argument("--eval-interval", type=positive_int, default=3, help="iterations between validation passes")
+    p.add_argument("--eval-iters", type=nonnegative_int, default=2, help="validation iterations per pass")
     p.add_argument("--no-packed", dest="packed", action="store_false",
                    help="every sample one document (no --dataloader-inter-document-masking); needed with "
                    "pipeline stages that read no data (PP > 2, or virtual pipelining)")
@@ -237,7 +252,8 @@ def build_parser(prog: str = "megatron-hsap pretrain-cpu") -> argparse.ArgumentP
                    help="CP=1, TP=1 with Megatron's local attention and the dataloader's document mask")
     p.add_argument("--compare", action="store_true",
                    help="also run --reference and print the largest per-step relative loss difference")
-    p.add_argument("--log-dir", default=None, help="where every rank's log goes (default: a temporary folder)")
+    add_renamed(p, "--out", "--log-dir", type=output_dir, default=None, metavar="DIR", dest="out",
+                help="output folder: every rank's log, the dataset index cache (default: a temporary folder)")
     return p
 
 
@@ -251,12 +267,19 @@ def main(argv: list[str] | None = None) -> int:
     opts = CPURun(world_size=ns.world_size, tp=ns.tp, pp=ns.pp, vp=ns.vp, intra_size=ns.intra_size,
                   inter_size=ns.inter_size, reference=ns.reference, packed=ns.packed, steps=ns.steps,
                   micro_batch_size=ns.micro_batch_size, seq_length=ns.seq_length, num_layers=ns.num_layers,
-                  eval_interval=ns.eval_interval, eval_iters=ns.eval_iters, extra=tuple(extra), log_dir=ns.log_dir)
+                  eval_interval=ns.eval_interval, eval_iters=ns.eval_iters, extra=tuple(extra),
+                  log_dir=None if ns.out is None else str(ns.out))
     try:
         opts.check()
     except ConfigError as exc:
         print(f"megatron-hsap pretrain-cpu: error: {exc}", file=sys.stderr)
         return 2
+    if not opts.reference:
+        from megatron_hsap.argtypes import link_line
+
+        # Megatron's run prices plans with LOCAL_WORLD_SIZE GPUs per node: every CPU rank on one host
+        print(f"[pretrain-cpu] plans priced with {link_line(intra=opts.intra_size, inter=opts.inter_size, tp=opts.tp, gpus_per_node=opts.world_size)}",
+              flush=True)
     result = run(opts, echo=True)
     print(f"[pretrain-cpu] exit {result.returncode}; {len(result.losses)} steps logged; logs in {result.log_dir}")
     if result.returncode or not ns.compare:
