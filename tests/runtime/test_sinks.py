@@ -9,7 +9,7 @@ gives every gradient, the sink's included. So the runtime's derived sink gradien
 Multi-rank: every CP rank returns the sink gradient of its own rows only (no reduction), and the
 test checks each rank's contribution exactly: rows of its inter chunk, heads of its Ulysses slice.
 A sink merged once per partial instead of once per row fails the output check on every packing
-with a document spanning chunks. Default: edge packings at P_inter 2 and 4 and the 2×2 topology;
+with a document spanning chunks. Sliding-window plans (window 1 and 5) run with sinks too. Default: edge packings at P_inter 2 and 4 and the 2×2 topology;
 slow: P_inter 3 and 8, every 4- and 8-rank topology, the balanced layout, bf16.
 """
 
@@ -31,13 +31,16 @@ HEADS = (
 TOKENS = {2: 64, 3: 96, 4: 128, 8: 256}
 
 
-def reference_with_sinks(q, k, v, cu, scale: float, sinks) -> tuple[torch.Tensor, torch.Tensor]:
-    """Document-causal attention in float64 with a sink column; returns ``out [t, h, dv]`` and the
-    sink column's probability ``p_sink [t, h]``. Differentiable w.r.t. q, k, v and sinks."""
+def reference_with_sinks(q, k, v, cu, scale: float, sinks, window_left: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Document-causal attention in float64 with a sink column (and a sliding window of
+    ``window_left`` keys back); returns ``out [t, h, dv]`` and the sink column's probability
+    ``p_sink [t, h]``. Differentiable w.r.t. q, k, v and sinks."""
     pos, doc = positions_from_cu_seqlens(cu)
     group = q.shape[1] // k.shape[1]
     k64, v64 = k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
     allowed = (doc[:, None] == doc[None, :]) & (pos[None, :] <= pos[:, None])  # [t, t]
+    if window_left is not None:
+        allowed &= pos[None, :] >= pos[:, None] - window_left
     scores = torch.einsum("qhd,khd->hqk", q.double(), k64) * scale
     scores = scores.masked_fill(~allowed, float("-inf"))
     sink_col = sinks.double()[:, None, None].expand(-1, scores.shape[1], 1)  # [h, t, 1]
@@ -93,7 +96,8 @@ def _reference(spec: dict) -> dict:
     cu = list(spec["cu"]) + ([padded] if padded > spec["cu"][-1] else [])  # padding: one extra document
     q, k, v = (torch.from_numpy(spec[n]).double().requires_grad_(True) for n in ("q", "k", "v"))
     sinks = torch.from_numpy(spec["sinks"]).double().requires_grad_(True)
-    out, p_sink = reference_with_sinks(q, k, v, cu, spec["scale"] or spec["dim"] ** -0.5, sinks)
+    window = spec.get("window")
+    out, p_sink = reference_with_sinks(q, k, v, cu, spec["scale"] or spec["dim"] ** -0.5, sinks, window[0] if window else None)
     do = torch.from_numpy(spec["do"]).double()
     out.backward(do)
     # per-row, per-head contribution to d sink, from the reference's own probabilities
@@ -157,6 +161,10 @@ def _edge_specs(intra: int, inter: int, layout: str = "contiguous", dtype: str =
                                 learnable=kind != "zero", **heads))  # fmt: skip
     specs.append(_sink_spec([0, 3, total // 2 + 1, total], intra=intra, inter=inter, seed=99, layout=layout,
                             large_logits=True, sink_kind="large"))  # fmt: skip
+    # sliding windows (plans carry them): a row's few keys make the sink weigh more; window 1
+    for n, left in enumerate((1, 5)):
+        specs.append(_sink_spec([0, 7, total // 2 + 3, total], intra=intra, inter=inter, seed=200 + n, layout=layout,
+                                dtype=dtype, window=(left, 0), sink_kind="with_inf"))  # fmt: skip
     return specs
 
 
