@@ -395,6 +395,10 @@ def compile_plan(cu_seqlens: object, inter_size: int, intra_size: int = 1, *, nu
     gc.disable()  # compiling allocates ~10^5 small objects; cyclic collections would dominate
     try:
         plan = _compile_cached(cu, opts)
+        if opts.window_size is not None:  # never estimated slower than the full plan clipped to the window
+            from megatron_hsap.plan.shared_layout import no_slower_than_full
+
+            plan = no_slower_than_full(plan)
     except MemoryError:
         raise BatchError(
             f"planning a batch of T={cu[-1]} tokens ({len(cu) - 1} documents) at inter_size={opts.inter_size} ran "

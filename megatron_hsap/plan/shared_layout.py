@@ -18,7 +18,7 @@ from megatron_hsap.plan.window import normalize_window
 if TYPE_CHECKING:
     from megatron_hsap.plan.plan import Plan
 
-__all__ = ["compile_on_layout", "plans_for_windows"]
+__all__ = ["compile_on_layout", "plans_for_windows", "no_slower_than_full"]
 
 
 def compile_on_layout(base: "Plan", window_size: object) -> "Plan":
@@ -37,6 +37,8 @@ def compile_on_layout(base: "Plan", window_size: object) -> "Plan":
             _plan._CACHE.move_to_end(key)
             return hit
     got = _plan._compile_on(base.layout, base.batch, base.shape, opts)
+    if window is not None and base.options.window_size is None:
+        got = _with_clipped(got, base)
     with _plan._CACHE_LOCK:
         _plan._CACHE[key] = got
         if len(_plan._CACHE) > _plan._CACHE_SIZE:
@@ -53,3 +55,45 @@ def plans_for_windows(base: "Plan", windows: object) -> dict[tuple[int, int] | N
         if key not in out:
             out[key] = compile_on_layout(base, key)
     return out
+
+
+def _with_clipped(plan: "Plan", full: "Plan") -> "Plan":
+    """``plan`` (windowed), or the full-causal plan ``full`` with every staged block clipped to
+    ``plan``'s window when that is estimated faster: clipping only removes work and bytes, so a
+    windowed plan is never estimated slower than the full-causal plan of its batch."""
+    from megatron_hsap.plan import plan as _plan
+    from megatron_hsap.plan.codegen import PoolOverflow
+    from megatron_hsap.plan.placement import Prices
+    from megatron_hsap.plan.units import build_units, clip_unit
+
+    left = plan.options.window
+    units = [c for u in full.chosen.units if (c := clip_unit(replace(u, window=left), left)) is not None]
+    hw, link = full.hardware, full.link
+    pr = Prices.of(full.shape, hw, hw.bandwidth(link))
+    try:
+        cand = _plan._build(full.chosen.name, units, full.inter_size, full.shape, full.pool_capacity,
+                            pr, hw.latency(link), full.chosen.budget)
+    except PoolOverflow:  # (slots only shrink; first-fit could still differ)
+        return plan
+    if cand.time >= plan.chosen.time:
+        return plan
+    pieces, work_units = build_units(full.batch, full.layout, left)
+    return replace(plan, layout=full.layout, pool_capacity=full.pool_capacity, pieces=tuple(pieces),
+                   work_units=tuple(work_units), chosen=cand,
+                   alternatives={**plan.alternatives, f"{cand.name} (full plan clipped)": cand.time})
+
+
+def no_slower_than_full(plan: "Plan") -> "Plan":
+    """A freshly compiled windowed ``plan`` against its batch's full-causal plan (compiled, or
+    found in ``compile_plan``'s cache) clipped to the window; the faster of the two."""
+    from megatron_hsap.plan import plan as _plan
+
+    opts = replace(plan.options, window_size=None)
+    key = (plan.batch.cu_seqlens, opts)
+    with _plan._CACHE_LOCK:
+        full = _plan._CACHE.get(key)
+    if full is None:
+        full = _plan._compile_cached(plan.batch.cu_seqlens, opts)
+        with _plan._CACHE_LOCK:
+            _plan._CACHE[key] = full
+    return _with_clipped(plan, full)
