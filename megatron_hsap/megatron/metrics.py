@@ -159,9 +159,10 @@ def dump_plan(plan: "Plan", out_dir: str | os.PathLike[str], *, iteration: int,
            "stats": stats, "verified": _verified(plan)}
     (out / "plan.json").write_text(json.dumps(doc, indent=1, default=str) + "\n")
     o = plan.options
-    command = (f"{shlex.quote(sys.executable)} -m megatron_hsap plan --cu-seqlens {','.join(map(str, cu))} --inter {plan.inter_size} "
-               f"--intra {plan.intra_size} --heads {o.num_heads} --kv-heads {o.num_kv_heads or o.num_heads} "
+    command = (f"{shlex.quote(sys.executable)} -m megatron_hsap plan --cu-seqlens {','.join(map(str, cu))} --inter-size {plan.inter_size} "
+               f"--intra-size {plan.intra_size} --heads {o.num_heads} --kv-heads {o.num_kv_heads or o.num_heads} "
                f"--head-dim {o.head_dim} --dtype-bytes {o.dtype_bytes} --layout {plan.layout.name} "
+               f"--tp {o.tp_size} --gpus-per-node {o.gpus_per_node} "
                f"--plot {shlex.quote(str(out / 'plan.png'))}")
     (out / "plot.sh").write_text("#!/usr/bin/env bash\n# the Figure-3 picture of this plan\n" + command + "\n")
     return out
