@@ -96,7 +96,7 @@ def differing_inputs(plan: "Plan", theirs: tuple[int, ...] | list[int]) -> str:
             continue
         here = getattr(plan.options, name)
         there = theirs[pos]
-        if isinstance(here, str) or (here is None and there not in (_NONE,) and abs(there) > 1 << 40):
+        if isinstance(here, (str, tuple)) or (here is None and there not in (_NONE,) and abs(there) > 1 << 40):
             parts.append(f"{name}: {here!r} here, another value on the peer")
         else:
             parts.append(f"{name}: {here!r} here, {None if there == _NONE else there!r} on the peer")

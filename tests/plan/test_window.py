@@ -270,3 +270,12 @@ def test_random_windowed_packings_compile_and_verify(seed):
         assert shared.layout is full.layout and shared.chosen.time <= full.chosen.time
 
     run()
+
+
+def test_peers_with_another_window_are_named_in_the_handshake_message():
+    from megatron_hsap.plan.fingerprint import differing_inputs, input_vector
+
+    cu = [0, 40, 64]
+    full, win = compile_plan(cu, 2), compile_plan(cu, 2, window_size=(8, 0))
+    assert differing_inputs(win, input_vector(full)) == "window_size: (8, 0) here, another value on the peer"
+    assert differing_inputs(full, input_vector(win)) == "window_size: None here, another value on the peer"
