@@ -323,6 +323,10 @@ def _print_banner(hsap: Any) -> None:
     print(f"[megatron-hsap] HSAP context parallelism on: topology {hsap.intra_size}x{hsap.inter_size} "
           f"(intra×inter), layout {hsap.layout}, planner priced for {hw.name} ({hw.source}), "
           f"{hw.gpus_per_node} GPUs per node", flush=True)
+    from megatron_hsap.argtypes import link_line  # the one link rule's statement (docs/design.md §4)
+
+    print(f"[megatron-hsap] plans priced with {link_line(intra=hsap.intra_size, inter=hsap.inter_size, tp=args.tensor_model_parallel_size, gpus_per_node=hw.gpus_per_node)}",
+          flush=True)
     print(f"[megatron-hsap] attention kernels: {_kernel_backend()}; receive pool: "
           f"{_pool_text(args)}", flush=True)
     if not (getattr(args, "sft", False) or getattr(args, "dataloader_inter_document_masking", False)):

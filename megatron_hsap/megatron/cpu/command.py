@@ -274,12 +274,6 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"megatron-hsap pretrain-cpu: error: {exc}", file=sys.stderr)
         return 2
-    if not opts.reference:
-        from megatron_hsap.argtypes import link_line
-
-        # Megatron's run prices plans with LOCAL_WORLD_SIZE GPUs per node: every CPU rank on one host
-        print(f"[pretrain-cpu] plans priced with {link_line(intra=opts.intra_size, inter=opts.inter_size, tp=opts.tp, gpus_per_node=opts.world_size)}",
-              flush=True)
     result = run(opts, echo=True)
     print(f"[pretrain-cpu] exit {result.returncode}; {len(result.losses)} steps logged; logs in {result.log_dir}")
     if result.returncode or not ns.compare:
