@@ -14,6 +14,7 @@ _LAZY = {
     "is_hsap_initialized": "megatron_hsap.megatron.parallel_state",
     "destroy_hsap": "megatron_hsap.megatron.parallel_state",
     "hsap_layer_spec": "megatron_hsap.megatron.spec",
+    "hsap_hybrid_stack_spec": "megatron_hsap.megatron.spec",
     "get_batch_on_this_cp_rank": "megatron_hsap.megatron.batch",
 }
 

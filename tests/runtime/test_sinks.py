@@ -194,6 +194,30 @@ def test_merge_sinks_is_a_sink_column():
     assert torch.equal(out[4], torch.zeros_like(out[4])) and lse[4, 0] == 0.5 and lse[4, 1] == float("-inf")
 
 
+def test_sink_merged_per_partial_would_be_wrong():
+    """Why the sink is merged after the last merge: merged into each of two partials of a row and
+    then LSE-merged, it is counted twice and the result differs from the sink-column softmax."""
+    from megatron_hsap.runtime.merge import merge_into, merge_sinks
+
+    g = torch.Generator().manual_seed(1)
+    s = torch.randn(4, 2, 6, generator=g, dtype=torch.float64)
+    v = torch.randn(4, 2, 6, 3, generator=g, dtype=torch.float64)
+    sinks = torch.tensor([0.3, 1.5], dtype=torch.float64)
+    parts = [(torch.einsum("nhk,nhkd->nhd", torch.softmax(s[..., sl], -1), v[..., sl, :]), torch.logsumexp(s[..., sl], -1))
+             for sl in (slice(0, 2), slice(2, 6))]  # fmt: skip
+    p = torch.softmax(torch.cat((s, sinks[None, :, None].expand(4, 2, 1)), -1), -1)
+    want = torch.einsum("nhk,nhkd->nhd", p[..., :-1], v)
+    once_o, once_l = parts[0][0].clone(), parts[0][1].clone()
+    merge_into(once_o, once_l, *parts[1])
+    merge_sinks(once_o, once_l, sinks)
+    twice = [(o.clone(), l.clone()) for o, l in parts]
+    for o, l in twice:
+        merge_sinks(o, l, sinks)
+    merge_into(twice[0][0], twice[0][1], *twice[1])
+    assert torch.allclose(once_o, want, rtol=1e-12, atol=1e-12)
+    assert not torch.allclose(twice[0][0], want, rtol=1e-3, atol=1e-3)
+
+
 @pytest.mark.parametrize("kind", ["random", "with_inf", "zero", "large"])
 def test_single_rank_sinks_match_autograd_reference(kind):
     specs = [
