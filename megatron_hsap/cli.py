@@ -2,7 +2,10 @@
 
 ``megatron-hsap <command> [args]`` imports only the chosen command's module, so ``--help`` and
 the planner commands never pay for torch or Megatron. Every target is
-``main(argv: list[str] | None) -> int`` and parses its own arguments.
+``main(argv: list[str] | None) -> int`` and parses its own arguments with the shared vocabulary of
+:mod:`megatron_hsap.argtypes` (``--intra-size`` / ``--inter-size``, ``--out DIR``, every default in
+``--help``, ``prog`` = ``megatron-hsap <command>``; ``tests/test_cli_vocabulary.py`` holds every
+command to it).
 """
 
 from __future__ import annotations

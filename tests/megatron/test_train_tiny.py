@@ -34,4 +34,5 @@ def test_short_run_with_data_parallel_matches_cp1(tmp_path, capfd: pytest.Captur
     assert main(argv) == 0
     out = capfd.readouterr().out  # fd-level: the per-step lines come from the spawned rank 0
     assert "DP 2 × CP 1x2" in out and "(OK," in out
+    assert "plans priced with link nvlink: the CP group TP 1 × P_intra 1 × P_inter 2 = 2 GPUs" in out
     assert out.count("[1x2] step") == 3 and out.count("[1x1] step") == 3
