@@ -47,7 +47,7 @@ def _band_reference(q, k, v, lq, lk, causal, window, scale):
 def test_cpu_kernel_banded_matches_dense_band():
     gen = torch.Generator().manual_seed(0)
     rng = np.random.default_rng(0)
-    for trial in range(40):
+    for trial in range(16):  # small tiles make many tiny calls: a few cases cover every band edge
         n = int(rng.integers(1, 4))
         causal = bool(rng.integers(0, 2))
         lq = [int(x) for x in rng.integers(1, 40, n)]
