@@ -320,14 +320,6 @@ def plots(rows: list[tuple], out: Path) -> list[Path]:
     return made
 
 
-def write_csv(rows: list[tuple], path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(COLUMNS)
-        w.writerows(rows)
-
-
 def _progress_bar():  # noqa: ANN202
     """tqdm on stderr at a terminal; otherwise a wrapper printing one line per item to stderr."""
     if sys.stderr.isatty():
@@ -379,21 +371,30 @@ def main(argv: list[str] | None = None) -> int:
     tqdm = _progress_bar()
     t0 = time.perf_counter()
     work = [(p, args.hardware, tuple(args.layouts)) for p in pts]
-    if args.jobs > 1 and len(work) > 1:
-        with ProcessPoolExecutor(max_workers=args.jobs) as ex:
-            it = ex.map(_run_point, work)
-            it = tqdm(it, total=len(work), desc="plan quality", unit="pt", file=sys.stderr) if tqdm else it
-            for r in it:
-                rows.extend(r)
-    else:
-        it = tqdm(work, desc="plan quality", unit="pt", file=sys.stderr) if tqdm else work
-        for w in it:
-            rows.extend(_run_point(w))
-    if not args.no_compile_times:
-        rows.extend(compile_times(args.hardware, reps=3 if args.quick else 5))
-    elapsed = time.perf_counter() - t0
     args.out.mkdir(parents=True, exist_ok=True)
-    write_csv(rows, args.out / "plan_quality.csv")
+    # Rows are written as each point completes, so an interrupted run keeps what it measured.
+    with (args.out / "plan_quality.csv").open("w", newline="") as f:
+        out = csv.writer(f)
+        out.writerow(COLUMNS)
+
+        def keep(new_rows: list[tuple]) -> None:
+            rows.extend(new_rows)
+            out.writerows(new_rows)
+            f.flush()
+
+        if args.jobs > 1 and len(work) > 1:
+            with ProcessPoolExecutor(max_workers=args.jobs) as ex:
+                it = ex.map(_run_point, work)
+                it = tqdm(it, total=len(work), desc="plan quality", unit="pt", file=sys.stderr) if tqdm else it
+                for r in it:
+                    keep(r)
+        else:
+            it = tqdm(work, desc="plan quality", unit="pt", file=sys.stderr) if tqdm else work
+            for w in it:
+                keep(_run_point(w))
+        if not args.no_compile_times:
+            keep(compile_times(args.hardware, reps=3 if args.quick else 5))
+    elapsed = time.perf_counter() - t0
     table = markdown(rows)
     if "balanced" in args.layouts:
         from megatron_hsap.bench.layout_table import layout_markdown
