@@ -48,7 +48,7 @@ from megatron_hsap.megatron.batch import is_hsap_sharded
 if TYPE_CHECKING:
     from megatron_hsap.plan import Plan
 
-__all__ = ["HSAPCoreAttention", "SUPPORTED_MASK_TYPES", "SOFTMAX_TYPES"]
+__all__ = ["HSAPCoreAttention", "SUPPORTED_MASK_TYPES", "SOFTMAX_TYPES", "require_hsap_core_attention"]
 
 SUPPORTED_MASK_TYPES = (AttnMaskType.causal, AttnMaskType.padding_causal)
 SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")  # megatron-core's TransformerConfig.softmax_type
@@ -296,3 +296,17 @@ class HSAPCoreAttention(MegatronModule):
                                  sinks=self._sinks(query, b))  # [s, b·np, dv]
             return out.reshape(s, b, -1)
         raise ConfigError(f"qkv_format={fmt!r} is not supported by HSAP; use 'thd' (packed) or 'sbhd'")
+
+
+def require_hsap_core_attention(attention: Any, what: str) -> None:
+    """Refuse a self-attention whose core attention is not HSAP's.
+
+    With ``attention_backend=local`` Megatron's builder puts its own ``DotProductAttention`` into the
+    spec, which would attend HSAP-sharded tokens as if they were one local sequence.
+    """
+    if not isinstance(attention.core_attention, HSAPCoreAttention):
+        raise ConfigError(
+            f"HSAP's {what} got core attention {type(attention.core_attention).__name__}, not "
+            "HSAPCoreAttention (attention_backend='local' replaces it in Megatron's builder): use "
+            "attention_backend auto/flash/fused with the HSAP layer spec"
+        )

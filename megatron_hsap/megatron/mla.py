@@ -83,13 +83,9 @@ class HSAPMLASelfAttention(MLASelfAttention):
             pp_layer_offset=pp_layer_offset,
             name=name,
         )
-        from megatron_hsap.megatron.core_attention import HSAPCoreAttention
+        from megatron_hsap.megatron.core_attention import require_hsap_core_attention
 
-        if not isinstance(self.core_attention, HSAPCoreAttention):
-            raise ConfigError(
-                f"HSAP's MLA got core attention {type(self.core_attention).__name__}, not HSAPCoreAttention "
-                "(attention_backend='local' replaces it in Megatron's builder): use attention_backend auto"
-            )
+        require_hsap_core_attention(self, "MLA")
 
     def _angles_by_position(self, packed_seq_params: Any) -> Any:
         """What MLA's rotary module returns, one row per local token: ``[t, 1, 1, rot]`` angles

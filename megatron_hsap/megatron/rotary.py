@@ -117,16 +117,10 @@ class HSAPSelfAttention(SelfAttention):
             pp_layer_offset=pp_layer_offset,
             name=name,
         )
-        from megatron_hsap.megatron.core_attention import HSAPCoreAttention
+        from megatron_hsap.megatron.core_attention import require_hsap_core_attention
 
-        if not isinstance(self.core_attention, HSAPCoreAttention):
-            # e.g. attention_backend=local: Megatron's builder puts its own DotProductAttention in the
-            # spec, which would attend HSAP-sharded tokens as if they were one local sequence.
-            raise ConfigError(
-                f"HSAP's self-attention got core attention {type(self.core_attention).__name__}, not "
-                "HSAPCoreAttention (attention_backend='local' replaces it in Megatron's builder): use "
-                "attention_backend auto/flash/fused with the HSAP layer spec"
-            )
+        require_hsap_core_attention(self, "self-attention")
+
         # Per-forward state: set in forward(), read in get_query_key_value_tensors(), cleared after.
         self._hsap_rope: tuple[Tensor | None, Tensor | None] | None = None
 
