@@ -143,13 +143,11 @@ def _feeds_stats(vp_stage: int | None) -> bool:
     return vp_stage == (vp - 1 if last_only else 0)
 
 
-def _feed_seqlen_stats(cu_seqlens: Any, vp_stage: int | None = None) -> None:
+def _feed_seqlen_stats(cu_seqlens: Any) -> None:
     """Megatron's TFLOP/s line counts packed batches by document: Σ L and Σ L² of the real lengths.
 
     Every rank of the DP group counts each micro-batch once with the same lengths (Megatron divides
-    its world all-reduce by TP·CP·PP)."""
-    if not _feeds_stats(vp_stage):
-        return
+    its world all-reduce by TP·CP·PP): call it where :func:`_feeds_stats` says so."""
     import numpy as np
     import torch
     from megatron.training.training import update_seqlen_stats_from_cu_seqlens
@@ -230,8 +228,8 @@ def hsap_get_batch(data_iterator: Iterator[dict[str, Any]] | None, vp_stage: int
             )
         # Unpacked pretraining: every sample is one document, so the plan needs no data (and is cached).
         packed = pack_micro_batch({"tokens": torch.zeros(args.micro_batch_size, args.seq_length, dtype=torch.long)})
-        if training:  # evaluation batches are not part of the iteration's FLOPs
-            _feed_seqlen_stats(packed.cu_seqlens, vp_stage)
+        if training and _feeds_stats(vp_stage):  # evaluation batches are not part of the iteration's FLOPs
+            _feed_seqlen_stats(packed.cu_seqlens)
         return get_batch_on_this_cp_rank(packed, config=_core_config(), plan_kwargs=plan_kwargs, device=device)
 
     def compile_(item: Any) -> tuple[Any, float]:
@@ -254,10 +252,9 @@ def hsap_get_batch(data_iterator: Iterator[dict[str, Any]] | None, vp_stage: int
         (raw, packed), (plan, compile_s) = next(prefetcher)
         prefetched = prefetcher.last_ready
         reader.consumed(raw)
-    if training:
-        _feed_seqlen_stats(np.asarray(packed.cu_seqlens), vp_stage)
-        if _feeds_stats(vp_stage):  # once per micro-batch, like the FLOP statistics
-            _observe(args, plan, compile_s=compile_s, prefetched=prefetched, plan_kwargs=plan_kwargs)
+    if training and _feeds_stats(vp_stage):  # once per micro-batch and rank; evaluation is not counted
+        _feed_seqlen_stats(np.asarray(packed.cu_seqlens))
+        _observe(args, plan, compile_s=compile_s, prefetched=prefetched, plan_kwargs=plan_kwargs)
     return get_batch_on_this_cp_rank(packed, plan=plan, config=_core_config(), device=device)
 
 

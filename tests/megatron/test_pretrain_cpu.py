@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 from argparse import Namespace
 from pathlib import Path
@@ -35,11 +34,7 @@ def _run(tmp_root: Path, **kwargs: object) -> CPUResult:
     key = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in kwargs.items()))
     if key not in _RUNS:
         log_dir = tmp_root / f"run{len(_RUNS)}"
-        os.environ["HSAP_CPU_RECORD"] = str(log_dir / "record")
-        try:
-            result = run(CPURun(log_dir=str(log_dir), **kwargs))  # type: ignore[arg-type]
-        finally:
-            os.environ.pop("HSAP_CPU_RECORD", None)
+        result = run(CPURun(log_dir=str(log_dir), **kwargs), record_dir=str(log_dir / "record"))  # type: ignore[arg-type]
         assert result.returncode == 0, result.output[-6000:]
         _RUNS[key] = result
     return _RUNS[key]
@@ -263,13 +258,9 @@ def test_rerun_state_machine_replays_the_step_with_its_batches(root: Path) -> No
     common = dict(world_size=2, intra_size=1, inter_size=2, steps=3, eval_interval=10, eval_iters=0)
     clean = _run(root, **common, extra=("--global-batch-size", "4"))
     log_dir = root / "rerun-injected"
-    os.environ["HSAP_CPU_RECORD"] = str(log_dir / "record")
-    try:
-        injected = run(CPURun(log_dir=str(log_dir), **common, extra=(
-            "--global-batch-size", "4", "--error-injection-rate", "1", "--error-injection-type", "transient_error",
-            "--rerun-mode", "validate_results")))
-    finally:
-        os.environ.pop("HSAP_CPU_RECORD", None)
+    injected = run(CPURun(log_dir=str(log_dir), **common, extra=(
+        "--global-batch-size", "4", "--error-injection-rate", "1", "--error-injection-type", "transient_error",
+        "--rerun-mode", "validate_results")), record_dir=str(log_dir / "record"))
     log = (log_dir / "rank0.log").read_text()
     assert injected.returncode != 0 and "Possible transient error" in log, injected.output[-3000:]
     assert "Need to rerun step to check reproducibility" in log

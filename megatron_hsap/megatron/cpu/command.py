@@ -158,7 +158,7 @@ def parse_log(text: str) -> tuple[dict[int, float], dict[int, float], dict[str, 
     return losses, validation, final
 
 
-def _env(rank: int, world: int, store: str) -> dict[str, str]:
+def _env(rank: int, world: int, store: str, record_dir: str | None = None) -> dict[str, str]:
     env = dict(os.environ)
     env.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
@@ -168,11 +168,15 @@ def _env(rank: int, world: int, store: str) -> dict[str, str]:
         # Megatron writes its dataset index cache and may probe a GPU; keep both quiet and local.
         TORCH_CPP_LOG_LEVEL=env.get("TORCH_CPP_LOG_LEVEL", "ERROR"),
     )
+    if record_dir is not None:  # what tests read (megatron/cpu/record.py)
+        env["HSAP_CPU_RECORD"] = record_dir
     return env
 
 
-def run(opts: CPURun, *, echo: bool = False) -> CPUResult:
-    """Spawn the ranks, wait for them (bounded by ``timeout_s``), parse the last rank's log."""
+def run(opts: CPURun, *, echo: bool = False, record_dir: str | None = None) -> CPUResult:
+    """Spawn the ranks, wait for them (bounded by ``timeout_s``), parse the last rank's log.
+
+    ``record_dir``: the ranks write parameters, FLOP statistics and losses there (tests)."""
     opts.check()
     log_dir = Path(opts.log_dir or tempfile.mkdtemp(prefix="hsap-pretrain-cpu-"))
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -187,7 +191,7 @@ def run(opts: CPURun, *, echo: bool = False) -> CPUResult:
     for rank in range(opts.world_size):
         out = open(log_dir / f"rank{rank}.log", "w")
         files.append(out)
-        procs.append(subprocess.Popen(cmd, env=_env(rank, opts.world_size, store), stdout=out,
+        procs.append(subprocess.Popen(cmd, env=_env(rank, opts.world_size, store, record_dir), stdout=out,
                                       stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
     codes = _wait(procs, opts.timeout_s)
     for f in files:
