@@ -469,3 +469,20 @@ def run_pretrain(datasets_provider: Any, forward_step: Callable[..., Any], loss_
         store=store if store is not None else restart_store,
         get_embedding_ranks=get_embedding_ranks,
     )
+    _shut_down()
+
+
+def _shut_down() -> None:
+    """Flush HSAP's metrics and destroy the process groups while the interpreter is alive.
+
+    Megatron's ``pretrain`` returns with its groups live; left to interpreter finalisation, gloo's
+    worker threads can still own work objects whose tensors need the GIL, and the rank dies with
+    ``terminate called without an active exception`` (SIGABRT) after a finished run (pytorch/pytorch
+    PR 179291 describes it; PyTorch's docs ask every trainer to call ``destroy_process_group``).
+    """
+    import torch.distributed as dist
+
+    for metrics in _METRICS:
+        metrics.flush()
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
