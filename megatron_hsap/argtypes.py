@@ -158,15 +158,23 @@ def add_topology_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup,
                 help=f"P_inter {many}: the SAP point-to-point group")
 
 
-def link_line(*, intra: int, inter: int, tp: int = 1, gpus_per_node: int = 8, forced: str | None = None) -> str:
+def link_line(*, intra: int, inter: int, tp: int = 1, gpus_per_node: int = 8, forced: str | None = None,
+              measured: str | None = None) -> str:
     """One line naming the link class the planner prices and why (docs/design.md §4's rule,
     ``plan.hardware.link_class_for``: NVLink when the whole CP group TP × P_intra × P_inter fits in
-    one node, InfiniBand otherwise); ``forced``: a ``--link`` given on the command line."""
+    one node, InfiniBand otherwise); ``forced``: a ``--link`` given on the command line;
+    ``measured``: the link a Megatron run read from its ranks' hostnames (``HSAPGroups.cp_link``)."""
     from megatron_hsap.plan.hardware import LinkClass, link_class_for
 
     world = tp * intra * inter
     if forced:
         return f"link {LinkClass(forced).value} (forced by --link; the rule would give {link_class_for(world, gpus_per_node).value})"
+    if measured:
+        rule = link_class_for(world, gpus_per_node).value
+        where = "on one host" if LinkClass(measured) is LinkClass.NVLINK else "across hosts"
+        note = "" if rule == LinkClass(measured).value else (
+            f"; the {gpus_per_node}-GPUs-per-node rule would have given {rule}")
+        return f"link {LinkClass(measured).value}: the CP group's {world // tp} ranks run {where} (hostnames){note}"
     link = link_class_for(world, gpus_per_node)
     where = "fits in" if link is LinkClass.NVLINK else "spans more than"
     return (f"link {link.value}: the CP group TP {tp} × P_intra {intra} × P_inter {inter} = {world} GPUs "

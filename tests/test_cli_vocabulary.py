@@ -286,3 +286,15 @@ def test_docs_use_the_new_spellings() -> None:
         bad = [m.group(0) for m in old.finditer(text)]
         assert bad == [], f"{path.name}: {bad}"
         assert "every HSAP inter group runs" not in text and "as in every HSAP deployment" not in text, path.name
+
+
+def test_link_line_states_the_rule_the_measured_link_or_the_forced_one() -> None:
+    from megatron_hsap.argtypes import link_line
+
+    assert link_line(intra=2, inter=2).startswith("link nvlink: the CP group TP 1 × P_intra 2 × P_inter 2 = 4 GPUs fits")
+    assert link_line(intra=8, inter=2).startswith("link ib:")
+    # hostnames beat the count rule, and the line says when the two disagree
+    assert link_line(intra=2, inter=2, measured="ib") == (
+        "link ib: the CP group's 4 ranks run across hosts (hostnames); the 8-GPUs-per-node rule would have given nvlink")
+    assert link_line(intra=2, inter=2, tp=2, measured="nvlink") == "link nvlink: the CP group's 4 ranks run on one host (hostnames)"
+    assert link_line(intra=2, inter=2, measured="ib", forced="nvlink").startswith("link nvlink (forced by --link")

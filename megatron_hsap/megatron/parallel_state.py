@@ -127,8 +127,10 @@ def initialize_hsap(
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, (tuple(ranks), host))
     all_cp = _all_cp_groups([tuple(g[0]) for g in gathered])
+    cp_link = None
     if mode is not NodeCheck.OFF:
         _node_check([g[1] for g in gathered], all_cp, intra_size, inter_size, rank, mode)
+        cp_link = "nvlink" if len({gathered[r][1] for r in ranks}) == 1 else "ib"
 
     # 3. Groups: Megatron's when its hierarchical CP groups have our sizes, ours otherwise.
     cp_rank = ranks.index(rank)
@@ -152,6 +154,7 @@ def initialize_hsap(
         intra_rank=intra_rank,
         inter_rank=inter_rank,
         cp_ranks=tuple(ranks),
+        cp_link=cp_link,
     )
     _STATE = _State(groups=groups, owned=owned, reused_megatron=reused is not None)
     return groups

@@ -125,7 +125,18 @@ def _plan_kwargs(args: Any) -> dict[str, Any]:
         kwargs["pool_bytes"] = args.hsap_pool_bytes
     hardware = run_hardware(args)
     kwargs.update(hardware=hardware.name, gpus_per_node=hardware.gpus_per_node)
+    link = _measured_link()
+    if link is not None:  # the hostnames say where the CP group runs: price that, not the count rule
+        kwargs["link"] = link
     return kwargs
+
+
+def _measured_link() -> str | None:
+    """The CP group's link from the hostnames ``initialize_hsap`` exchanged (None before it ran or
+    with ``--hsap-node-check off``). Every rank of a CP group sees the same hosts, so they agree."""
+    from megatron_hsap.megatron.parallel_state import get_hsap_groups, is_hsap_initialized
+
+    return get_hsap_groups().cp_link if is_hsap_initialized() else None
 
 
 def _feeds_stats(vp_stage: int | None) -> bool:
@@ -322,8 +333,9 @@ def _print_banner(hsap: Any) -> None:
           f"{hw.gpus_per_node} GPUs per node", flush=True)
     from megatron_hsap.argtypes import link_line  # the one link rule's statement (docs/design.md §4)
 
-    print(f"[megatron-hsap] plans priced with {link_line(intra=hsap.intra_size, inter=hsap.inter_size, tp=args.tensor_model_parallel_size, gpus_per_node=hw.gpus_per_node)}",
-          flush=True)
+    line = link_line(intra=hsap.intra_size, inter=hsap.inter_size, tp=args.tensor_model_parallel_size,
+                     gpus_per_node=hw.gpus_per_node, measured=_measured_link())
+    print(f"[megatron-hsap] plans priced with {line}", flush=True)
     print(f"[megatron-hsap] attention kernels: {_kernel_backend()}; receive pool: "
           f"{_pool_text(args)}", flush=True)
     if not (getattr(args, "sft", False) or getattr(args, "dataloader_inter_document_masking", False)):

@@ -88,7 +88,8 @@ def hierarchical_rank_lists(
 class HSAPGroups:
     """This rank's intra (all-to-all, NVLink) and inter (SAP P2P, InfiniBand) process groups.
 
-    ``cp_rank = inter_rank · intra_size + intra_rank``; the group rank of this process in ``intra``
+    ``cp_link`` is the link the CP group really has (hostnames), which the planner prices in
+    place of the GPUs-per-node rule of docs/design.md §4 when known. ``cp_rank = inter_rank · intra_size + intra_rank``; the group rank of this process in ``intra``
     is ``intra_rank`` and in ``inter`` is ``inter_rank``. ``cp_ranks`` (optional) lists the CP
     group's global ranks in CP-rank order, for mapping plan ranks to ``torch.distributed`` peers.
     """
@@ -101,9 +102,14 @@ class HSAPGroups:
     intra_rank: int
     inter_rank: int
     cp_ranks: tuple[int, ...] = ()
+    # "nvlink" when every rank of the CP group runs on one host, "ib" when it spans hosts, from the
+    # hostnames initialize_hsap exchanged; None when nobody looked (node_check off, hand-built groups).
+    cp_link: str | None = None
 
     def __post_init__(self) -> None:
         validate_hsap_sizes(self.intra_size, self.inter_size)
+        if self.cp_link not in (None, "nvlink", "ib"):
+            raise ConfigError(f"cp_link={self.cp_link!r}; use 'nvlink', 'ib' or None")
         if not (0 <= self.intra_rank < self.intra_size and 0 <= self.inter_rank < self.inter_size):
             raise ConfigError(
                 f"{self.intra_rank=} / {self.inter_rank=} out of range for "

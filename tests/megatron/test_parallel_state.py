@@ -74,6 +74,7 @@ def _describe(groups) -> dict:
         inter_global=list(groups.inter_global_ranks()),
         sums=sums,
         topology=groups.topology,
+        cp_link=groups.cp_link,
     )
 
 
@@ -197,6 +198,14 @@ def _case_node_check(mode: str, hosts: list[str]) -> tuple[str, list[str], dict 
 def test_node_check_passes_when_intra_groups_share_a_host(gloo_pool):
     results = gloo_pool(4).run(_case_node_check, "error", ["nodeA", "nodeA", "nodeB", "nodeB"])
     assert all(error == "" and not warned and got is not None for error, warned, got in results)
+    # The CP group spans two hosts, so the planner must price InfiniBand although 4 GPUs fit the
+    # 8-GPUs-per-node rule (which would have said NVLink).
+    assert [got["cp_link"] for _, _, got in results] == ["ib"] * 4
+
+
+def test_cp_link_is_nvlink_when_the_whole_cp_group_shares_a_host(gloo_pool):
+    results = gloo_pool(4).run(_case_node_check, "error", ["nodeA"] * 4)
+    assert [got["cp_link"] for _, _, got in results] == ["nvlink"] * 4
 
 
 def test_node_check_names_ranks_and_hosts(gloo_pool):
@@ -222,6 +231,7 @@ def test_node_check_warn_mode_warns_and_builds(gloo_pool):
             assert len(warned) == 1 and "intra group ranks [2, 3] span hosts" in warned[0]
     off = gloo_pool(4).run(_case_node_check, "off", ["a", "b", "c", "d"])
     assert all(error == "" and not warned for error, warned, _ in off)
+    assert [got["cp_link"] for _, _, got in off] == [None] * 4  # nobody looked: the count rule applies
 
 
 def _case_reinit() -> list:
