@@ -115,9 +115,11 @@ def megatron_flags(run: CPURun) -> list[str]:
     from megatron_hsap.megatron.cpu.device import FUSION_OFF_FLAGS
 
     gbs = run.global_batch_size or run.micro_batch_size * run.dp_size
+    # Megatron refuses GQA with multi-latent attention (MLA has one latent kv per head)
+    gqa = [] if "--multi-latent-attention" in run.extra else ["--group-query-attention", "--num-query-groups", "2"]
     flags = [
         "--num-layers", str(run.num_layers), "--hidden-size", "64", "--ffn-hidden-size", "128",
-        "--num-attention-heads", "4", "--group-query-attention", "--num-query-groups", "2",
+        "--num-attention-heads", "4", *gqa,
         "--seq-length", str(run.seq_length), "--max-position-embeddings", str(run.seq_length),
         "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
         "--disable-bias-linear", "--untie-embeddings-and-output-weights",
