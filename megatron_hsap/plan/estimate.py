@@ -7,6 +7,9 @@ max(bytes sent, bytes received) / bandwidth (full-duplex links).
 
 ``quick_price`` computes the same number straight from staged blocks (no messages, no slots) so
 the planner can price many candidate stagings and generate code for the winner only.
+
+``pipelined_time`` prices the intra all-to-all around SAP when the heads run in chunks
+(``plan/chunks.py`` chooses the count with it).
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ from megatron_hsap.plan.placement import Prices
 from megatron_hsap.plan.schedule import Staging
 from megatron_hsap.plan.units import WorkUnit
 
-__all__ = ["PhaseTime", "phase_time", "quick_price", "price_staging", "necessary_traffic", "lower_bounds"]
+__all__ = ["PhaseTime", "phase_time", "quick_price", "price_staging", "necessary_traffic", "lower_bounds",
+           "PipelinePhase", "pipelined_time"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,3 +158,41 @@ def lower_bounds(total_work: int, nec_fwd: int, nec_bwd: int, size: int, shape: 
     compute = compute_bound(total_work, size, shape.fwd_flops_per_pair / hw.attn_fwd_flops, shape.bwd_flops_per_pair / hw.attn_bwd_flops)
     traffic = (nec_fwd + nec_bwd) / (size * hw.bandwidth(link))
     return {"compute_s": compute, "traffic_s": traffic, "bound_s": max(compute, traffic)}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PipelinePhase:
+    """One phase of an HSAP layer as ``pipelined_time`` prices it (all of a rank's heads).
+
+    ``sap_s``: the plan's SAP estimate (``PhaseTime.total``), of which ``latency_s`` are round
+    latencies; ``launch_s``: its kernel launches (``KernelCurve.launch_s`` each, not in ``sap_s``) —
+    latencies and launches are paid again by every head chunk; ``in_bytes`` / ``out_bytes``: bytes one rank sends in the all-to-alls before / after SAP
+    (forward q, k, v / o; backward dO / dq, dk, dv); ``in_calls`` / ``out_calls``: how many
+    ``all_to_all_single`` calls each chunk issues on each side."""
+
+    sap_s: float
+    latency_s: float
+    launch_s: float
+    in_bytes: int
+    out_bytes: int
+    in_calls: int
+    out_calls: int
+
+
+def pipelined_time(ph: PipelinePhase, chunks: int, bw: float, call_latency: float) -> float:
+    """Seconds of one phase with the heads in ``chunks`` equal chunks (docs/design.md §4).
+
+    Per chunk: all-to-all in ``A = in_bytes / (C·bw) + in_calls·latency``, return ``R`` likewise,
+    SAP ``S = (sap_s − latency_s) / C + latency_s + launch_s`` (compute and P2P scale with the
+    heads; latencies and launches do not). The all-to-alls of one intra group run one after another; while SAP computes
+    chunk ``k`` the group carries chunk ``k+1``'s all-to-all and chunk ``k−1``'s return:
+    ``A + Σ_k max(S, [k < C]·A + [k > 1]·R) + R``. ``C = 1`` is ``A + S + R`` (nothing hidden).
+    A rank sends ``(P−1)/P`` of its tensor and receives as much (full-duplex links), so its bytes
+    sent over ``bw`` is the transfer time.
+    """
+    if chunks < 1:
+        raise ValueError(f"{chunks=} must be >= 1")
+    a = ph.in_bytes / chunks / bw + ph.in_calls * call_latency
+    r = ph.out_bytes / chunks / bw + ph.out_calls * call_latency
+    s = (ph.sap_s - ph.latency_s) / chunks + ph.latency_s + ph.launch_s
+    return a + r + sum(max(s, (a if k < chunks else 0.0) + (r if k > 1 else 0.0)) for k in range(1, chunks + 1))

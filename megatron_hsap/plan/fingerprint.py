@@ -7,8 +7,8 @@ size mismatch, so the runtime exchanges a small header first (``megatron_hsap.ru
 This module supplies its contents, pure and integer-exact so every node computes the same bytes:
 
 * :func:`plan_hash` — a 128-bit blake2b digest of the normalised ``cu_seqlens``, every
-  ``PlanOptions`` field, the pool capacity, the layout's segments and every message of both
-  phases (round, src, dst, wire, token range, bytes). Two plans with the same hash run identical
+  ``PlanOptions`` field (``head_chunks`` as ``Plan.head_chunks`` resolved it), the pool capacity,
+  the layout's segments and every message of both phases (round, src, dst, wire, token range, bytes). Two plans with the same hash run identical
   programs; the programs are included (not only the inputs) so that two nodes whose planners
   disagree — another package version, a non-deterministic library — are caught too.
 * :func:`input_vector` / :func:`differing_inputs` — each input as one int64 (a hash for
@@ -132,7 +132,11 @@ def plan_hash(plan: "Plan") -> int:
     for name in _OPTION_NAMES:
         if name == "window_size" and plan.options.window_size is None:
             continue  # plans without a window keep the hashes they had before windows existed
+        if name == "head_chunks":
+            continue  # the resolved count below: None and a forced 2 that run alike hash alike
         h.update(f"\n{name}={getattr(plan.options, name)!r}".encode())
+    if plan.head_chunks != 1:  # one chunk (the default) keeps the hashes from before chunks existed
+        h.update(f"\nhead_chunks={plan.head_chunks}".encode())
     h.update(f"\npool={plan.pool_capacity}\nlayout={plan.layout.name}:{plan.layout.chunk_tokens}\n".encode())
     for rank, segs in enumerate(plan.layout.segments):
         h.update(f"{rank}:".encode() + ",".join(f"{s.tokens.start}-{s.tokens.stop}@{s.local_start}" for s in segs).encode())

@@ -59,6 +59,7 @@ class PlanOptions:
     allow_helpers: bool = True  # move bands of local blocks to a third rank when it pays
     placement: str = "auto"  # "auto" (lowest estimated time), "owner-computes" or "min-traffic"
     window_size: tuple[int, int] | None = None  # sliding window (left, 0), flash-attn's convention; None: full causal
+    head_chunks: int | None = None  # intra all-to-all pipelined in this many head chunks; None: the estimate's choice (plan/chunks.py)
 
     @property
     def window(self) -> int:
@@ -85,6 +86,10 @@ class PlanOptions:
             raise ConfigError(f"window_size={self.window_size!r}: pass it through compile_plan (normalised to None or (left, 0))")
         if self.hardware not in HARDWARE:
             raise ConfigError(f"hardware={self.hardware!r} is unknown; choose one of {sorted(HARDWARE)}")
+        if self.head_chunks is not None:
+            from megatron_hsap.plan.chunks import check_head_chunks  # chunks.py imports this module
+
+            check_head_chunks(self)
         return self
 
 

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import functools
 import gc
-import threading
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from numbers import Integral
 from typing import Any
@@ -14,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from megatron_hsap.errors import BatchError, ConfigError
+from megatron_hsap.plan.cache import _CACHE, _CACHE_LOCK, _CACHE_SIZE, clear_plan_cache, fast_key  # shared_layout reads them here
 from megatron_hsap.plan.codegen import Message, PhaseCode, PoolOverflow, generate
 from megatron_hsap.plan.costs import HeadShape
 from megatron_hsap.plan.estimate import PhaseTime, compute_bound, phase_time, price_staging
@@ -104,6 +103,13 @@ class Plan:
     @property
     def bwd_programs(self) -> tuple[Program, ...]:
         return self.chosen.bwd.programs
+
+    @functools.cached_property
+    def head_chunks(self) -> int:
+        """Head chunks pipelining the intra all-to-all (``options.head_chunks`` or the estimate's; ``plan/chunks.py``)."""
+        from megatron_hsap.plan.chunks import resolve_head_chunks
+
+        return resolve_head_chunks(self)
 
     @functools.cached_property
     def hash(self) -> int:
@@ -370,7 +376,9 @@ def compile_plan(cu_seqlens: object, inter_size: int, intra_size: int = 1, *, nu
             sequence parallelism), ``layout``, ``pool_bytes`` (receive pool per rank; default 4 ×
             chunk × local heads × (d_qk + d_v) × bytes, at least 1 MiB), ``link``, ``tp_size``,
             ``gpus_per_node``, ``hardware``, ``allow_helpers``, ``placement`` ("auto" or a fixed
-            start, e.g. "owner-computes" for reference) — see ``PlanOptions``.
+            start, e.g. "owner-computes" for reference), ``head_chunks`` (None: the estimate picks
+            how many head chunks pipeline the intra all-to-all, ``Plan.head_chunks``; an int forces
+            it) — see ``PlanOptions``.
 
     How (docs/design.md §2.1): work units (A1 diagonals, A2–A5 rectangles) → several placements
     (owner-computes, min-traffic, DistFlashAttn per document region, each balanced by exact work
@@ -383,7 +391,7 @@ def compile_plan(cu_seqlens: object, inter_size: int, intra_size: int = 1, *, nu
     ``local_token_indices`` and carry no loss. Raises ``BatchError``/``ConfigError`` on bad input.
     """
     opts = validated_options(inter_size, intra_size, num_heads, num_kv_heads, head_dim, head_dim_v, dtype_bytes, options)
-    key = _fast_key(cu_seqlens)
+    key = fast_key(cu_seqlens)
     if key is not None:
         with _CACHE_LOCK:
             hit = _CACHE.get((key, opts))
@@ -415,28 +423,7 @@ def compile_plan(cu_seqlens: object, inter_size: int, intra_size: int = 1, *, nu
     return plan
 
 
-_CACHE: "OrderedDict[tuple, Plan]" = OrderedDict()
-_CACHE_SIZE = 64
-_CACHE_LOCK = threading.Lock()
-
-
-def clear_plan_cache() -> None:
-    """Forget every cached plan (benchmarks time fresh compiles with it)."""
-    with _CACHE_LOCK:
-        _CACHE.clear()
-
-
 compile_plan.cache_clear = clear_plan_cache  # type: ignore[attr-defined]
-
-
-def _fast_key(cu_seqlens: object) -> tuple[int, ...] | None:
-    """``cu_seqlens`` as a tuple when that is cheap and exact (int lists, integer arrays); only
-    used to look up the cache, which holds validated batches only."""
-    if isinstance(cu_seqlens, np.ndarray) and cu_seqlens.ndim == 1 and cu_seqlens.dtype.kind in "iu":
-        return tuple(cu_seqlens.tolist())
-    if isinstance(cu_seqlens, (list, tuple)) and set(map(type, cu_seqlens)) == {int}:
-        return tuple(cu_seqlens)
-    return None
 
 
 def _compile_cached(cu: tuple[int, ...], opts: PlanOptions) -> Plan:
@@ -471,7 +458,6 @@ def _compile_cached(cu: tuple[int, ...], opts: PlanOptions) -> Plan:
     # cost more traffic than the balance saves, keep the contiguous layout (the plan carries its
     # layout, so batch sharding follows whichever was kept; stats()["layout"] says which).
     return balanced if kept_layout(contiguous.chosen.time, balanced.chosen.time, bound) == "balanced" else contiguous
-
 
 
 def _link_of(opts: PlanOptions) -> LinkClass:

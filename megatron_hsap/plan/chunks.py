@@ -1,0 +1,151 @@
+"""Head chunks of the intra all-to-all: the valid counts, their estimated time and the count a plan
+runs with (docs/design.md §2.2 "Autograd", §4).
+
+``HSAPAttention`` (``runtime/hsap.py``) splits the ``h = H/P_intra`` q heads and ``hkv`` kv heads a
+rank holds after the all-to-all (``plan.shape``; kv heads replicated when ``P_intra > Hkv``) into
+``C = plan.head_chunks`` equal chunks and pipelines them: while SAP computes chunk ``k``, the
+all-to-all of chunk ``k+1`` (q, k, v forward; dO backward) and the return of chunk ``k−1`` (o;
+dq, dk, dv) are in flight on the intra group.
+
+**Rule** (:func:`valid_head_chunks`): ``C`` divides both ``h`` and ``hkv``. Chunk ``c`` then holds q
+heads ``[c·h/C, (c+1)·h/C)`` and kv heads ``[c·hkv/C, (c+1)·hkv/C)`` — exactly the kv heads those
+q heads use (``h/hkv`` q heads per kv head), so each chunk is one SAP run of the same programs on
+``1/C`` of the heads: every message and slot shrinks by ``C`` and the bytes summed over the chunks
+equal the plan's. With one kv head per rank (``P_intra ≥ Hkv`` under GQA) only ``C = 1`` is valid:
+a kv head shared by several chunks would be re-sent by every chunk's SAP rounds.
+
+**Choice** (:func:`resolve_head_chunks`): ``options.head_chunks`` when given; else 1 when
+``P_intra = 1`` or ``P_inter = 1``; else the valid count of least
+``estimate.pipelined_time`` summed over forward and backward (ties: fewer chunks).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from megatron_hsap.errors import ConfigError
+from megatron_hsap.plan.estimate import PipelinePhase, pipelined_time
+from megatron_hsap.plan.hardware import LinkClass, link_class_for
+from megatron_hsap.plan.ir import Compute, Phase
+from megatron_hsap.plan.options import kv_heads_per_rank
+
+if TYPE_CHECKING:
+    from megatron_hsap.plan.options import PlanOptions
+    from megatron_hsap.plan.plan import Plan
+
+__all__ = [
+    "valid_head_chunks",
+    "check_head_chunks",
+    "intra_link",
+    "a2a_call_bytes",
+    "a2a_bytes_sent",
+    "pipeline_phases",
+    "head_chunk_estimates",
+    "resolve_head_chunks",
+]
+
+# all_to_all_single calls per chunk before / after SAP (runtime/hsap.py): q, k, v in and o out
+# forward; dO in and dq, dk, dv out backward
+_CALLS = {Phase.FWD: (("q", "k", "v"), ("o",)), Phase.BWD: (("o",), ("q", "k", "v"))}
+
+
+def valid_head_chunks(local_heads: int, local_kv_heads: int) -> tuple[int, ...]:
+    """Chunk counts that split ``local_heads`` q and ``local_kv_heads`` kv heads evenly and
+    consistently (the divisors of their gcd; see the module docstring)."""
+    g = math.gcd(local_heads, local_kv_heads)
+    return tuple(c for c in range(1, g + 1) if g % c == 0)
+
+
+def check_head_chunks(opts: "PlanOptions") -> None:
+    """Raise :class:`ConfigError` naming the value unless ``opts.head_chunks`` is None or a valid count."""
+    c = opts.head_chunks
+    if c is None:
+        return
+    if isinstance(c, bool) or not isinstance(c, int) or c < 1:
+        raise ConfigError(f"head_chunks={c!r} must be None (the planner chooses) or an int >= 1")
+    if c == 1:
+        return
+    p = opts.intra_size
+    if p == 1:
+        raise ConfigError(
+            f"head_chunks={c} pipelines the intra all-to-all, but the plan has intra_size=1 (pure SAP, no "
+            "all-to-all); use head_chunks=None or 1"
+        )
+    hkv = kv_heads_per_rank(opts.num_heads, opts.num_kv_heads or opts.num_heads, p)
+    valid = valid_head_chunks(opts.num_heads // p, hkv)
+    if c not in valid:
+        raise ConfigError(
+            f"head_chunks={c} cannot split the {opts.num_heads // p} q heads and {hkv} kv heads each intra rank "
+            f"holds (num_heads={opts.num_heads}, num_kv_heads={opts.num_kv_heads or opts.num_heads}, "
+            f"intra_size={p}) into equal chunks of whole kv groups; valid head_chunks: {list(valid)} (or None)"
+        )
+
+
+def intra_link(opts: "PlanOptions") -> LinkClass:
+    """The intra group's link: NVLink when its ``tp_size × intra_size`` GPUs fit one node."""
+    return link_class_for(opts.tp_size * opts.intra_size, opts.gpus_per_node)
+
+
+def a2a_call_bytes(plan: "Plan") -> dict[str, int]:
+    """Bytes one rank sends in the all-to-all of each tensor, all chunks together: ``{"q", "k",
+    "v", "o"}`` (``t_local`` rows of ``h`` (or ``hkv``) heads to each of the ``P_intra − 1`` peers;
+    dO, dq, dk, dv have the shapes of o, q, k, v)."""
+    s, p = plan.shape, plan.intra_size
+    row = plan.local_tokens * (p - 1) * s.dtype_bytes
+    return {"q": row * s.num_heads * s.head_dim, "k": row * s.num_kv_heads * s.head_dim,
+            "v": row * s.num_kv_heads * s.head_dim_v, "o": row * s.num_heads * s.head_dim_v}  # fmt: skip
+
+
+def a2a_bytes_sent(plan: "Plan") -> dict[str, int]:
+    """Intra all-to-all bytes one rank sends per phase, ``{"fwd", "bwd"}`` (whatever the chunk count)."""
+    b = a2a_call_bytes(plan)
+    return {ph.value: sum(b[n] for side in _CALLS[ph] for n in side) for ph in (Phase.FWD, Phase.BWD)}
+
+
+def _kernel_calls(plan: "Plan", phase: Phase) -> int:
+    """Most varlen kernel calls one inter rank makes in ``phase`` (items sharing input buffers
+    and causality share a call, as the simulator groups them)."""
+    progs = plan.fwd_programs if phase is Phase.FWD else plan.bwd_programs
+    return max((sum(len({(it.srcs, it.causal) for it in ins.items}) for ins in prog.instrs if isinstance(ins, Compute))
+                for prog in progs), default=0)  # fmt: skip
+
+
+def pipeline_phases(plan: "Plan") -> dict[Phase, PipelinePhase]:
+    """The inputs of ``estimate.pipelined_time`` per phase: the plan's SAP estimate, its round
+    latencies and kernel launches (paid again by every chunk) and the all-to-all bytes and calls."""
+    hw, b = plan.hardware, a2a_call_bytes(plan)
+    out = {}
+    for ph, pt in ((Phase.FWD, plan.chosen.fwd_time), (Phase.BWD, plan.chosen.bwd_time)):
+        before, after = _CALLS[ph]
+        out[ph] = PipelinePhase(sap_s=pt.total, latency_s=pt.latency, launch_s=_kernel_calls(plan, ph) * hw.kernel.launch_s,
+                                in_bytes=sum(b[n] for n in before), out_bytes=sum(b[n] for n in after),
+                                in_calls=len(before), out_calls=len(after))  # fmt: skip
+    return out
+
+
+def head_chunk_estimates(plan: "Plan") -> dict[int, float]:
+    """Estimated forward + backward seconds of the intra all-to-all pipelined with SAP, per valid
+    chunk count (``C = 1``: the all-to-alls before and after SAP fully exposed)."""
+    if plan.intra_size == 1:
+        return {1: plan.chosen.time}
+    link = intra_link(plan.options)
+    bw, lat = plan.hardware.bandwidth(link), plan.hardware.latency(link)
+    phases = pipeline_phases(plan)
+    return {c: sum(pipelined_time(ph, c, bw, lat) for ph in phases.values())
+            for c in valid_head_chunks(plan.shape.num_heads, plan.shape.num_kv_heads)}  # fmt: skip
+
+
+def resolve_head_chunks(plan: "Plan") -> int:
+    """The chunk count ``plan`` runs with (``Plan.head_chunks``; see the module docstring)."""
+    forced = plan.options.head_chunks
+    if forced is not None:
+        return forced
+    if plan.intra_size == 1 or plan.inter_size == 1:
+        return 1
+    est = head_chunk_estimates(plan)
+    best = 1
+    for c in sorted(est):
+        if est[c] < est[best] * (1 - 1e-9):
+            best = c
+    return best
