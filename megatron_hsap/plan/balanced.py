@@ -89,6 +89,9 @@ _LAYOUT_GAIN_PERCENT = 1  # layout="balanced" skips its compile when the contigu
 _SLACK = 0.02  # a document whole on a rank may overshoot the mean work by this before it is split
 _EXPOSED = 0.5  # measured: 0.5 beat 0.1, 0.25 and 1.0 (no overlap) on plan estimates, 64K–1M, P 8–64
 _MIN_PIECE = 64  # tokens: balance alone never cuts a document into head/tail pieces smaller than this
+_ONE = tuple(np.array([r]) for r in range(1024))  # best_ranks(1)'s answers, allocated once (read-only)
+for _a in _ONE:
+    _a.setflags(write=False)
 
 
 def _assign(starts: np.ndarray, lengths: np.ndarray, work: np.ndarray, k_of: np.ndarray | None, size: int,
@@ -110,11 +113,17 @@ def _assign(starts: np.ndarray, lengths: np.ndarray, work: np.ndarray, k_of: np.
     traffic = np.zeros(size)  # kv tokens to receive × token_cost (pairs)
     held: list[list[tuple[int, int]]] = [[] for _ in range(size)]
 
+    # ``_cost(load, traffic)`` kept up to date rank by rank (the key of the LPT variants, whose
+    # projection density is 0): the same float operations as ``_cost``, one rank at a time
+    cost = np.zeros(size)
+
     def give(r: int, a: int, b: int, doc_start: int, remote: float) -> None:
         held[r].append((a, b))
         room[r] -= b - a
         load[r] += piece_work(doc_start, a, b, window)
         traffic[r] += token_cost * remote
+        lr, tr = float(load[r]), float(traffic[r])
+        cost[r] = (lr if lr >= tr else tr) + _EXPOSED * (tr if lr >= tr else lr)
 
     order = np.lexsort((np.arange(len(lengths)), -work))
     rest_work, rest_tokens = float(work.sum()), float(lengths.sum())
@@ -126,16 +135,19 @@ def _assign(starts: np.ndarray, lengths: np.ndarray, work: np.ndarray, k_of: np.
         rest_work -= work[d]
         rest_tokens -= n
         rho = rest_work / rest_tokens if projected and rest_tokens else 0.0
-        projected_load = load + room * rho  # projected: the rest of the room fills at the remaining density
-        key = _cost(projected_load, traffic)
+        if rho:  # projected: the rest of the room fills at the remaining density
+            projected_load = load + room * rho
+            key = _cost(projected_load, traffic)
+        else:  # load + room·0 is load, bit for bit: the maintained cost is the key
+            projected_load, key = load, cost
         best: tuple[float, int, np.ndarray] | None = None
 
         def best_ranks(k: int) -> np.ndarray | None:
             """The k lowest-key ranks with room for a ``⌈n/k⌉`` share (None if fewer fit)."""
             ok = room >= -(-n // k)
             if k == 1:  # the common case: one masked argmin (ties: lowest rank)
-                r = int(np.argmin(np.where(ok, key, np.inf)))
-                return np.array([r]) if ok[r] else None
+                r = int(np.where(ok, key, np.inf).argmin())
+                return (_ONE[r] if r < len(_ONE) else np.array([r])) if ok[r] else None
             fit = ranks[ok]
             return fit[np.lexsort((fit, key[fit]))[:k]] if len(fit) >= k else None
 
@@ -151,10 +163,17 @@ def _assign(starts: np.ndarray, lengths: np.ndarray, work: np.ndarray, k_of: np.
                 chosen = best_ranks(k)
                 if chosen is None:
                     continue
-                floor = float(key[chosen].max())
-                # the share displaces n/k tokens of filler (projected) and pays its kv traffic
-                peak = float(_cost(projected_load[chosen] + work[d] / k - rho * n / k,
-                                   traffic[chosen] + token_cost * n * (k - 1) / k).max())
+                if k == 1:  # one rank: the same float operations on scalars
+                    r0 = int(chosen[0])
+                    floor = float(key[r0])
+                    lw = float(projected_load[r0]) + float(work[d]) / k - rho * n / k
+                    tw = float(traffic[r0]) + token_cost * n * (k - 1) / k
+                    peak = (lw if lw >= tw else tw) + _EXPOSED * (tw if lw >= tw else lw)
+                else:
+                    floor = float(key[chosen].max())
+                    # the share displaces n/k tokens of filler (projected) and pays its kv traffic
+                    peak = float(_cost(projected_load[chosen] + work[d] / k - rho * n / k,
+                                       traffic[chosen] + token_cost * n * (k - 1) / k).max())
                 if best is None or peak < best[0]:
                     best = (peak, k, chosen)
                 if peak <= cap or k >= k_max or floor >= best[0]:

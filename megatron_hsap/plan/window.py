@@ -76,9 +76,14 @@ def banded_pairs(qs: int, qe: int, ks: int, ke: int, left: int = NO_WINDOW) -> i
     causal mask ``j <= i`` and the window ``j >= i - left`` (``left = -1``: none)."""
     if qe <= qs or ke <= ks:
         return 0
+    if left < 0:  # no window: the two shapes blocks take, in closed form (the planner's hottest call)
+        if ke <= qs:  # every key before every row: a dense rectangle
+            return (qe - qs) * (ke - ks)
+        if ke == qe and ks <= qs:  # bottom-right aligned diagonal: a rectangle of keys before the rows + a triangle
+            n = qe - qs
+            return n * (qs - ks) + n * (n + 1) // 2
+        return _pairs_below(qs, qe, ks, ke, 0)
     causal = _pairs_below(qs, qe, ks, ke, 0)
-    if left < 0:
-        return causal
     return causal - _pairs_below(qs, qe, ks, ke, left + 1)
 
 
