@@ -141,15 +141,19 @@ def _assign(starts: np.ndarray, lengths: np.ndarray, work: np.ndarray, k_of: np.
         else:  # load + room·0 is load, bit for bit: the maintained cost is the key
             projected_load, key = load, cost
         best: tuple[float, int, np.ndarray] | None = None
+        by_key: list[np.ndarray] = []  # every rank by (key, rank), sorted once per document
 
         def best_ranks(k: int) -> np.ndarray | None:
             """The k lowest-key ranks with room for a ``⌈n/k⌉`` share (None if fewer fit)."""
-            ok = room >= -(-n // k)
             if k == 1:  # the common case: one masked argmin (ties: lowest rank)
-                r = int(np.where(ok, key, np.inf).argmin())
-                return (_ONE[r] if r < len(_ONE) else np.array([r])) if ok[r] else None
-            fit = ranks[ok]
-            return fit[np.lexsort((fit, key[fit]))[:k]] if len(fit) >= k else None
+                r = int(np.where(room >= n, key, np.inf).argmin())
+                return (_ONE[r] if r < len(_ONE) else np.array([r])) if room[r] >= n else None
+            if not by_key:
+                order = np.lexsort((ranks, key))
+                by_key.extend((order, room[order]))
+            order, rooms = by_key
+            fit = order[rooms >= -(-n // k)]  # the ranks with room, still by (key, rank)
+            return fit[:k] if len(fit) >= k else None
 
         if k_of is not None:  # fixed split count (widened only when rooms are short)
             for k in range(int(k_of[d]), size + 1):

@@ -12,7 +12,7 @@ from megatron_hsap.plan.placement import Prices, rows_for_work
 from megatron_hsap.plan.units import clip_unit
 
 __all__ = ["is_local", "footprint", "split_rows", "split_cols", "with_stage", "cut_by_cols", "count_fitting",
-           "smallest_piece", "grid_tiles", "take"]
+           "smallest_piece", "needs_tiles", "grid_tiles", "take"]
 
 
 def is_local(u: Unit) -> bool:
@@ -88,23 +88,29 @@ def smallest_piece(u: Unit, pr: Prices) -> float:
     return float(len(u.q) if cut_by_cols(u, pr) else len(u.kv))
 
 
+def needs_tiles(u: Unit, budget: float, pr: Prices) -> bool:
+    """Whether ``grid_tiles`` cuts ``u`` (whatever the share): q rows and kv both travel and even
+    the shorter side nearly fills ``budget``. Otherwise ``grid_tiles(u, ...)`` is ``[u]``."""
+    if u.rank == u.q_owner or u.rank == u.kv_owner:
+        return False
+    fq, fk = pr.q_bwd + pr.dq, pr.kv + pr.dkv
+    if u.causal:  # row cuts (``take``) can make progress unless one row's keys fill the budget
+        return (u.q.stop - u.kv.start) * fk + fq > budget and len(u.q) >= 2
+    # else cuts along the longer side (re-sending the shorter) can make progress
+    return min(len(u.q) * fq, len(u.kv) * fk) > budget / 2
+
+
 def grid_tiles(u: Unit, share: float, budget: float, pr: Prices) -> list[Unit]:
     """A block whose q rows and kv both travel and whose shorter side alone nearly fills
     ``budget`` (so 1-D cuts, which re-send that side with every part, cannot progress): cut into a
     grid of tiles of about ``share`` pairs (one stage's worth) that each fit the budget; a tile of
     area A costs r·fq + c·fk, least at r = sqrt(A·fk/fq). Causal blocks first split into their
     triangles and the rectangle between them."""
-    if u.rank == u.q_owner or u.rank == u.kv_owner:
+    if not needs_tiles(u, budget, pr):
         return [u]
     fq, fk = pr.q_bwd + pr.dq, pr.kv + pr.dkv
     nq, nk = len(u.q), len(u.kv)
-    if u.causal and (u.q.stop - u.kv.start) * fk + fq <= budget:
-        return [u]  # row cuts (``take``) can make progress
-    if not u.causal and min(nq * fq, nk * fk) <= budget / 2:
-        return [u]  # cuts along the longer side (re-sending the shorter) can make progress
     if u.causal:
-        if nq < 2:
-            return [u]
         m = u.q.start + nq // 2
         parts = []
         if u.kv.start < u.q.start:  # keys before the rows: a rectangle of their own

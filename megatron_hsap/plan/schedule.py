@@ -27,11 +27,12 @@ prices each (``estimate.price_staging``) and keeps the cheapest.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
-from megatron_hsap.plan.cuts import footprint, grid_tiles, is_local, smallest_piece, split_cols, split_rows, take, with_stage
+from megatron_hsap.plan.cuts import (footprint, grid_tiles, is_local, needs_tiles, smallest_piece, split_cols, split_rows, take,
+                                     with_stage)
 from megatron_hsap.plan.ir import Unit
 from megatron_hsap.plan.placement import Prices, rows_for_work
 
@@ -118,21 +119,28 @@ class Split:
     remote: tuple[tuple[Unit, ...], ...]
     local: tuple[tuple[Unit, ...], ...]
     local_work: np.ndarray  # [P]
+    remote_work: tuple[int, ...] = ()  # [P] exact pairs of each rank's remote blocks
+    # (rank, budget) -> the rank's remote blocks in ``_interleave`` order, when no block needs 2-D
+    # tiles under that budget (the order is then the same for every stage shape tried)
+    orders: dict = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def of(cls, placed: list[Unit], size: int) -> "Split":
         local: list[list[Unit]] = [[] for _ in range(size)]
         remote: list[list[Unit]] = [[] for _ in range(size)]
         lw = np.zeros(size)
+        rw = [0] * size
         for u in placed:
+            w = u.work
             if u.rank == u.q_owner == u.kv_owner:
                 local[u.rank].append(u)
-                lw[u.rank] += u.work
+                lw[u.rank] += w
             else:
                 remote[u.rank].append(u)
+                rw[u.rank] += w
         for loc in local:
             loc.sort(key=lambda u: (u.q.start, u.kv.start))
-        return cls(size, tuple(map(tuple, remote)), tuple(map(tuple, local)), lw)
+        return cls(size, tuple(map(tuple, remote)), tuple(map(tuple, local)), lw, tuple(rw))
 
 
 def stage(split: Split, pr: Prices, shape: StageShape, budget: float) -> Staging:
@@ -148,11 +156,11 @@ def stage(split: Split, pr: Prices, shape: StageShape, budget: float) -> Staging
     used = n_mid
     level = None
     if shape.front:  # the common per-stage level of the most loaded rank
-        top = max(split.local_work[r] + sum(u.work for u in split.remote[r]) for r in range(size))
+        top = max(split.local_work[r] + split.remote_work[r] for r in range(size))
         level = top / float(shape.weights.sum())
     for r in range(size):
         if split.remote[r]:
-            cuts[r], n = _cut_remote(list(split.remote[r]), n_mid, pr, budget, size, level)
+            cuts[r], n = _cut_remote(split, r, n_mid, pr, budget, level)
             used = max(used, n)
     stages = shape.stages + (used - n_mid)
     weights = StageShape(stages, shape.alpha).weights
@@ -249,14 +257,29 @@ def _interleave(units: list[Unit], size: int) -> list[Unit]:
     return [t[3] for t in keyed]
 
 
-def _cut_remote(units: list[Unit], n_mid: int, pr: Prices, budget: float, size: int,
+def _ordered_remote(split: Split, r: int, per: float, budget: float, pr: Prices) -> list[Unit]:
+    """Rank ``r``'s remote blocks, 2-D tiled where needed (``grid_tiles``), in ``_interleave``
+    order; cached on ``split`` when no block needs tiles (then ``per`` does not matter)."""
+    key = (r, budget)
+    got = split.orders.get(key)
+    if got is not None:
+        return got
+    units = split.remote[r]
+    if any(needs_tiles(u, budget, pr) for u in units):
+        return _interleave([t for u in units for t in grid_tiles(u, per, budget, pr)], split.size)
+    got = split.orders[key] = _interleave(list(units), split.size)
+    return got
+
+
+def _cut_remote(split: Split, r: int, n_mid: int, pr: Prices, budget: float,
                 level: float | None = None) -> tuple[list[Unit], int]:
-    """Spread remote blocks evenly by work over middle stages ``1 .. n_mid`` (or, with ``level``,
-    fill each from the first up to that much work) within ``budget`` pool bytes each; returns the
-    parts (stage set) and how many middle stages they use (``> n_mid`` when forced)."""
-    total = float(sum(u.work for u in units))
+    """Spread rank ``r``'s remote blocks evenly by work over middle stages ``1 .. n_mid`` (or,
+    with ``level``, fill each from the first up to that much work) within ``budget`` pool bytes
+    each; returns the parts (stage set) and how many middle stages they use (``> n_mid`` when
+    forced)."""
+    total = float(split.remote_work[r])
     per = total / n_mid if level is None else max(level, total / (4 * n_mid), 1.0)
-    units = _interleave([t for u in units for t in grid_tiles(u, per, budget, pr)], size)
+    units = _ordered_remote(split, r, per, budget, pr)
     out: list[Unit] = []
     k = 0  # middle stage index (stage k + 1)
     placed_w = acc_b = 0.0  # work placed so far (all stages), pool bytes of stage k
