@@ -449,7 +449,7 @@ def run_pretrain(datasets_provider: Any, forward_step: Callable[..., Any], loss_
     main_entry = time.time()
     from megatron.core.enums import ModelType
     from megatron.training import inprocess_restart, pretrain, set_startup_timestamps
-    from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args
+    from megatron.training.argument_utils import gpt_config_from_args, hybrid_config_from_args, pretrain_cfg_container_from_args
     from megatron.training.arguments import parse_and_validate_args
 
     set_startup_timestamps(program_start=program_start if program_start is not None else main_entry,
@@ -472,7 +472,10 @@ def run_pretrain(datasets_provider: Any, forward_step: Callable[..., Any], loss_
             raise ConfigError("ModelOpt builds its own layer spec, which has no HSAP attention: "
                               "drop the ModelOpt flags or use --context-parallel-impl ring")
         datasets_provider, forward_step = hsap_entry_points(args, datasets_provider, loss_func)
-    model_cfg = gpt_config_from_args(args)
+    # --hybrid-layer-pattern: a HybridModel built by Megatron's HybridModelBuilder, as Megatron-LM's
+    # pretrain_hybrid.py does (core_v0.19.0); otherwise a GPTModel, as pretrain_gpt.py
+    hybrid = getattr(args, "hybrid_layer_pattern", None) is not None
+    model_cfg = hybrid_config_from_args(args) if hybrid else gpt_config_from_args(args)
     run(
         pretrain_cfg_container_from_args(args, model_cfg),
         datasets_provider,

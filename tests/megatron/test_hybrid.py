@@ -81,3 +81,56 @@ def test_arguments_hybrid_pattern_selects_the_hybrid_stack_spec() -> None:
     assert validate_hsap_args(args) is not None
     assert args.spec == ["megatron_hsap.megatron.spec", "HSAP_HYBRID_STACK_SPEC"]
     assert import_module(args.spec) is HSAP_HYBRID_STACK_SPEC
+
+
+# --- HybridModel in Megatron's own pretrain() loop (megatron-hsap pretrain-cpu) -------------------
+# Megatron-LM's pretrain_hybrid.py builds the model config with hybrid_config_from_args, so
+# HybridModelBuilder builds the model; run_pretrain does the same when --hybrid-layer-pattern is
+# set. "*--*-" (attention, MLP, MLP, attention, MLP) is no GPT stack. The reference is the same loop
+# at CP=1 with megatron-core's local modules (REFERENCE_HYBRID_STACK_SPEC: local DotProductAttention,
+# the dataloader's per-document mask). HybridStack's TENorm final norm is WrappedTorchNorm in both
+# runs on CPU (cpu/rank.py). Tolerance as test_pretrain_cpu (1e-5 relative).
+LOOP_PATTERN = "*--*-"
+_REFERENCE_SPEC = ("--spec", "megatron_hsap.megatron.cpu.reference_spec", "REFERENCE_HYBRID_STACK_SPEC")
+
+
+def test_reference_hybrid_stack_spec_is_megatrons_local_stack() -> None:
+    from megatron.core.models.hybrid.hybrid_block import HybridStack
+    from megatron.core.transformer.attention import SelfAttention
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.spec_utils import import_module
+
+    spec = import_module(list(_REFERENCE_SPEC[1:]))  # what hybrid_config_from_args does with --spec
+    assert spec.module is HybridStack
+    attn = spec.submodules.attention_layer.submodules.self_attention
+    assert attn.module is SelfAttention and attn.submodules.core_attention is DotProductAttention
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_hybrid_model_in_megatrons_loop_equals_cp1_local_attention(tmp_path) -> None:
+    import json
+    import math
+    from pathlib import Path
+
+    from megatron_hsap.megatron.cpu.command import CPURun, run
+
+    base = dict(steps=3, eval_interval=3, eval_iters=1)
+    results = {}
+    for name, kw in {"ref": dict(world_size=1, reference=True, extra=("--hybrid-layer-pattern", LOOP_PATTERN, *_REFERENCE_SPEC)),
+                     "1x2": dict(world_size=2, intra_size=1, inter_size=2, extra=("--hybrid-layer-pattern", LOOP_PATTERN)),
+                     "2x2": dict(world_size=4, intra_size=2, inter_size=2, extra=("--hybrid-layer-pattern", LOOP_PATTERN))}.items():  # fmt: skip
+        log = tmp_path / name
+        result = run(CPURun(log_dir=str(log), **base, **kw), record_dir=str(log / "record"))
+        assert result.returncode == 0, result.output[-6000:]
+        results[name] = (result, json.loads(Path(log / "record" / "params-rank0.json").read_text()))
+    ref, ref_params = results["ref"]
+    assert "HybridModel: pp_rank=0/1" in (tmp_path / "ref" / "rank0.log").read_text()  # HybridModelBuilder built it
+    assert any(".decoder.layers.4.mlp." in n for n in ref_params)  # 5 layers: the pattern's
+    assert any(".decoder.layers.3.self_attention." in n for n in ref_params)
+    for name in ("1x2", "2x2"):
+        got, params = results[name]
+        assert params == ref_params  # the same parameters as Megatron's own local stack
+        assert sorted(got.losses) == sorted(ref.losses) == [1, 2, 3]
+        for step, want in ref.losses.items():
+            assert math.isfinite(got.losses[step]) and abs(got.losses[step] - want) <= 1e-5 * abs(want), (name, step)

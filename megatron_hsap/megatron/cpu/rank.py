@@ -24,12 +24,29 @@ def main() -> None:
     from megatron_hsap.megatron.cpu import record
 
     record.install()
+    _local_hybrid_final_norm()
     from megatron_hsap.megatron.cpu.loop import cpu_datasets_provider, cpu_loss_func, reference_forward_step
     from megatron_hsap.megatron.pretrain_hooks import run_pretrain
 
     store = dist.FileStore(os.environ["HSAP_CPU_STORE"], int(os.environ["WORLD_SIZE"]))
     run_pretrain(cpu_datasets_provider, reference_forward_step, cpu_loss_func,
                  args_defaults={}, store=store, program_start=start)
+
+
+def _local_hybrid_final_norm() -> None:
+    """megatron-core 0.19.2's ``HybridStack`` builds its final norm as Transformer Engine's ``TENorm``
+    whatever the stack spec says (``models/hybrid/hybrid_block.py``), and ``TENorm`` raises without
+    TE. On a CPU rank without TE the stack gets megatron-core's ``WrappedTorchNorm`` with the same
+    arguments instead (the only model module this CPU support replaces; a GPU run with TE never
+    gets here). Every run of a comparison gets the same substitution."""
+    from megatron.core.extensions import transformer_engine
+
+    if getattr(transformer_engine, "HAVE_TE", False):
+        return
+    from megatron.core.models.hybrid import hybrid_block
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    hybrid_block.TENorm = WrappedTorchNorm
 
 
 if __name__ == "__main__":

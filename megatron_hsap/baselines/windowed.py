@@ -1,0 +1,245 @@
+"""Peers under a causal sliding window ``(left, 0)``, priced with the planner's flat constants
+(issue 15 item 6; docs/design.md §4 rates, wire formats and transfer rule, like ``baselines.flat``).
+
+Each model follows what the peer's code does with a window (read at the commits named below),
+not what it could do:
+
+* ``te_allgather_swa`` — Transformer Engine ``AttnFuncWithCPAndKVAllGather`` (NVIDIA/TransformerEngine
+  ``transformer_engine/pytorch/attention/dot_product_attention/context_parallel.py``, commit
+  d0067d0, ``attn_forward_func_with_cp`` accepts sliding windows with ``cp_comm_type`` ``"a2a"``
+  or ``"all_gather"`` only). Every document padded to a multiple of 2P and split zigzag (rank r
+  holds chunks r and 2P−1−r). The forward all-gathers **every** rank's K and V
+  (``gather_along_first_dim`` of the whole local k, v — the window does not shrink the
+  collective), then runs its two q chunks against the keys each may see: THD passes the whole
+  gathered KV with per-step ``cu_seqlens`` up to the chunk's end and the window re-expressed for
+  bottom-right alignment (``get_kv_seq_info_after_all_gather``), so the kernel computes the
+  banded pairs only. The backward all-gathers K and V again and reduce-scatters dK, dV (activation
+  dtype). So bytes equal the full-causal all-gather's (``flat.allgather_kv_zigzag``); compute is
+  the banded pairs of each rank's zigzag rows. Compute waits for the collective (not overlapped).
+  THD all-gather needs FusedAttention or FlashAttention 3 (the class docstring).
+* ``te_a2a_swa`` — Transformer Engine ``AttnFuncWithCPAndQKVOA2A`` (same file; ``"a2a"`` is the
+  other type that accepts windows): Ulysses all-to-alls (bytes of ``flat.ulysses``), each rank
+  running the whole sequence's banded pairs on H/P heads. Needs P ≤ H, H % P = 0.
+* ``magi_swa`` — MagiAttention (SandAI-org/MagiAttention, commit 2c64135): a window becomes
+  ``AttnSlice`` ranges per document (``magi_attention/api/functools.py``
+  ``infer_attn_mask_from_sliding_window``: a CAUSAL slice for the rows whose window reaches the
+  document start, a BICAUSAL parallelogram for the rest), whose ``area`` is the exact banded pair
+  count (``magi_attention/meta/container/slice.py``). The dispatcher cuts the (padded) sequence
+  into chunks of ``chunk_size`` tokens and assigns them by area with its default min-heap
+  (``magi_attention/meta/solver/dispatch_solver.py`` ``_solve_with_minhp``: largest area first to
+  the least-loaded rank holding fewer than ⌈n/P⌉ chunks); q stays on its host rank, and each rank
+  fetches the remote keys its slices' ``k_range``s touch (group-cast), once in the forward and
+  again in the backward, which also group-reduces the fp32 partial dK, dV to their owners
+  (``magi_attention/functional/dist_attn.py``: ``_fetch_remote_kv`` in both passes,
+  ``reduce_partial_dq_dkv``). Compute and communication are priced as perfectly overlapped
+  (max of the two per phase, plus one latency per pass) — which favours MagiAttention, whose
+  overlap is staged.
+
+Where a model favours the peer it says so; dK/dV of TE travel in the activation dtype (HSAP and
+MagiAttention send fp32 partials).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from megatron_hsap.baselines.flat import BaselineCost, price_baseline
+from megatron_hsap.errors import ConfigError
+from megatron_hsap.plan.costs import HeadShape
+from megatron_hsap.plan.hardware import Hardware, LinkClass
+from megatron_hsap.plan.ir import Wire
+from megatron_hsap.plan.layout import normalize_cu_seqlens
+from megatron_hsap.plan.window import normalize_window
+
+__all__ = ["WINDOWED_PEERS", "MAGI_CHUNK_SIZE", "price_windowed", "banded_row_pairs", "magi_dispatch", "MagiDispatch"]
+
+WINDOWED_PEERS = ("te_allgather_swa", "te_a2a_swa", "magi_swa")
+MAGI_CHUNK_SIZE = 512  # MagiAttention's examples/transformers README passes chunk_size=512
+
+
+def banded_row_pairs(n: np.ndarray, left: int) -> np.ndarray:
+    """Pairs of the first ``n`` rows of a document under the causal window ``(left, 0)``: row ``i``
+    (0-based) sees ``min(i, left) + 1`` keys. float64, same shape as ``n``; ``left = -1``: causal."""
+    n = np.asarray(n, dtype=np.float64)
+    if left < 0:
+        return n * (n + 1) / 2
+    w = float(left) + 1.0  # keys of a full window row
+    head = np.minimum(n, w)
+    return head * (head + 1) / 2 + np.maximum(n - w, 0.0) * w
+
+
+def _rows_pairs(a: np.ndarray, b: np.ndarray, lengths: np.ndarray, left: int) -> np.ndarray:
+    """Banded pairs of document rows ``[a, b)`` clipped to each document's length (per document)."""
+    a, b = np.minimum(a, lengths), np.minimum(b, lengths)
+    return banded_row_pairs(b, left) - banded_row_pairs(a, left)
+
+
+@dataclass(frozen=True, slots=True)
+class _Env:
+    cu: np.ndarray  # int64 [n_docs + 1]
+    P: int
+    left: int
+    shape: HeadShape
+    hw: Hardware
+    link: LinkClass
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.cu).astype(np.float64)
+
+    def fwd_s(self, pairs: np.ndarray | float) -> np.ndarray | float:
+        return pairs * self.shape.fwd_flops_per_pair / self.hw.attn_fwd_flops
+
+    def bwd_s(self, pairs: np.ndarray | float) -> np.ndarray | float:
+        return pairs * self.shape.bwd_flops_per_pair / self.hw.attn_bwd_flops
+
+
+def _full(env: _Env, method: str) -> BaselineCost:
+    cost = price_baseline(method, env.cu, world=env.P, shape=env.shape, hardware=env.hw, link=env.link)
+    assert cost is not None, method  # availability is checked by the caller
+    return cost
+
+
+def _te_allgather_swa(env: _Env) -> BaselineCost:
+    """Zigzag rows per rank, banded compute; bytes and collectives of the full-causal all-gather."""
+    P, lengths = env.P, env.lengths
+    c = np.ceil(lengths / (2 * P)) if P > 1 else lengths / 2.0
+    work = np.array([float((_rows_pairs(r * c, (r + 1) * c, lengths, env.left)
+                            + _rows_pairs((2 * P - 1 - r) * c, (2 * P - r) * c, lengths, env.left)).sum())
+                     for r in range(P)])  # fmt: skip
+    full = _full(env, "allgather_kv_zigzag")  # same gathers and reduce-scatter: the window moves nothing less
+    kv_bytes = float(full.bytes_sent[0]) / 3.0  # one all-gather of KV per rank (fwd, bwd; dKV likewise)
+    coll = 0.0 if P == 1 else env.hw.latency(env.link)
+    ag = kv_bytes / env.hw.bandwidth(env.link) + coll
+    return BaselineCost(
+        method="te_allgather_swa",
+        fwd_time=ag + float(np.max(env.fwd_s(work))),
+        bwd_time=ag + float(np.max(env.bwd_s(work))) + ag,
+        bytes_sent=full.bytes_sent.copy(),
+        bytes_recv=full.bytes_recv.copy(),
+        work=work,
+        steps=full.steps,
+        note=f"all of K, V gathered whatever the window; banded compute; imbalance {work.max() / max(work.mean(), 1.0):.2f}",
+    )
+
+
+def _te_a2a_swa(env: _Env) -> BaselineCost:
+    """Ulysses all-to-alls unchanged; every rank computes the banded pairs on H/P heads."""
+    full = _full(env, "ulysses")
+    pairs = float(banded_row_pairs(env.lengths, env.left).sum()) / env.P
+    comm_fwd = full.fwd_time - float(env.fwd_s(float(full.work[0])))  # the all-to-alls (not overlapped)
+    comm_bwd = full.bwd_time - float(env.bwd_s(float(full.work[0])))
+    return BaselineCost(
+        method="te_a2a_swa",
+        fwd_time=comm_fwd + float(env.fwd_s(pairs)),
+        bwd_time=comm_bwd + float(env.bwd_s(pairs)),
+        bytes_sent=full.bytes_sent.copy(),
+        bytes_recv=full.bytes_recv.copy(),
+        work=np.full(env.P, pairs),
+        steps=full.steps,
+        note="all-to-alls not overlapped; banded compute on H/P heads",
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class MagiDispatch:
+    """MagiAttention's chunk dispatch of one batch: ``owner[k]`` of chunk ``k``, each rank's banded
+    ``area`` (pairs) and the remote key tokens each rank fetches (``remote``) and serves (``served``)."""
+
+    chunk_size: int
+    owner: np.ndarray  # int64 [n_chunks]
+    area: np.ndarray  # float64 [P]
+    remote: np.ndarray  # float64 [P]: keys of other ranks this rank's slices touch (deduplicated)
+    served: np.ndarray  # float64 [P]: this rank's keys other ranks fetch (summed over ranks)
+
+
+def magi_dispatch(cu_seqlens: object, P: int, left: int, chunk_size: int = MAGI_CHUNK_SIZE) -> MagiDispatch:
+    """Chunks of ``chunk_size`` tokens (the sequence padded to a multiple of ``chunk_size · P``, as
+    MagiAttention's ``apply_padding``; padding has no area) assigned by area with the min-heap rule,
+    then the key tokens each rank's q rows see under the window that other ranks hold."""
+    cu = np.asarray(normalize_cu_seqlens(cu_seqlens), dtype=np.int64)
+    T = int(cu[-1])
+    n_chunks = -(-T // (chunk_size * P)) * P
+    Tp = n_chunks * chunk_size
+    # per token: its document start and banded keys-before-and-including count
+    doc = np.searchsorted(cu, np.arange(T), side="right") - 1
+    start = cu[doc]
+    pos = np.arange(T) - start
+    keys = (pos + 1) if left < 0 else np.minimum(pos, left) + 1
+    per_chunk = np.zeros(n_chunks)
+    np.add.at(per_chunk, np.arange(T) // chunk_size, keys.astype(np.float64))
+    limit = n_chunks // P
+    order = np.argsort(-per_chunk, kind="stable")
+    load, count = np.zeros(P), np.zeros(P, dtype=np.int64)
+    owner = np.empty(n_chunks, dtype=np.int64)
+    for k in order:  # least-loaded rank that still has room (ties: lowest rank)
+        free = np.flatnonzero(count < limit)
+        r = int(free[np.argmin(load[free])])
+        owner[k] = r
+        load[r] += per_chunk[k]
+        count[r] += 1
+    token_owner = np.repeat(owner, chunk_size)[:Tp]
+    first_key = start if left < 0 else np.maximum(start, np.arange(T) - left)
+    remote, served = np.zeros(P), np.zeros(P)
+    for r in range(P):
+        rows = np.flatnonzero(token_owner[:T] == r)
+        if rows.size == 0:
+            continue
+        need = np.zeros(Tp + 1, dtype=np.int64)  # keys [first_key[i], i] of each row, as a difference array
+        np.add.at(need, first_key[rows], 1)
+        np.add.at(need, rows + 1, -1)
+        seen = np.cumsum(need[:Tp]) > 0
+        other = seen & (token_owner != r)
+        remote[r] = float(other.sum())
+        served += np.bincount(token_owner[other], minlength=P)[:P]
+    return MagiDispatch(chunk_size=chunk_size, owner=owner, area=load, remote=remote, served=served)
+
+
+def _magi_swa(env: _Env, chunk_size: int) -> BaselineCost:
+    d = magi_dispatch(env.cu, env.P, env.left, chunk_size)
+    kv = float(env.shape.token_bytes(Wire.KV))
+    dkv = float(env.shape.token_bytes(Wire.DKV))  # fp32 partials
+    bw, lat = env.hw.bandwidth(env.link), (0.0 if env.P == 1 else env.hw.latency(env.link))
+    f_sent, f_recv = d.served * kv, d.remote * kv
+    b_sent, b_recv = d.served * kv + d.remote * dkv, d.remote * kv + d.served * dkv
+    fwd = float(np.max(np.maximum(env.fwd_s(d.area), np.maximum(f_sent, f_recv) / bw))) + lat
+    bwd = float(np.max(np.maximum(env.bwd_s(d.area), np.maximum(b_sent, b_recv) / bw))) + 2 * lat
+    return BaselineCost(
+        method="magi_swa",
+        fwd_time=fwd,
+        bwd_time=bwd,
+        bytes_sent=f_sent + b_sent,
+        bytes_recv=f_recv + b_recv,
+        work=d.area,
+        steps=0 if env.P == 1 else 3,
+        note=f"chunk {chunk_size}, min-heap dispatch (imbalance {d.area.max() / max(d.area.mean(), 1.0):.2f}); "
+        "remote keys fetched in fwd and bwd, fp32 dKV reduced; perfect overlap assumed",
+    )
+
+
+def price_windowed(method: str, cu_seqlens: object, *, world: int, window_size: object, shape: HeadShape,
+                   hardware: Hardware, link: LinkClass, chunk_size: int = MAGI_CHUNK_SIZE) -> BaselineCost | None:  # fmt: skip
+    """Estimated forward + backward time and bytes of a peer ``method`` (``WINDOWED_PEERS``) on this
+    batch with the causal window ``window_size`` (flash-attn's ``(left, 0)``; ``None``: full causal).
+
+    Returns None when the method cannot run at this size (``te_a2a_swa`` needs P ≤ H and H % P = 0).
+    Raises ``ConfigError`` for an unknown method or a window HSAP's convention refuses."""
+    if method not in WINDOWED_PEERS:
+        raise ConfigError(f"unknown windowed peer {method!r}; choose one of {', '.join(WINDOWED_PEERS)}")
+    if isinstance(world, bool) or not isinstance(world, (int, np.integer)) or world < 1:
+        raise ConfigError(f"world (CP size) must be an integer >= 1, got {world!r}")
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, (int, np.integer)) or chunk_size < 1:
+        raise ConfigError(f"chunk_size must be a positive integer, got {chunk_size!r}")
+    window = normalize_window(window_size)
+    left = -1 if window is None else window[0]
+    cu = np.asarray(normalize_cu_seqlens(cu_seqlens), dtype=np.int64)
+    env = _Env(cu=cu, P=int(world), left=left, shape=shape, hw=hardware, link=link)
+    if method == "te_a2a_swa":
+        if price_baseline("ulysses", cu, world=env.P, shape=shape, hardware=hardware, link=link) is None:
+            return None
+        return _te_a2a_swa(env)
+    if method == "te_allgather_swa":
+        return _te_allgather_swa(env)
+    return _magi_swa(env, int(chunk_size))

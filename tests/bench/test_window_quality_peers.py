@@ -1,0 +1,149 @@
+"""Windowed peers (``baselines/windowed.py``) and ``window_quality --peers`` (issue 15 item 6).
+
+References are brute force over token indices (sets of (row, key) pairs and of key tokens), never
+the closed forms under test.
+"""
+
+from __future__ import annotations
+
+import csv
+import itertools
+
+import numpy as np
+import pytest
+
+from megatron_hsap.baselines.flat import price_baseline
+from megatron_hsap.baselines.windowed import banded_row_pairs, magi_dispatch, price_windowed
+from megatron_hsap.errors import ConfigError
+from megatron_hsap.plan.costs import HeadShape
+from megatron_hsap.plan.hardware import HARDWARE, LinkClass
+from megatron_hsap.plan.ir import Wire
+
+SHAPE = HeadShape(num_heads=8, num_kv_heads=2, head_dim=16, head_dim_v=16, dtype_bytes=2)
+HW = HARDWARE["a100"]
+BATCHES = [[0, 37], [0, 5, 5, 40, 41, 64], [0, 13, 29, 30, 90, 100, 128], [0, 1, 2, 3, 70]]
+
+
+def _kw(P: int, window) -> dict:
+    return dict(world=P, window_size=window, shape=SHAPE, hardware=HW, link=LinkClass.NVLINK)
+
+
+def _brute_keys(cu: list[int], left: int) -> list[list[int]]:
+    """For every token i: the keys it attends to (own document, causal, within ``left``)."""
+    out = []
+    for s, e in zip(cu[:-1], cu[1:]):
+        for i in range(s, e):
+            lo = s if left < 0 else max(s, i - left)
+            out.append(list(range(lo, i + 1)))
+    return out
+
+
+def test_banded_row_pairs_equals_brute_force() -> None:
+    for n, left in itertools.product(range(0, 12), (-1, 0, 1, 3, 11, 50)):
+        want = sum(min(i, left if left >= 0 else i) + 1 for i in range(n))
+        assert banded_row_pairs(np.array([n]), left)[0] == want, (n, left)
+
+
+@pytest.mark.parametrize("P", [2, 3, 4])
+@pytest.mark.parametrize("left", [0, 1, 4, 9, 1000])
+def test_te_allgather_swa_computes_each_ranks_zigzag_band_and_moves_the_full_gathers(P: int, left: int) -> None:
+    for cu in BATCHES:
+        cost = price_windowed("te_allgather_swa", cu, **_kw(P, (left, 0)))
+        want = np.zeros(P)
+        for s, e in zip(cu[:-1], cu[1:]):
+            n = e - s
+            c = -(-n // (2 * P))
+            for r in range(P):
+                rows = [i for i in range(n) if r * c <= i < (r + 1) * c or (2 * P - 1 - r) * c <= i < (2 * P - r) * c]
+                want[r] += sum(min(i, left) + 1 for i in rows)
+        assert np.array_equal(cost.work, want), (cu, P, left)
+        full = price_baseline("allgather_kv_zigzag", cu, world=P, shape=SHAPE, hardware=HW, link=LinkClass.NVLINK)
+        assert np.array_equal(cost.bytes_sent, full.bytes_sent) and np.array_equal(cost.bytes_recv, full.bytes_recv)
+        if left >= max(np.diff(cu)):  # the window covers every document: the full-causal all-gather's time
+            assert cost.time == pytest.approx(full.time, rel=1e-12)
+        else:
+            assert cost.time < full.time
+
+
+def test_te_a2a_swa_is_ulysses_bytes_with_banded_compute() -> None:
+    cu = BATCHES[2]
+    full = price_baseline("ulysses", cu, world=4, shape=SHAPE, hardware=HW, link=LinkClass.NVLINK)
+    wide = price_windowed("te_a2a_swa", cu, **_kw(4, (10_000, 0)))
+    assert wide.time == pytest.approx(full.time, rel=1e-12) and np.array_equal(wide.bytes_sent, full.bytes_sent)
+    narrow = price_windowed("te_a2a_swa", cu, **_kw(4, (3, 0)))
+    total = sum(len(k) for k in _brute_keys(cu, 3))
+    assert np.allclose(narrow.work, total / 4) and narrow.time < full.time
+    assert price_windowed("te_a2a_swa", cu, **_kw(16, (3, 0))) is None  # 8 heads: Ulysses needs P <= H
+
+
+@pytest.mark.parametrize("P, chunk", [(2, 8), (3, 5), (4, 4)])
+@pytest.mark.parametrize("left", [-1, 0, 2, 7, 30])
+def test_magi_dispatch_areas_and_remote_keys_equal_brute_force(P: int, chunk: int, left: int) -> None:
+    for cu in BATCHES:
+        d = magi_dispatch(cu, P, left, chunk)
+        n_chunks = -(-cu[-1] // (chunk * P)) * P
+        assert len(d.owner) == n_chunks
+        assert np.bincount(d.owner, minlength=P).max() <= -(-n_chunks // P)  # the min-heap's room rule
+        keys = _brute_keys(cu, left)
+        owner_of = lambda t: int(d.owner[t // chunk])  # noqa: E731
+        area = np.zeros(P)
+        remote = [set() for _ in range(P)]
+        for i, ks in enumerate(keys):
+            r = owner_of(i)
+            area[r] += len(ks)
+            remote[r].update(k for k in ks if owner_of(k) != r)
+        assert np.array_equal(d.area, area), (cu, P, left)
+        assert [len(s) for s in remote] == d.remote.tolist()
+        served = np.zeros(P)
+        for s in remote:
+            for k in s:
+                served[owner_of(k)] += 1
+        assert np.array_equal(d.served, served)
+
+
+def test_magi_swa_bytes_follow_the_remote_keys() -> None:
+    cu = [0, 300, 1000, 1024]
+    cost = price_windowed("magi_swa", cu, chunk_size=64, **_kw(4, (50, 0)))
+    d = magi_dispatch(cu, 4, 50, 64)
+    kv, dkv = SHAPE.token_bytes(Wire.KV), 4 * SHAPE.num_kv_heads * (SHAPE.head_dim + SHAPE.head_dim_v)  # dkv fp32
+    assert np.array_equal(cost.bytes_recv, d.remote * kv * 2 + d.served * dkv)  # kv twice (fwd, bwd) + fp32 dkv back
+    wide = price_windowed("magi_swa", cu, chunk_size=64, **_kw(4, (2000, 0)))
+    full = price_windowed("magi_swa", cu, chunk_size=64, **_kw(4, None))
+    assert np.array_equal(wide.bytes_recv, full.bytes_recv) and wide.time == full.time
+    assert cost.bytes_recv.sum() < full.bytes_recv.sum()  # the window cuts what is fetched
+
+
+def test_price_windowed_refuses_bad_input() -> None:
+    with pytest.raises(ConfigError, match="right=2 would attend to later keys"):
+        price_windowed("magi_swa", [0, 10], **_kw(2, (4, 2)))
+    with pytest.raises(ConfigError, match="unknown windowed peer"):
+        price_windowed("te_p2p_swa", [0, 10], **_kw(2, (4, 0)))
+    with pytest.raises(ConfigError, match="chunk_size"):
+        price_windowed("magi_swa", [0, 10], chunk_size=0, **_kw(2, (4, 0)))
+
+
+def test_measure_peers_rows_and_readme_table(tmp_path) -> None:
+    from megatron_hsap.bench.window_quality import COLUMNS, measure_peers, peers_markdown
+
+    rows = measure_peers(256, 1, points=((4096, 2),), workloads=("full",), simulate=True)
+    methods = {r[8] for r in rows}
+    assert methods == {"hsap-full", "hsap-window", "te_allgather_swa", "te_a2a_swa", "magi_swa",
+                       "te_allgather_full", "te_a2a_full", "magi_full"}
+    get = {(r[6], r[8], r[9]): r[10] for r in rows}
+    for heads in ("32/32", "32/8"):
+        # one 4K document, window 256: every method's windowed figure is below its full-causal one
+        assert get[(heads, "hsap-window", "estimated_time")] < get[(heads, "hsap-full", "estimated_time")]
+        assert get[(heads, "magi_swa", "bytes_per_rank")] < get[(heads, "magi_full", "bytes_per_rank")]
+        assert get[(heads, "te_allgather_swa", "bytes_per_rank")] == get[(heads, "te_allgather_full", "bytes_per_rank")]
+        assert get[(heads, "hsap-window", "simulated_time")] > 0
+    path = tmp_path / "windows_peers.csv"
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(COLUMNS)
+        w.writerows(rows)
+    table = peers_markdown(path)
+    assert table == peers_markdown(rows)  # the CSV's strings give the same table
+    lines = table.strip().splitlines()
+    assert len(lines) == 4 and lines[2].startswith("| full | 4K, 2 | 32/32 |")
+    ratio = get[("32/32", "te_allgather_swa", "estimated_time")] / get[("32/32", "hsap-window", "estimated_time")]
+    assert f"{ratio:.2f}," in lines[2]
