@@ -203,14 +203,9 @@ def validate_hsap_args(args: Any) -> HSAPArgs | None:
         "HSAP counts every real token exactly once across CP ranks, whose token counts differ: pass "
         "--calculate-per-token-loss so the loss is divided by the global number of loss tokens",
     )
-    window = getattr(args, "window_size", None)
-    if window is not None:  # sliding windows are planned (plan/window.py); only causal ones exist
-        from megatron_hsap.plan.window import normalize_window
+    from megatron_hsap.megatron.windows import megatron_window
 
-        try:
-            normalize_window(tuple(window))
-        except (ConfigError, TypeError) as err:
-            raise ConfigError(f"--window-size {window}: {err}") from None
+    megatron_window(getattr(args, "window_size", None))  # sliding windows are planned (plan/window.py); causal ones only
     if getattr(args, "multi_latent_attention", False):  # megatron/mla.py: RoPE of the decoupled part by position
         rope_type = getattr(args, "rope_type", None) or "yarn"  # MLATransformerConfig's default
         _refuse(rope_type not in ("rope", "yarn"), f"--rope-type {rope_type}: HSAP's MLA supports rope and yarn")

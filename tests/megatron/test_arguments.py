@@ -64,6 +64,7 @@ def test_ring_is_the_default_and_untouched() -> None:
         (["--hierarchical-context-parallel-sizes", "2", "2", "2"], "exactly two"),
         (["--num-attention-heads", "12"], "P_intra=4"),  # 6 heads per TP rank: 4 does not divide them
         (["--window-size", "(128,4)"], "--window-size"),  # right > 0: HSAP plans are causal
+        (["--window-size", "(128,4)"], "--context-parallel-impl ring with --cp-comm-type a2a or all_gather"),  # what to do
         (["--multi-latent-attention"], "--no-rope-fusion"),  # MLA is supported; TE's fused MLA RoPE is not
         (["--multi-latent-attention", "--no-rope-fusion", "--mla-down-proj-fusion"], "--mla-down-proj-fusion"),
         (["--hybrid-layer-pattern", "M*M*"], "Mamba"),
