@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -41,6 +41,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from megatron_hsap.errors import ConfigError, RuntimeMismatchError
+from megatron_hsap.plan.costs import HeadShape
 from megatron_hsap.plan.ir import ComputeItem, Merge, Phase, Send, Slot, Wire
 from megatron_hsap.runtime.env import MAX_TIMEOUT_S, read_env
 from megatron_hsap.runtime.handshake import agree
@@ -114,6 +115,8 @@ class _Buffers:
 
     pool: Tensor
     act: torch.dtype
+    shape: HeadShape  # the heads of this call: the plan's, or one head chunk's (1/div of them)
+    div: int = 1  # slots are used as their first nbytes/div bytes (runtime/hsap.py head chunks)
     local: dict[Wire, tuple[Tensor, ...]] = field(default_factory=dict)
 
 
@@ -172,11 +175,11 @@ class Executor:
     def forward(self, q: Tensor, k: Tensor, v: Tensor, softmax_scale: float) -> tuple[Tensor, Tensor]:
         """``q [t, h, d]``, ``k [t, hkv, d]``, ``v [t, hkv, dv]`` (this inter rank's chunk, layout
         order) -> ``out [t, h, dv]`` float32 and ``lse [t, h]`` float32 of the whole packed batch."""
-        self._check(q, k, v)
+        shape, div = self._check(q, k, v)
         t, h, dv = q.shape[0], q.shape[1], v.shape[2]
         out = torch.zeros((t, h, dv), dtype=_F32, device=q.device)
         lse = torch.full((t, h), float("-inf"), dtype=_F32, device=q.device)
-        buf = _Buffers(self._pool(q.device), q.dtype)
+        buf = _Buffers(self._pool(q.device), q.dtype, shape, div)
         buf.local = {Wire.Q: (q.contiguous(),), Wire.KV: (k.contiguous(), v.contiguous())}
         acc = {Wire.O: out, Wire.LSE: lse}
         self._run(Phase.FWD, self._fwd, buf, acc, softmax_scale)
@@ -186,7 +189,7 @@ class Executor:
                  softmax_scale: float) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
         """Gradients of the forward: ``do``/``out [t, h, dv]`` (activation dtype; ``out`` the final
         output), ``lse [t, h]`` float32 final -> float32 ``dq [t, h, d]``, ``dk``, ``dv``."""
-        self._check(q, k, v)
+        shape, div = self._check(q, k, v)
         if do.shape != out.shape or lse.shape != q.shape[:2]:
             raise RuntimeMismatchError(f"backward got {do.shape=} {out.shape=} {lse.shape=} for {q.shape=}")
         do, out = do.to(q.dtype).contiguous(), out.to(q.dtype).contiguous()
@@ -195,7 +198,7 @@ class Executor:
         dq = torch.zeros(q.shape, dtype=_F32, device=q.device)
         dk = torch.zeros(k.shape, dtype=_F32, device=q.device)
         dv = torch.zeros(v.shape, dtype=_F32, device=q.device)
-        buf = _Buffers(self._pool(q.device), q.dtype)
+        buf = _Buffers(self._pool(q.device), q.dtype, shape, div)
         buf.local = {
             Wire.Q: (q.contiguous(),), Wire.KV: (k.contiguous(), v.contiguous()), Wire.DO: (do,),
             Wire.LSE: (lse,), Wire.DELTA: (delta,), Wire.O: (out,),
@@ -211,8 +214,12 @@ class Executor:
         return receive_pool(self.plan.pool_capacity, device)
 
     # ------------------------------------------------------------------ checks
-    def _check(self, q: Tensor, k: Tensor, v: Tensor) -> None:
-        s, t = self.plan.shape, self.plan.chunk_tokens
+    def _check(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[HeadShape, int]:
+        """The call's head shape and chunk divisor: all of the plan's heads, or one of its
+        ``plan.head_chunks`` head chunks (the same programs on 1/C of the heads, docs/design.md §2.2)."""
+        s, t, c = self.plan.shape, self.plan.chunk_tokens, self.plan.head_chunks
+        if c > 1 and q.dim() == 3 and q.shape[1] * c == s.num_heads:
+            s = replace(s, num_heads=s.num_heads // c, num_kv_heads=s.num_kv_heads // c)
         want = ((t, s.num_heads, s.head_dim), (t, s.num_kv_heads, s.head_dim), (t, s.num_kv_heads, s.head_dim_v))
         got = (tuple(q.shape), tuple(k.shape), tuple(v.shape))
         if got != want:
@@ -222,6 +229,7 @@ class Executor:
                 f"activations are {q.dtype} ({q.element_size()} bytes) but the plan was compiled for "
                 f"dtype_bytes={s.dtype_bytes}; supported: fp32, bf16, fp16"
             )
+        return s, self.plan.shape.num_heads // s.num_heads
 
     # ------------------------------------------------------------------ interpreter
     def _run(self, phase: Phase, prep: Prepared, buf: _Buffers, acc: dict, scale: float) -> None:
@@ -277,7 +285,7 @@ class Executor:
 
     def _view(self, buf: _Buffers, slot: Slot, wire: Wire, n: int) -> tuple[Tensor, ...]:
         """Typed views of ``slot`` holding ``n`` rows of ``wire`` (two for KV / DKV)."""
-        s = self.plan.shape
+        s = buf.shape
         dtype = _F32 if wire in _FP32_WIRES else buf.act
         shapes = {
             Wire.Q: ((n, s.num_heads, s.head_dim),), Wire.O: ((n, s.num_heads, s.head_dim_v),),
@@ -292,7 +300,7 @@ class Executor:
             nbytes = size * math.prod(shape)
             out.append(buf.pool[off : off + nbytes].view(dtype).view(shape))
             off += nbytes
-        if off - slot.offset != slot.nbytes or slot.end > buf.pool.numel():
+        if (off - slot.offset) * buf.div != slot.nbytes or slot.end > buf.pool.numel():
             raise RuntimeMismatchError(
                 f"slot {slot} for {n} rows of {wire.value} holds {slot.nbytes} bytes but the tensors "
                 f"need {off - slot.offset} (pool {buf.pool.numel()} bytes): the plan was compiled for other "

@@ -30,6 +30,7 @@ import math
 import sys
 import time
 from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -45,7 +46,8 @@ from megatron_hsap.runtime.groups import check_plan_groups
 from megatron_hsap.runtime.handshake import agree
 from megatron_hsap.runtime.merge import sink_grad
 from megatron_hsap.runtime.sap import SAPAttention, sap_backward, sap_forward
-from megatron_hsap.runtime.ulysses import expand_kv_for_intra, heads_to_seq, seq_to_heads, sum_kv_grad_for_intra
+from megatron_hsap.runtime.ulysses import (Exchange, chunked_send, expand_kv_for_intra, issue_exchange, sum_kv_grad_for_intra,
+                                           unchunk_returned)  # fmt: skip
 
 if TYPE_CHECKING:
     from megatron_hsap.plan.plan import Plan
@@ -58,8 +60,9 @@ _HSAP_PS = "megatron_hsap.megatron.parallel_state"
 @dataclass(eq=False)
 class HSAPRunner:
     """Everything one rank needs to run a plan: its executor (inter group), the intra group, and
-    counters of the intra all-to-all: bytes this rank sent (``a2a_bytes_sent[phase]``) and host
-    seconds spent in it (``a2a_s[phase]``)."""
+    counters of the intra all-to-all: bytes this rank sent (``a2a_bytes_sent[phase]``, equal to
+    ``plan/chunks.a2a_bytes_sent(plan)`` per call whatever the chunk count) and host seconds spent
+    issuing and waiting it (``a2a_s[phase]``: the part not hidden behind SAP)."""
 
     plan: "Plan"
     executor: Executor
@@ -86,13 +89,21 @@ class HSAPRunner:
         self.a2a_bytes_sent = {"fwd": 0, "bwd": 0}
         self.a2a_s = {"fwd": 0.0, "bwd": 0.0}
 
-    def to_heads(self, x: Tensor, phase: str) -> Tensor:
-        """``[t_local, h, d] -> [t_local·P, h/P, d]`` over the intra group, counting bytes sent."""
-        return self._a2a(seq_to_heads, x, phase)
+    def exchange(self, recv: Tensor, send: Tensor, phase: str, stage: str) -> Exchange:
+        """Issue one intra all-to-all of ``send`` into ``recv`` (asynchronous), counting the bytes
+        this rank sends: all but its own ``1/P`` block."""
+        t0 = time.perf_counter()
+        self.a2a_bytes_sent[phase] += send.numel() * send.element_size() * (self.intra_size - 1) // self.intra_size
+        x = issue_exchange(recv, send, self.intra, timeout_s=self.timeout_s, stage=stage)
+        self.a2a_s[phase] += time.perf_counter() - t0
+        return x
 
-    def to_seq(self, y: Tensor, phase: str) -> Tensor:
-        """``[t_local·P, h/P, d] -> [t_local, h, d]`` over the intra group, counting bytes sent."""
-        return self._a2a(heads_to_seq, y, phase)
+    def wait(self, x: Exchange, phase: str) -> Tensor:
+        """Wait one exchange under the deadline (``Exchange.wait``); host seconds into ``a2a_s``."""
+        t0 = time.perf_counter()
+        out = x.wait()
+        self.a2a_s[phase] += time.perf_counter() - t0
+        return out
 
     @property
     def timeout_s(self) -> float:
@@ -145,39 +156,120 @@ def runner_for(plan: "Plan", *, intra_group: dist.ProcessGroup | None = None,
     return _runner(plan, intra, inter, device)
 
 
+def _pipeline(runner: HSAPRunner, phase: str, ins: Sequence[tuple[Tensor, Tensor]], backs: Sequence[Tensor],
+              compute: Callable[[int], Sequence[Tensor]]) -> None:  # fmt: skip
+    """Run ``compute(c)`` for every head chunk ``c < C = plan.head_chunks`` with the intra
+    all-to-alls pipelined around it (docs/design.md §2.2).
+
+    ``ins``: ``(send, recv)`` pairs ``[C, P, t, hc, d]`` exchanged before chunk ``c`` computes
+    (``[c]`` each); ``compute(c)`` returns chunk ``c``'s results ``[P·t, hc, d]``, result ``i``
+    returned into ``backs[i][c]``. While chunk ``c`` computes, chunk ``c+1``'s all-to-all (issued
+    first) and chunk ``c−1``'s return are in flight on the intra group; chunk ``c`` starts once
+    its own all-to-all is waited. Every exchange issued is waited: in issue order at the end on
+    success; on an error, each still pending one within one shared deadline (``timeout_s``), its
+    own failure suppressed, then the error propagates — no exchange is left in flight.
+    """
+    chunks = runner.plan.head_chunks
+    issued: list[Exchange] = []
+
+    def issue(c: int, pairs: Sequence[tuple[Tensor, Tensor]], side: str) -> list[Exchange]:
+        xs = [runner.exchange(recv, send, phase, f"{phase} {side}, tensor {i + 1}/{len(pairs)} of head chunk "
+                              f"{c + 1}/{chunks}, [P, t, heads, d] = {list(send.shape)} per rank")
+              for i, (send, recv) in enumerate(pairs)]  # fmt: skip
+        issued.extend(xs)
+        return xs
+
+    def give_back(c: int, results: Sequence[Tensor]) -> None:
+        issue(c, [(r.view(b.shape[1:]), b[c]) for r, b in zip(results, backs)], "return")
+
+    try:
+        arriving = issue(0, [(send[0], recv[0]) for send, recv in ins], "to heads")
+        results: Sequence[Tensor] = ()
+        for c in range(chunks):
+            for x in arriving:
+                runner.wait(x, phase)
+            if c + 1 < chunks:
+                arriving = issue(c + 1, [(send[c + 1], recv[c + 1]) for send, recv in ins], "to heads")
+            if c:
+                give_back(c - 1, results)
+            results = compute(c)
+        give_back(chunks - 1, results)
+        for x in issued:
+            if not x.done:
+                runner.wait(x, phase)
+    except BaseException:
+        deadline = time.perf_counter() + runner.timeout_s
+        for x in issued:
+            if not x.done:
+                x.timeout_s = max(deadline - time.perf_counter(), 1e-3)
+                try:
+                    x.wait()
+                except Exception:  # noqa: BLE001 - the error that matters is the one propagating
+                    pass
+        raise
+
+
 class HSAPAttention(torch.autograd.Function):
-    """``HSAPAttention.apply(q, k, v, runner, softmax_scale, sinks) -> out`` (a2a, SAP, a2a back);
-    ``sinks`` ``[H]`` or None (this rank merges and differentiates its head slice only)."""
+    """``HSAPAttention.apply(q, k, v, runner, softmax_scale, sinks) -> out`` (a2a, SAP, a2a back,
+    pipelined over ``plan.head_chunks`` head chunks); ``sinks`` ``[H]`` or None (this rank merges
+    and differentiates its head slice only)."""
 
     @staticmethod
     def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, runner: HSAPRunner, scale: float,
                 sinks: Tensor | None = None) -> Tensor:  # fmt: skip
-        p = runner.intra_size
-        qh = runner.to_heads(q, "fwd")  # [t·P, H/P, d]: the whole inter chunk, my head slice
-        kh = runner.to_heads(expand_kv_for_intra(k, p), "fwd")
-        vh = runner.to_heads(expand_kv_for_intra(v, p), "fwd")
+        p, chunks, t = runner.intra_size, runner.plan.head_chunks, q.shape[0]
+        # [C, P, t, hc, d]: one copy each; chunk c receives the whole inter chunk for its heads
+        sends = [chunked_send(x, p, chunks) for x in (q, expand_kv_for_intra(k, p), expand_kv_for_intra(v, p))]
+        recvs = [torch.empty_like(x) for x in sends]
         heads = runner.head_slice(q.shape[1])
-        sinks_h = None if sinks is None else sinks[heads]  # [H/P]: the sinks of my heads
-        oh, lse = sap_forward(runner.executor, qh, kh, vh, scale, sinks_h)
-        out = runner.to_seq(oh, "fwd")  # [t, H, dv]
-        ctx.save_for_backward(qh, kh, vh, oh, lse, sinks)
-        ctx.runner, ctx.scale, ctx.num_kv_heads, ctx.heads = runner, scale, k.shape[1], heads
-        return out
+        hc, dv = sends[0].shape[3], v.shape[2]
+        back = q.new_empty((chunks, p, t, hc, dv))  # [c, s] = my rows of head chunk c of slice s
+        outs: list[Tensor] = []
+        lses: list[Tensor] = []
+
+        def compute(c: int) -> list[Tensor]:
+            qc, kc, vc = (r[c].view(p * t, *r.shape[3:]) for r in recvs)  # [t·P, hc, d]
+            sinks_c = None if sinks is None else sinks[heads][c * hc : (c + 1) * hc]
+            oc, lse = sap_forward(runner.executor, qc, kc, vc, scale, sinks_c)
+            outs.append(oc)
+            lses.append(lse)
+            return [oc]
+
+        _pipeline(runner, "fwd", list(zip(sends, recvs)), [back], compute)
+        ctx.save_for_backward(*recvs, sinks, *outs, *lses)
+        ctx.runner, ctx.scale, ctx.num_kv_heads, ctx.heads, ctx.chunks = runner, scale, k.shape[1], heads, chunks
+        return unchunk_returned(back)  # [t, H, dv]
 
     @staticmethod
     def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
-        qh, kh, vh, oh, lse, sinks = ctx.saved_tensors
+        saved = ctx.saved_tensors
+        chunks = ctx.chunks
+        (qh, kh, vh, sinks), outs, lses = saved[:4], saved[4 : 4 + chunks], saved[4 + chunks :]
         runner: HSAPRunner = ctx.runner
-        doh = runner.to_heads(dout.to(oh.dtype), "bwd")
-        dqh, dkh, dvh = sap_backward(runner.executor, doh, qh, kh, vh, oh, lse, ctx.scale)
-        dq = runner.to_seq(dqh, "bwd")
+        p, t = runner.intra_size, dout.shape[0]
+        send = chunked_send(dout.to(qh.dtype), p, chunks)  # [C, P, t, hc, dv]
+        recv = torch.empty_like(send)
+        backs = [torch.empty_like(x) for x in (qh, kh, vh)]  # dq, dk, dv: the shapes of q, k, v
+        hc = qh.shape[3]
+        want_dsinks = sinks is not None and ctx.needs_input_grad[5]
+        dsinks_h = torch.zeros(chunks * hc, dtype=sinks.dtype, device=sinks.device) if want_dsinks else None
+
+        def compute(c: int) -> tuple[Tensor, Tensor, Tensor]:
+            doc = recv[c].view(p * t, *recv.shape[3:])
+            qc, kc, vc = (x[c].view(p * t, *x.shape[3:]) for x in (qh, kh, vh))
+            if dsinks_h is not None:
+                dsinks_h[c * hc : (c + 1) * hc] = sink_grad(doc, outs[c], lses[c], sinks[ctx.heads][c * hc : (c + 1) * hc])
+            return sap_backward(runner.executor, doc, qc, kc, vc, outs[c], lses[c], ctx.scale)
+
+        _pipeline(runner, "bwd", [(send, recv)], backs, compute)
+        dq = unchunk_returned(backs[0])
         # Replicated kv heads: their gradients come back in the activation dtype, summed in fp32.
-        dk = sum_kv_grad_for_intra(runner.to_seq(dkh, "bwd").float(), ctx.num_kv_heads).to(kh.dtype)
-        dv = sum_kv_grad_for_intra(runner.to_seq(dvh, "bwd").float(), ctx.num_kv_heads).to(vh.dtype)
+        dk = sum_kv_grad_for_intra(unchunk_returned(backs[1]).float(), ctx.num_kv_heads).to(kh.dtype)
+        dv = sum_kv_grad_for_intra(unchunk_returned(backs[2]).float(), ctx.num_kv_heads).to(vh.dtype)
         dsinks = None
-        if sinks is not None and ctx.needs_input_grad[5]:
+        if dsinks_h is not None:
             dsinks = torch.zeros_like(sinks)  # [H]: my heads' rows only; other heads are other ranks'
-            dsinks[ctx.heads] = sink_grad(doh, oh, lse, sinks[ctx.heads])
+            dsinks[ctx.heads] = dsinks_h
         return dq, dk, dv, None, None, dsinks
 
 

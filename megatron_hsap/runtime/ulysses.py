@@ -13,18 +13,27 @@ head its q heads use; the replication's backward sums the copies' gradients.
 
 Every exchange is one ``all_to_all_single`` on one contiguous buffer (one copy to build it on the
 sequence side, one copy out of it on the way back); no other copies.
+
+Head chunks (``plan.head_chunks``, ``runtime/hsap.py``): :func:`chunked_send` lays a sequence-side
+tensor out as ``[C, P, t, h/(P·C), d]`` in the same one copy, so chunk ``c``'s all-to-all sends
+the contiguous ``[c]`` (head chunk ``c`` of every destination's slice); :func:`issue_exchange`
+issues it asynchronously and :meth:`Exchange.wait` waits it under the deadline;
+:func:`unchunk_returned` is the one copy back to ``[t, h, d]``.
 """
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from megatron_hsap.errors import ConfigError, RuntimeMismatchError
+from megatron_hsap.errors import CommunicationError, ConfigError, RuntimeMismatchError
 from megatron_hsap.runtime.groups import positive_int
-from megatron_hsap.runtime.p2p import wait_collective
+from megatron_hsap.runtime.p2p import group_ranks, wait_collective
+from megatron_hsap.runtime.watchdog import WATCHDOG
 
 __all__ = [
     "seq_to_heads",
@@ -36,6 +45,10 @@ __all__ = [
     "sum_kv_grad_for_intra",
     "a2a_bytes",
     "ulysses_bytes",
+    "Exchange",
+    "issue_exchange",
+    "chunked_send",
+    "unchunk_returned",
 ]
 
 
@@ -260,3 +273,75 @@ def heads_to_seq(y: torch.Tensor, group: dist.ProcessGroup | None = None, *, tim
     if _group_size(group) == 1:
         return y
     return _HeadsToSeq.apply(y, group, timeout_s)
+
+
+# --------------------------------------------------------------------------- head chunks, asynchronous
+
+
+def chunked_send(x: torch.Tensor, p: int, chunks: int) -> torch.Tensor:
+    """``x [t, h, d] -> [C, P, t, h/(P·C), d]`` (one copy): ``[c, s]`` holds head chunk ``c`` of
+    destination ``s``'s head slice ``[s·h/P, (s+1)·h/P)``, so ``[c]`` is chunk ``c``'s send buffer
+    (``C = 1``: :func:`seq_to_heads`' buffer). The receive side of chunk ``c`` is
+    ``[P, t, h/(P·C), d]`` = ``[t·P, h/(P·C), d]`` rows in source-rank order, as :func:`seq_to_heads`."""
+    t, h, d = x.shape
+    if h % (p * chunks):
+        raise ConfigError(f"{h} heads cannot be split over an intra group of {p} ranks in {chunks} head chunks")
+    return x.reshape(t, p, chunks, h // (p * chunks), d).permute(2, 1, 0, 3, 4).contiguous()
+
+
+def unchunk_returned(y: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`chunked_send` on the returned rows: ``[C, P, t, hc, d] -> [t, P·C·hc, d]``
+    (``[c, s]`` = my rows of head chunk ``c`` of slice ``s``; one copy, as :func:`heads_to_seq`)."""
+    c, p, t, hc, d = y.shape
+    return y.permute(2, 1, 0, 3, 4).reshape(t, p * c * hc, d)
+
+
+@dataclass(eq=False)
+class Exchange:
+    """One issued ``all_to_all_single`` (:func:`issue_exchange`): ``recv`` is valid after :meth:`wait`.
+
+    Holds both buffers until waited. :meth:`wait` has the deadline ``timeout_s`` (counted from the
+    wait): gloo (CPU) waits on the host and raises :class:`CommunicationError` naming ``stage``; on
+    CUDA the stream waits (the host runs ahead) and the process watchdog (``runtime/watchdog.py``)
+    keeps the deadline, as for P2P rounds. Waiting twice is a no-op."""
+
+    work: Any
+    recv: torch.Tensor
+    send: torch.Tensor
+    group: dist.ProcessGroup | None
+    timeout_s: float | None
+    stage: str
+    done: bool = False
+
+    def wait(self) -> torch.Tensor:
+        if self.done:
+            return self.recv
+        self.done = True
+        cpu = self.send.device.type == "cpu"
+        if self.timeout_s is None:
+            self.work.wait()
+        elif cpu:
+            wait_collective(self.work, timeout_s=self.timeout_s, collective="Ulysses all_to_all_single",
+                            stage=self.stage, group=self.group, cpu=True)  # fmt: skip
+        else:
+            WATCHDOG.check()
+            self.work.wait()  # the current stream waits for the exchange; returns at once
+            WATCHDOG.watch((self.work,), time.perf_counter() + self.timeout_s, self._late, self.group)
+        return self.recv
+
+    def _late(self) -> CommunicationError:  # on the watchdog thread, at the deadline
+        return CommunicationError(
+            f"Ulysses all_to_all_single ({self.stage}) on group of global ranks {group_ranks(self.group)} did not "
+            f"complete within {self.timeout_s:g} s (device-waited; watchdog). Likely cause: a peer never issued "
+            "it (it raised before this point, or is dead). This process group cannot be reused after this error."
+        )
+
+
+def issue_exchange(recv: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup | None, *,
+                   timeout_s: float | None, stage: str) -> Exchange:  # fmt: skip
+    """Issue ``all_to_all_single(recv, send)`` on ``group`` asynchronously (equal splits: block
+    ``s`` of ``send`` goes to group rank ``s``, block ``s`` of ``recv`` comes from it)."""
+    if not (send.is_contiguous() and recv.is_contiguous()) or send.shape != recv.shape:
+        raise RuntimeMismatchError(f"exchange buffers must be contiguous and alike: {tuple(send.shape)} -> {tuple(recv.shape)}")
+    work = dist.all_to_all_single(recv, send, group=group, async_op=True)
+    return Exchange(work, recv, send, group, timeout_s, stage)

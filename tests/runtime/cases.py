@@ -48,6 +48,7 @@ def compile_for(spec: dict) -> Any:
         head_dim=spec["dim"], head_dim_v=spec["dim_v"], dtype_bytes=torch.tensor([], dtype=DTYPES[spec["dtype"]]).element_size(),
         **({"pool_bytes": spec["pool_bytes"]} if spec.get("pool_bytes") else {}),
         **({"window_size": tuple(spec["window"])} if spec.get("window") else {}),
+        **({"head_chunks": spec["head_chunks"]} if spec.get("head_chunks") else {}),  # runtime/hsap.py pipelining
         # "balanced" is forced (no fallback to contiguous), so the permuted layout is what runs
         layout=spec.get("layout", "contiguous"), **({"layout_fallback": False} if spec.get("layout") == "balanced" else {}),
     )  # fmt: skip
