@@ -132,27 +132,48 @@ def _first_fit(requests: list[tuple[int, int, int, int]], capacity: int) -> tupl
     offset, in order of start time: an entry dead before the current start can never overlap a
     later request, so the live list stays short. Returns ({key: slot}, peak bytes)."""
     slots: dict[int, Slot] = {}
-    live: list[tuple[int, int, int]] = []  # (offset, end, t1), sorted by offset
+    live: list[tuple[int, int, int]] = []  # (offset, end, t1), sorted by offset, disjoint
     peak = 0
+    now = None  # the start time the live list was last pruned for
+    widest = 0  # the widest free gap below the last live entry (first fit lands there only if it fits)
     for t0, t1, nbytes, key in sorted(requests, key=lambda r: (r[0], -r[2], r[3])):
-        live = [e for e in live if e[2] >= t0]
+        if t0 != now:  # requests come by start time and every t1 > t0: prune once per start time
+            live = [e for e in live if e[2] >= t0]
+            now = t0
+            widest = _widest_gap(live)
         size = -(-nbytes // ALIGN) * ALIGN
-        off = 0
-        pos = 0
-        for pos, (o, e, _) in enumerate(live):
-            if off + size <= o:
-                break
-            if e > off:
-                off = e
-        else:
+        if size > widest:  # no gap fits: first fit is the end of the last live entry
             pos = len(live)
+            off = live[-1][1] if live else 0
+        else:
+            off = 0
+            pos = 0
+            for pos, (o, e, _) in enumerate(live):
+                if off + size <= o:
+                    break
+                if e > off:
+                    off = e
+            else:
+                pos = len(live)
         if off + size > capacity:
             raise PoolOverflow(f"needs {off + size} bytes > capacity {capacity}")
         live.insert(pos, (off, off + size, t1))  # entries before pos end at or before off
+        if pos < len(live) - 1:
+            widest = _widest_gap(live)  # it took (part of) a gap
         if off + size > peak:
             peak = off + size
         slots[key] = Slot(off, nbytes)
     return slots, peak
+
+
+def _widest_gap(live: list[tuple[int, int, int]]) -> int:
+    """The widest free byte range before some entry of ``live`` (sorted by offset, disjoint)."""
+    widest, end = 0, 0
+    for o, e, _ in live:
+        if o - end > widest:
+            widest = o - end
+        end = e
+    return widest
 
 
 @dataclass(frozen=True, slots=True)
