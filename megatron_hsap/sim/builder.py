@@ -58,8 +58,9 @@ class Blocks:
             return 0.0, 0.0
         fpp = shape.fwd_flops_per_pair if phase == "fwd" else shape.bwd_flops_per_pair
         flops = self.pairs * fpp
-        t = hw.kernel.blocks_time(self.nq, self.nk, flops, phase)
+        t = hw.kernel.blocks_time(self.nq, self.nk, flops, phase, shape.num_heads // max(1, shape.num_kv_heads), self.pairs)
         t += hw.kernel.grid_time(float(self.nq.max()), float(self.nk.max()), len(self.pairs), shape.num_heads, phase)
+        t += hw.kernel.gqa_accum_time(self.nk, shape, phase, hw.hbm_bw)
         if launch:
             t += hw.kernel.curve.launch_s
         return t, float(flops.sum())
@@ -113,6 +114,24 @@ class Builder:
             t *= 1.0 + hw.overlap_slowdown
         self.busy(rank, t, "compute", label, f)
         return t
+
+    def fa3_wrapper(self, rank: int, nq: float, nk: float, shape: HeadShape, phase: str, hw: SimHardware) -> None:
+        """The unpad / pad copies around one kernel call of MagiAttention's FA3 wrappers
+        (``SimHardware.fa3_wrapper_copies``) for ``nq`` q and ``nk`` kv tokens of ``shape``'s heads:
+        each gather reads and writes its tensor (2×), each pad zero-fills, then scatters (3×).
+        Forward: q, k, v in; out (+ fp32 lse) out. Backward: q, out, dout, lse, k, v in; dq, dk, dv out."""
+        if not hw.fa3_wrapper_copies:
+            return
+        b = shape.dtype_bytes
+        q = nq * shape.num_heads * shape.head_dim * b
+        o = nq * shape.num_heads * shape.head_dim_v * b
+        lse = nq * shape.num_heads * 4
+        kv = nk * shape.num_kv_heads * (shape.head_dim + shape.head_dim_v) * b
+        if phase == "fwd":
+            nbytes = 2 * (q + kv) + 3 * (o + lse)
+        else:
+            nbytes = 2 * (q + 2 * o + lse + kv) + 3 * (q + kv)
+        self.busy(rank, hw.elementwise_time(nbytes), "merge", "fa3 unpad/pad")
 
     def elementwise(self, rank: int, nbytes: float, hw: SimHardware, label: str = "merge") -> None:
         self.busy(rank, hw.elementwise_time(nbytes), "merge", label)

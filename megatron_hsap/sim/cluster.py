@@ -73,6 +73,48 @@ class Cluster:
         last = self.cp_size - 1
         return self.link(0, last)
 
+    # ------------------------------------------------------------------ NCCL's channel and latency model
+    def net_channels_per_peer(self, comm_size: int) -> int:
+        """NCCL channels a point-to-point stream to a *network* peer runs on: 2, halved while
+        ``2 · nRanks > 4 · p2pnChannels`` (NVIDIA/nccl ``src/graph/paths.cc``
+        ``ncclTopoGetNchannels``, 2.20–2.28: "start from 2 channels per NIC and reduce with
+        scale"; one NIC per GPU keeps the floor at 1). Send/recv is tuned for all-to-all, where
+        many peers share the NIC, so a lone ring send gets few channels (NVIDIA/nccl#1272)."""
+        c = 2
+        while c * comm_size > 4 * self.hw.p2p_channels and c > 1:
+            c //= 2
+        return c
+
+    def p2p_cap(self, a: int, b: int, comm_size: int) -> float:
+        """Ceiling of one point-to-point transfer between CP ranks ``a`` and ``b`` in a
+        communicator of ``comm_size`` ranks: none over NVLink; across nodes, its channels times
+        what one channel drives (``p2p_channel_net_bw``: NCCL's ``P2P_PER_CHANNEL_NET_BW``,
+        14 GB/s), at most the NIC."""
+        if self.link(a, b) is LinkClass.NVLINK:
+            return float("inf")
+        return min(self.hw.ib_bw, self.net_channels_per_peer(comm_size) * self.hw.p2p_channel_net_bw)
+
+    def ring_latency(self, members: list[int]) -> float:
+        """NCCL's ring all-gather / reduce-scatter latency (``src/graph/tuning.cc``, Simple
+        protocol): ``baseLat + (nsteps − nInterSteps) · intraLat + nInterSteps · interLat`` with
+        ``nsteps = m − 1`` and ``nInterSteps = nodes − 1`` — it grows with the rank count."""
+        m = len(members)
+        nodes = len({self.node(r) for r in members})
+        inter = nodes - 1 if nodes > 1 else 0
+        hw = self.hw
+        if hw.nccl_base_latency == hw.nccl_nvlink_step_latency == hw.nccl_net_step_latency == 0.0:
+            return hw.latency(self._span(members))  # no NCCL table: one latency of the worst link
+        return hw.nccl_base_latency + (m - 1 - inter) * hw.nccl_nvlink_step_latency + inter * hw.nccl_net_step_latency
+
+    def all_to_all_rounds(self, members: list[int]) -> int:
+        """Rounds of NCCL's grouped send/recv all-to-all: ``p2pnChannels / channels per peer``
+        peers progress at once, each round pays one link latency."""
+        m = len(members)
+        if self._span(members) is LinkClass.NVLINK:
+            return 1
+        at_once = max(1, self.hw.p2p_channels // self.net_channels_per_peer(m))
+        return -(-(m - 1) // at_once)
+
     # ------------------------------------------------------------------ closed-form collectives
     def all_to_all_time(self, members: list[int], bytes_per_peer: float) -> float:
         """Symmetric all-to-all: every member sends ``bytes_per_peer`` to every other member and
@@ -91,7 +133,7 @@ class Cluster:
             # a2a_efficiency: NCCL's all-to-all over NVLink against the NVLink figure (an all-gather /
             # all-reduce bus bandwidth); the NIC figure is already NDR's achieved large-message rate
             worst = max(worst, nvl * bytes_per_peer / (self.hw.nvlink_bw * self.hw.a2a_efficiency), ib * bytes_per_peer / self.hw.ib_bw)
-        return worst + self.hw.latency(self._span(members)) + copies
+        return worst + self.all_to_all_rounds(members) * self.hw.latency(self._span(members)) + copies
 
     def ring_collective_time(self, members: list[int], bytes_per_rank: float) -> float:
         """All-gather (or reduce-scatter) of ``bytes_per_rank`` per member, NCCL's ring algorithm:
@@ -107,7 +149,7 @@ class Cluster:
         if link is LinkClass.INFINIBAND:
             g = m / len({self.node(r) for r in members})
             t = max(t if g > 1 else 0.0, (m - g) * bytes_per_rank / (g * self.hw.ib_bw))
-        return t / self.hw.collective_efficiency + self.hw.latency(link)
+        return t / self.hw.collective_efficiency + self.ring_latency(members)
 
     def _span(self, members: list[int]) -> LinkClass:
         nodes = {self.node(r) for r in members}

@@ -70,8 +70,9 @@ def allgather_zigzag_schedule(cu: np.ndarray, cluster: Cluster, shape: HeadShape
         b.elementwise(r, 2 * full_kv, hw, "reorder kv")  # read + write the gathered KV
         if phase == "bwd":
             b.elementwise(r, full_kv, hw, "zero dkv")
-        b.kernel(r, front, hw, shape, phase, "front half")
-        b.kernel(r, back, hw, shape, phase, "back half")
+        for half, name in ((front, "front half"), (back, "back half")):
+            b.fa3_wrapper(r, float(half.nq.sum()), float(lengths.sum()), shape, phase, hw)
+            b.kernel(r, half, hw, shape, phase, name)
         if phase == "bwd":  # each half returns full-length dk, dv (written, then dk.add_: read 2, write 1)
             b.elementwise(r, 2 * 4 * full_kv, hw, "dk/dv of both halves")
             b.elementwise(r, 2 * full_kv, hw, "reorder dkv")

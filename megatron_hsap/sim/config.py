@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -26,6 +26,13 @@ __all__ = ["SimHardware", "KernelModel", "sim_hardware", "load_overrides", "rese
 HARDWARE_NAMES = tuple(constants.HARDWARE)
 
 
+class HeadShapeLike(Protocol):
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    head_dim_v: int
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class KernelModel:
     """Attention kernel time by block shape. Rates in FLOP/s (asymptotic peaks of the curve)."""
@@ -34,31 +41,62 @@ class KernelModel:
     bwd_peak: float
     curve: KernelCurve = field(default_factory=KernelCurve)
     cta_s: float = 0.0  # seconds per grid CTA of a varlen call (see grid_time)
+    # FlashAttention-3's forward packs the q heads that share a kv head into the tile's rows for
+    # varlen and causal calls (Dao-AILab/flash-attention hopper/heuristics.h ``should_pack_gqa``:
+    # ``if (varlen_q || is_causal_or_local) return true``): a block of nq tokens fills nq·H/Hkv rows.
+    # Its backward does not pack (one q head per CTA). FA2 never packs.
+    pack_gqa: bool = False
 
-    def efficiency(self, nq: np.ndarray | int, nk: np.ndarray | int) -> np.ndarray:
-        """eff(min(nq, nk)) in (0, 1); arrays broadcast. Shapes: ``[n]`` -> ``[n]``."""
-        n = np.maximum(1, np.minimum(np.asarray(nq, dtype=np.float64), np.asarray(nk, dtype=np.float64)))
-        return n / (n + self.curve.half_rate_tokens)
+    # Tile model (``tile`` > 0; docs/design.md §8): FlashAttention walks a block in tiles of
+    # ``tile`` × ``tile`` (q rows × keys; FA2/FA3 causal hdim 128: 128 × 128). A block of nq rows
+    # (nq·H/Hkv when packed) is ``M = ⌈rows / tile⌉`` row tiles; each row tile visits
+    # ``keys per row / tile + ½`` key tiles (the last one half full on average, at least one, at
+    # most ⌈nk / tile⌉) and pays ``mblock_overhead`` tiles of prologue / epilogue (load Q, rescale
+    # and write O, LSE). Efficiency = useful pairs / pairs of the tiles visited. 0.8 reproduces the
+    # short-document points of workloads.md (512 tokens 61% / 1K 75% of the 16K rate; measured 57% /
+    # 78%); at 16K causal it is 0.98. ``tile`` = 0 keeps the older saturating curve.
+    tile: int = 0
+    mblock_overhead: float = 0.8
+    gqa_dkv_accum: bool = False  # FA3 backward's fp32 dK/dV atomics per q head (gqa_accum_time)
 
-    def rate(self, nq: np.ndarray | int, nk: np.ndarray | int, phase: str) -> np.ndarray:
+    def rows(self, nq: np.ndarray | int, group: int, phase: str) -> np.ndarray | int:
+        """Tile rows a block of ``nq`` q tokens fills (``group`` = q heads per kv head)."""
+        return nq * group if (self.pack_gqa and phase == "fwd" and group > 1) else nq
+
+    def efficiency(self, nq: np.ndarray | int, nk: np.ndarray | int, pairs: np.ndarray | None = None,
+                   phase: str = "fwd", group: int = 1) -> np.ndarray:
+        """Kernel efficiency in (0, 1] of blocks ``[n]`` (``nq`` q tokens, ``nk`` keys, ``pairs``
+        unmasked (q, k) pairs; ``pairs`` None means a full block). Arrays broadcast."""
+        nq = np.maximum(1.0, np.asarray(nq, dtype=np.float64))
+        nk = np.maximum(1.0, np.asarray(nk, dtype=np.float64))
+        if self.tile <= 0:
+            n = np.minimum(self.rows(nq, group, phase), nk)
+            return n / (n + self.curve.half_rate_tokens)
+        T = float(self.tile)
+        pr = nq * nk if pairs is None else np.maximum(1.0, np.asarray(pairs, dtype=np.float64))
+        g = group if (self.pack_gqa and phase == "fwd" and group > 1) else 1
+        m = np.ceil(nq * g / T)
+        per_row = np.clip(pr / nq / T + 0.5, 1.0, np.ceil(nk / T))
+        return np.minimum(1.0, pr * g / ((m * (per_row + self.mblock_overhead)) * T * T))
+
+    def rate(self, nq: np.ndarray | int, nk: np.ndarray | int, phase: str, group: int = 1,
+             pairs: np.ndarray | None = None) -> np.ndarray:
         peak = self.fwd_peak if phase == "fwd" else self.bwd_peak
-        return peak * self.efficiency(nq, nk)
+        return peak * self.efficiency(nq, nk, pairs, phase, group)
 
-    def blocks_time(self, nq: np.ndarray, nk: np.ndarray, flops: np.ndarray, phase: str) -> float:
-        """Seconds for blocks ``[n]`` of ``flops`` each, without any launch cost."""
+    def blocks_time(self, nq: np.ndarray, nk: np.ndarray, flops: np.ndarray, phase: str, group: int = 1,
+                    pairs: np.ndarray | None = None) -> float:
+        """Seconds for blocks ``[n]`` of ``flops`` each (``pairs`` each), without any launch cost."""
         if len(flops) == 0:
             return 0.0
-        return float((np.asarray(flops, dtype=np.float64) / self.rate(nq, nk, phase)).sum())
+        return float((np.asarray(flops, dtype=np.float64) / self.rate(nq, nk, phase, group, pairs)).sum())
 
-    def blocks_time_py(self, blocks: list[tuple[int, int, float]], phase: str) -> float:
-        """``blocks_time`` for a short list of ``(nq, nk, flops)`` without numpy overhead."""
-        peak = self.fwd_peak if phase == "fwd" else self.bwd_peak
-        half = self.curve.half_rate_tokens
-        total = 0.0
-        for nq, nk, flops in blocks:
-            n = max(1, min(nq, nk))
-            total += flops * (n + half) / (peak * n)
-        return total
+    def blocks_time_py(self, blocks: list[tuple[int, int, float, float]], phase: str, group: int = 1) -> float:
+        """``blocks_time`` for a short list of ``(nq, nk, flops, pairs)``."""
+        if not blocks:
+            return 0.0
+        a = np.array(blocks, dtype=np.float64)
+        return self.blocks_time(a[:, 0], a[:, 1], a[:, 2], phase, group, a[:, 3])
 
     def grid_time(self, max_nq: float, max_nk: float, n_blocks: int, heads: int, phase: str) -> float:
         """Scheduling cost of a varlen *backward* call's grid: FlashAttention-3's backward sizes it
@@ -69,6 +107,18 @@ class KernelModel:
         if self.cta_s <= 0 or n_blocks == 0 or phase == "fwd":
             return 0.0
         return self.cta_s * float(np.ceil(max_nk / 128.0)) * heads * n_blocks
+
+    def gqa_accum_time(self, nk: np.ndarray, shape: "HeadShapeLike", phase: str, hbm_bw: float) -> float:
+        """FlashAttention-3's backward with GQA (``gqa_dkv_accum``): every (kv tile, q head) CTA
+        adds its fp32 dK/dV partial (tile × (d + dv) × 4 bytes) into the per-kv-head accumulator
+        with atomics (hopper/epilogue_bwd.hpp ``CollectiveEpilogueBwdGQA``), a read-modify-write in
+        HBM once the accumulator exceeds L2. Negligible for long blocks (the CTA's own work
+        dwarfs it), dominant for skinny ones (a few q rows against many keys). ``nk``: ``[n]``."""
+        if not self.gqa_dkv_accum or phase == "fwd" or shape.num_heads <= shape.num_kv_heads or len(nk) == 0:
+            return 0.0
+        T = float(self.tile or 128)
+        tiles = float(np.ceil(np.asarray(nk, dtype=np.float64) / T).sum())
+        return tiles * shape.num_heads * T * (shape.head_dim + shape.head_dim_v) * 4 * 2 / hbm_bw
 
     def call_time(self, nq: np.ndarray, nk: np.ndarray, flops: np.ndarray, phase: str) -> float:
         """One varlen kernel call over several document blocks (``[n]`` arrays)."""
@@ -94,6 +144,19 @@ class SimHardware:
     collective_efficiency: float = 1.0  # NCCL ring all-gather / reduce-scatter: achieved / link bandwidth
     te_step_s: float = 0.0  # host + launch overhead of one step of TE's THD p2p ring (seconds)
     overlap_slowdown: float = 0.0  # kernel slowdown while NCCL transfers run beside it (SM/HBM contention)
+    # NCCL's own cost model (constants.NCCL; docs/design.md §8): point-to-point channels to a network
+    # peer and what one drives, ring latencies per step by link, all-to-all peers per round
+    # MagiAttention's FA3 baselines call the kernel through exps/dist_attn/baselines/utils_cp.py
+    # ``_fa3_varlen_forward`` / ``_backward``: every call first gathers its inputs to real tokens
+    # (``fa_varlen_thd_unpad`` of q, k, v; backward also out, dout, lse) and scatters its outputs
+    # back into zero-filled padded tensors (``fa_varlen_thd_pad``): HBM copies priced by
+    # ``Builder.fa3_wrapper``. True for ``h100-fa3`` (that harness); HSAP never pays them.
+    fa3_wrapper_copies: bool = False
+    p2p_channel_net_bw: float = float("inf")  # bytes/s one p2p channel drives over the network
+    p2p_channels: int = 32  # p2p channels of a communicator (p2pnChannels)
+    nccl_base_latency: float = 0.0  # ring collective base latency (Simple protocol)
+    nccl_nvlink_step_latency: float = 0.0  # per ring step inside a node
+    nccl_net_step_latency: float = 0.0  # per ring step that crosses the network
 
     def __post_init__(self) -> None:
         for name in ("nvlink_bw", "ib_bw", "hbm_bw", "dense_peak_flops"):
@@ -110,6 +173,11 @@ class SimHardware:
             raise ConfigError(f"hardware {self.name}: overlap_slowdown must be in [0, 1), got {self.overlap_slowdown!r}")
         if self.te_step_s < 0:
             raise ConfigError(f"hardware {self.name}: te_step_s must be >= 0, got {self.te_step_s!r}")
+        if not self.p2p_channel_net_bw > 0 or self.p2p_channels < 1:
+            raise ConfigError(f"hardware {self.name}: p2p_channel_net_bw must be > 0 and p2p_channels >= 1")
+        for name in ("nccl_base_latency", "nccl_nvlink_step_latency", "nccl_net_step_latency"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"hardware {self.name}: {name} must be >= 0, got {getattr(self, name)!r}")
         for name in ("a2a_efficiency", "collective_efficiency"):
             if not 0 < getattr(self, name) <= 1:
                 raise ConfigError(f"hardware {self.name}: {name} must be in (0, 1], got {getattr(self, name)!r}")
@@ -141,7 +209,9 @@ def sim_hardware(name: str) -> SimHardware:
     return SimHardware(
         name=name,
         kernel=KernelModel(fwd_peak=float(c["attn_fwd_peak"]), bwd_peak=float(c["attn_bwd_peak"]), curve=curve,
-                           cta_s=float(c.get("cta_s", 0.0))),
+                           cta_s=float(c.get("cta_s", 0.0)), pack_gqa=bool(c.get("pack_gqa", False)),
+                           tile=int(c.get("tile", 0)), mblock_overhead=float(c.get("mblock_overhead", 0.8)),
+                           gqa_dkv_accum=bool(c.get("gqa_dkv_accum", False))),
         nvlink_bw=float(c["nvlink_bw"]),
         ib_bw=float(c["ib_bw"]),
         nvlink_latency=float(c["nvlink_latency"]),
@@ -154,6 +224,12 @@ def sim_hardware(name: str) -> SimHardware:
         collective_efficiency=float(c.get("collective_efficiency", 1.0)),
         te_step_s=float(c.get("te_step_s", 0.0)),
         overlap_slowdown=float(c.get("overlap_slowdown", 0.0)),
+        fa3_wrapper_copies=bool(c.get("fa3_wrapper_copies", False)),
+        p2p_channel_net_bw=float(c.get("p2p_channel_net_bw", float("inf"))),
+        p2p_channels=int(c.get("p2p_channels", 32)),
+        nccl_base_latency=float(c.get("nccl_base_latency", 0.0)),
+        nccl_nvlink_step_latency=float(c.get("nccl_nvlink_step_latency", 0.0)),
+        nccl_net_step_latency=float(c.get("nccl_net_step_latency", 0.0)),
     )
 
 

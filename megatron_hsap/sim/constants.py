@@ -13,15 +13,29 @@ table into a validated ``SimConfig`` and lets a YAML file override any field.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 # KernelCurve of plan/hardware.py: efficiency(n) = n / (n + 390).
 HALF_RATE_TOKENS = 390.0
 
 
+TILE = 128  # FA2/FA3 causal hdim-128 tile edge (sim/config.py KernelModel.tile)
+MBLOCK_OVERHEAD = 0.8  # prologue/epilogue tiles per row tile (KernelModel.mblock_overhead)
+
+
+def _tile_efficiency(tokens: int) -> float:
+    """KernelModel's tile-model efficiency of one causal document of ``tokens`` (no GQA packing)."""
+    pairs = tokens * (tokens + 1) / 2
+    m = math.ceil(tokens / TILE)
+    per_row = min(max(pairs / tokens / TILE + 0.5, 1.0), math.ceil(tokens / TILE))
+    return min(1.0, pairs / (m * (per_row + MBLOCK_OVERHEAD) * TILE * TILE))
+
+
 def _peak(rate_at: float, tokens: int) -> float:
-    """Asymptotic rate whose curve value at ``tokens`` is the measured ``rate_at``."""
-    return rate_at * (tokens + HALF_RATE_TOKENS) / tokens
+    """Asymptotic rate whose tile-model value on one causal document of ``tokens`` is the
+    measured ``rate_at`` (the figures are causal single-sequence benchmarks)."""
+    return rate_at / _tile_efficiency(tokens)
 
 
 HARDWARE: dict[str, dict[str, Any]] = {
@@ -76,14 +90,41 @@ HARDWARE: dict[str, dict[str, Any]] = {
     },
 }
 
-# Software efficiencies no datasheet gives (NCCL's all-to-all and ring all-gather/reduce-scatter,
-# TE's cuDNN THD kernels vs FA3), fitted on MagiAttention's 8-GPU figures by `megatron-hsap
-# simulate calibrate --refit` (sim/calibrate.py; its 64-GPU figures are a check, not fitted).
-# They are properties of the software, so every hardware set gets them: one set of constants for
-# every method and every table (ring-flash-attention's A100 validation stays within 15% with them).
-CALIBRATED: dict[str, float] = {"a2a_efficiency": 0.40, "collective_efficiency": 1.0, "cta_s": 20e-9, "te_step_s": 0.975e-3,
-                                # assumed, not fitted (no 8-GPU point isolates it): NCCL kernels hold ~8-16 of
-                                # 132 SMs and share HBM while a transfer overlaps compute
+# NCCL's own cost model, read from its source (NVIDIA/nccl), the same for every GPU type here:
+#   src/graph/tuning.cc (2.19-2.28): ring Simple protocol baseLat 8.4 µs, hwLat per step 3.4 µs on
+#     NVLink and 14 µs on the network; ring all-gather / reduce-scatter latency
+#     = baseLat + (nRanks−1−(nNodes−1))·NVLink step + (nNodes−1)·network step (Cluster.ring_latency).
+#   src/graph/paths.cc: NCCL_P2P_PER_CHANNEL_NET_BW = 14 GB/s, what one p2p channel is assumed to
+#     drive over the network; channels per network peer start at 2 and halve while
+#     2·nRanks > 4·p2pnChannels (2.20-2.28 ncclTopoGetNchannels; NVIDIA/nccl#1272 measures the drop
+#     of a lone send/recv at 8 nodes); p2pnChannels = the communicator's channel count, 16 on
+#     multi-node H100/A100 (one ring per NIC, 8, doubled on sm90: src/graph/connect.cc), so a
+#     64-rank communicator drives each network peer with ONE channel, an 8-rank one with two.
+NCCL: dict[str, float] = {"p2p_channel_net_bw": 14e9, "p2p_channels": 16, "nccl_base_latency": 8.4e-6,
+                          "nccl_nvlink_step_latency": 3.4e-6, "nccl_net_step_latency": 14e-6}
+for _hw in HARDWARE.values():
+    _hw.update(NCCL)
+# Kernel time by block shape: the tile model of sim/config.py KernelModel (128 × 128 tiles, FA2
+# and FA3 causal hdim 128: Dao-AILab/flash-attention csrc/flash_attn/src/flash_fwd_launch_template.h,
+# hopper/tile_size.h), 0.8 tile of prologue / epilogue per row tile (fitted to the two
+# short-document points of workloads.md, not to any published CP figure). FlashAttention-3's
+# forward packs GQA heads into the tile rows (KernelModel.pack_gqa), its backward adds fp32 dK/dV
+# per q head with atomics (KernelModel.gqa_dkv_accum); MagiAttention's harness wraps each FA3 call
+# in unpad / pad copies (SimHardware.fa3_wrapper_copies; HSAP's runtime does not).
+for _hw in HARDWARE.values():
+    _hw.update({"tile": TILE, "mblock_overhead": MBLOCK_OVERHEAD})
+HARDWARE["h100-fa3"].update({"pack_gqa": True, "gqa_dkv_accum": True, "fa3_wrapper_copies": True})
+
+# Software efficiencies no datasheet gives (NCCL's all-to-all and ring all-gather/reduce-scatter
+# against the NVLink figure, the empty-CTA cost of FA3's varlen backward grid, a fixed cost per
+# communicating step of the FA3/TE THD p2p ring), fitted on MagiAttention's 8-GPU figures by
+# `megatron-hsap simulate calibrate --refit` (sim/calibrate.py; its 64-GPU figures are a check,
+# never fitted). They are properties of the software, so every hardware set gets them: one set of
+# constants for every method and every table (ring-flash-attention's A100 validation stays within
+# 15% with them).
+CALIBRATED: dict[str, float] = {"a2a_efficiency": 0.45, "collective_efficiency": 0.575, "cta_s": 6e-9, "te_step_s": 0.925e-3,
+                                # assumed, not fitted (no 8-GPU point isolates it): while a transfer is in
+                                # flight NCCL holds one CTA per channel (2-16 of 132 SMs) and a share of HBM
                                 "overlap_slowdown": 0.10}
 for _hw in HARDWARE.values():
     _hw.update(CALIBRATED)

@@ -14,7 +14,9 @@ them. Each rank runs its instructions in order on its own clock (its compute str
 
 Network: each rank has a send and a receive port per link class (NVLink, InfiniBand), each of
 the class's bandwidth; concurrent transfers share ports max-min fairly (progressive filling),
-rates are recomputed whenever a transfer starts or ends. Output: a ``Timeline`` of spans per
+rates are recomputed whenever a transfer starts or ends. ``flow_cap(a, b)`` (optional) bounds one
+transfer's own rate (a private port of that capacity): NCCL drives a point-to-point stream to a
+network peer with a few channels only (``Cluster.p2p_cap``, docs/design.md §8). Output: a ``Timeline`` of spans per
 rank (busy kinds and exposed waits) and of transfers, for breakdowns and Gantt charts.
 """
 
@@ -126,6 +128,11 @@ class Timeline:
         return out
 
 
+def _ports(f: list) -> tuple[int, ...]:
+    """Ports of flow record ``[bytes left, out port, in port, rate, (private port)]``."""
+    return (f[1], f[2], *f[4:])
+
+
 class _Net:
     """Active transfers and their max-min fair rates. Max-min allocations decompose over the
     connected components of the port–flow graph, so after an event only the component of the
@@ -137,11 +144,15 @@ class _Net:
         self.at_port: dict[int, set[int]] = defaultdict(set)
         self.dirty: set[int] = set()
 
-    def add(self, tid: int, nbytes: float, out_port: int, in_port: int) -> None:
-        self.flows[tid] = [nbytes, out_port, in_port, 0.0]
-        self.at_port[out_port].add(tid)
-        self.at_port[in_port].add(tid)
-        self.dirty.update((out_port, in_port))
+    def add(self, tid: int, nbytes: float, out_port: int, in_port: int, cap: float = float("inf")) -> None:
+        ports = [out_port, in_port]
+        if cap < float("inf"):  # the flow's own ceiling: a private port nobody else uses
+            self.caps.append(cap)
+            ports.append(len(self.caps) - 1)
+        self.flows[tid] = [nbytes, *ports[:2], 0.0, *ports[2:]]
+        for p in ports:
+            self.at_port[p].add(tid)
+        self.dirty.update(ports)
 
     def advance(self, dt: float) -> None:
         if dt > 0:
@@ -155,7 +166,7 @@ class _Net:
         done = [t for t, f in self.flows.items() if f[0] <= max(tol, 1e-9 * f[3])]
         for t in done:
             f = self.flows.pop(t)
-            for p in (f[1], f[2]):
+            for p in _ports(f):
                 self.at_port[p].discard(t)
                 self.dirty.add(p)
         return done
@@ -170,7 +181,7 @@ class _Net:
             for t in self.at_port.get(todo.pop(), ()):
                 if t not in comp:
                     comp.add(t)
-                    for p in self.flows[t][1:3]:
+                    for p in _ports(self.flows[t]):
                         if p not in ports:
                             ports.add(p)
                             todo.append(p)
@@ -178,18 +189,17 @@ class _Net:
             return
         count: dict[int, int] = defaultdict(int)
         for t in comp:
-            f = self.flows[t]
-            count[f[1]] += 1
-            count[f[2]] += 1
+            for p in _ports(self.flows[t]):
+                count[p] += 1
         cap = {p: self.caps[p] for p in count}
         live = {t: self.flows[t] for t in comp}
         while live:
             m = min(cap[p] / c for p, c in count.items() if c > 0)
             bott = {p for p, c in count.items() if c > 0 and cap[p] / c <= m * (1 + 1e-9)}
-            for t in [t for t, f in live.items() if f[1] in bott or f[2] in bott]:
+            for t in [t for t, f in live.items() if any(p in bott for p in _ports(f))]:
                 f = live.pop(t)
                 f[3] = m
-                for p in (f[1], f[2]):
+                for p in _ports(f):
                     cap[p] = max(cap[p] - m, 0.0)
                     count[p] -= 1
 
@@ -199,8 +209,10 @@ def simulate(
     link: Callable[[int, int], LinkClass],
     bandwidth: Callable[[LinkClass], float],
     latency: Callable[[LinkClass], float],
+    flow_cap: Callable[[int, int], float] | None = None,
 ) -> Timeline:
-    """Run ``work``; ``link(a, b)`` gives the class between simulated ranks ``a`` and ``b``."""
+    """Run ``work``; ``link(a, b)`` gives the class between simulated ranks ``a`` and ``b``;
+    ``flow_cap(a, b)`` (bytes/s, optional) bounds one transfer between them."""
     work.validate()
     progs = work.programs
     n = len(progs)
@@ -333,7 +345,8 @@ def simulate(
                     finish_transfer(a)
                     continue
                 cls = link(tr.src, tr.dst)
-                net.add(a, tr.nbytes, port(tr.src, cls, 0), port(tr.dst, cls, 1))
+                net.add(a, tr.nbytes, port(tr.src, cls, 0), port(tr.dst, cls, 1),
+                        flow_cap(tr.src, tr.dst) if flow_cap else float("inf"))
                 dirty = True
     stuck = [r for r in range(n) if pc[r] < len(progs[r])]
     if stuck:
@@ -341,12 +354,16 @@ def simulate(
     return Timeline(spans=spans, transfers=xfers, finish=np.asarray(clock, dtype=np.float64), flops=np.asarray(flops), ready=ready)
 
 
-def simulate_on(work: Workload, cluster: "object", gpus: Sequence[int]) -> Timeline:
-    """``simulate`` with links from a ``Cluster``: simulated rank ``k`` is CP rank ``gpus[k]``."""
+def simulate_on(work: Workload, cluster: "object", gpus: Sequence[int], comm_size: int | None = None) -> Timeline:
+    """``simulate`` with links from a ``Cluster``: simulated rank ``k`` is CP rank ``gpus[k]``.
+    ``comm_size``: ranks of the communicator the point-to-point traffic runs on (default
+    ``len(gpus)``): NCCL sizes its channels per network peer by it (``Cluster.p2p_cap``)."""
     hw = cluster.hw  # type: ignore[attr-defined]
+    n = comm_size or len(gpus)
     return simulate(
         work,
         link=lambda a, b: cluster.link(gpus[a], gpus[b]),  # type: ignore[attr-defined]
         bandwidth=hw.bandwidth,
         latency=hw.latency,
+        flow_cap=lambda a, b: cluster.p2p_cap(gpus[a], gpus[b], n),  # type: ignore[attr-defined]
     )

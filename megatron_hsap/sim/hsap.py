@@ -122,9 +122,10 @@ def hsap_workload(plan: object, cluster: Cluster, phase: str) -> tuple[Workload,
                 for it in ins.items:
                     groups[(it.srcs, it.causal)].append(it)
                 for items in groups.values():  # one varlen call per group of shared input buffers
-                    blocks = [(len(it.q), len(it.kv), it.work * fpp) for it in items]
-                    secs = hw.kernel.curve.launch_s + hw.kernel.blocks_time_py(blocks, phase) + hw.kernel.grid_time(
-                        max(x[0] for x in blocks), max(x[1] for x in blocks), len(blocks), h, phase)
+                    blocks = [(len(it.q), len(it.kv), it.work * fpp, it.work) for it in items]
+                    secs = hw.kernel.curve.launch_s + hw.kernel.blocks_time_py(blocks, phase, h // max(1, hkv)) + hw.kernel.grid_time(
+                        max(x[0] for x in blocks), max(x[1] for x in blocks), len(blocks), h, phase) + hw.kernel.gqa_accum_time(
+                        [x[1] for x in blocks], shape, phase, hw.hbm_bw)
                     if b.overlapped(r):  # NCCL transfers in flight share the SMs (as Builder.kernel)
                         secs *= 1.0 + hw.overlap_slowdown
                     b.busy(r, secs, "compute", f"stage {ins.stage}", sum(x[2] for x in blocks))

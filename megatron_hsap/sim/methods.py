@@ -109,7 +109,9 @@ def ideal_seconds(cu: np.ndarray, shape: HeadShape, hw: Any, P: int, phase: str)
     lengths = np.diff(np.asarray(cu, dtype=np.int64)).astype(np.float64)
     lengths = lengths[lengths > 0]
     fpp = shape.fwd_flops_per_pair if phase == "fwd" else shape.bwd_flops_per_pair
-    return hw.kernel.blocks_time(lengths, lengths, causal_pairs(lengths) * fpp, phase) / P
+    group = shape.num_heads // max(1, shape.num_kv_heads)
+    pairs = causal_pairs(lengths)
+    return hw.kernel.blocks_time(lengths, lengths, pairs * fpp, phase, group, pairs) / P
 
 
 def useful_flops(cu: np.ndarray, shape: HeadShape) -> float:
@@ -150,7 +152,9 @@ def _ring_methods(method: str, cu: np.ndarray, cluster: Cluster, shape: HeadShap
 
         w = window_size(r, cluster.intra_size, cluster.hw.gpus_per_node)
         return double_ring_schedule(steps, local, cluster, cluster.inter_group(0), phase, w=w, before=before, after=after)
-    impl = "ring_flash_attn" if method == "usp" else "te"
+    # MagiAttention's USP runs the same FA3 THD ring as its ring-p2p (exps/dist_attn/baselines/usp.py
+    # calls ring_attn.py FA3RingAttnFunc): TE's per-step THD helpers and fused corrections, "te"
+    impl = "te"
     return ring_schedule(steps, local, cluster, cluster.inter_group(0), phase, impl=impl,
                          dkv_bytes_per_elem=shape.dtype_bytes, before=before, after=after)
 
@@ -212,6 +216,7 @@ def _ulysses(cu: np.ndarray, cluster: Cluster, shape: HeadShape, phase: str) -> 
     for r in ranks:
         for t in before:
             b.busy(r, t, "a2a", "all-to-all in")
+        b.fa3_wrapper(r, float(lengths.sum()), float(lengths.sum()), local, phase, cluster.hw)
         b.kernel(r, blocks, cluster.hw, local, phase, "attention")
         for t in after:
             b.busy(r, t, "a2a", "all-to-all out")

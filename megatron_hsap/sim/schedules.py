@@ -151,8 +151,10 @@ def ring_schedule(
                 b.send(kv_tags[s], r, nxt, kv_bytes, "kv")
                 b.post(r, kv_tags[s])
             blocks = steps.blocks[r][s]
-            if impl == "te":  # TE THD p2p: per-step half-tensor reads, cu_seqlens, launches (host-bound)
-                b.busy(r, hw.te_step_s, "host", f"step {s} setup")
+            if impl == "te" and s < P - 1:  # THD p2p ring: a fixed cost per step that posts a transfer
+                b.busy(r, hw.te_step_s, "host", f"step {s} setup")  # (sim/calibrate.py fits it)
+            if impl == "te" and not blocks.empty:
+                b.fa3_wrapper(r, steps.out_rows[r, s], steps.kv_rows[r, s], shape, phase, hw)
             b.kernel(r, blocks, hw, shape, phase, f"step {s}")
             if phase == "fwd":
                 if s > 0 and not blocks.empty:
