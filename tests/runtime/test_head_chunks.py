@@ -369,6 +369,34 @@ def test_next_chunk_is_in_flight_while_sap_computes(gloo_pool, intra, inter, chu
         check_overlap_order(events, chunks, {"fwd": 3, "bwd": 1})
 
 
+# --------------------------------------------------------------------------- runtime: buffers
+
+
+def case_saved_bytes(counts: list[int]) -> list[int]:
+    """Bytes the layer keeps for backward (its autograd node's saved tensors), per chunk count."""
+    from megatron_hsap.runtime import hsap_attn_func
+
+    intra, _ = cases.make_groups(2, 1)
+    out = []
+    for c in counts:
+        plan = compile_plan([0, 300, 1024], 1, 2, num_heads=16, num_kv_heads=8, head_dim=8, dtype_bytes=4, head_chunks=c)
+        x = torch.randn(plan.local_tokens, 16, 8, requires_grad=True)
+        kv = torch.randn(plan.local_tokens, 8, 8, requires_grad=True)
+        y = hsap_attn_func(x, kv, kv, plan, intra_group=intra)
+        out.append(sum(t.numel() * t.element_size() for t in y.grad_fn.saved_tensors if t is not None))
+        y.sum().backward()
+    return out
+
+
+def test_saved_buffers_do_not_grow_with_chunks(gloo_pool):
+    """Received q, k, v, the output and its fp32 LSE: the same bytes whatever the chunk count,
+    the sizes of the layer without chunks (the inter chunk's 1024 rows × this rank's heads)."""
+    t, h, hkv, d = 1024, 8, 4, 8  # rows and heads per rank after the all-to-all
+    want = 4 * (t * h * d + 2 * t * hkv * d + t * h * d + t * h)
+    for got in gloo_pool(2).run(case_saved_bytes, [1, 2, 4], timeout=300):
+        assert got == [want] * 3, (got, want)
+
+
 # --------------------------------------------------------------------------- runtime: faults
 
 
