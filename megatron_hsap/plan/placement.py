@@ -216,11 +216,26 @@ class Placement:
         """Per-rank (work, traffic) change if block ``i`` had ``home`` and ``bands``."""
         home, bands = _normalise(self.units[i], home, bands)
         out: dict[int, list] = {}
-        for sign, terms in ((-1.0, self.contrib(i)), (1.0, self.contrib(i, home, bands))):
-            for r, w, t in terms:
-                cur = out.setdefault(r, [0.0, _ZERO])
-                cur[0] += sign * w
-                cur[1] = _plus(cur[1], t) if sign > 0 else _minus(cur[1], t)
+        # every term carries work or traffic, not both; adding a zero leaves a sum as it is (no
+        # -0.0 arises: sums start at +0.0 and x - x is +0.0), so zero halves are skipped
+        for r, w, t in self.contrib(i):
+            cur = out.get(r)
+            if cur is None:
+                cur = out[r] = [0.0, _ZERO]
+            if w:
+                cur[0] -= w
+            if t is not _ZERO:
+                c = cur[1]
+                cur[1] = (c[0] - t[0], c[1] - t[1], c[2] - t[2], c[3] - t[3])
+        for r, w, t in self.contrib(i, home, bands):
+            cur = out.get(r)
+            if cur is None:
+                cur = out[r] = [0.0, _ZERO]
+            if w:
+                cur[0] += w
+            if t is not _ZERO:
+                c = cur[1]
+                cur[1] = (c[0] + t[0], c[1] + t[1], c[2] + t[2], c[3] + t[3])
         return {r: (v[0], v[1]) for r, v in out.items()}
 
     # ------------------------------------------------------------------ result

@@ -78,17 +78,20 @@ def _water_fill(floor: np.ndarray, weights: np.ndarray, amount: float) -> np.nda
     n = len(floor)
     if amount <= 0 or n == 0:
         return np.zeros(n)
-    bp = floor / weights  # level at which stage k starts receiving
-    order = np.argsort(bp, kind="stable")
+    # a few dozen stages at most: Python floats (the same IEEE operations as the array form,
+    # ``floor / weights``, a stable sort, ``max(λ·w − floor, 0)``), called per rank and staging
+    fl, wl = floor.tolist(), weights.tolist()
+    bp = [f / w for f, w in zip(fl, wl)]  # level at which stage k starts receiving
+    order = sorted(range(n), key=bp.__getitem__)
     wsum = fsum = 0.0
     lam = bp[order[-1]]
     for j, k in enumerate(order):
-        wsum += weights[k]
-        fsum += floor[k]
+        wsum += wl[k]
+        fsum += fl[k]
         lam = (amount + fsum) / wsum
         if j + 1 == n or lam <= bp[order[j + 1]]:
             break
-    return np.maximum(lam * weights - floor, 0.0)
+    return np.array([max(lam * w - f, 0.0) for f, w in zip(fl, wl)])
 
 
 @dataclass(frozen=True, slots=True)
