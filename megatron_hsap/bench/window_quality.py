@@ -162,14 +162,19 @@ def peers_markdown(rows: list[tuple] | str | Path) -> str:
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
 
     def ratio(d: dict[str, float], m: str, ref: float) -> str:
-        return f"{d[m] / ref:.2f}" if m in d and ref > 0 else ("—" if m not in d else "0 / 0")
+        """``d[m]`` as a multiple of ``ref``; "—" when the method did not run (e.g. P > heads)."""
+        if m not in d:
+            return "—"
+        if ref > 0:
+            return f"{d[m] / ref:.2f}"
+        return "0" if d[m] == 0 else "∞"  # HSAP moved nothing
 
     for key in t:
         wl, T, P, heads = key
         hw_t, hw_b = t[key]["hsap-window"], b[key]["hsap-window"]
         sim_ms = f"{s[key]['hsap-window'] * 1e3:.2f}" if key in s and "hsap-window" in s[key] else "—"
         cells = [wl, f"{T // 1024}K, {P}", heads, f"{hw_t * 1e3:.2f} / {sim_ms}", f"{hw_b / 1e6:.1f}"]
-        cells += [f"{ratio(t[key], m, hw_t)}, {ratio(b[key], m, hw_b) if hw_b > 0 else ('0' if b[key].get(m, 1) == 0 else '∞')}" for m in others]
+        cells += [f"{ratio(t[key], m, hw_t)}, {ratio(b[key], m, hw_b)}" for m in others]
         out.append("| " + " | ".join(cells) + " |")
     return "\n".join(out) + "\n"
 
