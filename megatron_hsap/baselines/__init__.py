@@ -3,7 +3,9 @@
 
 ``registry``: one ``Baseline`` record per method (availability rule, flat price, simulated
 schedule, CPU-executed implementation, source). ``flat``: the flat-rate prices of
-docs/design.md §4 used by ``plan-quality`` and the CPU benchmark's byte checks.
+docs/design.md §4 used by ``plan-quality`` and the CPU benchmark's byte checks;
+``hierarchical``: the same for the all-to-all × ring and per-sample methods, and ``price``, the one
+entry point for every flat price.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ _LAZY = {
     "BaselineCost": "megatron_hsap.baselines.flat",
     "price_baseline": "megatron_hsap.baselines.flat",
     "unavailable_reason": "megatron_hsap.baselines.flat",
+    "HIERARCHICAL": "megatron_hsap.baselines.hierarchical",
+    "price": "megatron_hsap.baselines.hierarchical",
 }
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__, _LAZY)

@@ -1,8 +1,9 @@
 """One record per baseline: what it is, where it comes from, when it runs, and how each tool runs it.
 
 A ``Baseline`` names the method's *availability rule* (one function, used by the flat pricing,
-the simulator and the tables alike), its *flat price* (``baselines.flat``, the planner's flat
-constants: used by ``plan-quality``), its *simulated schedule* (the name ``sim.methods.run_method``
+the simulator and the tables alike), its *flat price* (``baselines.hierarchical.price``, the
+planner's flat constants: ``baselines.flat`` for the flat groups, ``baselines.hierarchical`` for
+the all-to-all × ring and per-sample methods; used by ``plan-quality``), its *simulated schedule* (the name ``sim.methods.run_method``
 takes) and its *CPU-executed implementation* (``module:Class`` under ``megatron_hsap.bench``)
 where one exists. Each is modelled as its real implementation behaves; ``source`` names the
 repository and file it was read from (docs/design.md §4, "Baselines priced on the same batch").
@@ -23,13 +24,27 @@ from typing import Callable
 from megatron_hsap.errors import ConfigError
 from megatron_hsap.plan.costs import HeadShape
 
-__all__ = ["Baseline", "REGISTRY", "get", "unavailable", "heads_split_ok", "hybrid_group_sizes", "DOCUMENT_AWARE"]
+__all__ = ["Baseline", "REGISTRY", "get", "unavailable", "heads_split_ok", "split_heads", "usp_degree", "hybrid_group_sizes", "DOCUMENT_AWARE"]
 
 
 def heads_split_ok(shape: HeadShape, u: int) -> bool:
     """An all-to-all over ``u`` ranks can split these heads: ``u | H`` and kv heads split or
     replicate evenly (``u | Hkv`` or ``Hkv | u``)."""
     return shape.num_heads % u == 0 and (shape.num_kv_heads % u == 0 or u % shape.num_kv_heads == 0)
+
+
+def split_heads(shape: HeadShape, u: int) -> HeadShape:
+    """Heads one rank computes after an all-to-all over ``u`` ranks: ``H/u`` q heads and
+    ``Hkv/u`` kv heads, or one replicated kv head when ``u`` does not divide ``Hkv``."""
+    hkv = shape.num_kv_heads // u if shape.num_kv_heads % u == 0 else 1
+    return HeadShape(num_heads=shape.num_heads // u, num_kv_heads=hkv, head_dim=shape.head_dim,
+                     head_dim_v=shape.head_dim_v, dtype_bytes=shape.dtype_bytes)
+
+
+def usp_degree(P: int, shape: HeadShape, gpus_per_node: int = 8) -> int:
+    """USP's all-to-all degree: the largest ``u | P`` inside one node that splits the heads
+    (MagiAttention ``exps/dist_attn/run_benchmark.py``: Ulysses ``min(W, 8)``, ring ``W / 8``)."""
+    return max(u for u in range(1, min(P, gpus_per_node) + 1) if P % u == 0 and heads_split_ok(shape, u))
 
 
 def _ulysses(intra: int, inter: int, shape: HeadShape) -> str | None:
@@ -88,7 +103,7 @@ class Baseline:
     document_aware: bool
     hierarchical: bool  # has an intra × inter topology to tune (all-to-all inside, ring across)
     availability: Callable[[int, int, HeadShape], str | None]
-    flat: str | None  # key of baselines.flat.price_baseline, or None (simulated only)
+    flat: str | None  # method key of baselines.hierarchical.price, or None (no flat price)
     simulated: str | None  # method name of sim.methods.run_method
     cpu: str | None  # "module:Class" of a CPU-executed implementation
     note: str = ""
@@ -107,11 +122,12 @@ _RECORDS = (
              note="same ring and bytes; the kernel skips the per-document padding"),
     Baseline(name="te_a2a", label="TE a2a (Ulysses)", document_aware=True, hierarchical=False,
              source="NVIDIA/TransformerEngine context_parallel.py (AttnFuncWithCPAndQKVOA2A)",
-             availability=lambda i, j, s: _te_a2a(i * j, 1, s), flat=None, simulated="ulysses", cpu=None,
-             note="all-to-all of q, k, v to a head split, whole documents per rank; needs P | H and P | Hkv"),
+             availability=lambda i, j, s: _te_a2a(i * j, 1, s), flat="te_a2a", simulated="te_a2a", cpu=None,
+             note="documents padded to 2P (THD dual-chunk layout), an all-to-all per tensor to a head split with "
+                  "each reorder overlapped with the next tensor's all-to-all, whole documents per rank; needs P | H and P | Hkv"),
     Baseline(name="te_a2a_p2p", label="TE a2a+p2p", document_aware=True, hierarchical=True,
              source="NVIDIA/TransformerEngine context_parallel.py (cp_comm_type 'a2a+p2p': QKVOA2A inside, KVP2P across)",
-             availability=_te_a2a, flat=None, simulated="te_a2a_p2p",
+             availability=_te_a2a, flat="te_a2a_p2p", simulated="te_a2a_p2p",
              cpu="megatron_hsap.bench.ring_baseline:A2AP2PAttention"),
     Baseline(name="allgather_kv", label="all-gather KV, contiguous (ring-flash-attn llama3)", document_aware=True,
              hierarchical=False,
@@ -131,15 +147,15 @@ _RECORDS = (
     Baseline(name="usp", label="USP (Ulysses × ring)", document_aware=True, hierarchical=True,
              source="feifeibear/long-context-attention yunchang/hybrid/attn_layer.py (LongContextAttention); "
                     "SandAI-org/MagiAttention exps/dist_attn/baselines/usp.py",
-             availability=_a2a_intra, flat=None, simulated="usp", cpu=None),
+             availability=_a2a_intra, flat="usp", simulated="usp", cpu=None),
     Baseline(name="loongtrain", label="LoongTrain 2D (head × double ring)", document_aware=True, hierarchical=True,
              source="SandAI-org/MagiAttention exps/dist_attn/baselines/loongtrain.py (InternLM/InternEvo's 2D attention)",
-             availability=_a2a_intra, flat=None, simulated="loongtrain", cpu=None,
+             availability=_a2a_intra, flat="loongtrain", simulated="loongtrain", cpu=None,
              note="modelled as USP whose ring runs as windows of one node (inner NVLink ring, outer ring across nodes)"),
     Baseline(name="hybrid_cp", label="Megatron hybrid / dynamic CP", document_aware=True, hierarchical=False,
              source="NVIDIA/Megatron-LM megatron/core/pipeline_parallel/hybrid_cp_schedule.py (BalancedCPScheduler, "
                     "PR #2282); SandAI-org/MagiAttention exps/dist_attn/baselines/hybrid_dcp.py",
-             availability=_always, flat=None, simulated="hybrid_cp", cpu=None,
+             availability=_always, flat="hybrid_cp", simulated="hybrid_cp", cpu=None,
              note="per-sample CP group size (power of two, 8K tokens per rank); groups run one after another"),
     Baseline(name="distflashattn", label="DistFlashAttn (document-blind)", document_aware=False, hierarchical=False,
              source="RulinShao/LightSeq lightseq/lightseq_async_attn.py",

@@ -116,16 +116,17 @@ class Cluster:
         return -(-(m - 1) // at_once)
 
     # ------------------------------------------------------------------ closed-form collectives
-    def all_to_all_time(self, members: list[int], bytes_per_peer: float) -> float:
+    def all_to_all_time(self, members: list[int], bytes_per_peer: float, copies: bool = True) -> float:
         """Symmetric all-to-all: every member sends ``bytes_per_peer`` to every other member and
         receives as much. NVLink and NIC traffic flow in parallel; one latency of the worst link.
         Plus the layout copies around it: the ``t h d -> h t d`` rearrange before and the inverse
         after are each a ``.contiguous()`` read + write of the whole tensor (MagiAttention
         ``exps/dist_attn/baselines/utils_cp.py`` ``_varlen_all2all_before/after_attn``, DeepSpeed's
-        ``_SeqAllToAll``, our ``runtime/ulysses.py``): 4 × the tensor's bytes through HBM."""
+        ``_SeqAllToAll``, our ``runtime/ulysses.py``): 4 × the tensor's bytes through HBM
+        (``copies=False``: the transfer alone, for schedules that overlap the copies)."""
         if len(members) <= 1 or bytes_per_peer <= 0:
             return 0.0
-        copies = 4 * bytes_per_peer * len(members) / self.hw.hbm_bw
+        copy_s = 4 * bytes_per_peer * len(members) / self.hw.hbm_bw if copies else 0.0
         worst = 0.0
         for a in members:
             nvl = sum(1 for b in members if b != a and self.link(a, b) is LinkClass.NVLINK)
@@ -133,7 +134,7 @@ class Cluster:
             # a2a_efficiency: NCCL's all-to-all over NVLink against the NVLink figure (an all-gather /
             # all-reduce bus bandwidth); the NIC figure is already NDR's achieved large-message rate
             worst = max(worst, nvl * bytes_per_peer / (self.hw.nvlink_bw * self.hw.a2a_efficiency), ib * bytes_per_peer / self.hw.ib_bw)
-        return worst + self.all_to_all_rounds(members) * self.hw.latency(self._span(members)) + copies
+        return worst + self.all_to_all_rounds(members) * self.hw.latency(self._span(members)) + copy_s
 
     def ring_collective_time(self, members: list[int], bytes_per_rank: float) -> float:
         """All-gather (or reduce-scatter) of ``bytes_per_rank`` per member, NCCL's ring algorithm:

@@ -12,7 +12,8 @@ zigzag, and Megatron's hybrid / dynamic CP (per-sample CP group size).
 * ``hybrid_cp_schedule`` (Megatron-LM ``megatron/core/pipeline_parallel/hybrid_cp_schedule.py``
   ``BalancedCPScheduler``, as MagiAttention runs it in ``exps/dist_attn/baselines/hybrid_dcp.py``):
   each sample gets a CP group of ``g = 2^⌈log2(l / 8K)⌉`` ranks (``baselines.registry.
-  hybrid_group_sizes``); samples are placed largest first into *groups* (micro-batch stages)
+  hybrid_group_sizes``); samples are placed largest first (``baselines.hierarchical.hybrid_stages``,
+  the rule the flat price uses too) into *groups* (micro-batch stages)
   where each rank holds at most 8K tokens; a sample with ``g > 1`` runs TE's THD p2p ring
   (``RingAttnP2P``, FA3 kernels: ``impl="fa3"``) over ``g`` consecutive ranks, a sample with ``g = 1`` is one FA3 call on its
   rank (a launch per sample). Stages are separated by ``dist.barrier()``; a stage lasts as long
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from megatron_hsap.baselines.registry import hybrid_group_sizes
+from megatron_hsap.baselines.hierarchical import HYBRID_TOKENS_PER_RANK, hybrid_stages
 from megatron_hsap.plan.costs import HeadShape
 from megatron_hsap.sim.builder import Blocks, Builder, causal_pairs
 from megatron_hsap.sim.cluster import Cluster
@@ -31,7 +32,6 @@ from megatron_hsap.sim.engine import Workload
 
 __all__ = ["allgather_zigzag_schedule", "hybrid_cp_schedule", "hybrid_stages", "HYBRID_TOKENS_PER_RANK"]
 
-HYBRID_TOKENS_PER_RANK = 8192  # MagiAttention's hybrid_dcp.py: max_seqlen_per_rank = 8K
 
 
 def _zigzag_halves(lengths: np.ndarray, P: int, r: int) -> tuple[Blocks, Blocks]:
@@ -79,37 +79,6 @@ def allgather_zigzag_schedule(cu: np.ndarray, cluster: Cluster, shape: HeadShape
             for i, t in enumerate(gathers):
                 b.collective(r, tags[2 + i], t, "collective", "reduce-scatter dk" if i == 0 else "reduce-scatter dv")
     return b.build(), ranks
-
-
-def hybrid_stages(lengths: np.ndarray, P: int, per_rank: int = HYBRID_TOKENS_PER_RANK) -> list[list[tuple[int, int, int]]]:
-    """Stages of ``(sample length, first rank, group size)``: largest sample first, each into the
-    first stage with ``g`` consecutive aligned ranks (singletons: one rank) holding room for
-    ``l / g`` tokens each; a new stage when none has room."""
-    lengths = np.asarray(lengths, dtype=np.int64)
-    lengths = lengths[lengths > 0]
-    sizes = hybrid_group_sizes(lengths.tolist(), P, per_rank)
-    order = sorted(range(len(lengths)), key=lambda i: -int(lengths[i]))
-    stages: list[list[tuple[int, int, int]]] = []
-    room: list[np.ndarray] = []
-    for i in order:
-        n, g = int(lengths[i]), sizes[i]
-        share = -(-n // g)
-        placed = False
-        for s, free in enumerate(room):
-            for first in range(0, P, g):
-                if (free[first : first + g] >= share).all():
-                    free[first : first + g] -= share
-                    stages[s].append((n, first, g))
-                    placed = True
-                    break
-            if placed:
-                break
-        if not placed:
-            free = np.full(P, max(per_rank, share), dtype=np.int64)
-            free[:g] -= share
-            room.append(free)
-            stages.append([(n, 0, g)])
-    return stages
 
 
 def hybrid_cp_schedule(cu: np.ndarray, cluster: Cluster, shape: HeadShape, phase: str) -> tuple[Workload, list[int]]:

@@ -15,6 +15,7 @@ window ``k``, inner step ``i`` by ring rank ``(a, b)``.
 
 from __future__ import annotations
 
+from megatron_hsap.baselines.hierarchical import window_size
 from megatron_hsap.plan.costs import HeadShape
 from megatron_hsap.plan.ir import Wire
 from megatron_hsap.sim.builder import Builder
@@ -24,14 +25,6 @@ from megatron_hsap.sim.engine import Workload
 from megatron_hsap.sim.schedules import RingSteps
 
 __all__ = ["double_ring_schedule", "window_size"]
-
-
-def window_size(ring: int, intra: int, gpus_per_node: int) -> int:
-    """Ring ranks per window: those that share a node (at least 1), dividing ``ring``."""
-    w = max(1, min(ring, gpus_per_node // max(intra, 1)))
-    while ring % w:
-        w -= 1
-    return w
 
 
 def double_ring_schedule(steps: RingSteps, shape: HeadShape, cluster: Cluster, gpus: list[int], phase: str, *,

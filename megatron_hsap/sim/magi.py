@@ -34,7 +34,7 @@ from megatron_hsap.sim.tune import sample_batches, tune_topology
 
 __all__ = ["magi", "BASELINES", "TOKENS_PER_GPU", "best_document_aware"]
 
-BASELINES = ("te_thd_ring", "te_thd_ring_nopad", "allgather_kv_zigzag", "ulysses", "usp", "te_a2a_p2p", "loongtrain", "hybrid_cp",
+BASELINES = ("te_thd_ring", "te_thd_ring_nopad", "allgather_kv_zigzag", "ulysses", "te_a2a", "usp", "te_a2a_p2p", "loongtrain", "hybrid_cp",
              "distflashattn")
 TOKENS_PER_GPU = MAGI_TOKENS_PER_GPU
 

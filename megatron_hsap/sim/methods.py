@@ -1,6 +1,7 @@
 """One entry point for every simulated method: ``run_method(name, cu_seqlens, ...)``.
 
 Methods (docs/design.md §4's list, as schedules): ``hsap`` (the compiled plan; P_intra 1 is plain SAP),
+``te_a2a`` (TE's a2a CP with its own pipelined schedule, documents padded to 2P),
 ``te_thd_ring`` (TE THD p2p ring, per-document zigzag, documents padded to 2P),
 ``te_a2a_p2p`` and ``usp`` (all-to-all over the intra group, then the per-document zigzag
 ring over the inter group — MagiAttention's USP baseline runs TE's ring too; they differ only in
@@ -37,7 +38,7 @@ from megatron_hsap.sim.schedules import distflashattn_schedule, pad_lengths, rin
 
 __all__ = ["METHODS", "MethodRun", "PhaseRun", "run_method", "unavailable", "ideal_seconds", "useful_flops", "ulysses_degree"]
 
-METHODS = ("hsap", "te_thd_ring", "te_thd_ring_nopad", "te_a2a_p2p", "usp", "allgather_kv", "allgather_kv_zigzag", "ulysses",
+METHODS = ("hsap", "te_thd_ring", "te_thd_ring_nopad", "te_a2a", "te_a2a_p2p", "usp", "allgather_kv", "allgather_kv_zigzag", "ulysses",
            "hybrid_cp", "loongtrain", "distflashattn", "blind_ring")
 
 
@@ -79,10 +80,10 @@ def full_shape(num_heads: int, num_kv_heads: int | None, head_dim: int = 128, dt
 
 
 def _split(shape: HeadShape, u: int) -> HeadShape:
-    """Heads one rank computes after an all-to-all over ``u`` ranks (kv replicated if u > Hkv)."""
-    hkv = shape.num_kv_heads // u if shape.num_kv_heads % u == 0 else 1
-    return HeadShape(num_heads=shape.num_heads // u, num_kv_heads=hkv, head_dim=shape.head_dim,
-                     head_dim_v=shape.head_dim_v, dtype_bytes=shape.dtype_bytes)
+    """Heads one rank computes after an all-to-all over ``u`` ranks (``registry.split_heads``)."""
+    from megatron_hsap.baselines.registry import split_heads
+
+    return split_heads(shape, u)
 
 
 def _heads_ok(shape: HeadShape, u: int) -> bool:
@@ -92,8 +93,10 @@ def _heads_ok(shape: HeadShape, u: int) -> bool:
 
 
 def ulysses_degree(P: int, shape: HeadShape, gpus_per_node: int = 8) -> int:
-    """USP's all-to-all degree: the largest u | P inside one node that splits the heads."""
-    return max(u for u in range(1, min(P, gpus_per_node) + 1) if P % u == 0 and _heads_ok(shape, u))
+    """USP's all-to-all degree (``registry.usp_degree``)."""
+    from megatron_hsap.baselines.registry import usp_degree
+
+    return usp_degree(P, shape, gpus_per_node)
 
 
 def unavailable(method: str, *, intra: int, inter: int, shape: HeadShape) -> str | None:
@@ -143,7 +146,9 @@ def _ring_methods(method: str, cu: np.ndarray, cluster: Cluster, shape: HeadShap
     padded = pad_lengths(lengths, 2 * P) if P > 1 else lengths
     chunk = padded / (2 * r) if r > 1 else padded / 2.0
     steps = zigzag_steps(chunk, r)
-    if method == "te_thd_ring_nopad":  # kernels on the real tokens, the padded KV still travels
+    # kernels on the real tokens, the padded KV still travels: TE with pad_between_seqs, and the FA3
+    # THD ring that MagiAttention's USP and LoongTrain call (its wrappers unpad every input)
+    if method in ("te_thd_ring_nopad", "usp", "loongtrain"):
         steps = replace(zigzag_steps(lengths / (2 * r) if r > 1 else lengths / 2.0, r), local_tokens=steps.local_tokens)
     local = _split(shape, cluster.intra_size)
     before, after = _a2a_times(cluster, shape, float(padded.sum()) / P, phase)
@@ -223,6 +228,46 @@ def _ulysses(cu: np.ndarray, cluster: Cluster, shape: HeadShape, phase: str) -> 
     return b.build(), ranks
 
 
+def _te_a2a(cu: np.ndarray, cluster: Cluster, shape: HeadShape, phase: str) -> tuple[Workload, list[int]]:
+    """Transformer Engine's a2a CP (``AttnFuncWithCPAndQKVOA2A``, NVIDIA/TransformerEngine
+    ``transformer_engine/pytorch/attention/dot_product_attention/context_parallel.py``
+    ``flash_attn_a2a_communicate``): documents padded to 2P (THD dual-chunk layout); one
+    all-to-all per tensor, the reorder of tensor i+1 before it and of tensor i−1 after it run on
+    TE's side stream while tensor i travels (a software pipeline: first copy, then max(transfer,
+    copies) per tensor, then the last copy); the kernel on the real tokens of H/P heads."""
+    hw = cluster.hw
+    P = cluster.cp_size
+    lengths = np.diff(cu).astype(np.float64)
+    lengths = lengths[lengths > 0]
+    padded = pad_lengths(lengths.astype(np.int64), 2 * P) if P > 1 else lengths
+    local = float(padded.sum()) / P
+    ranks = list(range(P))
+    b = shape.dtype_bytes
+
+    def pipeline(tensors: list[tuple[int, int]]) -> float:
+        if P == 1:
+            return 0.0
+        per_peer = [local * (h // P) * d * b for h, d in tensors]
+        core = [cluster.all_to_all_time(ranks, x, copies=False) for x in per_peer]
+        copy = [2 * x * P / hw.hbm_bw for x in per_peer]  # one read + write of the tensor
+        t = copy[0]
+        for i in range(len(core)):
+            side = (copy[i + 1] if i + 1 < len(core) else 0.0) + (copy[i - 1] if i > 0 else 0.0)
+            t += max(core[i], side)
+        return t + copy[-1]
+
+    h, hkv, d, dv = shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.head_dim_v
+    qkv, o = pipeline([(h, d), (hkv, d), (hkv, dv)]), pipeline([(h, dv)])
+    before, after = (qkv, o) if phase == "fwd" else (o, qkv)
+    bld = Builder(P)
+    blocks = Blocks.of(lengths, lengths, causal_pairs(lengths))
+    for r in ranks:
+        bld.busy(r, before, "a2a", "all-to-all in")
+        bld.kernel(r, blocks, hw, _split(shape, P), phase, "attention")
+        bld.busy(r, after, "a2a", "all-to-all out")
+    return bld.build(), ranks
+
+
 def run_method(method: str, cu_seqlens: object, *, hw: Any, intra: int, inter: int, shape: HeadShape,
                plan_options: dict[str, Any] | None = None, allgather_stride: int | None = None) -> MethodRun | None:
     """Simulate ``method`` forward and backward on ``cu_seqlens`` over ``intra × inter`` GPUs.
@@ -278,6 +323,9 @@ def run_method(method: str, cu_seqlens: object, *, hw: Any, intra: int, inter: i
         note = "per-sample CP group sizes"
     elif method == "ulysses":
         build = lambda ph: _ulysses(cu, flat, shape, ph)  # noqa: E731
+        topo = f"{P}x1"
+    elif method == "te_a2a":
+        build = lambda ph: _te_a2a(cu, flat, shape, ph)  # noqa: E731
         topo = f"{P}x1"
     elif method == "distflashattn":
         build = lambda ph: distflashattn_schedule(int(cu[-1]), shape, flat, ph)  # noqa: E731

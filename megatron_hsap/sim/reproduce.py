@@ -121,7 +121,7 @@ def _plot(path: Path, labels: list[str], series: dict[str, list[float]], ylabel:
     return path
 
 
-TABLE2_BASELINES = ("te_thd_ring", "te_thd_ring_nopad", "allgather_kv_zigzag", "ulysses", "usp", "hybrid_cp")
+TABLE2_BASELINES = ("te_thd_ring", "te_thd_ring_nopad", "allgather_kv_zigzag", "ulysses", "te_a2a", "usp", "hybrid_cp")
 
 
 def best_baseline(runs: dict[str, MethodRun | None]) -> tuple[str, MethodRun] | None:
@@ -203,7 +203,7 @@ def table2(out_dir: str | Path, *, quick: bool = False, seeds: int | None = None
     return Report("table2", rows, "\n".join(md), [png]).write(out_dir)
 
 
-TABLE3_BASELINES = ("ulysses", "usp", "te_thd_ring", "allgather_kv_zigzag", "hybrid_cp")
+TABLE3_BASELINES = ("ulysses", "te_a2a", "usp", "te_thd_ring", "allgather_kv_zigzag", "hybrid_cp")
 
 
 def table3(out_dir: str | Path, *, quick: bool = False, seeds: int | None = None, workload: str | None = None) -> Report:

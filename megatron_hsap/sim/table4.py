@@ -39,7 +39,7 @@ from megatron_hsap.sim.results import Report, Row, markdown_table
 __all__ = ["nonattention_flops_per_token", "table4", "step_seconds"]
 
 P = 8
-DOC_AWARE = ("te_thd_ring", "te_a2a_p2p", "loongtrain", "usp", "ulysses", "allgather_kv_zigzag", "hybrid_cp")
+DOC_AWARE = ("te_thd_ring", "te_a2a", "te_a2a_p2p", "loongtrain", "usp", "ulysses", "allgather_kv_zigzag", "hybrid_cp")
 
 
 def nonattention_flops_per_token(cfg: dict[str, int] = constants.LLAMA2_7B) -> float:

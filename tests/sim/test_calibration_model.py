@@ -76,3 +76,94 @@ def test_committed_constants_reproduce_the_8_gpu_points() -> None:
     assert len(pts) == 6
     for p in pts:
         assert abs(p.error) <= TOLERANCE, p
+
+
+# ---------------------------------------------------------------- NCCL's channel and latency model
+def test_p2p_channels_per_network_peer_halve_with_the_communicator() -> None:
+    # NCCL paths.cc: 2 channels, halved while 2·nRanks > 4·p2pnChannels (16 here)
+    hw = replace(TOY, gpus_per_node=4, p2p_channels=16, p2p_channel_net_bw=0.1)
+    c = Cluster(hw=hw, intra_size=1, inter_size=8)
+    assert [c.net_channels_per_peer(n) for n in (8, 32, 33, 64, 128)] == [2, 2, 1, 1, 1]
+    assert c.p2p_cap(0, 1, 64) == float("inf")  # same node: NVLink, no channel cap
+    assert c.p2p_cap(3, 4, 8) == pytest.approx(0.2, **TIGHT)  # 2 channels × 0.1 B/s, below the NIC's 0.25
+    assert c.p2p_cap(3, 4, 64) == pytest.approx(0.1, **TIGHT)
+    assert replace(c, hw=replace(hw, p2p_channel_net_bw=1.0)).p2p_cap(3, 4, 64) == pytest.approx(0.25, **TIGHT)  # the NIC
+
+
+def test_a_capped_cross_node_transfer_runs_at_its_channels_rate() -> None:
+    from megatron_hsap.sim.engine import simulate_on
+
+    hw = replace(TOY, gpus_per_node=1, p2p_channel_net_bw=0.05)  # 2 channels -> 0.1 B/s < NIC 0.25 B/s
+    c = Cluster(hw=hw, intra_size=1, inter_size=2)
+    b = Builder(2)
+    tag = b.new_tag()
+    b.send(tag, 0, 1, 1.0)
+    for r in (0, 1):
+        b.post(r, tag)
+        b.wait(r, tag)
+    tl = simulate_on(b.build(), c, [0, 1])
+    assert tl.makespan == pytest.approx(1.0 + 1.0 / 0.1, **TIGHT)  # IB latency + 1 byte at 0.1 B/s
+    uncapped = simulate_on(b.build(), replace(c, hw=replace(hw, p2p_channel_net_bw=float("inf"))), [0, 1])
+    assert uncapped.makespan == pytest.approx(1.0 + 1.0 / 0.25, **TIGHT)
+
+
+def test_ring_latency_grows_with_ranks_and_nodes() -> None:
+    # NCCL tuning.cc ring: base + (nsteps − nInterSteps)·NVLink step + nInterSteps·network step
+    hw = replace(TOY, gpus_per_node=4, nccl_base_latency=10.0, nccl_nvlink_step_latency=1.0, nccl_net_step_latency=5.0)
+    c = Cluster(hw=hw, intra_size=1, inter_size=16)
+    assert c.ring_latency([0, 1, 2, 3]) == pytest.approx(10 + 3 * 1.0, **TIGHT)
+    assert c.ring_latency(list(range(16))) == pytest.approx(10 + 12 * 1.0 + 3 * 5.0, **TIGHT)  # 15 steps, 3 cross nodes
+
+
+def test_all_to_all_rounds_over_the_network() -> None:
+    hw = replace(TOY, gpus_per_node=4, p2p_channels=4)
+    c = Cluster(hw=hw, intra_size=1, inter_size=16)
+    assert c.all_to_all_rounds([0, 1, 2, 3]) == 1  # one node
+    # 16 ranks: 1 channel per peer (2·16 > 4·4), 4 peers at once, 15 peers -> 4 rounds
+    assert c.all_to_all_rounds(list(range(16))) == 4
+
+
+def test_fa3_wrapper_copies_count_every_unpad_and_pad() -> None:
+    hw = replace(TOY, hbm_bw=1.0, fa3_wrapper_copies=True)
+    b = Builder(1)
+    b.fa3_wrapper(0, 10.0, 20.0, ONE, "fwd", hw)
+    b.fa3_wrapper(0, 10.0, 20.0, ONE, "bwd", hw)
+    fwd, bwd = (ins.seconds for ins in b.build().programs[0])
+    q = o = 10.0  # 10 tokens × 1 head × 1 element × 1 byte
+    lse = 10.0 * 4
+    kv = 20.0 * 2
+    assert fwd == pytest.approx(2 * (q + kv) + 3 * (o + lse), **TIGHT)
+    assert bwd == pytest.approx(2 * (q + 2 * o + lse + kv) + 3 * (q + kv), **TIGHT)
+    off = Builder(1)
+    off.fa3_wrapper(0, 10.0, 20.0, ONE, "fwd", TOY)  # HSAP's runtime: no wrapper
+    assert off.build().programs[0] == []
+
+
+# ---------------------------------------------------------------- the README's stated bounds
+def _stated_bounds() -> dict[int, float]:
+    """Worst error per GPU count as the README's calibration region states it (percent)."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    region = text.split("<!-- report:calibration -->", 1)[1].split("<!-- /report -->", 1)[0]
+    return {int(g): float(w) for g, w in re.findall(r"(\d+) GPUs \((?:fit|check)\): worst (\d+)%", region)}
+
+
+def _check_bound(gpus: int) -> None:
+    from megatron_hsap.sim.calibrate import simulate_points
+    from megatron_hsap.sim.config import sim_hardware
+
+    bound = _stated_bounds()[gpus]
+    pts = simulate_points(sim_hardware("h100-fa3"), gpus, 8)
+    worst = max(abs(p.error) for p in pts) * 100
+    assert worst <= bound + 0.5, f"{gpus} GPUs: worst calibration error {worst:.1f}% exceeds the README's {bound:.0f}%"
+
+
+def test_8_gpu_calibration_within_the_readme_bound() -> None:
+    _check_bound(8)
+
+
+@pytest.mark.slow
+def test_64_gpu_calibration_within_the_readme_bound() -> None:
+    _check_bound(64)

@@ -1,0 +1,123 @@
+"""Flat prices of the hierarchical and per-sample baselines: hand-computed cases, and the flat
+price against the simulated schedule of the same method on small cases (the simulator given the
+flat model's constants: flat kernel rate, free memory traffic, no calibrated terms)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from megatron_hsap.baselines.flat import _causal_pairs
+from megatron_hsap.baselines.hierarchical import HIERARCHICAL, hybrid_stages, price, window_size
+from megatron_hsap.baselines.registry import REGISTRY, unavailable
+from megatron_hsap.errors import ConfigError
+from megatron_hsap.plan.costs import HeadShape
+from megatron_hsap.plan.hardware import Hardware, KernelCurve, LinkClass
+from megatron_hsap.plan.workloads import pack_batches
+from tests.baselines.test_flat import TOY
+
+NV, IB = LinkClass.NVLINK, LinkClass.INFINIBAND
+TWO = HeadShape(num_heads=2, num_kv_heads=2, head_dim=1, head_dim_v=1, dtype_bytes=1)
+GQA = HeadShape(num_heads=16, num_kv_heads=8, head_dim=128, head_dim_v=128, dtype_bytes=2)
+TIGHT = dict(rel=1e-9)
+
+
+def test_te_a2a_by_hand() -> None:
+    # one document of 8 on 2 ranks: padded to 2P = 4 (no padding), 4 tokens per rank. Each of the
+    # four all-to-alls moves 4 tokens × 1 head × 1 byte to the one peer at 1 B/s + 0.5 s = 4.5 s;
+    # each rank computes all 36 pairs of its one head: 18 full-head pairs of 2 s each (2 heads).
+    c = price("te_a2a", [0, 8], intra=1, inter=2, shape=TWO, hardware=TOY, link=NV)
+    assert c is not None
+    assert c.fwd_time == pytest.approx(4 * 4.5 + 18 * 2, **TIGHT)
+    assert c.bwd_time == pytest.approx(4 * 4.5 + 18 * 2, **TIGHT)
+    assert list(c.work) == [18.0, 18.0]
+    # a document of 6 is padded to 8: the padding travels (the same bytes), the kernel skips it
+    p = price("te_a2a", [0, 6], intra=1, inter=2, shape=TWO, hardware=TOY, link=NV)
+    assert p.bytes_sent[0] == c.bytes_sent[0] and p.work[0] == pytest.approx(21 / 2, **TIGHT)
+
+
+def test_usp_ring_by_hand() -> None:
+    # USP at 1x2 on one head: documents padded to 4, chunks c = 2 per rank half. Step 0: causal
+    # 2c×2c = 2c² + c = 10 pairs, step 1: 2c² = 8 pairs; forward: step 0 overlaps the KV round
+    # (4 tokens × 2 bytes at 1 B/s = 8 s) + 0.5 s latency, step 1 computes alone.
+    one = HeadShape(num_heads=1, num_kv_heads=1, head_dim=1, head_dim_v=1, dtype_bytes=1)
+    c = price("usp", [0, 8], intra=1, inter=2, shape=one, hardware=TOY, link=NV)
+    assert c.fwd_time == pytest.approx(max(10, 8) + 0.5 + 8, **TIGHT)
+    # backward: round 0 the KV (8 s) under step 0, round 1 the dKV of step 0 under step 1, then
+    # the last step's dKV alone (8 s + 0.5 s)
+    assert c.bwd_time == pytest.approx((max(10, 8) + 0.5) + (max(8, 8) + 0.5) + 8.5, **TIGHT)
+    assert c.work.sum() == pytest.approx(_causal_pairs(np.array([8])), **TIGHT)
+
+
+def test_hybrid_cp_stages_run_one_after_another() -> None:
+    # Megatron hybrid CP, 2 ranks, 8K tokens per rank: a 16K sample spans both ranks (a ring),
+    # then two 8K samples share the next stage (one per rank)
+    cu = np.cumsum([0, 16384, 8192, 8192])
+    stages = hybrid_stages(np.diff(cu), 2)
+    assert stages == [[(16384, 0, 2)], [(8192, 0, 1), (8192, 1, 1)]]
+    c = price("hybrid_cp", cu, intra=1, inter=2, shape=TWO, hardware=TOY, link=NV)
+    assert c.work.sum() == pytest.approx(_causal_pairs(np.diff(cu)), **TIGHT)  # every real pair once
+    single = 2 * _causal_pairs(np.array([8192]))  # full-head pairs at 2 s each (2 heads)
+    ring = price("te_a2a_p2p", [0, 16384], intra=1, inter=2, shape=TWO, hardware=TOY, link=NV)  # the bare zigzag ring
+    # stage 1 = the 16K ring; stage 2 = one 8K call per rank; a barrier (0.5 s) after each
+    assert c.fwd_time == pytest.approx(ring.fwd_time + 0.5 + single + 0.5, rel=1e-6)
+
+
+def test_loongtrain_window_is_the_ring_ranks_of_a_node() -> None:
+    assert window_size(8, 1, 8) == 8 and window_size(8, 2, 8) == 4 and window_size(8, 8, 8) == 1
+    assert window_size(6, 2, 8) == 3  # 4 per node would not divide the ring of 6
+
+
+def test_every_registry_flat_key_is_priced_and_unavailability_is_the_registry_rule() -> None:
+    cu = pack_batches("fineweb", 16384, 1, 0)[0]
+    for b in REGISTRY.values():
+        if b.flat is None:
+            continue
+        intra, inter = (2, 4) if b.hierarchical else (1, 8)
+        c = price(b.flat, cu, intra=intra, inter=inter, shape=GQA, hardware=TOY, link=NV)
+        assert (c is None) == (unavailable(b.name, intra=intra, inter=inter, shape=GQA) is not None), b.name
+        if c is not None:
+            assert c.fwd_time > 0 and c.bwd_time > c.fwd_time * 0.5 and len(c.work) == 8, b.name
+    # TE a2a needs P | Hkv: 16 ranks do not divide 8 kv heads
+    assert price("te_a2a", cu, intra=1, inter=16, shape=GQA, hardware=TOY, link=NV) is None
+    with pytest.raises(ConfigError, match="intra"):
+        price("usp", cu, intra=0, inter=2, shape=GQA, hardware=TOY, link=NV)
+
+
+# ---------------------------------------------------------------- flat price vs simulated schedule
+FLAT = Hardware(name="flatx", attn_fwd_flops=200e12, attn_bwd_flops=170e12, nvlink_bw=200e9, ib_bw=20e9,
+                nvlink_latency=10e-6, ib_latency=15e-6, gpus_per_node=8)
+CASES = [([0, 4096], 2, 2), ("fineweb", 32768, 2, 4), ("slimpajama", 65536, 4, 4), ("fineweb", 65536, 8, 2), ([0, 65536], 2, 8)]
+# The flat model prices a step as the slowest rank's max(compute, transfer) + one latency; the
+# simulator runs the same rounds event by event (a round starts when both peers posted, ranks
+# drift by a latency). On these cases that is at most 6.4% apart; 10% leaves room, not slack.
+FLAT_VS_SIM = 0.10
+
+
+def _sim_flat_hw():
+    from megatron_hsap.sim.config import KernelModel, SimHardware
+
+    return SimHardware(name="flatx", kernel=KernelModel(fwd_peak=200e12, bwd_peak=170e12,
+                                                        curve=KernelCurve(half_rate_tokens=1e-12, launch_s=0.0)),
+                       nvlink_bw=200e9, ib_bw=20e9, nvlink_latency=10e-6, ib_latency=15e-6, hbm_bw=1e30, dense_peak_flops=1.0)
+
+
+@pytest.mark.parametrize("method", HIERARCHICAL)
+def test_flat_price_matches_the_simulated_schedule(method: str) -> None:
+    from megatron_hsap.sim.methods import run_method
+
+    sim = _sim_flat_hw()
+    for case in CASES:
+        if isinstance(case[0], list):
+            cu, intra, inter = np.asarray(case[0]), case[1], case[2]
+        else:
+            cu, intra, inter = pack_batches(case[0], case[1], 1, 0)[0], case[2], case[3]
+        i, j = (1, intra * inter) if method in ("te_a2a", "hybrid_cp") else (intra, inter)
+        link = IB if intra * inter > 8 else NV
+        f = price(method, cu, intra=i, inter=j, shape=GQA, hardware=FLAT, link=link)
+        r = run_method(method, cu, hw=sim, intra=i, inter=j, shape=GQA)
+        assert (f is None) == (r is None), (method, case)
+        if f is None:
+            continue
+        assert f.fwd_time == pytest.approx(r.fwd.seconds, rel=FLAT_VS_SIM), (method, case, "fwd")
+        assert f.bwd_time == pytest.approx(r.bwd.seconds, rel=FLAT_VS_SIM), (method, case, "bwd")
