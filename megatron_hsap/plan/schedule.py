@@ -203,15 +203,20 @@ def _fill_last(parts: list[Unit], floor: np.ndarray, budgets: np.ndarray, weight
     fetched = [i for i, u in enumerate(parts) if 0 < u.stage < last and not u.causal and u.rank == u.q_owner != u.kv_owner]
     if not fetched:
         return parts
-    fetched.sort(key=lambda i: -load[parts[i].stage])
+    by_stage = load.tolist()
+    fetched.sort(key=lambda i: -by_stage[parts[i].stage])
     room_b = budget
+    per_col = pr.kv + pr.dkv
     out = list(parts)
     for i in fetched:
         if want <= 0:
             break
+        room_cols = int(room_b // per_col)
+        if room_cols <= 0:
+            break  # the pool budget only shrinks: no later block gets a column either
         u = out[i]
         nq = len(u.q)
-        cols = min(len(u.kv), int(want // nq), int(room_b // (pr.kv + pr.dkv)))
+        cols = min(len(u.kv), int(want // nq), room_cols)
         if cols <= 0:
             continue
         if cols >= len(u.kv):
@@ -260,17 +265,20 @@ def _interleave(units: list[Unit], size: int) -> list[Unit]:
     return [t[3] for t in keyed]
 
 
-def _ordered_remote(split: Split, r: int, per: float, budget: float, pr: Prices) -> list[Unit]:
+def _ordered_remote(split: Split, r: int, per: float, budget: float, pr: Prices) -> list[tuple[Unit, int, float]]:
     """Rank ``r``'s remote blocks, 2-D tiled where needed (``grid_tiles``), in ``_interleave``
-    order; cached on ``split`` when no block needs tiles (then ``per`` does not matter)."""
+    order, each with its work and pool footprint; cached on ``split`` when no block needs tiles
+    (then ``per`` does not matter)."""
     key = (r, budget)
     got = split.orders.get(key)
     if got is not None:
         return got
     units = split.remote[r]
-    if any(needs_tiles(u, budget, pr) for u in units):
-        return _interleave([t for u in units for t in grid_tiles(u, per, budget, pr)], split.size)
-    got = split.orders[key] = _interleave(list(units), split.size)
+    tiled = any(needs_tiles(u, budget, pr) for u in units)
+    order = _interleave([t for u in units for t in grid_tiles(u, per, budget, pr)] if tiled else list(units), split.size)
+    got = [(u, u.work, footprint(u, pr)) for u in order]
+    if not tiled:
+        split.orders[key] = got
     return got
 
 
@@ -282,17 +290,14 @@ def _cut_remote(split: Split, r: int, n_mid: int, pr: Prices, budget: float,
     forced)."""
     total = float(split.remote_work[r])
     per = total / n_mid if level is None else max(level, total / (4 * n_mid), 1.0)
-    units = _ordered_remote(split, r, per, budget, pr)
     out: list[Unit] = []
     k = 0  # middle stage index (stage k + 1)
     placed_w = acc_b = 0.0  # work placed so far (all stages), pool bytes of stage k
-    queue = list(reversed(units))
+    queue = list(reversed(_ordered_remote(split, r, per, budget, pr)))  # (block, work, footprint)
     while queue:
-        u = queue.pop()
+        u, w, fp = queue.pop()
         # cumulative target: stages 0..k hold per·(k+1); the last planned one takes the rest
         room_w = per * (k + 1) - placed_w if (k < n_mid - 1 or level is not None) else math.inf
-        fp = footprint(u, pr)
-        w = u.work
         small = w <= 0.25 * per  # not worth a cut: place whole, later stages make up for it
         if (w <= room_w * 1.0001 + 1 or (small and room_w > 0.5 * w)) and fp <= budget - acc_b:
             out.append(with_stage(u, k + 1))
@@ -314,10 +319,9 @@ def _cut_remote(split: Split, r: int, n_mid: int, pr: Prices, budget: float,
             placed_w += part.work
             acc_b += footprint(part, pr)
         if rest:
-            queue.extend(reversed(rest))
+            queue.extend((t, t.work, footprint(t, pr)) for t in reversed(rest))
             k, acc_b = k + 1, 0.0
-    used = max((u.stage for u in out), default=1)
-    return out, used
+    return out, (out[-1].stage if out else 1)  # stages only grow along the queue
 
 
 def _pour(units: list[Unit], budgets: np.ndarray) -> list[Unit]:
