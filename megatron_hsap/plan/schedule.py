@@ -156,6 +156,7 @@ def stage(split: Split, pr: Prices, shape: StageShape, budget: float) -> Staging
         raise StagingError("one stage cannot hold blocks whose inputs travel")
     n_mid = len(shape.middle)
     cuts: list[list[Unit]] = [[] for _ in range(size)]
+    works: list[list[int]] = [[] for _ in range(size)]  # pairs of each part in ``cuts``
     used = n_mid
     level = None
     if shape.front:  # the common per-stage level of the most loaded rank
@@ -163,7 +164,7 @@ def stage(split: Split, pr: Prices, shape: StageShape, budget: float) -> Staging
         level = top / float(shape.weights.sum())
     for r in range(size):
         if split.remote[r]:
-            cuts[r], n = _cut_remote(split, r, n_mid, pr, budget, level)
+            cuts[r], works[r], n = _cut_remote(split, r, n_mid, pr, budget, level)
             used = max(used, n)
     stages = shape.stages + (used - n_mid)
     weights = StageShape(stages, shape.alpha).weights
@@ -171,8 +172,11 @@ def stage(split: Split, pr: Prices, shape: StageShape, budget: float) -> Staging
     budgets = np.zeros((size, stages))
     remote: list[Unit] = []
     for r in range(size):
-        for u in cuts[r]:
-            floor[r, u.stage] += u.work
+        if cuts[r]:
+            row = [0.0] * stages  # the same additions, in the same order, as on the array
+            for u, w in zip(cuts[r], works[r]):
+                row[u.stage] += w
+            floor[r] = row
         if split.local[r]:
             budgets[r] = _water_fill(floor[r], weights, float(split.local_work[r]))
         if stages >= 3 and cuts[r]:
@@ -283,14 +287,15 @@ def _ordered_remote(split: Split, r: int, per: float, budget: float, pr: Prices)
 
 
 def _cut_remote(split: Split, r: int, n_mid: int, pr: Prices, budget: float,
-                level: float | None = None) -> tuple[list[Unit], int]:
+                level: float | None = None) -> tuple[list[Unit], list[int], int]:
     """Spread rank ``r``'s remote blocks evenly by work over middle stages ``1 .. n_mid`` (or,
     with ``level``, fill each from the first up to that much work) within ``budget`` pool bytes
-    each; returns the parts (stage set) and how many middle stages they use (``> n_mid`` when
-    forced)."""
+    each; returns the parts (stage set), their pairs, and how many middle stages they use
+    (``> n_mid`` when forced)."""
     total = float(split.remote_work[r])
     per = total / n_mid if level is None else max(level, total / (4 * n_mid), 1.0)
     out: list[Unit] = []
+    works: list[int] = []
     k = 0  # middle stage index (stage k + 1)
     placed_w = acc_b = 0.0  # work placed so far (all stages), pool bytes of stage k
     queue = list(reversed(_ordered_remote(split, r, per, budget, pr)))  # (block, work, footprint)
@@ -301,6 +306,7 @@ def _cut_remote(split: Split, r: int, n_mid: int, pr: Prices, budget: float,
         small = w <= 0.25 * per  # not worth a cut: place whole, later stages make up for it
         if (w <= room_w * 1.0001 + 1 or (small and room_w > 0.5 * w)) and fp <= budget - acc_b:
             out.append(with_stage(u, k + 1))
+            works.append(w)
             placed_w += w
             acc_b += fp
             if placed_w >= per * (k + 1) * 0.9999 and (k < n_mid - 1 or level is not None):
@@ -316,12 +322,14 @@ def _cut_remote(split: Split, r: int, n_mid: int, pr: Prices, budget: float,
                 part, rest = u, []  # not one row fits the pool budget: codegen decides
         if part is not None:
             out.append(with_stage(part, k + 1))
-            placed_w += part.work
+            pw = part.work
+            works.append(pw)
+            placed_w += pw
             acc_b += footprint(part, pr)
         if rest:
             queue.extend((t, t.work, footprint(t, pr)) for t in reversed(rest))
             k, acc_b = k + 1, 0.0
-    return out, (out[-1].stage if out else 1)  # stages only grow along the queue
+    return out, works, (out[-1].stage if out else 1)  # stages only grow along the queue
 
 
 def _pour(units: list[Unit], budgets: np.ndarray) -> list[Unit]:
