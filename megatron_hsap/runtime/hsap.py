@@ -10,6 +10,10 @@ Rank ``(i, j)`` (CP rank ``i·P_intra + j``) holds ``[t_local, H, d]`` rows of i
 3. heads → sequence all-to-all back. Backward mirrors it: dO to heads, SAP backward, dq/dk/dv
    back (in the activation dtype, as Ulysses sends them; replicated kv gradients summed in fp32).
 
+The three steps are pipelined over ``plan.head_chunks`` head chunks (docs/design.md §2.2 "Head
+chunks", :func:`_pipeline`): while SAP runs chunk ``k``, chunk ``k+1``'s all-to-all and chunk
+``k−1``'s return are in flight; one chunk is the sequence above.
+
 ``P_intra = 1`` is pure SAP (:class:`~megatron_hsap.runtime.sap.SAPAttention`, no all-to-all);
 ``P_inter = 1`` is pure Ulysses with local attention (the plan has no P2P).
 

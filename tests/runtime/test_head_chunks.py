@@ -400,6 +400,23 @@ def test_saved_buffers_do_not_grow_with_chunks(gloo_pool):
 # --------------------------------------------------------------------------- runtime: faults
 
 
+def test_ranks_on_other_chunk_counts_are_caught_before_the_all_to_all(gloo_pool):
+    """Same batch, head_chunks 2 on rank 0 and 1 on rank 1: the intra handshake (plan hash) raises on
+    both ranks, naming the option, before any payload; the group stays usable."""
+    from tests.runtime.test_faults import CASE_TIMEOUT, case_plans
+
+    mine = cases.build_spec([0, 5, 32], intra=2, inter=1, heads=4, kv_heads=4, dim=4, seed=1)
+    other = dict(mine)
+    mine["head_chunks"] = 2
+    results = gloo_pool(2).run(case_plans, [mine, other], timeout=CASE_TIMEOUT)
+    for rank, r in enumerate(results):
+        assert not r["ok"] and r["error"] == "RuntimeMismatchError", r
+        assert "(intra group rank" in r["message"], r
+        assert ("head_chunks: 2 here, None on the peer" if rank == 0 else "head_chunks: None here, 2 on the peer") in r["message"], r
+        assert r["usable"]
+
+
+
 def case_fault_mid_pipeline(fail_rank: int, fail_call: int, phase: str) -> str:
     """2×1 with 2 chunks on a fresh group and a 2 s deadline; ``fail_rank``'s ``fail_call``-th SAP
     call of ``phase`` raises. Returns what this rank raised (flagged if the failing rank left an
