@@ -15,7 +15,7 @@ import numpy as np
 
 from megatron_hsap.plan.costs import HeadShape
 from megatron_hsap.sim.config import SimHardware
-from megatron_hsap.sim.engine import Busy, Collective, Instr, Post, Transfer, Wait, Workload
+from megatron_hsap.sim.engine import Busy, Collective, Instr, Join, Launch, Post, Transfer, Wait, Workload
 
 __all__ = ["Builder", "Blocks", "causal_pairs"]
 
@@ -102,17 +102,27 @@ class Builder:
         """Whether ``rank`` has a posted transfer in flight (posted, not yet waited) in program order."""
         return bool(self._open[rank])
 
-    def busy(self, rank: int, seconds: float, kind: str = "compute", label: str = "", flops: float = 0.0) -> None:
+    def busy(self, rank: int, seconds: float, kind: str = "compute", label: str = "", flops: float = 0.0,
+             overlap_slowdown: float = 0.0) -> None:
         if seconds > 0:
-            self.progs[rank].append(Busy(seconds, kind, label, flops))
+            self.progs[rank].append(Busy(seconds, kind, label, flops, overlap_slowdown))
+
+    def launch(self, rank: int, tag: int, seconds: float, label: str = "") -> None:
+        """Enqueue ``seconds`` on ``rank``'s side stream (an asynchronous all-to-all, engine ``Launch``)."""
+        self.progs[rank].append(Launch(tag, seconds, label))
+
+    def join(self, rank: int, tag: int) -> None:
+        """Block ``rank`` until side-stream item ``tag`` is done (engine ``Join``)."""
+        self.progs[rank].append(Join(tag))
 
     def kernel(self, rank: int, blocks: Blocks, hw: SimHardware, shape: HeadShape, phase: str, label: str = "") -> float:
         """Append one varlen attention call; returns its seconds. While a posted transfer of this
-        rank is in flight, the kernel shares SMs and HBM with NCCL: ``hw.overlap_slowdown``."""
+        rank is in flight, the kernel shares SMs and HBM with NCCL: ``hw.overlap_slowdown``; the
+        engine applies the same factor to the part that overlaps a side-stream all-to-all."""
         t, f = blocks.seconds(hw, shape, phase)
         if self.overlapped(rank):
             t *= 1.0 + hw.overlap_slowdown
-        self.busy(rank, t, "compute", label, f)
+        self.busy(rank, t, "compute", label, f, hw.overlap_slowdown)  # and while a side-stream all-to-all runs
         return t
 
     def fa3_wrapper(self, rank: int, nq: float, nk: float, shape: HeadShape, phase: str, hw: SimHardware) -> None:

@@ -11,6 +11,13 @@ them. Each rank runs its instructions in order on its own clock (its compute str
   receives only, whatever its peers still have in flight).
 * ``Collective(tag, seconds)``: every rank holding this tag enters; all leave together at
   ``max(arrivals) + seconds`` (a blocking all-gather, reduce-scatter or all-to-all).
+* ``Launch(tag, seconds)``: enqueue ``seconds`` of work on the rank's *side stream* (an
+  asynchronous collective whose members run identical programs, priced in closed form: HSAP's
+  pipelined intra all-to-all); it starts when the rank reaches it and the side stream is free,
+  and the compute stream goes on. ``Join(tag)``: block until that item is done (exposed time is a
+  span of kind ``a2a``; the side stream's own spans are ``a2a_overlapped``).
+* ``Busy(..., overlap_slowdown=s)``: a kernel that shares the GPU with the side stream: the part
+  of it that overlaps side-stream work runs ``1 + s`` times slower (NCCL kernels hold SMs and HBM).
 
 Network: each rank has a send and a receive port per link class (NVLink, InfiniBand), each of
 the class's bandwidth; concurrent transfers share ports max-min fairly (progressive filling),
@@ -32,7 +39,7 @@ import numpy as np
 from megatron_hsap.errors import ConfigError
 from megatron_hsap.plan.hardware import LinkClass
 
-__all__ = ["Busy", "Post", "Wait", "Collective", "Transfer", "Workload", "Span", "Timeline", "simulate"]
+__all__ = ["Busy", "Post", "Wait", "Collective", "Launch", "Join", "Transfer", "Workload", "Span", "Timeline", "simulate"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +48,7 @@ class Busy:
     kind: str = "compute"  # compute | merge | a2a | copy | host
     label: str = ""
     flops: float = 0.0
+    overlap_slowdown: float = 0.0  # slowdown of the part that overlaps this rank's side stream
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,7 +69,19 @@ class Collective:
     label: str = ""
 
 
-Instr = Busy | Post | Wait | Collective
+@dataclass(frozen=True, slots=True)
+class Launch:
+    tag: int
+    seconds: float
+    label: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Join:
+    tag: int
+
+
+Instr = Busy | Post | Wait | Collective | Launch | Join
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,11 +110,16 @@ class Workload:
                 raise ConfigError(f"transfer {t}: both endpoints must Post tag {t.tag}")
         for r, p in enumerate(self.programs):
             seen: set[int] = set()
+            launched: set[int] = set()
             for ins in p:
                 if isinstance(ins, Post):
                     seen.add(ins.tag)
                 elif isinstance(ins, Wait) and ins.tag not in seen:
                     raise ConfigError(f"rank {r} waits on tag {ins.tag} before posting it")
+                elif isinstance(ins, Launch):
+                    launched.add(ins.tag)
+                elif isinstance(ins, Join) and ins.tag not in launched:
+                    raise ConfigError(f"rank {r} joins side-stream item {ins.tag} before launching it")
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,6 +261,8 @@ def simulate(
             if isinstance(ins, Collective):
                 members[ins.tag].add(r)
     arrivals: dict[int, dict[int, float]] = defaultdict(dict)
+    side: list[list[tuple[float, float]]] = [[] for _ in range(n)]  # side-stream items (start, end) per rank
+    side_done: dict[tuple[int, int], float] = {}
 
     pc = [0] * n
     clock = [0.0] * n
@@ -262,10 +289,24 @@ def simulate(
             ins = prog[pc[r]]
             t = clock[r]
             if isinstance(ins, Busy):
-                if ins.seconds > 0:
-                    spans.append(Span(r, ins.kind, t, t + ins.seconds, ins.label))
-                clock[r] = t + ins.seconds
+                secs = ins.seconds
+                if ins.overlap_slowdown > 0 and side[r]:
+                    secs += ins.overlap_slowdown * sum(max(0.0, min(e, t + secs) - max(s0, t)) for s0, e in side[r] if e > t)
+                if secs > 0:
+                    spans.append(Span(r, ins.kind, t, t + secs, ins.label))
+                clock[r] = t + secs
                 flops[r] += ins.flops
+            elif isinstance(ins, Launch):
+                start = max(t, side[r][-1][1] if side[r] else 0.0)
+                side[r].append((start, start + ins.seconds))
+                side_done[(r, ins.tag)] = start + ins.seconds
+                if ins.seconds > 0:
+                    spans.append(Span(r, "a2a_overlapped", start, start + ins.seconds, ins.label))
+            elif isinstance(ins, Join):
+                end = side_done[(r, ins.tag)]
+                if end > t:
+                    spans.append(Span(r, "a2a", t, end, "all-to-all exposed"))
+                    clock[r] = end
             elif isinstance(ins, Post):
                 push(t, "post", r, ins.tag)
             elif isinstance(ins, Wait):

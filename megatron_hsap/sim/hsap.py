@@ -15,7 +15,9 @@ Translation of one rank's plan program (``megatron_hsap.plan.ir``):
   dk/dv) unless the item writes a result slot for another rank.
 * ``Merge`` / ``Accumulate``: memory-bound kernels over the received rows.
 * Forward: all-to-all of q, k, v before (three calls), of o after; backward: of dO before, of
-  dq, dk, dv after (``runtime/ulysses.py``); none is overlapped with compute (ours does not).
+  dq, dk, dv after (``runtime/ulysses.py``). With one head chunk they are not overlapped; with
+  ``plan.head_chunks`` > 1 they are pipelined with SAP on the rank's side stream, sharing the GPU
+  (``hsap_workload``).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 import bisect
 from collections import defaultdict
 
+from megatron_hsap.plan.costs import HeadShape
 from megatron_hsap.plan.ir import Accumulate, Compute, Merge, Post as PlanPost, Send, Wait as PlanWait, Wire
 from megatron_hsap.sim.builder import Builder
 from megatron_hsap.sim.cluster import Cluster
@@ -37,8 +40,9 @@ def _kv_heads_exchanged(num_kv_heads: int, intra: int) -> int:
     return num_kv_heads if num_kv_heads % intra == 0 else intra
 
 
-def a2a_calls(plan: object, cluster: Cluster, phase: str) -> tuple[list[float], list[float]]:
-    """Seconds of each all-to-all before and after SAP in ``phase`` (empty lists at P_intra 1)."""
+def a2a_calls(plan: object, cluster: Cluster, phase: str, chunks: int = 1) -> tuple[list[float], list[float]]:
+    """Seconds of each all-to-all before and after SAP in ``phase`` (empty lists at P_intra 1),
+    each for one of ``chunks`` head chunks (1/``chunks`` of the bytes, a whole latency each)."""
     o = plan.options  # type: ignore[attr-defined]
     p = cluster.intra_size
     if p == 1:
@@ -50,7 +54,7 @@ def a2a_calls(plan: object, cluster: Cluster, phase: str) -> tuple[list[float], 
     members = cluster.intra_group(0)
 
     def call(heads: int, dim: int) -> float:
-        return cluster.all_to_all_time(members, tokens * (heads // p) * dim * b)
+        return cluster.all_to_all_time(members, tokens * (heads // p) * dim * b / chunks)
 
     q, k, v, out = call(h, d), call(hkv, d), call(hkv, dv), call(h, dv)
     if phase == "fwd":
@@ -94,50 +98,80 @@ def _item_merge_bytes(item: object, widths: dict[Wire, float], cov: dict[str, _C
 
 
 def hsap_workload(plan: object, cluster: Cluster, phase: str) -> tuple[Workload, list[int]]:
-    """Engine workload of one inter group for ``phase`` (``fwd``/``bwd``) and its CP ranks."""
+    """Engine workload of one inter group for ``phase`` (``fwd``/``bwd``) and its CP ranks.
+
+    ``plan.head_chunks`` = C > 1 (``plan/chunks.py``; ``runtime/hsap.py`` ``_pipeline``): the
+    rank runs the SAP program C times on 1/C of the heads (every message and block shrinks by C)
+    and the intra all-to-alls go on its side stream in the runtime's issue order — chunk 0's
+    before anything, then at the start of chunk c's SAP the all-to-all of chunk c+1 and the
+    return of chunk c−1, the return of chunk C−1 at the end; chunk c's SAP waits for its own
+    all-to-all. NCCL runs the intra group's calls one after another (one communicator), and the
+    SAP kernels that overlap them run ``1 + overlap_slowdown`` times slower (docs/design.md §8)."""
     hw = cluster.hw
     shape = plan.shape  # type: ignore[attr-defined]
     progs = plan.fwd_programs if phase == "fwd" else plan.bwd_programs  # type: ignore[attr-defined]
-    size = len(progs)
-    b = Builder(size)
-    before, after = a2a_calls(plan, cluster, phase)
+    chunks = int(getattr(plan, "head_chunks", 1) or 1) if cluster.intra_size > 1 else 1
+    b = Builder(len(progs))
+    before, after = a2a_calls(plan, cluster, phase, chunks)
+    part = HeadShape(num_heads=shape.num_heads // chunks, num_kv_heads=max(1, shape.num_kv_heads // chunks),
+                     head_dim=shape.head_dim, head_dim_v=shape.head_dim_v, dtype_bytes=shape.dtype_bytes)
+    stride = 1 + max((ins.round.index for prog in progs for ins in prog.instrs if isinstance(ins, PlanPost)), default=0)
+    side = iter(range(10**9))  # side-stream tags
+    for r, prog in enumerate(progs):
+        if chunks == 1:
+            for t in before:
+                b.busy(r, t, "a2a", "all-to-all in")
+            _sap(b, r, prog, part, 1.0, 0, phase, hw)
+            for t in after:
+                b.busy(r, t, "a2a", "all-to-all out")
+            continue
+        arriving = next(side)
+        b.launch(r, arriving, sum(before), "all-to-all in, chunk 1")
+        for c in range(chunks):
+            b.join(r, arriving)
+            if c + 1 < chunks:
+                arriving = next(side)
+                b.launch(r, arriving, sum(before), f"all-to-all in, chunk {c + 2}")
+            if c:
+                b.launch(r, next(side), sum(after), f"all-to-all back, chunk {c}")
+            _sap(b, r, prog, part, 1.0 / chunks, c * stride, phase, hw)
+        last = next(side)
+        b.launch(r, last, sum(after), f"all-to-all back, chunk {chunks}")
+        b.join(r, last)
+    return b.build(), cluster.inter_group(0)
+
+
+def _sap(b: Builder, r: int, prog: object, shape: HeadShape, scale: float, offset: int, phase: str, hw: object) -> None:
+    """Rank ``r``'s SAP program on ``shape``'s heads: sends scaled by ``scale`` (a head chunk's
+    share), round tags shifted by ``offset`` (one set per chunk)."""
     fpp = shape.fwd_flops_per_pair if phase == "fwd" else shape.bwd_flops_per_pair
     h, hkv, d, dv = shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.head_dim_v
     per = merge_bytes("hsap", phase)
     widths = {Wire.O: h * dv * per} if phase == "fwd" else {Wire.DQ: h * d * per, Wire.DKV: hkv * (d + dv) * per}
-    for r, prog in enumerate(progs):
-        cov = {"q": _Coverage(), "kv": _Coverage()}
-        for t in before:
-            b.busy(r, t, "a2a", "all-to-all in")
-        for ins in prog.instrs:
-            if isinstance(ins, PlanPost):
-                for op in ins.round.ops:
-                    if isinstance(op, Send):
-                        b.send(ins.round.index, r, op.peer, op.nbytes, f"{op.wire.value}")
-                b.post(r, ins.round.index)
-            elif isinstance(ins, PlanWait):
-                b.wait(r, ins.index)
-            elif isinstance(ins, Compute):
-                groups: dict[tuple, list] = defaultdict(list)
-                for it in ins.items:
-                    groups[(it.srcs, it.causal)].append(it)
-                for items in groups.values():  # one varlen call per group of shared input buffers
-                    blocks = [(len(it.q), len(it.kv), it.work * fpp, it.work) for it in items]
-                    secs = hw.kernel.curve.launch_s + hw.kernel.blocks_time_py(blocks, phase, h // max(1, hkv)) + hw.kernel.grid_time(
-                        max(x[0] for x in blocks), max(x[1] for x in blocks), len(blocks), h, phase) + hw.kernel.gqa_accum_time(
-                        [x[1] for x in blocks], shape, phase, hw.hbm_bw)
-                    if b.overlapped(r):  # NCCL transfers in flight share the SMs (as Builder.kernel)
-                        secs *= 1.0 + hw.overlap_slowdown
-                    b.busy(r, secs, "compute", f"stage {ins.stage}", sum(x[2] for x in blocks))
-                    b.elementwise(r, sum(_item_merge_bytes(it, widths, cov) for it in items), hw, "merge local")
-            elif isinstance(ins, Merge):
-                n = len(ins.tokens)
-                b.elementwise(r, n * shape.num_heads * shape.head_dim_v * merge_bytes("hsap", "fwd"), hw, "merge o")
-            elif isinstance(ins, Accumulate):
-                n = len(ins.tokens)
-                per = merge_bytes("hsap", "bwd")
-                width = shape.num_heads * shape.head_dim if ins.wire is Wire.DQ else shape.num_kv_heads * (shape.head_dim + shape.head_dim_v)
-                b.elementwise(r, n * width * per, hw, f"accumulate {ins.wire.value}")
-        for t in after:
-            b.busy(r, t, "a2a", "all-to-all out")
-    return b.build(), cluster.inter_group(0)
+    cov = {"q": _Coverage(), "kv": _Coverage()}
+    for ins in prog.instrs:  # type: ignore[attr-defined]
+        if isinstance(ins, PlanPost):
+            for op in ins.round.ops:
+                if isinstance(op, Send):
+                    b.send(offset + ins.round.index, r, op.peer, op.nbytes * scale, f"{op.wire.value}")
+            b.post(r, offset + ins.round.index)
+        elif isinstance(ins, PlanWait):
+            b.wait(r, offset + ins.index)
+        elif isinstance(ins, Compute):
+            groups: dict[tuple, list] = defaultdict(list)
+            for it in ins.items:
+                groups[(it.srcs, it.causal)].append(it)
+            for items in groups.values():  # one varlen call per group of shared input buffers
+                blocks = [(len(it.q), len(it.kv), it.work * fpp, it.work) for it in items]
+                secs = hw.kernel.curve.launch_s + hw.kernel.blocks_time_py(blocks, phase, h // max(1, hkv)) + hw.kernel.grid_time(  # type: ignore[attr-defined]
+                    max(x[0] for x in blocks), max(x[1] for x in blocks), len(blocks), h, phase) + hw.kernel.gqa_accum_time(  # type: ignore[attr-defined]
+                    [x[1] for x in blocks], shape, phase, hw.hbm_bw)  # type: ignore[attr-defined]
+                if b.overlapped(r):  # NCCL transfers in flight share the SMs (as Builder.kernel)
+                    secs *= 1.0 + hw.overlap_slowdown  # type: ignore[attr-defined]
+                b.busy(r, secs, "compute", f"stage {ins.stage}", sum(x[2] for x in blocks), hw.overlap_slowdown)  # type: ignore[attr-defined]
+                b.elementwise(r, sum(_item_merge_bytes(it, widths, cov) for it in items), hw, "merge local")  # type: ignore[arg-type]
+        elif isinstance(ins, Merge):
+            b.elementwise(r, len(ins.tokens) * h * dv * merge_bytes("hsap", "fwd"), hw, "merge o")  # type: ignore[arg-type]
+        elif isinstance(ins, Accumulate):
+            width = h * d if ins.wire is Wire.DQ else hkv * (d + dv)
+            b.elementwise(r, len(ins.tokens) * width * merge_bytes("hsap", "bwd"), hw, f"accumulate {ins.wire.value}")  # type: ignore[arg-type]

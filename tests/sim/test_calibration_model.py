@@ -167,3 +167,40 @@ def test_8_gpu_calibration_within_the_readme_bound() -> None:
 @pytest.mark.slow
 def test_64_gpu_calibration_within_the_readme_bound() -> None:
     _check_bound(64)
+
+
+# ---------------------------------------------------------------- head chunks (issue 14 item 1)
+def _chunked(chunks: int, slowdown: float = 0.0):
+    from megatron_hsap.sim.config import sim_hardware
+    from megatron_hsap.sim.methods import full_shape
+
+    hw = replace(sim_hardware("h100"), overlap_slowdown=slowdown)
+    cu = [0, 3000, 7000, 12000, 16384]
+    return run_method("hsap", cu, hw=hw, intra=2, inter=2, shape=full_shape(8, 4), plan_options={"head_chunks": chunks})
+
+
+def test_head_chunks_pipeline_the_intra_all_to_all_with_the_same_bytes() -> None:
+    one, two = _chunked(1), _chunked(2)
+    for ph in ("fwd", "bwd"):
+        a, b = getattr(one, ph), getattr(two, ph)
+        # SAP's bytes over the chunks equal the plan's (each chunk moves half of every message)
+        assert sum(t.nbytes for t in b.workload.transfers) == pytest.approx(sum(t.nbytes for t in a.workload.transfers), rel=1e-12)
+        # the same kernel FLOPs, split over the chunks
+        flops = [sum(getattr(i, "flops", 0.0) for i in p) for p in a.workload.programs]
+        assert [sum(getattr(i, "flops", 0.0) for i in p) for p in b.workload.programs] == pytest.approx(flops, rel=1e-12)
+        # unchunked: every all-to-all on the critical path; chunked: on the side stream, the
+        # exposed part shrinks (chunk 0's in and chunk 1's return at most)
+        exposed_1 = float(a.timeline.busy("a2a").max())
+        exposed_2 = float(b.timeline.busy("a2a").max())
+        side = float(b.timeline.busy("a2a_overlapped").max())
+        assert exposed_2 < exposed_1 and side > exposed_2
+        assert b.seconds < a.seconds
+
+
+def test_head_chunks_share_the_gpu_with_compute() -> None:
+    # the SM-contention factor slows exactly the kernels that overlap the side stream
+    free, shared = _chunked(2, 0.0), _chunked(2, 0.5)
+    assert shared.fwd.seconds > free.fwd.seconds
+    assert float(shared.fwd.timeline.busy("compute").sum()) > float(free.fwd.timeline.busy("compute").sum())
+    # one chunk: nothing on the side stream, the factor changes nothing but p2p overlap
+    assert _chunked(1, 0.0).fwd.timeline.busy("a2a_overlapped").sum() == 0.0

@@ -141,3 +141,20 @@ def test_breakdown_terms_by_hand() -> None:
     assert terms == pytest.approx({"ideal": 2.0, "kernel_efficiency": 1.0, "imbalance": 2.0, "merges": 0.1,
                                    "all_to_all": 0.0, "latency": 0.5, "exposed_communication": 2.0}, **EXACT)
     assert sum(terms.values()) == pytest.approx(tl.makespan, **EXACT)
+
+
+def test_side_stream_runs_beside_compute_and_slows_what_it_overlaps() -> None:
+    from megatron_hsap.sim.engine import Join, Launch
+
+    # Launch a (4 s) at 0; 1 s of compute; Launch b (4 s) queues behind a: [4, 8]; a 10 s kernel
+    # from 1 overlaps a for 3 s and b for 4 s -> 10 + 0.5 × 7 = 13.5 s, ends at 14.5; b is done.
+    tl = run([[Launch(0, 4.0), Busy(1.0), Launch(1, 4.0), Busy(10.0, overlap_slowdown=0.5), Join(1)]], [])
+    assert tl.makespan == pytest.approx(14.5, **EXACT)
+    side = [(s.start, s.end) for s in tl.spans if s.kind == "a2a_overlapped"]
+    assert side == [(0.0, 4.0), (4.0, 8.0)]
+    # joining before the side stream is done exposes the rest as an "a2a" span
+    tl = run([[Launch(0, 4.0), Busy(1.0), Join(0), Busy(1.0)]], [])
+    assert tl.makespan == pytest.approx(5.0, **EXACT)
+    assert [(s.start, s.end) for s in tl.spans if s.kind == "a2a"] == [(1.0, 4.0)]
+    with pytest.raises(ConfigError, match="before launching"):
+        run([[Join(3)]], [])
