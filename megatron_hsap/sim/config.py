@@ -47,7 +47,7 @@ class KernelModel:
     # Its backward does not pack (one q head per CTA). FA2 never packs.
     pack_gqa: bool = False
 
-    # Tile model (``tile`` > 0; docs/design.md §8): FlashAttention walks a block in tiles of
+    # Tile model (``tile`` > 0; docs/design.md §2.4): FlashAttention walks a block in tiles of
     # ``tile`` × ``tile`` (q rows × keys; FA2/FA3 causal hdim 128: 128 × 128). A block of nq rows
     # (nq·H/Hkv when packed) is ``M = ⌈rows / tile⌉`` row tiles; each row tile visits
     # ``keys per row / tile + ½`` key tiles (the last one half full on average, at least one, at
@@ -144,7 +144,7 @@ class SimHardware:
     collective_efficiency: float = 1.0  # NCCL ring all-gather / reduce-scatter: achieved / link bandwidth
     te_step_s: float = 0.0  # host + launch overhead of one step of TE's THD p2p ring (seconds)
     overlap_slowdown: float = 0.0  # kernel slowdown while NCCL transfers run beside it (SM/HBM contention)
-    # NCCL's own cost model (constants.NCCL; docs/design.md §8): point-to-point channels to a network
+    # NCCL's own cost model (constants.NCCL; docs/design.md §2.4): point-to-point channels to a network
     # peer and what one drives, ring latencies per step by link, all-to-all peers per round
     # MagiAttention's FA3 baselines call the kernel through exps/dist_attn/baselines/utils_cp.py
     # ``_fa3_varlen_forward`` / ``_backward``: every call first gathers its inputs to real tokens

@@ -23,7 +23,7 @@ Network: each rank has a send and a receive port per link class (NVLink, InfiniB
 the class's bandwidth; concurrent transfers share ports max-min fairly (progressive filling),
 rates are recomputed whenever a transfer starts or ends. ``flow_cap(a, b)`` (optional) bounds one
 transfer's own rate (a private port of that capacity): NCCL drives a point-to-point stream to a
-network peer with a few channels only (``Cluster.p2p_cap``, docs/design.md §8). Output: a ``Timeline`` of spans per
+network peer with a few channels only (``Cluster.p2p_cap``, docs/design.md §2.4). Output: a ``Timeline`` of spans per
 rank (busy kinds and exposed waits) and of transfers, for breakdowns and Gantt charts.
 """
 

@@ -106,7 +106,7 @@ def hsap_workload(plan: object, cluster: Cluster, phase: str) -> tuple[Workload,
     before anything, then at the start of chunk c's SAP the all-to-all of chunk c+1 and the
     return of chunk c−1, the return of chunk C−1 at the end; chunk c's SAP waits for its own
     all-to-all. NCCL runs the intra group's calls one after another (one communicator), and the
-    SAP kernels that overlap them run ``1 + overlap_slowdown`` times slower (docs/design.md §8)."""
+    SAP kernels that overlap them run ``1 + overlap_slowdown`` times slower (docs/design.md §2.4)."""
     hw = cluster.hw
     shape = plan.shape  # type: ignore[attr-defined]
     progs = plan.fwd_programs if phase == "fwd" else plan.bwd_programs  # type: ignore[attr-defined]
