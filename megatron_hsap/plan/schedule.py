@@ -123,8 +123,10 @@ class Split:
     local: tuple[tuple[Unit, ...], ...]
     local_work: np.ndarray  # [P]
     remote_work: tuple[int, ...] = ()  # [P] exact pairs of each rank's remote blocks
-    # (rank, budget) -> the rank's remote blocks in ``_interleave`` order, when no block needs 2-D
-    # tiles under that budget (the order is then the same for every stage shape tried)
+    # staging memo, per split (so per compile and price set): (rank, budget) -> the rank's remote
+    # blocks in ``_interleave`` order when no block needs 2-D tiles under that budget (the order
+    # is then the same for every stage shape tried); ("cut", rank, middle stages, budget, level)
+    # -> ``_cut_remote``'s parts
     orders: dict = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
@@ -164,7 +166,11 @@ def stage(split: Split, pr: Prices, shape: StageShape, budget: float) -> Staging
         level = top / float(shape.weights.sum())
     for r in range(size):
         if split.remote[r]:
-            cuts[r], works[r], n = _cut_remote(split, r, n_mid, pr, budget, level)
+            key = ("cut", r, n_mid, budget, level)  # a pure function of these: shapes that differ
+            got = split.orders.get(key)  # only in alpha share it (the result is never mutated)
+            if got is None:
+                got = split.orders[key] = _cut_remote(split, r, n_mid, pr, budget, level)
+            cuts[r], works[r], n = got
             used = max(used, n)
     stages = shape.stages + (used - n_mid)
     weights = StageShape(stages, shape.alpha).weights
@@ -219,19 +225,21 @@ def _fill_last(parts: list[Unit], floor: np.ndarray, budgets: np.ndarray, weight
         if room_cols <= 0:
             break  # the pool budget only shrinks: no later block gets a column either
         u = out[i]
-        nq = len(u.q)
-        cols = min(len(u.kv), int(want // nq), room_cols)
+        kv = u.kv
+        nk = kv.stop - kv.start
+        cols = min(nk, int(want // (u.q.stop - u.q.start)), room_cols)
         if cols <= 0:
             continue
-        if cols >= len(u.kv):
+        if cols >= nk:
             moved, keep = u, None
         else:
-            keep, moved = split_cols(u, u.kv.stop - cols)
+            keep, moved = split_cols(u, kv.stop - cols)
         out[i] = keep
         out.append(with_stage(moved, last))
-        floor[u.stage] -= moved.work
-        floor[last] += moved.work
-        want -= moved.work
+        mw = moved.work
+        floor[u.stage] -= mw
+        floor[last] += mw
+        want -= mw
         room_b -= footprint(moved, pr)
     return [u for u in out if u is not None]
 
