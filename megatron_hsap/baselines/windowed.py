@@ -18,8 +18,9 @@ not what it could do:
   the banded pairs of each rank's zigzag rows. Compute waits for the collective (not overlapped).
   THD all-gather needs FusedAttention or FlashAttention 3 (the class docstring).
 * ``te_a2a_swa`` — Transformer Engine ``AttnFuncWithCPAndQKVOA2A`` (same file; ``"a2a"`` is the
-  other type that accepts windows): Ulysses all-to-alls (bytes of ``flat.ulysses``), each rank
-  running the whole sequence's banded pairs on H/P heads. Needs P ≤ H, H % P = 0.
+  other type that accepts windows): the all-to-alls of ``baselines.hierarchical``'s ``te_a2a``
+  (documents padded to 2P, head split; the window changes no byte), each rank running the whole
+  sequence's banded pairs on H/P heads. Needs P | H and P | Hkv (the registry's rule).
 * ``magi_swa`` — MagiAttention (SandAI-org/MagiAttention, commit 2c64135): a window becomes
   ``AttnSlice`` ranges per document (``magi_attention/api/functools.py``
   ``infer_attn_mask_from_sliding_window``: a CAUSAL slice for the rows whose window reaches the
@@ -45,7 +46,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from megatron_hsap.baselines.flat import BaselineCost, price_baseline
+from megatron_hsap.baselines.flat import BaselineCost
 from megatron_hsap.errors import ConfigError
 from megatron_hsap.plan.costs import HeadShape
 from megatron_hsap.plan.hardware import Hardware, LinkClass
@@ -96,10 +97,11 @@ class _Env:
         return pairs * self.shape.bwd_flops_per_pair / self.hw.attn_bwd_flops
 
 
-def _full(env: _Env, method: str) -> BaselineCost:
-    cost = price_baseline(method, env.cu, world=env.P, shape=env.shape, hardware=env.hw, link=env.link)
-    assert cost is not None, method  # availability is checked by the caller
-    return cost
+def _full(env: _Env, method: str) -> BaselineCost | None:
+    """The peer's full-causal flat price (None when it cannot run at this size)."""
+    from megatron_hsap.baselines.hierarchical import price
+
+    return price(method, env.cu, intra=1, inter=env.P, shape=env.shape, hardware=env.hw, link=env.link)
 
 
 def _te_allgather_swa(env: _Env) -> BaselineCost:
@@ -110,6 +112,7 @@ def _te_allgather_swa(env: _Env) -> BaselineCost:
                             + _rows_pairs((2 * P - 1 - r) * c, (2 * P - r) * c, lengths, env.left)).sum())
                      for r in range(P)])  # fmt: skip
     full = _full(env, "allgather_kv_zigzag")  # same gathers and reduce-scatter: the window moves nothing less
+    assert full is not None  # runs at every size
     kv_bytes = float(full.bytes_sent[0]) / 3.0  # one all-gather of KV per rank (fwd, bwd; dKV likewise)
     coll = 0.0 if P == 1 else env.hw.latency(env.link)
     ag = kv_bytes / env.hw.bandwidth(env.link) + coll
@@ -125,9 +128,11 @@ def _te_allgather_swa(env: _Env) -> BaselineCost:
     )
 
 
-def _te_a2a_swa(env: _Env) -> BaselineCost:
-    """Ulysses all-to-alls unchanged; every rank computes the banded pairs on H/P heads."""
-    full = _full(env, "ulysses")
+def _te_a2a_swa(env: _Env) -> BaselineCost | None:
+    """TE's a2a all-to-alls unchanged; every rank computes the banded pairs on H/P heads."""
+    full = _full(env, "te_a2a")
+    if full is None:
+        return None
     pairs = float(banded_row_pairs(env.lengths, env.left).sum()) / env.P
     comm_fwd = full.fwd_time - float(env.fwd_s(float(full.work[0])))  # the all-to-alls (not overlapped)
     comm_bwd = full.bwd_time - float(env.bwd_s(float(full.work[0])))
@@ -224,7 +229,7 @@ def price_windowed(method: str, cu_seqlens: object, *, world: int, window_size: 
     """Estimated forward + backward time and bytes of a peer ``method`` (``WINDOWED_PEERS``) on this
     batch with the causal window ``window_size`` (flash-attn's ``(left, 0)``; ``None``: full causal).
 
-    Returns None when the method cannot run at this size (``te_a2a_swa`` needs P ≤ H and H % P = 0).
+    Returns None when the method cannot run at this size (``te_a2a_swa`` needs P | H and P | Hkv).
     Raises ``ConfigError`` for an unknown method or a window HSAP's convention refuses."""
     if method not in WINDOWED_PEERS:
         raise ConfigError(f"unknown windowed peer {method!r}; choose one of {', '.join(WINDOWED_PEERS)}")
@@ -237,8 +242,6 @@ def price_windowed(method: str, cu_seqlens: object, *, world: int, window_size: 
     cu = np.asarray(normalize_cu_seqlens(cu_seqlens), dtype=np.int64)
     env = _Env(cu=cu, P=int(world), left=left, shape=shape, hw=hardware, link=link)
     if method == "te_a2a_swa":
-        if price_baseline("ulysses", cu, world=env.P, shape=shape, hardware=hardware, link=link) is None:
-            return None
         return _te_a2a_swa(env)
     if method == "te_allgather_swa":
         return _te_allgather_swa(env)

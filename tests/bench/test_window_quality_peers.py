@@ -65,15 +65,17 @@ def test_te_allgather_swa_computes_each_ranks_zigzag_band_and_moves_the_full_gat
             assert cost.time < full.time
 
 
-def test_te_a2a_swa_is_ulysses_bytes_with_banded_compute() -> None:
+def test_te_a2a_swa_is_te_a2a_bytes_with_banded_compute() -> None:
+    from megatron_hsap.baselines.hierarchical import price
+
     cu = BATCHES[2]
-    full = price_baseline("ulysses", cu, world=4, shape=SHAPE, hardware=HW, link=LinkClass.NVLINK)
-    wide = price_windowed("te_a2a_swa", cu, **_kw(4, (10_000, 0)))
+    full = price("te_a2a", cu, intra=1, inter=2, shape=SHAPE, hardware=HW, link=LinkClass.NVLINK)
+    wide = price_windowed("te_a2a_swa", cu, **_kw(2, (10_000, 0)))
     assert wide.time == pytest.approx(full.time, rel=1e-12) and np.array_equal(wide.bytes_sent, full.bytes_sent)
-    narrow = price_windowed("te_a2a_swa", cu, **_kw(4, (3, 0)))
+    narrow = price_windowed("te_a2a_swa", cu, **_kw(2, (3, 0)))
     total = sum(len(k) for k in _brute_keys(cu, 3))
-    assert np.allclose(narrow.work, total / 4) and narrow.time < full.time
-    assert price_windowed("te_a2a_swa", cu, **_kw(16, (3, 0))) is None  # 8 heads: Ulysses needs P <= H
+    assert np.allclose(narrow.work, total / 2) and narrow.time < full.time
+    assert price_windowed("te_a2a_swa", cu, **_kw(4, (3, 0))) is None  # 2 kv heads: TE's a2a needs P | Hkv
 
 
 @pytest.mark.parametrize("P, chunk", [(2, 8), (3, 5), (4, 4)])
