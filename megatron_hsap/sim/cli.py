@@ -98,7 +98,8 @@ def _parser() -> argparse.ArgumentParser:
         "validation against published numbers, a 1024-GPU scale run, contiguous vs balanced token layouts "
         "over InfiniBand and a per-rank Gantt chart; `calibrate` prints the simulator's constants and its "
         "errors against MagiAttention's published figures. Duration on one shared CPU core: --quick takes seconds per "
-        "command; full runs take minutes each (calibrate ~10 s, magi ~2 min) and `all` tens of minutes. Progress "
+        "command; full runs take minutes each (calibrate ~20 s, magi a few minutes, table3 the longest) and `all` tens of "
+        "minutes; `all` into results/ also rewrites the README's generated regions (`megatron-hsap report`). Progress "
         "goes to stderr. Each writes <out>/<name>.csv/.md (and .png) and prints "
         "its markdown.")
     p.add_argument("what", choices=COMMANDS + ("all",), help="which reproduction to run")
@@ -107,7 +108,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=output_dir, default=Path("results"), metavar="DIR",
                    help="output folder (<name>.csv, <name>.md, <name>.png)")
     p.add_argument("--seeds", type=positive_int, default=None,
-                   help="seeded batches per point (default: 3, layouts 2; docs/design.md §4 asks 10)")
+                   help="seeded batches per point (default: 10; table3 and layouts 5; docs/design.md §4 asks 10)")
     p.add_argument("--workload", default=None, help="length distribution for tables 2/3, magi, scale, gantt (default: slimpajama); "
                    "layouts: only this one (default there: fineweb, slimpajama, ultrachat, sharegpt, full)")
     p.add_argument("--jobs", type=positive_int, default=1, help="layouts: worker processes")
@@ -173,6 +174,10 @@ def main(argv: list[str] | None = None) -> int:
             report = _runner(name)(args.out, **kwargs)
             print(report.markdown)
             print(f"\n[{name}: {time.perf_counter() - t0:.1f} s; wrote {', '.join(str(f) for f in report.files)}]\n", flush=True)
+        if args.what == "all" and Path(args.out) == Path("results") and Path("README.md").exists():
+            from megatron_hsap.sim.report import main as report_main
+
+            report_main(["--results", str(args.out)])  # the README's generated regions and plots: one command regenerates all
     except HSAPError as exc:
         print(f"megatron-hsap simulate: {exc}", file=sys.stderr)
         return 2

@@ -58,7 +58,7 @@ def magi(out_dir: str | Path, *, quick: bool = False, seeds: int | None = None, 
     hw = sim_hardware("h100-fa3")
     shape = full_shape(64, 8)
     sizes = (8,) if quick else paper_sizes()
-    n_seeds = 1 if quick else (seeds or 4)
+    n_seeds = 1 if quick else (seeds or 10)
     n_tune = 1 if quick else 2
     rows: list[Row] = []
     table, heads, notes = [], [], []

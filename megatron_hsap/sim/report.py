@@ -61,6 +61,10 @@ def _magi(rows: list[dict[str, str]]) -> str:
     from megatron_hsap.sim import paper
 
     means = _magi_means(rows)
+    seeds: dict[tuple[str, str], dict[str, dict[str, float]]] = defaultdict(lambda: defaultdict(dict))
+    for r in rows:
+        if r["source"] == "sim" and r["metric"] in ("fwd_tflops_per_gpu", "bwd_tflops_per_gpu") and r["seed"].isdigit():
+            seeds[(str(int(r["P_intra"]) * int(r["P_inter"])), r["metric"][:3])][r["seed"]][r["method"]] = _f(r["value"])
     tab, loses = [], []
     for P in sorted(means, key=int):
         med = means[P]
@@ -71,13 +75,13 @@ def _magi(rows: list[dict[str, str]]) -> str:
             magi = paper.MAGI_SELF.get(int(P), (float("nan"),) * 2)[0 if ph == "fwd" else 1]
             blind = med.get("distflashattn", {}).get(ph, float("nan"))
             tab.append([P, ph, f"{h:.0f}", f"{hc:.0f}", f"{REGISTRY[best].label}: {aware[best]:.0f}", f"{h / aware[best]:.2f}×",
-                        f"{magi:.0f}", f"{blind:.0f}"])
+                        _ratio_spread(seeds[(P, ph)], False), f"{magi:.0f}", f"{blind:.0f}"])
             if h < aware[best]:
                 loses.append(f"{P} GPUs {ph} ({h:.0f} vs {REGISTRY[best].label} {aware[best]:.0f})")
             if h < magi:
                 loses.append(f"{P} GPUs {ph} vs MagiAttention's published {magi:.0f}")
     out = [markdown_table(["GPUs", "phase", "HSAP (balanced)", "HSAP contiguous", "best document-aware baseline", "HSAP / best",
-                           "MagiAttention (published)", "DistFlashAttn (document-blind)"], tab), ""]
+                           "HSAP / best min–max over seeds", "MagiAttention (published)", "DistFlashAttn (document-blind)"], tab), ""]
     out.append("**Where HSAP loses:** " + ("; ".join(loses) + "." if loses else "nowhere on this protocol."))
     return "\n".join(out)
 
@@ -89,6 +93,33 @@ def _medians(rows: list[dict[str, str]], metric: str, keys: tuple[str, ...]) -> 
         if r["source"] == "sim" and r["metric"] == metric and r["seed"].isdigit():
             acc[tuple(r[k] for k in keys)][r["method"]].append(_f(r["value"]))
     return {k: {m: float(np.median(v)) for m, v in d.items()} for k, d in acc.items()}
+
+
+def _per_seed(rows: list[dict[str, str]], metric: str, keys: tuple[str, ...]) -> dict[tuple[str, ...], dict[str, dict[str, float]]]:
+    """``{key: {seed: {method: value}}}`` of ``metric`` (simulated rows only)."""
+    acc: dict[tuple[str, ...], dict[str, dict[str, float]]] = defaultdict(lambda: defaultdict(dict))
+    for r in rows:
+        if r["source"] == "sim" and r["metric"] == metric and r["seed"].isdigit():
+            acc[tuple(r[k] for k in keys)][r["seed"]][r["method"]] = _f(r["value"])
+    return acc
+
+
+def _spread(values: list[float], fmt: str = "{:.2f}", suffix: str = "") -> str:
+    """``min–max`` of per-seed values, ``–`` for a single batch."""
+    v = [x for x in values if x == x]
+    if len(v) < 2:
+        return "–"
+    return f"{fmt.format(min(v))}–{fmt.format(max(v))}{suffix}"
+
+
+def _ratio_spread(seeds: dict[str, dict[str, float]], lower_is_better: bool, hsap: str = "hsap") -> str:
+    """Spread over seeds of HSAP's speed-up over that seed's best document-aware baseline."""
+    out = []
+    for d in seeds.values():
+        if hsap in d:
+            _, b = _best(d, lower_is_better)
+            out.append(b / d[hsap] if lower_is_better else d[hsap] / b)
+    return _spread(out, suffix="×")
 
 
 def _best(med: dict[str, float], lower_is_better: bool) -> tuple[str, float]:
@@ -104,6 +135,7 @@ def _table2(rows: list[dict[str, str]]) -> str:
     from megatron_hsap.sim import paper
 
     med = _medians(rows, "time", ("workload", "P_inter", "T"))
+    seeds = _per_seed(rows, "time", ("workload", "P_inter", "T"))
     order = sorted(med, key=lambda k: (k[0] == "full", int(k[1]), int(k[2])))
     tab, loses = [], []
     for wl, sp, T in order:
@@ -111,14 +143,15 @@ def _table2(rows: list[dict[str, str]]) -> str:
         name, best = _best(d, lower_is_better=True)
         h = d["hsap"]
         p_dfa, p_sap = paper.TABLE2[(int(sp), int(T))]
-        tab.append([wl, sp, f"{int(T) // 1024}K", f"{h:.2f}", f"{d.get('hsap_contiguous', float('nan')):.2f}",
-                    f"{REGISTRY[name].label}: {best:.2f}", f"{best / h:.2f}×", f"{d['distflashattn']:.2f}",
-                    f"{d['distflashattn'] / h:.2f}×", f"{p_dfa / p_sap:.2f}×"])
+        tab.append([wl, sp, f"{int(T) // 1024}K", f"{h:.2f}", _spread([v["hsap"] for v in seeds[(wl, sp, T)].values() if "hsap" in v]),
+                    f"{d.get('hsap_contiguous', float('nan')):.2f}",
+                    f"{REGISTRY[name].label}: {best:.2f}", f"{best / h:.2f}×", _ratio_spread(seeds[(wl, sp, T)], True),
+                    f"{d['distflashattn']:.2f}", f"{d['distflashattn'] / h:.2f}×", f"{p_dfa / p_sap:.2f}×"])
         if h > best:
             loses.append(f"{wl} SP {sp} {int(T) // 1024}K ({best / h:.2f}× of {REGISTRY[name].label})")
-    out = [markdown_table(["workload", "SP", "T", "SAP (balanced) ms", "SAP contiguous ms", "best document-aware baseline ms",
-                           "SAP speed-up over best", "DistFlashAttn ms (document-blind)", "SAP over DistFlashAttn",
-                           "paper SAP over DistFlashAttn"], tab), ""]
+    out = [markdown_table(["workload", "SP", "T", "SAP (balanced) ms", "SAP min–max over seeds", "SAP contiguous ms",
+                           "best document-aware baseline ms", "SAP speed-up over best", "speed-up min–max over seeds",
+                           "DistFlashAttn ms (document-blind)", "SAP over DistFlashAttn", "paper SAP over DistFlashAttn"], tab), ""]
     out.append("**Where SAP loses to the best document-aware baseline:** " + ("; ".join(loses) + "." if loses else "nowhere."))
     return "\n".join(out)
 
@@ -132,19 +165,26 @@ def _table4(rows: list[dict[str, str]]) -> str:
             key = (r["workload"], r["T"], f"{r['P_intra']}x{r['P_inter']}")
             name = r["method"] if r["metric"] == "tokens_per_s_per_gpu" else "best:" + r["method"]
             acc[key][name].append(_f(r["value"]))
+    ratio: dict[tuple[str, str, str], dict[str, dict[str, float]]] = defaultdict(lambda: defaultdict(dict))
+    for r in rows:
+        if r["source"] == "sim" and r["seed"].isdigit() and r["metric"] in ("tokens_per_s_per_gpu", "best_baseline_tokens_per_s_per_gpu"):
+            key = (r["workload"], r["T"], f"{r['P_intra']}x{r['P_inter']}")
+            if r["metric"] == "best_baseline_tokens_per_s_per_gpu" or r["method"] == "hsap":
+                ratio[key][r["seed"]]["best" if r["metric"].startswith("best") else "hsap"] = _f(r["value"])
     tab, loses = [], []
     for key in sorted(acc, key=lambda k: (k[0] == "full", k[0], int(k[1]), k[2])):
         d = {m: float(np.median(v)) for m, v in acc[key].items()}
+        spread = _spread([v["hsap"] / v["best"] for v in ratio[key].values() if "hsap" in v and "best" in v], suffix="×")
         bests = [(m[5:], v) for m, v in d.items() if m.startswith("best:")]
         bname = max(bests, key=lambda kv: len(acc[key]["best:" + kv[0]]))[0]
         bb = float(np.median([v for m, vs in acc[key].items() if m.startswith("best:") for v in vs]))
         h = d["hsap"]
         tab.append([key[0], f"{int(key[1]) // 1024}K", key[2], f"{h:.0f}", f"{REGISTRY[bname].label}: {bb:.0f}", f"{h / bb:.2f}×",
-                    f"{d['packing']:.0f}", f"{d['batching']:.0f}", f"{h / d['packing']:.2f}×"])
+                    spread, f"{d['packing']:.0f}", f"{d['batching']:.0f}", f"{h / d['packing']:.2f}×"])
         if h < bb:
             loses.append(f"{key[0]} {int(key[1]) // 1024}K {key[2]} ({h / bb:.2f}×)")
     out = [markdown_table(["dataset", "T", "topology", "HSAP", "best document-aware baseline", "HSAP / best",
-                           "packing (document-blind)", "batching", "HSAP / packing"], tab), ""]
+                           "HSAP / best min–max over seeds", "packing (document-blind)", "batching", "HSAP / packing"], tab), ""]
     out.append("**Where HSAP loses to the best document-aware baseline:** " + ("; ".join(loses) + "." if loses else "nowhere."))
     return "\n".join(out)
 
@@ -163,18 +203,24 @@ def _table3(rows: list[dict[str, str]]) -> str:
             if r["method"] == "hsap":
                 topo[key] = f"{r['P_intra']}x{r['P_inter']}"
     tab, loses = [], []
+    by_seed: dict[tuple[str, int, int], dict[str, dict[str, float]]] = defaultdict(lambda: defaultdict(dict))
+    for r in rows:
+        if r["source"] == "sim" and r["metric"] == "time" and r["seed"].isdigit():
+            P = int(r["P_intra"]) * int(r["P_inter"])
+            by_seed[(r["workload"], int(r["T"]) // P, P)][r["seed"]][r["method"]] = _f(r["value"])
     for key in sorted(acc, key=lambda k: (k[0] != "full", k[0], k[1], k[2])):
         d = {m: float(np.median(v)) for m, v in acc[key].items()}
         name, best = _best(d, lower_is_better=True)
         h = d.get("hsap", float("nan"))
         pub = paper.TABLE3[(key[1], key[2])]
         tab.append([key[0], f"{key[1] // 1024}K", key[2], f"{h:.1f}", topo.get(key, "-"), f"{REGISTRY[name].label}: {best:.1f}",
-                    f"{best / h:.2f}×", f"{d['ulysses']:.1f}" if "ulysses" in d else "n/a (P > H)", f"{d['distflashattn']:.1f}",
-                    f"{pub[2]:.1f}"])
+                    f"{best / h:.2f}×", _ratio_spread(by_seed[key], True),
+                    f"{d['ulysses']:.1f}" if "ulysses" in d else "n/a (P > H)", f"{d['distflashattn']:.1f}", f"{pub[2]:.1f}"])
         if h > best:
             loses.append(f"{key[0]} {key[1] // 1024}K×{key[2]} ({best / h:.2f}×)")
     out = [markdown_table(["workload", "per GPU", "GPUs", "HSAP ms", "HSAP topology (tuned)", "best document-aware baseline ms",
-                           "HSAP speed-up over best", "Ulysses ms", "DistFlashAttn ms (document-blind)", "paper HSAP ms"], tab), ""]
+                           "HSAP speed-up over best", "speed-up min–max over seeds", "Ulysses ms", "DistFlashAttn ms (document-blind)",
+                           "paper HSAP ms"], tab), ""]
     out.append("**Where HSAP loses to the best document-aware baseline:** " + ("; ".join(loses) + "." if loses else "nowhere."))
     return "\n".join(out)
 

@@ -62,7 +62,7 @@ def table4(out_dir: str | Path, *, quick: bool = False, seeds: int | None = None
     datasets = ["fineweb", "full"] if quick else [*paper.TABLE4, "full"]
     lengths = (16384,) if quick else paper.TABLE4_LENGTHS
     topologies = ("1x8", "8x1") if quick else paper.TABLE4_TOPOLOGIES
-    n_seeds = 1 if quick else (seeds or 3)
+    n_seeds = 1 if quick else (seeds or 10)
     grid = [(ds, T, topo) for ds in datasets for T in lengths for topo in topologies]
     rows: list[Row] = []
     table = []
