@@ -163,6 +163,7 @@ def _assign(starts: np.ndarray, lengths: np.ndarray, work: np.ndarray, k_of: np.
                     break
         else:
             k_max = min(size, max(1, n // (2 * _MIN_PIECE)))
+            wd = float(work[d])  # the same float64, as a Python float
             for k in range(max(1, -(-n // chunk)), size + 1):
                 chosen = best_ranks(k)
                 if chosen is None:
@@ -170,13 +171,13 @@ def _assign(starts: np.ndarray, lengths: np.ndarray, work: np.ndarray, k_of: np.
                 if k == 1:  # one rank: the same float operations on scalars
                     r0 = int(chosen[0])
                     floor = float(key[r0])
-                    lw = float(projected_load[r0]) + float(work[d]) / k - rho * n / k
+                    lw = float(projected_load[r0]) + wd / k - rho * n / k
                     tw = float(traffic[r0]) + token_cost * n * (k - 1) / k
                     peak = (lw if lw >= tw else tw) + _EXPOSED * (tw if lw >= tw else lw)
                 else:
-                    floor = float(key[chosen].max())
+                    floor = float(key[chosen[-1]])  # chosen runs by (key, rank): its last key is its largest
                     # the share displaces n/k tokens of filler (projected) and pays its kv traffic
-                    peak = float(_cost(projected_load[chosen] + work[d] / k - rho * n / k,
+                    peak = float(_cost(projected_load[chosen] + wd / k - rho * n / k,
                                        traffic[chosen] + token_cost * n * (k - 1) / k).max())
                 if best is None or peak < best[0]:
                     best = (peak, k, chosen)
