@@ -219,8 +219,9 @@ def check_chunk_group(specs: list[dict], results: list[list[dict]]) -> None:
         assert plan.head_chunks == spec["head_chunks"]
         cases.check_against_reference(spec, per_rank)
         cases.check_bytes(spec, per_rank)
-        for r in per_rank:  # one executor pass per chunk and phase
+        for r in per_rank:  # one executor pass per chunk and phase; all-to-all bytes as the plan says
             assert r["stats"]["fwd"]["calls"] == r["stats"]["bwd"]["calls"] == plan.head_chunks
+            assert r["a2a"] == (a2a_bytes_sent(plan) if plan.intra_size > 1 else {"fwd": 0, "bwd": 0})
         if base is None:
             base = per_rank
             continue
