@@ -89,9 +89,6 @@ _LAYOUT_GAIN_PERCENT = 1  # layout="balanced" skips its compile when the contigu
 _SLACK = 0.02  # a document whole on a rank may overshoot the mean work by this before it is split
 _EXPOSED = 0.5  # measured: 0.5 beat 0.1, 0.25 and 1.0 (no overlap) on plan estimates, 64K–1M, P 8–64
 _MIN_PIECE = 64  # tokens: balance alone never cuts a document into head/tail pieces smaller than this
-_ONE = tuple(np.array([r]) for r in range(1024))  # best_ranks(1)'s answers, allocated once (read-only)
-for _a in _ONE:
-    _a.setflags(write=False)
 
 
 def _assign(starts: np.ndarray, lengths: np.ndarray, work: np.ndarray, k_of: np.ndarray | None, size: int,
@@ -140,14 +137,14 @@ def _assign(starts: np.ndarray, lengths: np.ndarray, work: np.ndarray, k_of: np.
             key = _cost(projected_load, traffic)
         else:  # load + room·0 is load, bit for bit: the maintained cost is the key
             projected_load, key = load, cost
-        best: tuple[float, int, np.ndarray] | None = None
+        best: tuple[float, int, np.ndarray | list[int]] | None = None
         by_key: list[np.ndarray] = []  # every rank by (key, rank), sorted once per document
 
-        def best_ranks(k: int) -> np.ndarray | None:
+        def best_ranks(k: int) -> np.ndarray | list[int] | None:
             """The k lowest-key ranks with room for a ``⌈n/k⌉`` share (None if fewer fit)."""
             if k == 1:  # the common case: one masked argmin (ties: lowest rank)
                 r = int(np.where(room >= n, key, np.inf).argmin())
-                return (_ONE[r] if r < len(_ONE) else np.array([r])) if room[r] >= n else None
+                return [r] if room[r] >= n else None  # (read as chosen[0] only)
             if not by_key:
                 order = np.lexsort((ranks, key))
                 by_key.extend((order, room[order]))
