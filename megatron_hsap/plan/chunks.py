@@ -22,6 +22,7 @@ a kv head shared by several chunks would be re-sent by every chunk's SAP rounds.
 from __future__ import annotations
 
 import math
+from numbers import Integral
 from typing import TYPE_CHECKING
 
 from megatron_hsap.errors import ConfigError
@@ -62,7 +63,7 @@ def check_head_chunks(opts: "PlanOptions") -> None:
     c = opts.head_chunks
     if c is None:
         return
-    if isinstance(c, bool) or not isinstance(c, int) or c < 1:
+    if isinstance(c, bool) or not isinstance(c, Integral) or c < 1:
         raise ConfigError(f"head_chunks={c!r} must be None (the planner chooses) or an int >= 1")
     if c == 1:
         return
@@ -140,7 +141,7 @@ def resolve_head_chunks(plan: "Plan") -> int:
     """The chunk count ``plan`` runs with (``Plan.head_chunks``; see the module docstring)."""
     forced = plan.options.head_chunks
     if forced is not None:
-        return forced
+        return int(forced)
     if plan.intra_size == 1 or plan.inter_size == 1:
         return 1
     est = head_chunk_estimates(plan)

@@ -77,9 +77,9 @@ def test_forced_chunks_without_an_intra_group_raise():
 def test_forced_counts_are_kept_and_change_nothing_else():
     cu = [0, 300, 1000, 1024]
     base = compile_plan(cu, 2, 2, num_heads=8, num_kv_heads=8)
-    for c in (1, 2, 4):
+    for c in (1, 2, 4, np.int64(4)):
         p = compile_plan(cu, 2, 2, num_heads=8, num_kv_heads=8, head_chunks=c)
-        assert p.head_chunks == c
+        assert p.head_chunks == c and type(p.head_chunks) is int
         assert p.fwd_programs == base.fwd_programs and p.bwd_programs == base.bwd_programs
         assert p.layout.segments == base.layout.segments and p.pool_capacity == base.pool_capacity
 
