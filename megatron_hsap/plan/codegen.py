@@ -135,7 +135,10 @@ def _first_fit(requests: list[tuple[int, int, int, int]], capacity: int) -> tupl
     live: list[tuple[int, int, int]] = []  # (offset, end, t1), sorted by offset, disjoint
     peak = 0
     now = None  # the start time the live list was last pruned for
-    widest = 0  # the widest free gap below the last live entry (first fit lands there only if it fits)
+    # an upper bound of the widest free gap below the last live entry: a request wider than it
+    # fits no gap, so first fit puts it at the end (exact after a prune or a scan to the end;
+    # taking part of a gap only narrows the gaps)
+    widest = 0
     for t0, t1, nbytes, key in sorted(requests, key=lambda r: (r[0], -r[2], r[3])):
         if t0 != now:  # requests come by start time and every t1 > t0: prune once per start time
             live = [e for e in live if e[2] >= t0]
@@ -148,18 +151,20 @@ def _first_fit(requests: list[tuple[int, int, int, int]], capacity: int) -> tupl
         else:
             off = 0
             pos = 0
+            gaps = 0  # the widest gap passed so far
             for pos, (o, e, _) in enumerate(live):
                 if off + size <= o:
                     break
+                if o - off > gaps:
+                    gaps = o - off
                 if e > off:
                     off = e
             else:
                 pos = len(live)
+                widest = gaps  # scanned to the end: the bound is exact again
         if off + size > capacity:
             raise PoolOverflow(f"needs {off + size} bytes > capacity {capacity}")
         live.insert(pos, (off, off + size, t1))  # entries before pos end at or before off
-        if pos < len(live) - 1:
-            widest = _widest_gap(live)  # it took (part of) a gap
         if off + size > peak:
             peak = off + size
         slots[key] = Slot(off, nbytes)
