@@ -108,7 +108,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=output_dir, default=Path("results"), metavar="DIR",
                    help="output folder (<name>.csv, <name>.md, <name>.png)")
     p.add_argument("--seeds", type=positive_int, default=None,
-                   help="seeded batches per point (default: 10; table3 and layouts 5; docs/design.md §4 asks 10)")
+                   help="seeded batches per point (default: 10; table3 5, layouts 2; docs/design.md §4 asks 10)")
     p.add_argument("--workload", default=None, help="length distribution for tables 2/3, magi, scale, gantt (default: slimpajama); "
                    "layouts: only this one (default there: fineweb, slimpajama, ultrachat, sharegpt, full)")
     p.add_argument("--jobs", type=positive_int, default=1, help="layouts: worker processes")

@@ -11,6 +11,7 @@ calibrate to their own cluster without editing code. Kernel time of one block of
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
@@ -92,11 +93,28 @@ class KernelModel:
         return float((np.asarray(flops, dtype=np.float64) / self.rate(nq, nk, phase, group, pairs)).sum())
 
     def blocks_time_py(self, blocks: list[tuple[int, int, float, float]], phase: str, group: int = 1) -> float:
-        """``blocks_time`` for a short list of ``(nq, nk, flops, pairs)``."""
+        """``blocks_time`` for a short list of ``(nq, nk, flops, pairs)`` without numpy overhead
+        (the same formulas, term by term)."""
         if not blocks:
             return 0.0
-        a = np.array(blocks, dtype=np.float64)
-        return self.blocks_time(a[:, 0], a[:, 1], a[:, 2], phase, group, a[:, 3])
+        peak = self.fwd_peak if phase == "fwd" else self.bwd_peak
+        g = group if (self.pack_gqa and phase == "fwd" and group > 1) else 1
+        total = 0.0
+        if self.tile <= 0:
+            half = self.curve.half_rate_tokens
+            for nq, nk, flops, _ in blocks:
+                n = max(1.0, min(float(nq) * g, float(nk)))
+                total += flops * (n + half) / (peak * n)
+            return total
+        T = float(self.tile)
+        for nq, nk, flops, pairs in blocks:
+            nq, nk = max(1.0, float(nq)), max(1.0, float(nk))
+            pr = max(1.0, float(pairs))
+            m = math.ceil(nq * g / T)
+            per_row = min(max(pr / nq / T + 0.5, 1.0), math.ceil(nk / T))
+            eff = min(1.0, pr * g / (m * (per_row + self.mblock_overhead) * T * T))
+            total += flops / (peak * eff)
+        return total
 
     def grid_time(self, max_nq: float, max_nk: float, n_blocks: int, heads: int, phase: str) -> float:
         """Scheduling cost of a varlen *backward* call's grid: FlashAttention-3's backward sizes it
