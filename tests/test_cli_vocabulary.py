@@ -20,6 +20,7 @@ import pytest
 from megatron_hsap import cli
 from megatron_hsap.plan import compile_plan
 from megatron_hsap.plan.hardware import link_class_for
+from megatron_hsap.plan.workloads import pack_batches
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -298,3 +299,17 @@ def test_link_line_states_the_rule_the_measured_link_or_the_forced_one() -> None
         "link ib: the CP group's 4 ranks run across hosts (hostnames); the 8-GPUs-per-node rule would have given nvlink")
     assert link_line(intra=2, inter=2, tp=2, measured="nvlink") == "link nvlink: the CP group's 4 ranks run on one host (hostnames)"
     assert link_line(intra=2, inter=2, measured="ib", forced="nvlink").startswith("link nvlink (forced by --link")
+
+
+def test_plan_forces_or_reports_the_head_chunks(capsys: pytest.CaptureFixture[str]) -> None:
+    from megatron_hsap.bench import plan_cli
+
+    base = ["--workload", "fineweb", "--tokens", "16384", "--heads", "16", "--intra-size", "2", "--inter-size", "2",
+            "--no-verify", "--json"]
+    assert plan_cli.main(base + ["--head-chunks", "4"]) == 0
+    assert json.loads(capsys.readouterr().out)["stats"]["head_chunks"] == 4
+    chosen = compile_plan(pack_batches("fineweb", 16384, 1, 0)[0], 2, 2, num_heads=16, head_dim=128).head_chunks
+    assert plan_cli.main(base) == 0
+    assert json.loads(capsys.readouterr().out)["stats"]["head_chunks"] == chosen  # the planner's own choice
+    assert plan_cli.main(base[:-1] + ["--kv-heads", "2", "--head-chunks", "2"]) == 1  # 1 kv head per intra rank
+    assert "valid head_chunks: [1]" in capsys.readouterr().err

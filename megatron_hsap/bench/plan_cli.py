@@ -115,7 +115,7 @@ def _stats_lines(s: dict) -> list[str]:
         ("compute_efficiency", "{:.3f}"), ("compute_dominated", "{}"), ("bytes_total", "{:,} B"),
         ("necessary_bytes", "{:,} B"), ("bytes_over_necessary", "{:.3f}"), ("stages", "{}"), ("rounds_fwd", "{}"),
         ("rounds_bwd", "{}"), ("pool_capacity_bytes", "{:,} B"), ("pool_peak_bytes", "{:,} B"), ("pool_use", "{:.2f}"),
-        ("compute_items", "{}"), ("messages_fwd", "{}"), ("messages_bwd", "{}"),
+        ("compute_items", "{}"), ("messages_fwd", "{}"), ("messages_bwd", "{}"), ("head_chunks", "{}"),
     ]
     return [f"  {k:<24} {fmt.format(s[k])}" for k, fmt in keys if k in s]
 
@@ -143,6 +143,8 @@ def _parser() -> argparse.ArgumentParser:
                     help="force the link class (default: NVLink when the CP group fits one node, docs/design.md §4)")
     ap.add_argument("--pool-bytes", type=positive_int, default=None,
                     help="receive-pool capacity (default: the planner's, 4 inter chunks)")
+    ap.add_argument("--head-chunks", type=positive_int, default=None,
+                    help="head chunks the intra all-to-all is pipelined over (default: the planner's choice)")
     ap.add_argument("--layout", choices=("contiguous", "balanced"), default=None,
                     help="token layout (default: compile_plan's, balanced; the --sample batch: contiguous, as in Figure 3)")
     ap.add_argument("--rank", type=nonnegative_int, default=None, help="inter rank whose program to print (default: the busiest)")
@@ -184,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
         options["link"] = args.link
     if args.pool_bytes:
         options["pool_bytes"] = args.pool_bytes
+    if args.head_chunks:
+        options["head_chunks"] = args.head_chunks
     layout = args.layout or ("contiguous" if cu == sample_cu_seqlens() else None)
     if layout:
         options["layout"] = layout

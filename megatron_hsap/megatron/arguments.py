@@ -95,6 +95,12 @@ def add_hsap_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="HSAP receive-buffer pool per rank in bytes (default: 4 inter chunks of q/k/v rows).",
     )
     group.add_argument(
+        "--hsap-head-chunks", type=int, default=None,
+        help="Head chunks the intra all-to-all is pipelined over (the all-to-all of chunk k+1 runs while "
+        "SAP computes chunk k; default: the planner chooses per batch by its estimate). Must divide the q "
+        "and kv heads each intra rank holds.",
+    )
+    group.add_argument(
         "--hsap-hardware", choices=sorted(HARDWARE), default=None,
         help="Hardware constants the HSAP planner prices plans with (default: from the GPU's name, "
         "A100 when unknown; printed at start-up).",
@@ -119,6 +125,23 @@ def add_hsap_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="What to do when an HSAP intra group spans hosts (all-to-all over the network).",
     )
     return parser
+
+
+def _check_head_chunks(args: Any, intra: int, heads: int, kv_heads: int) -> None:
+    """``--hsap-head-chunks`` against the heads each intra rank holds (plan/chunks.py's one rule)."""
+    chunks = getattr(args, "hsap_head_chunks", None)
+    if chunks is None:
+        return
+    from megatron_hsap.plan.chunks import valid_head_chunks
+    from megatron_hsap.plan.options import kv_heads_per_rank
+
+    _refuse(chunks < 1, f"--hsap-head-chunks {chunks}: must be >= 1 (or leave it out: the planner chooses)")
+    _refuse(intra == 1 and chunks > 1, f"--hsap-head-chunks {chunks}: P_intra is 1 (pure SAP, no all-to-all to "
+            "pipeline); leave it out or pass 1")
+    if intra > 1 and heads % intra == 0:
+        valid = valid_head_chunks(heads // intra, kv_heads_per_rank(heads, kv_heads, intra))
+        _refuse(chunks not in valid, f"--hsap-head-chunks {chunks}: each intra rank holds {heads // intra} q and "
+                f"{kv_heads_per_rank(heads, kv_heads, intra)} kv heads; valid counts: {list(valid)}")
 
 
 def _divisors(n: int) -> list[int]:
@@ -195,6 +218,7 @@ def validate_hsap_args(args: Any) -> HSAPArgs | None:
             f"multiple of the {kv_heads} kv heads per TP rank; valid P_intra: "
             f"{[d for d in _divisors(cp) if _heads_fit(d, heads, kv_heads)]}",
         )
+    _check_head_chunks(args, intra, heads, heads if getattr(args, "multi_latent_attention", False) else kv_heads)
 
     dropout = float(getattr(args, "attention_dropout", 0.0) or 0.0)
     _refuse(dropout > 0.0, f"--attention-dropout {dropout}: HSAP attention has no dropout; pass --attention-dropout 0.0")

@@ -123,6 +123,8 @@ def _plan_kwargs(args: Any) -> dict[str, Any]:
         kwargs["layout_fallback"] = getattr(args, "hsap_layout_fallback", True)
     if getattr(args, "hsap_pool_bytes", None):
         kwargs["pool_bytes"] = args.hsap_pool_bytes
+    if getattr(args, "hsap_head_chunks", None) is not None:
+        kwargs["head_chunks"] = args.hsap_head_chunks
     hardware = run_hardware(args)
     kwargs.update(hardware=hardware.name, gpus_per_node=hardware.gpus_per_node)
     link = _measured_link()

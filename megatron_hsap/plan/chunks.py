@@ -15,8 +15,9 @@ equal the plan's. With one kv head per rank (``P_intra ≥ Hkv`` under GQA) only
 a kv head shared by several chunks would be re-sent by every chunk's SAP rounds.
 
 **Choice** (:func:`resolve_head_chunks`): ``options.head_chunks`` when given; else 1 when
-``P_intra = 1`` or ``P_inter = 1``; else the valid count of least
-``estimate.pipelined_time`` summed over forward and backward (ties: fewer chunks).
+``P_intra = 1`` (no all-to-all); else the valid count of least ``estimate.pipelined_time`` summed
+over forward and backward (ties: fewer chunks). ``P_inter = 1`` (pure Ulysses) is priced the same
+way: the local attention of chunk ``k`` hides the all-to-alls of its neighbours just as SAP does.
 """
 
 from __future__ import annotations
@@ -142,7 +143,7 @@ def resolve_head_chunks(plan: "Plan") -> int:
     forced = plan.options.head_chunks
     if forced is not None:
         return int(forced)
-    if plan.intra_size == 1 or plan.inter_size == 1:
+    if plan.intra_size == 1:  # pure SAP: no all-to-all to pipeline
         return 1
     est = head_chunk_estimates(plan)
     best = 1

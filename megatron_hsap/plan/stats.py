@@ -44,6 +44,7 @@ def plan_stats(plan: "Plan") -> dict[str, Any]:
         "hardware": plan.hardware.name,
         "layout": plan.layout.name,
         "window_size": plan.options.window_size,
+        "head_chunks": plan.head_chunks,
         "placement": c.name,
         "work_per_rank": work.tolist(),
         "total_work": total,

@@ -50,6 +50,13 @@ def test_megatron_parse_args_with_extra_args_provider(monkeypatch: pytest.Monkey
     assert args.spec == ["megatron_hsap.megatron.spec", "hsap_layer_spec"]
 
 
+def test_head_chunks_flag_reaches_the_plan_options() -> None:
+    args = _parse(GOOD + ["--hsap-head-chunks", "1"])
+    assert validate_hsap_args(args) == HSAPArgs(intra_size=4, inter_size=2) and args.hsap_head_chunks == 1
+    mha = _parse(GOOD + ["--num-query-groups", "16", "--hsap-head-chunks", "2"])  # 2 q and 2 kv heads per intra rank
+    assert validate_hsap_args(mha) == HSAPArgs(intra_size=4, inter_size=2)  # 2 chunks of one q and one kv head
+
+
 def test_ring_is_the_default_and_untouched() -> None:
     args = _parse(["--context-parallel-size", "2"])
     assert args.context_parallel_impl == "ring"
@@ -73,6 +80,9 @@ def test_ring_is_the_default_and_untouched() -> None:
         (["--pipeline-model-parallel-size", "2", "--micro-batch-size", "2"], "--micro-batch-size 1"),
         (["--spec", "my.module", "MY_SPEC"], "--spec"),
         (["--hybrid-context-parallel"], "alternatives"),
+        # 2 q heads and 1 kv head per intra rank: a second chunk would need a kv head of its own
+        (["--hsap-head-chunks", "2"], r"--hsap-head-chunks 2: each intra rank holds 2 q and 1 kv heads; valid counts: \[1\]"),
+        (["--hsap-head-chunks", "0"], "must be >= 1"),
     ],
 )
 def test_refusals_name_the_flag(change: list[str], match: str) -> None:

@@ -87,11 +87,21 @@ def test_forced_counts_are_kept_and_change_nothing_else():
 # --------------------------------------------------------------------------- the choice
 
 
-def test_no_intra_or_no_inter_group_chooses_one_chunk():
+def test_no_intra_group_or_one_kv_head_per_rank_chooses_one_chunk():
     cu = pack_batches("fineweb", 256 * K, 1, 0)[0]
-    assert compile_plan(cu, 8, 1, num_heads=32, num_kv_heads=8, hardware="h100").head_chunks == 1
-    assert compile_plan(cu, 1, 8, num_heads=32, num_kv_heads=8, hardware="h100").head_chunks == 1
+    assert compile_plan(cu, 8, 1, num_heads=32, num_kv_heads=8, hardware="h100").head_chunks == 1  # pure SAP
+    assert compile_plan(cu, 1, 8, num_heads=32, num_kv_heads=8, hardware="h100").head_chunks == 1  # 1 kv head per rank
     assert compile_plan(cu, 1, 4, num_heads=32, num_kv_heads=32, hardware="h100", head_chunks=4).head_chunks == 4
+
+
+def test_pure_ulysses_pipelines_by_the_same_estimate():
+    """P_inter = 1: the local attention of chunk k hides its neighbours' all-to-alls, so the planner
+    chooses by the same closed form (the least of head_chunk_estimates, ties to fewer chunks)."""
+    cu = pack_batches("fineweb", 256 * K, 1, 0)[0]
+    plan = compile_plan(cu, 1, 4, num_heads=32, num_kv_heads=32, hardware="h100")
+    est = head_chunk_estimates(plan)
+    assert plan.head_chunks == min(est, key=lambda c: (est[c], c)) and plan.head_chunks > 1
+    assert est[plan.head_chunks] < est[1]
 
 
 def test_estimate_prefers_chunks_where_the_all_to_all_is_large():
