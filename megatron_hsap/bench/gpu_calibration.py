@@ -37,11 +37,11 @@ from megatron_hsap.errors import ConfigError
 
 __all__ = [
     "Measurement", "Calibration", "block_work", "block_flops", "call_flops", "grid", "fit", "write_calibration",
-    "read_calibration", "planner_hardware", "register_planner_hardware", "PLANNER_REFERENCE_TOKENS",
+    "read_calibration", "planner_hardware", "register_planner_hardware", "PLANNER_REFERENCE_TOKENS", "CALIBRATION_FIELDS",
 ]  # fmt: skip
 
 PLANNER_REFERENCE_TOKENS = 8192  # the planner's flat rates: the curve at 8K blocks (docs/design.md §4's peaks)
-_FIELDS = ("attn_fwd_peak", "attn_bwd_peak", "half_rate_tokens", "launch_s", "cta_s")
+CALIBRATION_FIELDS = ("attn_fwd_peak", "attn_bwd_peak", "half_rate_tokens", "launch_s", "cta_s")
 
 
 def block_work(nq: int, nk: int, causal: bool) -> int:
@@ -95,7 +95,7 @@ class Calibration:
     median_rel_error: float
 
     def __post_init__(self) -> None:
-        for name in _FIELDS:
+        for name in CALIBRATION_FIELDS:
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0) or (name != "launch_s" and value <= 0):
                 raise ConfigError(f"calibration {name}={value!r} is not a positive finite number")
@@ -197,7 +197,10 @@ def write_calibration(path: str | Path, cal: Calibration, hardware: str, header:
         "hardware:",
         f"  {hardware}:",
     ]
-    lines += [f"    {name}: {float(getattr(cal, name))!r}" for name in _FIELDS]
+    lines += [f"    {name}: {float(getattr(cal, name))!r}" for name in CALIBRATION_FIELDS]
+    # The fit is of the saturating curve; without this the simulator's tile model (tile 128 in
+    # sim/constants.py) would price kernels and silently ignore the measured half_rate_tokens.
+    lines.append("    tile: 0.0  # price kernels with the fitted curve, not the simulator's tile model")
     path = Path(path)
     path.write_text("\n".join(lines) + "\n")
     return path
@@ -220,8 +223,8 @@ def read_calibration(path: str | Path) -> tuple[str, dict[str, float]]:
             name = key
         elif depth == 2 and name is not None:
             fields[key] = float(value)
-    if name is None or set(fields) != set(_FIELDS):
-        raise ConfigError(f"{path}: expected hardware: {{name: {{{', '.join(_FIELDS)}}}}}, got {name!r} {sorted(fields)}")
+    if name is None or set(fields) - {"tile"} != set(CALIBRATION_FIELDS):  # tile: write_calibration's model switch
+        raise ConfigError(f"{path}: expected hardware: {{name: {{{', '.join(CALIBRATION_FIELDS)}}}}}, got {name!r} {sorted(fields)}")
     return name, fields
 
 

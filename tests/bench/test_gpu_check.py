@@ -66,6 +66,9 @@ def test_dry_run_script_passes_and_its_yaml_loads(tmp_path):
         kernel = sim_config.sim_hardware(name).kernel
         assert kernel.fwd_peak == fields["attn_fwd_peak"] and kernel.curve.launch_s == fields["launch_s"]
         assert kernel.cta_s == fields["cta_s"] > 0
+        # the fitted curve prices kernels: the tile model (on by default) would ignore half_rate_tokens
+        assert kernel.tile == 0 and kernel.curve.half_rate_tokens == fields["half_rate_tokens"]
+        assert float(kernel.efficiency(1000, 1000)) == 1000.0 / (1000.0 + fields["half_rate_tokens"])
         assert abs(fields["attn_fwd_peak"] / 4.0e10 - 1) < 0.05  # the dry run's synthetic truth
     finally:
         sim_config.reset_overrides()
