@@ -1,0 +1,90 @@
+"""plan/layout.py (and the balanced layout it validates): every layout holds each padded token
+exactly once (the mapping global token -> (CP rank, local row) is a permutation), every inter
+rank holds the same number of tokens, contiguous layouts hold consecutive chunks, and every CP
+rank holds ``T'/P`` tokens (docs/design.md §1).
+
+Reference: the permutation is re-derived from ``local_token_indices`` of every CP rank and
+compared with ``np.arange(T')``; the contiguous chunks are computed here from ``T'``."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from megatron_hsap.errors import BatchError, ConfigError
+from megatron_hsap.plan.balanced import balanced_layout
+from megatron_hsap.plan.ir import Segment, TokenRange
+from megatron_hsap.plan.layout import Batch, Layout, contiguous_layout, normalize_cu_seqlens, segment_pieces, validate_layout
+
+cases = st.tuples(
+    st.lists(st.integers(0, 90), min_size=1, max_size=7).filter(lambda ls: sum(ls) > 0),
+    st.integers(1, 4),
+    st.sampled_from([1, 2]),
+)
+
+
+@settings(max_examples=25, deadline=None)
+@given(cases)
+def test_layouts_are_equal_size_permutations(case) -> None:
+    lengths, inter, intra = case
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(int).tolist()
+    batch = Batch.build(cu, inter * intra)
+    T = sum(lengths)
+    padded = -(-T // (inter * intra)) * (inter * intra)
+    assert (batch.num_tokens, batch.padded_tokens) == (T, padded)
+    for layout in (contiguous_layout(batch, inter, intra), balanced_layout(batch, inter, intra)):
+        validate_layout(layout, padded)
+        ids = [layout.local_token_indices(c) for c in range(inter * intra)]
+        assert {len(x) for x in ids} == {padded // (inter * intra)}
+        assert np.array_equal(np.sort(np.concatenate(ids)), np.arange(padded))  # a permutation
+        owner, local = layout.owner_array(padded)
+        for c, x in enumerate(ids):  # owner_array agrees with local_token_indices
+            i, j = divmod(c, intra)
+            assert (owner[x] == i).all()
+            assert np.array_equal(local[x], np.arange(j * len(x), (j + 1) * len(x)))
+    cont = contiguous_layout(batch, inter, intra)
+    L = padded // inter
+    for i in range(inter):
+        assert np.array_equal(np.concatenate([cont.local_token_indices(i * intra + j) for j in range(intra)]),
+                              np.arange(i * L, (i + 1) * L))
+
+
+@settings(max_examples=20, deadline=None)
+@given(cases)
+def test_segment_pieces_split_exactly_at_document_boundaries(case) -> None:
+    lengths, inter, intra = case
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(int).tolist()
+    batch = Batch.build(cu, inter * intra)
+    bounds = sorted(set(cu) | {batch.padded_tokens})
+    doc_of = np.searchsorted(np.asarray(bounds), np.arange(batch.padded_tokens), side="right") - 1
+    for segs in balanced_layout(batch, inter, intra).segments:
+        pieces = segment_pieces(batch, segs)
+        assert sum(len(r) for _, r, _ in pieces) == sum(len(s.tokens) for s in segs)
+        for doc, rng, local in pieces:
+            assert set(doc_of[rng.start : rng.stop].tolist()) == {doc}  # one document each
+            seg = next(s for s in segs if s.tokens.start <= rng.start and rng.stop <= s.tokens.stop)
+            assert local == seg.local_start + rng.start - seg.tokens.start
+
+
+def test_doc_work_is_the_brute_force_pair_count() -> None:
+    batch = Batch.build([0, 3, 3, 10, 11], 4)  # an empty document and one of length 1, padded to 12
+    assert batch.num_docs == 4  # [0,3) [3,10) [10,11) and the padding [11,12)
+    want = [sum(1 for q in range(n) for k in range(q + 1)) for n in (3, 7, 1, 1)]
+    assert batch.doc_work().tolist() == want
+    w = 2
+    assert batch.doc_work(w).tolist() == [sum(1 for q in range(n) for k in range(q + 1) if q - k <= w) for n in (3, 7, 1, 1)]
+
+
+@pytest.mark.parametrize("bad", [[], [0], [1, 4], [0, 4, 3], [0, -1], [0, 0], [0, 2.5], [[0, 1]]])
+def test_bad_cu_seqlens_raise_batch_error(bad) -> None:
+    with pytest.raises(BatchError):
+        normalize_cu_seqlens(bad)
+
+
+def test_validate_layout_rejects_a_token_held_twice() -> None:
+    segs = ((Segment(TokenRange(0, 4), 0),), (Segment(TokenRange(2, 6), 0),))
+    with pytest.raises(ConfigError, match="exactly once"):
+        validate_layout(Layout("bad", segs, 4, 1), 8)
+    with pytest.raises(ConfigError, match="cp_rank"):
+        contiguous_layout(Batch.build([0, 8], 2), 2, 1).local_token_indices(2)
