@@ -1,0 +1,96 @@
+"""plan/cuts.py: every cut (``split_rows``, ``split_cols``, ``grid_tiles``, ``take``) returns
+pieces that tile their unit's (q, k) pairs exactly — no pair lost or doubled — and keep its
+document, owners, rank and stage; ``take``'s part respects its work and pool-byte limits
+(docs/design.md §2.1 step 3).
+
+Reference: each unit's pair set is materialised as a boolean [T, T] mask here; pool bytes are
+re-derived from ``Prices`` (q rows: q+do+lse+delta in, dq out; kv rows: kv in, dkv out)."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings, strategies as st
+
+from megatron_hsap.plan.costs import HeadShape
+from megatron_hsap.plan.cuts import footprint, grid_tiles, needs_tiles, split_cols, split_rows, take
+from megatron_hsap.plan.hardware import HARDWARE, LinkClass
+from megatron_hsap.plan.ir import TokenRange, Unit
+from megatron_hsap.plan.placement import Prices
+
+N = 96
+SHAPE = HeadShape(num_heads=4, num_kv_heads=2, head_dim=16, head_dim_v=16)
+HW = HARDWARE["h100"]
+PR = Prices.of(SHAPE, HW, HW.bandwidth(LinkClass.INFINIBAND))
+
+
+def mask(u: Unit) -> np.ndarray:
+    m = np.zeros((N, N), dtype=bool)
+    m[u.q.start : u.q.stop, u.kv.start : u.kv.stop] = True
+    return m & np.tril(np.ones((N, N), dtype=bool)) if u.causal else m
+
+
+def bytes_of(u: Unit) -> float:
+    fq, fk = PR.q_bwd + PR.dq, PR.kv + PR.dkv
+    return (len(u.q) * fq if u.rank != u.q_owner else 0.0) + (len(u.kv) * fk if u.rank != u.kv_owner else 0.0)
+
+
+def assert_tiles(u: Unit, parts: list[Unit]) -> None:
+    total = np.zeros((N, N), dtype=np.int64)
+    for p in parts:
+        assert (p.doc, p.q_owner, p.kv_owner, p.rank, p.stage) == (u.doc, u.q_owner, u.kv_owner, u.rank, u.stage)
+        assert p.work == int(mask(p).sum()) > 0
+        total += mask(p)
+    assert (total == mask(u)).all()
+
+
+@st.composite
+def units(draw) -> Unit:
+    causal = draw(st.booleans())
+    if causal:
+        qe = draw(st.integers(2, N))
+        qs = draw(st.integers(0, qe - 1))
+        ks = draw(st.integers(0, qs))
+        q, kv = TokenRange(qs, qe), TokenRange(ks, qe)
+    else:
+        ke = draw(st.integers(1, N - 1))
+        ks = draw(st.integers(0, ke - 1))
+        qs = draw(st.integers(ke, N - 1))
+        q, kv = TokenRange(qs, draw(st.integers(qs + 1, N))), TokenRange(ks, ke)
+    qo, ko, r = draw(st.sampled_from([(0, 0, 1), (0, 1, 0), (0, 1, 1), (0, 1, 2)]))
+    return Unit(0, q, kv, causal, qo, ko, r, stage=draw(st.integers(0, 3)))
+
+
+@settings(max_examples=60, deadline=None)
+@given(units(), st.data())
+def test_splits_tile_their_unit(u: Unit, data) -> None:
+    assert footprint(u, PR) == bytes_of(u)
+    if len(u.q) >= 2:
+        assert_tiles(u, list(split_rows(u, data.draw(st.integers(u.q.start + 1, u.q.stop - 1)))))
+    if not u.causal and len(u.kv) >= 2:
+        assert_tiles(u, list(split_cols(u, data.draw(st.integers(u.kv.start + 1, u.kv.stop - 1)))))
+
+
+@settings(max_examples=60, deadline=None)
+@given(units(), st.floats(1, 3000), st.floats(0.5, 60))
+def test_take_respects_work_and_room_and_tiles(u: Unit, work: float, room_rows: float) -> None:
+    room = room_rows * (PR.q_bwd + PR.dq)
+    part, rest = take(u, work, room, PR)
+    if part is None:
+        assert rest == [u]
+        return
+    assert_tiles(u, [part, *rest])
+    assert part.work <= work  # never more pairs than asked
+    assert footprint(part, PR) <= room  # never more pool bytes than the room
+
+
+@settings(max_examples=40, deadline=None)
+@given(units(), st.floats(10, 4000), st.floats(2, 40))
+def test_grid_tiles_tile_and_fit_the_budget(u: Unit, share: float, budget_rows: float) -> None:
+    budget = budget_rows * (PR.q_bwd + PR.dq)
+    tiles = grid_tiles(u, share, budget, PR)
+    assert_tiles(u, tiles)
+    if not needs_tiles(u, budget, PR):
+        assert tiles == [u]
+    elif not u.causal:  # rectangle tiles are sized so both inputs fit (one row and one column at least)
+        one = (PR.q_bwd + PR.dq) + (PR.kv + PR.dkv)
+        assert all(footprint(t, PR) <= max(budget, one) for t in tiles)
