@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_hsap.errors import ConfigError
+from megatron_hsap.plan.checks import positive_int
 
 __all__ = [
     "Activation", "CPImpl", "HSAPLayout", "InterLink", "Normalization", "PositionEmbedding", "Recompute",
@@ -125,7 +126,7 @@ class ModelConfig:
     init_method_std: float = 0.02
 
     def __post_init__(self) -> None:
-        _positive(self, "model", ("num_layers", "hidden_size", "num_attention_heads", "vocab_size",
+        _require_positive(self, "model", ("num_layers", "hidden_size", "num_attention_heads", "vocab_size",
                                   "num_query_groups", "ffn_hidden_size", "kv_channels",
                                   "make_vocab_size_divisible_by", "rotary_base"))
         if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
@@ -195,7 +196,7 @@ class ParallelConfig:
     inter_link: InterLink = InterLink.AUTO
 
     def __post_init__(self) -> None:
-        _positive(self, "parallel", ("tensor", "pipeline", "data", "context", "hsap_intra_size",
+        _require_positive(self, "parallel", ("tensor", "pipeline", "data", "context", "hsap_intra_size",
                                      "hsap_inter_size", "hsap_pool_bytes"))
         cp = self.hsap_intra_size * self.hsap_inter_size
         if self.context is not None and self.context != cp:
@@ -220,7 +221,7 @@ class ClusterConfig:
     hardware: str = "a100"  # key of megatron_hsap.plan.hardware.HARDWARE (planner cost model)
 
     def __post_init__(self) -> None:
-        _positive(self, "cluster", ("nnodes", "gpus_per_node"))
+        _require_positive(self, "cluster", ("nnodes", "gpus_per_node"))
         if self.gpu_mem_gib <= 0:
             raise ConfigError(f"cluster.gpu_mem_gib must be positive, got {self.gpu_mem_gib}")
         from megatron_hsap.plan.hardware import HARDWARE
@@ -258,7 +259,7 @@ class TrainingConfig:
     save_interval: int | None = None
 
     def __post_init__(self) -> None:
-        _positive(self, "training", ("seq_length", "micro_batch_size", "global_batch_size",
+        _require_positive(self, "training", ("seq_length", "micro_batch_size", "global_batch_size",
                                      "train_iters", "recompute_num_layers", "log_interval",
                                      "save_interval"))
 
@@ -358,11 +359,12 @@ class LaunchConfig:
                 f"seq {self.training.seq_length}, recompute {self.training.recompute.value}")
 
 
-def _positive(obj: object, section: str, names: Sequence[str]) -> None:
+def _require_positive(obj: object, section: str, names: Sequence[str]) -> None:
+    """Each of ``names`` unset (None) or an integer ≥ 1 (``plan/checks.positive_int``)."""
     for name in names:
         value = getattr(obj, name)
-        if value is not None and value < 1:
-            raise ConfigError(f"{section}.{name} must be a positive integer, got {value!r}")
+        if value is not None:
+            positive_int(f"{section}.{name}", value)
 
 
 def _validate_launch(cfg: LaunchConfig) -> None:

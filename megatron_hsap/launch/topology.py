@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 
 from megatron_hsap.errors import ConfigError
 from megatron_hsap.launch.config import InterLink
+from megatron_hsap.plan.checks import positive_int
 from megatron_hsap.plan.hardware import LinkClass
 
 if TYPE_CHECKING:
@@ -98,8 +99,7 @@ def build_topology(hostnames: Sequence[str], *, intra: int, inter: int, tensor: 
     """Resolve every rank's place from ``hostnames[rank]`` and the parallel sizes."""
     world = len(hostnames)
     for name, value in (("intra", intra), ("inter", inter), ("tensor", tensor), ("pipeline", pipeline)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ConfigError(f"{name} size must be a positive integer, got {value!r}")
+        positive_int(f"{name} size", value)
     cp = intra * inter
     if world == 0 or world % (tensor * cp * pipeline):
         raise ConfigError(

@@ -13,6 +13,10 @@ Order of operations, so that a misconfiguration can never hang:
    facts, so the CP-group consistency and node checks raise on every rank alike;
 3. ``new_group`` for every intra then every inter group of every CP group of the world, in the same
    order on every rank (``new_group`` is collective over the world).
+
+The groups go into the runtime's registry (``runtime/groups.register_groups``), which the runtime
+reads; ``get_hsap_groups`` / ``is_hsap_initialized`` / ``destroy_hsap`` are this sub-package's
+names for reading and clearing it.
 """
 
 from __future__ import annotations
@@ -22,14 +26,15 @@ import socket
 import sys
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
 import torch.distributed as dist
 
 from megatron_hsap.errors import ConfigError, RuntimeMismatchError
-from megatron_hsap.runtime.groups import HSAPGroups, hierarchical_rank_lists, job_timeout, positive_int, validate_hsap_sizes
+from megatron_hsap.plan.checks import positive_int
+from megatron_hsap.runtime.groups import (HSAPGroups, clear_groups, hierarchical_rank_lists, job_timeout, register_groups,
+                                          registered_groups, validate_hsap_sizes)  # fmt: skip
 
 __all__ = [
     "NodeCheck",
@@ -48,16 +53,6 @@ class NodeCheck(enum.Enum):
     ERROR = "error"
     WARN = "warn"
     OFF = "off"
-
-
-@dataclass(frozen=True, slots=True)
-class _State:
-    groups: HSAPGroups
-    owned: tuple[dist.ProcessGroup, ...]  # groups this module created; destroy_hsap destroys them
-    reused_megatron: bool
-
-
-_STATE: _State | None = None
 
 
 # --------------------------------------------------------------------------- public API
@@ -85,11 +80,9 @@ def initialize_hsap(
 
     Raises :class:`ConfigError` naming the setting to change; returns this rank's :class:`HSAPGroups`.
     """
-    global _STATE
-    if _STATE is not None:
-        raise ConfigError(
-            f"HSAP groups are already initialised ({_STATE.groups.topology}); call destroy_hsap() first"
-        )
+    current = registered_groups()
+    if current is not None:
+        raise ConfigError(f"HSAP groups are already initialised ({current.topology}); call destroy_hsap() first")
     if not dist.is_available() or not dist.is_initialized():
         raise ConfigError(
             "torch.distributed is not initialised; call torch.distributed.init_process_group "
@@ -156,22 +149,23 @@ def initialize_hsap(
         cp_ranks=tuple(ranks),
         cp_link=cp_link,
     )
-    _STATE = _State(groups=groups, owned=owned, reused_megatron=reused is not None)
+    register_groups(groups, owned=owned)  # the runtime reads them there (runtime/groups.py)
     return groups
 
 
 def get_hsap_groups() -> HSAPGroups:
     """This rank's :class:`HSAPGroups`; raises :class:`ConfigError` before :func:`initialize_hsap`."""
-    if _STATE is None:
+    groups = registered_groups()
+    if groups is None:
         raise ConfigError(
             "HSAP groups are not initialised; call megatron_hsap.megatron.initialize_hsap("
             "intra_size=..., inter_size=...) after parallel_state.initialize_model_parallel"
         )
-    return _STATE.groups
+    return groups
 
 
 def is_hsap_initialized() -> bool:
-    return _STATE is not None
+    return registered_groups() is not None
 
 
 def destroy_hsap() -> None:
@@ -181,10 +175,9 @@ def destroy_hsap() -> None:
     ``destroy_model_parallel`` leaves it set, and a stale value would be reused by the next run.
     Idempotent; call it on every rank.
     """
-    global _STATE
-    state, _STATE = _STATE, None
-    if state is not None and dist.is_available() and dist.is_initialized():
-        for group in state.owned:
+    owned = clear_groups()
+    if owned and dist.is_available() and dist.is_initialized():
+        for group in owned:
             try:
                 dist.destroy_process_group(group)
             except (ValueError, RuntimeError):  # already gone with the default group: nothing to free

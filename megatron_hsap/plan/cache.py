@@ -1,25 +1,23 @@
 """The compiled-plan cache ``compile_plan`` (``plan/plan.py``) and ``plan/shared_layout.py`` share:
-an LRU of the last ``_CACHE_SIZE`` plans keyed by ``(cu_seqlens tuple, PlanOptions)``, behind one
-lock (plans may be compiled on the prefetch thread, ``megatron/prefetch.py``)."""
+an LRU (``plan/lru.py``) of the last ``PLAN_CACHE_SIZE`` plans keyed by ``(cu_seqlens tuple,
+PlanOptions)`` (``shared_layout`` adds the layout's segments), thread-safe (plans may be compiled on
+the prefetch thread, ``megatron/prefetch.py``)."""
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
-
 import numpy as np
 
-__all__ = ["clear_plan_cache", "fast_key"]
+from megatron_hsap.plan.lru import LRUCache
 
-_CACHE: "OrderedDict[tuple, object]" = OrderedDict()
-_CACHE_SIZE = 64
-_CACHE_LOCK = threading.Lock()
+__all__ = ["PLAN_CACHE", "PLAN_CACHE_SIZE", "clear_plan_cache", "fast_key"]
+
+PLAN_CACHE_SIZE = 64
+PLAN_CACHE: "LRUCache[tuple, object]" = LRUCache(PLAN_CACHE_SIZE)
 
 
 def clear_plan_cache() -> None:
     """Forget every cached plan (benchmarks time fresh compiles with it)."""
-    with _CACHE_LOCK:
-        _CACHE.clear()
+    PLAN_CACHE.clear()
 
 
 def fast_key(cu_seqlens: object) -> tuple[int, ...] | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_hsap.errors import ConfigError
+from megatron_hsap.plan.checks import positive_int
 from megatron_hsap.plan.ir import Wire
 
 __all__ = ["HeadShape", "FP32_BYTES", "BWD_FLOP_FACTOR"]
@@ -26,9 +27,7 @@ class HeadShape:
 
     def __post_init__(self) -> None:
         for name in ("num_heads", "num_kv_heads", "head_dim", "head_dim_v", "dtype_bytes"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+            positive_int(name, getattr(self, name))
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(
                 f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}; "

@@ -16,17 +16,10 @@ import numpy as np
 from megatron_hsap.errors import BatchError, ConfigError
 from megatron_hsap.plan.ir import Segment, TokenRange
 
-__all__ = ["Batch", "Layout", "normalize_cu_seqlens", "check_size", "contiguous_layout"]
+__all__ = ["Batch", "Layout", "normalize_cu_seqlens", "contiguous_layout"]
 
 
 MAX_TOKENS = (1 << 31) - 1  # kernels take int32 cu_seqlens
-
-
-def check_size(name: str, value: object) -> int:
-    """A positive integer option, or ``ConfigError`` naming it."""
-    if isinstance(value, bool) or not isinstance(value, Integral) or int(value) < 1:
-        raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
-    return int(value)
 
 
 def normalize_cu_seqlens(cu_seqlens: object) -> tuple[int, ...]:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from megatron_hsap.errors import ConfigError
 from megatron_hsap.plan.hardware import HARDWARE
-from megatron_hsap.plan.layout import check_size
+from megatron_hsap.plan.checks import positive_int
 from megatron_hsap.plan.window import normalize_window, window_left
 
 __all__ = ["PlanOptions", "kv_heads_per_rank", "validated_options", "DEFAULT_POOL_CHUNKS", "DEFAULT_POOL_MIN", "LAYOUTS"]
@@ -68,10 +68,10 @@ class PlanOptions:
 
     def validate(self) -> "PlanOptions":
         for name in ("inter_size", "intra_size", "num_heads", "head_dim", "dtype_bytes", "pad_multiple", "tp_size", "gpus_per_node"):
-            check_size(name, getattr(self, name))
+            positive_int(name, getattr(self, name))
         for name in ("num_kv_heads", "head_dim_v", "pool_bytes"):
             if getattr(self, name) is not None:
-                check_size(name, getattr(self, name))
+                positive_int(name, getattr(self, name))
         if self.dtype_bytes not in (1, 2, 4):
             raise ConfigError(f"dtype_bytes={self.dtype_bytes} is not an activation size; use 2 (bf16/fp16), 4 (fp32) or 1 (fp8 pricing)")
         if self.layout not in LAYOUTS:

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from megatron_hsap.errors import BatchError, ConfigError
-from megatron_hsap.plan.cache import _CACHE, _CACHE_LOCK, _CACHE_SIZE, clear_plan_cache, fast_key  # shared_layout reads them here
+from megatron_hsap.plan.cache import PLAN_CACHE, clear_plan_cache, fast_key
 from megatron_hsap.plan.codegen import Message, PhaseCode, PoolOverflow, generate
 from megatron_hsap.plan.costs import HeadShape
 from megatron_hsap.plan.estimate import PhaseTime, compute_bound, phase_time, price_staging
@@ -393,11 +393,9 @@ def compile_plan(cu_seqlens: object, inter_size: int, intra_size: int = 1, *, nu
     opts = validated_options(inter_size, intra_size, num_heads, num_kv_heads, head_dim, head_dim_v, dtype_bytes, options)
     key = fast_key(cu_seqlens)
     if key is not None:
-        with _CACHE_LOCK:
-            hit = _CACHE.get((key, opts))
-            if hit is not None:
-                _CACHE.move_to_end((key, opts))
-                return hit
+        hit = PLAN_CACHE.get((key, opts))
+        if hit is not None:
+            return hit
     cu = normalize_cu_seqlens(cu_seqlens)
     enabled = gc.isenabled()
     gc.disable()  # compiling allocates ~10^5 small objects; cyclic collections would dominate
@@ -416,10 +414,7 @@ def compile_plan(cu_seqlens: object, inter_size: int, intra_size: int = 1, *, nu
     finally:
         if enabled:
             gc.enable()
-    with _CACHE_LOCK:  # plans may be compiled on a prefetch thread (megatron/prefetch.py)
-        _CACHE[(cu, opts)] = plan
-        if len(_CACHE) > _CACHE_SIZE:
-            _CACHE.popitem(last=False)
+    PLAN_CACHE.put((cu, opts), plan)  # thread-safe: plans may be compiled on a prefetch thread
     return plan
 
 

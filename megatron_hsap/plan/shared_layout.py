@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from megatron_hsap.plan.cache import PLAN_CACHE
 from megatron_hsap.plan.window import normalize_window
 
 if TYPE_CHECKING:
@@ -31,18 +32,13 @@ def compile_on_layout(base: "Plan", window_size: object) -> "Plan":
         return base
     opts = replace(base.options, window_size=window).validate()
     key = (base.batch.cu_seqlens, opts, base.layout.segments)
-    with _plan._CACHE_LOCK:
-        hit = _plan._CACHE.get(key)
-        if hit is not None:
-            _plan._CACHE.move_to_end(key)
-            return hit
+    hit = PLAN_CACHE.get(key)
+    if hit is not None:
+        return hit
     got = _plan._compile_on(base.layout, base.batch, base.shape, opts)
     if window is not None and base.options.window_size is None:
         got = _with_clipped(got, base)
-    with _plan._CACHE_LOCK:
-        _plan._CACHE[key] = got
-        if len(_plan._CACHE) > _plan._CACHE_SIZE:
-            _plan._CACHE.popitem(last=False)
+    PLAN_CACHE.put(key, got)
     return got
 
 
@@ -90,10 +86,8 @@ def no_slower_than_full(plan: "Plan") -> "Plan":
 
     opts = replace(plan.options, window_size=None)
     key = (plan.batch.cu_seqlens, opts)
-    with _plan._CACHE_LOCK:
-        full = _plan._CACHE.get(key)
+    full = PLAN_CACHE.get(key)
     if full is None:
         full = _plan._compile_cached(plan.batch.cu_seqlens, opts)
-        with _plan._CACHE_LOCK:
-            _plan._CACHE[key] = full
+        PLAN_CACHE.put(key, full)
     return _with_clipped(plan, full)

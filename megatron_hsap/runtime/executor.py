@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import math
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
@@ -43,6 +42,7 @@ from torch import Tensor
 from megatron_hsap.errors import ConfigError, RuntimeMismatchError
 from megatron_hsap.plan.costs import HeadShape
 from megatron_hsap.plan.ir import ComputeItem, Merge, Phase, Send, Slot, Wire
+from megatron_hsap.plan.lru import LRUCache
 from megatron_hsap.runtime.env import MAX_TIMEOUT_S, read_env
 from megatron_hsap.runtime.handshake import agree
 from megatron_hsap.runtime.kernels import attn_backward, attn_forward, resolve_backend
@@ -391,8 +391,7 @@ def _out_for_delta(do: Tensor, delta: Tensor, backend: str) -> Tensor:
 
 # --------------------------------------------------------------------------- cache
 
-_CACHE: "OrderedDict[tuple, Executor]" = OrderedDict()
-_CACHE_SIZE = 64
+_EXECUTORS: "LRUCache[tuple, Executor]" = LRUCache(64)
 
 
 def executor_for(plan: "Plan", group: dist.ProcessGroup | None, device: torch.device | str, *,
@@ -401,13 +400,9 @@ def executor_for(plan: "Plan", group: dist.ProcessGroup | None, device: torch.de
 
     Plans are compared by identity (``compile_plan`` caches them by their inputs)."""
     key = (plan, group, str(torch.device(device)), backend)
-    ex = _CACHE.get(key)
+    ex = _EXECUTORS.get(key)
     if ex is None:
         ex = Executor(plan, group, device, backend=backend)
-        _CACHE[key] = ex
-        while len(_CACHE) > _CACHE_SIZE:
-            _CACHE.popitem(last=False)
-    else:
-        _CACHE.move_to_end(key)
+        _EXECUTORS.put(key, ex)
     return ex
 

@@ -1,7 +1,11 @@
-"""The two process groups HSAP runs on, and their rank layout (docs/design.md §1).
+"""The two process groups HSAP runs on, their rank layout, and this process's registry of them
+(docs/design.md §1).
 
 Torch only (no Megatron import), so the runtime and its tests can hold groups built by
-``megatron_hsap.megatron.parallel_state`` or by hand.
+``megatron_hsap.megatron.parallel_state`` or by hand. The registry (:func:`register_groups`,
+:func:`registered_groups`, :func:`clear_groups`) is the one piece of global mutable state HSAP
+keeps: ``initialize_hsap`` fills it, ``destroy_hsap`` clears it, and the runtime reads it here —
+the runtime never looks up the Megatron sub-package (an upward arrow).
 
 Layout: CP rank ``r = i·P_intra + j`` (``i`` inter index = node, ``j`` intra index = GPU in the
 node). Intra groups are contiguous blocks of the CP rank list, inter groups are strided — exactly
@@ -12,6 +16,7 @@ from __future__ import annotations
 
 import datetime
 import sys
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -19,9 +24,10 @@ import torch
 import torch.distributed as dist
 
 from megatron_hsap.errors import ConfigError, RuntimeMismatchError
+from megatron_hsap.plan.checks import positive_int
 
-__all__ = ["HSAPGroups", "hierarchical_rank_lists", "validate_hsap_sizes", "positive_int", "job_timeout",
-           "check_plan_groups"]
+__all__ = ["HSAPGroups", "hierarchical_rank_lists", "validate_hsap_sizes", "job_timeout",
+           "check_plan_groups", "register_groups", "registered_groups", "clear_groups"]
 
 
 def job_timeout() -> datetime.timedelta | None:
@@ -47,13 +53,6 @@ def job_timeout() -> datetime.timedelta | None:
         return pg._get_backend(device).options._timeout
     except (AttributeError, RuntimeError, ValueError):  # private API: fall back to torch's default
         return None
-
-
-def positive_int(name: str, value: object) -> int:
-    """``value`` if it is an int ≥ 1 (not a bool); :class:`ConfigError` naming ``name`` otherwise."""
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-    return value
 
 
 def validate_hsap_sizes(intra_size: object, inter_size: object, cp_size: int | None = None) -> None:
@@ -162,3 +161,50 @@ def check_plan_groups(plan: object, groups: "HSAPGroups", *, cp_rank: int | None
         )
     if cp_rank is not None and groups.cp_rank != cp_rank:
         raise RuntimeMismatchError(f"the batch was sharded for CP rank {cp_rank} but this is CP rank {groups.cp_rank}")
+
+
+# --------------------------------------------------------------------------- registry
+
+
+@dataclass(frozen=True, slots=True)
+class _Registration:
+    groups: HSAPGroups
+    owned: tuple[dist.ProcessGroup, ...]  # groups the registrant created, handed back by clear_groups
+
+
+_REGISTERED: _Registration | None = None
+_REGISTRY_LOCK = threading.Lock()  # initialize/destroy may race a prefetch thread reading the groups
+
+
+def register_groups(groups: HSAPGroups, *, owned: Sequence[dist.ProcessGroup] = ()) -> None:
+    """Make ``groups`` this process's HSAP groups (what ``hsap_attn_func`` uses without explicit
+    groups). ``owned`` lists the process groups the caller created, so that :func:`clear_groups`
+    hands them back for destruction. Host-only, no collective.
+
+    Raises :class:`ConfigError` when groups are registered already: clear them first
+    (``destroy_hsap()``), so that a second ``initialize_hsap`` never silently replaces the first.
+    """
+    global _REGISTERED
+    if not isinstance(groups, HSAPGroups):
+        raise ConfigError(f"register_groups takes an HSAPGroups, got {type(groups).__name__}")
+    with _REGISTRY_LOCK:
+        if _REGISTERED is not None:
+            raise ConfigError(
+                f"HSAP groups are already initialised ({_REGISTERED.groups.topology}); call destroy_hsap() first"
+            )
+        _REGISTERED = _Registration(groups=groups, owned=tuple(owned))
+
+
+def registered_groups() -> HSAPGroups | None:
+    """This process's registered :class:`HSAPGroups`, or None before :func:`register_groups`."""
+    reg = _REGISTERED
+    return None if reg is None else reg.groups
+
+
+def clear_groups() -> tuple[dist.ProcessGroup, ...]:
+    """Forget the registered groups; return the process groups their registrant owned (empty when
+    nothing was registered). Idempotent."""
+    global _REGISTERED
+    with _REGISTRY_LOCK:
+        reg, _REGISTERED = _REGISTERED, None
+    return () if reg is None else reg.owned

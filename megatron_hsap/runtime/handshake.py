@@ -35,7 +35,6 @@ peer, and later layers and the backward of the same plan cost nothing.
 from __future__ import annotations
 
 import weakref
-from collections import OrderedDict
 from typing import TYPE_CHECKING
 
 import torch
@@ -44,6 +43,7 @@ import torch.distributed as dist
 from megatron_hsap.errors import CommunicationError, RuntimeMismatchError
 from megatron_hsap.plan.fingerprint import INPUT_NAMES, differing_inputs, input_vector, join_hash, pair_round_bytes, split_hash
 from megatron_hsap.plan.ir import Phase
+from megatron_hsap.plan.lru import LRUCache
 from megatron_hsap.runtime.p2p import CONTROL_ROUNDS, P2PChannel, Transfer
 
 if TYPE_CHECKING:
@@ -59,8 +59,8 @@ _PHASE = {Phase.FWD: 0, Phase.BWD: 1}
 _CACHE_PER_GROUP = 256
 
 # group -> hashes that agreed on it (most recent last); a destroyed group's entry goes with it
-_AGREED: "weakref.WeakKeyDictionary[object, OrderedDict[int, None]]" = weakref.WeakKeyDictionary()
-_WORLD_AGREED: "OrderedDict[int, None]" = OrderedDict()
+_AGREED: "weakref.WeakKeyDictionary[object, LRUCache[int, bool]]" = weakref.WeakKeyDictionary()
+_WORLD_AGREED: "LRUCache[int, bool]" = LRUCache(_CACHE_PER_GROUP)
 _COUNT = {"exchanges": 0}
 
 
@@ -75,12 +75,12 @@ def forget_agreements() -> None:
     _WORLD_AGREED.clear()
 
 
-def _agreed(group: dist.ProcessGroup | None) -> "OrderedDict[int, None]":
+def _agreed(group: dist.ProcessGroup | None) -> "LRUCache[int, bool]":
     if group is None:
         return _WORLD_AGREED
     table = _AGREED.get(group)
     if table is None:
-        table = _AGREED[group] = OrderedDict()
+        table = _AGREED[group] = LRUCache(_CACHE_PER_GROUP)
     return table
 
 
@@ -154,8 +154,7 @@ def agree(plan: "Plan", group: dist.ProcessGroup | None, kind: str, phase: Phase
         return False
     table = _agreed(group)
     h = plan.hash
-    if h in table:
-        table.move_to_end(h)
+    if table.get(h):  # agreed before (now the most recent)
         return False
     phase = Phase(phase)
     device = torch.device(device)
@@ -195,7 +194,5 @@ def agree(plan: "Plan", group: dist.ProcessGroup | None, kind: str, phase: Phase
             "compile its plan from the same global cu_seqlens and the same compile_plan options (sizes, heads, "
             "dtype_bytes, pool_bytes, layout, ...); no payload was sent, the group is still usable"
         )
-    table[h] = None
-    while len(table) > _CACHE_PER_GROUP:
-        table.popitem(last=False)
+    table.put(h, True)
     return True

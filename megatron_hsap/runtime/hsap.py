@@ -31,9 +31,7 @@ plan), so a misconfiguration never leaves some ranks waiting in an all-to-all.
 from __future__ import annotations
 
 import math
-import sys
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -43,10 +41,11 @@ import torch.distributed as dist
 from torch import Tensor
 
 from megatron_hsap.errors import BatchError, ConfigError, RuntimeMismatchError
+from megatron_hsap.plan.lru import LRUCache
 from megatron_hsap.runtime.consistency import fingerprint_mismatch
 from megatron_hsap.runtime.env import read_env
 from megatron_hsap.runtime.executor import ACTIVATION_DTYPES, Executor, executor_for
-from megatron_hsap.runtime.groups import check_plan_groups
+from megatron_hsap.runtime.groups import check_plan_groups, registered_groups
 from megatron_hsap.runtime.handshake import agree
 from megatron_hsap.runtime.merge import sink_grad
 from megatron_hsap.runtime.sap import SAPAttention, sap_backward, sap_forward
@@ -57,9 +56,6 @@ if TYPE_CHECKING:
     from megatron_hsap.plan.plan import Plan
 
 __all__ = ["hsap_attn_func", "HSAPAttention", "HSAPRunner", "runner_for"]
-
-_HSAP_PS = "megatron_hsap.megatron.parallel_state"
-
 
 @dataclass(eq=False)
 class HSAPRunner:
@@ -135,7 +131,7 @@ class HSAPRunner:
             raise BatchError(f"HSAP_DEBUG: the ranks run plans of different batches: {report}")
 
 
-_RUNNERS: "OrderedDict[tuple, HSAPRunner]" = OrderedDict()
+_RUNNERS: "LRUCache[tuple, HSAPRunner]" = LRUCache(64)
 
 
 def _runner(plan: "Plan", intra: dist.ProcessGroup | None, inter: dist.ProcessGroup | None,
@@ -144,11 +140,7 @@ def _runner(plan: "Plan", intra: dist.ProcessGroup | None, inter: dist.ProcessGr
     runner = _RUNNERS.get(key)
     if runner is None:  # reads HSAP_DEBUG (and the executor its variables) once, here
         runner = HSAPRunner(plan, executor_for(plan, inter, device), intra, inter, read_env().debug)
-        _RUNNERS[key] = runner
-        while len(_RUNNERS) > 64:
-            _RUNNERS.popitem(last=False)
-    else:
-        _RUNNERS.move_to_end(key)
+        _RUNNERS.put(key, runner)
     return runner
 
 
@@ -296,9 +288,8 @@ def _resolve_groups(plan: "Plan", intra: dist.ProcessGroup | None,
                 f"the plan spans {plan.cp_size} CP ranks ({p_intra}x{p_inter}, intra×inter) but "
                 "torch.distributed is not initialised"
             )
-        ps = sys.modules.get(_HSAP_PS)  # only initialised if something imported it
-        if ps is not None and ps.is_hsap_initialized():
-            groups = ps.get_hsap_groups()
+        groups = registered_groups()  # what initialize_hsap registered (runtime/groups.py)
+        if groups is not None:
             check_plan_groups(plan, groups)
             return groups.intra, groups.inter
         if p_intra == 1:

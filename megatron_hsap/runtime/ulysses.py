@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_hsap.errors import CommunicationError, ConfigError, RuntimeMismatchError
-from megatron_hsap.runtime.groups import positive_int
+from megatron_hsap.plan.checks import positive_int
 from megatron_hsap.runtime.p2p import group_ranks, wait_collective
 from megatron_hsap.runtime.watchdog import WATCHDOG
 

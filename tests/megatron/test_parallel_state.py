@@ -158,8 +158,8 @@ def _case_misconfig(intra, inter, kwargs: dict) -> str:
     [
         (2, 3, {}, r"intra_size × inter_size = 2 × 3 = 6 but the context-parallel group has 4 ranks; "
                    r"change intra_size/inter_size \(--hierarchical-context-parallel-sizes"),
-        (0, 4, {}, r"intra_size \(P_intra\) must be a positive integer, got 0"),
-        (4, -1, {}, r"inter_size \(P_inter\) must be a positive integer"),
+        (0, 4, {}, r"intra_size \(P_intra\) must be an integer >= 1, got 0"),
+        (4, -1, {}, r"inter_size \(P_inter\) must be an integer >= 1"),
         (2, 2, dict(node_check="maybe"), r"node_check='maybe'; use one of \['error', 'warn', 'off'\]"),
         (4, 1, dict(tp_size=2, gpus_per_node=4, cp_ranks=[0, 1, 2, 3]),
          r"tensor-parallel size × intra_size = 2 × 4 = 8 does not divide gpus_per_node=4.*one of \[1, 2\]"),
