@@ -1,0 +1,71 @@
+"""plan/estimate.py: ``phase_time`` on a hand-made 2-rank plan equals the by-hand sum of
+per-stage max(compute, transfer) plus one latency per non-empty round; ``quick_price`` equals
+``phase_time`` over the messages codegen actually emitted; on random packings the lower bounds
+(compute, traffic) never exceed the chosen plan's estimate (docs/design.md §2.1 step 6, §4).
+
+Reference: the hand computation below, and the plan's own generated messages."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from megatron_hsap.plan import compile_plan
+from megatron_hsap.plan.codegen import Message
+from megatron_hsap.plan.estimate import compute_bound, lower_bounds, necessary_traffic, phase_time, quick_price
+from megatron_hsap.plan.ir import TokenRange, Unit, Wire
+from megatron_hsap.plan.placement import Prices
+
+
+def test_phase_time_by_hand_two_ranks() -> None:
+    r = TokenRange
+    units = [
+        Unit(0, r(0, 4), r(0, 4), True, 0, 0, 0, stage=0),   # 10 pairs, local on rank 0
+        Unit(0, r(4, 8), r(4, 8), True, 1, 1, 1, stage=0),   # 10 pairs, local on rank 1
+        Unit(0, r(4, 8), r(0, 4), False, 1, 0, 1, stage=1),  # 16 pairs on rank 1, kv from rank 0
+    ]
+    msgs = [Message(round=0, src=0, dst=1, wire=Wire.KV, tokens=r(0, 4), nbytes=400)]
+    t = phase_time(units, msgs, 2, sec_per_pair=1e-3, bw=1000.0, latency=0.05)
+    # stage 0: max(10 ms compute, 400 B / 1000 B/s) = 0.4 s; stage 1: 16 ms; stage 2: nothing; one round: 0.05 s
+    assert t.total == pytest.approx(0.4 + 0.016 + 0.05, rel=1e-12)  # why: float sums of the same three terms
+    assert t.latency == pytest.approx(0.05, rel=1e-12)  # why: one latency, one multiplication
+    assert t.work.tolist() == [10, 26]
+    assert t.sent.tolist() == [400, 0] and t.recv.tolist() == [0, 400]
+    assert t.compute == pytest.approx([0.010, 0.016, 0.0], abs=1e-15)  # why: integer pairs × 1e-3 in floats
+    assert t.transfer == pytest.approx([0.4, 0.0, 0.0], abs=1e-15)  # why: one float division
+
+
+def test_compute_bound_and_lower_bounds_by_hand() -> None:
+    assert compute_bound(1000, 4, 1e-3, 2e-3) == pytest.approx(0.75, rel=1e-12)  # why: one float product
+    plan = compile_plan([0, 256], 4, num_heads=4, num_kv_heads=2, head_dim=16, layout="contiguous")
+    total = 256 * 257 // 2
+    nec_f, nec_b = necessary_traffic(list(plan.work_units), plan.shape)
+    b = plan.shape.token_bytes
+    # contiguous: rank i's q rows see rank j's kv (j < i): the cheaper side of each cross block moves
+    cross = [(64, 64)] * 6
+    assert nec_f == sum(min(nk * b(Wire.KV), nq * (b(Wire.Q) + b(Wire.O) + b(Wire.LSE))) for nq, nk in cross)
+    lb = lower_bounds(total, nec_f, nec_b, 4, plan.shape, plan.hardware, plan.link)
+    assert lb["bound_s"] == max(lb["compute_s"], lb["traffic_s"])
+    assert lb["traffic_s"] == pytest.approx((nec_f + nec_b) / (4 * plan.hardware.bandwidth(plan.link)), rel=1e-12)  # why: one division
+
+
+@settings(max_examples=10, deadline=None)
+@given(st.lists(st.integers(1, 90), min_size=1, max_size=5), st.integers(2, 4),
+       st.sampled_from(["contiguous", "balanced"]), st.sampled_from([4096, None]))
+def test_bounds_below_estimate_and_quick_price_equals_phase_time(lengths, inter, layout, pool) -> None:
+    cu = list(np.concatenate([[0], np.cumsum(lengths)]).astype(int))
+    plan = compile_plan(cu, inter, num_heads=4, num_kv_heads=2, head_dim=16, layout=layout, pool_bytes=pool)
+    c = plan.chosen
+    pr = Prices.of(plan.shape, plan.hardware, plan.hardware.bandwidth(plan.link))
+    lat = plan.hardware.latency(plan.link)
+    f = phase_time(list(c.units), plan.raw_messages("fwd"), inter, pr.sec_fwd, pr.bw, lat)
+    b = phase_time(list(c.units), plan.raw_messages("bwd"), inter, pr.sec_bwd, pr.bw, lat)
+    assert (f.total, b.total) == (c.fwd_time.total, c.bwd_time.total)  # the plan's stored estimate is this
+    qf, qb = quick_price(list(c.units), inter, pr, lat)
+    assert qf == pytest.approx(f.total, rel=1e-9) and qb == pytest.approx(b.total, rel=1e-9)  # why: same terms summed in another order
+    total = plan.batch.total_work()
+    nec_f, nec_b = necessary_traffic(list(plan.work_units), plan.shape)
+    lb = lower_bounds(total, nec_f, nec_b, inter, plan.shape, plan.hardware, plan.link)
+    assert lb["compute_s"] <= c.time * (1 + 1e-9)  # why: float sums; a real violation is whole pairs
+    assert lb["traffic_s"] <= c.time * (1 + 1e-9)  # why: as above
