@@ -91,6 +91,7 @@ def check_packed(workload: str, T: int, P: int, heads: str, seeds) -> None:
         cu = batches[seed]
         s = plan_of(cu, P, heads).stats()
         effs.append(s["efficiency"])
+        # why 1e-12: two float sums of the same kind of terms in another order; a real loss is far larger
         assert s["estimated_time_s"] <= s["owner_computes_time_s"] * (1 + 1e-12) or np.isnan(s["owner_computes_time_s"])
         if link_class_for(P).value == "nvlink":
             best = min(baseline_times(cu, P, heads).values())
@@ -146,4 +147,5 @@ def test_pool_within_capacity_and_reported() -> None:
     for cu in pack_batches("slimpajama", 256 * K, 3, 1):
         s = plan_of(cu, 8, "mha").stats()
         assert 0 < s["pool_peak_bytes"] <= s["pool_capacity_bytes"]
+        # why approx (rel 1e-6 default): one float division of two exact integers, recomputed here
         assert s["pool_use"] == pytest.approx(s["pool_peak_bytes"] / s["pool_capacity_bytes"])
