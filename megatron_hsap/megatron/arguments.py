@@ -139,9 +139,10 @@ def _check_head_chunks(args: Any, intra: int, heads: int, kv_heads: int) -> None
     _refuse(intra == 1 and chunks > 1, f"--hsap-head-chunks {chunks}: P_intra is 1 (pure SAP, no all-to-all to "
             "pipeline); leave it out or pass 1")
     if intra > 1 and heads % intra == 0:
-        valid = valid_head_chunks(heads // intra, kv_heads_per_rank(heads, kv_heads, intra))
+        local_kv = kv_heads_per_rank(heads, kv_heads, intra)
+        valid = valid_head_chunks(heads // intra, local_kv)
         _refuse(chunks not in valid, f"--hsap-head-chunks {chunks}: each intra rank holds {heads // intra} q and "
-                f"{kv_heads_per_rank(heads, kv_heads, intra)} kv heads; valid counts: {list(valid)}")
+                f"{local_kv} kv heads; valid counts: {list(valid)}")
 
 
 def _divisors(n: int) -> list[int]:

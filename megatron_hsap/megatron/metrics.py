@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable
 if TYPE_CHECKING:
     from megatron_hsap.plan import Plan
 
-__all__ = ["IterationMetrics", "HSAPMetrics", "dump_plan"]
+__all__ = ["IterationMetrics", "HSAPMetrics", "process_metrics", "dump_plan"]
 
 
 @dataclass
@@ -138,6 +138,28 @@ class HSAPMetrics:
         if self._logging and number % self._log_interval == 0:
             self._echo(done.line(number))
         return done
+
+
+_PROCESS: list[HSAPMetrics] = []  # this process's HSAPMetrics (one training loop per process)
+
+
+def process_metrics(args: Any) -> HSAPMetrics:
+    """This process's :class:`HSAPMetrics`, made on first use from Megatron's ``args`` (rank 0
+    logs; Megatron's TensorBoard / W&B writers) and flushed at interpreter exit, since the last
+    iteration has no successor to flush it."""
+    if not _PROCESS:
+        import atexit
+
+        import torch.distributed as dist
+        from megatron.training import get_tensorboard_writer, get_wandb_writer
+
+        rank0 = not dist.is_initialized() or dist.get_rank() == 0
+        metrics = HSAPMetrics(log_interval=getattr(args, "log_interval", 1) or 1, is_logging_rank=rank0,
+                              writers=lambda: (get_tensorboard_writer(), get_wandb_writer()),
+                              echo=lambda line: print(line, flush=True))
+        atexit.register(metrics.flush)
+        _PROCESS.append(metrics)
+    return _PROCESS[0]
 
 
 def dump_plan(plan: "Plan", out_dir: str | os.PathLike[str], *, iteration: int,

@@ -168,31 +168,12 @@ def _feed_seqlen_stats(cu_seqlens: Any) -> None:
     update_seqlen_stats_from_cu_seqlens(torch.from_numpy(np.asarray(cu_seqlens, dtype=np.int64)).to(torch.int32))
 
 
-_METRICS: list[Any] = []  # this process's HSAPMetrics (one training loop per process)
-
-
-def _metrics(args: Any) -> Any:
-    if not _METRICS:
-        import atexit
-
-        import torch.distributed as dist
-        from megatron.training import get_tensorboard_writer, get_wandb_writer
-
-        from megatron_hsap.megatron.metrics import HSAPMetrics
-
-        rank0 = not dist.is_initialized() or dist.get_rank() == 0
-        metrics = HSAPMetrics(log_interval=getattr(args, "log_interval", 1) or 1, is_logging_rank=rank0,
-                              writers=lambda: (get_tensorboard_writer(), get_wandb_writer()),
-                              echo=lambda line: print(line, flush=True))
-        atexit.register(metrics.flush)  # the last iteration has no successor to flush it
-        _METRICS.append(metrics)
-    return _METRICS[0]
-
-
 def _observe(args: Any, plan: Any, *, compile_s: float, prefetched: bool | None, plan_kwargs: dict[str, Any]) -> None:
     """Per-iteration metrics and ``--hsap-dump-plan`` for one training micro-batch."""
     iteration = int(getattr(args, "curr_iteration", 0) or 0)
-    metrics = _metrics(args) if getattr(args, "hsap_metrics", True) else None
+    from megatron_hsap.megatron.metrics import process_metrics
+
+    metrics = process_metrics(args) if getattr(args, "hsap_metrics", True) else None
     dump = getattr(args, "hsap_dump_plan", None)
     if dump and int(dump[0]) == iteration + 1 and not getattr(args, "_hsap_dumped", False):
         import torch.distributed as dist
@@ -490,7 +471,7 @@ def run_pretrain(datasets_provider: Any, forward_step: Callable[..., Any], loss_
 
 
 def _shut_down() -> None:
-    """Flush HSAP's metrics and destroy the process groups while the interpreter is alive.
+    """Destroy the process groups while the interpreter is alive (HSAP's metrics flush at exit).
 
     Megatron's ``pretrain`` returns with its groups live; left to interpreter finalisation, gloo's
     worker threads can still own work objects whose tensors need the GIL, and the rank dies with
@@ -499,7 +480,5 @@ def _shut_down() -> None:
     """
     import torch.distributed as dist
 
-    for metrics in _METRICS:
-        metrics.flush()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
