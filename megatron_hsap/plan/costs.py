@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from megatron_hsap.errors import ConfigError
 from megatron_hsap.plan.checks import positive_int
 from megatron_hsap.plan.ir import Wire
 
-__all__ = ["HeadShape", "FP32_BYTES", "BWD_FLOP_FACTOR"]
+__all__ = ["HeadShape", "FP32_BYTES", "FP32_WIRES", "BWD_FLOP_FACTOR"]
 
 FP32_BYTES = 4
+FP32_WIRES = frozenset({Wire.LSE, Wire.DELTA, Wire.DQ, Wire.DKV})  # the wires sent in fp32 (docs/design.md §4)
 BWD_FLOP_FACTOR = 2.5  # backward FLOPs = 2.5 × forward (docs/design.md §4)
 
 
@@ -34,19 +36,26 @@ class HeadShape:
                 "GQA needs every kv head shared by the same number of q heads"
             )
 
+    def row_shapes(self, wire: Wire) -> tuple[tuple[int, ...], ...]:
+        """The tensor shape of one token row of ``wire``: one, or k then v for KV / DKV (packed
+        back to back in one message and slot)."""
+        h, hkv, d, dv = self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim_v
+        if wire in (Wire.KV, Wire.DKV):
+            return ((hkv, d), (hkv, dv))
+        return {Wire.Q: ((h, d),), Wire.O: ((h, dv),), Wire.DO: ((h, dv),), Wire.LSE: ((h,),),
+                Wire.DELTA: ((h,),), Wire.DQ: ((h, d),)}[wire]  # fmt: skip
+
+    def element_bytes(self, wire: Wire) -> int:
+        """Bytes of one element of ``wire``: fp32 for lse, delta and gradients, else the activations'."""
+        return FP32_BYTES if wire in FP32_WIRES else self.dtype_bytes
+
+    def token_elements(self, wire: Wire) -> int:
+        """Elements one token row of ``wire`` holds (k and v together for KV / DKV)."""
+        return sum(math.prod(s) for s in self.row_shapes(wire))
+
     def token_bytes(self, wire: Wire) -> int:
         """Bytes one token row of ``wire`` occupies on the wire and in the pool."""
-        h, hkv, d, dv, b = self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim_v, self.dtype_bytes
-        return {
-            Wire.Q: h * d * b,
-            Wire.KV: hkv * (d + dv) * b,
-            Wire.O: h * dv * b,
-            Wire.LSE: h * FP32_BYTES,
-            Wire.DO: h * dv * b,
-            Wire.DELTA: h * FP32_BYTES,
-            Wire.DQ: h * d * FP32_BYTES,
-            Wire.DKV: hkv * (d + dv) * FP32_BYTES,
-        }[wire]
+        return self.token_elements(wire) * self.element_bytes(wire)
 
     def nbytes(self, wire: Wire, tokens: int) -> int:
         return self.token_bytes(wire) * tokens

@@ -1,16 +1,16 @@
 """The executor: runs one inter rank's forward and backward programs of a plan (docs/design.md §2.2).
 
 Per phase the program is a flat list ``Post(r) · Compute(s) · Wait(r) · Merge/Accumulate`` (see
-``megatron_hsap.plan.ir``); this module interprets it in order:
+``megatron_hsap.plan.ir``), prepared once per plan into typed instructions (``runtime/prepared.py``:
+``PostRound``, ``ComputeCalls``, ``WaitRound``, ``MergePartial``, ``AccumulatePartial``; both phases'
+``cu_seqlens`` in one asynchronous upload); this module interprets them in order, by type:
 
 * ``Post`` — one asynchronous ``batch_isend_irecv`` (:class:`~megatron_hsap.runtime.p2p.P2PChannel`):
   sends read rows of the local tensors (global token range → local rows through the layout's
   segments) or a pool slot (results computed here for another rank); receives land in pool slots.
-* ``Compute`` — one varlen kernel call per item (:mod:`~megatron_hsap.runtime.kernels`);
-  consecutive items whose operands are adjacent rows of the local tensors and whose results go to
-  the local accumulators are batched into one call (same numbers: the calls are per sequence).
-  The calls and their ``cu_seqlens`` are prepared once per plan (``runtime/prepared.py``: one
-  asynchronous upload of both phases' metadata from pinned memory).
+* ``Compute`` — the stage's varlen kernel calls (:mod:`~megatron_hsap.runtime.kernels`), exactly
+  those ``plan/calls.py`` decides (consecutive local items on adjacent rows fused into one call;
+  same numbers: the calls are per sequence), the calls the simulator prices too.
 * ``Wait`` — the round with a deadline (``HSAP_P2P_TIMEOUT_S``), raising ``CommunicationError``;
   on CUDA waited on the device (stream order), the deadline kept by the watchdog (``runtime/p2p.py``).
 * ``Merge`` / ``Accumulate`` — received partials into the fp32 accumulators (overflow-safe LSE merge).
@@ -40,17 +40,17 @@ import torch.distributed as dist
 from torch import Tensor
 
 from megatron_hsap.errors import ConfigError, RuntimeMismatchError
-from megatron_hsap.plan.costs import HeadShape
-from megatron_hsap.plan.ir import ComputeItem, Merge, Phase, Send, Slot, Wire
+from megatron_hsap.plan.calls import LocalRows
+from megatron_hsap.plan.costs import FP32_WIRES, HeadShape
+from megatron_hsap.plan.ir import ComputeItem, Phase, Send, Slot, Wire
 from megatron_hsap.plan.lru import LRUCache
 from megatron_hsap.runtime.env import MAX_TIMEOUT_S, read_env
 from megatron_hsap.runtime.handshake import agree
 from megatron_hsap.runtime.kernels import attn_backward, attn_forward, resolve_backend
 from megatron_hsap.runtime.merge import merge_into
 from megatron_hsap.runtime.p2p import P2PChannel, Transfer, warm_up
-from megatron_hsap.runtime.prepared import KernelCall, Prepared, Rows, prepare
-
-_Rows = Rows  # the name the tests used before the split
+from megatron_hsap.runtime.prepared import (AccumulatePartial, ComputeCalls, MergePartial, PostRound, Prepared,
+                                            PreparedCall, WaitRound, prepare)  # fmt: skip
 
 if TYPE_CHECKING:
     from megatron_hsap.plan.plan import Plan
@@ -59,7 +59,6 @@ __all__ = ["Executor", "PhaseStats", "executor_for", "receive_pool", "ACTIVATION
 
 ACTIVATION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _F32 = torch.float32
-_FP32_WIRES = frozenset({Wire.LSE, Wire.DELTA, Wire.DQ, Wire.DKV})
 
 # --------------------------------------------------------------------------- the receive pool
 
@@ -157,10 +156,11 @@ class Executor:
         self.backend = resolve_backend(backend, self.device)
         self.skip_rounds = frozenset(skip_rounds)
         _ = plan.hash  # host work for the handshake, here rather than before the first round
-        rows = Rows(plan.layout.segments[self.rank])
+        rows = LocalRows(plan.layout.segments[self.rank])
         self._rows = rows
+        base = plan.round_base
         self._fwd, self._bwd = prepare((plan.program(self.rank, Phase.FWD), plan.program(self.rank, Phase.BWD)),
-                                       rows, self.device)  # fmt: skip
+                                       rows, self.device, (base[Phase.FWD], base[Phase.BWD]))  # fmt: skip
         self.stats = {Phase.FWD: PhaseStats(), Phase.BWD: PhaseStats()}
 
     # ------------------------------------------------------------------ public
@@ -240,38 +240,40 @@ class Executor:
         chan = P2PChannel(self.group, timeout_s=self.timeout_s, phase=phase.value)
         compute_s = 0.0
         kernel_calls = rounds = 0
+        fwd = phase is Phase.FWD
         for step in prep.steps:
-            kind = step[0] if isinstance(step, tuple) else None
-            if kind == "post":
-                rnd = step[1]
-                if rnd.index in self.skip_rounds:
-                    continue
-                chan.post(rnd.index, self._transfers(rnd.ops, buf), stage=f"stage {rnd.index - self.plan.round_base[phase]}")
-                rounds += 1
-            elif kind == "wait":
-                if step[1] not in self.skip_rounds:
-                    chan.wait(step[1])
-            else:
-                t0 = time.perf_counter()
-                if kind == "compute":
-                    for call in step[2]:
-                        if phase is Phase.FWD:
+            match step:
+                case PostRound(round=rnd, stage=stage):
+                    if rnd.index in self.skip_rounds:
+                        continue
+                    chan.post(rnd.index, self._transfers(rnd.ops, buf), stage=f"stage {stage}")
+                    rounds += 1
+                case WaitRound(index=index):
+                    if index not in self.skip_rounds:
+                        chan.wait(index)
+                case ComputeCalls(calls=calls):
+                    t0 = time.perf_counter()
+                    for call in calls:
+                        if fwd:
                             self._fwd_call(call, buf, acc, scale)
                         else:
                             self._bwd_call(call, buf, acc, scale)
-                        kernel_calls += 1
-                elif isinstance(step, Merge):
-                    rows = self._rows(step.tokens)
-                    o, = self._view(buf, step.o, Wire.O, len(step.tokens))
-                    lse, = self._view(buf, step.lse, Wire.LSE, len(step.tokens))
+                    kernel_calls += len(calls)
+                    compute_s += time.perf_counter() - t0
+                case MergePartial(rows=rows, tokens=n, o=o_slot, lse=lse_slot):
+                    t0 = time.perf_counter()
+                    o, = self._view(buf, o_slot, Wire.O, n)
+                    lse, = self._view(buf, lse_slot, Wire.LSE, n)
                     merge_into(acc[Wire.O][rows], acc[Wire.LSE][rows], o, lse)
-                else:  # Accumulate
-                    rows = self._rows(step.tokens)
-                    parts = self._view(buf, step.src, step.wire, len(step.tokens))
-                    targets = (acc[Wire.DQ],) if step.wire is Wire.DQ else acc[Wire.DKV]
-                    for dst, part in zip(targets, parts):
+                    compute_s += time.perf_counter() - t0
+                case AccumulatePartial(wire=wire, rows=rows, tokens=n, src=src):
+                    t0 = time.perf_counter()
+                    targets = (acc[Wire.DQ],) if wire is Wire.DQ else acc[Wire.DKV]
+                    for dst, part in zip(targets, self._view(buf, src, wire, n)):
                         dst[rows] += part
-                compute_s += time.perf_counter() - t0
+                    compute_s += time.perf_counter() - t0
+                case _:  # pragma: no cover - prepare() makes no other step
+                    raise RuntimeMismatchError(f"unknown prepared step {step!r}")
         chan.close()
         st = self.stats[phase]
         st.calls += 1
@@ -285,19 +287,12 @@ class Executor:
 
     def _view(self, buf: _Buffers, slot: Slot, wire: Wire, n: int) -> tuple[Tensor, ...]:
         """Typed views of ``slot`` holding ``n`` rows of ``wire`` (two for KV / DKV)."""
-        s = buf.shape
-        dtype = _F32 if wire in _FP32_WIRES else buf.act
-        shapes = {
-            Wire.Q: ((n, s.num_heads, s.head_dim),), Wire.O: ((n, s.num_heads, s.head_dim_v),),
-            Wire.DO: ((n, s.num_heads, s.head_dim_v),), Wire.LSE: ((n, s.num_heads),),
-            Wire.DELTA: ((n, s.num_heads),), Wire.DQ: ((n, s.num_heads, s.head_dim),),
-            Wire.KV: ((n, s.num_kv_heads, s.head_dim), (n, s.num_kv_heads, s.head_dim_v)),
-            Wire.DKV: ((n, s.num_kv_heads, s.head_dim), (n, s.num_kv_heads, s.head_dim_v)),
-        }[wire]  # fmt: skip
-        size = torch.finfo(dtype).bits // 8
+        s = buf.shape  # the wire's row shapes and element size: plan/costs.py (one home)
+        dtype = _F32 if wire in FP32_WIRES else buf.act
         out, off = [], slot.offset
-        for shape in shapes:
-            nbytes = size * math.prod(shape)
+        for row in s.row_shapes(wire):
+            shape = (n, *row)
+            nbytes = n * math.prod(row) * s.element_bytes(wire)
             out.append(buf.pool[off : off + nbytes].view(dtype).view(shape))
             off += nbytes
         if (off - slot.offset) * buf.div != slot.nbytes or slot.end > buf.pool.numel():
@@ -328,7 +323,7 @@ class Executor:
                 out.append(Transfer(send, x, op.peer, what))
         return out
 
-    def _fwd_call(self, call: KernelCall, buf: _Buffers, acc: dict, scale: float) -> None:
+    def _fwd_call(self, call: PreparedCall, buf: _Buffers, acc: dict, scale: float) -> None:
         item = call.items[0]
         q, = self._operand(buf, item, Wire.Q, call.q_rows)
         k, v = self._operand(buf, item, Wire.KV, call.kv_rows)
@@ -344,7 +339,7 @@ class Executor:
             self._view(buf, o_dst, Wire.O, len(item.q))[0].copy_(o)
             self._view(buf, lse_dst, Wire.LSE, len(item.q))[0].copy_(lse)
 
-    def _bwd_call(self, call: KernelCall, buf: _Buffers, acc: dict, scale: float) -> None:
+    def _bwd_call(self, call: PreparedCall, buf: _Buffers, acc: dict, scale: float) -> None:
         item = call.items[0]
         q, = self._operand(buf, item, Wire.Q, call.q_rows)
         do, = self._operand(buf, item, Wire.DO, call.q_rows)

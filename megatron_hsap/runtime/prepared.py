@@ -1,157 +1,188 @@
-"""A plan's programs prepared for the executor: kernel calls batched, metadata on the device once.
+"""A plan's programs prepared for the executor: typed instructions, kernel metadata on the device once.
 
-:func:`prepare` turns one inter rank's forward and backward programs (``plan.ir``) into the flat
-step lists ``Executor`` interprets: consecutive compute items whose operands are adjacent local
-rows are batched into one varlen kernel call (same numbers: the calls are per sequence), each with
-its ``cu_seqlens_q/k`` and maximum lengths.
+:func:`prepare` turns one inter rank's forward and backward programs (``plan/ir.py``) into tuples
+of typed instructions (:data:`Step`) that :class:`~megatron_hsap.runtime.executor.Executor`
+interprets by type (docs/design.md §2.2):
+
+* :class:`PostRound` / :class:`WaitRound` — launch / wait one P2P round;
+* :class:`ComputeCalls` — one stage's kernel calls, exactly those of ``plan/calls.py`` (the one
+  definition of which items fuse into one varlen call, which the simulator prices too), each a
+  :class:`PreparedCall` with its ``cu_seqlens`` on the device and maximum lengths as host ints;
+* :class:`MergePartial` / :class:`AccumulatePartial` — a received partial into the local fp32
+  accumulators, its local rows resolved here.
 
 Metadata (issue 16 item 3): every call's ``cu_seqlens`` of *both* phases is built on the host and
 uploaded in one packed, asynchronous copy from pinned memory (``runtime/upload.py``) — never one
 ``torch.tensor(..., device=cuda)`` per call (each a synchronous copy, the first draining the
 stream). The executor is built once per (plan, group, device) and cached (``executor_for``), so a
-plan's metadata moves to the device once. Maximum lengths stay host ints (the kernels take them
-as arguments).
+plan's metadata moves to the device once.
 """
 
 from __future__ import annotations
 
-import bisect
+import itertools
 from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
 
 from megatron_hsap.errors import RuntimeMismatchError
-from megatron_hsap.plan.ir import Accumulate, Compute, ComputeItem, Merge, Post, Program, Send, TokenRange, Wait, Wire
+from megatron_hsap.plan.calls import KernelCall, LocalRows, stage_calls
+from megatron_hsap.plan.ir import Accumulate, Compute, ComputeItem, Merge, Post, Program, Round, Send, Slot, Wait, Wire
 from megatron_hsap.runtime.upload import upload
 
-__all__ = ["Rows", "KernelCall", "Prepared", "prepare"]
-
-
-class Rows:
-    """Global token range -> local rows of one inter rank (its layout segments)."""
-
-    def __init__(self, segments: tuple) -> None:
-        self._starts = [s.tokens.start for s in segments]
-        self._segs = segments
-
-    def __call__(self, tokens: TokenRange) -> slice:
-        i = bisect.bisect_right(self._starts, tokens.start) - 1
-        if i < 0:
-            raise RuntimeMismatchError(f"tokens {tokens} are not held by this rank")
-        seg = self._segs[i]
-        a = seg.local_start + tokens.start - seg.tokens.start
-        end_seg = self._segs[bisect.bisect_right(self._starts, tokens.stop - 1) - 1]
-        b = end_seg.local_start + tokens.stop - end_seg.tokens.start
-        if tokens.stop > end_seg.tokens.stop or b - a != len(tokens):
-            raise RuntimeMismatchError(f"tokens {tokens} are not contiguous local rows of this rank")
-        return slice(a, b)
+__all__ = ["PreparedCall", "PostRound", "WaitRound", "ComputeCalls", "MergePartial", "AccumulatePartial", "Step",
+           "Prepared", "prepare"]  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
-class KernelCall:
-    """One kernel call: ``items`` (one, or several batched), their local rows (None: from a slot)."""
+class PreparedCall:
+    """One kernel call of ``plan/calls.py`` with its ``cu_seqlens_q/k`` (int32, on the device once
+    placed; ``meta``: their indices in the plan's metadata upload) and maximum lengths."""
 
-    items: tuple[ComputeItem, ...]
-    causal: bool
-    q_rows: slice | None
-    kv_rows: slice | None
+    call: KernelCall
     cu_q: Tensor
     cu_k: Tensor
     max_q: int
     max_k: int
-    meta: tuple[int, int] = (-1, -1)  # indices of cu_q, cu_k in the plan's metadata upload
-    window: tuple[int, int] = (-1, -1)  # the items' sliding window relative to each block (ComputeItem.kernel_window)
+    meta: tuple[int, int] = (-1, -1)
+
+    @property
+    def items(self) -> tuple[ComputeItem, ...]:
+        return self.call.items
+
+    @property
+    def q_rows(self) -> slice | None:
+        return self.call.q_rows
+
+    @property
+    def kv_rows(self) -> slice | None:
+        return self.call.kv_rows
+
+    @property
+    def causal(self) -> bool:
+        return self.call.causal
+
+    @property
+    def window(self) -> tuple[int, int]:
+        return self.call.window
+
+
+@dataclass(frozen=True, slots=True)
+class PostRound:
+    """Launch ``round`` (one ``batch_isend_irecv``); ``stage`` names it in errors."""
+
+    round: Round
+    stage: int
+
+
+@dataclass(frozen=True, slots=True)
+class WaitRound:
+    """Wait for round ``index`` (with the executor's deadline)."""
+
+    index: int
+
+
+@dataclass(frozen=True, slots=True)
+class ComputeCalls:
+    """Stage ``stage``'s kernel calls, in order."""
+
+    stage: int
+    calls: tuple[PreparedCall, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class MergePartial:
+    """Merge a received partial (``o``, ``lse`` slots, ``tokens`` rows) into the local rows ``rows``
+    of the forward accumulators (overflow-safe LSE merge)."""
+
+    rows: slice
+    tokens: int
+    o: Slot
+    lse: Slot
+
+
+@dataclass(frozen=True, slots=True)
+class AccumulatePartial:
+    """Add a received fp32 partial gradient of ``wire`` (DQ or DKV) from ``src`` into local ``rows``."""
+
+    wire: Wire
+    rows: slice
+    tokens: int
+    src: Slot
+
+
+Step = PostRound | WaitRound | ComputeCalls | MergePartial | AccumulatePartial
 
 
 @dataclass(frozen=True, slots=True)
 class Prepared:
-    steps: tuple  # ("post", Round) | ("compute", stage, (KernelCall, ...)) | ("wait", int) | Merge | Accumulate
+    """One program, prepared: its steps and the bytes it sends and receives per run."""
+
+    steps: tuple[Step, ...]
     expected_sent: int
     expected_recv: int
 
+    @property
+    def kernel_calls(self) -> int:
+        return sum(len(s.calls) for s in self.steps if isinstance(s, ComputeCalls))
 
-def _local_only(item: ComputeItem) -> bool:
-    return all(s is None for _, s in item.srcs) and all(s is None for _, s in item.dsts)
 
-
-def prepare(programs: tuple[Program, ...], rows: Rows, device: torch.device) -> tuple[Prepared, ...]:
+def prepare(programs: tuple[Program, ...], rows: LocalRows, device: torch.device, round_base: int | tuple[int, ...] = 0
+            ) -> tuple[Prepared, ...]:  # fmt: skip
     """Each of ``programs`` prepared, with the ``cu_seqlens`` of every kernel call of all of them
-    on ``device`` (views of one buffer: one upload)."""
+    on ``device`` (views of one buffer: one upload). ``round_base``: the global index of each
+    program's first round is subtracted from round indices to name stages (an int, or one per program)."""
+    bases = round_base if isinstance(round_base, tuple) else (round_base,) * len(programs)
     host: list[Tensor] = []
-    preps = [_prepare(program, rows, host) for program in programs]
+    preps = [_prepare(program, rows, host, base) for program, base in zip(programs, bases)]
     on_device = upload(host, device)
     return tuple(_placed(p, on_device) for p in preps)
 
 
 def _placed(prep: Prepared, tensors: tuple[Tensor, ...]) -> Prepared:
     """``prep`` with its calls' ``cu_seqlens`` (host tensors tagged by index) swapped for ``tensors``."""
-    steps = []
+    steps: list[Step] = []
     for step in prep.steps:
-        if isinstance(step, tuple) and step[0] == "compute":
-            calls = tuple(replace(c, cu_q=tensors[c.meta[0]], cu_k=tensors[c.meta[1]]) for c in step[2])
-            step = ("compute", step[1], calls)
+        if isinstance(step, ComputeCalls):
+            calls = tuple(replace(c, cu_q=tensors[c.meta[0]], cu_k=tensors[c.meta[1]]) for c in step.calls)
+            step = ComputeCalls(step.stage, calls)
         steps.append(step)
     return replace(prep, steps=tuple(steps))
 
 
-def _prepare(program: Program, rows: Rows, host: list[Tensor]) -> Prepared:
+def _prepare(program: Program, rows: LocalRows, host: list[Tensor], base: int) -> Prepared:
     """One program's steps; its calls' ``cu_seqlens`` are appended to ``host`` (int32) and the
     calls keep their indices in ``meta``."""
-    steps: list = []
+    steps: list[Step] = []
     sent = recv = 0
 
-    def cu(lengths: list[int]) -> Tensor:
-        out = [0]
-        for n in lengths:
-            out.append(out[-1] + n)
-        host.append(torch.tensor(out, dtype=torch.int32))
-        return host[-1]
+    def cu(lengths: tuple[int, ...]) -> int:
+        host.append(torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32))
+        return len(host) - 1
 
-    def flush(batch: list[ComputeItem], calls: list[KernelCall]) -> None:
-        if not batch:
-            return
-        first = batch[0]
-        q_local = dict(first.srcs)[Wire.Q] is None
-        kv_local = dict(first.srcs)[Wire.KV] is None
-        q_rows = slice(rows(batch[0].q).start, rows(batch[-1].q).stop) if q_local else None
-        kv_rows = slice(rows(batch[0].kv).start, rows(batch[-1].kv).stop) if kv_local else None
-        lq, lk = [len(it.q) for it in batch], [len(it.kv) for it in batch]
-        cu_q, cu_k = cu(lq), cu(lk)
-        calls.append(KernelCall(tuple(batch), first.causal, q_rows, kv_rows, cu_q, cu_k, max(lq), max(lk),
-                                (len(host) - 2, len(host) - 1), first.kernel_window))
-        batch.clear()
+    def prepared(call: KernelCall) -> PreparedCall:
+        lq, lk = call.q_lengths, call.kv_lengths
+        iq, ik = cu(lq), cu(lk)
+        return PreparedCall(call, host[iq], host[ik], max(lq), max(lk), (iq, ik))
 
     for ins in program.instrs:
-        if isinstance(ins, Post):
-            steps.append(("post", ins.round))
-            for op in ins.round.ops:
-                if isinstance(op, Send):
-                    sent += op.nbytes
-                else:
-                    recv += op.nbytes
-        elif isinstance(ins, Wait):
-            steps.append(("wait", ins.index))
-        elif isinstance(ins, Compute):
-            calls: list[KernelCall] = []
-            batch: list[ComputeItem] = []
-            for it in ins.items:
-                if batch:
-                    prev = batch[-1]
-                    joinable = (
-                        _local_only(it) and _local_only(prev) and it.causal == prev.causal
-                        and it.kernel_window == prev.kernel_window
-                        and rows(it.q).start == rows(prev.q).stop and rows(it.kv).start == rows(prev.kv).stop
-                    )  # fmt: skip
-                    if not joinable:
-                        flush(batch, calls)
-                batch.append(it)
-                if not _local_only(it):
-                    flush(batch, calls)
-            flush(batch, calls)
-            steps.append(("compute", ins.stage, tuple(calls)))
-        elif isinstance(ins, (Merge, Accumulate)):
-            steps.append(ins)
-        else:  # pragma: no cover - the IR has no other instruction
-            raise RuntimeMismatchError(f"unknown instruction {ins!r}")
+        match ins:
+            case Post(round=rnd):
+                steps.append(PostRound(rnd, rnd.index - base))
+                for op in rnd.ops:
+                    if isinstance(op, Send):
+                        sent += op.nbytes
+                    else:
+                        recv += op.nbytes
+            case Wait(index=index):
+                steps.append(WaitRound(index))
+            case Compute():
+                steps.append(ComputeCalls(ins.stage, tuple(prepared(c) for c in stage_calls(ins, rows))))
+            case Merge(tokens=tokens, o=o, lse=lse):
+                steps.append(MergePartial(rows(tokens), len(tokens), o, lse))
+            case Accumulate(wire=wire, tokens=tokens, src=src):
+                steps.append(AccumulatePartial(wire, rows(tokens), len(tokens), src))
+            case _:  # pragma: no cover - the IR has no other instruction
+                raise RuntimeMismatchError(f"unknown instruction {ins!r}")
     return Prepared(tuple(steps), sent, recv)

@@ -9,10 +9,10 @@ Translation of one rank's plan program (``megatron_hsap.plan.ir``):
 
 * ``Post(round)`` → engine ``Post``; the round's ``Send``s become transfers (bytes summed per
   peer); ``Wait`` → ``Wait``.
-* ``Compute``: its items grouped by input buffers and causality, one varlen call per group
-  (items reading the same slots or the local tensors can share one ``cu_seqlens`` call); each
-  item's rows are merged into the local fp32 accumulators (forward: o/lse; backward: dq and
-  dk/dv) unless the item writes a result slot for another rank.
+* ``Compute``: exactly the runtime's kernel calls (``plan/calls.py``, the one definition of which
+  items share one varlen call), each priced with its launch; each item's rows are merged into the
+  local fp32 accumulators (forward: o/lse; backward: dq and dk/dv) unless the item writes a result
+  slot for another rank.
 * ``Merge`` / ``Accumulate``: memory-bound kernels over the received rows.
 * Forward: all-to-all of q, k, v before (three calls), of o after; backward: of dO before, of
   dq, dk, dv after (``runtime/ulysses.py``). With one head chunk they are not overlapped; with
@@ -23,9 +23,10 @@ Translation of one rank's plan program (``megatron_hsap.plan.ir``):
 from __future__ import annotations
 
 import bisect
-from collections import defaultdict
 
+from megatron_hsap.plan.calls import LocalRows, stage_calls
 from megatron_hsap.plan.costs import HeadShape
+from megatron_hsap.plan.options import kv_heads_per_rank
 from megatron_hsap.plan.ir import Accumulate, Compute, Merge, Post as PlanPost, Send, Wait as PlanWait, Wire
 from megatron_hsap.sim.builder import Builder
 from megatron_hsap.sim.cluster import Cluster
@@ -35,11 +36,6 @@ from megatron_hsap.sim.engine import Workload
 __all__ = ["hsap_workload", "a2a_calls"]
 
 
-def _kv_heads_exchanged(num_kv_heads: int, intra: int) -> int:
-    """kv heads the all-to-all moves: Hkv when P_intra | Hkv, else P_intra replicated copies."""
-    return num_kv_heads if num_kv_heads % intra == 0 else intra
-
-
 def a2a_calls(plan: object, cluster: Cluster, phase: str, chunks: int = 1) -> tuple[list[float], list[float]]:
     """Seconds of each all-to-all before and after SAP in ``phase`` (empty lists at P_intra 1),
     each for one of ``chunks`` head chunks (1/``chunks`` of the bytes, a whole latency each)."""
@@ -47,14 +43,14 @@ def a2a_calls(plan: object, cluster: Cluster, phase: str, chunks: int = 1) -> tu
     p = cluster.intra_size
     if p == 1:
         return [], []
-    h = o.num_heads
-    hkv = _kv_heads_exchanged(o.num_kv_heads or o.num_heads, p)
+    h = o.num_heads // p  # q and kv heads per intra rank after the all-to-all (kv replicated when P > Hkv)
+    hkv = kv_heads_per_rank(o.num_heads, o.num_kv_heads or o.num_heads, p)
     d, dv, b = o.head_dim, o.head_dim_v or o.head_dim, o.dtype_bytes
     tokens = plan.local_tokens  # type: ignore[attr-defined]
     members = cluster.intra_group(0)
 
     def call(heads: int, dim: int) -> float:
-        return cluster.all_to_all_time(members, tokens * (heads // p) * dim * b / chunks)
+        return cluster.all_to_all_time(members, tokens * heads * dim * b / chunks)
 
     q, k, v, out = call(h, d), call(hkv, d), call(hkv, dv), call(h, dv)
     if phase == "fwd":
@@ -117,11 +113,12 @@ def hsap_workload(plan: object, cluster: Cluster, phase: str) -> tuple[Workload,
                      head_dim=shape.head_dim, head_dim_v=shape.head_dim_v, dtype_bytes=shape.dtype_bytes)
     stride = 1 + max((ins.round.index for prog in progs for ins in prog.instrs if isinstance(ins, PlanPost)), default=0)
     side = iter(range(10**9))  # side-stream tags
+    rows = [LocalRows(plan.layout.segments[r]) for r in range(len(progs))]  # type: ignore[attr-defined]
     for r, prog in enumerate(progs):
         if chunks == 1:
             for t in before:
                 b.busy(r, t, "a2a", "all-to-all in")
-            _sap(b, r, prog, part, 1.0, 0, phase, hw)
+            _sap(b, r, prog, rows[r], part, 1.0, 0, phase, hw)
             for t in after:
                 b.busy(r, t, "a2a", "all-to-all out")
             continue
@@ -134,20 +131,22 @@ def hsap_workload(plan: object, cluster: Cluster, phase: str) -> tuple[Workload,
                 b.launch(r, arriving, sum(before), f"all-to-all in, chunk {c + 2}")
             if c:
                 b.launch(r, next(side), sum(after), f"all-to-all back, chunk {c}")
-            _sap(b, r, prog, part, 1.0 / chunks, c * stride, phase, hw)
+            _sap(b, r, prog, rows[r], part, 1.0 / chunks, c * stride, phase, hw)
         last = next(side)
         b.launch(r, last, sum(after), f"all-to-all back, chunk {chunks}")
         b.join(r, last)
     return b.build(), cluster.inter_group(0)
 
 
-def _sap(b: Builder, r: int, prog: object, shape: HeadShape, scale: float, offset: int, phase: str, hw: object) -> None:
+def _sap(b: Builder, r: int, prog: object, rows: LocalRows, shape: HeadShape, scale: float, offset: int, phase: str,
+         hw: object) -> None:  # fmt: skip
     """Rank ``r``'s SAP program on ``shape``'s heads: sends scaled by ``scale`` (a head chunk's
-    share), round tags shifted by ``offset`` (one set per chunk)."""
+    share), round tags shifted by ``offset`` (one set per chunk); ``rows``: the rank's local rows."""
     fpp = shape.fwd_flops_per_pair if phase == "fwd" else shape.bwd_flops_per_pair
-    h, hkv, d, dv = shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.head_dim_v
+    h, hkv = shape.num_heads, shape.num_kv_heads
     per = merge_bytes("hsap", phase)
-    widths = {Wire.O: h * dv * per} if phase == "fwd" else {Wire.DQ: h * d * per, Wire.DKV: hkv * (d + dv) * per}
+    outputs = (Wire.O,) if phase == "fwd" else (Wire.DQ, Wire.DKV)
+    widths = {w: shape.token_elements(w) * per for w in outputs}  # HBM bytes per row merged (plan/costs.py)
     cov = {"q": _Coverage(), "kv": _Coverage()}
     for ins in prog.instrs:  # type: ignore[attr-defined]
         if isinstance(ins, PlanPost):
@@ -158,10 +157,8 @@ def _sap(b: Builder, r: int, prog: object, shape: HeadShape, scale: float, offse
         elif isinstance(ins, PlanWait):
             b.wait(r, offset + ins.index)
         elif isinstance(ins, Compute):
-            groups: dict[tuple, list] = defaultdict(list)
-            for it in ins.items:
-                groups[(it.srcs, it.causal)].append(it)
-            for items in groups.values():  # one varlen call per group of shared input buffers
+            for call in stage_calls(ins, rows):  # the runtime's kernel calls, one launch each
+                items = call.items
                 blocks = [(len(it.q), len(it.kv), it.work * fpp, it.work) for it in items]
                 secs = hw.kernel.curve.launch_s + hw.kernel.blocks_time_py(blocks, phase, h // max(1, hkv)) + hw.kernel.grid_time(  # type: ignore[attr-defined]
                     max(x[0] for x in blocks), max(x[1] for x in blocks), len(blocks), h, phase) + hw.kernel.gqa_accum_time(  # type: ignore[attr-defined]
@@ -171,7 +168,7 @@ def _sap(b: Builder, r: int, prog: object, shape: HeadShape, scale: float, offse
                 b.busy(r, secs, "compute", f"stage {ins.stage}", sum(x[2] for x in blocks), hw.overlap_slowdown)  # type: ignore[attr-defined]
                 b.elementwise(r, sum(_item_merge_bytes(it, widths, cov) for it in items), hw, "merge local")  # type: ignore[arg-type]
         elif isinstance(ins, Merge):
-            b.elementwise(r, len(ins.tokens) * h * dv * merge_bytes("hsap", "fwd"), hw, "merge o")  # type: ignore[arg-type]
+            b.elementwise(r, len(ins.tokens) * shape.token_elements(Wire.O) * merge_bytes("hsap", "fwd"), hw, "merge o")  # type: ignore[arg-type]
         elif isinstance(ins, Accumulate):
-            width = h * d if ins.wire is Wire.DQ else hkv * (d + dv)
+            width = shape.token_elements(ins.wire)
             b.elementwise(r, len(ins.tokens) * width * merge_bytes("hsap", "bwd"), hw, f"accumulate {ins.wire.value}")  # type: ignore[arg-type]

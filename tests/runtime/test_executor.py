@@ -14,14 +14,15 @@ from megatron_hsap.errors import RuntimeMismatchError
 from megatron_hsap.plan import compile_plan
 from megatron_hsap.plan.ir import Compute, Segment, TokenRange
 from megatron_hsap.runtime import hsap_attn_func
-from megatron_hsap.runtime.executor import Executor, _out_for_delta, _Rows
+from megatron_hsap.plan.calls import LocalRows
+from megatron_hsap.runtime.executor import Executor, _out_for_delta
 from megatron_hsap.runtime.hsap import runner_for
 from tests.reference import reference_packed
 from tests.runtime import cases
 
 
 def test_rows_follow_segments():
-    rows = _Rows((Segment(TokenRange(10, 20), 0), Segment(TokenRange(40, 45), 10), Segment(TokenRange(45, 50), 15)))
+    rows = LocalRows((Segment(TokenRange(10, 20), 0), Segment(TokenRange(40, 45), 10), Segment(TokenRange(45, 50), 15)))
     assert rows(TokenRange(12, 20)) == slice(2, 10)
     assert rows(TokenRange(41, 44)) == slice(11, 14)
     assert rows(TokenRange(43, 48)) == slice(13, 18)  # adjacent segments: still contiguous rows

@@ -203,6 +203,7 @@ def test_watchdog_prunes_completed_rounds_when_many_are_filed(monkeypatch):
 
 def test_plan_metadata_is_uploaded_once_and_matches_the_items():
     from megatron_hsap.runtime.executor import executor_for
+    from megatron_hsap.runtime.prepared import ComputeCalls
     from megatron_hsap.runtime.upload import upload_count
 
     cu = [0, 3, 3, 10, 11, 20, 26, 40]
@@ -211,8 +212,7 @@ def test_plan_metadata_is_uploaded_once_and_matches_the_items():
     ex = executor_for(plan, None, "cpu", backend="cpu")
     assert executor_for(plan, None, "cpu", backend="cpu") is ex
     assert upload_count() - before == 1  # both phases, every call: one packed upload, once per plan
-    calls = [c for prep in (ex._fwd, ex._bwd) for step in prep.steps
-             if isinstance(step, tuple) and step[0] == "compute" for c in step[2]]  # fmt: skip
+    calls = [c for prep in (ex._fwd, ex._bwd) for step in prep.steps if isinstance(step, ComputeCalls) for c in step.calls]
     assert calls
     storages = {c.cu_q.untyped_storage().data_ptr() for c in calls} | {c.cu_k.untyped_storage().data_ptr() for c in calls}
     assert len(storages) == 1  # views of one buffer

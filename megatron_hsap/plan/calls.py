@@ -1,0 +1,143 @@
+"""Kernel calls: which compute items of a program run as ONE varlen attention call (docs/design.md §2.2).
+
+This module is the one definition of the grouping; the runtime (``runtime/prepared.py``) launches
+exactly these calls and the simulator (``sim/hsap.py``) and the head-chunk estimate price exactly
+these calls.
+
+The rule, per ``Compute`` instruction (one stage of one rank's program), walking its items in order:
+
+* An item that reads an operand from a pool slot or writes a result into a slot (work done for
+  another rank, or with another rank's rows) is a call of its own: its operands are views of whole
+  slots, which no other item shares.
+* Consecutive *local* items (every operand in the rank's local tensors, every result merged into its
+  local accumulators) are fused into one call when they agree on causality and on the kernel window
+  (``ComputeItem.kernel_window``) and each one's q rows and kv rows start at the local row where the
+  previous item's stopped. The fused call reads the contiguous row ranges ``q_rows``/``kv_rows``
+  with ``cu_seqlens`` built from the items' lengths; a varlen kernel treats every sequence on its
+  own, so fusing changes no number.
+
+Calls keep the items' order and never cross a stage (a ``Compute``), so they respect every ``Post``
+/ ``Wait`` dependency of the program. Pure Python: the local row of a global token comes from the
+rank's layout segments (:class:`LocalRows`).
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence
+
+from megatron_hsap.errors import RuntimeMismatchError
+from megatron_hsap.plan.ir import Compute, ComputeItem, Phase, Program, Segment, TokenRange, Wire
+
+if TYPE_CHECKING:
+    from megatron_hsap.plan.plan import Plan
+
+__all__ = ["LocalRows", "KernelCall", "is_local", "stage_calls", "program_calls", "call_counts"]
+
+
+class LocalRows:
+    """Global token range -> the slice of local rows of one inter rank (its layout ``segments``)."""
+
+    __slots__ = ("_starts", "_segs")
+
+    def __init__(self, segments: Sequence[Segment]) -> None:
+        self._segs = tuple(segments)
+        self._starts = [s.tokens.start for s in self._segs]
+
+    def __call__(self, tokens: TokenRange) -> slice:
+        i = bisect.bisect_right(self._starts, tokens.start) - 1
+        if i < 0:
+            raise RuntimeMismatchError(f"tokens {tokens} are not held by this rank; the plan and its layout disagree")
+        seg = self._segs[i]
+        a = seg.local_start + tokens.start - seg.tokens.start
+        end_seg = self._segs[bisect.bisect_right(self._starts, tokens.stop - 1) - 1]
+        b = end_seg.local_start + tokens.stop - end_seg.tokens.start
+        if tokens.stop > end_seg.tokens.stop or b - a != len(tokens):
+            raise RuntimeMismatchError(f"tokens {tokens} are not contiguous local rows of this rank; the plan and its layout disagree")
+        return slice(a, b)
+
+
+@dataclass(frozen=True, slots=True)
+class KernelCall:
+    """One varlen attention call of stage ``stage``: ``items`` (one, or several fused local ones).
+
+    ``q_rows`` / ``kv_rows``: the local rows the call reads (the items' rows back to back), or None
+    when the operand is a pool slot (then ``items`` is that one item)."""
+
+    stage: int
+    items: tuple[ComputeItem, ...]
+    q_rows: slice | None
+    kv_rows: slice | None
+
+    @property
+    def causal(self) -> bool:
+        return self.items[0].causal
+
+    @property
+    def window(self) -> tuple[int, int]:
+        """flash-attn ``window_size`` of every item of the call (``ComputeItem.kernel_window``)."""
+        return self.items[0].kernel_window
+
+    @property
+    def q_lengths(self) -> tuple[int, ...]:
+        return tuple(len(it.q) for it in self.items)
+
+    @property
+    def kv_lengths(self) -> tuple[int, ...]:
+        return tuple(len(it.kv) for it in self.items)
+
+    @property
+    def work(self) -> int:
+        return sum(it.work for it in self.items)
+
+
+def is_local(item: ComputeItem) -> bool:
+    """Every operand in the rank's local tensors and every result into its local accumulators."""
+    return all(s is None for _, s in item.srcs) and all(s is None for _, s in item.dsts)
+
+
+def _fusable(prev: ComputeItem, item: ComputeItem, rows: LocalRows) -> bool:
+    return (
+        is_local(prev) and is_local(item) and item.causal == prev.causal and item.kernel_window == prev.kernel_window
+        and rows(item.q).start == rows(prev.q).stop and rows(item.kv).start == rows(prev.kv).stop
+    )  # fmt: skip
+
+
+def stage_calls(compute: Compute, rows: LocalRows) -> tuple[KernelCall, ...]:
+    """The kernel calls of one ``Compute`` instruction, in the items' order (the module's rule)."""
+    calls: list[KernelCall] = []
+    batch: list[ComputeItem] = []
+
+    def flush() -> None:
+        if batch:
+            first, last = batch[0], batch[-1]
+            srcs = dict(first.srcs)
+            q_rows = slice(rows(first.q).start, rows(last.q).stop) if srcs[Wire.Q] is None else None
+            kv_rows = slice(rows(first.kv).start, rows(last.kv).stop) if srcs[Wire.KV] is None else None
+            calls.append(KernelCall(compute.stage, tuple(batch), q_rows, kv_rows))
+            batch.clear()
+
+    for it in compute.items:
+        if batch and not _fusable(batch[-1], it, rows):
+            flush()
+        batch.append(it)
+        if not is_local(it):
+            flush()
+    flush()
+    return tuple(calls)
+
+
+def program_calls(program: Program, segments: Sequence[Segment]) -> tuple[tuple[KernelCall, ...], ...]:
+    """The kernel calls of each ``Compute`` of ``program`` (in program order), one tuple per stage;
+    ``segments``: the layout segments of ``program``'s rank."""
+    rows = LocalRows(segments)
+    return tuple(stage_calls(ins, rows) for ins in program.instrs if isinstance(ins, Compute))
+
+
+def call_counts(plan: "Plan", phase: Phase | str) -> tuple[int, ...]:
+    """Kernel calls each inter rank makes in one SAP run of ``phase`` (per head chunk)."""
+    ph = Phase(phase)
+    return tuple(sum(len(calls) for calls in program_calls(plan.program(r, ph), plan.layout.segments[r]))
+                 for r in range(plan.inter_size))  # fmt: skip
+
