@@ -33,7 +33,7 @@ from megatron_hsap.plan.ir import Compute, ComputeItem, Phase, Program, Segment,
 if TYPE_CHECKING:
     from megatron_hsap.plan.plan import Plan
 
-__all__ = ["LocalRows", "KernelCall", "is_local", "stage_calls", "program_calls", "call_counts"]
+__all__ = ["LocalRows", "KernelCall", "all_local", "stage_calls", "program_calls", "call_counts"]
 
 
 class LocalRows:
@@ -92,14 +92,14 @@ class KernelCall:
         return sum(it.work for it in self.items)
 
 
-def is_local(item: ComputeItem) -> bool:
+def all_local(item: ComputeItem) -> bool:
     """Every operand in the rank's local tensors and every result into its local accumulators."""
     return all(s is None for _, s in item.srcs) and all(s is None for _, s in item.dsts)
 
 
 def _fusable(prev: ComputeItem, item: ComputeItem, rows: LocalRows) -> bool:
     return (
-        is_local(prev) and is_local(item) and item.causal == prev.causal and item.kernel_window == prev.kernel_window
+        all_local(prev) and all_local(item) and item.causal == prev.causal and item.kernel_window == prev.kernel_window
         and rows(item.q).start == rows(prev.q).stop and rows(item.kv).start == rows(prev.kv).stop
     )  # fmt: skip
 
@@ -122,7 +122,7 @@ def stage_calls(compute: Compute, rows: LocalRows) -> tuple[KernelCall, ...]:
         if batch and not _fusable(batch[-1], it, rows):
             flush()
         batch.append(it)
-        if not is_local(it):
+        if not all_local(it):
             flush()
     flush()
     return tuple(calls)

@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from megatron_hsap.errors import CommunicationError, ConfigError, RuntimeMismatchError
 from megatron_hsap.plan.checks import positive_int
+from megatron_hsap.plan.options import kv_heads_per_rank
 from megatron_hsap.runtime.p2p import group_ranks, wait_collective
 from megatron_hsap.runtime.watchdog import WATCHDOG
 
@@ -60,9 +61,18 @@ def _divisors(n: int) -> list[int]:
 
 
 def valid_intra_sizes(num_heads: int, num_kv_heads: int | None = None) -> list[int]:
-    """Intra sizes Ulysses can run with: ``P | H`` and (``P | Hkv`` or ``Hkv | P``) under GQA."""
+    """Intra sizes Ulysses can run with: ``P | H`` and (``P | Hkv`` or ``Hkv | P``) under GQA —
+    those ``plan/options.kv_heads_per_rank`` (the rule's home) accepts."""
     hkv = num_heads if num_kv_heads is None else num_kv_heads
-    return [p for p in _divisors(num_heads) if hkv % p == 0 or p % hkv == 0]
+    return [p for p in _divisors(num_heads) if _kv_rule_holds(num_heads, hkv, p)]
+
+
+def _kv_rule_holds(num_heads: int, num_kv_heads: int, intra_size: int) -> bool:
+    try:
+        kv_heads_per_rank(num_heads, num_kv_heads, intra_size)
+    except ConfigError:
+        return False
+    return True
 
 
 def check_heads_for_intra(num_heads: int, num_kv_heads: int, intra_size: int) -> None:
@@ -88,18 +98,19 @@ def check_heads_for_intra(num_heads: int, num_kv_heads: int, intra_size: int) ->
 
 
 def kv_heads_for_intra(num_kv_heads: int, intra_size: int) -> int:
-    """kv heads exchanged by the all-to-all: ``Hkv`` when ``P | Hkv``, ``P`` when ``Hkv | P``."""
+    """kv heads exchanged by the all-to-all: ``P`` × the kv heads per intra rank
+    (``plan/options.kv_heads_per_rank``), i.e. ``Hkv`` when ``P | Hkv``, ``P`` when ``Hkv | P``."""
     positive_int("num_kv_heads", num_kv_heads)
     positive_int("intra_size", intra_size)
-    if num_kv_heads % intra_size == 0:
-        return num_kv_heads
-    if intra_size % num_kv_heads == 0:
-        return intra_size
-    raise ConfigError(
-        f"intra_size (P_intra) = {intra_size} neither divides nor is a multiple of "
-        f"num_kv_heads={num_kv_heads}; valid intra sizes: the divisors {_divisors(num_kv_heads)} "
-        f"or multiples of {num_kv_heads} (that also divide num_heads)"
-    )
+    try:  # the rule's home; any multiple of both stands for num_heads (its split is check_heads_for_intra's)
+        per_rank = kv_heads_per_rank(num_kv_heads * intra_size, num_kv_heads, intra_size)
+    except ConfigError:
+        raise ConfigError(
+            f"intra_size (P_intra) = {intra_size} neither divides nor is a multiple of "
+            f"num_kv_heads={num_kv_heads}; valid intra sizes: the divisors {_divisors(num_kv_heads)} "
+            f"or multiples of {num_kv_heads} (that also divide num_heads)"
+        ) from None
+    return per_rank * intra_size
 
 
 def expand_kv_for_intra(kv: torch.Tensor, intra_size: int) -> torch.Tensor:

@@ -12,9 +12,9 @@ import torch
 
 from megatron_hsap.errors import RuntimeMismatchError
 from megatron_hsap.plan import compile_plan
-from megatron_hsap.plan.ir import Compute, Segment, TokenRange
+from megatron_hsap.plan.ir import Compute, Phase, Segment, TokenRange
 from megatron_hsap.runtime import hsap_attn_func
-from megatron_hsap.plan.calls import LocalRows
+from megatron_hsap.plan.calls import LocalRows, call_counts
 from megatron_hsap.runtime.executor import Executor, _out_for_delta
 from megatron_hsap.runtime.hsap import runner_for
 from tests.reference import reference_packed
@@ -116,3 +116,65 @@ def test_bytes_and_time_split_are_accounted(gloo_pool):
                 st = r["stats"][phase]
                 assert st["calls"] == 1 and st["compute_s"] > 0 and st["comm_s"] >= 0
                 assert st["wall_s"] >= st["compute_s"] and st["wall_s"] >= st["comm_s"]
+
+
+# --------------------------------------------------------------------------- kernel calls = plan/calls.py
+
+
+def _count_kernel_calls(plan, cu_seed: int) -> dict[str, int]:
+    """Run one forward and backward of ``plan`` on this rank (default group), counting the kernel
+    invocations themselves (the executor's attn_forward / attn_backward, patched)."""
+    import torch.distributed as dist
+
+    import megatron_hsap.runtime.executor as executor_mod
+
+    counts = {"fwd": 0, "bwd": 0}
+    fwd, bwd = executor_mod.attn_forward, executor_mod.attn_backward
+
+    def counting(fn, phase):
+        def wrapped(*args, **kwargs):
+            counts[phase] += 1
+            return fn(*args, **kwargs)
+        return wrapped
+
+    executor_mod.attn_forward, executor_mod.attn_backward = counting(fwd, "fwd"), counting(bwd, "bwd")
+    try:
+        group = None if plan.inter_size == 1 else dist.group.WORLD
+        ex = Executor(plan, group, "cpu", backend="cpu")
+        s, t = plan.shape, plan.chunk_tokens
+        gen = torch.Generator().manual_seed(cu_seed + ex.rank)
+        q = torch.randn(t, s.num_heads, s.head_dim, generator=gen)
+        k = torch.randn(t, s.num_kv_heads, s.head_dim, generator=gen)
+        v = torch.randn(t, s.num_kv_heads, s.head_dim_v, generator=gen)
+        out, lse = ex.forward(q, k, v, 0.5)
+        ex.backward(torch.randn(out.shape, generator=gen), q, k, v, out, lse, 0.5)
+    finally:
+        executor_mod.attn_forward, executor_mod.attn_backward = fwd, bwd
+    assert counts == {"fwd": ex.stats[Phase.FWD].kernel_calls, "bwd": ex.stats[Phase.BWD].kernel_calls}
+    return {"rank": ex.rank, **counts}
+
+
+def case_kernel_calls(specs: list[tuple]) -> list[dict[str, int]]:
+    return [_count_kernel_calls(compile_plan(cu, inter, 1, **_OPTS, **opts), n) for n, (cu, inter, opts) in enumerate(specs)]
+
+
+_OPTS = {"num_heads": 4, "num_kv_heads": 2, "head_dim": 8, "dtype_bytes": 4}
+
+
+def test_kernel_invocations_are_the_plans_calls_one_rank():
+    # stated property: the runtime launches exactly plan/calls.py's calls (one per stage here)
+    for cu, opts in (([*range(41), 45, 45, 60, 64], {}), ([0, 3, 9, 10, 30, 31, 32], {"window_size": (4, 0)})):
+        plan = compile_plan(cu, 1, 1, **_OPTS, **opts)
+        got = _count_kernel_calls(plan, 0)
+        assert (got["fwd"], got["bwd"]) == (call_counts(plan, "fwd")[0], call_counts(plan, "bwd")[0]) and got["fwd"] > 0
+
+
+def test_kernel_invocations_are_the_plans_calls_four_ranks(gloo_pool):
+    specs = [([0, 17, 60, 61, 128], 4, {"pool_bytes": 16384}), ([0, 100, 120, 128], 4, {"layout": "balanced", "layout_fallback": False}),
+             ([0, 30, 31, 90, 128], 4, {"window_size": (16, 0)})]  # fmt: skip
+    results = gloo_pool(4).run(case_kernel_calls, specs)
+    for i, (cu, inter, opts) in enumerate(specs):
+        plan = compile_plan(cu, inter, 1, **_OPTS, **opts)
+        want = {ph: call_counts(plan, ph) for ph in ("fwd", "bwd")}
+        got = {ph: tuple(r[i][ph] for r in sorted(results, key=lambda rr: rr[i]["rank"])) for ph in ("fwd", "bwd")}
+        assert got == want and sum(want["fwd"]) > 0

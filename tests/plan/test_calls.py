@@ -1,0 +1,134 @@
+"""plan/calls.py: the grouping of compute items into kernel calls (docs/design.md §2.2).
+
+Properties, on compiled plans of several packings, layouts, windows and rank counts:
+
+* every compute item of a stage is in exactly one call, in the items' order, and a call never
+  crosses a stage (so the program's Post/Wait dependencies hold for calls as for items);
+* a call is one item that touches a pool slot, or a run of local items on the same causality and
+  kernel window whose rows are consecutive — checked against an independent reference: the local
+  row of a token is its index in the rank's ``Layout.local_token_indices`` (numpy);
+* the grouping is maximal: two neighbouring calls of a stage could not have been one;
+* ``call_counts`` is the per-rank number of calls.
+
+The count against what the executor launches is in tests/runtime/test_executor.py (kernel
+invocations counted on CPU runs), and against what the simulator prices in tests/sim/test_hsap_calls.py.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from megatron_hsap.errors import RuntimeMismatchError
+from megatron_hsap.plan import compile_plan
+from megatron_hsap.plan.calls import KernelCall, LocalRows, call_counts, all_local, program_calls, stage_calls
+from megatron_hsap.plan.ir import Compute, ComputeItem, Phase, Segment, Slot, TokenRange, Wire
+
+PLANS = [  # (cu_seqlens, inter, intra, options)
+    ([*range(41), 45, 45, 60, 64], 1, 1, {}),  # 1×1: every item local
+    ([0, 3, 9, 10, 30, 31, 32], 1, 1, {"window_size": (4, 0)}),
+    ([0, 17, 60, 61, 128], 4, 1, {"pool_bytes": 4096}),
+    ([0, 100, 120, 128], 4, 1, {"layout": "balanced", "layout_fallback": False}),
+    ([0, 900, 1000, 3100, 3200, 4096], 4, 2, {"num_kv_heads": 2}),
+    ([0, 300, 301, 700, 1024], 2, 1, {"window_size": (64, 0)}),
+]
+
+
+def _plan(cu, inter, intra, options):
+    opts = {"num_heads": 4, "head_dim": 8, "dtype_bytes": 4, **options}
+    return compile_plan(cu, inter, intra, **opts)
+
+
+def _local_rows(plan, rank: int) -> dict[int, int]:
+    """Independent reference: global token -> local row (its index in the rank's local order)."""
+    p = plan.intra_size  # the inter rank's local order: its intra ranks' slices, in order
+    ids = np.concatenate([plan.layout.local_token_indices(rank * p + j) for j in range(p)])
+    return {int(t): i for i, t in enumerate(ids)}
+
+
+def _rows_of(ranges: list[TokenRange], where: dict[int, int]) -> list[int]:
+    return [where[t] for r in ranges for t in range(r.start, r.stop)]
+
+
+def _local(item: ComputeItem) -> bool:  # the reference's own reading of the item
+    return all(s is None for _, s in item.srcs + item.dsts)
+
+
+@pytest.mark.parametrize("case", range(len(PLANS)), ids=lambda i: f"plan{i}")
+def test_calls_partition_the_items_and_read_their_rows(case: int) -> None:
+    plan = _plan(*PLANS[case])
+    seen_fused = False
+    for phase in (Phase.FWD, Phase.BWD):
+        counts = call_counts(plan, phase)
+        assert len(counts) == plan.inter_size
+        for rank in range(plan.inter_size):
+            prog = plan.program(rank, phase)
+            where = _local_rows(plan, rank)
+            computes = [ins for ins in prog.instrs if isinstance(ins, Compute)]
+            per_stage = program_calls(prog, plan.layout.segments[rank])
+            assert len(per_stage) == len(computes)
+            assert sum(len(c) for c in per_stage) == counts[rank]
+            for ins, calls in zip(computes, per_stage):
+                # every item in exactly one call, in order; no call crosses the stage
+                assert [it for c in calls for it in c.items] == list(ins.items)
+                assert all(c.stage == ins.stage for c in calls)
+                for c in calls:
+                    if len(c.items) > 1:
+                        seen_fused = True
+                        assert all(_local(it) for it in c.items)
+                        assert len({(it.causal, it.kernel_window) for it in c.items}) == 1
+                    if c.q_rows is not None:  # the call's contiguous q rows are its items' rows
+                        assert list(range(c.q_rows.start, c.q_rows.stop)) == _rows_of([it.q for it in c.items], where)
+                    else:
+                        assert len(c.items) == 1 and dict(c.items[0].srcs)[Wire.Q] is not None
+                    if c.kv_rows is not None:
+                        assert list(range(c.kv_rows.start, c.kv_rows.stop)) == _rows_of([it.kv for it in c.items], where)
+                    else:
+                        assert len(c.items) == 1 and dict(c.items[0].srcs)[Wire.KV] is not None
+                    assert c.q_lengths == tuple(len(it.q) for it in c.items)
+                    assert c.work == sum(it.work for it in c.items)
+                # maximal: neighbours could not have been fused
+                for a, b in zip(calls, calls[1:]):
+                    x, y = a.items[-1], b.items[0]
+                    joinable = (_local(x) and _local(y) and x.causal == y.causal and x.kernel_window == y.kernel_window
+                                and where[y.q.start] == where[x.q.stop - 1] + 1
+                                and where[y.kv.start] == where[x.kv.stop - 1] + 1)  # fmt: skip
+                    assert not joinable, (a, b)
+    if case in (0, 2):
+        assert seen_fused  # the property is not vacuous: these packings do fuse local blocks
+
+
+def test_one_rank_plan_is_one_call_per_stage() -> None:
+    plan = _plan(*PLANS[0])
+    for phase in (Phase.FWD, Phase.BWD):
+        stages = sum(1 for ins in plan.program(0, phase).instrs if isinstance(ins, Compute))
+        items = sum(len(ins.items) for ins in plan.program(0, phase).instrs if isinstance(ins, Compute))
+        assert items > 40 and call_counts(plan, phase) == (stages,)
+
+
+def _item(q: tuple[int, int], kv: tuple[int, int], *, slot: bool = False, causal: bool = True) -> ComputeItem:
+    src = Slot(0, 64) if slot else None
+    return ComputeItem(TokenRange(*q), TokenRange(*kv), causal, ((Wire.Q, None), (Wire.KV, src)),
+                       ((Wire.O, None), (Wire.LSE, None)))  # fmt: skip
+
+
+def test_rule_by_hand() -> None:
+    rows = LocalRows((Segment(TokenRange(0, 40), 0),))
+    a, b = _item((0, 10), (0, 10)), _item((10, 20), (10, 20))
+    gap = _item((25, 30), (25, 30))  # rows 20..25 skipped: not adjacent to b
+    remote = _item((30, 35), (20, 25), slot=True, causal=False)  # kv from a slot: a call of its own
+    c = _item((35, 40), (35, 40))
+    calls = stage_calls(Compute(3, (a, b, gap, remote, c)), rows)
+    assert [cl.items for cl in calls] == [(a, b), (gap,), (remote,), (c,)]
+    assert calls[0] == KernelCall(3, (a, b), slice(0, 20), slice(0, 20))
+    assert calls[2].q_rows == slice(30, 35) and calls[2].kv_rows is None and not calls[2].causal
+    assert all_local(a) and not all_local(remote)
+
+
+def test_local_rows_follow_segments() -> None:
+    rows = LocalRows((Segment(TokenRange(10, 20), 0), Segment(TokenRange(40, 45), 10), Segment(TokenRange(45, 50), 15)))
+    assert rows(TokenRange(43, 48)) == slice(13, 18)  # adjacent segments: still contiguous rows
+    with pytest.raises(RuntimeMismatchError, match="not contiguous"):
+        rows(TokenRange(18, 42))
+    with pytest.raises(RuntimeMismatchError, match="not held"):
+        rows(TokenRange(0, 5))

@@ -1,0 +1,112 @@
+"""One home per rule (issue 17 items 3 and 4), the rules engineer H2's change folded:
+
+* which compute items form one kernel call: ``plan/calls.py``; the executor's prepared steps, the
+  simulator and the head-chunk estimate import it and group nothing themselves;
+* per-wire row shapes and element sizes: ``plan/costs.py`` (``HeadShape.row_shapes``,
+  ``element_bytes``, ``FP32_WIRES``); the executor's slot views and the simulator's merge widths
+  read them instead of tables of their own;
+* the kv heads per intra rank: ``plan/options.kv_heads_per_rank``; Ulysses and the simulator
+  import it;
+* the executor dispatches on typed prepared instructions, never on string tags (``step[0]``).
+
+Checked on the syntax trees of the package (imports, definitions, literals), so a copy that comes
+back under another name but the same shape still fails."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import megatron_hsap
+
+PKG = Path(megatron_hsap.__file__).resolve().parent
+SOURCES = {p.relative_to(PKG).as_posix(): ast.parse(p.read_text()) for p in sorted(PKG.rglob("*.py"))}
+
+
+def _imports(path: str) -> set[tuple[str, str]]:
+    """(module, name) of every ``from module import name`` of ``path`` (module level or local)."""
+    return {(node.module or "", a.name) for node in ast.walk(SOURCES[path]) if isinstance(node, ast.ImportFrom)
+            for a in node.names}  # fmt: skip
+
+
+def _functions(name: str) -> list[str]:
+    return [f"{path}:{node.name}" for path, tree in SOURCES.items() for node in ast.walk(tree)
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == name]  # fmt: skip
+
+
+def _wire_members(node: ast.AST) -> set[str]:
+    """``Wire.X`` attribute names directly in a literal (set, tuple, list, dict keys)."""
+    elts = node.keys if isinstance(node, ast.Dict) else getattr(node, "elts", [])
+    return {e.attr for e in elts if isinstance(e, ast.Attribute) and isinstance(e.value, ast.Name) and e.value.id == "Wire"}
+
+
+_HEAD_SIZES = {"num_heads", "num_kv_heads", "head_dim", "head_dim_v", "dtype_bytes"}
+
+
+def _sizes(value: ast.AST) -> bool:
+    """Whether a table value is size arithmetic (``h * dv * b``, ``s.num_heads``), not a tensor."""
+    for n in ast.walk(value):
+        if isinstance(n, ast.BinOp) or isinstance(n, ast.Attribute) and n.attr in _HEAD_SIZES:
+            return True
+    return False
+
+
+def test_kernel_call_grouping_has_one_home() -> None:
+    for name in ("stage_calls", "program_calls", "call_counts", "all_local", "_fusable"):
+        got = _functions(name)
+        assert got == [f"plan/calls.py:{name}"], got
+    assert ("megatron_hsap.plan.calls", "stage_calls") in _imports("runtime/prepared.py")
+    assert ("megatron_hsap.plan.calls", "stage_calls") in _imports("sim/hsap.py")
+    assert ("megatron_hsap.plan.calls", "call_counts") in _imports("plan/chunks.py")
+    # the old copies grouped by a key of (srcs, causal) or tested "every src is None" themselves
+    for path, tree in SOURCES.items():
+        if path == "plan/calls.py":
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Tuple) and len(node.elts) == 2 and all(isinstance(e, ast.Attribute) for e in node.elts):
+                assert {e.attr for e in node.elts} != {"srcs", "causal"}, f"{path}: a kernel-call grouping key"
+        text = ast.unparse(tree)
+        assert "in item.srcs) and all(" not in text and "_local_only" not in text, path
+
+
+def test_local_rows_have_one_home() -> None:
+    # runtime/prepared.py's Rows moved to plan/calls.py (LocalRows); nothing else maps tokens to rows by bisect
+    classes = [f"{p}:{n.name}" for p, t in SOURCES.items() for n in ast.walk(t) if isinstance(n, ast.ClassDef)
+               and n.name in {"Rows", "_Rows", "LocalRows"}]  # fmt: skip
+    assert classes == ["plan/calls.py:LocalRows"]
+
+
+def test_wire_formats_have_one_home() -> None:
+    fp32_sets = [p for p, t in SOURCES.items() for n in ast.walk(t)
+                 if isinstance(n, (ast.Set, ast.Tuple, ast.List)) and {"LSE", "DELTA", "DQ", "DKV"} <= _wire_members(n)]  # fmt: skip
+    assert fp32_sets == ["plan/costs.py"], fp32_sets
+    for path in ("runtime/executor.py", "sim/hsap.py"):  # no per-wire table of their own
+        tables = [n for n in ast.walk(SOURCES[path]) if isinstance(n, ast.Dict) and _wire_members(n)
+                  and any(_sizes(v) for v in n.values)]  # fmt: skip
+        assert not tables, f"{path} has its own per-wire table: {[ast.unparse(t)[:60] for t in tables]}"
+    assert ("megatron_hsap.plan.costs", "FP32_WIRES") in _imports("runtime/executor.py")
+    text = ast.unparse(SOURCES["runtime/executor.py"])
+    assert ".row_shapes(" in text and ".element_bytes(" in text
+    assert ".token_elements(" in ast.unparse(SOURCES["sim/hsap.py"])
+
+
+def test_kv_heads_per_rank_has_one_home() -> None:
+    assert _functions("kv_heads_per_rank") == ["plan/options.py:kv_heads_per_rank"]
+    assert _functions("_kv_heads_exchanged") == []
+    for path in ("sim/hsap.py", "runtime/ulysses.py"):
+        assert ("megatron_hsap.plan.options", "kv_heads_per_rank") in _imports(path), path
+    # the rule's two modulo tests (Hkv % P, P % Hkv) are written only in its home
+    for path in ("sim/hsap.py", "runtime/ulysses.py"):
+        for node in ast.walk(SOURCES[path]):
+            if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mod):
+                operands = {ast.unparse(node.left), ast.unparse(node.right)}
+                assert not (operands & {"hkv", "num_kv_heads"} and operands & {"p", "intra", "intra_size"}), (
+                    f"{path}: {ast.unparse(node)} restates the kv-heads rule")
+
+
+def test_executor_dispatches_on_types() -> None:
+    tree = SOURCES["runtime/executor.py"]
+    text = ast.unparse(tree)
+    assert "step[0]" not in text and '"post"' not in text and '"compute"' not in text
+    assert any(isinstance(n, ast.Match) for n in ast.walk(tree))
+    assert "step[0]" not in ast.unparse(SOURCES["runtime/prepared.py"])
