@@ -56,9 +56,9 @@ def test_positive_int_defined_once():
 
 # Inline copies not folded yet (a ratchet: this set may only shrink). rendezvous stays torch- and
 # numpy-free on purpose (it runs before any planner import); baselines/ and sim/ belong to the
-# simulator's owner; chunks/workloads/memory carry their own messages, tested elsewhere.
+# simulator's owner; options (head_chunks, moved from chunks)/workloads/memory carry their own messages, tested elsewhere.
 INLINE_LEFT = {"runtime/rendezvous.py", "baselines/windowed.py", "baselines/flat.py", "baselines/hierarchical.py",
-               "sim/cluster.py", "plan/chunks.py", "plan/workloads.py", "bench/memory.py"}
+               "sim/cluster.py", "plan/options.py", "plan/workloads.py", "bench/memory.py"}
 
 
 def test_no_inline_positive_int_copies():
@@ -107,3 +107,90 @@ def test_lru_semantics():
     assert len(c) == 0
     with pytest.raises(ConfigError, match="maxsize must be an integer >= 1"):
         LRUCache(0)
+
+
+# --- the causal pair count: one closed form (plan/window.staircase_pairs), one block count
+# (plan/window.banded_pairs, spelled units.causal_work on TokenRanges); every copy calls one of them.
+
+def _staircase_forms(tree: ast.AST) -> list[str]:
+    """``x * (x ± 1) // 2`` or ``/ 2`` (the closed form written out)."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.FloorDiv, ast.Div)) and \
+                isinstance(node.right, ast.Constant) and node.right.value == 2 and \
+                isinstance(node.left, ast.BinOp) and isinstance(node.left.op, ast.Mult):
+            a, b = node.left.left, node.left.right
+            for x, y in ((a, b), (b, a)):
+                if isinstance(y, ast.BinOp) and isinstance(y.op, (ast.Add, ast.Sub)) and \
+                        isinstance(y.right, ast.Constant) and y.right.value == 1 and ast.unparse(y.left) == ast.unparse(x):
+                    out.append(ast.unparse(node))
+                    break
+    return out
+
+
+# Written-out copies left (a ratchet: may only shrink): files of other owners (the calibration
+# fit's reference count, the windowed baselines, the cost model's tile efficiency), and one form
+# that is not an integer count (flat's diagonal block at P = 1 has c = l/2 rows).
+STAIRCASE_LEFT = {"bench/gpu_calibration.py", "baselines/windowed.py", "sim/constants.py"}
+STAIRCASE_FORMS_LEFT = {("baselines/flat.py", "c * (c + 1) / 2")}
+
+
+def test_causal_closed_form_written_once():
+    users = {path: forms for path, tree in SOURCES.items() if (forms := _staircase_forms(tree))}
+    assert set(users.pop("plan/window.py")) == {"n * (n - 1) // 2"}  # staircase_pairs itself
+    left = {(p, f) for p, forms in users.items() if p not in STAIRCASE_LEFT for f in forms} - STAIRCASE_FORMS_LEFT
+    assert not left, sorted(left)
+
+
+def _function(path: str, name: str) -> ast.FunctionDef:
+    """``name`` (``f`` or ``Class.f``) in ``path``."""
+    tree = SOURCES[path]
+    *cls, fn = name.split(".")
+    scope = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls[0]).body if cls else tree.body
+    return next(n for n in scope if isinstance(n, ast.FunctionDef) and n.name == fn)
+
+
+def _calls(fn: ast.AST) -> set[str]:
+    return {n.func.id if isinstance(n.func, ast.Name) else n.func.attr
+            for n in ast.walk(fn) if isinstance(n, ast.Call) and isinstance(n.func, (ast.Name, ast.Attribute))}
+
+
+@pytest.mark.parametrize("path,name,home", [
+    ("plan/units.py", "causal_work", "banded_pairs"),
+    ("plan/ir.py", "Unit.work", "banded_pairs"),
+    ("plan/ir.py", "ComputeItem.work", "banded_pairs"),
+    ("plan/window.py", "banded_pairs", "staircase_pairs"),
+    ("plan/window.py", "doc_pairs", "banded_pairs"),
+    ("plan/placement.py", "Placement.rows_work", "staircase_pairs"),
+    ("plan/placement.py", "rows_for_work", "staircase_pairs"),
+    ("plan/balanced.py", "piece_work", "staircase_pairs"),
+    ("plan/layout.py", "Batch.doc_work", "staircase_pairs"),
+    ("sim/builder.py", "causal_pairs", "staircase_pairs"),
+    ("baselines/flat.py", "_causal_pairs", "staircase_pairs"),
+])
+def test_causal_count_copies_call_the_home(path, name, home):
+    assert home in _calls(_function(path, name)), f"{path}:{name} must count pairs through {home}"
+
+
+def test_causal_count_forms_agree():
+    import numpy as np
+
+    from megatron_hsap.baselines.flat import _causal_pairs
+    from megatron_hsap.plan.balanced import piece_work
+    from megatron_hsap.plan.ir import TokenRange
+    from megatron_hsap.plan.units import causal_work
+    from megatron_hsap.plan.window import banded_pairs, staircase_pairs
+    from megatron_hsap.sim.builder import causal_pairs
+
+    brute = lambda qs, qe, ks: sum(1 for i in range(qs, qe) for j in range(ks, qe) if j <= i)  # noqa: E731
+    for qs, qe, ks in ((0, 1, 0), (3, 9, 0), (5, 12, 2), (4, 4, 0), (7, 8, 7)):
+        want = brute(qs, qe, ks)
+        assert staircase_pairs(qe - qs, qs - ks + 1) == banded_pairs(qs, qe, ks, qe) == want
+        assert causal_work(TokenRange(qs, qe), TokenRange(ks, qe), True) == piece_work(ks, qs, qe) == want
+    n, first = np.array([0, 1, 5, 1000]), np.array([1, 3, 1, 7])
+    assert causal_pairs(n, first).tolist() == [float(staircase_pairs(int(a), int(b))) for a, b in zip(n, first)]
+    assert _causal_pairs(np.array([3, 8])) == brute(0, 3, 0) + brute(0, 8, 0)
+
+
+def test_staircase_scanner_can_fail():
+    assert _staircase_forms(ast.parse("y = n * (n + 1) // 2\nz = (m - 1) * m / 2\n")) == ["n * (n + 1) // 2", "(m - 1) * m / 2"]

@@ -37,6 +37,7 @@ from megatron_hsap.plan.costs import HeadShape
 from megatron_hsap.plan.hardware import Hardware, LinkClass
 from megatron_hsap.plan.ir import Wire
 from megatron_hsap.plan.layout import normalize_cu_seqlens
+from megatron_hsap.plan.window import staircase_pairs
 
 __all__ = ["BASELINES", "BaselineCost", "price_baseline", "unavailable_reason"]
 
@@ -109,18 +110,18 @@ def _rounds_time(env: _Env, compute: np.ndarray, sent: np.ndarray, recv: np.ndar
 
 
 def _causal_pairs(lengths: np.ndarray) -> float:
-    """Σ l(l+1)/2: the unmasked pairs of causal documents of these lengths."""
-    lengths = lengths.astype(np.float64)
-    return float((lengths * (lengths + 1) / 2).sum())
+    """Σ l(l+1)/2: the unmasked pairs of causal documents of these lengths (``plan/window.py``'s
+    ``staircase_pairs`` in float64)."""
+    return float(staircase_pairs(lengths.astype(np.float64)).sum())
 
 
 def _prefix_pairs(cu: np.ndarray, x: np.ndarray) -> np.ndarray:
     """Document-causal pairs whose q row is < x, for each x in ``x`` (float64, same shape)."""
     lengths = np.diff(cu).astype(np.float64)
-    before = np.concatenate(([0.0], np.cumsum(lengths * (lengths + 1) / 2)))
+    before = np.concatenate(([0.0], np.cumsum(staircase_pairs(lengths))))
     doc = np.clip(np.searchsorted(cu, x, side="right") - 1, 0, len(lengths))
     inside = (x - cu[doc]).astype(np.float64)  # rows of document `doc` below x
-    return before[doc] + inside * (inside + 1) / 2
+    return before[doc] + staircase_pairs(inside)
 
 
 def _price_te_thd_ring(env: _Env, pad_compute: bool = True) -> BaselineCost:
@@ -366,7 +367,7 @@ def _price_distflashattn(env: _Env) -> BaselineCost:
         return 1 <= s <= S and 2 * s != P
 
     compute = np.zeros((S + 2, P))  # rows 0..S steps, S+1 the tail (no compute)
-    compute[0] = L * (L + 1) / 2
+    compute[0] = staircase_pairs(L)
     for s in range(1, S + 1):
         compute[s] = np.where((ranks >= s) | helping(s), L * L, 0.0)
 

@@ -95,7 +95,7 @@ class HSAPMethod(Method):
         from megatron_hsap.runtime.ulysses import ulysses_bytes
 
         o = self.plan.options
-        inter = int(self.plan.stats()["bytes_sent_per_rank"][self.cp_rank // o.intra_size])
+        inter = int(self.plan.stats().bytes_sent_per_rank[self.cp_rank // o.intra_size])
         intra = 0
         if o.intra_size > 1:
             intra = ulysses_bytes(self.local_tokens, o.num_heads, o.num_kv_heads or o.num_heads, o.head_dim,

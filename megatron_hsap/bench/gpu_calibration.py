@@ -281,7 +281,7 @@ def compare_ranks(
 ) -> list[dict[str, float]]:
     """Per inter rank: planned work (pairs), the model's kernel seconds for its calls, and the
     measured kernel seconds (``time_call(phase, items)``), forward + backward."""
-    work = plan.stats()["work_per_rank"]
+    work = plan.stats().work_per_rank
     rows = []
     for rank in range(plan.inter_size):
         predicted = measured = 0.0

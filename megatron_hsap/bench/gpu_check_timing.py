@@ -150,7 +150,7 @@ def _check_yaml_loads(ctx: Any, path: Path, cal: gc.Calibration, hardware: str) 
         # compute bound = work · (c/rate_fwd + 2.5c/rate_bwd): priced with the calibrated rates
         ref = HARDWARE[hardware]
         want = (1 / hw.attn_fwd_flops + 2.5 / hw.attn_bwd_flops) / (1 / ref.attn_fwd_flops + 2.5 / ref.attn_bwd_flops)
-        ratio = (stats["compute_bound_s"] / base["compute_bound_s"]) / want
+        ratio = (stats.compute_bound_s / base.compute_bound_s) / want
         ctx.add("calibrate", f"planner prices with {registered}", abs(ratio - 1), 0.05,
                 f"flat fwd {hw.attn_fwd_flops:.3g} bwd {hw.attn_bwd_flops:.3g} FLOP/s")  # fmt: skip
     finally:

@@ -25,7 +25,7 @@ f ffn size, V padded vocab, t TP, L layers per pipeline stage):
   + 2sbV/t bf16 logits in flight.
 * Attention method buffers (one layer at a time, on top of the above):
   HSAP — the receive pool: ``parallel.hsap_pool_bytes`` if set, else for the config's own layout
-  ``compile_plan(...).stats()["pool_capacity_bytes"]`` (compiled once on the shortest valid
+  ``compile_plan(...).stats().pool_capacity_bytes`` (compiled once on the shortest valid
   length, scaled per inter-chunk token) and for the other layouts, or without the planner, its
   default 4 × inter chunk tokens × H/(t·P_intra) × (d_qk + d_v) × 2 bytes;
   the intra all-to-all buffers (received q, kv, o and their contiguous send copies; kv heads
@@ -247,12 +247,12 @@ def _calibrate(cfg: LaunchConfig, lay: Layout) -> tuple[float | None, str] | Non
                             dtype_bytes=BF16, pad_multiple=lay.tensor if lay.sequence_parallel else 1,
                             tp_size=lay.tensor, gpus_per_node=cfg.cluster.gpus_per_node,
                             hardware=cfg.cluster.hardware)
-        capacity = int(plan.stats()["pool_capacity_bytes"])
+        capacity = int(plan.stats().pool_capacity_bytes)
     except ImportError:
         return None
     except (AttributeError, KeyError, TypeError) as exc:  # a planner API this file does not know
         return None, f"formula (compile_plan unusable: {type(exc).__name__}: {exc})"
-    return capacity / (ref // lay.inter), "compile_plan stats()['pool_capacity_bytes']"
+    return capacity / (ref // lay.inter), "compile_plan stats().pool_capacity_bytes"
 
 
 def _attention_bytes(cfg: LaunchConfig, seq: int, s: int, lay: Layout, pool: PoolFn) -> tuple[int, str]:

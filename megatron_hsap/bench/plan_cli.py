@@ -22,6 +22,7 @@ from megatron_hsap.argtypes import (HelpFormatter, add_topology_args, link_line,
 from megatron_hsap.errors import HSAPError
 from megatron_hsap.plan import compile_plan
 from megatron_hsap.plan.ir import Phase
+from megatron_hsap.plan.stats import PlanStats
 
 __all__ = ["main", "sample_cu_seqlens", "plot_plan"]
 
@@ -95,9 +96,9 @@ def plot_plan(plan, path: Path, *, max_labels: int = 400) -> Path:
     ax.set_xlabel("key token (KV)")
     ax.set_ylabel("query token (Q)")
     s = plan.stats()
-    ax.set_title(f"SAP plan: {plan.inter_size} inter ranks, {s['placement']}\n"
-                 f"colour = computing rank, number = stage; imbalance {s['imbalance']:.3f}, "
-                 f"efficiency {s['efficiency']:.3f}", fontsize=9, pad=24)
+    ax.set_title(f"SAP plan: {plan.inter_size} inter ranks, {s.placement}\n"
+                 f"colour = computing rank, number = stage; imbalance {s.imbalance:.3f}, "
+                 f"efficiency {s.efficiency:.3f}", fontsize=9, pad=24)
     handles = [plt.Line2D([], [], marker="s", ls="", color=cmap(r % cmap.N), label=f"rank {r}") for r in range(plan.inter_size)]
     ax.legend(handles=handles, fontsize=7, loc="upper right", ncol=2 if plan.inter_size > 8 else 1)
     fig.tight_layout()
@@ -108,7 +109,7 @@ def plot_plan(plan, path: Path, *, max_labels: int = 400) -> Path:
     return path
 
 
-def _stats_lines(s: dict) -> list[str]:
+def _stats_lines(s: PlanStats) -> list[str]:
     keys = [
         ("placement", "{}"), ("imbalance", "{:.3f}"), ("owner_imbalance", "{:.3f}"), ("estimated_time_s", "{:.4g} s"),
         ("owner_computes_time_s", "{:.4g} s"), ("lower_bound_s", "{:.4g} s"), ("efficiency", "{:.3f}"),
@@ -117,7 +118,7 @@ def _stats_lines(s: dict) -> list[str]:
         ("rounds_bwd", "{}"), ("pool_capacity_bytes", "{:,} B"), ("pool_peak_bytes", "{:,} B"), ("pool_use", "{:.2f}"),
         ("compute_items", "{}"), ("messages_fwd", "{}"), ("messages_bwd", "{}"), ("head_chunks", "{}"),
     ]
-    return [f"  {k:<24} {fmt.format(s[k])}" for k, fmt in keys if k in s]
+    return [f"  {k:<24} {fmt.format(getattr(s, k))}" for k, fmt in keys]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -197,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
                             head_dim=args.head_dim, head_dim_v=args.head_dim_v, dtype_bytes=args.dtype_bytes, **options)
         compile_s = time.perf_counter() - t0
         stats = plan.stats()
-        rank = args.rank if args.rank is not None else int(np.argmax(stats["work_per_rank"]))
+        rank = args.rank if args.rank is not None else int(np.argmax(stats.work_per_rank))
         if not 0 <= rank < plan.inter_size:
             raise SystemExit(f"--rank {rank} is out of range for {plan.inter_size} inter ranks")
         verdict = "skipped"
@@ -223,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         out = {"cu_seqlens": list(cu), "compile_s": compile_s, "rank": rank, "phase": args.phase,
                "link": plan.link.value, "link_reason": links, "layout": plan.layout.name,
                "layout_requested": plan.options.layout,
-               "stats": stats, "program": program, "verification": verdict,
+               "stats": stats.as_dict(), "program": program, "verification": verdict,
                "plot": str(plot_path) if plot_path else None}
         print(json.dumps(out, indent=2, default=lambda o: o.tolist() if hasattr(o, "tolist") else str(o)))
         return 0
@@ -237,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     print(program)
     print("\nplan:")
     print("\n".join(_stats_lines(stats)))
-    print(f"  {'work_per_rank':<24} {stats['work_per_rank']}")
+    print(f"  {'work_per_rank':<24} {list(stats.work_per_rank)}")
     print(f"\nverification: {verdict}")
     if plot_path:
         print(f"plot: {plot_path}")

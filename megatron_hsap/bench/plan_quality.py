@@ -114,18 +114,18 @@ def measure_point(pt: Point, hardware: str = "a100", layouts: tuple[str, ...] = 
         def add(method: str, metric: str, value: float) -> None:
             rows.append(base + (seed, method, metric, float(value), METRICS.get(metric, ("", ""))[0]))
 
-        add("hsap", "imbalance", s["imbalance"])
-        add("hsap", "owner_imbalance", s["owner_imbalance"])
-        add("hsap", "bytes", s["bytes_total"])
-        add("hsap", "bytes_over_necessary", s["bytes_over_necessary"] if math.isfinite(s["bytes_over_necessary"]) else 0.0)
-        add("hsap", "estimated_time", s["estimated_time_s"])
-        add("hsap", "lower_bound", s["lower_bound_s"])
-        add("hsap", "efficiency", s["efficiency"])
-        add("hsap", "compute_efficiency", s["compute_efficiency"])
-        add("hsap", "compute_dominated", float(s["compute_dominated"]))
-        add("hsap", "owner_time", s["owner_computes_time_s"])
-        add("hsap", "pool_use", s["pool_use"])
-        add("hsap", "rounds", s["rounds_fwd"] + s["rounds_bwd"])
+        add("hsap", "imbalance", s.imbalance)
+        add("hsap", "owner_imbalance", s.owner_imbalance)
+        add("hsap", "bytes", s.bytes_total)
+        add("hsap", "bytes_over_necessary", s.bytes_over_necessary if math.isfinite(s.bytes_over_necessary) else 0.0)
+        add("hsap", "estimated_time", s.estimated_time_s)
+        add("hsap", "lower_bound", s.lower_bound_s)
+        add("hsap", "efficiency", s.efficiency)
+        add("hsap", "compute_efficiency", s.compute_efficiency)
+        add("hsap", "compute_dominated", float(s.compute_dominated))
+        add("hsap", "owner_time", s.owner_computes_time_s)
+        add("hsap", "pool_use", s.pool_use)
+        add("hsap", "rounds", s.rounds_fwd + s.rounds_bwd)
         add("hsap", "compile_time", dt)
         best = math.inf
         for method in BASELINES:
@@ -138,9 +138,9 @@ def measure_point(pt: Point, hardware: str = "a100", layouts: tuple[str, ...] = 
                 best = min(best, cost.time)
             if method == "te_thd_ring":
                 te = float(cost.bytes_sent.sum())
-                add("hsap", "bytes_over_te", s["bytes_total"] / te if te else 0.0)
+                add("hsap", "bytes_over_te", s.bytes_total / te if te else 0.0)
         if math.isfinite(best):
-            add("hsap", "best_baseline_over_hsap", best / s["estimated_time_s"])
+            add("hsap", "best_baseline_over_hsap", best / s.estimated_time_s)
         if "balanced" in layouts:
             clear_plan_cache()
             t0 = time.perf_counter()
@@ -149,20 +149,20 @@ def measure_point(pt: Point, hardware: str = "a100", layouts: tuple[str, ...] = 
             bt = time.perf_counter() - t0
             b = bal.stats()
             for metric in ("imbalance", "owner_imbalance", "efficiency", "compute_efficiency"):
-                add("hsap-balanced", metric, b[metric])
-            add("hsap-balanced", "estimated_time", b["estimated_time_s"])
-            add("hsap-balanced", "compute_dominated", float(b["compute_dominated"]))
-            if b["compute_dominated"]:  # the issue's ≥ 0.9 target applies to these batches only
-                add("hsap-balanced", "dominated_compute_efficiency", b["compute_efficiency"])
-            add("hsap-balanced", "bytes", b["bytes_total"])
+                add("hsap-balanced", metric, getattr(b, metric))
+            add("hsap-balanced", "estimated_time", b.estimated_time_s)
+            add("hsap-balanced", "compute_dominated", float(b.compute_dominated))
+            if b.compute_dominated:  # the issue's ≥ 0.9 target applies to these batches only
+                add("hsap-balanced", "dominated_compute_efficiency", b.compute_efficiency)
+            add("hsap-balanced", "bytes", b.bytes_total)
             add("hsap-balanced", "compile_time", bt)
-            choice = kept_layout(s["estimated_time_s"], b["estimated_time_s"], s["compute_bound_s"])
-            kept = b["estimated_time_s"] if choice == "balanced" else s["estimated_time_s"]  # what layout="balanced" ships
+            choice = kept_layout(s.estimated_time_s, b.estimated_time_s, s.compute_bound_s)
+            kept = b.estimated_time_s if choice == "balanced" else s.estimated_time_s  # what layout="balanced" ships
             add("hsap-kept", "estimated_time", kept)
             add("hsap-kept", "compile_time", bt + dt)  # it compiles both layouts
             add("hsap-kept", "balanced_kept", float(choice == "balanced"))
-            add("hsap-kept", "balanced_over_contiguous", b["estimated_time_s"] / s["estimated_time_s"])
-            add("hsap-kept", "kept_over_contiguous", kept / s["estimated_time_s"])
+            add("hsap-kept", "balanced_over_contiguous", b.estimated_time_s / s.estimated_time_s)
+            add("hsap-kept", "kept_over_contiguous", kept / s.estimated_time_s)
     return rows
 
 

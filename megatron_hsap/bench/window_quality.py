@@ -7,7 +7,7 @@ each batch is planned twice with the same options — full causal, and with a sl
 bytes moved (forward + backward), estimated time (docs/design.md §4 model, A100 constants) and
 total work. Both plans choose their own layout (``layout="balanced"`` with its fallback, the
 default); ``--shared-layout`` compiles the windowed plan on the full plan's layout instead
-(``Plan.with_window``, what a model mixing full and windowed layers runs).
+(``shared_layout.compile_on_layout``, what a model mixing full and windowed layers runs).
 
 Writes ``window_quality.csv`` (the docs/design.md §4 columns) and ``window_quality.md`` (median and
 worst over the seeds of windowed / full ratios) under ``--out``.
@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from megatron_hsap.plan import compile_plan
+from megatron_hsap.plan.shared_layout import compile_on_layout
 from megatron_hsap.plan.hardware import HARDWARE, LinkClass, link_class_for
 from megatron_hsap.plan.workloads import pack_batches
 
@@ -53,14 +54,14 @@ def measure(window: int, seeds: int, points=POINTS, workloads=WORKLOADS, shared_
                 for seed, cu in enumerate(batches):
                     kw = dict(num_heads=hq, num_kv_heads=hkv, head_dim=128, link=link)
                     full = compile_plan(cu, P, **kw)
-                    win = full.with_window((window, 0)) if shared_layout else compile_plan(cu, P, window_size=(window, 0), **kw)
+                    win = compile_on_layout(full, (window, 0)) if shared_layout else compile_plan(cu, P, window_size=(window, 0), **kw)
                     for method, plan in (("hsap-full", full), (f"hsap-window{window}", win)):
                         s = plan.stats()
                         base = ("window_quality", workload, T, 1, P, link, f"{hq}/{hkv}", seed, method)
-                        rows += [base + ("bytes", float(s["bytes_total"]), "B"),
-                                 base + ("estimated_time", float(s["estimated_time_s"]), "s"),
-                                 base + ("total_work", float(s["total_work"]), "pairs"),
-                                 base + ("imbalance", float(s["imbalance"]), "ratio")]
+                        rows += [base + ("bytes", float(s.bytes_total), "B"),
+                                 base + ("estimated_time", float(s.estimated_time_s), "s"),
+                                 base + ("total_work", float(s.total_work), "pairs"),
+                                 base + ("imbalance", float(s.imbalance), "ratio")]
     return rows
 
 
@@ -122,8 +123,8 @@ def measure_peers(window: int, seeds: int, points=POINTS, workloads=WORKLOADS, s
                     kw = dict(num_heads=hq, num_kv_heads=hkv, head_dim=128, link=link)
                     for method, opts in (("hsap-full", {}), ("hsap-window", {"window_size": (window, 0)})):
                         st = compile_plan(cu, P, **kw, **opts).stats()
-                        sent, recv = np.asarray(st["bytes_sent_per_rank"]), np.asarray(st["bytes_recv_per_rank"])
-                        emit(method, float(np.max(np.maximum(sent, recv))), st["estimated_time_s"])
+                        sent, recv = np.asarray(st.bytes_sent_per_rank), np.asarray(st.bytes_recv_per_rank)
+                        emit(method, float(np.max(np.maximum(sent, recv))), st.estimated_time_s)
                         if sim is not None:
                             shw, fshape, run_method = sim
                             r = run_method("hsap", cu, hw=shw, intra=1, inter=P, shape=fshape(hq, hkv),

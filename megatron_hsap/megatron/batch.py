@@ -29,6 +29,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 
 from megatron_hsap.errors import BatchError, ConfigError
 from megatron_hsap.megatron.batch_agreement import agree_before_sharding, check_consistent
+from megatron_hsap.plan import shared_layout
 
 if TYPE_CHECKING:
     from megatron_hsap.plan import Plan
@@ -362,7 +363,7 @@ def plan_for_batch(batch: "Mapping[str, Any] | PackedBatch", *, config: Any = No
     """The plan ``get_batch_on_this_cp_rank(batch, config=..., plan_kwargs=...)`` would compile for
     this micro-batch (pure CPU work, no collective: safe on ``PlanPrefetcher``'s worker thread).
     The plans of the model's sliding windows (``windows``, default from ``config``'s layers:
-    ``megatron/windows.py``) are compiled here too, on this plan's layout (``Plan.with_window``,
+    ``megatron/windows.py``) are compiled here too, on this plan's layout (``shared_layout.compile_on_layout``,
     cached), so the core attention of every layer finds its plan ready."""
     packed = batch if isinstance(batch, PackedBatch) else pack_micro_batch(batch)
     plan = _compile_for_batch(packed.cu_seqlens, config=config, plan_kwargs=plan_kwargs)
@@ -372,7 +373,7 @@ def plan_for_batch(batch: "Mapping[str, Any] | PackedBatch", *, config: Any = No
 
         windows = model_windows(config)
     for window in windows or ():
-        _ = plan.with_window(window).hash
+        _ = shared_layout.compile_on_layout(plan, window).hash
     return plan
 
 

@@ -21,7 +21,7 @@ that disagrees with ``config.softmax_scale``; fp8 dot-product attention; qk-clip
 logging; a plan whose CP size, CP rank or head counts differ from this layer's. Multi-latent
 attention runs through :mod:`megatron_hsap.megatron.mla` (k/v per q head, ``v_channels`` its own).
 Sliding windows (``window_size`` / ``window_attn_skip_freq``, per layer as megatron-core decides):
-the layer runs the batch plan's ``with_window`` plan, on the same token layout.
+the layer runs the batch plan's ``compile_on_layout`` plan, on the same token layout.
 
 Attention sinks (``softmax_type`` "learnable" / "off-by-one"): ``softmax_offset`` is megatron-core's
 own parameter — same name, ``[num_attention_heads / TP]`` per TP rank, TP-sharded on axis 0 in the
@@ -44,6 +44,7 @@ from torch import Tensor
 
 from megatron_hsap.errors import BatchError, ConfigError, RuntimeMismatchError
 from megatron_hsap.megatron.batch import is_hsap_sharded
+from megatron_hsap.plan import shared_layout
 
 if TYPE_CHECKING:
     from megatron_hsap.plan import Plan
@@ -144,7 +145,7 @@ class HSAPCoreAttention(MegatronModule):
                 f"attn_mask_type={self.attn_mask_type.name}: HSAP computes causal attention inside each "
                 "document only (causal / padding_causal); use the causal GPT layer spec"
             )
-        # sliding window of this layer (megatron/windows.py): its plan is the batch plan's with_window
+        # sliding window of this layer (megatron/windows.py): its plan is compile_on_layout of the batch plan
         self.window_size = layer_window(cfg, self.layer_number)
         if getattr(cfg, "softmax_type", "vanilla") not in SOFTMAX_TYPES:
             raise ConfigError(f"softmax_type={cfg.softmax_type!r}: HSAP supports {', '.join(SOFTMAX_TYPES)}")
@@ -273,7 +274,7 @@ class HSAPCoreAttention(MegatronModule):
         SBHD: q ``[s, b, np, hn]``, k/v ``[s, b, ng, hn]`` → ``[s, b, np·hn]``."""
         self._check_call(attention_mask, attn_mask_type, attention_bias, packed_seq_params)
         plan, cp_rank = packed_seq_params.hsap_plan, int(packed_seq_params.hsap_cp_rank)
-        plan = plan.with_window(self.window_size)  # this layer's window on the batch's layout (cached)
+        plan = shared_layout.compile_on_layout(plan, self.window_size)  # this layer's window on the batch's layout (cached)
         fmt = packed_seq_params.qkv_format or "thd"
         if fmt == "thd":
             if query.dim() != 3:

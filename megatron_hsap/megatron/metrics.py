@@ -47,19 +47,19 @@ class IterationMetrics:
     def add(self, plan: "Plan", *, compile_s: float, prefetched: bool | None) -> None:
         stats = plan.stats()
         self.micro_batches += 1
-        self.layouts[str(stats["layout"])] = self.layouts.get(str(stats["layout"]), 0) + 1
-        self.imbalance_max = max(self.imbalance_max, float(stats["imbalance"]))
-        self.imbalance_sum += float(stats["imbalance"])
-        self.estimated_fwd_s += float(stats["fwd_time_s"])
-        self.estimated_bwd_s += float(stats["bwd_time_s"])
+        self.layouts[str(stats.layout)] = self.layouts.get(str(stats.layout), 0) + 1
+        self.imbalance_max = max(self.imbalance_max, float(stats.imbalance))
+        self.imbalance_sum += float(stats.imbalance)
+        self.estimated_fwd_s += float(stats.fwd_time_s)
+        self.estimated_bwd_s += float(stats.bwd_time_s)
         self.compile_s += compile_s
         if prefetched is not None:
             self.prefetch_hits += int(prefetched)
             self.prefetch_misses += int(not prefetched)
-        self.pool_use_max = max(self.pool_use_max, float(stats["pool_use"]))
-        self.bytes_sent_max += int(max(stats["bytes_sent_per_rank"]))
-        self.documents += int(stats["num_docs"])
-        self.tokens += int(stats["num_tokens"])
+        self.pool_use_max = max(self.pool_use_max, float(stats.pool_use))
+        self.bytes_sent_max += int(max(stats.bytes_sent_per_rank))
+        self.documents += int(stats.num_docs)
+        self.tokens += int(stats.num_tokens)
 
     def scalars(self) -> dict[str, float]:
         """The figures written to TensorBoard / W&B (``hsap/<name>``)."""
@@ -175,7 +175,7 @@ def dump_plan(plan: "Plan", out_dir: str | os.PathLike[str], *, iteration: int,
             (out / f"rank{rank}-{phase.value}.txt").write_text(plan.dump(rank, phase=phase) + "\n")
     cu = [int(v) for v in plan.batch.cu_seqlens]
     stats = {k: (v if isinstance(v, (int, float, str, bool, list, type(None))) else str(v))
-             for k, v in plan.stats().items()}
+             for k, v in plan.stats().as_dict().items()}
     doc = {"iteration": iteration, "cu_seqlens": cu, "plan_kwargs": {k: v for k, v in plan_kwargs.items()
                                                                       if isinstance(v, (int, float, str, bool, type(None)))},
            "stats": stats, "verified": _verified(plan)}

@@ -355,7 +355,7 @@ def _pool_text(args: Any) -> str:
     hsap = args.hsap
     plan = compile_plan([0, tokens], hsap.inter_size, intra_size=hsap.intra_size,
                         **{k: v for k, v in kwargs.items() if k not in ("layout", "layout_fallback")})
-    return (f"{plan.stats()['pool_capacity_bytes'] / 2**20:.1f} MiB per rank (default: 4 inter chunks of q/k/v "
+    return (f"{plan.stats().pool_capacity_bytes / 2**20:.1f} MiB per rank (default: 4 inter chunks of q/k/v "
             f"rows at {tokens} tokens per micro-batch; --hsap-pool-bytes to set)")
 
 

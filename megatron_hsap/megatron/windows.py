@@ -5,7 +5,7 @@ causal, so ``right`` is 0) applies to the layers ``megatron.core.transformer.uti
 is_layer_window_attention(window_size, window_attn_skip_freq, layer_number)`` selects: every layer
 when ``window_attn_skip_freq`` is None, all but every N-th for an int N, or a 0/1 list per layer
 (Gemma/GPT-OSS patterns). Each distinct window gets one plan of the batch, all on the layout of
-the full-attention plan (``Plan.with_window``): the batch is sharded once.
+the full-attention plan (``shared_layout.compile_on_layout``): the batch is sharded once.
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ import numpy as np
 
 from megatron_hsap.plan.ir import Segment, TokenRange
 from megatron_hsap.plan.layout import Batch, Layout
-from megatron_hsap.plan.window import banded_pairs
+from megatron_hsap.plan.window import banded_pairs, staircase_pairs
 
 __all__ = ["balanced_layout", "piece_work", "kept_layout"]
 
@@ -42,8 +42,7 @@ def piece_work(doc_start: int, a: int, b: int, window: int = -1) -> int:
     under a sliding ``window``: ``plan/window.py``)."""
     if window >= 0:
         return banded_pairs(a, b, doc_start, b, window)
-    n = b - a  # the causal case inline: called per piece in the layout's inner loop
-    return n * (a - doc_start + 1) + n * (n - 1) // 2
+    return staircase_pairs(b - a, a - doc_start + 1)  # no ranges built: the layout's inner loop
 
 
 def _zigzag(start: int, n: int, k: int) -> list[list[tuple[int, int]]]:

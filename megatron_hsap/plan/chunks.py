@@ -22,19 +22,17 @@ way: the local attention of chunk ``k`` hides the all-to-alls of its neighbours 
 
 from __future__ import annotations
 
-import math
-from numbers import Integral
 from typing import TYPE_CHECKING
 
-from megatron_hsap.errors import ConfigError
+from megatron_hsap.plan.calls import call_counts
 from megatron_hsap.plan.estimate import PipelinePhase, pipelined_time
 from megatron_hsap.plan.hardware import LinkClass, link_class_for
-from megatron_hsap.plan.ir import Compute, Phase
-from megatron_hsap.plan.options import kv_heads_per_rank
+from megatron_hsap.plan.ir import Phase
+from megatron_hsap.plan.options import check_head_chunks, valid_head_chunks  # defined there; re-exported
 
 if TYPE_CHECKING:
     from megatron_hsap.plan.options import PlanOptions
-    from megatron_hsap.plan.plan import Plan
+    from megatron_hsap.plan.plan_type import Plan
 
 __all__ = [
     "valid_head_chunks",
@@ -50,38 +48,6 @@ __all__ = [
 # all_to_all_single calls per chunk before / after SAP (runtime/hsap.py): q, k, v in and o out
 # forward; dO in and dq, dk, dv out backward
 _CALLS = {Phase.FWD: (("q", "k", "v"), ("o",)), Phase.BWD: (("o",), ("q", "k", "v"))}
-
-
-def valid_head_chunks(local_heads: int, local_kv_heads: int) -> tuple[int, ...]:
-    """Chunk counts that split ``local_heads`` q and ``local_kv_heads`` kv heads evenly and
-    consistently (the divisors of their gcd; see the module docstring)."""
-    g = math.gcd(local_heads, local_kv_heads)
-    return tuple(c for c in range(1, g + 1) if g % c == 0)
-
-
-def check_head_chunks(opts: "PlanOptions") -> None:
-    """Raise :class:`ConfigError` naming the value unless ``opts.head_chunks`` is None or a valid count."""
-    c = opts.head_chunks
-    if c is None:
-        return
-    if isinstance(c, bool) or not isinstance(c, Integral) or c < 1:
-        raise ConfigError(f"head_chunks={c!r} must be None (the planner chooses) or an int >= 1")
-    if c == 1:
-        return
-    p = opts.intra_size
-    if p == 1:
-        raise ConfigError(
-            f"head_chunks={c} pipelines the intra all-to-all, but the plan has intra_size=1 (pure SAP, no "
-            "all-to-all); use head_chunks=None or 1"
-        )
-    hkv = kv_heads_per_rank(opts.num_heads, opts.num_kv_heads or opts.num_heads, p)
-    valid = valid_head_chunks(opts.num_heads // p, hkv)
-    if c not in valid:
-        raise ConfigError(
-            f"head_chunks={c} cannot split the {opts.num_heads // p} q heads and {hkv} kv heads each intra rank "
-            f"holds (num_heads={opts.num_heads}, num_kv_heads={opts.num_kv_heads or opts.num_heads}, "
-            f"intra_size={p}) into equal chunks of whole kv groups; valid head_chunks: {list(valid)} (or None)"
-        )
 
 
 def intra_link(opts: "PlanOptions") -> LinkClass:
@@ -106,11 +72,9 @@ def a2a_bytes_sent(plan: "Plan") -> dict[str, int]:
 
 
 def _kernel_calls(plan: "Plan", phase: Phase) -> int:
-    """Most varlen kernel calls one inter rank makes in ``phase`` (items sharing input buffers
-    and causality share a call, as the simulator groups them)."""
-    progs = plan.fwd_programs if phase is Phase.FWD else plan.bwd_programs
-    return max((sum(len({(it.srcs, it.causal) for it in ins.items}) for ins in prog.instrs if isinstance(ins, Compute))
-                for prog in progs), default=0)  # fmt: skip
+    """Most varlen kernel calls one inter rank makes in ``phase`` (``plan/calls.py``: the calls the
+    runtime launches and the simulator prices)."""
+    return max(call_counts(plan, phase), default=0)
 
 
 def pipeline_phases(plan: "Plan") -> dict[Phase, PipelinePhase]:

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from megatron_hsap.plan.ir import Accumulate, Compute, Merge, Phase, Post, Send, Slot, Wait, Wire
 
 if TYPE_CHECKING:
-    from megatron_hsap.plan.plan import Plan
+    from megatron_hsap.plan.plan_type import Plan
 
 __all__ = ["dump_program", "format_program"]
 
@@ -89,7 +89,7 @@ def dump_program(plan: "Plan", rank: int, phase: Phase) -> str:
     base = plan.round_base[Phase(phase)]
     s = plan.stats()
     head = (
-        f"# SAP program: inter rank {rank}/{plan.inter_size}, {Phase(phase).value}, placement {s['placement']}, "
-        f"{s['rounds_fwd' if Phase(phase) is Phase.FWD else 'rounds_bwd']} rounds, pool {plan.pool_capacity} bytes"
+        f"# SAP program: inter rank {rank}/{plan.inter_size}, {Phase(phase).value}, placement {s.placement}, "
+        f"{s.rounds_fwd if Phase(phase) is Phase.FWD else s.rounds_bwd} rounds, pool {plan.pool_capacity} bytes"
     )
     return head + "\n" + format_program(prog, round_base=base)

@@ -26,7 +26,7 @@ from megatron_hsap.plan.ir import Phase, Recv, Send
 from megatron_hsap.plan.options import PlanOptions
 
 if TYPE_CHECKING:
-    from megatron_hsap.plan.plan import Plan
+    from megatron_hsap.plan.plan_type import Plan
 
 __all__ = [
     "HASH_VERSION",

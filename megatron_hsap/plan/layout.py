@@ -15,6 +15,7 @@ import numpy as np
 
 from megatron_hsap.errors import BatchError, ConfigError
 from megatron_hsap.plan.ir import Segment, TokenRange
+from megatron_hsap.plan.window import staircase_pairs
 
 __all__ = ["Batch", "Layout", "normalize_cu_seqlens", "contiguous_layout"]
 
@@ -117,9 +118,9 @@ class Batch:
         keys)."""
         n = np.diff(self.doc_starts).astype(np.int64)
         if window < 0:
-            return n * (n + 1) // 2
+            return staircase_pairs(n)
         m = np.minimum(n, window + 1)
-        return m * (m + 1) // 2 + (n - m) * (window + 1)
+        return staircase_pairs(m) + (n - m) * (window + 1)
 
     def total_work(self, window: int = -1) -> int:
         """Unmasked (q, k) pairs of the whole padded batch (``doc_work`` summed)."""

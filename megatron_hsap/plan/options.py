@@ -4,14 +4,16 @@ kv-head rule of the intra all-to-all."""
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
+from numbers import Integral
 
 from megatron_hsap.errors import ConfigError
 from megatron_hsap.plan.hardware import HARDWARE
 from megatron_hsap.plan.checks import positive_int
 from megatron_hsap.plan.window import normalize_window, window_left
 
-__all__ = ["PlanOptions", "kv_heads_per_rank", "validated_options", "DEFAULT_POOL_CHUNKS", "DEFAULT_POOL_MIN", "LAYOUTS"]
+__all__ = ["PlanOptions", "kv_heads_per_rank", "valid_head_chunks", "check_head_chunks", "validated_options", "DEFAULT_POOL_CHUNKS", "DEFAULT_POOL_MIN", "LAYOUTS"]
 
 LAYOUTS = ("contiguous", "balanced")
 
@@ -86,10 +88,7 @@ class PlanOptions:
             raise ConfigError(f"window_size={self.window_size!r}: pass it through compile_plan (normalised to None or (left, 0))")
         if self.hardware not in HARDWARE:
             raise ConfigError(f"hardware={self.hardware!r} is unknown; choose one of {sorted(HARDWARE)}")
-        if self.head_chunks is not None:
-            from megatron_hsap.plan.chunks import check_head_chunks  # chunks.py imports this module
-
-            check_head_chunks(self)
+        check_head_chunks(self)
         return self
 
 
@@ -119,3 +118,35 @@ def _options(inter_size, intra_size, num_heads, num_kv_heads, head_dim, head_dim
     return PlanOptions(inter_size=inter_size, intra_size=intra_size, num_heads=num_heads, num_kv_heads=num_kv_heads,
                        head_dim=head_dim, head_dim_v=head_dim_v, dtype_bytes=dtype_bytes,
                        **{k: v for k, _, v in extra}).validate()
+
+
+def valid_head_chunks(local_heads: int, local_kv_heads: int) -> tuple[int, ...]:
+    """Chunk counts that split ``local_heads`` q and ``local_kv_heads`` kv heads evenly and
+    consistently (the divisors of their gcd; the rule: ``plan/chunks.py``'s module docstring)."""
+    g = math.gcd(local_heads, local_kv_heads)
+    return tuple(c for c in range(1, g + 1) if g % c == 0)
+
+
+def check_head_chunks(opts: PlanOptions) -> None:
+    """Raise :class:`ConfigError` naming the value unless ``opts.head_chunks`` is None or a valid count."""
+    c = opts.head_chunks
+    if c is None:
+        return
+    if isinstance(c, bool) or not isinstance(c, Integral) or c < 1:
+        raise ConfigError(f"head_chunks={c!r} must be None (the planner chooses) or an int >= 1")
+    if c == 1:
+        return
+    p = opts.intra_size
+    if p == 1:
+        raise ConfigError(
+            f"head_chunks={c} pipelines the intra all-to-all, but the plan has intra_size=1 (pure SAP, no "
+            "all-to-all); use head_chunks=None or 1"
+        )
+    hkv = kv_heads_per_rank(opts.num_heads, opts.num_kv_heads or opts.num_heads, p)
+    valid = valid_head_chunks(opts.num_heads // p, hkv)
+    if c not in valid:
+        raise ConfigError(
+            f"head_chunks={c} cannot split the {opts.num_heads // p} q heads and {hkv} kv heads each intra rank "
+            f"holds (num_heads={opts.num_heads}, num_kv_heads={opts.num_kv_heads or opts.num_heads}, "
+            f"intra_size={p}) into equal chunks of whole kv groups; valid head_chunks: {list(valid)} (or None)"
+        )

@@ -27,7 +27,7 @@ from megatron_hsap.plan.costs import HeadShape
 from megatron_hsap.plan.hardware import Hardware
 from megatron_hsap.plan.ir import TokenRange, Unit, Wire
 from megatron_hsap.plan.units import WorkUnit, causal_work, clip_unit
-from megatron_hsap.plan.window import banded_pairs
+from megatron_hsap.plan.window import banded_pairs, staircase_pairs
 
 __all__ = ["Prices", "Placement", "owner_computes", "min_traffic", "region_distflash", "rows_for_work", "tail_rows_for_work"]
 
@@ -122,7 +122,7 @@ def rows_for_work(q: TokenRange, kv_start: int, causal: bool, nk: int, work: flo
     first = q.start - kv_start + 1  # keys seen by the first row
     b = 2 * first - 1
     n = (math.isqrt(int(b * b + 8 * work)) - b) // 2
-    while n > 0 and n * first + n * (n - 1) // 2 > work:
+    while n > 0 and staircase_pairs(n, first) > work:
         n -= 1
     return min(len(q), max(0, n))
 
@@ -167,8 +167,7 @@ class Placement:
         if u.window >= 0:
             return float(banded_pairs(x, y, u.kv.start, u.kv.stop if not u.causal else y, u.window))
         if u.causal:
-            n, first = y - x, x - u.kv.start + 1
-            return float(n * first + n * (n - 1) // 2)
+            return float(staircase_pairs(y - x, x - u.kv.start + 1))
         return float((y - x) * (u.kv.stop - u.kv.start))
 
     def contrib(self, i: int, home: int | None = None, bands: list[Band] | None = None) -> list[tuple[int, float, Vec]]:

@@ -1,199 +1,30 @@
-"""``compile_plan``: a packed batch → a staged, per-rank SAP plan that ``verify()`` can prove
-(docs/design.md §2.1, §3), chosen by estimated time among several placements; cached by every input."""
+"""The candidate search (docs/design.md §2.1, §3): ``compile_plan`` turns a packed batch into a
+staged, per-rank SAP ``Plan`` (the type: ``plan/plan_type.py``) that ``verify`` can prove, chosen by
+estimated time among several placements; cached by every input."""
 
 from __future__ import annotations
 
-import functools
 import gc
-from dataclasses import dataclass, field
-from numbers import Integral
+from dataclasses import replace
 from typing import Any
-
-import numpy as np
 
 from megatron_hsap.errors import BatchError, ConfigError
 from megatron_hsap.plan.cache import PLAN_CACHE, clear_plan_cache, fast_key
-from megatron_hsap.plan.codegen import Message, PhaseCode, PoolOverflow, generate
+from megatron_hsap.plan.codegen import PoolOverflow, generate
 from megatron_hsap.plan.costs import HeadShape
-from megatron_hsap.plan.estimate import PhaseTime, compute_bound, phase_time, price_staging
-from megatron_hsap.plan.hardware import HARDWARE, Hardware, LinkClass, link_class_for
-from megatron_hsap.plan.ir import Compute, Phase, Program, TokenRange, Unit
+from megatron_hsap.plan.estimate import compute_bound, phase_time, price_staging
+from megatron_hsap.plan.hardware import HARDWARE, LinkClass, link_class_for
+from megatron_hsap.plan.ir import Phase, Unit
 from megatron_hsap.plan.layout import Batch, Layout, contiguous_layout, normalize_cu_seqlens, validate_layout
 from megatron_hsap.plan.balanced import balanced_layout, kept_layout
 from megatron_hsap.plan.options import DEFAULT_POOL_CHUNKS, DEFAULT_POOL_MIN, PlanOptions, kv_heads_per_rank, validated_options
 from megatron_hsap.plan.placement import Placement, Prices, min_traffic, owner_computes, region_distflash
+from megatron_hsap.plan.plan_type import ChosenCandidate, Plan
 from megatron_hsap.plan.rebalance import balance
 from megatron_hsap.plan.schedule import Split, StageShape, Staging, StagingError, default_shape, stage, stage_shapes
-from megatron_hsap.plan.units import Piece, WorkUnit, build_units
+from megatron_hsap.plan.units import WorkUnit, build_units, clip_unit
 
 __all__ = ["Plan", "PlanOptions", "compile_plan", "clear_plan_cache", "kv_heads_per_rank", "kept_layout"]
-
-@dataclass(frozen=True, slots=True)
-class _Candidate:
-    name: str
-    units: tuple[Unit, ...]
-    fwd: PhaseCode
-    bwd: PhaseCode
-    fwd_time: PhaseTime
-    bwd_time: PhaseTime
-    budget: float
-
-    @property
-    def time(self) -> float:
-        return self.fwd_time.total + self.bwd_time.total
-
-
-@dataclass(frozen=True, eq=False)
-class Plan:
-    """A compiled SAP plan for one packed micro-batch. Immutable; share it freely."""
-
-    options: PlanOptions
-    batch: Batch
-    layout: Layout
-    shape: HeadShape
-    hardware: Hardware
-    link: LinkClass
-    pool_capacity: int
-    pieces: tuple[Piece, ...]
-    work_units: tuple[WorkUnit, ...]
-    chosen: _Candidate
-    alternatives: dict[str, float] = field(default_factory=dict)  # candidate name -> estimated time
-    owner_time: float = 0.0
-
-    # --- sizes -------------------------------------------------------------------------
-    @property
-    def key(self) -> tuple:
-        return (self.batch.cu_seqlens, self.options)
-
-    @property
-    def num_tokens(self) -> int:
-        return self.batch.num_tokens
-
-    @property
-    def padded_tokens(self) -> int:
-        return self.batch.padded_tokens
-
-    @property
-    def inter_size(self) -> int:
-        return self.options.inter_size
-
-    @property
-    def intra_size(self) -> int:
-        return self.options.intra_size
-
-    @property
-    def cp_size(self) -> int:
-        return self.options.inter_size * self.options.intra_size
-
-    @property
-    def chunk_tokens(self) -> int:
-        """Tokens per inter rank (after the intra all-to-all)."""
-        return self.layout.chunk_tokens
-
-    @property
-    def local_tokens(self) -> int:
-        """Tokens per CP rank before the intra all-to-all."""
-        return self.layout.chunk_tokens // self.options.intra_size
-
-    # --- programs ------------------------------------------------------------------------
-    @property
-    def fwd_programs(self) -> tuple[Program, ...]:
-        return self.chosen.fwd.programs
-
-    @property
-    def bwd_programs(self) -> tuple[Program, ...]:
-        return self.chosen.bwd.programs
-
-    @functools.cached_property
-    def head_chunks(self) -> int:
-        """Head chunks pipelining the intra all-to-all (``options.head_chunks`` or the estimate's; ``plan/chunks.py``)."""
-        from megatron_hsap.plan.chunks import resolve_head_chunks
-
-        return resolve_head_chunks(self)
-
-    @functools.cached_property
-    def hash(self) -> int:
-        """128-bit identity of the programs (``plan/fingerprint.py``): equal on every node that
-        compiled the same inputs; the runtime's pre-round handshake compares it."""
-        from megatron_hsap.plan.fingerprint import plan_hash
-
-        return plan_hash(self)
-
-    def program(self, inter_rank: int, phase: Phase | str) -> Program:
-        if isinstance(inter_rank, bool) or not isinstance(inter_rank, Integral) or not 0 <= inter_rank < self.inter_size:
-            raise ConfigError(
-                f"inter rank {inter_rank!r} is out of range: this plan has inter ranks 0..{self.inter_size - 1} "
-                f"(inter_size={self.inter_size})"
-            )
-        phase = Phase(phase)
-        progs = self.fwd_programs if phase is Phase.FWD else self.bwd_programs
-        return progs[inter_rank]
-
-    def units(self) -> tuple[Unit, ...]:
-        """Placed and staged blocks (identical in forward and backward)."""
-        return self.chosen.units
-
-    def local_token_indices(self, cp_rank: int) -> np.ndarray:
-        """Global token ids (int64) CP rank ``cp_rank = i·P_intra + j`` holds, in local order.
-        Ids ≥ ``num_tokens`` are padding (batch sharding fills them with a pad token)."""
-        return self.layout.local_token_indices(cp_rank)
-
-    def compute_units(self) -> list[tuple[int, int, TokenRange, TokenRange, bool]]:
-        """Forward blocks as ``(inter_rank, stage, q_range, kv_range, causal)``, in program order."""
-        out = []
-        for prog in self.fwd_programs:
-            for ins in prog.instrs:
-                if isinstance(ins, Compute):
-                    out.extend((prog.rank, ins.stage, it.q, it.kv, it.causal) for it in ins.items)
-        return out
-
-    def messages(self) -> list[tuple[int, int, int, str, TokenRange]]:
-        """``(round, src_inter_rank, dst_inter_rank, tensor_name, token_range)``: forward rounds
-        first, then backward rounds in the same numbering."""
-        fwd = [(m.round, m.src, m.dst, m.wire.value, m.tokens) for m in self.chosen.fwd.messages]
-        base = self.chosen.fwd.rounds
-        bwd = [(base + m.round, m.src, m.dst, m.wire.value, m.tokens) for m in self.chosen.bwd.messages]
-        return fwd + bwd
-
-    def raw_messages(self, phase: Phase | str) -> tuple[Message, ...]:
-        return (self.chosen.fwd if Phase(phase) is Phase.FWD else self.chosen.bwd).messages
-
-    @property
-    def round_base(self) -> dict[Phase, int]:
-        return {Phase.FWD: 0, Phase.BWD: self.chosen.fwd.rounds}
-
-    # --- quality -------------------------------------------------------------------------
-    def verify(self) -> None:
-        """Prove the plan correct by symbolic execution; raises ``PlanError`` on any violation."""
-        from megatron_hsap.plan.verify import verify_plan
-
-        verify_plan(self)
-
-    def dump(self, rank: int, phase: Phase | str = Phase.FWD) -> str:
-        """The rank's instruction list in the paper's syntax (Table 1)."""
-        from megatron_hsap.plan.dump import dump_program
-
-        return dump_program(self, rank, Phase(phase))
-
-    def with_window(self, window_size: object) -> "Plan":
-        """This batch's plan under another sliding window (``None``: full causal) on THIS plan's
-        token layout, so a model mixing full and windowed layers shards its batch once
-        (``plan/shared_layout.py``)."""
-        from megatron_hsap.plan.shared_layout import compile_on_layout
-
-        return compile_on_layout(self, window_size)
-
-    def stats(self) -> dict[str, Any]:
-        from megatron_hsap.plan.stats import plan_stats
-
-        return plan_stats(self)
-
-    def peak_bytes(self, *, num_heads: int | None = None, num_kv_heads: int | None = None, head_dim: int | None = None,
-                   head_dim_v: int | None = None, dtype_bytes: int | None = None) -> dict[str, int]:
-        from megatron_hsap.plan.stats import peak_bytes
-
-        return peak_bytes(self, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                          head_dim_v=head_dim_v, dtype_bytes=dtype_bytes)
 
 
 _BUDGET_FRACTION = 0.45  # per-stage remote pool use: two stages' inputs and results live at once
@@ -233,7 +64,7 @@ def _best_staging(split: Split, pr: Prices, lat: float, budget: float, *, explor
     return best[0], best[1]
 
 
-def _build(name: str, units: list[Unit], size: int, shape: HeadShape, capacity: int, pr: Prices, lat: float, budget: float) -> _Candidate:
+def _build(name: str, units: list[Unit], size: int, shape: HeadShape, capacity: int, pr: Prices, lat: float, budget: float) -> ChosenCandidate:
     """Messages, programs, slots and exact prices of one staged placement (``PoolOverflow`` if the
     slots do not fit)."""
     units = sorted(units, key=lambda u: (u.rank, u.stage, u.rank == u.q_owner, u.q.start, u.kv.start))
@@ -241,7 +72,7 @@ def _build(name: str, units: list[Unit], size: int, shape: HeadShape, capacity: 
     bwd = generate(units, Phase.BWD, size, shape, capacity, fwd.rounds)
     ft = phase_time(units, fwd.messages, size, pr.sec_fwd, pr.bw, lat)
     bt = phase_time(units, bwd.messages, size, pr.sec_bwd, pr.bw, lat)
-    return _Candidate(name, tuple(units), fwd, bwd, ft, bt, budget)
+    return ChosenCandidate(name, tuple(units), fwd, bwd, ft, bt, budget)
 
 
 def _placements(units: list[WorkUnit], size: int, pr: Prices, allow_helpers: bool) -> dict[str, Placement]:
@@ -316,28 +147,45 @@ def _restage(split: Split, pr: Prices, lat: float, budget: float) -> tuple[float
     return _best_staging(split, pr, lat, budget, explore=sum(map(len, split.remote)) <= _EXPLORE_RETRY_BLOCKS)
 
 
+_MIN_STAGE_BUDGET = 64  # bytes: below this per-stage pool budget a pool-overflow retry gives up
+
+
+def _build_or_halve(name: str, split: Split, st: Staging, budget: float, size: int, shape: HeadShape, capacity: int,
+                    pr: Prices, lat: float) -> tuple[ChosenCandidate | None, float, Staging, float]:
+    """One pool-overflow step (both searches of ``_choose`` use it): build ``st``'s code; if its
+    slots overflow the pool, halve the per-stage ``budget`` and restage ``split`` under it.
+    Returns ``(candidate, price, staging, budget)``: the built candidate, or ``None`` with the
+    restaged price and staging under the halved budget (nothing restaged, price ``inf``, once the
+    budget falls below ``_MIN_STAGE_BUDGET``)."""
+    try:
+        return _build(name, st.units(), size, shape, capacity, pr, lat, budget), float("nan"), st, budget
+    except PoolOverflow:
+        budget /= 2
+        if budget < _MIN_STAGE_BUDGET:
+            return None, float("inf"), st, budget
+        t, st = _restage(split, pr, lat, budget)
+        return None, t, st, budget
+
+
 def _choose(priced: dict[str, tuple[float, Split, Staging]], size: int, shape: HeadShape, capacity: int, pr: Prices,
-            lat: float, budget: float) -> tuple[_Candidate | None, dict[str, float], float]:
+            lat: float, budget: float) -> tuple[ChosenCandidate | None, dict[str, float], float]:
     """Generate code for the lowest price; if its slots do not fit the pool, halve its per-stage
     budget and let it compete again. Returns (chosen, prices, owner-computes time); the chosen
     plan's exact time never exceeds owner-computes'."""
     alternatives = {n: v[0] for n, v in priced.items()}
     budgets = {n: budget for n in priced}
-    best: _Candidate | None = None
+    best: ChosenCandidate | None = None
     while priced:
         name = min(priced, key=lambda n: (priced[n][0], n != "owner-computes"))
         _, split, st = priced[name]
-        try:
-            best = _build(name, st.units(), size, shape, capacity, pr, lat, budgets[name])
+        best, t, st, budgets[name] = _build_or_halve(name, split, st, budgets[name], size, shape, capacity, pr, lat)
+        if best is not None:
             break
-        except PoolOverflow:
-            budgets[name] /= 2
-            if budgets[name] < 64:
-                del priced[name]
-                continue
-            t, st = _restage(split, pr, lat, budgets[name])
-            priced[name] = (t, split, st)
-            alternatives[name] = t
+        if budgets[name] < _MIN_STAGE_BUDGET:
+            del priced[name]
+            continue
+        priced[name] = (t, split, st)
+        alternatives[name] = t
     owner_time = alternatives.get("owner-computes", float("nan"))
     if best is not None and best.name == "owner-computes":
         owner_time = best.time
@@ -346,17 +194,13 @@ def _choose(priced: dict[str, tuple[float, Split, Staging]], size: int, shape: H
         # close to owner-computes, compare exact times
         _, split, st = priced["owner-computes"]
         oc_budget = budgets["owner-computes"]
-        while oc_budget >= 64:  # as above: halve the per-stage budget until its slots fit the pool
-            try:
-                oc = _build("owner-computes", st.units(), size, shape, capacity, pr, lat, oc_budget)
-            except PoolOverflow:
-                oc_budget /= 2
-                _, st = _restage(split, pr, lat, oc_budget)
-                continue
-            owner_time = oc.time
-            if oc.time <= best.time:
-                best = oc
-            break
+        while oc_budget >= _MIN_STAGE_BUDGET:  # as above, until its slots fit the pool
+            oc, _, st, oc_budget = _build_or_halve("owner-computes", split, st, oc_budget, size, shape, capacity, pr, lat)
+            if oc is not None:
+                owner_time = oc.time
+                if oc.time <= best.time:
+                    best = oc
+                break
     return best, alternatives, owner_time
 
 
@@ -400,10 +244,8 @@ def compile_plan(cu_seqlens: object, inter_size: int, intra_size: int = 1, *, nu
     enabled = gc.isenabled()
     gc.disable()  # compiling allocates ~10^5 small objects; cyclic collections would dominate
     try:
-        plan = _compile_cached(cu, opts)
+        plan = _compile_uncached(cu, opts)
         if opts.window_size is not None:  # never estimated slower than the full plan clipped to the window
-            from megatron_hsap.plan.shared_layout import no_slower_than_full
-
             plan = no_slower_than_full(plan)
     except MemoryError:
         raise BatchError(
@@ -418,10 +260,8 @@ def compile_plan(cu_seqlens: object, inter_size: int, intra_size: int = 1, *, nu
     return plan
 
 
-compile_plan.cache_clear = clear_plan_cache  # type: ignore[attr-defined]
 
-
-def _compile_cached(cu: tuple[int, ...], opts: PlanOptions) -> Plan:
+def _compile_uncached(cu: tuple[int, ...], opts: PlanOptions) -> Plan:
     hkv_total = opts.num_kv_heads or opts.num_heads
     hkv = kv_heads_per_rank(opts.num_heads, hkv_total, opts.intra_size)
     shape = HeadShape(
@@ -451,7 +291,7 @@ def _compile_cached(cu: tuple[int, ...], opts: PlanOptions) -> Plan:
         return balanced
     # The balanced layout must never lose to the paper's: on the batch where its split documents
     # cost more traffic than the balance saves, keep the contiguous layout (the plan carries its
-    # layout, so batch sharding follows whichever was kept; stats()["layout"] says which).
+    # layout, so batch sharding follows whichever was kept; stats().layout says which).
     return balanced if kept_layout(contiguous.chosen.time, balanced.chosen.time, bound) == "balanced" else contiguous
 
 
@@ -498,3 +338,36 @@ def _compile_on(layout: Layout, batch: Batch, shape: HeadShape, opts: PlanOption
         alternatives=alternatives,
         owner_time=owner_time,
     )
+
+
+def _with_clipped(plan: Plan, full: Plan) -> Plan:
+    """``plan`` (windowed), or the full-causal plan ``full`` with every staged block clipped to
+    ``plan``'s window when that is estimated faster: clipping only removes work and bytes, so a
+    windowed plan is never estimated slower than the full-causal plan of its batch."""
+    left = plan.options.window
+    units = [c for u in full.chosen.units if (c := clip_unit(replace(u, window=left), left)) is not None]
+    hw, link = full.hardware, full.link
+    pr = Prices.of(full.shape, hw, hw.bandwidth(link))
+    try:
+        cand = _build(full.chosen.name, units, full.inter_size, full.shape, full.pool_capacity,
+                      pr, hw.latency(link), full.chosen.budget)
+    except PoolOverflow:  # (slots only shrink; first-fit could still differ)
+        return plan
+    if cand.time >= plan.chosen.time:
+        return plan
+    pieces, work_units = build_units(full.batch, full.layout, left)
+    return replace(plan, layout=full.layout, pool_capacity=full.pool_capacity, pieces=tuple(pieces),
+                   work_units=tuple(work_units), chosen=cand,
+                   alternatives={**plan.alternatives, f"{cand.name} (full plan clipped)": cand.time})
+
+
+def no_slower_than_full(plan: Plan) -> Plan:
+    """A freshly compiled windowed ``plan`` against its batch's full-causal plan (compiled, or
+    found in ``compile_plan``'s cache) clipped to the window; the faster of the two."""
+    opts = replace(plan.options, window_size=None)
+    key = (plan.batch.cu_seqlens, opts)
+    full = PLAN_CACHE.get(key)
+    if full is None:
+        full = _compile_uncached(plan.batch.cu_seqlens, opts)
+        PLAN_CACHE.put(key, full)
+    return _with_clipped(plan, full)

@@ -2,22 +2,83 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from megatron_hsap.plan.estimate import lower_bounds, necessary_traffic
-from megatron_hsap.plan.ir import Compute, Wire
+from megatron_hsap.plan.ir import Compute
 
 if TYPE_CHECKING:
-    from megatron_hsap.plan.plan import Plan
+    from megatron_hsap.plan.plan_type import Plan
 
-__all__ = ["plan_stats", "peak_bytes"]
+__all__ = ["PlanStats", "plan_stats", "peak_bytes"]
 
 
-def plan_stats(plan: "Plan") -> dict[str, Any]:
-    """Quality figures of ``plan`` (a fresh dict; see docs/design.md §4 for each definition). Times in
-    seconds, bytes forward + backward unless named ``_fwd``/``_bwd``, work in (q, k) pairs."""
+@dataclass(frozen=True, slots=True)
+class PlanStats:
+    """Quality figures of one plan (docs/design.md §4 defines each). Times in seconds, bytes forward
+    + backward unless named ``_fwd``/``_bwd``, work in (q, k) pairs; ``*_per_rank`` per inter rank.
+    ``as_dict()`` is the JSON form (lists for the per-rank tuples), in this field order."""
+
+    num_tokens: int
+    padded_tokens: int
+    num_docs: int
+    inter_size: int
+    intra_size: int
+    link: str  # LinkClass value
+    hardware: str  # Hardware.name
+    layout: str  # "contiguous" or "balanced"
+    window_size: tuple[int, int] | None
+    head_chunks: int
+    placement: str  # ChosenCandidate.name
+    work_per_rank: tuple[int, ...]
+    total_work: int
+    imbalance: float  # max work / mean work
+    owner_imbalance: float  # the same for the q owners (the paper's layout before placement)
+    bytes_sent_per_rank: tuple[int, ...]
+    bytes_recv_per_rank: tuple[int, ...]
+    bytes_fwd: int
+    bytes_bwd: int
+    bytes_total: int
+    necessary_bytes: int
+    bytes_over_necessary: float
+    rounds_fwd: int
+    rounds_bwd: int
+    pool_capacity_bytes: int
+    pool_peak_bytes: int
+    pool_peak_per_rank: tuple[int, ...]
+    pool_tokens: int
+    pool_use: float
+    stages: int
+    compute_items: int
+    remote_items: int
+    messages_fwd: int
+    messages_bwd: int
+    estimated_time_s: float
+    fwd_time_s: float
+    bwd_time_s: float
+    owner_computes_time_s: float
+    candidates: dict[str, float]  # candidate name -> estimated time
+    compute_bound_s: float
+    traffic_bound_s: float
+    lower_bound_s: float
+    efficiency: float  # lower_bound_s / estimated_time_s
+    compute_efficiency: float  # compute_bound_s / estimated_time_s
+    compute_dominated: bool  # traffic bound at most half the compute bound
+
+    def as_dict(self) -> dict[str, Any]:
+        """A fresh dict of every field (per-rank tuples as lists, ``candidates`` copied)."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        for k in ("work_per_rank", "bytes_sent_per_rank", "bytes_recv_per_rank", "pool_peak_per_rank"):
+            out[k] = list(out[k])
+        out["candidates"] = dict(out["candidates"])
+        return out
+
+
+def plan_stats(plan: "Plan") -> PlanStats:
+    """Quality figures of ``plan`` (``PlanStats``; docs/design.md §4 for each definition)."""
     c = plan.chosen
     size = plan.inter_size
     work = c.fwd_time.work
@@ -34,53 +95,53 @@ def plan_stats(plan: "Plan") -> dict[str, Any]:
     peaks = np.maximum(np.asarray(c.fwd.pool_peak), np.asarray(c.bwd.pool_peak))
     items = sum(len(ins.items) for prog in c.fwd.programs for ins in prog.instrs if isinstance(ins, Compute))
     remote = sum(1 for u in c.units if not (u.rank == u.q_owner == u.kv_owner))
-    return {
-        "num_tokens": plan.num_tokens,
-        "padded_tokens": plan.padded_tokens,
-        "num_docs": plan.batch.num_docs,
-        "inter_size": size,
-        "intra_size": plan.intra_size,
-        "link": plan.link.value,
-        "hardware": plan.hardware.name,
-        "layout": plan.layout.name,
-        "window_size": plan.options.window_size,
-        "head_chunks": plan.head_chunks,
-        "placement": c.name,
-        "work_per_rank": work.tolist(),
-        "total_work": total,
-        "imbalance": float(work.max() / mean) if mean else 1.0,
-        "owner_imbalance": float(owner_work.max() / mean) if mean else 1.0,
-        "bytes_sent_per_rank": sent.tolist(),
-        "bytes_recv_per_rank": recv.tolist(),
-        "bytes_fwd": int(c.fwd_time.sent.sum()),
-        "bytes_bwd": int(c.bwd_time.sent.sum()),
-        "bytes_total": int(sent.sum()),
-        "necessary_bytes": nec_f + nec_b,
-        "bytes_over_necessary": float(sent.sum() / (nec_f + nec_b)) if nec_f + nec_b else (0.0 if sent.sum() == 0 else float("inf")),
-        "rounds_fwd": c.fwd.rounds,
-        "rounds_bwd": c.bwd.rounds,
-        "pool_capacity_bytes": plan.pool_capacity,
-        "pool_peak_bytes": int(peaks.max()),
-        "pool_peak_per_rank": peaks.tolist(),
-        "pool_tokens": int(plan.pool_capacity // plan.shape.chunk_token_bytes),
-        "pool_use": float(peaks.max() / plan.pool_capacity) if plan.pool_capacity else 0.0,
-        "stages": c.fwd.rounds - 1,
-        "compute_items": items,
-        "remote_items": remote,
-        "messages_fwd": len(c.fwd.messages),
-        "messages_bwd": len(c.bwd.messages),
-        "estimated_time_s": est,
-        "fwd_time_s": c.fwd_time.total,
-        "bwd_time_s": c.bwd_time.total,
-        "owner_computes_time_s": plan.owner_time,
-        "candidates": dict(plan.alternatives),
-        "compute_bound_s": bounds["compute_s"],
-        "traffic_bound_s": bounds["traffic_s"],
-        "lower_bound_s": bounds["bound_s"],
-        "efficiency": bounds["bound_s"] / est if est else 1.0,
-        "compute_efficiency": bounds["compute_s"] / est if est else 1.0,
-        "compute_dominated": bounds["traffic_s"] <= 0.5 * bounds["compute_s"],
-    }
+    return PlanStats(
+        num_tokens=plan.num_tokens,
+        padded_tokens=plan.padded_tokens,
+        num_docs=plan.batch.num_docs,
+        inter_size=size,
+        intra_size=plan.intra_size,
+        link=plan.link.value,
+        hardware=plan.hardware.name,
+        layout=plan.layout.name,
+        window_size=plan.options.window_size,
+        head_chunks=plan.head_chunks,
+        placement=c.name,
+        work_per_rank=tuple(work.tolist()),
+        total_work=total,
+        imbalance=float(work.max() / mean) if mean else 1.0,
+        owner_imbalance=float(owner_work.max() / mean) if mean else 1.0,
+        bytes_sent_per_rank=tuple(sent.tolist()),
+        bytes_recv_per_rank=tuple(recv.tolist()),
+        bytes_fwd=int(c.fwd_time.sent.sum()),
+        bytes_bwd=int(c.bwd_time.sent.sum()),
+        bytes_total=int(sent.sum()),
+        necessary_bytes=nec_f + nec_b,
+        bytes_over_necessary=float(sent.sum() / (nec_f + nec_b)) if nec_f + nec_b else (0.0 if sent.sum() == 0 else float("inf")),
+        rounds_fwd=c.fwd.rounds,
+        rounds_bwd=c.bwd.rounds,
+        pool_capacity_bytes=plan.pool_capacity,
+        pool_peak_bytes=int(peaks.max()),
+        pool_peak_per_rank=tuple(peaks.tolist()),
+        pool_tokens=int(plan.pool_capacity // plan.shape.chunk_token_bytes),
+        pool_use=float(peaks.max() / plan.pool_capacity) if plan.pool_capacity else 0.0,
+        stages=c.fwd.rounds - 1,
+        compute_items=items,
+        remote_items=remote,
+        messages_fwd=len(c.fwd.messages),
+        messages_bwd=len(c.bwd.messages),
+        estimated_time_s=est,
+        fwd_time_s=c.fwd_time.total,
+        bwd_time_s=c.bwd_time.total,
+        owner_computes_time_s=plan.owner_time,
+        candidates=dict(plan.alternatives),
+        compute_bound_s=bounds["compute_s"],
+        traffic_bound_s=bounds["traffic_s"],
+        lower_bound_s=bounds["bound_s"],
+        efficiency=bounds["bound_s"] / est if est else 1.0,
+        compute_efficiency=bounds["compute_s"] / est if est else 1.0,
+        compute_dominated=bounds["traffic_s"] <= 0.5 * bounds["compute_s"],
+    )
 
 
 def peak_bytes(plan: "Plan", *, num_heads: int | None = None, num_kv_heads: int | None = None, head_dim: int | None = None,
@@ -102,6 +163,3 @@ def peak_bytes(plan: "Plan", *, num_heads: int | None = None, num_kv_heads: int 
     grads = chunk * (h * d + hkv * (d + dv)) * 4  # fp32 dq, dk, dv accumulators (backward)
     return {"pool": pool, "all_to_all": a2a, "accumulators": max(acc, grads), "total": pool + a2a + max(acc, grads)}
 
-
-def wire_bytes(plan: "Plan", wire: Wire) -> int:
-    return sum(m.nbytes for m in plan.chosen.fwd.messages + plan.chosen.bwd.messages if m.wire is wire)

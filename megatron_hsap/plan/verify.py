@@ -30,7 +30,7 @@ from megatron_hsap.errors import PlanError
 from megatron_hsap.plan.ir import Accumulate, Compute, ComputeItem, Merge, Phase, Post, Program, Send, Slot, TokenRange, Wait, Wire
 
 if TYPE_CHECKING:
-    from megatron_hsap.plan.plan import Plan
+    from megatron_hsap.plan.plan_type import Plan
 
 __all__ = ["verify_plan", "check_coverage"]
 

@@ -10,7 +10,14 @@ imports from the rest of the package, so ``ir.py`` can use it):
 
 * :func:`banded_pairs` — THE definition of a block's work (unmasked (q, k) pairs): causal pairs
   ``j <= i`` minus those further than ``left`` back. Units, placement, balance, the layout, the
-  estimate and the verifier all count work through it.
+  estimate and the verifier all count work through it (``units.causal_work`` is its
+  ``TokenRange`` spelling, ``ir.Unit.work`` / ``ir.ComputeItem.work`` call it).
+* :func:`staircase_pairs` — THE closed form of the causal count: ``n`` consecutive rows whose first
+  row sees ``first`` keys, each later row one more. ``banded_pairs``' fast path, the hot loops that
+  count rows without building ranges (``balanced.piece_work``, ``Placement.rows_work``,
+  ``rows_for_work``, ``Batch.doc_work``) and the simulator's and baselines' vectorised counts
+  (``sim/builder.causal_pairs``, ``baselines/flat._causal_pairs``) all use it; it works on ints and
+  elementwise on numpy arrays (asserted by ``tests/test_one_home.py``).
 * :func:`clip_block` — the smallest block with the same banded pairs: keys older than every row's
   window and rows that see no key of the block are dropped, so no byte moves for them.
 * :func:`kernel_window` — a kernel call's ``(left, right)`` relative to its own block (flash-attn
@@ -24,8 +31,8 @@ from numbers import Integral
 
 from megatron_hsap.errors import ConfigError
 
-__all__ = ["NO_WINDOW", "normalize_window", "window_left", "banded_pairs", "clip_block", "is_banded", "kernel_window",
-           "doc_pairs"]
+__all__ = ["NO_WINDOW", "normalize_window", "window_left", "banded_pairs", "staircase_pairs", "clip_block", "is_banded",
+           "kernel_window", "doc_pairs"]
 
 NO_WINDOW = -1
 
@@ -53,14 +60,22 @@ def window_left(window_size: tuple[int, int] | None) -> int:
     return NO_WINDOW if window_size is None else window_size[0]
 
 
+def staircase_pairs(n, first=1):
+    """Causal pairs of ``n`` consecutive rows whose first row sees ``first`` keys and each later
+    row one more: ``n·first + n(n−1)/2`` (exact: ``n(n−1)`` is even). Ints give ints; numpy
+    arrays (int or float) broadcast elementwise in their dtype. ``first = 1``: a whole causal
+    document of ``n`` tokens, ``n(n+1)/2``."""
+    return n * first + n * (n - 1) // 2
+
+
 def _clamped_sum(lo: int, hi: int, cap: int) -> int:
     """``sum(clamp(x, 0, cap) for x in range(lo, hi + 1))`` in O(1)."""
     def upto(n: int) -> int:  # sum over x in [1, n]
         if n <= 0:
             return 0
         if n <= cap:
-            return n * (n + 1) // 2
-        return cap * (cap + 1) // 2 + (n - cap) * cap
+            return staircase_pairs(n)
+        return staircase_pairs(cap) + (n - cap) * cap
     return upto(hi) - upto(lo - 1) if hi >= lo else 0
 
 
@@ -80,8 +95,7 @@ def banded_pairs(qs: int, qe: int, ks: int, ke: int, left: int = NO_WINDOW) -> i
         if ke <= qs:  # every key before every row: a dense rectangle
             return (qe - qs) * (ke - ks)
         if ke == qe and ks <= qs:  # bottom-right aligned diagonal: a rectangle of keys before the rows + a triangle
-            n = qe - qs
-            return n * (qs - ks) + n * (n + 1) // 2
+            return staircase_pairs(qe - qs, qs - ks + 1)
         return _pairs_below(qs, qe, ks, ke, 0)
     causal = _pairs_below(qs, qe, ks, ke, 0)
     return causal - _pairs_below(qs, qe, ks, ke, left + 1)

@@ -14,6 +14,7 @@ from typing import Sequence
 import numpy as np
 
 from megatron_hsap.plan.costs import HeadShape
+from megatron_hsap.plan.window import staircase_pairs
 from megatron_hsap.sim.config import SimHardware
 from megatron_hsap.sim.engine import Busy, Collective, Instr, Join, Launch, Post, Transfer, Wait, Workload
 
@@ -21,11 +22,9 @@ __all__ = ["Builder", "Blocks", "causal_pairs"]
 
 
 def causal_pairs(n: np.ndarray | int, first: np.ndarray | int = 1) -> np.ndarray:
-    """Pairs of a bottom-right causal block of ``n`` q rows whose first row sees ``first`` keys:
-    ``n·first + n(n−1)/2`` (float64, broadcast)."""
-    n = np.asarray(n, dtype=np.float64)
-    first = np.asarray(first, dtype=np.float64)
-    return n * first + n * (n - 1) / 2
+    """Pairs of a bottom-right causal block of ``n`` q rows whose first row sees ``first`` keys
+    (``plan/window.py``'s ``staircase_pairs`` in float64, broadcast)."""
+    return staircase_pairs(np.asarray(n, dtype=np.float64), np.asarray(first, dtype=np.float64))
 
 
 @dataclass(frozen=True, slots=True)

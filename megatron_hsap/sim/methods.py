@@ -299,9 +299,9 @@ def run_method(method: str, cu_seqlens: object, *, hw: Any, intra: int, inter: i
         stats = plan.stats()
         keys = ("layout", "placement", "imbalance", "owner_imbalance", "bytes_total", "necessary_bytes", "rounds_fwd",
                 "rounds_bwd", "estimated_time_s", "compute_efficiency", "compute_bound_s", "traffic_bound_s")
-        extra["plan"] = {k: stats.get(k) for k in keys}
+        extra["plan"] = {k: getattr(stats, k) for k in keys}
         build = lambda ph: hsap_workload(plan, cluster, ph)  # noqa: E731
-        note = f"placement {stats['placement']}, imbalance {stats['imbalance']:.2f}"
+        note = f"placement {stats.placement}, imbalance {stats.imbalance:.2f}"
     elif method in ("te_thd_ring", "te_thd_ring_nopad", "te_a2a_p2p", "usp", "loongtrain", "blind_ring"):
         u = 1 if method in ("te_thd_ring", "te_thd_ring_nopad") else (ulysses_degree(P, shape, hw.gpus_per_node) if method == "usp" else intra)
         cluster = Cluster(hw=hw, intra_size=u, inter_size=P // u)

@@ -75,7 +75,7 @@ def test_dry_run_script_passes_and_its_yaml_loads(tmp_path):
     registered = gc.register_planner_hardware(out / "calibration.yaml", "dry-calibrated")
     try:
         plan = compile_plan([0, 100, 300], 2, 1, num_heads=4, head_dim=16, hardware=registered)
-        assert plan.stats()["hardware"] == registered
+        assert plan.stats().hardware == registered
         assert HARDWARE[registered].kernel.half_rate_tokens == fields["half_rate_tokens"]
     finally:
         HARDWARE.pop(registered, None)

@@ -128,7 +128,7 @@ def test_pool_comes_from_the_planner_when_present() -> None:
     # The planner's default capacity is docs/design.md §2.1's formula (called directly so that a planner
     # failure shows its own traceback).
     plan = plan_mod.compile_plan([0, seq], inter_size=4, intra_size=2, num_heads=32, head_dim=128)
-    assert plan.stats()["pool_capacity_bytes"] == formula_pool_bytes(cfg, seq, lay)
+    assert plan.stats().pool_capacity_bytes == formula_pool_bytes(cfg, seq, lay)
     pool_bytes, source = plan_pool(cfg, MemoryOptions())(seq, lay)
     assert source.startswith("compile_plan") and pool_bytes == formula_pool_bytes(cfg, seq, lay)
 

@@ -33,7 +33,7 @@ def test_quick_run_writes_csv_table_and_plots(tmp_path: Path, capsys) -> None:
     # the CSV's figures are the planner's own
     eff = next(float(r["value"]) for r in hsap if r["workload"] == "full" and r["metric"] == "efficiency")
     plan = compile_plan([0, 16384], 4, num_heads=32, num_kv_heads=8, head_dim=128, layout="contiguous")
-    assert eff == pytest.approx(plan.stats()["efficiency"], rel=1e-12)
+    assert eff == pytest.approx(plan.stats().efficiency, rel=1e-12)
     for r in hsap:
         if r["metric"] == "efficiency":
             assert 0.0 < float(r["value"]) <= 1.0 + 1e-9
@@ -50,8 +50,8 @@ def test_quick_run_writes_csv_table_and_plots(tmp_path: Path, capsys) -> None:
 
     cu = pack_batches("fineweb", 16384, 2, 0)[1]
     forced = compile_plan(cu, 4, num_heads=32, num_kv_heads=8, head_dim=128, layout="balanced", layout_fallback=False)
-    assert value[("fineweb", "1", "hsap-balanced", "estimated_time")] == pytest.approx(forced.stats()["estimated_time_s"], rel=1e-12)
-    assert value[("fineweb", "1", "hsap-balanced", "owner_imbalance")] == pytest.approx(forced.stats()["owner_imbalance"], rel=1e-12)
+    assert value[("fineweb", "1", "hsap-balanced", "estimated_time")] == pytest.approx(forced.stats().estimated_time_s, rel=1e-12)
+    assert value[("fineweb", "1", "hsap-balanced", "owner_imbalance")] == pytest.approx(forced.stats().owner_imbalance, rel=1e-12)
     for seed in ("0", "1"):
         both = (value[("fineweb", seed, "hsap", "estimated_time")], value[("fineweb", seed, "hsap-balanced", "estimated_time")])
         assert value[("fineweb", seed, "hsap-kept", "estimated_time")] == min(both)

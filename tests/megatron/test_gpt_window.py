@@ -5,7 +5,7 @@ Layer pattern: ``window_size=(8, 0)``, ``window_attn_skip_freq=2`` — megatron-
 (``is_layer_window_attention``) makes layer 1 windowed and layer 2 full. Reference (one rank): the
 float64 per-document attention of ``tests/megatron/gpt_reference.py`` with the same per-layer
 window rule; HSAP (2×2 gloo ranks): one plan per distinct window, all on the full plan's layout
-(``Plan.with_window``), the batch sharded once. Same tolerance and reasoning as
+(``shared_layout.compile_on_layout``), the batch sharded once. Same tolerance and reasoning as
 ``test_gpt_equivalence.py`` (fp32 model, float64 reference attention: 1e-5 relative over 5 steps).
 """
 
@@ -85,9 +85,9 @@ def test_plan_for_batch_compiles_every_layers_window_on_one_layout(monkeypatch):
                           windows=model_windows(config))
     assert plan.options.window_size is None
     assert compiled == [(16, 0), None]  # every distinct window of the model, on this plan
-    windowed = plan.with_window((16, 0))  # what the windowed layers' core attention asks for
+    windowed = shared_layout.compile_on_layout(plan, (16, 0))  # what the windowed layers' core attention asks for
     assert windowed.layout is plan.layout and windowed.options.window_size == (16, 0)
     from megatron_hsap.plan import plan as plan_module
 
     monkeypatch.setattr(plan_module, "_compile_on", lambda *a: pytest.fail("the prefetched plan must be cached"))
-    assert plan.with_window((16, 0)) is windowed
+    assert shared_layout.compile_on_layout(plan, (16, 0)) is windowed

@@ -170,7 +170,7 @@ def test_metrics_reach_megatrons_writers() -> None:
     steps = sorted({step for _, _, step in tb.scalars})
     assert steps == [1, 2, 3] and tb.scalars == wandb.scalars
     by_step = {(name, step): value for name, value, step in tb.scalars}
-    assert by_step[("hsap/imbalance_max", 1)] == pytest.approx(plan.stats()["imbalance"])
+    assert by_step[("hsap/imbalance_max", 1)] == pytest.approx(plan.stats().imbalance)
     assert by_step[("hsap/compile_ms", 1)] == pytest.approx(4.0)  # two micro-batches of 2 ms
     assert by_step[("hsap/prefetch_hit_rate", 1)] == 0.0 and by_step[("hsap/prefetch_hit_rate", 2)] == 1.0
     assert [line.split(" |")[0] for line in lines] == ["[megatron-hsap] iteration 2"]  # every 2nd iteration

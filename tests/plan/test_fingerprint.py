@@ -70,7 +70,7 @@ def test_split_join_round_trip(value: int) -> None:
 
 def test_pair_round_bytes_match_the_programs() -> None:
     plan = make()
-    assert plan.stats()["messages_fwd"] > 0 and plan.stats()["messages_bwd"] > 0  # not a vacuous check
+    assert plan.stats().messages_fwd > 0 and plan.stats().messages_bwd > 0  # not a vacuous check
     for phase in Phase:
         base = plan.round_base[phase]
         for rank in range(4):

@@ -58,11 +58,11 @@ def test_figure3_plan_verifies_and_balances() -> None:
     plan = compile_plan(FIG3, 8, **SMALL)
     plan.verify()
     s = plan.stats()
-    assert s["owner_imbalance"] > 2.0  # S1 makes ranks 0–3 heavy when every block stays home
+    assert s.owner_imbalance > 2.0  # S1 makes ranks 0–3 heavy when every block stays home
     # why 1e-12: two float sums of the same kind of terms in another order; a real loss is far larger
-    assert s["estimated_time_s"] <= s["owner_computes_time_s"] * (1 + 1e-12)
+    assert s.estimated_time_s <= s.owner_computes_time_s * (1 + 1e-12)
     total = sum(u.work for u in plan.work_units)
-    assert total == s["total_work"] == sum(s["work_per_rank"])
+    assert total == s.total_work == sum(s.work_per_rank)
 
 
 def test_slices_never_whole_chunk_when_less_is_needed() -> None:
@@ -113,7 +113,7 @@ def test_empty_documents_cost_nothing() -> None:
     b = compile_plan([0, 300, 1000, 1024], 4, **SMALL)
     assert [(u.q, u.kv) for u in a.work_units] == [(u.q, u.kv) for u in b.work_units]
     # why rel=1e-12: the same units and messages; only float summation order may differ
-    assert a.stats()["estimated_time_s"] == pytest.approx(b.stats()["estimated_time_s"], rel=1e-12)
+    assert a.stats().estimated_time_s == pytest.approx(b.stats().estimated_time_s, rel=1e-12)
 
 
 def test_messages_and_compute_units_shapes() -> None:
@@ -154,7 +154,7 @@ def test_gqa_and_mla_bytes() -> None:
 def test_single_inter_rank_is_all_local() -> None:
     plan = compile_plan([0, 5, 17, 64], 1, 4, **SMALL)
     assert plan.messages() == []
-    assert plan.stats()["rounds_fwd"] == 2  # one compute stage and its (empty) round after
+    assert plan.stats().rounds_fwd == 2  # one compute stage and its (empty) round after
     plan.verify()
 
 
@@ -271,7 +271,7 @@ def test_cache_hit_does_no_planning(monkeypatch: pytest.MonkeyPatch) -> None:
     def no_planning(*args: object, **kwargs: object) -> None:
         raise AssertionError("a cache hit must not plan")
 
-    monkeypatch.setattr(plan_module, "_compile_cached", no_planning)
+    monkeypatch.setattr(plan_module, "_compile_uncached", no_planning)
     monkeypatch.setattr(plan_module, "normalize_cu_seqlens", no_planning)
     for _ in range(3):
         assert compile_plan(cu, 8) is first
@@ -282,11 +282,11 @@ def test_forced_placements() -> None:
     cu = [0, 1 << 13]
     owner = compile_plan(cu, 4, num_heads=32, head_dim=128, placement="owner-computes", layout="contiguous")
     auto = compile_plan(cu, 4, num_heads=32, head_dim=128, layout="contiguous")
-    assert owner.stats()["placement"] == "owner-computes"
+    assert owner.stats().placement == "owner-computes"
     # why rel=1e-3: (2P−1)/P holds for equal chunks of one long causal document up to the diagonal's
     # O(1/L) share of the pairs (1.75 exactly only as the chunk length L grows)
-    assert owner.stats()["imbalance"] == pytest.approx(1.75, rel=1e-3)  # (2P−1)/P with P = 4
-    assert auto.stats()["estimated_time_s"] < owner.stats()["estimated_time_s"]
+    assert owner.stats().imbalance == pytest.approx(1.75, rel=1e-3)  # (2P−1)/P with P = 4
+    assert auto.stats().estimated_time_s < owner.stats().estimated_time_s
     owner.verify()
 
 
@@ -295,7 +295,7 @@ def test_small_pool_still_plans() -> None:
     plan = compile_plan(cu, 4, **SMALL, pool_bytes=8192)
     plan.verify()
     s = plan.stats()
-    assert s["pool_peak_bytes"] <= 8192 and s["pool_capacity_bytes"] == 8192
+    assert s.pool_peak_bytes <= 8192 and s.pool_capacity_bytes == 8192
 
 
 def test_phase_enum_and_programs() -> None:

@@ -64,8 +64,8 @@ def test_random_packings_compile_and_verify(case) -> None:
     plan.verify()
     assert plan.padded_tokens % (P * intra) == 0 and plan.padded_tokens >= cu[-1]
     s = plan.stats()
-    assert s["pool_peak_bytes"] <= plan.pool_capacity
-    assert sum(s["work_per_rank"]) == plan.batch.total_work()
+    assert s.pool_peak_bytes <= plan.pool_capacity
+    assert sum(s.work_per_rank) == plan.batch.total_work()
     ids = np.concatenate([plan.local_token_indices(r) for r in range(P * intra)])
     np.testing.assert_array_equal(np.sort(ids), np.arange(plan.padded_tokens))
 
@@ -95,10 +95,10 @@ def test_never_worse_than_owner_computes(case, layout: str) -> None:
     kw = dict(num_heads=h, num_kv_heads=hkv, head_dim=128, link=link, layout=layout, layout_fallback=False)
     auto = compile_plan(cu, P, **kw)
     owner = compile_plan(cu, P, placement="owner-computes", **kw)
-    assert owner.stats()["placement"] == "owner-computes"
+    assert owner.stats().placement == "owner-computes"
     # exact float comparison of two sums of the same kind of terms; 1e-12 absorbs summation order
-    assert auto.stats()["estimated_time_s"] <= owner.stats()["estimated_time_s"] * (1 + 1e-12)
-    assert auto.stats()["estimated_time_s"] >= auto.stats()["lower_bound_s"] * (1 - 1e-12)
+    assert auto.stats().estimated_time_s <= owner.stats().estimated_time_s * (1 + 1e-12)
+    assert auto.stats().estimated_time_s >= auto.stats().lower_bound_s * (1 - 1e-12)
 
 
 @settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -112,7 +112,7 @@ def test_balanced_never_worse_than_contiguous(case) -> None:
     assert forced.layout.name == "balanced" and contiguous.layout.name == "contiguous"
     assert balanced.chosen.time <= contiguous.chosen.time  # never worse than the paper's layout
     # 1.01: not a tolerance — the planner's own rule (within 1% of the compute bound, docs/design.md §2.1)
-    if contiguous.chosen.time <= contiguous.stats()["compute_bound_s"] * 1.01:
+    if contiguous.chosen.time <= contiguous.stats().compute_bound_s * 1.01:
         # within 1% of the compute bound no layout can gain more: the balanced compile is skipped
         assert balanced.layout.name == "contiguous" and balanced.chosen.time == contiguous.chosen.time
         return

@@ -50,15 +50,15 @@ def check_one_document(T: int, P: int, heads: str) -> None:
     s = plan_of([0, T], P, heads).stats()
     floor = ONE_DOC_MISSES.get((T, P, heads))
     if floor is not None:
-        assert s["efficiency"] >= floor
-    elif s["compute_dominated"]:
-        assert s["imbalance"] <= 1.05 and s["efficiency"] >= 0.9, s
+        assert s.efficiency >= floor
+    elif s.compute_dominated:
+        assert s.imbalance <= 1.05 and s.efficiency >= 0.9, s
     else:
-        assert s["efficiency"] >= 0.6, s
-    if s["compute_dominated"] and floor is None:
+        assert s.efficiency >= 0.6, s
+    if s.compute_dominated and floor is None:
         # a balanced ring is optimal for one compute-bound document: HSAP ties it (within 0.5%).
         # Where traffic rules, the baselines' bf16 gradients (HSAP: fp32 partials) can win.
-        assert s["estimated_time_s"] <= min(baseline_times([0, T], P, heads).values()) * 1.005
+        assert s.estimated_time_s <= min(baseline_times([0, T], P, heads).values()) * 1.005
 
 
 @pytest.mark.parametrize(
@@ -90,13 +90,13 @@ def check_packed(workload: str, T: int, P: int, heads: str, seeds) -> None:
     for seed in seeds:
         cu = batches[seed]
         s = plan_of(cu, P, heads).stats()
-        effs.append(s["efficiency"])
+        effs.append(s.efficiency)
         # why 1e-12: two float sums of the same kind of terms in another order; a real loss is far larger
-        assert s["estimated_time_s"] <= s["owner_computes_time_s"] * (1 + 1e-12) or np.isnan(s["owner_computes_time_s"])
+        assert s.estimated_time_s <= s.owner_computes_time_s * (1 + 1e-12) or np.isnan(s.owner_computes_time_s)
         if link_class_for(P).value == "nvlink":
             best = min(baseline_times(cu, P, heads).values())
-            assert s["estimated_time_s"] <= best * 1.20, (seed, s["estimated_time_s"], best)
-            wins += s["estimated_time_s"] < best
+            assert s.estimated_time_s <= best * 1.20, (seed, s.estimated_time_s, best)
+            wins += s.estimated_time_s < best
     if link_class_for(P).value == "nvlink":
         assert statistics.median(effs) >= 0.8, effs
         assert wins >= 0.8 * len(seeds), (wins, len(seeds))
@@ -124,8 +124,8 @@ def test_dominating_document_ties_the_ring(heads: str) -> None:
     cu = pack_batches("sharegpt", 1 * M, 3, 0)[2]
     s = plan_of(cu, 8, heads).stats()
     base = baseline_times(cu, 8, heads)
-    assert s["efficiency"] >= 0.98
-    assert s["estimated_time_s"] <= min(base.values()) * 1.02
+    assert s.efficiency >= 0.98
+    assert s.estimated_time_s <= min(base.values()) * 1.02
 
 
 @pytest.mark.parametrize("heads", ["mha", "gqa"])
@@ -138,7 +138,7 @@ def test_bytes_far_below_the_te_ring(heads: str) -> None:
     for cu in pack_batches("fineweb", 64 * K, 10, 0):
         s = plan_of(cu, 8, heads).stats()
         te = price_baseline("te_thd_ring", cu, world=8, shape=shape, hardware=A100, link=link_class_for(8))
-        ratios.append(s["bytes_total"] / te.bytes_sent.sum())
+        ratios.append(s.bytes_total / te.bytes_sent.sum())
     assert statistics.median(ratios) <= 0.15, ratios
     assert max(ratios) <= 0.5, ratios
 
@@ -146,6 +146,6 @@ def test_bytes_far_below_the_te_ring(heads: str) -> None:
 def test_pool_within_capacity_and_reported() -> None:
     for cu in pack_batches("slimpajama", 256 * K, 3, 1):
         s = plan_of(cu, 8, "mha").stats()
-        assert 0 < s["pool_peak_bytes"] <= s["pool_capacity_bytes"]
+        assert 0 < s.pool_peak_bytes <= s.pool_capacity_bytes
         # why approx (rel 1e-6 default): one float division of two exact integers, recomputed here
-        assert s["pool_use"] == pytest.approx(s["pool_peak_bytes"] / s["pool_capacity_bytes"])
+        assert s.pool_use == pytest.approx(s.pool_peak_bytes / s.pool_capacity_bytes)

@@ -41,7 +41,7 @@ def test_compiled_stages_respect_round_dependencies(lengths, inter, layout, pool
     cu = list(np.concatenate([[0], np.cumsum(lengths)]).astype(int))
     plan = compile_plan(cu, inter, num_heads=4, num_kv_heads=2, head_dim=16, layout=layout, pool_bytes=pool)
     units = plan.units()
-    S = plan.stats()["stages"]
+    S = plan.stats().stages
     for u in units:
         assert 0 <= u.stage < S
         if not (u.rank == u.q_owner == u.kv_owner):

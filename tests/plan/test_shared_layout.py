@@ -12,6 +12,7 @@ from hypothesis import given, settings, strategies as st
 
 from megatron_hsap.plan import compile_plan
 from megatron_hsap.plan.ir import Compute
+from megatron_hsap.plan.shared_layout import compile_on_layout
 
 
 def banded(cu: list[int], padded: int, left: int) -> np.ndarray:
@@ -28,7 +29,7 @@ def test_windowed_plans_share_the_layout_and_tile_the_band(lengths, inter, left)
     for n in lengths:
         cu.append(cu[-1] + n)
     base = compile_plan(cu, inter, num_heads=4, num_kv_heads=2, head_dim=16, pool_bytes=8192)
-    plans = base.with_window((left, 0)), base.with_window(None)
+    plans = compile_on_layout(base, (left, 0)), compile_on_layout(base, None)
     assert plans[1] is base  # its own window: the same plan
     for plan in plans:
         for c in range(base.cp_size):
@@ -48,4 +49,4 @@ def test_windowed_plans_share_the_layout_and_tile_the_band(lengths, inter, left)
         plan.verify()
     windowed = plans[0]
     assert windowed.options.window_size == (left, 0)
-    assert windowed.stats()["total_work"] == int(banded(cu, windowed.padded_tokens, left).sum())
+    assert windowed.stats().total_work == int(banded(cu, windowed.padded_tokens, left).sum())

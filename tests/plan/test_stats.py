@@ -14,7 +14,7 @@ from hypothesis import given, settings, strategies as st
 from megatron_hsap.plan import compile_plan
 from megatron_hsap.plan.ir import Compute, Phase, Post, Recv, Send
 
-KEYS = {  # the documented keys: a rename breaks its 19 string readers, so it must be deliberate
+KEYS = {  # the documented fields (PlanStats; as_dict() keys for JSON and metrics): a rename must be deliberate
     "num_tokens", "padded_tokens", "num_docs", "inter_size", "intra_size", "link", "hardware", "layout",
     "window_size", "head_chunks", "placement", "work_per_rank", "total_work", "imbalance", "owner_imbalance",
     "bytes_sent_per_rank", "bytes_recv_per_rank", "bytes_fwd", "bytes_bwd", "bytes_total", "necessary_bytes",
@@ -27,7 +27,7 @@ KEYS = {  # the documented keys: a rename breaks its 19 string readers, so it mu
 
 def check(plan, lengths) -> None:
     s = plan.stats()
-    assert set(s) == KEYS
+    assert set(s.as_dict()) == KEYS
     P = plan.inter_size
     work = np.zeros(P, dtype=np.int64)
     sent = {ph: np.zeros(P, dtype=np.int64) for ph in Phase}
@@ -53,23 +53,23 @@ def check(plan, lengths) -> None:
                             recv[ph][prog.rank] += op.nbytes
                             peak[prog.rank] = max(peak[prog.rank], op.dst.end)
     pad = plan.padded_tokens - sum(lengths)
-    assert s["total_work"] == sum(n * (n + 1) // 2 for n in lengths + [pad]) == work.sum()
-    assert s["work_per_rank"] == work.tolist()
-    assert s["imbalance"] == pytest.approx(work.max() / (work.sum() / P), rel=1e-12)  # why: one float division
-    assert (s["bytes_fwd"], s["bytes_bwd"]) == (sent[Phase.FWD].sum(), sent[Phase.BWD].sum())
-    assert s["bytes_total"] == s["bytes_fwd"] + s["bytes_bwd"]
-    assert s["bytes_sent_per_rank"] == (sent[Phase.FWD] + sent[Phase.BWD]).tolist()
-    assert s["bytes_recv_per_rank"] == (recv[Phase.FWD] + recv[Phase.BWD]).tolist()
-    assert (s["messages_fwd"], s["messages_bwd"]) == (n_send[Phase.FWD], n_send[Phase.BWD])
-    assert (s["compute_items"], s["remote_items"]) == (items, remote)
-    assert s["stages"] == s["rounds_fwd"] - 1 == s["rounds_bwd"] - 1
-    assert all(peak <= np.asarray(s["pool_peak_per_rank"]))  # peaks count the 256-byte alignment too
-    assert s["pool_peak_bytes"] == max(s["pool_peak_per_rank"]) <= s["pool_capacity_bytes"] == plan.pool_capacity
-    assert s["estimated_time_s"] == s["fwd_time_s"] + s["bwd_time_s"]
-    assert s["lower_bound_s"] == max(s["compute_bound_s"], s["traffic_bound_s"]) <= s["estimated_time_s"]
-    assert s["efficiency"] == s["lower_bound_s"] / s["estimated_time_s"]
-    assert s["estimated_time_s"] <= s["owner_computes_time_s"] * (1 + 1e-9)  # why: the same float sums compared
-    assert (s["num_tokens"], s["padded_tokens"], s["inter_size"]) == (sum(lengths), plan.padded_tokens, P)
+    assert s.total_work == sum(n * (n + 1) // 2 for n in lengths + [pad]) == work.sum()
+    assert s.work_per_rank == tuple(work.tolist())
+    assert s.imbalance == pytest.approx(work.max() / (work.sum() / P), rel=1e-12)  # why: one float division
+    assert (s.bytes_fwd, s.bytes_bwd) == (sent[Phase.FWD].sum(), sent[Phase.BWD].sum())
+    assert s.bytes_total == s.bytes_fwd + s.bytes_bwd
+    assert s.bytes_sent_per_rank == tuple((sent[Phase.FWD] + sent[Phase.BWD]).tolist())
+    assert s.bytes_recv_per_rank == tuple((recv[Phase.FWD] + recv[Phase.BWD]).tolist())
+    assert (s.messages_fwd, s.messages_bwd) == (n_send[Phase.FWD], n_send[Phase.BWD])
+    assert (s.compute_items, s.remote_items) == (items, remote)
+    assert s.stages == s.rounds_fwd - 1 == s.rounds_bwd - 1
+    assert all(peak <= np.asarray(s.pool_peak_per_rank))  # peaks count the 256-byte alignment too
+    assert s.pool_peak_bytes == max(s.pool_peak_per_rank) <= s.pool_capacity_bytes == plan.pool_capacity
+    assert s.estimated_time_s == s.fwd_time_s + s.bwd_time_s
+    assert s.lower_bound_s == max(s.compute_bound_s, s.traffic_bound_s) <= s.estimated_time_s
+    assert s.efficiency == s.lower_bound_s / s.estimated_time_s
+    assert s.estimated_time_s <= s.owner_computes_time_s * (1 + 1e-9)  # why: the same float sums compared
+    assert (s.num_tokens, s.padded_tokens, s.inter_size) == (sum(lengths), plan.padded_tokens, P)
 
 
 def test_hand_made_batch_with_remote_work() -> None:
@@ -77,7 +77,7 @@ def test_hand_made_batch_with_remote_work() -> None:
     plan = compile_plan([0, 50, 130, 131, 250, 256], 4, num_heads=4, num_kv_heads=2, head_dim=16,
                         layout="contiguous", pool_bytes=4096)
     check(plan, lengths)
-    assert plan.stats()["remote_items"] > 0 and plan.stats()["bytes_total"] > 0  # the counts are exercised
+    assert plan.stats().remote_items > 0 and plan.stats().bytes_total > 0  # the counts are exercised
 
 
 @settings(max_examples=10, deadline=None)

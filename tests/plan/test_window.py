@@ -20,6 +20,7 @@ from megatron_hsap.plan import compile_plan
 from megatron_hsap.plan.balanced import piece_work
 from megatron_hsap.plan.ir import Compute, Phase, Wire
 from megatron_hsap.plan.layout import Batch
+from megatron_hsap.plan.shared_layout import compile_on_layout
 from megatron_hsap.plan.verify import check_coverage
 from megatron_hsap.plan.window import banded_pairs, clip_block, kernel_window, normalize_window
 from tests.runtime.cases import special_packings
@@ -144,7 +145,7 @@ def test_units_are_exactly_the_banded_blocks(inter):
         assert all(u.work > 0 for u in plan.work_units)
         assert sum(u.work for u in plan.work_units) == plan.batch.total_work(left)
         plan.verify()
-        assert sum(plan.stats()["work_per_rank"]) == plan.batch.total_work(left)
+        assert sum(plan.stats().work_per_rank) == plan.batch.total_work(left)
 
 
 def _fwd_items(plan):
@@ -200,13 +201,13 @@ def test_owner_computes_bytes_equal_the_windows_necessary_traffic(left):
     owner = compile_plan(cu, 4, placement="owner-computes", **kw).stats()
     fewest = compile_plan(cu, 4, placement="min-traffic", **kw).stats()
     fetch, need = _needed_traffic(compile_plan(cu, 4, **kw), left)
-    assert owner["placement"] == "owner-computes" and fewest["placement"] == "min-traffic"
-    assert owner["bytes_total"] == fetch  # only the keys inside the window move
-    assert owner["necessary_bytes"] == fewest["necessary_bytes"] == need > 0
+    assert owner.placement == "owner-computes" and fewest.placement == "min-traffic"
+    assert owner.bytes_total == fetch  # only the keys inside the window move
+    assert owner.necessary_bytes == fewest.necessary_bytes == need > 0
     # min-traffic puts each block on one side for both phases: between the bound and owner-computes
-    assert need <= fewest["bytes_total"] <= owner["bytes_total"]
+    assert need <= fewest.bytes_total <= owner.bytes_total
     if left <= 8:  # short windows: a block's kv slice is never larger than its q side
-        assert owner["bytes_total"] == need
+        assert owner.bytes_total == need
 
 
 def test_windowed_plan_moves_fewer_bytes_than_the_full_causal_plan():
@@ -215,15 +216,15 @@ def test_windowed_plan_moves_fewer_bytes_than_the_full_causal_plan():
         full = compile_plan(cu, 8, layout=layout)
         win = compile_plan(cu, 8, window_size=(4096, 0), layout=layout)
         win.verify()
-        assert win.stats()["bytes_total"] < full.stats()["bytes_total"]
-        assert win.stats()["total_work"] < full.stats()["total_work"]
+        assert win.stats().bytes_total < full.stats().bytes_total
+        assert win.stats().total_work < full.stats().total_work
         assert win.chosen.time < full.chosen.time
 
 
 def test_with_window_shares_the_full_plans_layout():
     cu = [0, 5, 3000, 3001, 8192]
     full = compile_plan(cu, 4, 2, num_heads=8, head_dim=16)
-    plans = {w: full.with_window(w) for w in (None, (64, 0), (1, 0), (5000, 0))}
+    plans = {w: compile_on_layout(full, w) for w in (None, (64, 0), (1, 0), (5000, 0))}
     assert plans[None] is full
     for w, pl in plans.items():
         pl.verify()
@@ -231,9 +232,9 @@ def test_with_window_shares_the_full_plans_layout():
         assert pl.options.window_size == w
         for r in range(8):
             np.testing.assert_array_equal(pl.local_token_indices(r), full.local_token_indices(r))
-    assert full.with_window((64, 0)) is plans[(64, 0)]  # cached
+    assert compile_on_layout(full, (64, 0)) is plans[(64, 0)]  # cached
     assert len({pl.hash for pl in plans.values()}) == len(plans)
-    assert plans[(1, 0)].stats()["total_work"] == full.batch.total_work(1)
+    assert plans[(1, 0)].stats().total_work == full.batch.total_work(1)
 
 
 def test_phase_items_carry_the_window_in_both_phases():
@@ -262,10 +263,10 @@ def test_random_windowed_packings_compile_and_verify(seed):
         cu, inter, intra, options = case
         plan = compile_plan(cu, inter, intra, window_size=(left + seed, 0), **options)
         plan.verify()
-        assert sum(plan.stats()["work_per_rank"]) == plan.batch.total_work(left + seed)
+        assert sum(plan.stats().work_per_rank) == plan.batch.total_work(left + seed)
         full = compile_plan(cu, inter, intra, **options)
         assert plan.chosen.time <= full.chosen.time  # never estimated slower than the full-causal plan
-        shared = full.with_window((left + seed, 0))
+        shared = compile_on_layout(full, (left + seed, 0))
         shared.verify()
         assert shared.layout is full.layout and shared.chosen.time <= full.chosen.time
 

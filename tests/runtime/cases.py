@@ -193,7 +193,7 @@ def check_bytes(spec: dict, results: list[dict]) -> None:
     from megatron_hsap.runtime.ulysses import ulysses_bytes
 
     plan = compile_for(spec)
-    per_rank = plan.stats()["bytes_sent_per_rank"]
+    per_rank = plan.stats().bytes_sent_per_rank
     for r in results:
         for phase in ("fwd", "bwd"):
             st = r["stats"][phase]

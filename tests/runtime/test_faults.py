@@ -371,7 +371,7 @@ def test_planning_out_of_host_memory_is_a_batch_error(monkeypatch):
     def no_memory(*_args, **_kwargs):
         raise MemoryError
 
-    monkeypatch.setattr(plan_module, "_compile_cached", no_memory)
+    monkeypatch.setattr(plan_module, "_compile_uncached", no_memory)
     with pytest.raises(BatchError, match=r"planning a batch of T=1073741824 tokens \(1 documents\) at inter_size=2 ran out of host memory"):
         compile_plan([0, 1 << 30], 2, num_heads=3)  # num_heads=3: not a cached plan
 

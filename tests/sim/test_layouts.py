@@ -52,11 +52,11 @@ def test_kept_is_what_compile_plan_ships(quick, wl: str, P: int) -> None:
     cu = pack_batches(wl, 65536, 1, 0)[0]
     shipped = compile_plan(cu, P, num_heads=32, num_kv_heads=8, head_dim=128, dtype_bytes=2, hardware="a100",
                            link="ib", gpus_per_node=1, layout="balanced").stats()
-    assert _value(rows, wl, P, "hsap-kept", "kept_layout") == shipped["layout"]
-    est = float(_value(rows, wl, P, f"hsap-{shipped['layout']}", "planner_estimate"))
-    assert est == pytest.approx(shipped["estimated_time_s"] * 1e3, rel=1e-12)  # same plan, same estimate
+    assert _value(rows, wl, P, "hsap-kept", "kept_layout") == shipped.layout
+    est = float(_value(rows, wl, P, f"hsap-{shipped.layout}", "planner_estimate"))
+    assert est == pytest.approx(shipped.estimated_time_s * 1e3, rel=1e-12)  # same plan, same estimate
     kept = float(_value(rows, wl, P, "hsap-kept", "kept_over_contiguous"))
-    own = float(_value(rows, wl, P, f"hsap-{shipped['layout']}", "time")) / float(_value(rows, wl, P, "hsap-contiguous", "time"))
+    own = float(_value(rows, wl, P, f"hsap-{shipped.layout}", "time")) / float(_value(rows, wl, P, "hsap-contiguous", "time"))
     assert kept == pytest.approx(own, rel=1e-12)
 
 
