@@ -40,10 +40,15 @@ class HeadShape:
         """The tensor shape of one token row of ``wire``: one, or k then v for KV / DKV (packed
         back to back in one message and slot)."""
         h, hkv, d, dv = self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim_v
-        if wire in (Wire.KV, Wire.DKV):
+        if wire is Wire.KV or wire is Wire.DKV:
             return ((hkv, d), (hkv, dv))
-        return {Wire.Q: ((h, d),), Wire.O: ((h, dv),), Wire.DO: ((h, dv),), Wire.LSE: ((h,),),
-                Wire.DELTA: ((h,),), Wire.DQ: ((h, d),)}[wire]  # fmt: skip
+        if wire is Wire.Q or wire is Wire.DQ:
+            return ((h, d),)
+        if wire is Wire.O or wire is Wire.DO:
+            return ((h, dv),)
+        if wire is Wire.LSE or wire is Wire.DELTA:
+            return ((h,),)
+        raise ConfigError(f"unknown wire {wire!r}; use a plan.ir.Wire member")
 
     def element_bytes(self, wire: Wire) -> int:
         """Bytes of one element of ``wire``: fp32 for lse, delta and gradients, else the activations'."""
