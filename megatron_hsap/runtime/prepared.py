@@ -128,12 +128,14 @@ class Prepared:
         return sum(len(s.calls) for s in self.steps if isinstance(s, ComputeCalls))
 
 
-def prepare(programs: tuple[Program, ...], rows: LocalRows, device: torch.device, round_base: int | tuple[int, ...] = 0
-            ) -> tuple[Prepared, ...]:  # fmt: skip
+def prepare(programs: tuple[Program, ...], rows: LocalRows, device: torch.device,
+            round_bases: tuple[int, ...] | None = None) -> tuple[Prepared, ...]:  # fmt: skip
     """Each of ``programs`` prepared, with the ``cu_seqlens`` of every kernel call of all of them
-    on ``device`` (views of one buffer: one upload). ``round_base``: the global index of each
-    program's first round is subtracted from round indices to name stages (an int, or one per program)."""
-    bases = round_base if isinstance(round_base, tuple) else (round_base,) * len(programs)
+    on ``device`` (views of one buffer: one upload). ``round_bases``: per program, the global index
+    of its phase's first round (``Plan.round_base``), subtracted to number its stages; default 0."""
+    bases = (0,) * len(programs) if round_bases is None else round_bases
+    if len(bases) != len(programs):
+        raise RuntimeMismatchError(f"{len(programs)} programs but {len(bases)} round bases; pass one per program")
     host: list[Tensor] = []
     preps = [_prepare(program, rows, host, base) for program, base in zip(programs, bases)]
     on_device = upload(host, device)

@@ -178,3 +178,37 @@ def test_kernel_invocations_are_the_plans_calls_four_ranks(gloo_pool):
         want = {ph: call_counts(plan, ph) for ph in ("fwd", "bwd")}
         got = {ph: tuple(r[i][ph] for r in sorted(results, key=lambda rr: rr[i]["rank"])) for ph in ("fwd", "bwd")}
         assert got == want and sum(want["fwd"]) > 0
+
+
+def test_prepared_steps_mirror_the_program_by_type():
+    # each IR instruction becomes exactly one typed step, in order, with the plan/calls.py calls
+    from megatron_hsap.plan.calls import stage_calls
+    from megatron_hsap.plan.ir import Accumulate, Merge, Post, Wait
+    from megatron_hsap.runtime.prepared import (AccumulatePartial, ComputeCalls, MergePartial, PostRound, WaitRound,
+                                                prepare)  # fmt: skip
+
+    plan = compile_plan([0, 100, 120, 128], 4, 1, **_OPTS, pool_bytes=16384)  # merges received partials too
+    kinds = set()
+    for rank in range(4):
+        rows = LocalRows(plan.layout.segments[rank])
+        progs = (plan.program(rank, Phase.FWD), plan.program(rank, Phase.BWD))
+        base = plan.round_base
+        preps = prepare(progs, rows, torch.device("cpu"), (base[Phase.FWD], base[Phase.BWD]))
+        for prog, prep, b in zip(progs, preps, (base[Phase.FWD], base[Phase.BWD])):
+            assert len(prep.steps) == len(prog.instrs)
+            for ins, step in zip(prog.instrs, prep.steps):
+                kinds.add(type(step).__name__)
+                match ins:
+                    case Post():
+                        assert step == PostRound(ins.round, ins.round.index - b) and step.stage >= 0
+                    case Wait():
+                        assert step == WaitRound(ins.index)
+                    case Compute():
+                        assert isinstance(step, ComputeCalls) and step.stage == ins.stage
+                        assert tuple(c.call for c in step.calls) == stage_calls(ins, rows)
+                    case Merge():
+                        assert step == MergePartial(rows(ins.tokens), len(ins.tokens), ins.o, ins.lse)
+                    case Accumulate():
+                        assert step == AccumulatePartial(ins.wire, rows(ins.tokens), len(ins.tokens), ins.src)
+            assert prep.kernel_calls == call_counts(plan, prog.phase)[rank]
+    assert kinds == {"PostRound", "WaitRound", "ComputeCalls", "MergePartial", "AccumulatePartial"}
