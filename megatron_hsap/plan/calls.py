@@ -31,7 +31,7 @@ from megatron_hsap.errors import RuntimeMismatchError
 from megatron_hsap.plan.ir import Compute, ComputeItem, Phase, Program, Segment, TokenRange, Wire
 
 if TYPE_CHECKING:
-    from megatron_hsap.plan.plan import Plan
+    from megatron_hsap.plan.plan_type import Plan
 
 __all__ = ["LocalRows", "KernelCall", "all_local", "stage_calls", "program_calls", "call_counts"]
 

@@ -53,7 +53,7 @@ from megatron_hsap.runtime.prepared import (AccumulatePartial, ComputeCalls, Mer
                                             PreparedCall, WaitRound, prepare)  # fmt: skip
 
 if TYPE_CHECKING:
-    from megatron_hsap.plan.plan import Plan
+    from megatron_hsap.plan.plan_type import Plan
 
 __all__ = ["Executor", "PhaseStats", "executor_for", "receive_pool", "ACTIVATION_DTYPES"]
 
