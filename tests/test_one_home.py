@@ -194,3 +194,91 @@ def test_causal_count_forms_agree():
 
 def test_staircase_scanner_can_fail():
     assert _staircase_forms(ast.parse("y = n * (n + 1) // 2\nz = (m - 1) * m / 2\n")) == ["n * (n + 1) // 2", "(m - 1) * m / 2"]
+
+
+# --- the phase wire table (plan/ir.PHASE_WIRES), the "computed where it lives" predicate
+# (ir.Unit.is_local) and the slot lookup of an item (ir.ComputeItem.src / dst)
+
+def _wire_tuples(tree: ast.AST) -> list[str]:
+    """Tuple / set / list displays of two or more ``Wire.X`` members (a wire table written out)."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Tuple, ast.Set, ast.List)) and len(node.elts) >= 2 and all(
+                isinstance(e, ast.Attribute) and isinstance(e.value, ast.Name) and e.value.id == "Wire" for e in node.elts):
+            out.append(ast.unparse(node))
+    return out
+
+
+def _local_predicates(tree: ast.AST) -> int:
+    """``a.rank == a.q_owner == a.kv_owner`` (or ``r == u.q_owner == u.kv_owner``) written inline."""
+    n = 0
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare) and len(node.ops) == 2 and all(isinstance(o, ast.Eq) for o in node.ops):
+            attrs = [c.attr for c in node.comparators if isinstance(c, ast.Attribute)]
+            n += attrs == ["q_owner", "kv_owner"]
+    return n
+
+
+def _dict_lookups(tree: ast.AST) -> int:
+    """``dict(x.srcs)`` / ``dict(x.dsts)``: an item's slots looked up by hand."""
+    return sum(1 for node in ast.walk(tree) if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+               and node.func.id == "dict" and len(node.args) == 1 and isinstance(node.args[0], ast.Attribute)
+               and node.args[0].attr in ("srcs", "dsts"))
+
+
+PHASE_TABLE = {"(Wire.O, Wire.LSE)", "(Wire.DQ, Wire.DKV)", "(Wire.Q, Wire.DO, Wire.LSE, Wire.DELTA)",
+               "{Wire.Q, Wire.KV}", "(Wire.Q, Wire.KV)", "{Wire.Q, Wire.DO, Wire.LSE, Wire.DELTA, Wire.KV}",
+               "(Wire.Q, Wire.DO, Wire.LSE, Wire.DELTA, Wire.KV)"}
+
+
+def test_phase_wire_table_written_once():
+    users = {path: hits for path, tree in SOURCES.items() if path.startswith("plan/")
+             if (hits := [t for t in _wire_tuples(tree) if t in PHASE_TABLE])}
+    assert set(users) == {"plan/ir.py"}, users  # PHASE_WIRES; codegen, verify and dump import it
+
+
+def test_is_local_predicate_written_once():
+    users = {path: n for path, tree in SOURCES.items() if (n := _local_predicates(tree))}
+    assert users == {"plan/ir.py": 1}, users
+
+
+# The runtime's executor and the kernel-call grouping (H2's files, issue 17 item 4) still look slots
+# up with dict(...): a ratchet, may only shrink.
+DICT_LOOKUPS_LEFT = {"runtime/executor.py", "plan/calls.py"}
+
+
+def test_item_slots_looked_up_through_the_accessor():
+    users = {path for path, tree in SOURCES.items() if _dict_lookups(tree)}
+    assert users <= DICT_LOOKUPS_LEFT, users - DICT_LOOKUPS_LEFT
+
+
+def test_one_home_scanners_can_fail():
+    tree = ast.parse("a = (Wire.O, Wire.LSE)\nif u.rank == u.q_owner == u.kv_owner: s = dict(it.srcs)[w]\n")
+    assert _wire_tuples(tree) == ["(Wire.O, Wire.LSE)"] and _local_predicates(tree) == 1 and _dict_lookups(tree) == 1
+
+
+def test_item_accessors_find_each_slot():
+    from megatron_hsap.plan.ir import ComputeItem, Slot, TokenRange, Wire
+
+    a, b = Slot(0, 256), Slot(256, 512)
+    it = ComputeItem(q=TokenRange(4, 8), kv=TokenRange(0, 8), causal=True, srcs=((Wire.Q, None), (Wire.KV, a)),
+                     dsts=((Wire.O, b), (Wire.LSE, None)))
+    assert (it.src(Wire.Q), it.src(Wire.KV), it.dst(Wire.O), it.dst(Wire.LSE)) == (None, a, b, None)
+    with pytest.raises(KeyError):
+        it.src(Wire.DO)
+
+
+@pytest.mark.parametrize("module,name", [
+    ("megatron_hsap.plan.plan_type", "Plan.key"), ("megatron_hsap.plan.codegen", "Message.key"),
+    ("megatron_hsap.plan.codegen", "phase_messages"), ("megatron_hsap.plan.schedule", "assign_stages"),
+    ("megatron_hsap.plan.stats", "wire_bytes"), ("megatron_hsap.plan.cuts", "is_local"),
+    ("megatron_hsap.plan.plan", "compile_plan.cache_clear"), ("megatron_hsap.plan.plan", "Plan.with_window"),
+])
+def test_dead_or_duplicate_entry_points_are_gone(module, name):
+    import importlib
+
+    obj = importlib.import_module(module)
+    *parents, last = name.split(".")
+    for p in parents:
+        obj = getattr(obj, p)
+    assert not hasattr(obj, last), f"{module}.{name} was deleted (issue 17 item 3); use its one home"

@@ -26,6 +26,7 @@ from megatron_hsap.plan.ir import (
     ComputeItem,
     Instr,
     Merge,
+    PHASE_WIRES,
     Phase,
     Post,
     Program,
@@ -60,40 +61,26 @@ class Message:
     nbytes: int
     part: int = 0  # tells apart results of several blocks with the same rows (never merged in flight)
 
-    def key(self) -> tuple:
-        return (self.src, self.dst, _WIRE_ORDER[self.wire], self.tokens.start, self.tokens.stop, self.part)
-
-
-_INPUTS = {
-    Phase.FWD: ((Wire.Q,), (Wire.KV,)),
-    Phase.BWD: ((Wire.Q, Wire.DO, Wire.LSE, Wire.DELTA), (Wire.KV,)),
-}
-
 
 def wire_bytes(shape: HeadShape) -> dict[Wire, int]:
     """Bytes per token row of every wire (``HeadShape.token_bytes``, looked up once)."""
     return {w: shape.token_bytes(w) for w in Wire}
 
 
-def phase_messages(units: list[Unit], phase: Phase, shape: HeadShape) -> list[Message]:
-    """Every message of one phase in canonical order (inputs deduplicated per rank, stage and
-    range; one result message per block and wire)."""
-    return _messages(units, phase, shape)[0]
-
-
 def _messages(units: list[Unit], phase: Phase, shape: HeadShape) -> tuple[list[Message], dict[tuple, int], dict[tuple[int, Wire], int]]:
-    """``phase_messages`` plus where each block's inputs and results are: ({(rank, stage, src,
-    wire, start, stop): message index}, {(block index, wire): message index})."""
-    q_wires, kv_wires = _INPUTS[phase]
-    results = _RESULT_WIRES[phase]
+    """Every message of one phase in canonical order (inputs deduplicated per rank, stage and
+    range; one result message per block and wire), and where each block's inputs and results
+    are: ({(rank, stage, src, wire, start, stop): message index}, {(block index, wire): message
+    index})."""
+    q_wires, kv_wires, results = PHASE_WIRES[phase]
     tb = wire_bytes(shape)
-    order = {w: i for i, w in enumerate(Wire)}
+    order = _WIRE_ORDER
     recs: list[tuple] = []  # (round, src, dst, wire order, start, stop, part, wire, tokens, input key | result key)
     inputs: dict[tuple, int] = {}
     parts: dict[tuple, int] = defaultdict(int)
     for i, u in enumerate(units):
         r, k = u.rank, u.stage
-        if r == u.q_owner == u.kv_owner:
+        if u.is_local:
             continue
         for owner, toks, wires in ((u.q_owner, u.q, q_wires), (u.kv_owner, u.kv, kv_wires)):
             if owner == r:
@@ -123,8 +110,6 @@ def _messages(units: list[Unit], phase: Phase, shape: HeadShape) -> tuple[list[M
     result_at = {rec[9]: pos[j] for j, rec in enumerate(recs) if len(rec[9]) == 2}
     return msgs, input_at, result_at
 
-
-_RESULT_WIRES = {Phase.FWD: (Wire.O, Wire.LSE), Phase.BWD: (Wire.DQ, Wire.DKV)}
 
 
 def _first_fit(requests: list[tuple[int, int, int, int]], capacity: int) -> tuple[dict[int, Slot], int]:
@@ -199,8 +184,7 @@ def generate(units: list[Unit], phase: Phase, size: int, shape: HeadShape, capac
     """
     stages = 1 + max((u.stage for u in units), default=0)
     msgs, input_at, result_at = _messages(units, phase, shape)
-    results = _RESULT_WIRES[phase]
-    q_wires, kv_wires = _INPUTS[phase]
+    q_wires, kv_wires, results = PHASE_WIRES[phase]
     tb = wire_bytes(shape)
     requests: list[list[tuple[int, int, int, int]]] = [[] for _ in range(size)]
     for idx, m in enumerate(msgs):
@@ -225,7 +209,7 @@ def generate(units: list[Unit], phase: Phase, size: int, shape: HeadShape, capac
     local_dsts = tuple((w, None) for w in results)
     for i, u in enumerate(units):
         k, r = u.stage, u.rank
-        if r == u.q_owner == u.kv_owner:
+        if u.is_local:
             items[(r, k)].append(ComputeItem(q=u.q, kv=u.kv, causal=u.causal, srcs=local_srcs, dsts=local_dsts, window=u.window))
             continue
         srcs = []

@@ -11,12 +11,8 @@ from megatron_hsap.plan.ir import TokenRange, Unit
 from megatron_hsap.plan.placement import Prices, rows_for_work
 from megatron_hsap.plan.units import clip_unit
 
-__all__ = ["is_local", "footprint", "split_rows", "split_cols", "with_stage", "cut_by_cols", "count_fitting",
+__all__ = ["footprint", "split_rows", "split_cols", "with_stage", "cut_by_cols", "count_fitting",
            "smallest_piece", "needs_tiles", "grid_tiles", "take"]
-
-
-def is_local(u: Unit) -> bool:
-    return u.rank == u.q_owner == u.kv_owner
 
 
 def footprint(u: Unit, pr: Prices) -> float:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from megatron_hsap.plan.ir import Accumulate, Compute, Merge, Phase, Post, Send, Slot, Wait, Wire
+from megatron_hsap.plan.ir import PHASE_WIRES, Accumulate, Compute, Merge, Phase, Post, Send, Slot, Wait, Wire
 
 if TYPE_CHECKING:
     from megatron_hsap.plan.plan_type import Plan
@@ -59,16 +59,14 @@ def format_program(program, *, round_base: int = 0, limit: int | None = None) ->
             emit(f"wait round {ins.index - round_base}")
         elif isinstance(ins, Compute):
             for it in ins.items:
-                srcs, dsts = dict(it.srcs), dict(it.dsts)
-                ins_wires = (Wire.Q, Wire.KV) if phase is Phase.FWD else (Wire.Q, Wire.DO, Wire.LSE, Wire.DELTA, Wire.KV)
-                for w in ins_wires:
+                for w in PHASE_WIRES[phase].inputs:
                     rows = it.kv if w is Wire.KV else it.q
-                    emit(f"copy-{w.value}{rows} {_buf(srcs[w])} $comp")
+                    emit(f"copy-{w.value}{rows} {_buf(it.src(w))} $comp")
                 kind = "causal" if it.causal else "full"
                 if it.kernel_window != (-1, -1):  # partly outside the sliding window: a banded call
                     kind += " window{}".format(it.kernel_window)
                 emit(f"compute stage {ins.stage}: q{it.q} kv{it.kv} {kind}")
-                for w, slot in dsts.items():
+                for w, slot in it.dsts:
                     if w is Wire.LSE:
                         continue  # travels with o
                     rows = it.kv if w is Wire.DKV else it.q

@@ -113,7 +113,7 @@ def quick_price(units: list[Unit], size: int, pr: Prices, latency: float) -> tup
     work = np.zeros((size, n))
     for u in units:
         work[u.rank, u.stage] += u.work
-    sf, rf, sb, rb = _traffic([u for u in units if not (u.rank == u.q_owner == u.kv_owner)], size, n, pr)
+    sf, rf, sb, rb = _traffic([u for u in units if not u.is_local], size, n, pr)
     fwd, _ = _total(work * pr.sec_fwd, sf, rf, pr.bw, latency)
     bwd, _ = _total(work * pr.sec_bwd, sb, rb, pr.bw, latency)
     return fwd, bwd

@@ -22,12 +22,15 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from megatron_hsap.plan.window import banded_pairs, kernel_window
 
 __all__ = [
     "Wire",
     "Phase",
+    "PhaseWires",
+    "PHASE_WIRES",
     "TokenRange",
     "Segment",
     "Slot",
@@ -62,6 +65,29 @@ class Wire(str, enum.Enum):
 class Phase(str, enum.Enum):
     FWD = "fwd"
     BWD = "bwd"
+
+
+class PhaseWires(NamedTuple):
+    """What one phase moves per block (docs/design.md §3): ``q_side`` travels with the q rows
+    (from the q owner), ``kv_side`` with the kv rows (from the kv owner), ``results`` go back
+    (``DKV`` to the kv owner, the others to the q owner)."""
+
+    q_side: tuple[Wire, ...]
+    kv_side: tuple[Wire, ...]
+    results: tuple[Wire, ...]
+
+    @property
+    def inputs(self) -> tuple[Wire, ...]:
+        """Every input wire, q side first (the order a compute item copies them in)."""
+        return self.q_side + self.kv_side
+
+
+# THE phase wire table: codegen (messages, slots), verify (inputs / results of each item) and dump
+# read it.
+PHASE_WIRES = {
+    Phase.FWD: PhaseWires(q_side=(Wire.Q,), kv_side=(Wire.KV,), results=(Wire.O, Wire.LSE)),
+    Phase.BWD: PhaseWires(q_side=(Wire.Q, Wire.DO, Wire.LSE, Wire.DELTA), kv_side=(Wire.KV,), results=(Wire.DQ, Wire.DKV)),
+}
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -189,10 +215,19 @@ class ComputeItem:
         return kernel_window(self.q.start, self.q.stop, self.kv.start, self.kv.stop, self.causal, self.window)
 
     def src(self, wire: Wire) -> Slot | None:
-        return dict(self.srcs)[wire]
+        """THE lookup of an input wire's slot (``None``: the rank's local tensor); ``KeyError`` if
+        the item has no such input."""
+        for w, slot in self.srcs:
+            if w is wire:
+                return slot
+        raise KeyError(wire)
 
     def dst(self, wire: Wire) -> Slot | None:
-        return dict(self.dsts)[wire]
+        """THE lookup of an output wire's slot (``None``: merged / accumulated locally)."""
+        for w, slot in self.dsts:
+            if w is wire:
+                return slot
+        raise KeyError(wire)
 
 
 @dataclass(frozen=True, slots=True)
@@ -251,4 +286,10 @@ class Unit:
 
     @property
     def work(self) -> int:
+        """Unmasked (q, k) pairs (``plan/window.py``'s ``banded_pairs``)."""
         return banded_pairs(self.q.start, self.q.stop, self.kv.start, self.kv.stop, self.window)
+
+    @property
+    def is_local(self) -> bool:
+        """Computed where both its q and its kv rows live: no message moves for it."""
+        return self.rank == self.q_owner == self.kv_owner

@@ -31,12 +31,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from megatron_hsap.plan.cuts import (footprint, grid_tiles, is_local, needs_tiles, smallest_piece, split_cols, split_rows, take,
+from megatron_hsap.plan.cuts import (footprint, grid_tiles, needs_tiles, smallest_piece, split_cols, split_rows, take,
                                      with_stage)
 from megatron_hsap.plan.ir import Unit
 from megatron_hsap.plan.placement import Prices, rows_for_work
 
-__all__ = ["Split", "Staging", "StagingError", "StageShape", "assign_stages", "default_shape", "stage", "footprint", "is_local", "stage_shapes", "split_rows", "split_cols"]
+__all__ = ["Split", "Staging", "StagingError", "StageShape", "default_shape", "stage", "footprint", "stage_shapes", "split_rows", "split_cols"]
 
 
 class StagingError(Exception):
@@ -137,7 +137,7 @@ class Split:
         rw = [0] * size
         for u in placed:
             w = u.work
-            if u.rank == u.q_owner == u.kv_owner:
+            if u.is_local:
                 local[u.rank].append(u)
                 lw[u.rank] += w
             else:
@@ -242,11 +242,6 @@ def _fill_last(parts: list[Unit], floor: np.ndarray, budgets: np.ndarray, weight
         want -= mw
         room_b -= footprint(moved, pr)
     return [u for u in out if u is not None]
-
-
-def assign_stages(placed: list[Unit], size: int, pr: Prices, shape: StageShape, budget: float) -> list[Unit]:
-    """Every placed block with a stage (splitting blocks as needed): ``stage(...).units()``."""
-    return stage(Split.of(placed, size), pr, shape, budget).units()
 
 
 def _interleave(units: list[Unit], size: int) -> list[Unit]:

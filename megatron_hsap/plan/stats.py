@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from megatron_hsap.plan.estimate import lower_bounds, necessary_traffic
-from megatron_hsap.plan.ir import Compute
+from megatron_hsap.plan.costs import FP32_BYTES, HeadShape
+from megatron_hsap.plan.ir import Compute, Wire
+from megatron_hsap.plan.options import kv_heads_per_rank
 
 if TYPE_CHECKING:
     from megatron_hsap.plan.plan_type import Plan
@@ -94,7 +96,7 @@ def plan_stats(plan: "Plan") -> PlanStats:
     recv = c.fwd_time.recv + c.bwd_time.recv
     peaks = np.maximum(np.asarray(c.fwd.pool_peak), np.asarray(c.bwd.pool_peak))
     items = sum(len(ins.items) for prog in c.fwd.programs for ins in prog.instrs if isinstance(ins, Compute))
-    remote = sum(1 for u in c.units if not (u.rank == u.q_owner == u.kv_owner))
+    remote = sum(1 for u in c.units if not u.is_local)
     return PlanStats(
         num_tokens=plan.num_tokens,
         padded_tokens=plan.padded_tokens,
@@ -150,16 +152,16 @@ def peak_bytes(plan: "Plan", *, num_heads: int | None = None, num_kv_heads: int 
     all-to-all outputs (the whole inter chunk for H/P_intra heads) and fp32 accumulators.
     Head counts default to the plan's (global per-TP-rank counts; divided by P_intra here)."""
     o = plan.options
-    h = (num_heads or o.num_heads) // o.intra_size
-    hkv = max(1, (num_kv_heads or o.num_kv_heads or o.num_heads) // o.intra_size)
-    d = head_dim or o.head_dim
-    dv = head_dim_v or o.head_dim_v or d
-    b = dtype_bytes or o.dtype_bytes
+    heads, d = num_heads or o.num_heads, head_dim or o.head_dim
+    act = HeadShape(num_heads=heads // o.intra_size,
+                    num_kv_heads=kv_heads_per_rank(heads, num_kv_heads or o.num_kv_heads or o.num_heads, o.intra_size),
+                    head_dim=d, head_dim_v=head_dim_v or o.head_dim_v or d, dtype_bytes=dtype_bytes or o.dtype_bytes)
+    fp32 = replace(act, dtype_bytes=FP32_BYTES)  # the accumulators' rows (HeadShape.token_bytes: one home)
     chunk = plan.chunk_tokens
-    scale = (h * (d + dv) * b) / plan.shape.chunk_token_bytes
+    scale = act.chunk_token_bytes / plan.shape.chunk_token_bytes
     pool = int(plan.pool_capacity * scale)
-    a2a = chunk * (h * d + hkv * (d + dv) + h * dv) * b if o.intra_size > 1 else 0
-    acc = chunk * (h * dv + h) * 4  # fp32 output + lse accumulators (forward)
-    grads = chunk * (h * d + hkv * (d + dv)) * 4  # fp32 dq, dk, dv accumulators (backward)
+    a2a = chunk * (act.token_bytes(Wire.Q) + act.token_bytes(Wire.KV) + act.token_bytes(Wire.O)) if o.intra_size > 1 else 0
+    acc = chunk * (fp32.token_bytes(Wire.O) + fp32.token_bytes(Wire.LSE))  # fp32 output + lse accumulators (forward)
+    grads = chunk * (fp32.token_bytes(Wire.DQ) + fp32.token_bytes(Wire.DKV))  # fp32 dq, dk, dv accumulators (backward)
     return {"pool": pool, "all_to_all": a2a, "accumulators": max(acc, grads), "total": pool + a2a + max(acc, grads)}
 

@@ -27,14 +27,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from megatron_hsap.errors import PlanError
-from megatron_hsap.plan.ir import Accumulate, Compute, ComputeItem, Merge, Phase, Post, Program, Send, Slot, TokenRange, Wait, Wire
+from megatron_hsap.plan.ir import PHASE_WIRES, Accumulate, Compute, ComputeItem, Merge, Phase, Post, Program, Send, Slot, TokenRange, Wait, Wire
 
 if TYPE_CHECKING:
     from megatron_hsap.plan.plan_type import Plan
 
 __all__ = ["verify_plan", "check_coverage"]
 
-_RESULTS = {Phase.FWD: (Wire.O, Wire.LSE), Phase.BWD: (Wire.DQ, Wire.DKV)}
 
 
 class _Pool:
@@ -208,8 +207,8 @@ def _verify_phase(plan: "Plan", phase: Phase, progs, owner: _Owner) -> None:
     delivered: dict[tuple, int] = defaultdict(int)  # (item tag, wire) -> deliveries
     expected: list[tuple] = []
     items_all: list[ComputeItem] = []
-    results = _RESULTS[phase]
-    inputs = {Wire.Q, Wire.KV} if phase is Phase.FWD else {Wire.Q, Wire.DO, Wire.LSE, Wire.DELTA, Wire.KV}
+    results = PHASE_WIRES[phase].results
+    inputs = set(PHASE_WIRES[phase].inputs)
     for k in sorted({k for st in structs for k in st}):
         s = k - base
         if s < 0:
@@ -262,24 +261,24 @@ def _verify_phase(plan: "Plan", phase: Phase, progs, owner: _Owner) -> None:
             for it in comp.items:
                 tag = (r, s, id(it))
                 items_all.append(it)
-                srcs, dsts = dict(it.srcs), dict(it.dsts)
-                if set(srcs) != inputs or len(srcs) != len(it.srcs):
+                in_wires, out_wires = {w for w, _ in it.srcs}, {w for w, _ in it.dsts}
+                if in_wires != inputs or len(in_wires) != len(it.srcs):
                     raise PlanError(f"rank {r}: {phase.value} stage {s} item q{it.q} kv{it.kv}: inputs "
-                                    f"{sorted(w.value for w in srcs)} are not the {phase.value} inputs")
-                for w, slot in srcs.items():
+                                    f"{sorted(w.value for w in in_wires)} are not the {phase.value} inputs")
+                for w, slot in it.srcs:
                     rows = it.kv if w is Wire.KV else it.q
                     if slot is None:
                         if not owner.owns(r, rows):
                             raise PlanError(f"rank {r}: {phase.value} stage {s} item q{it.q} kv{it.kv}: reads local {w.value}{rows} it does not own")
                     else:
                         pools[r].read(slot, (w, rows), f"{phase.value} stage {s} item q{it.q} kv{it.kv}")
-                if set(dsts) != set(results) or len(dsts) != len(it.dsts):
+                if out_wires != set(results) or len(out_wires) != len(it.dsts):
                     raise PlanError(f"rank {r}: {phase.value} stage {s} item q{it.q} kv{it.kv}: outputs "
-                                    f"{sorted(w.value for w in dsts)} are not the {phase.value} results")
+                                    f"{sorted(w.value for w in out_wires)} are not the {phase.value} results")
                 for w in results:
                     rows = it.kv if w is Wire.DKV else it.q
                     expected.append((tag, w))
-                    if dsts[w] is None:
+                    if it.dst(w) is None:
                         if not owner.owns(r, rows):
                             raise PlanError(f"rank {r}: {phase.value} stage {s} item q{it.q} kv{it.kv}: accumulates "
                                             f"{w.value}{rows} locally but does not own those rows")
@@ -287,7 +286,7 @@ def _verify_phase(plan: "Plan", phase: Phase, progs, owner: _Owner) -> None:
                     else:
                         if owner.of(rows.start) == r:
                             raise PlanError(f"rank {r}: {phase.value} stage {s} item q{it.q} kv{it.kv}: routes its own {w.value}{rows} through the pool")
-                        pools[r].write(dsts[w], (w, rows, tag), "ready", f"{phase.value} stage {s} item q{it.q} kv{it.kv}")
+                        pools[r].write(it.dst(w), (w, rows, tag), "ready", f"{phase.value} stage {s} item q{it.q} kv{it.kv}")
         # 3. waits: receives of round k arrive.
         for r in range(size):
             if k in structs[r] and structs[r][k]["post"] is not None:
@@ -321,7 +320,7 @@ def _apply_after(ins, r: int, k: int, phase: Phase, pool: _Pool, owner: _Owner, 
         delivered[(o[0][2], Wire.O)] += 1
         delivered[(o[0][2], Wire.LSE)] += 1
     elif isinstance(ins, Accumulate):
-        if phase is not Phase.BWD or ins.wire not in (Wire.DQ, Wire.DKV):
+        if phase is not Phase.BWD or ins.wire not in PHASE_WIRES[Phase.BWD].results:
             raise PlanError(f"rank {r}: bad Accumulate {ins.wire.value} in {phase.value}")
         got = pool.read(ins.src, (ins.wire, ins.tokens), f"accumulate after round {k}")
         if got[0][2] is None:
