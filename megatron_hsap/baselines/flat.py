@@ -68,7 +68,7 @@ class BaselineCost:
 
 
 @dataclass(frozen=True, slots=True)
-class _Env:
+class _PricingInputs:
     """What every pricing function needs: the batch, P and the constants."""
 
     cu: np.ndarray  # int64 [n_docs + 1], global cu_seqlens (empty documents allowed)
@@ -95,11 +95,11 @@ class _Env:
     def bwd_s(self, pairs: np.ndarray | float) -> np.ndarray | float:
         return pairs * self.shape.bwd_flops_per_pair / self.hw.attn_bwd_flops
 
-    def tb(self, wire: Wire) -> float:
+    def row_bytes(self, wire: Wire) -> float:
         return float(self.shape.token_bytes(wire))
 
 
-def _rounds_time(env: _Env, compute: np.ndarray, sent: np.ndarray, recv: np.ndarray) -> tuple[float, int]:
+def _rounds_time(env: _PricingInputs, compute: np.ndarray, sent: np.ndarray, recv: np.ndarray) -> tuple[float, int]:
     """Pipelined schedule: row s of ``compute``/``sent``/``recv`` (each ``[steps, P]``) is one step
     whose compute overlaps its round; a step costs max over ranks of max(compute, transfer), plus
     one latency if any byte moves in its round. Returns (seconds, rounds that moved bytes)."""
@@ -124,7 +124,7 @@ def _prefix_pairs(cu: np.ndarray, x: np.ndarray) -> np.ndarray:
     return before[doc] + staircase_pairs(inside)
 
 
-def _price_te_thd_ring(env: _Env, pad_compute: bool = True) -> BaselineCost:
+def _price_te_thd_ring(env: _PricingInputs, pad_compute: bool = True) -> BaselineCost:
     """Transformer Engine ``AttnFuncWithCPAndKVP2P``, THD format, causal
     (NVIDIA/TransformerEngine ``transformer_engine/pytorch/attention/dot_product_attention/context_parallel.py``).
 
@@ -163,7 +163,7 @@ def _price_te_thd_ring(env: _Env, pad_compute: bool = True) -> BaselineCost:
         scale = _causal_pairs(env.lengths) / max(float(fwd_pairs.sum()), 1.0)
         fwd_pairs, bwd_pairs = fwd_pairs * scale, bwd_pairs * scale
     local_tokens = 2 * float(c.sum())  # padded tokens per rank
-    kv_bytes = local_tokens * env.tb(Wire.KV)
+    kv_bytes = local_tokens * env.row_bytes(Wire.KV)
     dkv_bytes = kv_bytes  # activation dtype, same shape as KV
 
     fwd_round = np.zeros((P, P))
@@ -191,12 +191,12 @@ def _price_te_thd_ring(env: _Env, pad_compute: bool = True) -> BaselineCost:
     )
 
 
-def _contiguous_chunk(env: _Env) -> int:
+def _contiguous_chunk(env: _PricingInputs) -> int:
     """Tokens per rank of the contiguous layout: T padded to a multiple of P, divided by P."""
     return -(-int(env.cu[-1]) // env.P)
 
 
-def _price_allgather_kv(env: _Env) -> BaselineCost:
+def _price_allgather_kv(env: _PricingInputs) -> BaselineCost:
     """All-gather KV on the plain contiguous layout (owner computes, no balancing): what
     ring-flash-attention's ``llama3_flash_attn_varlen_func`` (zhuzilin/ring-flash-attention
     ``ring_flash_attn/llama3_flash_attn_varlen.py``) and our CPU ``bench/allgather_baseline.py`` run.
@@ -214,7 +214,7 @@ def _price_allgather_kv(env: _Env) -> BaselineCost:
     L = _contiguous_chunk(env)
     bounds = np.minimum(np.arange(P + 1, dtype=np.int64) * L, env.cu[-1])
     work = np.diff(_prefix_pairs(env.cu, bounds))
-    kv_bytes = float((P - 1) * L) * env.tb(Wire.KV)
+    kv_bytes = float((P - 1) * L) * env.row_bytes(Wire.KV)
     dkv_bytes = kv_bytes  # activation dtype
     coll = 0.0 if P == 1 else env.lat
     ag = kv_bytes / env.bw + coll
@@ -234,7 +234,7 @@ def _price_allgather_kv(env: _Env) -> BaselineCost:
     )
 
 
-def _price_allgather_kv_zigzag(env: _Env) -> BaselineCost:
+def _price_allgather_kv_zigzag(env: _PricingInputs) -> BaselineCost:
     """Document-aware all-gather KV with per-document zigzag: Llama 3's CP, Transformer Engine's
     all-gather CP (``AttnFuncWithCPAndKVAllGather`` in
     ``transformer_engine/pytorch/attention/dot_product_attention/context_parallel.py``) and
@@ -261,7 +261,7 @@ def _price_allgather_kv_zigzag(env: _Env) -> BaselineCost:
     work = np.array([float((rows_pairs(r * c, (r + 1) * c) + rows_pairs((2 * P - 1 - r) * c, (2 * P - r) * c)).sum())
                      for r in range(P)])
     local = 2 * float(c.sum())
-    kv_bytes = float(P - 1) * local * env.tb(Wire.KV)
+    kv_bytes = float(P - 1) * local * env.row_bytes(Wire.KV)
     coll = 0.0 if P == 1 else env.lat
     ag = kv_bytes / env.bw + coll
     fwd_time = ag + float(np.max(env.fwd_s(work)))
@@ -289,7 +289,7 @@ def _ulysses_kv_heads(P: int, H: int, Hkv: int) -> np.ndarray:
     return (last - first + 1).astype(np.float64)
 
 
-def _price_ulysses(env: _Env) -> BaselineCost:
+def _price_ulysses(env: _PricingInputs) -> BaselineCost:
     """DeepSpeed-Ulysses: all-to-all from sequence split to head split and back, unoverlapped.
 
     ``shape`` is the full head shape (per TP rank); rank j computes all documents' pairs for q
@@ -306,9 +306,9 @@ def _price_ulysses(env: _Env) -> BaselineCost:
     L = float(_contiguous_chunk(env))
     need = _ulysses_kv_heads(P, H, Hkv)  # [P]
     others = P - 1
-    q_tok = env.tb(Wire.Q) / P  # bytes per token for H/P heads
-    o_tok = env.tb(Wire.O) / P
-    kv_head_tok = env.tb(Wire.KV) / Hkv  # k + v of one kv head
+    q_tok = env.row_bytes(Wire.Q) / P  # bytes per token for H/P heads
+    o_tok = env.row_bytes(Wire.O) / P
+    kv_head_tok = env.row_bytes(Wire.KV) / Hkv  # k + v of one kv head
     # q-like tensors: every rank sends L tokens × H/P heads to each other rank, and receives the same
     q_like = np.full(P, others * L)
     kv_recv = others * L * need * kv_head_tok  # [P]
@@ -341,7 +341,7 @@ def _price_ulysses(env: _Env) -> BaselineCost:
     )
 
 
-def _price_distflashattn(env: _Env) -> BaselineCost:
+def _price_distflashattn(env: _PricingInputs) -> BaselineCost:
     """DistFlashAttn (LightSeq) load-balanced causal schedule, document-blind.
 
     The padded batch (T' = P·L) is ONE causal sequence: masked cross-document blocks are computed
@@ -392,11 +392,11 @@ def _price_distflashattn(env: _Env) -> BaselineCost:
             recv[s + 1] += np.where(ranks + s < P, back_kv * L, 0.0)
         return sent, recv
 
-    kv = env.tb(Wire.KV)
-    f_sent, f_recv = rounds(env.tb(Wire.Q), env.tb(Wire.O) + env.tb(Wire.LSE), 0.0, kv)
+    kv = env.row_bytes(Wire.KV)
+    f_sent, f_recv = rounds(env.row_bytes(Wire.Q), env.row_bytes(Wire.O) + env.row_bytes(Wire.LSE), 0.0, kv)
     # dq and dk/dv deltas in the activation dtype: the byte size of q and of kv
     b_sent, b_recv = rounds(
-        env.tb(Wire.Q) + env.tb(Wire.LSE) + env.tb(Wire.O) + env.tb(Wire.DO), env.tb(Wire.Q), kv, kv
+        env.row_bytes(Wire.Q) + env.row_bytes(Wire.LSE) + env.row_bytes(Wire.O) + env.row_bytes(Wire.DO), env.row_bytes(Wire.Q), kv, kv
     )
     fwd_time, fwd_steps = _rounds_time(env, env.fwd_s(compute), f_sent, f_recv)
     bwd_time, bwd_steps = _rounds_time(env, env.bwd_s(compute), b_sent, b_recv)
@@ -413,7 +413,7 @@ def _price_distflashattn(env: _Env) -> BaselineCost:
     )
 
 
-_PRICERS: dict[str, Callable[[_Env], BaselineCost]] = {
+_PRICERS: dict[str, Callable[[_PricingInputs], BaselineCost]] = {
     "te_thd_ring": _price_te_thd_ring,
     "te_thd_ring_nopad": lambda env: _price_te_thd_ring(env, pad_compute=False),
     "allgather_kv": _price_allgather_kv,
@@ -453,4 +453,4 @@ def price_baseline(
     if unavailable_reason(method, world=int(world), shape=shape) is not None:
         return None
     cu = np.asarray(normalize_cu_seqlens(cu_seqlens), dtype=np.int64)
-    return _PRICERS[method](_Env(cu=cu, P=int(world), shape=shape, hw=hardware, link=link))
+    return _PRICERS[method](_PricingInputs(cu=cu, P=int(world), shape=shape, hw=hardware, link=link))

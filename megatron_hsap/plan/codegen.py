@@ -73,7 +73,7 @@ def _messages(units: list[Unit], phase: Phase, shape: HeadShape) -> tuple[list[M
     are: ({(rank, stage, src, wire, start, stop): message index}, {(block index, wire): message
     index})."""
     q_wires, kv_wires, results = PHASE_WIRES[phase]
-    tb = wire_bytes(shape)
+    row_bytes = wire_bytes(shape)
     order = _WIRE_ORDER
     recs: list[tuple] = []  # (round, src, dst, wire order, start, stop, part, wire, tokens, input key | result key)
     inputs: dict[tuple, int] = {}
@@ -105,7 +105,7 @@ def _messages(units: list[Unit], phase: Phase, shape: HeadShape) -> tuple[list[M
     for new, j in enumerate(perm):
         rec = recs[j]
         pos[j] = new
-        msgs.append(Message(rec[0], rec[1], rec[2], rec[7], rec[8], tb[rec[7]] * (rec[5] - rec[4]), rec[6]))
+        msgs.append(Message(rec[0], rec[1], rec[2], rec[7], rec[8], row_bytes[rec[7]] * (rec[5] - rec[4]), rec[6]))
     input_at = {key: pos[j] for key, j in inputs.items()}
     result_at = {rec[9]: pos[j] for j, rec in enumerate(recs) if len(rec[9]) == 2}
     return msgs, input_at, result_at
@@ -185,7 +185,7 @@ def generate(units: list[Unit], phase: Phase, size: int, shape: HeadShape, capac
     stages = 1 + max((u.stage for u in units), default=0)
     msgs, input_at, result_at = _messages(units, phase, shape)
     q_wires, kv_wires, results = PHASE_WIRES[phase]
-    tb = wire_bytes(shape)
+    row_bytes = wire_bytes(shape)
     requests: list[list[tuple[int, int, int, int]]] = [[] for _ in range(size)]
     for idx, m in enumerate(msgs):
         k = m.round
@@ -197,7 +197,7 @@ def generate(units: list[Unit], phase: Phase, size: int, shape: HeadShape, capac
         toks = u.kv if w is Wire.DKV else u.q
         key = n_msgs + len(out_at)
         out_at[(i, w)] = key
-        requests[u.rank].append((2 * u.stage, 2 * u.stage + 3, tb[w] * (toks.stop - toks.start), key))
+        requests[u.rank].append((2 * u.stage, 2 * u.stage + 3, row_bytes[w] * (toks.stop - toks.start), key))
     slot_of: dict[int, Slot] = {}
     peaks = []
     for r in range(size):

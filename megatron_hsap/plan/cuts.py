@@ -12,7 +12,7 @@ from megatron_hsap.plan.placement import Prices, rows_for_work
 from megatron_hsap.plan.units import clip_unit
 
 __all__ = ["footprint", "split_rows", "split_cols", "with_stage", "cut_by_cols", "count_fitting",
-           "smallest_piece", "needs_tiles", "grid_tiles", "take"]
+           "smallest_piece", "needs_tiles", "grid_tiles", "cut_fitting_part"]
 
 
 def footprint(u: Unit, pr: Prices) -> float:
@@ -78,7 +78,7 @@ def count_fitting(amount: float, per: float) -> int:
 
 
 def smallest_piece(u: Unit, pr: Prices) -> float:
-    """Work of the smallest part ``take`` can cut from ``u`` (one row or one column)."""
+    """Work of the smallest part ``cut_fitting_part`` can cut from ``u`` (one row or one column)."""
     if u.causal:
         return float(u.q.start - u.kv.start + 1)
     return float(len(u.q) if cut_by_cols(u, pr) else len(u.kv))
@@ -90,7 +90,7 @@ def needs_tiles(u: Unit, budget: float, pr: Prices) -> bool:
     if u.rank == u.q_owner or u.rank == u.kv_owner:
         return False
     fq, fk = pr.q_bwd + pr.dq, pr.kv + pr.dkv
-    if u.causal:  # row cuts (``take``) can make progress unless one row's keys fill the budget
+    if u.causal:  # row cuts (``cut_fitting_part``) can make progress unless one row's keys fill the budget
         return (u.q.stop - u.kv.start) * fk + fq > budget and len(u.q) >= 2
     # else cuts along the longer side (re-sending the shorter) can make progress
     return min(len(u.q) * fq, len(u.kv) * fk) > budget / 2
@@ -129,7 +129,7 @@ def grid_tiles(u: Unit, share: float, budget: float, pr: Prices) -> list[Unit]:
     return [t for t in tiles if t is not None]
 
 
-def take(u: Unit, work: float, room: float, pr: Prices) -> tuple[Unit | None, list[Unit]]:
+def cut_fitting_part(u: Unit, work: float, room: float, pr: Prices) -> tuple[Unit | None, list[Unit]]:
     """Cut from remote block ``u`` a part with at most ``work`` pairs and ``room`` pool bytes.
     Returns (part, rest); part is None when not even one row/column fits.
 

@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from megatron_hsap.plan.cuts import (footprint, grid_tiles, needs_tiles, smallest_piece, split_cols, split_rows, take,
-                                     with_stage)
+from megatron_hsap.plan.cuts import (cut_fitting_part, footprint, grid_tiles, needs_tiles, smallest_piece, split_cols,
+                                     split_rows, with_stage)
 from megatron_hsap.plan.ir import Unit
 from megatron_hsap.plan.placement import Prices, rows_for_work
 
@@ -110,7 +110,7 @@ class Staging:
         out = list(self.remote)
         for r, loc in enumerate(self.local):
             if loc:
-                out.extend(_pour(list(loc), self.local_budget[r]))
+                out.extend(_fill_stages_by_budget(list(loc), self.local_budget[r]))
         return out
 
 
@@ -317,10 +317,10 @@ def _cut_remote(split: Split, r: int, n_mid: int, pr: Prices, budget: float,
             continue
         part, rest = None, [u]
         if (not small or fp > budget - acc_b) and room_w >= 0.1 * per:  # else the stage is full
-            part, rest = take(u, max(room_w, 0.0), budget - acc_b, pr)
+            part, rest = cut_fitting_part(u, max(room_w, 0.0), budget - acc_b, pr)
         if part is None and acc_b == 0.0:
             # an empty stage: take at least one row or column, whatever the work target says
-            part, rest = take(u, max(room_w, smallest_piece(u, pr)), budget, pr)
+            part, rest = cut_fitting_part(u, max(room_w, smallest_piece(u, pr)), budget, pr)
             if part is None:
                 part, rest = u, []  # not one row fits the pool budget: codegen decides
         if part is not None:
@@ -335,7 +335,7 @@ def _cut_remote(split: Split, r: int, n_mid: int, pr: Prices, budget: float,
     return out, works, (out[-1].stage if out else 1)  # stages only grow along the queue
 
 
-def _pour(units: list[Unit], budgets: np.ndarray) -> list[Unit]:
+def _fill_stages_by_budget(units: list[Unit], budgets: np.ndarray) -> list[Unit]:
     """Local blocks into stages by cumulative work budgets, split by q rows at stage boundaries."""
     out: list[Unit] = []
     cum = np.cumsum(budgets)
@@ -373,7 +373,7 @@ def _pour(units: list[Unit], budgets: np.ndarray) -> list[Unit]:
 def _tiled_bytes(u: Unit, pr: Prices, budget: float) -> float:
     """Pool bytes ``u`` will occupy over all its stages once cut to fit ``budget``: its footprint,
     or, when both q rows and kv travel and they do not fit together, one budget per 2D tile
-    (``take`` re-sends a tile's q rows and kv columns with each neighbouring tile)."""
+    (``cut_fitting_part`` re-sends a tile's q rows and kv columns with each neighbouring tile)."""
     fp = footprint(u, pr)
     if fp <= budget or u.rank == u.q_owner or u.rank == u.kv_owner:
         return fp

@@ -200,7 +200,7 @@ def _op_str(k: int, op) -> str:
 
 def _verify_phase(plan: "Plan", phase: Phase, progs, owner: _Owner) -> None:
     size = plan.inter_size
-    tb = {w: plan.shape.token_bytes(w) for w in Wire}
+    row_bytes = {w: plan.shape.token_bytes(w) for w in Wire}
     base = plan.round_base[phase]
     structs = [_structure(p, base) for p in progs]
     pools = [_Pool(r, plan.pool_capacity) for r in range(size)]
@@ -225,8 +225,8 @@ def _verify_phase(plan: "Plan", phase: Phase, progs, owner: _Owner) -> None:
             for op in rnd.ops:
                 if not 0 <= op.peer < size or op.peer == r:
                     raise PlanError(f"rank {r}: {_op_str(k, op)}: bad peer")
-                if op.nbytes != tb[op.wire] * len(op.tokens):
-                    raise PlanError(f"rank {r}: {_op_str(k, op)}: {op.nbytes} bytes, expected {tb[op.wire] * len(op.tokens)}")
+                if op.nbytes != row_bytes[op.wire] * len(op.tokens):
+                    raise PlanError(f"rank {r}: {_op_str(k, op)}: {op.nbytes} bytes, expected {row_bytes[op.wire] * len(op.tokens)}")
                 if isinstance(op, Send):
                     if op.src is None:
                         if op.wire in results:

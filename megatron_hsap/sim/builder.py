@@ -16,7 +16,7 @@ import numpy as np
 from megatron_hsap.plan.costs import HeadShape
 from megatron_hsap.plan.window import staircase_pairs
 from megatron_hsap.sim.config import SimHardware
-from megatron_hsap.sim.engine import Busy, Collective, Instr, Join, Launch, Post, Transfer, Wait, Workload
+from megatron_hsap.sim.engine import Busy, Collective, Instr, Join, Launch, PostTag, TaggedTransfer, WaitTag, Workload
 
 __all__ = ["Builder", "Blocks", "causal_pairs"]
 
@@ -89,12 +89,12 @@ class Builder:
         self._labels.setdefault((tag, src, dst), label)
 
     def post(self, rank: int, tag: int) -> None:
-        self.progs[rank].append(Post(tag))
+        self.progs[rank].append(PostTag(tag))
         if (tag, rank) in self._moves:
             self._open[rank].add(tag)
 
     def wait(self, rank: int, tag: int) -> None:
-        self.progs[rank].append(Wait(tag))
+        self.progs[rank].append(WaitTag(tag))
         self._open[rank].discard(tag)
 
     def overlapped(self, rank: int) -> bool:
@@ -151,5 +151,5 @@ class Builder:
         self.progs[rank].append(Collective(tag, seconds, kind, label))
 
     def build(self) -> Workload:
-        transfers = [Transfer(s, d, b, t, self._labels[(t, s, d)]) for (t, s, d), b in sorted(self._bytes.items())]
+        transfers = [TaggedTransfer(s, d, b, t, self._labels[(t, s, d)]) for (t, s, d), b in sorted(self._bytes.items())]
         return Workload(programs=self.progs, transfers=transfers)

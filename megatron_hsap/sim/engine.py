@@ -1,13 +1,13 @@
 """Event-driven execution of per-rank programs on a fluid network model.
 
-A ``Workload`` is one program per simulated rank plus the point-to-point ``Transfer``s between
+A ``Workload`` is one program per simulated rank plus the point-to-point ``TaggedTransfer``s between
 them. Each rank runs its instructions in order on its own clock (its compute stream):
 
 * ``Busy(seconds)``: a kernel (attention, merge, a copy) occupies the rank.
-* ``Post(tag)``: launch one ``batch_isend_irecv``: every transfer with this tag that the rank
+* ``PostTag(tag)``: launch one ``batch_isend_irecv``: every transfer with this tag that the rank
   sends or receives. A transfer starts once BOTH endpoints have posted it, plus the link's
   per-operation latency (NCCL P2P is pairwise-synchronous), then flows through the network.
-* ``Wait(tag)``: block until all of the rank's transfers of ``tag`` are done (its own sends and
+* ``WaitTag(tag)``: block until all of the rank's transfers of ``tag`` are done (its own sends and
   receives only, whatever its peers still have in flight).
 * ``Collective(tag, seconds)``: every rank holding this tag enters; all leave together at
   ``max(arrivals) + seconds`` (a blocking all-gather, reduce-scatter or all-to-all).
@@ -39,7 +39,7 @@ import numpy as np
 from megatron_hsap.errors import ConfigError
 from megatron_hsap.plan.hardware import LinkClass
 
-__all__ = ["Busy", "Post", "Wait", "Collective", "Launch", "Join", "Transfer", "Workload", "Span", "Timeline", "simulate"]
+__all__ = ["Busy", "PostTag", "WaitTag", "Collective", "Launch", "Join", "TaggedTransfer", "Workload", "Span", "Timeline", "simulate"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,12 +52,17 @@ class Busy:
 
 
 @dataclass(frozen=True, slots=True)
-class Post:
+class PostTag:
+    """Start every transfer of ``tag`` this rank takes part in (one ``batch_isend_irecv``; the
+    plan's ``ir.Post`` of a round maps to it)."""
+
     tag: int
 
 
 @dataclass(frozen=True, slots=True)
-class Wait:
+class WaitTag:
+    """Block until this rank's transfers of ``tag`` are done (the plan's ``ir.Wait``)."""
+
     tag: int
 
 
@@ -81,11 +86,14 @@ class Join:
     tag: int
 
 
-Instr = Busy | Post | Wait | Collective | Launch | Join
+Instr = Busy | PostTag | WaitTag | Collective | Launch | Join
 
 
 @dataclass(frozen=True, slots=True)
-class Transfer:
+class TaggedTransfer:
+    """Bytes one simulated rank sends another under ``tag`` (a round's sends between the two,
+    summed; not the runtime's ``p2p.Transfer``, which is one tensor's send or receive)."""
+
     src: int
     dst: int
     nbytes: float
@@ -98,23 +106,23 @@ class Workload:
     """Programs (one per simulated rank) and the transfers between those ranks."""
 
     programs: list[list[Instr]]
-    transfers: list[Transfer] = field(default_factory=list)
+    transfers: list[TaggedTransfer] = field(default_factory=list)
 
     def validate(self) -> None:
         n = len(self.programs)
-        posts = [{i.tag for i in p if isinstance(i, Post)} for p in self.programs]
+        posts = [{i.tag for i in p if isinstance(i, PostTag)} for p in self.programs]
         for t in self.transfers:
             if not (0 <= t.src < n and 0 <= t.dst < n) or t.src == t.dst:
                 raise ConfigError(f"transfer {t} needs two distinct ranks in [0, {n})")
             if t.tag not in posts[t.src] or t.tag not in posts[t.dst]:
-                raise ConfigError(f"transfer {t}: both endpoints must Post tag {t.tag}")
+                raise ConfigError(f"transfer {t}: both endpoints must post tag {t.tag} (PostTag)")
         for r, p in enumerate(self.programs):
             seen: set[int] = set()
             launched: set[int] = set()
             for ins in p:
-                if isinstance(ins, Post):
+                if isinstance(ins, PostTag):
                     seen.add(ins.tag)
-                elif isinstance(ins, Wait) and ins.tag not in seen:
+                elif isinstance(ins, WaitTag) and ins.tag not in seen:
                     raise ConfigError(f"rank {r} waits on tag {ins.tag} before posting it")
                 elif isinstance(ins, Launch):
                     launched.add(ins.tag)
@@ -307,9 +315,9 @@ def simulate(
                 if end > t:
                     spans.append(Span(r, "a2a", t, end, "all-to-all exposed"))
                     clock[r] = end
-            elif isinstance(ins, Post):
+            elif isinstance(ins, PostTag):
                 push(t, "post", r, ins.tag)
-            elif isinstance(ins, Wait):
+            elif isinstance(ins, WaitTag):
                 if pending.get((r, ins.tag), 0) > 0:
                     blocked[r] = (ins.tag, t)
                     return

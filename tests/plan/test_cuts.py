@@ -1,6 +1,6 @@
-"""plan/cuts.py: every cut (``split_rows``, ``split_cols``, ``grid_tiles``, ``take``) returns
+"""plan/cuts.py: every cut (``split_rows``, ``split_cols``, ``grid_tiles``, ``cut_fitting_part``) returns
 pieces that tile their unit's (q, k) pairs exactly — no pair lost or doubled — and keep its
-document, owners, rank and stage; ``take``'s part respects its work and pool-byte limits
+document, owners, rank and stage; ``cut_fitting_part``'s part respects its work and pool-byte limits
 (docs/design.md §2.1 step 3).
 
 Reference: each unit's pair set is materialised as a boolean [T, T] mask here; pool bytes are
@@ -12,7 +12,7 @@ import numpy as np
 from hypothesis import given, settings, strategies as st
 
 from megatron_hsap.plan.costs import HeadShape
-from megatron_hsap.plan.cuts import footprint, grid_tiles, needs_tiles, split_cols, split_rows, take
+from megatron_hsap.plan.cuts import footprint, grid_tiles, needs_tiles, split_cols, split_rows, cut_fitting_part
 from megatron_hsap.plan.hardware import HARDWARE, LinkClass
 from megatron_hsap.plan.ir import TokenRange, Unit
 from megatron_hsap.plan.placement import Prices
@@ -72,9 +72,9 @@ def test_splits_tile_their_unit(u: Unit, data) -> None:
 
 @settings(max_examples=60, deadline=None)
 @given(units(), st.floats(1, 3000), st.floats(0.5, 60))
-def test_take_respects_work_and_room_and_tiles(u: Unit, work: float, room_rows: float) -> None:
+def test_cut_fitting_part_respects_work_and_room_and_tiles(u: Unit, work: float, room_rows: float) -> None:
     room = room_rows * (PR.q_bwd + PR.dq)
-    part, rest = take(u, work, room, PR)
+    part, rest = cut_fitting_part(u, work, room, PR)
     if part is None:
         assert rest == [u]
         return
