@@ -6,7 +6,7 @@ results of stage ``k − 1``. So stage 0 computes only *local* blocks (inputs al
 and results of the last stage travel in a tail round that nothing hides. With ``S ≥ 3`` stages:
 
 * stages ``1 .. S−2`` take the rank's *remote* blocks (some input or result travels), spread
-  evenly by work (or, ``front``, filled from the first stage at the common level, like a ring)
+  evenly by work (or, ``ring_fill``, filled from the first stage at the common level, like a ring)
   in ring order — at the ``s``-th remote stage rank ``r`` talks to rank ``r − s``, as in
   DistFlashAttn, so no rank feeds everyone in one round — and cut so that each stage's pool use
   (inputs + fp32 results, backward) stays within ``budget`` bytes: by q rows when only q travels,
@@ -20,7 +20,7 @@ and results of the last stage travel in a tail round that nothing hides. With ``
   travelling result, dkv of a few columns, is small).
 
 Local blocks are split by q rows (a causal block's head rows keep bottom-right alignment), never
-into slivers under 16 rows. ``stage_shapes`` proposes ``(S, α, front)`` candidates; the planner
+into slivers under 16 rows. ``stage_shapes`` proposes ``StageShape(S, α, ring_fill)`` candidates; the planner
 prices each (``estimate.price_staging``) and keeps the cheapest.
 """
 
@@ -49,22 +49,22 @@ _MIN_SPLIT_ROWS = 16  # local blocks are not cut into slivers thinner than this 
 @dataclass(frozen=True, slots=True)
 class StageShape:
     """``stages`` in all; remote blocks in stages ``1 .. stages−2`` (``1`` when ``stages == 2``);
-    ``alpha``: weight of the first and last (local-only) stages against a middle one; ``front``:
+    ``end_weight`` (α): weight of the first and last (local-only) stages against a middle one; ``ring_fill``:
     remote blocks fill the stages from the first at the common level (a ring: ranks with little
     remote work finish it early) instead of spreading evenly over all middle stages."""
 
     stages: int
-    alpha: float
-    front: bool = False
+    end_weight: float
+    ring_fill: bool = False
 
     @property
     def weights(self) -> np.ndarray:
         s = self.stages
         w = np.ones(s)
         if s >= 2:
-            w[0] = self.alpha
+            w[0] = self.end_weight
         if s >= 3:
-            w[-1] = self.alpha
+            w[-1] = self.end_weight
         return w
 
     @property
@@ -161,7 +161,7 @@ def stage(split: Split, pr: Prices, shape: StageShape, budget: float) -> Staging
     works: list[list[int]] = [[] for _ in range(size)]  # pairs of each part in ``cuts``
     used = n_mid
     level = None
-    if shape.front:  # the common per-stage level of the most loaded rank
+    if shape.ring_fill:  # the common per-stage level of the most loaded rank
         top = max(split.local_work[r] + split.remote_work[r] for r in range(size))
         level = top / float(shape.weights.sum())
     for r in range(size):
@@ -173,7 +173,7 @@ def stage(split: Split, pr: Prices, shape: StageShape, budget: float) -> Staging
             cuts[r], works[r], n = got
             used = max(used, n)
     stages = shape.stages + (used - n_mid)
-    weights = StageShape(stages, shape.alpha).weights
+    weights = StageShape(stages, shape.end_weight).weights
     floor = np.zeros((size, stages))
     budgets = np.zeros((size, stages))
     remote: list[Unit] = []
@@ -388,7 +388,7 @@ def _tiled_bytes(u: Unit, pr: Prices, budget: float) -> float:
 def default_shape(shapes: list[StageShape]) -> StageShape:
     """The shape tried first: the fewest stages with half-length end stages (when offered)."""
     fewest = min(s.stages for s in shapes)
-    return min((s for s in shapes if s.stages == fewest), key=lambda s: (abs(s.alpha - 0.5), s.front))
+    return min((s for s in shapes if s.stages == fewest), key=lambda s: (abs(s.end_weight - 0.5), s.ring_fill))
 
 
 def stage_shapes(split: Split, pr: Prices, budget: float, max_stages: int = 1024) -> list[StageShape]:
@@ -417,8 +417,8 @@ def stage_shapes(split: Split, pr: Prices, budget: float, max_stages: int = 1024
         n0 = max(1, n_pool, n_fit)
         for n in (n0, 2 * n0):
             shapes.add(StageShape(min(n, max_stages - 2) + 2, alpha))
-        shapes.add(StageShape(min(n0, max_stages - 2) + 2, alpha, front=True))
+        shapes.add(StageShape(min(n0, max_stages - 2) + 2, alpha, ring_fill=True))
     if n_pool <= 1:
         shapes.add(StageShape(2, 1.0))
         shapes.add(StageShape(3, 1.0))
-    return sorted(shapes, key=lambda s: (s.stages, s.alpha, s.front))
+    return sorted(shapes, key=lambda s: (s.stages, s.end_weight, s.ring_fill))
