@@ -282,3 +282,24 @@ def test_dead_or_duplicate_entry_points_are_gone(module, name):
     for p in parents:
         obj = getattr(obj, p)
     assert not hasattr(obj, last), f"{module}.{name} was deleted (issue 17 item 3); use its one home"
+
+
+def _stats_subscripts(tree: ast.AST) -> int:
+    """``x.stats()[...]``: a PlanStats field read by string (it is a frozen dataclass now)."""
+    return sum(1 for node in ast.walk(tree) if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Call)
+               and isinstance(node.value.func, ast.Attribute) and node.value.func.attr == "stats" and not node.value.args)
+
+
+def test_plan_stats_read_by_attribute():
+    tests_dir = PKG.parent / "tests"
+    trees = {**SOURCES, **{f"tests/{p.relative_to(tests_dir).as_posix()}": ast.parse(p.read_text())
+                           for p in sorted(tests_dir.rglob("*.py"))}}
+    assert {p for p, t in trees.items() if _stats_subscripts(t)} == set()
+    assert _stats_subscripts(ast.parse('plan.stats()["imbalance"]')) == 1  # the scanner can fail
+    from megatron_hsap.plan import compile_plan
+    from megatron_hsap.plan.stats import PlanStats
+
+    s = compile_plan([0, 100, 256], 2, num_heads=4, head_dim=16, layout="contiguous").stats()
+    assert isinstance(s, PlanStats) and s.as_dict()["imbalance"] == s.imbalance
+    with pytest.raises(TypeError):
+        s["imbalance"]  # noqa: B018 - not subscriptable
