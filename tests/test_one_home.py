@@ -242,14 +242,9 @@ def test_is_local_predicate_written_once():
     assert users == {"plan/ir.py": 1}, users
 
 
-# The runtime's executor and the kernel-call grouping (H2's files, issue 17 item 4) still look slots
-# up with dict(...): a ratchet, may only shrink.
-DICT_LOOKUPS_LEFT = {"runtime/executor.py", "plan/calls.py"}
-
-
 def test_item_slots_looked_up_through_the_accessor():
     users = {path for path, tree in SOURCES.items() if _dict_lookups(tree)}
-    assert users <= DICT_LOOKUPS_LEFT, users - DICT_LOOKUPS_LEFT
+    assert not users, users  # ComputeItem.src / .dst
 
 
 def test_one_home_scanners_can_fail():

@@ -1,4 +1,4 @@
-"""One home per rule (issue 17 items 3 and 4), the rules engineer H2's change folded:
+"""One home per rule (issue 17 items 3 and 4), for the kernel-call grouping and its neighbours:
 
 * which compute items form one kernel call: ``plan/calls.py``; the executor's prepared steps, the
   simulator and the head-chunk estimate import it and group nothing themselves;

@@ -112,9 +112,8 @@ def stage_calls(compute: Compute, rows: LocalRows) -> tuple[KernelCall, ...]:
     def flush() -> None:
         if batch:
             first, last = batch[0], batch[-1]
-            srcs = dict(first.srcs)
-            q_rows = slice(rows(first.q).start, rows(last.q).stop) if srcs[Wire.Q] is None else None
-            kv_rows = slice(rows(first.kv).start, rows(last.kv).stop) if srcs[Wire.KV] is None else None
+            q_rows = slice(rows(first.q).start, rows(last.q).stop) if first.src(Wire.Q) is None else None
+            kv_rows = slice(rows(first.kv).start, rows(last.kv).stop) if first.src(Wire.KV) is None else None
             calls.append(KernelCall(compute.stage, tuple(batch), q_rows, kv_rows))
             batch.clear()
 

@@ -304,7 +304,7 @@ class Executor:
         return tuple(out)
 
     def _operand(self, buf: _Buffers, item: ComputeItem, wire: Wire, rows: slice | None) -> tuple[Tensor, ...]:
-        slot = dict(item.srcs)[wire]
+        slot = item.src(wire)
         if slot is None:
             return tuple(x[rows] for x in buf.local[wire])
         return self._view(buf, slot, wire, len(item.kv if wire is Wire.KV else item.q))
@@ -330,7 +330,7 @@ class Executor:
         o, lse = attn_forward(q, k, v, cu_seqlens_q=call.cu_q, cu_seqlens_k=call.cu_k, max_seqlen_q=call.max_q,
                               max_seqlen_k=call.max_k, causal=call.causal, softmax_scale=scale, backend=self.backend,
                               window=call.window)
-        o_dst, lse_dst = dict(item.dsts)[Wire.O], dict(item.dsts)[Wire.LSE]
+        o_dst, lse_dst = item.dst(Wire.O), item.dst(Wire.LSE)
         if o_dst is None:
             if call.q_rows is None:
                 raise RuntimeMismatchError(f"item {item} merges locally but its q rows are not local")
@@ -354,7 +354,7 @@ class Executor:
                                    max_seqlen_q=call.max_q, max_seqlen_k=call.max_k, causal=call.causal,
                                    softmax_scale=scale, delta=delta, backend=self.backend,
                                    window=call.window)  # fmt: skip
-        dq_dst, dkv_dst = dict(item.dsts)[Wire.DQ], dict(item.dsts)[Wire.DKV]
+        dq_dst, dkv_dst = item.dst(Wire.DQ), item.dst(Wire.DKV)
         if dq_dst is None:
             acc[Wire.DQ][call.q_rows] += dq
         else:

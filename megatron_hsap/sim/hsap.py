@@ -7,8 +7,8 @@ the same moment — the all-to-all is priced in closed form (``Cluster.all_to_al
 
 Translation of one rank's plan program (``megatron_hsap.plan.ir``):
 
-* ``Post(round)`` → engine ``Post``; the round's ``Send``s become transfers (bytes summed per
-  peer); ``Wait`` → ``Wait``.
+* ``Post(round)`` → engine ``PostTag``; the round's ``Send``s become transfers (bytes summed per
+  peer); ``Wait`` → ``WaitTag``.
 * ``Compute``: exactly the runtime's kernel calls (``plan/calls.py``, the one definition of which
   items share one varlen call), each priced with its launch; each item's rows are merged into the
   local fp32 accumulators (forward: o/lse; backward: dq and dk/dv) unless the item writes a result

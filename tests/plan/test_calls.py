@@ -80,11 +80,11 @@ def test_calls_partition_the_items_and_read_their_rows(case: int) -> None:
                     if c.q_rows is not None:  # the call's contiguous q rows are its items' rows
                         assert list(range(c.q_rows.start, c.q_rows.stop)) == _rows_of([it.q for it in c.items], where)
                     else:
-                        assert len(c.items) == 1 and dict(c.items[0].srcs)[Wire.Q] is not None
+                        assert len(c.items) == 1 and c.items[0].src(Wire.Q) is not None
                     if c.kv_rows is not None:
                         assert list(range(c.kv_rows.start, c.kv_rows.stop)) == _rows_of([it.kv for it in c.items], where)
                     else:
-                        assert len(c.items) == 1 and dict(c.items[0].srcs)[Wire.KV] is not None
+                        assert len(c.items) == 1 and c.items[0].src(Wire.KV) is not None
                     assert c.q_lengths == tuple(len(it.q) for it in c.items)
                     assert c.work == sum(it.work for it in c.items)
                 # maximal: neighbours could not have been fused
