@@ -22,9 +22,12 @@ way: the local attention of chunk ``k`` hides the all-to-alls of its neighbours 
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from megatron_hsap.errors import ConfigError
 from megatron_hsap.plan.calls import call_counts
+from megatron_hsap.plan.costs import HeadShape
 from megatron_hsap.plan.estimate import PipelinePhase, pipelined_time
 from megatron_hsap.plan.hardware import LinkClass, link_class_for
 from megatron_hsap.plan.ir import Phase
@@ -37,6 +40,7 @@ if TYPE_CHECKING:
 __all__ = [
     "valid_head_chunks",
     "check_head_chunks",
+    "chunk_shape",
     "intra_link",
     "a2a_call_bytes",
     "a2a_bytes_sent",
@@ -47,6 +51,16 @@ __all__ = [
 
 # all_to_all_single calls per chunk before / after SAP (runtime/hsap.py): q, k, v in and o out
 # forward; dO in and dq, dk, dv out backward
+def chunk_shape(shape: HeadShape, chunks: int) -> HeadShape:
+    """The head shape of one of ``chunks`` head chunks of ``shape`` (the rule above): ``h/C`` q and
+    ``hkv/C`` kv heads, the same head sizes and dtype. The executor and the simulator both use it."""
+    if chunks < 1 or shape.num_heads % chunks or shape.num_kv_heads % chunks:
+        raise ConfigError(f"{chunks} head chunks do not split {shape.num_heads} q / {shape.num_kv_heads} kv heads "
+                          f"evenly; valid: {valid_head_chunks(shape.num_heads, shape.num_kv_heads)}")
+    return shape if chunks == 1 else replace(shape, num_heads=shape.num_heads // chunks,
+                                             num_kv_heads=shape.num_kv_heads // chunks)
+
+
 _CALLS = {Phase.FWD: (("q", "k", "v"), ("o",)), Phase.BWD: (("o",), ("q", "k", "v"))}
 
 

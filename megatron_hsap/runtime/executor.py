@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -41,6 +41,7 @@ from torch import Tensor
 
 from megatron_hsap.errors import ConfigError, RuntimeMismatchError
 from megatron_hsap.plan.calls import LocalRows
+from megatron_hsap.plan.chunks import chunk_shape
 from megatron_hsap.plan.costs import FP32_WIRES, HeadShape
 from megatron_hsap.plan.ir import ComputeItem, Phase, Send, Slot, Wire
 from megatron_hsap.plan.lru import LRUCache
@@ -219,7 +220,7 @@ class Executor:
         ``plan.head_chunks`` head chunks (the same programs on 1/C of the heads, docs/design.md §2.2)."""
         s, t, c = self.plan.shape, self.plan.chunk_tokens, self.plan.head_chunks
         if c > 1 and q.dim() == 3 and q.shape[1] * c == s.num_heads:
-            s = replace(s, num_heads=s.num_heads // c, num_kv_heads=s.num_kv_heads // c)
+            s = chunk_shape(s, c)
         want = ((t, s.num_heads, s.head_dim), (t, s.num_kv_heads, s.head_dim), (t, s.num_kv_heads, s.head_dim_v))
         got = (tuple(q.shape), tuple(k.shape), tuple(v.shape))
         if got != want:

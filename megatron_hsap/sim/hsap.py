@@ -25,6 +25,7 @@ from __future__ import annotations
 import bisect
 
 from megatron_hsap.plan.calls import LocalRows, stage_calls
+from megatron_hsap.plan.chunks import chunk_shape
 from megatron_hsap.plan.costs import HeadShape
 from megatron_hsap.plan.options import kv_heads_per_rank
 from megatron_hsap.plan.ir import Accumulate, Compute, Merge, Post as PlanPost, Send, Wait as PlanWait, Wire
@@ -109,8 +110,7 @@ def hsap_workload(plan: object, cluster: Cluster, phase: str) -> tuple[Workload,
     chunks = int(getattr(plan, "head_chunks", 1) or 1) if cluster.intra_size > 1 else 1
     b = Builder(len(progs))
     before, after = a2a_calls(plan, cluster, phase, chunks)
-    part = HeadShape(num_heads=shape.num_heads // chunks, num_kv_heads=max(1, shape.num_kv_heads // chunks),
-                     head_dim=shape.head_dim, head_dim_v=shape.head_dim_v, dtype_bytes=shape.dtype_bytes)
+    part = chunk_shape(shape, chunks)
     stride = 1 + max((ins.round.index for prog in progs for ins in prog.instrs if isinstance(ins, PlanPost)), default=0)
     side = iter(range(10**9))  # side-stream tags
     rows = [LocalRows(plan.layout.segments[r]) for r in range(len(progs))]  # type: ignore[attr-defined]

@@ -27,7 +27,9 @@ import torch
 
 from megatron_hsap.errors import ConfigError
 from megatron_hsap.plan import compile_plan
-from megatron_hsap.plan.chunks import a2a_bytes_sent, head_chunk_estimates, pipeline_phases, valid_head_chunks
+from megatron_hsap.plan.chunks import a2a_bytes_sent, chunk_shape, head_chunk_estimates, pipeline_phases, valid_head_chunks
+from megatron_hsap.plan.costs import HeadShape
+from megatron_hsap.plan.ir import Wire
 from megatron_hsap.plan.estimate import PipelinePhase, pipelined_time
 from megatron_hsap.plan.options import kv_heads_per_rank
 from megatron_hsap.plan.workloads import pack_batches
@@ -46,6 +48,17 @@ def test_valid_counts_split_q_and_kv_heads_alike(h, hkv, want):
         per_q, per_kv, group = h // c, hkv // c, h // hkv if h % hkv == 0 else None
         if group is not None:
             assert {i // group for i in range(per_q)} == set(range(per_kv))
+
+
+def test_chunk_shape_is_one_chunk_of_the_heads():
+    s = HeadShape(num_heads=8, num_kv_heads=4, head_dim=64, head_dim_v=32, dtype_bytes=2)
+    part = chunk_shape(s, 2)
+    assert (part.num_heads, part.num_kv_heads, part.head_dim, part.head_dim_v, part.dtype_bytes) == (4, 2, 64, 32, 2)
+    assert chunk_shape(s, 1) == s
+    # a token's bytes summed over the chunks are the plan's (every message shrinks by C)
+    assert all(2 * part.token_bytes(w) == s.token_bytes(w) for w in Wire)
+    with pytest.raises(ConfigError, match="3 head chunks"):
+        chunk_shape(s, 3)
 
 
 @pytest.mark.parametrize(
