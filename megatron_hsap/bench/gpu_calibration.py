@@ -232,7 +232,7 @@ def planner_hardware(path: str | Path):  # -> plan.hardware.Hardware
     """The planner's ``Hardware`` of the calibrated GPU: the built-in set of the same name with
     the flat attention rates replaced by the fitted curve at ``PLANNER_REFERENCE_TOKENS`` and the
     curve (``KernelCurve``) by the fitted one; links and latencies unchanged."""
-    from megatron_hsap.plan.hardware import HARDWARE, KernelCurve
+    from megatron_hsap.plan.hardware import HARDWARE, KernelCurve, KernelModel
 
     name, c = read_calibration(path)
     if name not in HARDWARE:
@@ -242,7 +242,8 @@ def planner_hardware(path: str | Path):  # -> plan.hardware.Hardware
     return dataclasses.replace(
         HARDWARE[name], name=f"{name}-calibrated", attn_fwd_flops=c["attn_fwd_peak"] * eff,
         attn_bwd_flops=c["attn_bwd_peak"] * eff,
-        kernel=KernelCurve(half_rate_tokens=c["half_rate_tokens"], launch_s=c["launch_s"]),
+        kernel=KernelModel(fwd_peak=c["attn_fwd_peak"], bwd_peak=c["attn_bwd_peak"],  # the fitted saturating curve (tile 0)
+                           curve=KernelCurve(half_rate_tokens=c["half_rate_tokens"], launch_s=c["launch_s"])),
     )  # fmt: skip
 
 

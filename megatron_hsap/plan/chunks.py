@@ -98,9 +98,12 @@ def pipeline_phases(plan: "Plan") -> dict[Phase, PipelinePhase]:
     out = {}
     for ph, pt in ((Phase.FWD, plan.chosen.fwd_time), (Phase.BWD, plan.chosen.bwd_time)):
         before, after = _CALLS[ph]
-        out[ph] = PipelinePhase(sap_s=pt.total, latency_s=pt.latency, launch_s=_kernel_calls(plan, ph) * hw.kernel.launch_s,
+        p = plan.intra_size  # copies: 4 × each whole tensor, P/(P−1) × the bytes sent (Hardware.a2a_copy_time)
+        out[ph] = PipelinePhase(sap_s=pt.total - pt.launch, latency_s=pt.latency, launch_s=_kernel_calls(plan, ph) * hw.kernel.launch_s,
                                 in_bytes=sum(b[n] for n in before), out_bytes=sum(b[n] for n in after),
-                                in_calls=len(before), out_calls=len(after))  # fmt: skip
+                                in_calls=len(before), out_calls=len(after),
+                                in_copy_s=hw.a2a_copy_time(sum(b[n] for n in before) * p / max(1, p - 1)),
+                                out_copy_s=hw.a2a_copy_time(sum(b[n] for n in after) * p / max(1, p - 1)))  # fmt: skip
     return out
 
 
@@ -110,7 +113,7 @@ def head_chunk_estimates(plan: "Plan") -> dict[int, float]:
     if plan.intra_size == 1:
         return {1: plan.chosen.time}
     link = intra_link(plan.options)
-    bw, lat = plan.hardware.bandwidth(link), plan.hardware.latency(link)
+    bw, lat = plan.hardware.a2a_bandwidth(link), plan.hardware.latency(link)
     phases = pipeline_phases(plan)
     return {c: sum(pipelined_time(ph, c, bw, lat) for ph in phases.values())
             for c in valid_head_chunks(plan.shape.num_heads, plan.shape.num_kv_heads)}  # fmt: skip

@@ -5,6 +5,14 @@ plus the round's latency when the round moves anything (round ``k`` overlaps sta
 round returns results with nothing to hide behind). A rank's transfer time in a round is
 max(bytes sent, bytes received) / bandwidth (full-duplex links).
 
+A rank's compute in a stage is priced like the hardware charges it (``block_costs``; the same
+``KernelModel`` the simulator runs, ``plan/hardware.py``): every block at the kernel's rate for
+its shape (the tile model), ``launch_s`` per varlen call (blocks reading the same inputs with the
+same causality share one), FA3's backward grid and GQA dK/dV atomics where the kernel has them,
+the LSE merges and fp32 accumulations of rows that receive more than one contribution (HBM bytes
+/ bandwidth), and the kernel slowdown while the stage's round is in flight. ``Prices`` without a
+kernel (hand-made tests) keep the flat ``work × seconds per pair``.
+
 ``quick_price`` computes the same number straight from staged blocks (no messages, no slots) so
 the planner can price many candidate stagings and generate code for the winner only.
 
@@ -26,7 +34,8 @@ from megatron_hsap.plan.placement import Prices
 from megatron_hsap.plan.schedule import Staging
 from megatron_hsap.plan.units import WorkUnit
 
-__all__ = ["PhaseTime", "phase_time", "quick_price", "price_staging", "necessary_traffic", "lower_bounds",
+__all__ = ["PhaseTime", "BlockCosts", "block_costs", "phase_time", "quick_price", "price_staging", "necessary_traffic",
+           "lower_bounds", "ideal_compute",
            "PipelinePhase", "pipelined_time"]
 
 
@@ -39,48 +48,189 @@ class PhaseTime:
     work: np.ndarray  # [P] pairs per rank
     sent: np.ndarray  # [P] bytes
     recv: np.ndarray  # [P] bytes
+    launch: float = 0.0  # kernel launches of the rank with the most (included in ``total``)
 
 
-def _total(comp: np.ndarray, sent: np.ndarray, recv: np.ndarray, bw: float, latency: float) -> tuple[float, float]:
-    """(phase seconds, latency seconds) from [P, rounds] compute seconds and bytes."""
-    xfer = np.maximum(sent, recv) / bw
+@dataclass(frozen=True, slots=True)
+class BlockCosts:
+    """Compute seconds per [rank, stage] of one phase: ``kernel`` (attention kernels, slowed
+    beside in-flight transfers) and ``fixed`` (launches, grid, merges: not slowed); ``launch``
+    [P]: each rank's launch seconds."""
+
+    kernel: np.ndarray
+    fixed: np.ndarray
+    launch: np.ndarray
+
+    def seconds(self, sent: np.ndarray, recv: np.ndarray, slowdown: float) -> np.ndarray:
+        if slowdown <= 0:
+            return self.kernel + self.fixed
+        return self.kernel * (1.0 + slowdown * ((sent > 0) | (recv > 0))) + self.fixed
+
+
+def _arrays(units) -> np.ndarray:
+    """[n, 9] int64: rank, stage, q.start, q.stop, kv.start, kv.stop, work, causal, q_owner, kv_owner."""
+    if not units:
+        return np.zeros((0, 10), dtype=np.int64)
+    return np.array([(u.rank, u.stage, u.q.start, u.q.stop, u.kv.start, u.kv.stop, u.work, u.causal, u.q_owner, u.kv_owner)
+                     for u in units], dtype=np.int64)
+
+
+def _rows_again(rank: np.ndarray, start: np.ndarray, stop: np.ndarray, span: int) -> np.ndarray:
+    """Per interval, rows already covered by an earlier interval of the same rank (intervals taken
+    in start order): the rows whose contribution is merged into an accumulator."""
+    n = len(rank)
+    if n == 0:
+        return np.zeros(0)
+    a = rank * span + start
+    b = rank * span + stop
+    order = np.lexsort((b, a))
+    a_s, b_s = a[order], b[order]
+    reach = np.maximum.accumulate(b_s)
+    prev = np.concatenate([[np.iinfo(np.int64).min], reach[:-1]])
+    again = np.clip(np.minimum(prev, b_s) - a_s, 0, None)
+    out = np.zeros(n)
+    out[order] = again
+    return out
+
+
+def block_costs(a: np.ndarray, size: int, n: int, pr: Prices, phase: str) -> BlockCosts:
+    """Price the blocks ``a`` (``_arrays`` rows) of one phase on a ``[size, n]`` grid (see the
+    module docstring; ``sim/hsap.py`` charges the same terms event by event)."""
+    kern = np.zeros((size, n))
+    fixed = np.zeros((size, n))
+    launch = np.zeros(size)
+    if len(a) == 0:
+        return BlockCosts(kern, fixed, launch)
+    rank, stg, qa, qb, ka, kb, work, causal, qo, ko = a.T
+    nq, nk = qb - qa, kb - ka
+    k = pr.kernel
+    assert k is not None
+    fpp = pr.fpp_fwd if phase == "fwd" else pr.fpp_bwd
+    w = np.maximum(work, 1).astype(np.float64)
+    secs = work * fpp / k.rate(nq, nk, phase, pr.group, w)
+    cell = rank * n + stg
+    np.add.at(kern.reshape(-1), cell, secs)
+    # one varlen call per (rank, stage, q source, kv source, causality), as the simulator groups items
+    qsrc = np.where(qo == rank, size, qo)
+    ksrc = np.where(ko == rank, size, ko)
+    key = ((cell * (size + 1) + qsrc) * (size + 1) + ksrc) * 2 + causal
+    keys, inv = np.unique(key, return_inverse=True)
+    gcell = keys // (2 * (size + 1) * (size + 1))
+    np.add.at(fixed.reshape(-1), gcell, k.launch_s)
+    np.add.at(launch, gcell // n, k.launch_s)
+    if phase != "fwd" and k.cta_s > 0:  # FA3's backward grid: ⌈max kv / 128⌉ × heads CTAs per block
+        maxk = np.zeros(len(keys))
+        np.maximum.at(maxk, inv, nk)
+        cnt = np.bincount(inv, minlength=len(keys))
+        np.add.at(fixed.reshape(-1), gcell, k.cta_s * np.ceil(maxk / 128.0) * pr.heads * cnt)
+    if phase != "fwd" and k.gqa_dkv_accum and pr.group > 1:
+        T = float(k.tile or 128)
+        np.add.at(fixed.reshape(-1), cell, np.ceil(nk / T) * pr.heads * T * pr.accum_row / pr.hbm_bw)
+    span = int(max(qb.max(), kb.max())) + 1
+    home_q = rank == qo
+    away_q = ~home_q
+    if phase == "fwd":  # o rows merged into the q owner's accumulator
+        again = _rows_again(rank[home_q], qa[home_q], qb[home_q], span)
+        np.add.at(fixed.reshape(-1), cell[home_q], again * pr.merge_o)
+        np.add.at(fixed.reshape(-1), qo[away_q] * n + np.minimum(stg[away_q] + 1, n - 1), nq[away_q] * pr.merge_o)
+    else:  # dq into the q owner's, dk/dv into the kv owner's fp32 gradients
+        again = _rows_again(rank[home_q], qa[home_q], qb[home_q], span)
+        np.add.at(fixed.reshape(-1), cell[home_q], again * pr.merge_dq)
+        np.add.at(fixed.reshape(-1), qo[away_q] * n + np.minimum(stg[away_q] + 1, n - 1), nq[away_q] * pr.merge_dq)
+        home_k = rank == ko
+        away_k = ~home_k
+        again = _rows_again(rank[home_k], ka[home_k], kb[home_k], span)
+        np.add.at(fixed.reshape(-1), cell[home_k], again * pr.merge_dkv)
+        np.add.at(fixed.reshape(-1), ko[away_k] * n + np.minimum(stg[away_k] + 1, n - 1), nk[away_k] * pr.merge_dkv)
+    return BlockCosts(kern, fixed, launch)
+
+
+def _total(comp: np.ndarray, sent: np.ndarray, recv: np.ndarray, bw: float, latency: float,
+           nvl_bw: float = 0.0) -> tuple[float, float]:
+    """(phase seconds, latency seconds) from [P, rounds] compute seconds and bytes; bytes
+    ``[2, P, rounds]`` are (network, NVLink) traffic on ports that run in parallel."""
+    if sent.ndim == 3:
+        xfer = np.maximum(np.maximum(sent[0], recv[0]) / bw, np.maximum(sent[1], recv[1]) / nvl_bw)
+        moved = sent.sum(axis=(0, 1))
+    else:
+        xfer = np.maximum(sent, recv) / bw
+        moved = sent.sum(axis=0)
     per_stage = np.maximum(comp, xfer).max(axis=0)
-    lat = float((sent.sum(axis=0) > 0).sum() * latency)
+    lat = float((moved > 0).sum() * latency)
     return float(per_stage.sum()) + lat, lat
 
 
-def phase_time(units: list[Unit], msgs: list[Message] | tuple[Message, ...], size: int, sec_per_pair: float, bw: float, latency: float) -> PhaseTime:
+def _same_node(pr: Prices, size: int) -> np.ndarray | None:
+    """[P, P] bool: inter ranks on one node (their P2P traffic runs over NVLink), or None when
+    every pair uses the plan's one link."""
+    if not pr.node or pr.nvl_bw <= 0:
+        return None
+    node = np.asarray(pr.node[:size])
+    return node[:, None] == node[None, :]
+
+
+def _both(a: np.ndarray) -> np.ndarray:
+    """Network + NVLink bytes of a [2, P, rounds] array (or ``a`` itself)."""
+    return a.sum(axis=0) if a.ndim == 3 else a
+
+
+def _compute(units, work_grid: np.ndarray, size: int, n: int, pr: Prices, phase: str, sent: np.ndarray,
+             recv: np.ndarray, a: np.ndarray | None = None) -> tuple[np.ndarray, float]:
+    """[P, n] compute seconds of ``units`` (flat when ``pr`` has no kernel) and the launch seconds
+    of the rank with the most."""
+    if pr.kernel is None:
+        return work_grid * (pr.sec_fwd if phase == "fwd" else pr.sec_bwd), 0.0
+    bc = block_costs(_arrays(units) if a is None else a, size, n, pr, phase)
+    return bc.seconds(sent, recv, pr.overlap_slowdown), float(bc.launch.max(initial=0.0))
+
+
+def phase_time(units: list[Unit], msgs: list[Message] | tuple[Message, ...], size: int, sec_per_pair: float, bw: float,
+               latency: float, *, pr: Prices | None = None, phase: str = "fwd") -> PhaseTime:
+    """The estimate of one phase of staged ``units`` and the messages codegen emitted for them.
+    With ``pr`` (carrying the kernel model) compute is priced by block shape (``block_costs``);
+    without it, ``work × sec_per_pair``."""
     stages = 1 + max((u.stage for u in units), default=0)
-    comp = np.zeros((size, stages + 1))
+    grid = np.zeros((size, stages + 1))
     work = np.zeros(size, dtype=np.int64)
     for u in units:
         w = u.work
-        comp[u.rank, u.stage] += w * sec_per_pair
+        grid[u.rank, u.stage] += w
         work[u.rank] += w
-    sent = np.zeros((size, stages + 1))
-    recv = np.zeros((size, stages + 1))
+    same = _same_node(pr, size) if pr is not None else None
+    sent = np.zeros((2, size, stages + 1))
+    recv = np.zeros((2, size, stages + 1))
     for m in msgs:
-        sent[m.src, m.round] += m.nbytes
-        recv[m.dst, m.round] += m.nbytes
-    total, lat = _total(comp, sent, recv, bw, latency)
+        c = 1 if same is not None and same[m.src, m.dst] else 0
+        sent[c, m.src, m.round] += m.nbytes
+        recv[c, m.dst, m.round] += m.nbytes
+    if same is None:
+        sent, recv = sent[0], recv[0]
+    nvl = pr.nvl_bw if pr is not None else 0.0
+    if pr is not None and pr.kernel is not None:
+        comp, launch = _compute(units, grid, size, stages + 1, pr, phase, _both(sent), _both(recv))
+    else:
+        comp, launch = grid * sec_per_pair, 0.0
+    total, lat = _total(comp, sent, recv, bw, latency, nvl)
+    xfer = np.maximum(sent, recv) / (np.array([bw, nvl])[:, None, None] if sent.ndim == 3 else bw)
     return PhaseTime(
         total=total,
         compute=comp.max(axis=0),
-        transfer=(np.maximum(sent, recv) / bw).max(axis=0),
+        transfer=(xfer.max(axis=0) if xfer.ndim == 3 else xfer).max(axis=0),
         latency=lat,
         work=work,
-        sent=sent.sum(axis=1),
-        recv=recv.sum(axis=1),
+        sent=_both(sent).sum(axis=1),
+        recv=_both(recv).sum(axis=1),
+        launch=launch,
     )
 
 
 def _traffic(units, size: int, n: int, pr: Prices) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Bytes sent/received per [rank, round], forward and backward, of staged remote ``units``
-    (inputs deduplicated per rank, stage and range, as ``codegen.phase_messages`` does)."""
-    sf = np.zeros((size, n))
-    rf = np.zeros((size, n))
-    sb = np.zeros((size, n))
-    rb = np.zeros((size, n))
+    (inputs deduplicated per rank, stage and range, as ``codegen.phase_messages`` does);
+    ``[2, rank, round]`` (network, NVLink) when some inter ranks share a node."""
+    same = _same_node(pr, size)
+    t = np.zeros((4, 2, size, n))
+    sf, rf, sb, rb = t[0], t[1], t[2], t[3]
     seen: set[tuple] = set()
     # per side: (tag, input bytes fwd, input bytes bwd, result bytes fwd, result bytes bwd) per token;
     # q travels with do/lse/delta in backward and returns o+lse / dq; kv returns dkv in backward
@@ -91,18 +241,21 @@ def _traffic(units, size: int, n: int, pr: Prices) -> tuple[np.ndarray, np.ndarr
         for owner, rng, (tag, f_in, b_in, f_out, b_out) in ((u.q_owner, u.q, q_side), (u.kv_owner, u.kv, kv_side)):
             if r == owner:
                 continue
+            c = 1 if same is not None and same[r, owner] else 0
             n = rng.stop - rng.start
             key = (r, k, owner, tag, rng.start, rng.stop)
             if key not in seen:  # an input is sent once per rank, stage and range
                 seen.add(key)
-                sf[owner, k - 1] += n * f_in
-                rf[r, k - 1] += n * f_in
-                sb[owner, k - 1] += n * b_in
-                rb[r, k - 1] += n * b_in
-            sf[r, k + 1] += n * f_out
-            rf[owner, k + 1] += n * f_out
-            sb[r, k + 1] += n * b_out
-            rb[owner, k + 1] += n * b_out
+                sf[c, owner, k - 1] += n * f_in
+                rf[c, r, k - 1] += n * f_in
+                sb[c, owner, k - 1] += n * b_in
+                rb[c, r, k - 1] += n * b_in
+            sf[c, r, k + 1] += n * f_out
+            rf[c, owner, k + 1] += n * f_out
+            sb[c, r, k + 1] += n * b_out
+            rb[c, owner, k + 1] += n * b_out
+    if same is None:
+        return sf[0], rf[0], sb[0], rb[0]
     return sf, rf, sb, rb
 
 
@@ -114,8 +267,9 @@ def quick_price(units: list[Unit], size: int, pr: Prices, latency: float) -> tup
     for u in units:
         work[u.rank, u.stage] += u.work
     sf, rf, sb, rb = _traffic([u for u in units if not u.is_local], size, n, pr)
-    fwd, _ = _total(work * pr.sec_fwd, sf, rf, pr.bw, latency)
-    bwd, _ = _total(work * pr.sec_bwd, sb, rb, pr.bw, latency)
+    a = _arrays(units) if pr.kernel is not None else None
+    fwd, _ = _total(_compute(units, work, size, n, pr, "fwd", _both(sf), _both(rf), a)[0], sf, rf, pr.bw, latency, pr.nvl_bw)
+    bwd, _ = _total(_compute(units, work, size, n, pr, "bwd", _both(sb), _both(rb), a)[0], sb, rb, pr.bw, latency, pr.nvl_bw)
     return fwd, bwd
 
 
@@ -126,9 +280,43 @@ def price_staging(st: Staging, size: int, pr: Prices, latency: float) -> float:
     work = np.zeros((size, n))
     work[:, : st.stages] = st.remote_work + st.local_budget
     sf, rf, sb, rb = _traffic(st.remote, size, n, pr)
-    fwd, _ = _total(work * pr.sec_fwd, sf, rf, pr.bw, latency)
-    bwd, _ = _total(work * pr.sec_bwd, sb, rb, pr.bw, latency)
-    return fwd + bwd
+    if pr.kernel is None:
+        fwd, _ = _total(work * pr.sec_fwd, sf, rf, pr.bw, latency, pr.nvl_bw)
+        bwd, _ = _total(work * pr.sec_bwd, sb, rb, pr.bw, latency, pr.nvl_bw)
+        return fwd + bwd
+    a = _arrays(st.remote)
+    out = 0.0
+    for phase, s_, r_ in (("fwd", sf, rf), ("bwd", sb, rb)):
+        bc = block_costs(a, size, n, pr, phase)
+        spp, fixed_local = _local_rates(st, size, pr, phase)
+        kern = bc.kernel
+        kern[:, : st.stages] += st.local_budget * spp[:, None]
+        fixed = bc.fixed
+        share = st.local_budget / np.maximum(st.local_budget.sum(axis=1, keepdims=True), 1e-300)
+        fixed[:, : st.stages] += share * fixed_local[:, None]
+        # pouring puts each rank's local blocks into every stage with a budget: ~one call per stage
+        fixed[:, : st.stages] += (st.local_budget > 0) * pr.kernel.launch_s
+        comp = BlockCosts(kern, fixed, bc.launch).seconds(_both(s_), _both(r_), pr.overlap_slowdown)
+        out += _total(comp, s_, r_, pr.bw, latency, pr.nvl_bw)[0]
+    return out
+
+
+def _local_rates(st: Staging, size: int, pr: Prices, phase: str) -> tuple[np.ndarray, np.ndarray]:
+    """Per rank: kernel seconds per pair of its local blocks (their shapes before pouring) and
+    their merge seconds (launches excluded: pouring decides the calls)."""
+    spp = np.full(size, pr.sec_fwd if phase == "fwd" else pr.sec_bwd)
+    fixed = np.zeros(size)
+    locs = [u for loc in st.local for u in loc]
+    if not locs:
+        return spp, fixed
+    a = _arrays(locs)
+    a[:, 1] = 0  # one stage: the merge and kernel totals per rank
+    bc = block_costs(a, size, 1, pr, phase)
+    w = np.bincount(a[:, 0], weights=a[:, 6], minlength=size)
+    has = w > 0
+    spp[has] = bc.kernel[has, 0] / w[has]
+    fixed = bc.fixed[:, 0] - bc.launch
+    return spp, fixed
 
 
 def necessary_traffic(units: list[WorkUnit], shape: HeadShape) -> tuple[int, int]:
@@ -153,9 +341,26 @@ def compute_bound(total_work: int, size: int, sec_fwd: float, sec_bwd: float) ->
     return total_work * (sec_fwd + sec_bwd) / size
 
 
+def ideal_compute(doc_lengths: np.ndarray, doc_work: np.ndarray, size: int, pr: Prices) -> float:
+    """Seconds of forward + backward attention with every document whole at the kernel's rate for
+    its own shape and the work spread perfectly over ``size`` ranks, no traffic, no launches
+    (the compute bound the layout rule compares with; flat rates when ``pr`` has no kernel)."""
+    work = np.asarray(doc_work, dtype=np.float64)
+    if pr.kernel is None:
+        return compute_bound(int(work.sum()), size, pr.sec_fwd, pr.sec_bwd)
+    n = np.asarray(doc_lengths, dtype=np.float64)
+    keep = work > 0
+    n, work = n[keep], work[keep]
+    k = pr.kernel
+    t = (work * pr.fpp_fwd / k.rate(n, n, "fwd", pr.group, work)).sum() + (work * pr.fpp_bwd / k.rate(n, n, "bwd", pr.group, work)).sum()
+    return float(t) / size
+
+
 def lower_bounds(total_work: int, nec_fwd: int, nec_bwd: int, size: int, shape: HeadShape, hw: Hardware, link: LinkClass) -> dict[str, float]:
-    """Compute and traffic lower bounds, forward + backward, in seconds."""
-    compute = compute_bound(total_work, size, shape.fwd_flops_per_pair / hw.attn_fwd_flops, shape.bwd_flops_per_pair / hw.attn_bwd_flops)
+    """Compute and traffic lower bounds, forward + backward, in seconds (compute at the kernel
+    model's peak rate, traffic at the plan's link bandwidth)."""
+    # at the kernel's asymptotic peak (efficiency 1): no block shape runs faster, so no estimate is below it
+    compute = compute_bound(total_work, size, shape.fwd_flops_per_pair / hw.kernel.fwd_peak, shape.bwd_flops_per_pair / hw.kernel.bwd_peak)
     traffic = (nec_fwd + nec_bwd) / (size * hw.bandwidth(link))
     return {"compute_s": compute, "traffic_s": traffic, "bound_s": max(compute, traffic)}
 
@@ -177,12 +382,15 @@ class PipelinePhase:
     out_bytes: int
     in_calls: int
     out_calls: int
+    in_copy_s: float = 0.0  # HBM rearranges around the all-to-alls before / after SAP, all chunks together
+    out_copy_s: float = 0.0
 
 
 def pipelined_time(ph: PipelinePhase, chunks: int, bw: float, call_latency: float) -> float:
     """Seconds of one phase with the heads in ``chunks`` equal chunks (docs/design.md §4).
 
-    Per chunk: all-to-all in ``A = in_bytes / (C·bw) + in_calls·latency``, return ``R`` likewise,
+    Per chunk: all-to-all in ``A = (in_bytes / bw + in_copy_s) / C + in_calls·latency``, return
+    ``R`` likewise (``bw``: ``Hardware.a2a_bandwidth``; copies: ``Hardware.a2a_copy_time``),
     SAP ``S = (sap_s − latency_s) / C + latency_s + launch_s`` (compute and P2P scale with the
     heads; latencies and launches do not). The all-to-alls of one intra group run one after another; while SAP computes
     chunk ``k`` the group carries chunk ``k+1``'s all-to-all and chunk ``k−1``'s return:
@@ -192,7 +400,7 @@ def pipelined_time(ph: PipelinePhase, chunks: int, bw: float, call_latency: floa
     """
     if chunks < 1:
         raise ValueError(f"{chunks=} must be >= 1")
-    a = ph.in_bytes / chunks / bw + ph.in_calls * call_latency
-    r = ph.out_bytes / chunks / bw + ph.out_calls * call_latency
+    a = (ph.in_bytes / bw + ph.in_copy_s) / chunks + ph.in_calls * call_latency
+    r = (ph.out_bytes / bw + ph.out_copy_s) / chunks + ph.out_calls * call_latency
     s = (ph.sap_s - ph.latency_s) / chunks + ph.latency_s + ph.launch_s
     return a + r + sum(max(s, (a if k < chunks else 0.0) + (r if k > 1 else 0.0)) for k in range(1, chunks + 1))

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from megatron_hsap.plan.costs import HeadShape
-from megatron_hsap.plan.hardware import Hardware
+from megatron_hsap.plan.hardware import Hardware, KernelModel
 from megatron_hsap.plan.ir import TokenRange, Unit, Wire
 from megatron_hsap.plan.units import WorkUnit, causal_work, clip_unit
 from megatron_hsap.plan.window import banded_pairs, staircase_pairs
@@ -37,7 +37,12 @@ SF, RF, SB, RB = range(4)
 
 @dataclass(frozen=True, slots=True)
 class Prices:
-    """Per-token bytes of each wire, seconds per (q, k) pair and the link bandwidth."""
+    """Per-token bytes of each wire, seconds per (q, k) pair and the link bandwidth; and what the
+    estimate needs to price blocks like the hardware (docs/design.md §4): the kernel model, FLOPs
+    per pair, HBM bytes per merged row and the kernel slowdown beside NCCL transfers.
+
+    ``sec_fwd`` / ``sec_bwd`` are the *flat* rates (placement and rebalancing heuristics rank
+    moves with them); the estimate (``plan/estimate.py``) prices every block by its shape."""
 
     q: float
     kv: float
@@ -48,10 +53,27 @@ class Prices:
     sec_fwd: float
     sec_bwd: float
     bw: float
+    kernel: KernelModel | None = None  # None: the flat rates above price compute (hand-made tests)
+    fpp_fwd: float = 0.0  # FLOPs per (q, k) pair, forward / backward
+    fpp_bwd: float = 0.0
+    group: int = 1  # q heads per kv head
+    heads: int = 1  # q heads per rank (after the intra all-to-all)
+    accum_row: float = 0.0  # FA3 GQA backward: fp32 dK/dV atomics bytes per (kv tile row, q head): (d + dv)·4·2
+    merge_o: float = 0.0  # HBM seconds to merge one o row (forward LSE merge)
+    merge_dq: float = 0.0  # ... to accumulate one dq row / one dkv row (backward)
+    merge_dkv: float = 0.0
+    hbm_bw: float = 1.0
+    overlap_slowdown: float = 0.0  # kernels beside an in-flight NCCL transfer run 1 + this slower
+    # Over a network link class some inter ranks still share a node and talk over NVLink (ports in
+    # parallel with the NIC): ``node[i]`` is inter rank i's node, ``nvl_bw`` the NVLink rate; () prices
+    # every pair at ``bw``.
+    node: tuple[int, ...] = ()
+    nvl_bw: float = 0.0
 
     @classmethod
-    def of(cls, shape: HeadShape, hw: Hardware, bw: float) -> "Prices":
+    def of(cls, shape: HeadShape, hw: Hardware, bw: float, node: tuple[int, ...] = ()) -> "Prices":
         b = shape.token_bytes
+        h, hkv, d, dv = shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.head_dim_v
         return cls(
             q=b(Wire.Q),
             kv=b(Wire.KV),
@@ -62,6 +84,19 @@ class Prices:
             sec_fwd=shape.fwd_flops_per_pair / hw.attn_fwd_flops,
             sec_bwd=shape.bwd_flops_per_pair / hw.attn_bwd_flops,
             bw=bw,
+            kernel=hw.kernel,
+            fpp_fwd=shape.fwd_flops_per_pair,
+            fpp_bwd=shape.bwd_flops_per_pair,
+            group=h // hkv,
+            heads=h,
+            accum_row=(d + dv) * 4 * 2,
+            merge_o=h * dv * hw.merge_fwd_bytes / hw.hbm_bw,
+            merge_dq=h * d * hw.merge_bwd_bytes / hw.hbm_bw,
+            merge_dkv=hkv * (d + dv) * hw.merge_bwd_bytes / hw.hbm_bw,
+            hbm_bw=hw.hbm_bw,
+            overlap_slowdown=hw.overlap_slowdown,
+            node=node if len(set(node)) > 1 else (),
+            nvl_bw=hw.nvlink_bw,
         )
 
     @property

@@ -8,11 +8,13 @@ import gc
 from dataclasses import replace
 from typing import Any
 
+import numpy as np
+
 from megatron_hsap.errors import BatchError, ConfigError
 from megatron_hsap.plan.cache import PLAN_CACHE, clear_plan_cache, fast_key
 from megatron_hsap.plan.codegen import PoolOverflow, generate
 from megatron_hsap.plan.costs import HeadShape
-from megatron_hsap.plan.estimate import compute_bound, phase_time, price_staging
+from megatron_hsap.plan.estimate import compute_bound, ideal_compute, phase_time, price_staging
 from megatron_hsap.plan.hardware import HARDWARE, LinkClass, link_class_for
 from megatron_hsap.plan.ir import Phase, Unit
 from megatron_hsap.plan.layout import Batch, Layout, contiguous_layout, normalize_cu_seqlens, validate_layout
@@ -70,8 +72,8 @@ def _build(name: str, units: list[Unit], size: int, shape: HeadShape, capacity: 
     units = sorted(units, key=lambda u: (u.rank, u.stage, u.rank == u.q_owner, u.q.start, u.kv.start))
     fwd = generate(units, Phase.FWD, size, shape, capacity, 0)
     bwd = generate(units, Phase.BWD, size, shape, capacity, fwd.rounds)
-    ft = phase_time(units, fwd.messages, size, pr.sec_fwd, pr.bw, lat)
-    bt = phase_time(units, bwd.messages, size, pr.sec_bwd, pr.bw, lat)
+    ft = phase_time(units, fwd.messages, size, pr.sec_fwd, pr.bw, lat, pr=pr, phase="fwd")
+    bt = phase_time(units, bwd.messages, size, pr.sec_bwd, pr.bw, lat, pr=pr, phase="bwd")
     return ChosenCandidate(name, tuple(units), fwd, bwd, ft, bt, budget)
 
 
@@ -279,7 +281,8 @@ def _compile_uncached(cu: tuple[int, ...], opts: PlanOptions) -> Plan:
     hw = HARDWARE[opts.hardware]
     pr = Prices.of(shape, hw, hw.bandwidth(_link_of(opts)))
     contiguous = None
-    bound = compute_bound(batch.total_work(opts.window), size, pr.sec_fwd, pr.sec_bwd)  # any layout
+    # any layout: every document whole at its own kernel rate, perfectly spread (docs/design.md §4)
+    bound = ideal_compute(np.diff(batch.doc_starts), batch.doc_work(opts.window), size, pr)
     if opts.layout_fallback:
         contiguous = _compile_on(contiguous_layout(batch, size, opts.intra_size), batch, shape, opts)
         if kept_layout(contiguous.chosen.time, None, bound) == "contiguous":
@@ -302,13 +305,19 @@ def _link_of(opts: PlanOptions) -> LinkClass:
     return link_class_for(opts.tp_size * opts.intra_size * opts.inter_size, opts.gpus_per_node)
 
 
+def _nodes(opts: PlanOptions) -> tuple[int, ...]:
+    """Node of each inter rank ``i`` of inter group 0 (CP rank ``i·P_intra``, TP ranks innermost),
+    for pricing which P2P pairs share a node (NVLink) under a network link class."""
+    return tuple((i * opts.intra_size * opts.tp_size) // opts.gpus_per_node for i in range(opts.inter_size))
+
+
 def _compile_on(layout: Layout, batch: Batch, shape: HeadShape, opts: PlanOptions) -> Plan:
     size = opts.inter_size
     validate_layout(layout, batch.padded_tokens)
     hw = HARDWARE[opts.hardware]
     link = _link_of(opts)
     capacity = opts.pool_bytes or max(DEFAULT_POOL_CHUNKS * layout.chunk_tokens * shape.chunk_token_bytes, DEFAULT_POOL_MIN)
-    pr = Prices.of(shape, hw, hw.bandwidth(link))
+    pr = Prices.of(shape, hw, hw.bandwidth(link), _nodes(opts) if link is LinkClass.INFINIBAND else ())
     lat = hw.latency(link)
     pieces, units = build_units(batch, layout, opts.window)
     placements = _placements(units, size, pr, opts.allow_helpers)
@@ -347,7 +356,7 @@ def _with_clipped(plan: Plan, full: Plan) -> Plan:
     left = plan.options.window
     units = [c for u in full.chosen.units if (c := clip_unit(replace(u, window=left), left)) is not None]
     hw, link = full.hardware, full.link
-    pr = Prices.of(full.shape, hw, hw.bandwidth(link))
+    pr = Prices.of(full.shape, hw, hw.bandwidth(link), _nodes(full.options) if link is LinkClass.INFINIBAND else ())
     try:
         cand = _build(full.chosen.name, units, full.inter_size, full.shape, full.pool_capacity,
                       pr, hw.latency(link), full.chosen.budget)

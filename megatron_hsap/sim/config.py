@@ -6,141 +6,25 @@ calibrate to their own cluster without editing code. Kernel time of one block of
 
     t = flops / (peak · eff(min(n_q, n_kv))),   eff(n) = n / (n + half_rate_tokens)
 
-(``KernelCurve`` of ``plan/hardware.py``), plus ``launch_s`` once per kernel call.
+(``KernelCurve`` of ``plan/hardware.py``), plus ``launch_s`` once per kernel call. The kernel
+model (``KernelModel``, the tile model) lives in ``plan/hardware.py`` — one home for the planner
+and the simulator; it is re-exported here. Without overrides ``sim_hardware(name).kernel`` equals
+``plan.hardware.HARDWARE[name].kernel``.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Protocol
-
-import numpy as np
+from typing import Any
 
 from megatron_hsap.errors import ConfigError
-from megatron_hsap.plan.hardware import KernelCurve, LinkClass
+from megatron_hsap.plan.hardware import HeadShapeLike, KernelCurve, KernelModel, LinkClass
 from megatron_hsap.sim import constants
 
 __all__ = ["SimHardware", "KernelModel", "sim_hardware", "load_overrides", "reset_overrides", "merge_bytes", "HARDWARE_NAMES"]
 
 HARDWARE_NAMES = tuple(constants.HARDWARE)
-
-
-class HeadShapeLike(Protocol):
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    head_dim_v: int
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class KernelModel:
-    """Attention kernel time by block shape. Rates in FLOP/s (asymptotic peaks of the curve)."""
-
-    fwd_peak: float
-    bwd_peak: float
-    curve: KernelCurve = field(default_factory=KernelCurve)
-    cta_s: float = 0.0  # seconds per grid CTA of a varlen call (see grid_time)
-    # FlashAttention-3's forward packs the q heads that share a kv head into the tile's rows for
-    # varlen and causal calls (Dao-AILab/flash-attention hopper/heuristics.h ``should_pack_gqa``:
-    # ``if (varlen_q || is_causal_or_local) return true``): a block of nq tokens fills nq·H/Hkv rows.
-    # Its backward does not pack (one q head per CTA). FA2 never packs.
-    pack_gqa: bool = False
-
-    # Tile model (``tile`` > 0; docs/design.md §2.4): FlashAttention walks a block in tiles of
-    # ``tile`` × ``tile`` (q rows × keys; FA2/FA3 causal hdim 128: 128 × 128). A block of nq rows
-    # (nq·H/Hkv when packed) is ``M = ⌈rows / tile⌉`` row tiles; each row tile visits
-    # ``keys per row / tile + ½`` key tiles (the last one half full on average, at least one, at
-    # most ⌈nk / tile⌉) and pays ``mblock_overhead`` tiles of prologue / epilogue (load Q, rescale
-    # and write O, LSE). Efficiency = useful pairs / pairs of the tiles visited. 0.8 reproduces the
-    # short-document points of workloads.md (512 tokens 61% / 1K 75% of the 16K rate; measured 57% /
-    # 78%); at 16K causal it is 0.98. ``tile`` = 0 keeps the older saturating curve.
-    tile: int = 0
-    mblock_overhead: float = 0.8
-    gqa_dkv_accum: bool = False  # FA3 backward's fp32 dK/dV atomics per q head (gqa_accum_time)
-
-    def rows(self, nq: np.ndarray | int, group: int, phase: str) -> np.ndarray | int:
-        """Tile rows a block of ``nq`` q tokens fills (``group`` = q heads per kv head)."""
-        return nq * group if (self.pack_gqa and phase == "fwd" and group > 1) else nq
-
-    def efficiency(self, nq: np.ndarray | int, nk: np.ndarray | int, pairs: np.ndarray | None = None,
-                   phase: str = "fwd", group: int = 1) -> np.ndarray:
-        """Kernel efficiency in (0, 1] of blocks ``[n]`` (``nq`` q tokens, ``nk`` keys, ``pairs``
-        unmasked (q, k) pairs; ``pairs`` None means a full block). Arrays broadcast."""
-        nq = np.maximum(1.0, np.asarray(nq, dtype=np.float64))
-        nk = np.maximum(1.0, np.asarray(nk, dtype=np.float64))
-        if self.tile <= 0:
-            n = np.minimum(self.rows(nq, group, phase), nk)
-            return n / (n + self.curve.half_rate_tokens)
-        T = float(self.tile)
-        pr = nq * nk if pairs is None else np.maximum(1.0, np.asarray(pairs, dtype=np.float64))
-        g = group if (self.pack_gqa and phase == "fwd" and group > 1) else 1
-        m = np.ceil(nq * g / T)
-        per_row = np.clip(pr / nq / T + 0.5, 1.0, np.ceil(nk / T))
-        return np.minimum(1.0, pr * g / ((m * (per_row + self.mblock_overhead)) * T * T))
-
-    def rate(self, nq: np.ndarray | int, nk: np.ndarray | int, phase: str, group: int = 1,
-             pairs: np.ndarray | None = None) -> np.ndarray:
-        peak = self.fwd_peak if phase == "fwd" else self.bwd_peak
-        return peak * self.efficiency(nq, nk, pairs, phase, group)
-
-    def blocks_time(self, nq: np.ndarray, nk: np.ndarray, flops: np.ndarray, phase: str, group: int = 1,
-                    pairs: np.ndarray | None = None) -> float:
-        """Seconds for blocks ``[n]`` of ``flops`` each (``pairs`` each), without any launch cost."""
-        if len(flops) == 0:
-            return 0.0
-        return float((np.asarray(flops, dtype=np.float64) / self.rate(nq, nk, phase, group, pairs)).sum())
-
-    def blocks_time_py(self, blocks: list[tuple[int, int, float, float]], phase: str, group: int = 1) -> float:
-        """``blocks_time`` for a short list of ``(nq, nk, flops, pairs)`` without numpy overhead
-        (the same formulas, term by term)."""
-        if not blocks:
-            return 0.0
-        peak = self.fwd_peak if phase == "fwd" else self.bwd_peak
-        g = group if (self.pack_gqa and phase == "fwd" and group > 1) else 1
-        total = 0.0
-        if self.tile <= 0:
-            half = self.curve.half_rate_tokens
-            for nq, nk, flops, _ in blocks:
-                n = max(1.0, min(float(nq) * g, float(nk)))
-                total += flops * (n + half) / (peak * n)
-            return total
-        T = float(self.tile)
-        for nq, nk, flops, pairs in blocks:
-            nq, nk = max(1.0, float(nq)), max(1.0, float(nk))
-            pr = max(1.0, float(pairs))
-            m = math.ceil(nq * g / T)
-            per_row = min(max(pr / nq / T + 0.5, 1.0), math.ceil(nk / T))
-            eff = min(1.0, pr * g / (m * (per_row + self.mblock_overhead) * T * T))
-            total += flops / (peak * eff)
-        return total
-
-    def grid_time(self, max_nq: float, max_nk: float, n_blocks: int, heads: int, phase: str) -> float:
-        """Scheduling cost of a varlen *backward* call's grid: FlashAttention-3's backward sizes it
-        by the longest kv block, ``⌈max_nk / 128⌉ × heads × n_blocks`` CTAs, most of which exit at
-        once when blocks differ in length (its forward walks only real tiles with a varlen-aware
-        persistent scheduler: no cost). ``cta_s`` per CTA (averaged over the SMs) is fitted in
-        ``sim/calibrate.py``; 0 leaves the model as before."""
-        if self.cta_s <= 0 or n_blocks == 0 or phase == "fwd":
-            return 0.0
-        return self.cta_s * float(np.ceil(max_nk / 128.0)) * heads * n_blocks
-
-    def gqa_accum_time(self, nk: np.ndarray, shape: "HeadShapeLike", phase: str, hbm_bw: float) -> float:
-        """FlashAttention-3's backward with GQA (``gqa_dkv_accum``): every (kv tile, q head) CTA
-        adds its fp32 dK/dV partial (tile × (d + dv) × 4 bytes) into the per-kv-head accumulator
-        with atomics (hopper/epilogue_bwd.hpp ``CollectiveEpilogueBwdGQA``), a read-modify-write in
-        HBM once the accumulator exceeds L2. Negligible for long blocks (the CTA's own work
-        dwarfs it), dominant for skinny ones (a few q rows against many keys). ``nk``: ``[n]``."""
-        if not self.gqa_dkv_accum or phase == "fwd" or shape.num_heads <= shape.num_kv_heads or len(nk) == 0:
-            return 0.0
-        T = float(self.tile or 128)
-        tiles = float(np.ceil(np.asarray(nk, dtype=np.float64) / T).sum())
-        return tiles * shape.num_heads * T * (shape.head_dim + shape.head_dim_v) * 4 * 2 / hbm_bw
-
-    def call_time(self, nq: np.ndarray, nk: np.ndarray, flops: np.ndarray, phase: str) -> float:
-        """One varlen kernel call over several document blocks (``[n]`` arrays)."""
-        return self.curve.launch_s + self.blocks_time(nq, nk, flops, phase)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -13,81 +13,40 @@ table into a validated ``SimConfig`` and lets a YAML file override any field.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
-# KernelCurve of plan/hardware.py: efficiency(n) = n / (n + 390).
-HALF_RATE_TOKENS = 390.0
+# The kernel model's constants live in plan/hardware.py (one home for the planner and the
+# simulator): the tile, the prologue overhead, the launch cost, the peaks derived from the
+# workloads.md rates, the HBM bandwidth and HSAP's merge bytes. This table reads them.
+from megatron_hsap.plan import hardware as _plan_hw
+
+HALF_RATE_TOKENS = _plan_hw.HALF_RATE_TOKENS
+TILE = _plan_hw.TILE
+MBLOCK_OVERHEAD = _plan_hw.MBLOCK_OVERHEAD
+_tile_efficiency = _plan_hw.tile_efficiency
+_peak = _plan_hw.peak_for
 
 
-TILE = 128  # FA2/FA3 causal hdim-128 tile edge (sim/config.py KernelModel.tile)
-MBLOCK_OVERHEAD = 0.8  # prologue/epilogue tiles per row tile (KernelModel.mblock_overhead)
-
-
-def _tile_efficiency(tokens: int) -> float:
-    """KernelModel's tile-model efficiency of one causal document of ``tokens`` (no GQA packing)."""
-    pairs = tokens * (tokens + 1) / 2
-    m = math.ceil(tokens / TILE)
-    per_row = min(max(pairs / tokens / TILE + 0.5, 1.0), math.ceil(tokens / TILE))
-    return min(1.0, pairs / (m * (per_row + MBLOCK_OVERHEAD) * TILE * TILE))
-
-
-def _peak(rate_at: float, tokens: int) -> float:
-    """Asymptotic rate whose tile-model value on one causal document of ``tokens`` is the
-    measured ``rate_at`` (the figures are causal single-sequence benchmarks)."""
-    return rate_at / _tile_efficiency(tokens)
+def _from_plan(name: str) -> dict[str, Any]:
+    """The kernel and link fields of ``plan.hardware.HARDWARE[name]`` in this table's keys."""
+    h = _plan_hw.HARDWARE[name]
+    k = h.kernel
+    return {"attn_fwd_peak": k.fwd_peak, "attn_bwd_peak": k.bwd_peak, "half_rate_tokens": k.curve.half_rate_tokens,
+            "launch_s": k.curve.launch_s, "nvlink_bw": h.nvlink_bw, "ib_bw": h.ib_bw, "nvlink_latency": h.nvlink_latency,
+            "ib_latency": h.ib_latency, "dense_peak_flops": h.dense_peak_flops, "hbm_bw": h.hbm_bw, "gpus_per_node": h.gpus_per_node}
 
 
 HARDWARE: dict[str, dict[str, Any]] = {
     # A100 SXM. workloads.md: FA2 (d 128) ~205 TFLOP/s forward, ~174 backward at 8K causal;
     # NVLink NCCL ~230 GB/s per GPU; HDR 200 Gb/s NIC per GPU ~23 GB/s achieved; NCCL op
     # latency ~8-10 us intra-node, ~10-20 us over the network; bf16 dense peak 312 TFLOP/s.
-    "a100": {
-        "attn_fwd_peak": _peak(205e12, 8192),
-        "attn_bwd_peak": _peak(174e12, 8192),
-        "half_rate_tokens": HALF_RATE_TOKENS,
-        "launch_s": 5e-6,  # plan/hardware.py KernelCurve.launch_s
-        "nvlink_bw": 230e9,
-        "ib_bw": 23e9,
-        "nvlink_latency": 10e-6,
-        "ib_latency": 15e-6,
-        "dense_peak_flops": 312e12,
-        # Not in workloads.md: A100-SXM4-80GB HBM2e 2,039 GB/s (NVIDIA datasheet); elementwise
-        # kernels reach ~80% of it.
-        "hbm_bw": 1.6e12,
-        "gpus_per_node": 8,
-    },
+    "a100": _from_plan("a100"),
     # H100 SXM with FlashAttention-2. workloads.md: FA2 ~335-370 forward (midpoint 350), ~322
     # backward at 16K; NVLink NCCL ~370 GB/s; NDR 400 Gb/s ~48 GB/s; dense peak 989.
-    "h100": {
-        "attn_fwd_peak": _peak(350e12, 16384),
-        "attn_bwd_peak": _peak(322e12, 16384),
-        "half_rate_tokens": HALF_RATE_TOKENS,
-        "launch_s": 5e-6,
-        "nvlink_bw": 370e9,
-        "ib_bw": 48e9,
-        "nvlink_latency": 10e-6,
-        "ib_latency": 15e-6,
-        "dense_peak_flops": 989e12,
-        # Not in workloads.md: H100 SXM HBM3 3.35 TB/s (NVIDIA datasheet), ~80% achieved.
-        "hbm_bw": 2.7e12,
-        "gpus_per_node": 8,
-    },
+    "h100": _from_plan("h100"),
     # H100 SXM with FlashAttention-3 (the class of kernel MagiAttention's benchmark runs).
     # workloads.md: FA3 ~616-648 forward (midpoint 632), ~561 backward at 16K.
-    "h100-fa3": {
-        "attn_fwd_peak": _peak(632e12, 16384),
-        "attn_bwd_peak": _peak(561e12, 16384),
-        "half_rate_tokens": HALF_RATE_TOKENS,
-        "launch_s": 5e-6,
-        "nvlink_bw": 370e9,
-        "ib_bw": 48e9,
-        "nvlink_latency": 10e-6,
-        "ib_latency": 15e-6,
-        "dense_peak_flops": 989e12,
-        "hbm_bw": 2.7e12,
-        "gpus_per_node": 8,
-    },
+    "h100-fa3": _from_plan("h100-fa3"),
 }
 
 # NCCL's own cost model, read from its source (NVIDIA/nccl), the same for every GPU type here:
@@ -114,6 +73,7 @@ for _hw in HARDWARE.values():
 for _hw in HARDWARE.values():
     _hw.update({"tile": TILE, "mblock_overhead": MBLOCK_OVERHEAD})
 HARDWARE["h100-fa3"].update({"pack_gqa": True, "gqa_dkv_accum": True, "fa3_wrapper_copies": True})
+assert all(bool(HARDWARE[n].get("pack_gqa")) == _plan_hw.HARDWARE[n].kernel.pack_gqa for n in HARDWARE)
 
 # Software efficiencies no datasheet gives (NCCL's all-to-all and ring all-gather/reduce-scatter
 # against the NVLink figure, the empty-CTA cost of FA3's varlen backward grid, a fixed cost per
@@ -122,10 +82,10 @@ HARDWARE["h100-fa3"].update({"pack_gqa": True, "gqa_dkv_accum": True, "fa3_wrapp
 # never fitted). They are properties of the software, so every hardware set gets them: one set of
 # constants for every method and every table (ring-flash-attention's A100 validation stays within
 # 15% with them).
-CALIBRATED: dict[str, float] = {"a2a_efficiency": 0.45, "collective_efficiency": 0.575, "cta_s": 6e-9, "te_step_s": 0.925e-3,
+CALIBRATED: dict[str, float] = {"a2a_efficiency": _plan_hw.A2A_EFFICIENCY, "collective_efficiency": 0.575, "cta_s": _plan_hw.CTA_S, "te_step_s": 0.925e-3,
                                 # assumed, not fitted (no 8-GPU point isolates it): while a transfer is in
                                 # flight NCCL holds one CTA per channel (2-16 of 132 SMs) and a share of HBM
-                                "overlap_slowdown": 0.10}
+                                "overlap_slowdown": _plan_hw.OVERLAP_SLOWDOWN}
 for _hw in HARDWARE.values():
     _hw.update(CALIBRATED)
 
@@ -141,7 +101,7 @@ for _hw in HARDWARE.values():
 #       back half, i.e. +8 per element). Backward ``dq += buffer`` (fp32 += bf16): 4+2+4 = 10.
 #   distflashattn: LightSeq's Triton rescale kernel, like TE: 10 / 12.
 MERGE_BYTES: dict[str, dict[str, float]] = {
-    "hsap": {"fwd": 18.0, "bwd": 12.0},
+    "hsap": {"fwd": _plan_hw.MERGE_FWD_BYTES, "bwd": _plan_hw.MERGE_BWD_BYTES},
     "fa3": {"fwd": 10.0, "bwd": 12.0},  # MagiAttention's FA3 ring baselines: a fused correction like TE's
     "te": {"fwd": 10.0, "bwd": 12.0},
     "ring_flash_attn": {"fwd": 18.0, "bwd": 10.0, "half_index_extra": 8.0},

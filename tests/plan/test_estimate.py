@@ -59,8 +59,8 @@ def test_bounds_below_estimate_and_quick_price_equals_phase_time(lengths, inter,
     c = plan.chosen
     pr = Prices.of(plan.shape, plan.hardware, plan.hardware.bandwidth(plan.link))
     lat = plan.hardware.latency(plan.link)
-    f = phase_time(list(c.units), plan.raw_messages("fwd"), inter, pr.sec_fwd, pr.bw, lat)
-    b = phase_time(list(c.units), plan.raw_messages("bwd"), inter, pr.sec_bwd, pr.bw, lat)
+    f = phase_time(list(c.units), plan.raw_messages("fwd"), inter, pr.sec_fwd, pr.bw, lat, pr=pr, phase="fwd")
+    b = phase_time(list(c.units), plan.raw_messages("bwd"), inter, pr.sec_bwd, pr.bw, lat, pr=pr, phase="bwd")
     assert (f.total, b.total) == (c.fwd_time.total, c.bwd_time.total)  # the plan's stored estimate is this
     qf, qb = quick_price(list(c.units), inter, pr, lat)
     assert qf == pytest.approx(f.total, rel=1e-9) and qb == pytest.approx(b.total, rel=1e-9)  # why: same terms summed in another order
