@@ -68,11 +68,18 @@ class BlockCosts:
 
 
 def _arrays(units) -> np.ndarray:
-    """[n, 9] int64: rank, stage, q.start, q.stop, kv.start, kv.stop, work, causal, q_owner, kv_owner."""
+    """[n, 10] int64: rank, stage, q.start, q.stop, kv.start, kv.stop, work, causal, q_owner, kv_owner
+    (work in closed form, docs/design.md §4, unless a sliding window bands the block)."""
     if not units:
         return np.zeros((0, 10), dtype=np.int64)
-    return np.array([(u.rank, u.stage, u.q.start, u.q.stop, u.kv.start, u.kv.stop, u.work, u.causal, u.q_owner, u.kv_owner)
-                     for u in units], dtype=np.int64)
+    a = np.array([(u.rank, u.stage, u.q.start, u.q.stop, u.kv.start, u.kv.stop, 0, u.causal, u.q_owner, u.kv_owner, u.window)
+                  for u in units], dtype=np.int64)
+    n = a[:, 3] - a[:, 2]
+    a[:, 6] = np.where(a[:, 7] == 1, n * (a[:, 2] - a[:, 4] + 1) + n * (n - 1) // 2, n * (a[:, 5] - a[:, 4]))
+    banded = np.nonzero(a[:, 10] >= 0)[0]
+    for i in banded:
+        a[i, 6] = units[i].work
+    return a[:, :10]
 
 
 def _rows_again(rank: np.ndarray, start: np.ndarray, stop: np.ndarray, span: int) -> np.ndarray:
@@ -86,7 +93,7 @@ def _rows_again(rank: np.ndarray, start: np.ndarray, stop: np.ndarray, span: int
     order = np.lexsort((b, a))
     a_s, b_s = a[order], b[order]
     reach = np.maximum.accumulate(b_s)
-    prev = np.concatenate([[np.iinfo(np.int64).min], reach[:-1]])
+    prev = np.concatenate([[-1], reach[:-1]])  # keys are >= 0
     again = np.clip(np.minimum(prev, b_s) - a_s, 0, None)
     out = np.zeros(n)
     out[order] = again
@@ -301,7 +308,23 @@ def price_staging(st: Staging, size: int, pr: Prices, latency: float) -> float:
     return out
 
 
+_LOCAL_MEMO: dict[tuple[int, str], tuple[object, Prices, str, tuple[np.ndarray, np.ndarray]]] = {}
+
+
 def _local_rates(st: Staging, size: int, pr: Prices, phase: str) -> tuple[np.ndarray, np.ndarray]:
+    """``_local_rates_of`` memoised on the staging's local blocks (every staging of one split shares
+    the same tuple; the memo holds it, so an identity check is safe)."""
+    hit = _LOCAL_MEMO.get((id(st.local), phase))
+    if hit is not None and hit[0] is st.local and hit[1] is pr and hit[2] == phase:
+        return hit[3]
+    out = _local_rates_of(st, size, pr, phase)
+    if len(_LOCAL_MEMO) >= 16:
+        _LOCAL_MEMO.clear()
+    _LOCAL_MEMO[(id(st.local), phase)] = (st.local, pr, phase, out)
+    return out
+
+
+def _local_rates_of(st: Staging, size: int, pr: Prices, phase: str) -> tuple[np.ndarray, np.ndarray]:
     """Per rank: kernel seconds per pair of its local blocks (their shapes before pouring) and
     their merge seconds (launches excluded: pouring decides the calls)."""
     spp = np.full(size, pr.sec_fwd if phase == "fwd" else pr.sec_bwd)

@@ -12,6 +12,7 @@ very object ``sim/config.sim_hardware`` hands the simulator, so the planner's es
 from __future__ import annotations
 
 import enum
+import functools
 import math
 from dataclasses import dataclass, field, replace
 from typing import Protocol
@@ -164,17 +165,21 @@ class KernelModel:
         whose efficiency against ``keys`` keys is within ``loss`` of one full row tile's. A row
         tile is paid whole (``⌈rows / tile⌉``), so a sliver of ``n < tile`` rows runs at
         ``n / tile`` of the rate; the tile model (tile 128, loss 0.1) gives 116 rows. The saturating
-        curve (``tile`` 0) has no tiles: 16 rows."""
-        if self.tile <= 0:
-            return 16
-        full = float(self.efficiency(self.tile, keys))
-        n = np.arange(1, self.tile + 1)
-        ok = np.nonzero(self.efficiency(n, keys) >= (1 - loss) * full)[0]
-        return int(n[ok[0]])
+        curve (``tile`` 0) has no tiles: 16 rows. Cached per model."""
+        return _min_block_rows(self, loss, keys)
 
     def call_time(self, nq: np.ndarray, nk: np.ndarray, flops: np.ndarray, phase: str) -> float:
         """One varlen kernel call over several document blocks (``[n]`` arrays)."""
         return self.curve.launch_s + self.blocks_time(nq, nk, flops, phase)
+
+
+@functools.lru_cache(maxsize=64)
+def _min_block_rows(k: KernelModel, loss: float, keys: int) -> int:
+    if k.tile <= 0:
+        return 16
+    full = float(k.efficiency(k.tile, keys))
+    n = np.arange(1, k.tile + 1)
+    return int(n[np.nonzero(k.efficiency(n, keys) >= (1 - loss) * full)[0][0]])
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

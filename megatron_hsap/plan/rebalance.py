@@ -18,7 +18,7 @@ from megatron_hsap.plan.placement import _ZERO, Placement, Vec, rows_for_work, t
 __all__ = ["balance"]
 
 
-_MIN_BAND_ROWS = 8  # a band thinner than this moves too little work for its kv
+_MIN_BAND_ROWS = 8  # flat prices: a band thinner than this moves too little work for its kv (kernel model: its minimum tile)
 _LOCAL_RESERVE = 0.05  # of tau: local work a donor keeps for its local-only end stages
 _RECEIVER_TRIES = 2  # receivers whose link is full, tried per candidate before giving it up
 
@@ -208,8 +208,9 @@ def _shed(pl: Placement, b: int, kind: int, i: int, j: int, tau: float, ok, rece
             new_home, new_bands = m, pl.bands[i][:j] + [(m, hi, b)]
         else:  # the tail rows [m, hi) go to h
             m = tail_rows_for_work(TokenRange(lo, hi), u.kv.start, u.causal, nk, amount, u.window)
-            if hi - m < _MIN_BAND_ROWS and m > lo:
-                m = max(lo, hi - _MIN_BAND_ROWS)
+            min_band = _MIN_BAND_ROWS if pl.pr.kernel is None else pl.pr.kernel.min_block_rows()
+            if hi - m < min_band and m > lo:  # a band under one row tile runs at rows/tile of the rate
+                m = max(lo, hi - min_band)
             while pl.rows_work(i, m, hi) > spare * 1.05 + 1 and m < hi - 1:
                 m += max(1, (hi - m) // 16)  # too much for the receiver: a thinner band
             if kind == _HEAD:

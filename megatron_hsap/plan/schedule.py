@@ -43,7 +43,14 @@ class StagingError(Exception):
     """Internal: a stage shape cannot hold this placement."""
 
 
-_MIN_SPLIT_ROWS = 16  # local blocks are not cut into slivers thinner than this (one kernel call each)
+_MIN_SPLIT_ROWS = 16  # local blocks are not cut into slivers thinner than this (flat prices: no kernel model)
+
+
+def min_split_rows(pr: Prices) -> int:
+    """Fewest q rows a local block is cut to at a stage boundary: the kernel model's minimum
+    tile (``KernelModel.min_block_rows``: a sliver under one row tile runs at rows/tile of the
+    rate; docs/design.md §4), or ``_MIN_SPLIT_ROWS`` under flat prices."""
+    return pr.kernel.min_block_rows() if pr.kernel is not None else _MIN_SPLIT_ROWS
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,13 +111,14 @@ class Staging:
     local: tuple[tuple[Unit, ...], ...]
     local_budget: np.ndarray
     remote_work: np.ndarray  # [P, stages] pairs
+    min_rows: int = _MIN_SPLIT_ROWS  # pouring never cuts a local block thinner (``min_split_rows``)
 
     def units(self) -> list[Unit]:
         """Every block with its stage: the remote parts plus the local blocks poured by budget."""
         out = list(self.remote)
         for r, loc in enumerate(self.local):
             if loc:
-                out.extend(_fill_stages_by_budget(list(loc), self.local_budget[r]))
+                out.extend(_fill_stages_by_budget(list(loc), self.local_budget[r], self.min_rows))
         return out
 
 
@@ -190,7 +198,7 @@ def stage(split: Split, pr: Prices, shape: StageShape, budget: float) -> Staging
             if split.local[r]:
                 budgets[r] = _water_fill(floor[r], weights, float(split.local_work[r]))
         remote.extend(cuts[r])
-    return Staging(stages, tuple(remote), split.local, budgets, floor)
+    return Staging(stages, tuple(remote), split.local, budgets, floor, min_split_rows(pr))
 
 
 def _fill_last(parts: list[Unit], floor: np.ndarray, budgets: np.ndarray, weights: np.ndarray, pr: Prices,
@@ -335,8 +343,9 @@ def _cut_remote(split: Split, r: int, n_mid: int, pr: Prices, budget: float,
     return out, works, (out[-1].stage if out else 1)  # stages only grow along the queue
 
 
-def _fill_stages_by_budget(units: list[Unit], budgets: np.ndarray) -> list[Unit]:
-    """Local blocks into stages by cumulative work budgets, split by q rows at stage boundaries."""
+def _fill_stages_by_budget(units: list[Unit], budgets: np.ndarray, min_rows: int = _MIN_SPLIT_ROWS) -> list[Unit]:
+    """Local blocks into stages by cumulative work budgets, split by q rows at stage boundaries
+    (never into a part thinner than ``min_rows``: the stage overfills or moves on instead)."""
     out: list[Unit] = []
     cum = np.cumsum(budgets)
     last = len(budgets) - 1
@@ -354,11 +363,11 @@ def _fill_stages_by_budget(units: list[Unit], budgets: np.ndarray) -> list[Unit]
             continue
         room = cum[k] - poured
         n = rows_for_work(u.q, u.kv.start, u.causal, len(u.kv), room, u.window)
-        if n < min(_MIN_SPLIT_ROWS, len(u.q)):  # under a sliver of room left: the stage is full
+        if n < min(min_rows, len(u.q)):  # under a sliver of room left: the stage is full
             queue.append(u)
             k += 1
             continue
-        if n >= len(u.q) - _MIN_SPLIT_ROWS:  # all but a sliver fits: overfill a little instead
+        if n >= len(u.q) - min_rows:  # all but a sliver fits: overfill a little instead
             out.append(with_stage(u, k))
             poured += w
             continue

@@ -26,7 +26,7 @@ from typing import Iterator
 
 import numpy as np
 
-__all__ = ["Case", "cases", "measure", "Measured", "main"]
+__all__ = ["Case", "cases", "measure", "Measured", "layouts", "main"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,6 +129,23 @@ def measure(case: Case) -> Measured:
     return Measured(case, est, run.seconds, own.seconds, plan.chosen.name, plan.layout.name)
 
 
+def layouts(case: Case) -> tuple[str, float, float]:
+    """(layout the default plan keeps, simulated seconds of the contiguous plan, of the balanced
+    plan without the fallback): the kept layout should be the faster one in simulation too."""
+    from megatron_hsap.sim.config import sim_hardware
+    from megatron_hsap.sim.methods import full_shape, run_method
+
+    hw = sim_hardware(case.hardware)
+    shape = full_shape(*case.heads)
+    cu = np.asarray(case.cu, dtype=np.int64)
+    kw = dict(hw=hw, intra=case.intra, inter=case.inter, shape=shape)
+    kept = run_method("hsap", cu, **kw)
+    con = run_method("hsap", cu, plan_options={"layout": "contiguous"}, **kw)
+    bal = run_method("hsap", cu, plan_options={"layout": "balanced", "layout_fallback": False}, **kw)
+    assert kept is not None and con is not None and bal is not None
+    return str(kept.extra["plan"]["layout"]), con.seconds, bal.seconds
+
+
 def _quantiles(x: list[float]) -> str:
     a = np.asarray(x)
     return f"min {a.min():.3f} p10 {np.quantile(a, 0.1):.3f} median {np.median(a):.3f} p90 {np.quantile(a, 0.9):.3f} max {a.max():.3f}"
@@ -139,7 +156,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", default="all", choices=["all", *SETS], help="which benchmark batches")
     p.add_argument("--seeds", type=int, default=3, help="seeded batches per packed point (one for 'full')")
     p.add_argument("--gpus", type=int, default=64, help="skip points with more GPUs than this")
+    p.add_argument("--layouts", action="store_true", help="also simulate both layouts: is the kept one the faster?")
     args = p.parse_args(argv)
+    if args.layouts:
+        wrong = 0
+        for c in cases(args.set, args.seeds, args.gpus):
+            kept, con, bal = layouts(c)
+            other = bal if kept == "contiguous" else con
+            mine = con if kept == "contiguous" else bal
+            wrong += mine > other * (1 + 1e-9)
+            print(f"{c.label:34} kept {kept:10} contiguous {con * 1e3:9.3f} ms balanced {bal * 1e3:9.3f} ms"
+                  f"{'  KEPT THE SLOWER' if mine > other * (1 + 1e-9) else ''}", flush=True)
+        print(f"kept the slower layout on {wrong}")
+        return 0
     rows = []
     print(f"{'batch':34} {'placement':28} {'layout':10} {'est ms':>9} {'sim ms':>9} {'owner ms':>9} {'est/sim':>7} {'sim/own':>7}")
     for c in cases(args.set, args.seeds, args.gpus):
