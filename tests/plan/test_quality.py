@@ -4,6 +4,12 @@ checked on a fast subset; the full grid and the timing budgets run under ``-m sl
 Efficiency = lower bound / estimated time; compute-dominated = necessary-traffic time ≤ 0.5 ×
 compute time. Known misses are pinned explicitly (with the floor they do reach), so a regression
 and an improvement both show up.
+
+Like with like: the baselines here are priced flat (``baselines/flat.py``: work × flat rate, no
+merges, launches or kernel efficiency), so HSAP's chosen plan is priced here by the same flat
+model (``flat_stats``) — the planner's own estimate (``Plan.stats()``) now prices what the
+hardware charges (docs/design.md §4) and is compared with the simulator in
+``tests/sim/test_estimate_accuracy.py``.
 """
 
 from __future__ import annotations
@@ -28,11 +34,39 @@ HEADS = {"mha": (32, 32), "gqa": (32, 8)}
 # P−1 must receive every earlier kv; the necessary-traffic bound averages traffic over all ranks,
 # which the triangle's source and sink cannot.
 ONE_DOC_MISSES = {(64 * K, 16, "gqa"): 0.80, (64 * K, 64, "gqa"): 0.50}
+# Known misses since the planner prices what the hardware charges (issue 14 item 2): it now picks
+# the plan that is fastest with kernel efficiency, LSE merges, launches and the kernel slowdown
+# beside transfers priced (the simulator agrees within 10%), which under the FLAT model of these
+# baselines can be a little slower than the flat-optimal ring: (T, P, heads) -> HSAP flat time /
+# best flat baseline reached (measured 1.017 and 1.029), and packed points -> wins reached.
+RING_TIE_MISSES = {(64 * K, 8, "mha"): 1.02, (256 * K, 16, "mha"): 1.035}
+PACKED_WIN_MISSES = {("slimpajama", 256 * K, 8, "gqa"): 1}  # 1 of 3 seeds below the best flat baseline
 
 
 def plan_of(cu, P: int, heads: str):
     h, hkv = HEADS[heads]
     return compile_plan(cu, P, num_heads=h, num_kv_heads=hkv, head_dim=128)
+
+
+def flat_stats(plan):
+    """``plan.stats()`` with its times priced by the flat model the baselines use: forward and
+    backward ``phase_time`` of the chosen blocks and messages at the flat rates (``Prices`` without
+    a kernel), efficiency against the flat compute bound."""
+    from dataclasses import replace
+
+    from megatron_hsap.plan.estimate import compute_bound, phase_time
+    from megatron_hsap.plan.placement import Prices
+
+    s = plan.stats()
+    pr = replace(Prices.of(plan.shape, plan.hardware, plan.hardware.bandwidth(plan.link)), kernel=None)
+    lat = plan.hardware.latency(plan.link)
+    units = list(plan.chosen.units)
+    t = sum(phase_time(units, plan.raw_messages(ph), plan.inter_size, sec, pr.bw, lat).total
+            for ph, sec in (("fwd", pr.sec_fwd), ("bwd", pr.sec_bwd)))
+    comp = compute_bound(plan.batch.total_work(), plan.inter_size, pr.sec_fwd, pr.sec_bwd)
+    bound = max(comp, s.traffic_bound_s)
+    return replace(s, estimated_time_s=t, compute_bound_s=comp, lower_bound_s=bound, efficiency=bound / t,
+                   compute_dominated=s.traffic_bound_s <= 0.5 * comp)
 
 
 def baseline_times(cu, P: int, heads: str) -> dict[str, float]:
@@ -47,7 +81,7 @@ def baseline_times(cu, P: int, heads: str) -> dict[str, float]:
 
 
 def check_one_document(T: int, P: int, heads: str) -> None:
-    s = plan_of([0, T], P, heads).stats()
+    s = flat_stats(plan_of([0, T], P, heads))
     floor = ONE_DOC_MISSES.get((T, P, heads))
     if floor is not None:
         assert s.efficiency >= floor
@@ -58,7 +92,7 @@ def check_one_document(T: int, P: int, heads: str) -> None:
     if s.compute_dominated and floor is None:
         # a balanced ring is optimal for one compute-bound document: HSAP ties it (within 0.5%).
         # Where traffic rules, the baselines' bf16 gradients (HSAP: fp32 partials) can win.
-        assert s.estimated_time_s <= min(baseline_times([0, T], P, heads).values()) * 1.005
+        assert s.estimated_time_s <= min(baseline_times([0, T], P, heads).values()) * RING_TIE_MISSES.get((T, P, heads), 1.005)
 
 
 @pytest.mark.parametrize(
@@ -89,17 +123,20 @@ def check_packed(workload: str, T: int, P: int, heads: str, seeds) -> None:
     effs, wins = [], 0
     for seed in seeds:
         cu = batches[seed]
-        s = plan_of(cu, P, heads).stats()
-        effs.append(s.efficiency)
+        plan = plan_of(cu, P, heads)
+        own = plan.stats()  # the planner's own (hardware-priced) estimate: never worse than owner-computes
         # why 1e-12: two float sums of the same kind of terms in another order; a real loss is far larger
-        assert s.estimated_time_s <= s.owner_computes_time_s * (1 + 1e-12) or np.isnan(s.owner_computes_time_s)
+        assert own.estimated_time_s <= own.owner_computes_time_s * (1 + 1e-12) or np.isnan(own.owner_computes_time_s)
+        s = flat_stats(plan)
+        effs.append(s.efficiency)
         if link_class_for(P).value == "nvlink":
             best = min(baseline_times(cu, P, heads).values())
             assert s.estimated_time_s <= best * 1.20, (seed, s.estimated_time_s, best)
             wins += s.estimated_time_s < best
     if link_class_for(P).value == "nvlink":
         assert statistics.median(effs) >= 0.8, effs
-        assert wins >= 0.8 * len(seeds), (wins, len(seeds))
+        need = PACKED_WIN_MISSES.get((workload, T, P, heads), 0.8 * len(seeds))
+        assert wins >= need, (wins, len(seeds))
 
 
 @pytest.mark.parametrize("workload", ["fineweb", "slimpajama", "ultrachat", "sharegpt"])
@@ -122,7 +159,7 @@ def test_packed_full_grid(workload: str, T: int, P: int, heads: str) -> None:
 def test_dominating_document_ties_the_ring(heads: str) -> None:
     # a 161K-token document in a 1M batch: TE's zigzag ring is within 0.1% of the lower bound
     cu = pack_batches("sharegpt", 1 * M, 3, 0)[2]
-    s = plan_of(cu, 8, heads).stats()
+    s = flat_stats(plan_of(cu, 8, heads))
     base = baseline_times(cu, 8, heads)
     assert s.efficiency >= 0.98
     assert s.estimated_time_s <= min(base.values()) * 1.02
