@@ -69,3 +69,29 @@ def test_bounds_below_estimate_and_quick_price_equals_phase_time(lengths, inter,
     lb = lower_bounds(total, nec_f, nec_b, inter, plan.shape, plan.hardware, plan.link)
     assert lb["compute_s"] <= c.time * (1 + 1e-9)  # why: float sums; a real violation is whole pairs
     assert lb["traffic_s"] <= c.time * (1 + 1e-9)  # why: as above
+
+
+def test_block_costs_by_hand() -> None:
+    # two local blocks on rank 0 writing the same 4 q rows: the second merges 4 rows; one remote
+    # block on rank 1 (q from rank 0): its 4 rows are merged on rank 0 one stage later. Each
+    # (rank, stage, sources, causality) group is one launch.
+    from megatron_hsap.plan.estimate import _arrays, block_costs
+    from megatron_hsap.plan.hardware import HARDWARE
+
+    r = TokenRange
+    units = [
+        Unit(0, r(4, 8), r(4, 8), True, 0, 0, 0, stage=0),
+        Unit(0, r(4, 8), r(0, 4), False, 0, 0, 0, stage=0),
+        Unit(0, r(4, 8), r(8, 12), False, 0, 1, 1, stage=0),
+    ]
+    hw = HARDWARE["a100"]
+    from megatron_hsap.plan.costs import HeadShape
+
+    pr = Prices.of(HeadShape(num_heads=4, num_kv_heads=4, head_dim=16, head_dim_v=16), hw, hw.nvlink_bw)
+    bc = block_costs(_arrays(units), 2, 2, pr, "fwd")
+    k = hw.kernel
+    want = [10 * pr.fpp_fwd / float(k.rate(4, 4, "fwd", 1, 10)), 16 * pr.fpp_fwd / float(k.rate(4, 4, "fwd", 1, 16))]
+    assert bc.kernel[0, 0] == pytest.approx(sum(want), rel=1e-12)  # why: the same float terms, summed in another order
+    assert bc.launch.tolist() == [2 * k.launch_s, k.launch_s]  # causal and rectangle calls on rank 0, one on rank 1
+    assert bc.fixed[0, 0] == pytest.approx(2 * k.launch_s + 4 * pr.merge_o, rel=1e-12)  # why: as above
+    assert bc.fixed[0, 1] == pytest.approx(4 * pr.merge_o, rel=1e-12)  # the remote result merged a stage later

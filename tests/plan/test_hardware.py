@@ -37,3 +37,34 @@ def test_kernel_curve_closed_form_and_monotone() -> None:
     assert k.efficiency(0, 5) == 1 / 391  # an empty side counts as one token
     effs = [k.efficiency(n, n) for n in (1, 16, 512, 1024, 16384)]
     assert effs == sorted(effs) and effs[-1] < 1.0
+
+
+def test_one_kernel_model_for_planner_and_simulator() -> None:
+    # issue 14 item 2: the planner's Hardware carries the very kernel model the simulator runs
+    from megatron_hsap.sim.config import KernelModel as SimKernelModel, sim_hardware
+    from megatron_hsap.plan.hardware import KernelModel
+
+    assert SimKernelModel is KernelModel
+    for name in ("a100", "h100", "h100-fa3"):
+        sim = sim_hardware(name)
+        assert sim.kernel == HARDWARE[name].kernel and sim.hbm_bw == HARDWARE[name].hbm_bw
+        assert sim.a2a_efficiency == HARDWARE[name].a2a_efficiency and sim.overlap_slowdown == HARDWARE[name].overlap_slowdown
+
+
+def test_min_block_rows_from_the_tile_model() -> None:
+    k = HARDWARE["a100"].kernel
+    n = k.min_block_rows()
+    # a row tile is paid whole: n rows against 1K keys run at n/128 of one full tile's efficiency
+    full = float(k.efficiency(128, 1024))
+    assert float(k.efficiency(n, 1024)) >= 0.9 * full > float(k.efficiency(n - 1, 1024))
+    assert n == 116  # ⌈0.9 × 128⌉
+    from dataclasses import replace
+
+    assert replace(k, tile=0).min_block_rows() == 16  # the saturating curve has no tiles
+
+
+def test_a2a_bandwidth_derates_nvlink_only() -> None:
+    hw = HARDWARE["h100"]
+    assert hw.a2a_bandwidth(LinkClass.NVLINK) == hw.nvlink_bw * hw.a2a_efficiency
+    assert hw.a2a_bandwidth(LinkClass.INFINIBAND) == hw.ib_bw
+    assert hw.a2a_copy_time(hw.hbm_bw) == 4.0  # four passes over the tensor through HBM
