@@ -33,6 +33,7 @@ from megatron_hsap.plan.ir import Unit, Wire
 from megatron_hsap.plan.placement import Prices
 from megatron_hsap.plan.schedule import Staging
 from megatron_hsap.plan.units import WorkUnit
+from megatron_hsap.plan.window import staircase_pairs
 
 __all__ = ["PhaseTime", "BlockCosts", "block_costs", "phase_time", "quick_price", "price_staging", "necessary_traffic",
            "lower_bounds", "ideal_compute",
@@ -75,7 +76,7 @@ def _arrays(units) -> np.ndarray:
     a = np.array([(u.rank, u.stage, u.q.start, u.q.stop, u.kv.start, u.kv.stop, 0, u.causal, u.q_owner, u.kv_owner, u.window)
                   for u in units], dtype=np.int64)
     n = a[:, 3] - a[:, 2]
-    a[:, 6] = np.where(a[:, 7] == 1, n * (a[:, 2] - a[:, 4] + 1) + n * (n - 1) // 2, n * (a[:, 5] - a[:, 4]))
+    a[:, 6] = np.where(a[:, 7] == 1, staircase_pairs(n, a[:, 2] - a[:, 4] + 1), n * (a[:, 5] - a[:, 4]))
     banded = np.nonzero(a[:, 10] >= 0)[0]
     for i in banded:
         a[i, 6] = units[i].work

@@ -19,6 +19,8 @@ from typing import Protocol
 
 import numpy as np
 
+from megatron_hsap.plan.window import staircase_pairs
+
 
 class LinkClass(str, enum.Enum):
     """Which network carries the inter group's P2P traffic."""
@@ -248,7 +250,7 @@ MERGE_BWD_BYTES = 12.0
 
 def tile_efficiency(tokens: int) -> float:
     """The tile model's efficiency of one causal document of ``tokens`` (no GQA packing)."""
-    pairs = tokens * (tokens + 1) / 2
+    pairs = float(staircase_pairs(tokens))
     m = math.ceil(tokens / TILE)
     per_row = min(max(pairs / tokens / TILE + 0.5, 1.0), math.ceil(tokens / TILE))
     return min(1.0, pairs / (m * (per_row + MBLOCK_OVERHEAD) * TILE * TILE))
