@@ -162,6 +162,11 @@ class KernelModel:
         """Fixed cost of one kernel call (``KernelCurve.launch_s``)."""
         return self.curve.launch_s
 
+    @property
+    def half_rate_tokens(self) -> float:
+        """The saturating curve's half-rate block size (``KernelCurve.half_rate_tokens``; used when ``tile`` is 0)."""
+        return self.curve.half_rate_tokens
+
     def min_block_rows(self, loss: float = 0.1, keys: int = 1024) -> int:
         """Fewest q rows a block may be cut to (docs/design.md §4 "minimum tile"): the fewest rows
         whose efficiency against ``keys`` keys is within ``loss`` of one full row tile's. A row
