@@ -4,13 +4,18 @@ Moved here from ``plan/baselines.py`` (the planner keeps no baseline code); ``ba
 holds one record per method and points at these functions, the simulated schedules and the
 CPU-executed implementations.
 
-Each ``_price_*`` function models one published schedule with flat rates: compute time =
-pairs × FLOPs per pair / rate (``hardware.attn_fwd_flops`` forward, ``attn_bwd_flops`` backward);
-a rank's transfer time in a round = max(bytes sent, bytes received) / ``hardware.bandwidth(link)``
-(full duplex); a round or collective costs one ``hardware.latency(link)``. Pipelined schedules
-price a step as the slowest rank's max(compute, transfer of the round it overlaps) plus the
-round's latency, like the planner's estimated time; collectives that the method cannot overlap
-are added in full.
+Each ``_price_*`` function models one published schedule. Compute is priced with the one
+kernel model (``Hardware.kernel``, the ``KernelModel`` of ``plan/hardware.py`` that the
+planner's estimate and the simulator read; ``baselines/kernel_blocks.py``): every kernel call
+the implementation makes (each docstring cites how many per step), each document block at its
+own shape, ``launch_s`` per call, FA3's backward grid and GQA atomics, and the implementation's
+LSE merges / gradient accumulations at HBM bandwidth with ``Hardware.merge_fwd_bytes`` /
+``merge_bwd_bytes``, like ``plan/estimate.py`` prices HSAP. A rank's transfer time in a round
+= max(bytes sent, bytes received) / ``hardware.bandwidth(link)`` (full duplex); a round or
+collective costs one ``hardware.latency(link)``. Pipelined schedules price a step as the
+slowest rank's max(compute, transfer of the round it overlaps) plus the round's latency, the
+kernel part slowed by ``overlap_slowdown`` beside an in-flight transfer (as the estimate does);
+collectives that the method cannot overlap are added in full.
 
 Wire formats are what each implementation actually sends: q, k, v, o, do and — unlike HSAP's
 fp32 partials — dq/dkv in the activation dtype (Transformer Engine's THD ring and all-gather
@@ -32,6 +37,7 @@ from typing import Callable
 
 import numpy as np
 
+from megatron_hsap.baselines.kernel_blocks import CallCost, MergeRates, call_cost
 from megatron_hsap.errors import ConfigError
 from megatron_hsap.plan.costs import HeadShape
 from megatron_hsap.plan.hardware import Hardware, LinkClass
@@ -89,22 +95,35 @@ class _PricingInputs:
     def lat(self) -> float:
         return self.hw.latency(self.link)
 
-    def fwd_s(self, pairs: np.ndarray | float) -> np.ndarray | float:
-        return pairs * self.shape.fwd_flops_per_pair / self.hw.attn_fwd_flops
+    def calls(self, nq, nk, pairs, phase: str, head_split: int = 1) -> CallCost:
+        """Kernel-model seconds of one varlen call per leading index of the ``[..., docs]``
+        blocks (``kernel_blocks.call_cost``); ``head_split``: the call runs H/head_split heads."""
+        sh = self.shape
+        fpp = sh.fwd_flops_per_pair if phase == "fwd" else sh.bwd_flops_per_pair
+        kv = max(1, sh.num_kv_heads // head_split) if sh.num_kv_heads % head_split == 0 else 1
+        return call_cost(self.hw, nq, nk, pairs, phase, heads=sh.num_heads // head_split, kv_heads=kv,
+                         flops_per_pair=fpp / head_split, head_dim=sh.head_dim, head_dim_v=sh.head_dim_v)
 
-    def bwd_s(self, pairs: np.ndarray | float) -> np.ndarray | float:
-        return pairs * self.shape.bwd_flops_per_pair / self.hw.attn_bwd_flops
+    @property
+    def merge(self) -> MergeRates:
+        return MergeRates.of(self.shape, self.hw)
 
     def row_bytes(self, wire: Wire) -> float:
         return float(self.shape.token_bytes(wire))
 
 
-def _rounds_time(env: _PricingInputs, compute: np.ndarray, sent: np.ndarray, recv: np.ndarray) -> tuple[float, int]:
+def _rounds_time(env, compute: np.ndarray, sent: np.ndarray, recv: np.ndarray, fixed: np.ndarray | None = None,
+                 slowdown: float = 0.0) -> tuple[float, int]:
     """Pipelined schedule: row s of ``compute``/``sent``/``recv`` (each ``[steps, P]``) is one step
     whose compute overlaps its round; a step costs max over ranks of max(compute, transfer), plus
-    one latency if any byte moves in its round. Returns (seconds, rounds that moved bytes)."""
+    one latency if any byte moves in its round. ``fixed`` (launches, merges) adds to compute
+    unslowed; ``compute`` runs ``1 + slowdown`` slower on a rank whose round moves bytes
+    (``plan/estimate.py`` ``BlockCosts.seconds``). Returns (seconds, rounds that moved bytes)."""
     xfer = np.maximum(sent, recv) / env.bw
-    busy = np.maximum(compute, xfer).max(axis=1)
+    busy_rank = compute * (1.0 + slowdown * ((sent > 0) | (recv > 0)))
+    if fixed is not None:
+        busy_rank = busy_rank + fixed
+    busy = np.maximum(busy_rank, xfer).max(axis=1)
     moved = (sent.sum(axis=1) + recv.sum(axis=1)) > 0
     return float(busy.sum() + env.lat * moved.sum()), int(moved.sum())
 
@@ -129,40 +148,63 @@ def _price_te_thd_ring(env: _PricingInputs, pad_compute: bool = True) -> Baselin
     (NVIDIA/TransformerEngine ``transformer_engine/pytorch/attention/dot_product_attention/context_parallel.py``).
 
     ``pad_compute=False`` (``te_thd_ring_nopad``): the same ring and bytes, but the kernel skips
-    the per-document padding (cuDNN / FA3 with ``pad_between_seqs``): compute counts real pairs only.
+    the per-document padding (cuDNN / FA3 with ``pad_between_seqs``): blocks hold real rows only.
 
     Layout: every document padded to a multiple of 2P (padding counted as computed tokens, as a
     kernel that cannot skip pre-padded documents does — FA2; cuDNN's pad_between_seqs path would
     skip them) and split into 2P chunks of ``c = padded / 2P``; rank r holds chunks r and
     2P−1−r of every document (zigzag). Forward: P steps; at step i rank r holds the KV of rank
-    (r−i) mod P and computes the within-document pairs of its q chunks against those kv chunks
-    (per document: c² per kv chunk strictly before a q chunk, c(c+1)/2 on the diagonal); steps
-    0..P−2 each send the whole local padded KV to rank r+1 while computing. Backward (the ring runs
-    the other way and starts from the KV kept at the end of forward): P steps, the rounds carrying
-    KV (step 0), KV + dKV (steps 1..P−2) and dKV (step P−1), all overlapped with that step's
-    compute; dKV travels in the activation dtype, as TE allocates it like KV.
+    o = (r−i) mod P and makes ONE varlen call over every document (TE's per-step ``section``):
+    step 0 the "diagonal" (both q chunks against both kv chunks, causal: a block of 2c rows);
+    o < r the "lower triangle" (both q chunks, full, against kv chunk o: 2c × c); o > r the
+    "upper triangle" (q chunk 2P−1−r, full, against both kv chunks: c × 2c). Steps 1..P−1 correct
+    the output by LSE (``thd_out_correction``: the call's q rows, merged at HBM bandwidth).
+    Steps 0..P−2 each send the whole local padded KV to rank r+1 while computing. Backward (the
+    ring runs the other way and starts from the KV kept at the end of forward): P steps, one
+    call each, the rounds carrying KV (step 0), KV + dKV (steps 1..P−2) and dKV (step P−1), all
+    overlapped with that step's compute; steps 1..P−1 accumulate the call's dq and dk/dv rows
+    (``thd_grad_correction`` / ``add_``). dKV travels in the activation dtype, as TE allocates it
+    like KV. P = 1 is no CP: one causal call per phase, no padding.
     """
     P = env.P
-    # chunk size of each padded document; P = 1 is no CP at all: no padding (c = l/2 gives l(l+1)/2)
-    c = (-(-env.lengths // (2 * P))).astype(np.float64) if P > 1 else env.lengths / 2.0
-    full_block = float((c * c).sum())
-    diag_block = float((c * (c + 1) / 2).sum())
-    q_chunks = np.stack([np.arange(P), 2 * P - 1 - np.arange(P)], axis=1)  # [P, 2]
-
-    def step_pairs(kv_owner: np.ndarray) -> np.ndarray:
-        """Pairs per rank when rank r holds the kv chunks of rank kv_owner[r]: float64 [P]."""
-        kv_chunks = q_chunks[kv_owner]  # [P, 2]
-        a = q_chunks[:, :, None]
-        b = kv_chunks[:, None, :]
-        return (b < a).sum(axis=(1, 2)) * full_block + (b == a).sum(axis=(1, 2)) * diag_block
-
+    lengths = env.lengths.astype(np.float64)
+    # chunk size of each padded document; P = 1 is no CP at all: no padding
+    c = np.ceil(lengths / (2 * P))
+    j = np.arange(2 * P, dtype=np.float64)[:, None]
+    real = np.clip(lengths[None, :] - j * c[None, :], 0.0, c[None, :])  # [2P, docs] real rows per chunk
+    rows = np.broadcast_to(c, real.shape) if (pad_compute and P > 1) else real  # rows the kernel computes
     ranks = np.arange(P)
-    fwd_pairs = np.stack([step_pairs((ranks - i) % P) for i in range(P)])  # [P steps, P ranks]
-    bwd_pairs = np.stack([step_pairs((ranks + 1 + i) % P) for i in range(P)])
-    if not pad_compute and P > 1:  # padding skipped: scale every step to the real pairs
-        scale = _causal_pairs(env.lengths) / max(float(fwd_pairs.sum()), 1.0)
-        fwd_pairs, bwd_pairs = fwd_pairs * scale, bwd_pairs * scale
-    local_tokens = 2 * float(c.sum())  # padded tokens per rank
+    lo, hi = rows[ranks], rows[2 * P - 1 - ranks]  # [P, docs]: rank r's first and second q chunk
+
+    def blocks(kv_owner: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(nq, nk, pairs) [P ranks, docs] of each rank's call when it holds kv of ``kv_owner``."""
+        klo, khi = rows[kv_owner], rows[2 * P - 1 - kv_owner]
+        below = (kv_owner < ranks)[:, None]
+        diag = (kv_owner == ranks)[:, None]
+        nq = np.where(diag | below, lo + hi, hi)
+        nk = np.where(diag, lo + hi, np.where(below, klo, klo + khi))
+        pairs = np.where(diag, staircase_pairs(lo) + hi * lo + staircase_pairs(hi), nq * nk)
+        return nq, nk, pairs
+
+    m = env.merge
+
+    def phase(owners: list[np.ndarray], ph: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """[steps, P] kernel seconds, fixed seconds (launch, grid, merges) and pairs; step by step
+        (a [steps, P, docs] stack would not fit memory at P = 64 with thousands of documents)."""
+        kern, fixed, work = np.zeros((P, P)), np.zeros((P, P)), np.zeros((P, P))
+        for i, o in enumerate(owners):
+            nq, nk, pairs = blocks(o)
+            cost = env.calls(nq, nk, pairs, ph)
+            kern[i], fixed[i], work[i] = cost.kernel, cost.fixed, pairs.sum(axis=-1)
+            if i > 0:  # the first step writes, later steps correct (fwd) / accumulate (bwd)
+                live = pairs > 0
+                q_rows, k_rows = np.where(live, nq, 0.0).sum(axis=-1), np.where(live, nk, 0.0).sum(axis=-1)
+                fixed[i] += q_rows * m.o if ph == "fwd" else q_rows * m.dq + k_rows * m.dkv
+        return kern, fixed, work
+
+    f_kern, f_fixed, fwd_pairs = phase([(ranks - i) % P for i in range(P)], "fwd")
+    b_kern, b_fixed, _ = phase([(ranks + 1 + i) % P for i in range(P)], "bwd")
+    local_tokens = 2 * float(c.sum()) if P > 1 else float(lengths.sum())  # padded tokens per rank
     kv_bytes = local_tokens * env.row_bytes(Wire.KV)
     dkv_bytes = kv_bytes  # activation dtype, same shape as KV
 
@@ -173,11 +215,12 @@ def _price_te_thd_ring(env: _PricingInputs, pad_compute: bool = True) -> Baselin
         bwd_round[0] = kv_bytes
         bwd_round[1 : P - 1] = kv_bytes + dkv_bytes
         bwd_round[P - 1] = dkv_bytes
-    fwd_time, fwd_steps = _rounds_time(env, env.fwd_s(fwd_pairs), fwd_round, fwd_round)
-    bwd_time, bwd_steps = _rounds_time(env, env.bwd_s(bwd_pairs), bwd_round, bwd_round)
+    slow = env.hw.overlap_slowdown
+    fwd_time, fwd_steps = _rounds_time(env, f_kern, fwd_round, fwd_round, f_fixed, slow)
+    bwd_time, bwd_steps = _rounds_time(env, b_kern, bwd_round, bwd_round, b_fixed, slow)
     sent = fwd_round.sum(axis=0) + bwd_round.sum(axis=0)
-    real = int(env.cu[-1])
-    padded = int(round(local_tokens)) * P
+    real_tokens = int(env.cu[-1])
+    padded = int(round(local_tokens)) * P if P > 1 else real_tokens
     return BaselineCost(
         method="te_thd_ring" if pad_compute else "te_thd_ring_nopad",
         fwd_time=fwd_time,
@@ -186,8 +229,8 @@ def _price_te_thd_ring(env: _PricingInputs, pad_compute: bool = True) -> Baselin
         bytes_recv=sent.copy(),
         work=fwd_pairs.sum(axis=0),
         steps=fwd_steps + bwd_steps,
-        note=f"documents padded to 2P={2 * P}: {padded - real} pad tokens ({(padded - real) / real:.1%}, "
-        f"{'computed' if pad_compute else 'sent, not computed'}); dKV in activation dtype",
+        note=f"documents padded to 2P={2 * P}: {padded - real_tokens} pad tokens ({(padded - real_tokens) / max(real_tokens, 1):.1%}, "
+        f"{'computed' if pad_compute else 'sent, not computed'}); dKV in activation dtype; kernel-model priced",
     )
 
 
@@ -208,19 +251,29 @@ def _price_allgather_kv(env: _PricingInputs) -> BaselineCost:
     after the collective (not overlapped). Backward: the same all-gather of KV, the backward
     compute, then a reduce-scatter of dKV (activation dtype, as TE's all-gather CP does: each rank
     sends and receives (P−1)·L tokens of dKV). The modelled layout is the plain contiguous one
-    (Llama 3 itself gives each rank two chunks for balance).
+    (Llama 3 itself gives each rank two chunks for balance). Kernel calls: one varlen call per
+    rank and phase over its documents' pieces (``llama3_flash_attn_varlen_func`` with
+    ``heads_k_stride`` = all kv heads), each piece q rows × the keys from its document's start;
+    no merge (every row's output is complete).
     """
     P = env.P
     L = _contiguous_chunk(env)
     bounds = np.minimum(np.arange(P + 1, dtype=np.int64) * L, env.cu[-1])
     work = np.diff(_prefix_pairs(env.cu, bounds))
+    cu = env.cu.astype(np.float64)
+    a = np.maximum(cu[None, :-1], bounds[:-1, None].astype(np.float64))  # [P, docs]
+    b = np.minimum(cu[None, 1:], bounds[1:, None].astype(np.float64))
+    nq = np.maximum(b - a, 0.0)
+    nk = np.where(nq > 0, b - cu[None, :-1], 0.0)
+    pairs = np.where(nq > 0, staircase_pairs(nk) - staircase_pairs(nk - nq), 0.0)
+    f, g = env.calls(nq, nk, pairs, "fwd"), env.calls(nq, nk, pairs, "bwd")
     kv_bytes = float((P - 1) * L) * env.row_bytes(Wire.KV)
     dkv_bytes = kv_bytes  # activation dtype
     coll = 0.0 if P == 1 else env.lat
     ag = kv_bytes / env.bw + coll
     rs = dkv_bytes / env.bw + coll
-    fwd_time = ag + float(np.max(env.fwd_s(work)))
-    bwd_time = ag + float(np.max(env.bwd_s(work))) + rs
+    fwd_time = ag + float(np.max(f.kernel + f.fixed))
+    bwd_time = ag + float(np.max(g.kernel + g.fixed)) + rs
     per_rank = np.full(P, 2 * kv_bytes + dkv_bytes)
     return BaselineCost(
         method="allgather_kv",
@@ -247,6 +300,11 @@ def _price_allgather_kv_zigzag(env: _PricingInputs) -> BaselineCost:
     (the kernels get unpadded ``cu_seqlens``). Backward: the all-gather again, compute, then a
     reduce-scatter of dKV (activation dtype). Compute is not overlapped with the collectives
     (TE overlaps the two halves with the gather on a side stream; MagiAttention's does not).
+    Kernel calls: TE makes one varlen call per q chunk and phase (its loop over
+    ``local_seq_chunk_ids``), each chunk's rows × the keys from its document's start; the
+    forward writes each chunk's own output rows (no merge), the backward adds both calls' dk/dv
+    into the gathered gradient (``dk[...] += dk_per_step``: the kv rows of each call, at HBM
+    bandwidth). P = 1 is no CP: one causal call per phase.
     """
     P = env.P
     lengths = env.lengths.astype(np.float64)
@@ -258,14 +316,27 @@ def _price_allgather_kv_zigzag(env: _PricingInputs) -> BaselineCost:
         b = np.minimum(b, lengths)
         return (b * (b + 1) - a * (a + 1)) / 2
 
-    work = np.array([float((rows_pairs(r * c, (r + 1) * c) + rows_pairs((2 * P - 1 - r) * c, (2 * P - r) * c)).sum())
-                     for r in range(P)])
+    ranks = np.arange(P, dtype=np.float64)[:, None]
+
+    def half(start: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(nq, nk, pairs) [P, docs] of the call of the q chunk starting at ``start · c``."""
+        a = np.minimum(start * c, lengths)
+        b = np.minimum((start + 1) * c, lengths) if P > 1 else np.broadcast_to(lengths, a.shape)
+        return b - a, np.where(b > a, b, 0.0), staircase_pairs(b) - staircase_pairs(a)
+
+    halves = [half(ranks), half(2 * P - 1 - ranks)] if P > 1 else [half(0 * ranks)]
+    work = sum(h[2].sum(axis=-1) for h in halves)
+    fc = [env.calls(*h, "fwd") for h in halves]
+    bc = [env.calls(*h, "bwd") for h in halves]
+    f_busy = sum(x.kernel + x.fixed for x in fc)
+    b_busy = sum(x.kernel + x.fixed for x in bc) + (sum(np.where(h[2] > 0, h[1], 0.0).sum(axis=-1) for h in halves) * env.merge.dkv
+                                                     if P > 1 else 0.0)
     local = 2 * float(c.sum())
     kv_bytes = float(P - 1) * local * env.row_bytes(Wire.KV)
     coll = 0.0 if P == 1 else env.lat
     ag = kv_bytes / env.bw + coll
-    fwd_time = ag + float(np.max(env.fwd_s(work)))
-    bwd_time = ag + float(np.max(env.bwd_s(work))) + ag
+    fwd_time = ag + float(np.max(f_busy))
+    bwd_time = ag + float(np.max(b_busy)) + ag
     per_rank = np.full(P, 3 * kv_bytes)
     return BaselineCost(
         method="allgather_kv_zigzag",
@@ -299,7 +370,8 @@ def _price_ulysses(env: _PricingInputs) -> BaselineCost:
     heads: each rank receives the kv heads its q heads use — Hkv/P when P divides Hkv, else
     replicated copies (1 head per rank when P ≥ Hkv), and the replicated bytes are counted (dk/dv
     of replicas travel back and are summed). Each all-to-all costs max over ranks of max(sent,
-    received) / bandwidth + one latency. Needs P ≤ H and H % P == 0.
+    received) / bandwidth + one latency. Needs P ≤ H and H % P == 0. Kernel calls: one varlen
+    call per phase over every whole document on H/P heads (a causal block of l × l each); no merge.
     """
     P = env.P
     H, Hkv = env.shape.num_heads, env.shape.num_kv_heads
@@ -326,13 +398,16 @@ def _price_ulysses(env: _PricingInputs) -> BaselineCost:
     bwd_comm = a2a(q_like * o_tok, q_like * o_tok) + a2a(q_like * q_tok, q_like * q_tok) + k_and_v
     pairs = _causal_pairs(env.lengths) / P
     work = np.full(P, pairs)
+    lengths = env.lengths.astype(np.float64)
+    f = env.calls(lengths, lengths, staircase_pairs(lengths), "fwd", head_split=P)
+    g = env.calls(lengths, lengths, staircase_pairs(lengths), "bwd", head_split=P)
     sent = 2 * q_like * (q_tok + o_tok) + 2 * kv_sent
     recv = 2 * q_like * (q_tok + o_tok) + 2 * kv_recv
     replicated = "" if Hkv % P == 0 else f"; kv heads replicated ({int(need.max())} per rank)"
     return BaselineCost(
         method="ulysses",
-        fwd_time=fwd_comm + float(env.fwd_s(pairs)),
-        bwd_time=bwd_comm + float(env.bwd_s(pairs)),
+        fwd_time=fwd_comm + float(f.kernel + f.fixed),
+        bwd_time=bwd_comm + float(g.kernel + g.fixed),
         bytes_sent=sent,
         bytes_recv=recv,
         work=work,
@@ -357,6 +432,12 @@ def _price_distflashattn(env: _PricingInputs) -> BaselineCost:
     from each rank that used its KV (activation dtype, LightSeq allocates them like dk/dv).
     DistFlashAttn supports even P only; odd P uses the same rule (offsets s and P−s per step).
     The published code also posts one spare KV transfer at its last step; it is not counted.
+    Kernel calls: one per computed block (an L × L block, causal on the diagonal; LightSeq's
+    ``_lightseq_forward`` / ``_lightseq_backward`` in RulinShao/LightSeq
+    ``lightseq/lightseq_async_attn.py`` call the flash kernel once per step); every block after
+    step 0 is merged into its q owner's output by LSE (forward; a helper's in the round after)
+    and its dq / dk, dv accumulated into the owners' gradients (backward), L rows each at HBM
+    bandwidth.
     """
     P = env.P
     L = float(_contiguous_chunk(env))
@@ -398,8 +479,23 @@ def _price_distflashattn(env: _PricingInputs) -> BaselineCost:
     b_sent, b_recv = rounds(
         env.row_bytes(Wire.Q) + env.row_bytes(Wire.LSE) + env.row_bytes(Wire.O) + env.row_bytes(Wire.DO), env.row_bytes(Wire.Q), kv, kv
     )
-    fwd_time, fwd_steps = _rounds_time(env, env.fwd_s(compute), f_sent, f_recv)
-    bwd_time, bwd_steps = _rounds_time(env, env.bwd_s(compute), b_sent, b_recv)
+    m = env.merge
+    f_merge, b_merge = np.zeros((S + 2, P)), np.zeros((S + 2, P))
+    for s in range(1, S + 1):
+        own = ranks >= s  # rank r computes (q_r, kv_{r−s}): merges its o / dq now, dkv lands on r−s next round
+        f_merge[s] += own * L * m.o
+        b_merge[s] += own * L * m.dq
+        b_merge[s + 1, ranks[own] - s] += L * m.dkv
+        if helping(s):  # helper r < s computes (q_{r+P−s}, kv_r): dkv stays, o / dq land on r+P−s next round
+            helper = ranks < s
+            b_merge[s] += helper * L * m.dkv
+            f_merge[s + 1, ranks[helper] + P - s] += L * m.o
+            b_merge[s + 1, ranks[helper] + P - s] += L * m.dq
+    f_cost = env.calls(L, L, compute[..., None], "fwd")
+    b_cost = env.calls(L, L, compute[..., None], "bwd")
+    slow = env.hw.overlap_slowdown
+    fwd_time, fwd_steps = _rounds_time(env, f_cost.kernel, f_sent, f_recv, f_cost.fixed + f_merge, slow)
+    bwd_time, bwd_steps = _rounds_time(env, b_cost.kernel, b_sent, b_recv, b_cost.fixed + b_merge, slow)
     work = compute.sum(axis=0)
     return BaselineCost(
         method="distflashattn",

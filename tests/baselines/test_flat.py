@@ -9,12 +9,15 @@ import pytest
 from megatron_hsap.errors import ConfigError
 from megatron_hsap.baselines.flat import BASELINES, BaselineCost, price_baseline, unavailable_reason
 from megatron_hsap.plan.costs import HeadShape
-from megatron_hsap.plan.hardware import A100, Hardware, LinkClass
+from megatron_hsap.plan.hardware import A100, Hardware, KernelCurve, KernelModel, LinkClass
 from megatron_hsap.plan.workloads import pack_batches
 
 # Toy constants chosen so that times are pair and byte counts: 1 head of size 1, 1 byte per
 # element -> 4 FLOPs per forward pair at 4 FLOP/s and 10 per backward pair at 10 FLOP/s (1 pair/s);
-# k+v = 2 bytes per token; NVLink 1 byte/s and 0.5 s per round.
+# k+v = 2 bytes per token; NVLink 1 byte/s and 0.5 s per round. Its kernel model runs every block
+# at its peak (the saturating curve with a zero half-rate size: efficiency n / (n + 0) = 1), with
+# no launch cost, no merge bytes and no slowdown beside transfers, so the schedules' structure is
+# checked by pair counts; the kernel terms are checked with KERNEL_TOY below.
 TOY = Hardware(
     name="toy",
     attn_fwd_flops=4.0,
@@ -23,6 +26,10 @@ TOY = Hardware(
     ib_bw=0.25,
     nvlink_latency=0.5,
     ib_latency=1.0,
+    kernel=KernelModel(fwd_peak=4.0, bwd_peak=10.0, curve=KernelCurve(half_rate_tokens=0.0, launch_s=0.0)),
+    merge_fwd_bytes=0.0,
+    merge_bwd_bytes=0.0,
+    overlap_slowdown=0.0,
 )
 ONE = HeadShape(num_heads=1, num_kv_heads=1, head_dim=1, head_dim_v=1, dtype_bytes=1)
 NV = LinkClass.NVLINK
