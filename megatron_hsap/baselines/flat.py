@@ -370,7 +370,10 @@ def _price_ulysses(env: _PricingInputs) -> BaselineCost:
     heads: each rank receives the kv heads its q heads use — Hkv/P when P divides Hkv, else
     replicated copies (1 head per rank when P ≥ Hkv), and the replicated bytes are counted (dk/dv
     of replicas travel back and are summed). Each all-to-all costs max over ranks of max(sent,
-    received) / bandwidth + one latency. Needs P ≤ H and H % P == 0. Kernel calls: one varlen
+    received) / ``Hardware.a2a_bandwidth`` (NVLink derated by ``a2a_efficiency``, as the planner
+    prices HSAP's own all-to-all) + one latency + the ``t h d -> h t d`` rearrange of the local
+    tensor (``Hardware.a2a_copy_time``; DeepSpeed's ``_SeqAllToAll`` makes the input contiguous
+    before and after). Needs P ≤ H and H % P == 0. Kernel calls: one varlen
     call per phase over every whole document on H/P heads (a causal block of l × l each); no merge.
     """
     P = env.P
@@ -386,8 +389,15 @@ def _price_ulysses(env: _PricingInputs) -> BaselineCost:
     kv_recv = others * L * need * kv_head_tok  # [P]
     kv_sent = L * (need.sum() - need) * kv_head_tok  # to every other rank j, what j needs
 
+    a2a_bw = env.hw.a2a_bandwidth(env.link)
+
     def a2a(sent: np.ndarray, recv: np.ndarray) -> float:
-        return 0.0 if P == 1 else float(np.maximum(sent, recv).max()) / env.bw + env.lat
+        """One all-to-all at the hardware's all-to-all rate, plus the rearrange copy of the whole
+        local tensor (own share included) around it (``Hardware.a2a_copy_time``)."""
+        if P == 1:
+            return 0.0
+        most = float(np.maximum(sent, recv).max())
+        return most / a2a_bw + env.lat + env.hw.a2a_copy_time(most * P / (P - 1))
 
     # k and v (and dk, dv) are separate all-to-alls: split the KV bytes by head size
     d, dv = env.shape.head_dim, env.shape.head_dim_v

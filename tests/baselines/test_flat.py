@@ -16,7 +16,8 @@ from megatron_hsap.plan.workloads import pack_batches
 # element -> 4 FLOPs per forward pair at 4 FLOP/s and 10 per backward pair at 10 FLOP/s (1 pair/s);
 # k+v = 2 bytes per token; NVLink 1 byte/s and 0.5 s per round. Its kernel model runs every block
 # at its peak (the saturating curve with a zero half-rate size: efficiency n / (n + 0) = 1), with
-# no launch cost, no merge bytes and no slowdown beside transfers, so the schedules' structure is
+# no launch cost, no merge bytes, free HBM copies, all-to-alls at the link rate and no slowdown
+# beside transfers, so the schedules' structure is
 # checked by pair counts; the kernel terms are checked with KERNEL_TOY below.
 TOY = Hardware(
     name="toy",
@@ -30,6 +31,8 @@ TOY = Hardware(
     merge_fwd_bytes=0.0,
     merge_bwd_bytes=0.0,
     overlap_slowdown=0.0,
+    hbm_bw=float("inf"),  # memory-bound copies free
+    a2a_efficiency=1.0,  # all-to-alls at the NVLink figure
 )
 ONE = HeadShape(num_heads=1, num_kv_heads=1, head_dim=1, head_dim_v=1, dtype_bytes=1)
 NV = LinkClass.NVLINK
@@ -347,3 +350,81 @@ def test_zigzag_balances_where_contiguous_does_not() -> None:
     assert contiguous.work.max() / contiguous.work.mean() > 1.7  # 7/4 for one document
     assert zigzag.work.max() / zigzag.work.mean() < 1.05
     assert zigzag.fwd_time < contiguous.fwd_time
+
+
+# ---------------------------------------------------------------- the kernel model's terms
+
+# Tile model with 4 × 4 tiles and half a tile of prologue per row tile: a block costs
+# m · (key tiles per row + 0.5) · 16 pair-seconds (peaks of 1 pair/s), m = ⌈rows / 4⌉, key tiles
+# per row = pairs / rows / 4 + 0.5 clipped to [1, ⌈keys / 4⌉]; 1 s per launch; merges 1 B per
+# element at 1 B/s (1 s per o or dq row of one head of size 1, 2 s per dk+dv row); kernels 1.5×
+# slower while the round moves bytes.
+KERNEL_TOY = Hardware(
+    name="kernel-toy",
+    attn_fwd_flops=4.0,
+    attn_bwd_flops=10.0,
+    nvlink_bw=1.0,
+    ib_bw=0.25,
+    nvlink_latency=0.5,
+    ib_latency=1.0,
+    kernel=KernelModel(fwd_peak=4.0, bwd_peak=10.0, tile=4, mblock_overhead=0.5,
+                       curve=KernelCurve(half_rate_tokens=0.0, launch_s=1.0)),
+    merge_fwd_bytes=1.0,
+    merge_bwd_bytes=1.0,
+    hbm_bw=1.0,
+    overlap_slowdown=0.5,
+)
+
+
+def test_te_ring_kernel_terms_by_hand() -> None:
+    cost = price_baseline("te_thd_ring", [0, 16], world=2, shape=ONE, hardware=KERNEL_TOY, link=NV)
+    assert cost is not None
+    # c = 4; rank 0 holds chunks {0, 3}, rank 1 {1, 2}. One call per rank and step (TE's sections):
+    # diagonal 8 × 8, 36 pairs: m 2, key tiles 36/8/4 + 0.5 = 1.625 -> 2 · 2.125 · 16 = 68 s;
+    # upper (rank 0, q chunk 3 × kv chunks 1, 2) 4 × 8, 32 pairs: key tiles 2.5 -> 2: 1 · 2.5 · 16 = 40 s;
+    # lower (rank 1, q chunks 1, 2 × kv chunk 0) 8 × 4, 32 pairs: key tiles 1.5 -> 1: 2 · 1.5 · 16 = 48 s.
+    # Forward step 0 sends 16 B of KV (16 s) while the diagonal runs 1.5× slower: 68 · 1.5 + 1 launch;
+    # step 1 adds the LSE merge of the call's q rows (4 on rank 0, 8 on rank 1) at 1 s per row.
+    assert cost.fwd_time == pytest.approx(max(68 * 1.5 + 1, 16) + 0.5 + max(40 + 1 + 4, 48 + 1 + 8))
+    # backward: step 0 (upper / lower beside the KV round), step 1 the diagonal beside the dKV round
+    # plus the dq (8 rows · 1 s) and dk, dv (8 rows · 2 s) accumulations
+    assert cost.bwd_time == pytest.approx(max(40 * 1.5 + 1, 48 * 1.5 + 1, 16) + 0.5 + max(68 * 1.5 + 1 + 8 + 16, 16) + 0.5)
+    assert cost.work.tolist() == [68, 68]  # pairs unchanged by the kernel model
+
+
+def test_allgather_kernel_terms_by_hand() -> None:
+    cost = price_baseline("allgather_kv", [0, 16], world=4, shape=ONE, hardware=KERNEL_TOY, link=NV)
+    assert cost is not None
+    # rank 3: rows 12..15 against keys 0..15, 58 pairs: key tiles 58/4/4 + 0.5 = 4.125 -> 4:
+    # 1 · 4.5 · 16 = 72 s, one launch; no merge. The all-gather: 3 · 4 tokens · 2 B at 1 B/s + 0.5 s.
+    ag = 24 + 0.5
+    assert cost.fwd_time == pytest.approx(ag + 72 + 1)
+    assert cost.bwd_time == pytest.approx(ag + 72 + 1 + ag)
+
+
+def test_call_cost_matches_the_kernel_models_own_terms() -> None:
+    """``kernel_blocks.call_cost`` against the scalar formulas of ``plan/hardware.py``
+    (``blocks_time_py``, ``grid_time``, ``gqa_accum_time``) on random blocks of one call, FA3's
+    H100 set (GQA packing, backward grid, dK/dV atomics)."""
+    from megatron_hsap.baselines.kernel_blocks import call_cost
+    from megatron_hsap.plan.hardware import H100_FA3
+
+    rng = np.random.default_rng(5)
+    shape = HeadShape(num_heads=32, num_kv_heads=8, head_dim=128, head_dim_v=128)
+    nq = rng.integers(1, 3000, 12).astype(float)
+    nk = nq + rng.integers(0, 3000, 12)
+    pairs = nq * nk - nq * (nq - 1) / 2 * (rng.random(12) < 0.5)  # half causal, half full
+    pairs[3] = 0.0  # an empty block: not computed, not in the grid
+    k = H100_FA3.kernel
+    for phase, fpp in (("fwd", shape.fwd_flops_per_pair), ("bwd", shape.bwd_flops_per_pair)):
+        got = call_cost(H100_FA3, nq, nk, pairs, phase, heads=32, kv_heads=8, flops_per_pair=fpp, head_dim=128,
+                        head_dim_v=128)
+        live = pairs > 0
+        blocks = [(int(a), int(b), p * fpp, p) for a, b, p in zip(nq[live], nk[live], pairs[live])]
+        want_kernel = k.blocks_time_py(blocks, phase, group=4)
+        want_fixed = k.launch_s + k.grid_time(nq[live].max(), nk[live].max(), int(live.sum()), 32, phase) \
+            + k.gqa_accum_time(nk[live], shape, phase, H100_FA3.hbm_bw)
+        # why rel 1e-12: the same formulas summed in another order
+        assert float(got.kernel) == pytest.approx(want_kernel, rel=1e-12)
+        assert float(got.fixed) == pytest.approx(want_fixed, rel=1e-12)
+        assert (float(got.fixed) > k.launch_s) == (phase == "bwd")  # grid and atomics in backward only
