@@ -287,6 +287,34 @@ def _price_allgather_kv(env: _PricingInputs) -> BaselineCost:
     )
 
 
+def zigzag_allgather_compute(env: _PricingInputs, row_pairs: Callable[[np.ndarray], np.ndarray],
+                             left: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per rank [P]: pairs, forward and backward compute seconds of TE's all-gather CP on the
+    per-document zigzag (``_price_allgather_kv_zigzag``): one call per q chunk and phase, each
+    chunk's rows ``[a, b)`` of every document against keys ``[max(0, a − left), b)`` (``left`` −1:
+    from the document start), ``row_pairs(n)`` the pairs of a document's first n rows; the
+    backward adds each call's dk/dv rows into the gathered gradient. P = 1: one call per phase."""
+    P = env.P
+    lengths = env.lengths.astype(np.float64)
+    c = np.ceil(lengths / (2 * P)) if P > 1 else lengths / 2.0
+    ranks = np.arange(P, dtype=np.float64)[:, None]
+
+    def half(start: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(nq, nk, pairs) [P, docs] of the call of the q chunk starting at ``start · c``."""
+        a = np.minimum(start * c, lengths)
+        b = np.minimum((start + 1) * c, lengths) if P > 1 else np.broadcast_to(lengths, a.shape)
+        first = 0.0 if left < 0 else np.maximum(0.0, a - left)  # the call's first key, per document
+        return b - a, np.where(b > a, b - first, 0.0), row_pairs(b) - row_pairs(a)
+
+    halves = [half(ranks), half(2 * P - 1 - ranks)] if P > 1 else [half(0 * ranks)]
+    work = sum(h[2].sum(axis=-1) for h in halves)
+    f_busy = sum((x.kernel + x.fixed for x in (env.calls(*h, "fwd") for h in halves)), np.zeros(P))
+    b_busy = sum((x.kernel + x.fixed for x in (env.calls(*h, "bwd") for h in halves)), np.zeros(P))
+    if P > 1:
+        b_busy = b_busy + sum(np.where(h[2] > 0, h[1], 0.0).sum(axis=-1) for h in halves) * env.merge.dkv
+    return work, f_busy, b_busy
+
+
 def _price_allgather_kv_zigzag(env: _PricingInputs) -> BaselineCost:
     """Document-aware all-gather KV with per-document zigzag: Llama 3's CP, Transformer Engine's
     all-gather CP (``AttnFuncWithCPAndKVAllGather`` in
@@ -307,30 +335,8 @@ def _price_allgather_kv_zigzag(env: _PricingInputs) -> BaselineCost:
     bandwidth). P = 1 is no CP: one causal call per phase.
     """
     P = env.P
-    lengths = env.lengths.astype(np.float64)
-    c = np.ceil(lengths / (2 * P)) if P > 1 else lengths / 2.0
-
-    def rows_pairs(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-        """Causal pairs of document rows [a, b) (clipped to the real length), per document."""
-        a = np.minimum(a, lengths)
-        b = np.minimum(b, lengths)
-        return (b * (b + 1) - a * (a + 1)) / 2
-
-    ranks = np.arange(P, dtype=np.float64)[:, None]
-
-    def half(start: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(nq, nk, pairs) [P, docs] of the call of the q chunk starting at ``start · c``."""
-        a = np.minimum(start * c, lengths)
-        b = np.minimum((start + 1) * c, lengths) if P > 1 else np.broadcast_to(lengths, a.shape)
-        return b - a, np.where(b > a, b, 0.0), staircase_pairs(b) - staircase_pairs(a)
-
-    halves = [half(ranks), half(2 * P - 1 - ranks)] if P > 1 else [half(0 * ranks)]
-    work = sum(h[2].sum(axis=-1) for h in halves)
-    fc = [env.calls(*h, "fwd") for h in halves]
-    bc = [env.calls(*h, "bwd") for h in halves]
-    f_busy = sum(x.kernel + x.fixed for x in fc)
-    b_busy = sum(x.kernel + x.fixed for x in bc) + (sum(np.where(h[2] > 0, h[1], 0.0).sum(axis=-1) for h in halves) * env.merge.dkv
-                                                     if P > 1 else 0.0)
+    c = np.ceil(env.lengths / (2 * P)) if P > 1 else env.lengths / 2.0
+    work, f_busy, b_busy = zigzag_allgather_compute(env, staircase_pairs, -1)
     local = 2 * float(c.sum())
     kv_bytes = float(P - 1) * local * env.row_bytes(Wire.KV)
     coll = 0.0 if P == 1 else env.lat

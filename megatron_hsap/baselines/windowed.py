@@ -1,5 +1,8 @@
-"""Peers under a causal sliding window ``(left, 0)``, priced with the planner's flat constants
-(issue 15 item 6; docs/design.md §4 rates, wire formats and transfer rule, like ``baselines.flat``).
+"""Peers under a causal sliding window ``(left, 0)`` (issue 15 item 6; docs/design.md §4 wire
+formats and transfer rule, like ``baselines.flat``). ``te_allgather_swa`` prices its kernel calls
+with the one kernel model (``Hardware.kernel``, as ``baselines.flat`` does); ``te_a2a_swa`` and
+``magi_swa`` still price compute at the flat rates (``attn_fwd_flops``) — ``te_a2a_swa`` reuses
+``baselines.hierarchical``'s flat ``te_a2a``.
 
 Each model follows what the peer's code does with a window (read at the commits named below),
 not what it could do:
@@ -46,7 +49,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from megatron_hsap.baselines.flat import BaselineCost
+from megatron_hsap.baselines.flat import BaselineCost, _PricingInputs, zigzag_allgather_compute
 from megatron_hsap.errors import ConfigError
 from megatron_hsap.plan.costs import HeadShape
 from megatron_hsap.plan.hardware import Hardware, LinkClass
@@ -105,12 +108,13 @@ def _full(env: _Env, method: str) -> BaselineCost | None:
 
 
 def _te_allgather_swa(env: _Env) -> BaselineCost:
-    """Zigzag rows per rank, banded compute; bytes and collectives of the full-causal all-gather."""
-    P, lengths = env.P, env.lengths
-    c = np.ceil(lengths / (2 * P)) if P > 1 else lengths / 2.0
-    work = np.array([float((_rows_pairs(r * c, (r + 1) * c, lengths, env.left)
-                            + _rows_pairs((2 * P - 1 - r) * c, (2 * P - r) * c, lengths, env.left)).sum())
-                     for r in range(P)])  # fmt: skip
+    """Zigzag rows per rank, banded compute (one call per q chunk and phase at its blocks' shapes,
+    ``flat.zigzag_allgather_compute`` with the window); bytes and collectives of the full-causal
+    all-gather."""
+    P = env.P
+    left = env.left
+    flat_env = _PricingInputs(cu=env.cu, P=P, shape=env.shape, hw=env.hw, link=env.link)
+    work, f_busy, b_busy = zigzag_allgather_compute(flat_env, lambda n: banded_row_pairs(n, left), left)
     full = _full(env, "allgather_kv_zigzag")  # same gathers and reduce-scatter: the window moves nothing less
     assert full is not None  # runs at every size
     kv_bytes = float(full.bytes_sent[0]) / 3.0  # one all-gather of KV per rank (fwd, bwd; dKV likewise)
@@ -118,13 +122,13 @@ def _te_allgather_swa(env: _Env) -> BaselineCost:
     ag = kv_bytes / env.hw.bandwidth(env.link) + coll
     return BaselineCost(
         method="te_allgather_swa",
-        fwd_time=ag + float(np.max(env.fwd_s(work))),
-        bwd_time=ag + float(np.max(env.bwd_s(work))) + ag,
+        fwd_time=ag + float(np.max(f_busy)),
+        bwd_time=ag + float(np.max(b_busy)) + ag,
         bytes_sent=full.bytes_sent.copy(),
         bytes_recv=full.bytes_recv.copy(),
         work=work,
         steps=full.steps,
-        note=f"all of K, V gathered whatever the window; banded compute; imbalance {work.max() / max(work.mean(), 1.0):.2f}",
+        note=f"all of K, V gathered whatever the window; banded compute (kernel-model priced); imbalance {work.max() / max(work.mean(), 1.0):.2f}",
     )
 
 

@@ -3,7 +3,8 @@
 For every workload (``workloads.md``'s four plus ``full``: one document filling the batch), batch
 size ``T``, ``P_inter`` and head shape (MHA 32/32, GQA 32/8; bf16, d 128, ``P_intra`` 1), it
 compiles the SAP plan of seeded packed batches and prices the baselines on the same batches with
-the same model (``megatron_hsap.baselines.flat``). The link class follows docs/design.md §4: NVLink when
+the same kernel model (``megatron_hsap.baselines.flat``: every call at its blocks' shapes with
+``Hardware.kernel``, launches and merges, as the planner's estimate prices HSAP). The link class follows docs/design.md §4: NVLink when
 the CP group fits one 8-GPU node (``P_inter ≤ 8`` here), InfiniBand otherwise.
 
 Outputs (``--out``, default ``results``): ``plan_quality.csv`` (columns ``source, workload, T,
@@ -277,7 +278,8 @@ def markdown(rows: list[tuple]) -> str:
     head = ("| workload | T | P | link | heads | imbalance | owner imb. | GB | B/necessary | B/TE ring | est. ms | "
             "efficiency | comp. eff. | pool use | " + " | ".join(f"{b} ms" for b in BASELINES) + " | best document-aware baseline / HSAP |")
     sep = "|" + "---|" * (head.count("|") - 1)
-    lines = ["Median (worst) over the seeds. Times: forward + backward attention, docs/design.md §4 model, A100 constants.", "", head, sep]
+    lines = ["Median (worst) over the seeds. Times: forward + backward attention, docs/design.md §4 model, A100 constants; "
+             "HSAP and the baselines kernel-model priced (block shapes, launches, merges).", "", head, sep]
 
     def cell(d, method, metric, scale=1.0, fmt="{:.3g}") -> str:
         if (method, metric) not in d:
