@@ -37,7 +37,7 @@ from typing import Callable
 
 import numpy as np
 
-from megatron_hsap.baselines.kernel_blocks import CallCost, MergeRates, call_cost
+from megatron_hsap.baselines.kernel_blocks import _PricingInputs, zigzag_allgather_compute
 from megatron_hsap.errors import ConfigError
 from megatron_hsap.plan.costs import HeadShape
 from megatron_hsap.plan.hardware import Hardware, LinkClass
@@ -71,45 +71,6 @@ class BaselineCost:
     def time(self) -> float:
         """Forward + backward seconds."""
         return self.fwd_time + self.bwd_time
-
-
-@dataclass(frozen=True, slots=True)
-class _PricingInputs:
-    """What every pricing function needs: the batch, P and the constants."""
-
-    cu: np.ndarray  # int64 [n_docs + 1], global cu_seqlens (empty documents allowed)
-    P: int
-    shape: HeadShape
-    hw: Hardware
-    link: LinkClass
-
-    @property
-    def lengths(self) -> np.ndarray:
-        return np.diff(self.cu)
-
-    @property
-    def bw(self) -> float:
-        return self.hw.bandwidth(self.link)
-
-    @property
-    def lat(self) -> float:
-        return self.hw.latency(self.link)
-
-    def calls(self, nq, nk, pairs, phase: str, head_split: int = 1) -> CallCost:
-        """Kernel-model seconds of one varlen call per leading index of the ``[..., docs]``
-        blocks (``kernel_blocks.call_cost``); ``head_split``: the call runs H/head_split heads."""
-        sh = self.shape
-        fpp = sh.fwd_flops_per_pair if phase == "fwd" else sh.bwd_flops_per_pair
-        kv = max(1, sh.num_kv_heads // head_split) if sh.num_kv_heads % head_split == 0 else 1
-        return call_cost(self.hw, nq, nk, pairs, phase, heads=sh.num_heads // head_split, kv_heads=kv,
-                         flops_per_pair=fpp / head_split, head_dim=sh.head_dim, head_dim_v=sh.head_dim_v)
-
-    @property
-    def merge(self) -> MergeRates:
-        return MergeRates.of(self.shape, self.hw)
-
-    def row_bytes(self, wire: Wire) -> float:
-        return float(self.shape.token_bytes(wire))
 
 
 def _rounds_time(env, compute: np.ndarray, sent: np.ndarray, recv: np.ndarray, fixed: np.ndarray | None = None,
@@ -285,34 +246,6 @@ def _price_allgather_kv(env: _PricingInputs) -> BaselineCost:
         steps=0 if P == 1 else 3,
         note=f"compute after the all-gather (not overlapped); dKV reduce-scatter in activation dtype; imbalance {work.max() / max(work.mean(), 1.0):.2f}",
     )
-
-
-def zigzag_allgather_compute(env: _PricingInputs, row_pairs: Callable[[np.ndarray], np.ndarray],
-                             left: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per rank [P]: pairs, forward and backward compute seconds of TE's all-gather CP on the
-    per-document zigzag (``_price_allgather_kv_zigzag``): one call per q chunk and phase, each
-    chunk's rows ``[a, b)`` of every document against keys ``[max(0, a − left), b)`` (``left`` −1:
-    from the document start), ``row_pairs(n)`` the pairs of a document's first n rows; the
-    backward adds each call's dk/dv rows into the gathered gradient. P = 1: one call per phase."""
-    P = env.P
-    lengths = env.lengths.astype(np.float64)
-    c = np.ceil(lengths / (2 * P)) if P > 1 else lengths / 2.0
-    ranks = np.arange(P, dtype=np.float64)[:, None]
-
-    def half(start: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(nq, nk, pairs) [P, docs] of the call of the q chunk starting at ``start · c``."""
-        a = np.minimum(start * c, lengths)
-        b = np.minimum((start + 1) * c, lengths) if P > 1 else np.broadcast_to(lengths, a.shape)
-        first = 0.0 if left < 0 else np.maximum(0.0, a - left)  # the call's first key, per document
-        return b - a, np.where(b > a, b - first, 0.0), row_pairs(b) - row_pairs(a)
-
-    halves = [half(ranks), half(2 * P - 1 - ranks)] if P > 1 else [half(0 * ranks)]
-    work = sum(h[2].sum(axis=-1) for h in halves)
-    f_busy = sum((x.kernel + x.fixed for x in (env.calls(*h, "fwd") for h in halves)), np.zeros(P))
-    b_busy = sum((x.kernel + x.fixed for x in (env.calls(*h, "bwd") for h in halves)), np.zeros(P))
-    if P > 1:
-        b_busy = b_busy + sum(np.where(h[2] > 0, h[1], 0.0).sum(axis=-1) for h in halves) * env.merge.dkv
-    return work, f_busy, b_busy
 
 
 def _price_allgather_kv_zigzag(env: _PricingInputs) -> BaselineCost:

@@ -49,7 +49,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from megatron_hsap.baselines.flat import BaselineCost, _PricingInputs, zigzag_allgather_compute
+from megatron_hsap.baselines.flat import BaselineCost
+from megatron_hsap.baselines.kernel_blocks import _PricingInputs, zigzag_allgather_compute
 from megatron_hsap.errors import ConfigError
 from megatron_hsap.plan.costs import HeadShape
 from megatron_hsap.plan.hardware import Hardware, LinkClass
