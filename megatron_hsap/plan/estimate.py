@@ -35,7 +35,7 @@ from megatron_hsap.plan.schedule import Staging
 from megatron_hsap.plan.units import WorkUnit
 from megatron_hsap.plan.window import staircase_pairs
 
-__all__ = ["PhaseTime", "BlockCosts", "block_costs", "phase_time", "quick_price", "price_staging", "necessary_traffic",
+__all__ = ["PhaseTime", "BlockCosts", "BlockGroups", "block_costs", "phase_time", "quick_price", "price_staging", "necessary_traffic",
            "lower_bounds", "ideal_compute",
            "PipelinePhase", "pipelined_time"]
 
@@ -103,18 +103,58 @@ def _rows_again(rank: np.ndarray, start: np.ndarray, stop: np.ndarray, span: int
 
 def _acc(grid: np.ndarray, idx: np.ndarray, vals) -> None:
     """``grid.flat[idx] += vals`` with repeated indices summed (``np.bincount``: far faster than ``np.add.at``)."""
-    w = np.broadcast_to(np.asarray(vals, dtype=np.float64), idx.shape)
+    w = np.full(idx.shape, vals, dtype=np.float64) if np.ndim(vals) == 0 else vals
     grid.reshape(-1)[:] += np.bincount(idx, weights=w, minlength=grid.size)
 
 
-def block_costs(a: np.ndarray, size: int, n: int, pr: Prices, phase: str) -> BlockCosts:
+@dataclass(frozen=True, slots=True)
+class BlockGroups:
+    """What ``block_costs`` needs of blocks ``a`` that does not depend on the phase (forward and
+    backward price the same blocks: ``price_staging`` and ``quick_price`` group them once):
+    each block's ``[rank, stage]`` cell, its varlen call (``inv`` into the calls, ``gcell`` each
+    call's cell), each call's longest kv block and block count, and the rows merged into an
+    accumulator already holding an earlier contribution (q rows on the q owner, kv rows on the kv
+    owner)."""
+
+    cell: np.ndarray
+    gcell: np.ndarray
+    maxk: np.ndarray
+    count: np.ndarray
+    home_q: np.ndarray
+    again_q: np.ndarray
+    home_k: np.ndarray
+    again_k: np.ndarray
+
+    @classmethod
+    def of(cls, a: np.ndarray, size: int, n: int) -> "BlockGroups":
+        rank, stg, qa, qb, ka, kb, _work, causal, qo, ko = a.T
+        cell = rank * n + stg
+        # one varlen call per (rank, stage, q source, kv source, causality), as the simulator groups items
+        qsrc = np.where(qo == rank, size, qo)
+        ksrc = np.where(ko == rank, size, ko)
+        key = ((cell * (size + 1) + qsrc) * (size + 1) + ksrc) * 2 + causal
+        keys, inv = np.unique(key, return_inverse=True)
+        gcell = keys // (2 * (size + 1) * (size + 1))
+        maxk = np.zeros(len(keys))
+        np.maximum.at(maxk, inv, kb - ka)
+        span = int(max(qb.max(), kb.max())) + 1
+        home_q = rank == qo
+        home_k = rank == ko
+        return cls(cell, gcell, maxk, np.bincount(inv, minlength=len(keys)),
+                   home_q, _rows_again(rank[home_q], qa[home_q], qb[home_q], span),
+                   home_k, _rows_again(rank[home_k], ka[home_k], kb[home_k], span))
+
+
+def block_costs(a: np.ndarray, size: int, n: int, pr: Prices, phase: str, groups: BlockGroups | None = None) -> BlockCosts:
     """Price the blocks ``a`` (``_arrays`` rows) of one phase on a ``[size, n]`` grid (see the
-    module docstring; ``sim/hsap.py`` charges the same terms event by event)."""
+    module docstring; ``sim/hsap.py`` charges the same terms event by event); ``groups``:
+    ``BlockGroups.of(a, size, n)`` when the caller prices both phases."""
     kern = np.zeros((size, n))
     fixed = np.zeros((size, n))
     launch = np.zeros(size)
     if len(a) == 0:
         return BlockCosts(kern, fixed, launch)
+    g = BlockGroups.of(a, size, n) if groups is None else groups
     rank, stg, qa, qb, ka, kb, work, causal, qo, ko = a.T
     nq, nk = qb - qa, kb - ka
     k = pr.kernel
@@ -122,39 +162,26 @@ def block_costs(a: np.ndarray, size: int, n: int, pr: Prices, phase: str) -> Blo
     fpp = pr.fpp_fwd if phase == "fwd" else pr.fpp_bwd
     w = np.maximum(work, 1).astype(np.float64)
     secs = work * fpp / k.rate(nq, nk, phase, pr.group, w)
-    cell = rank * n + stg
+    cell = g.cell
     _acc(kern, cell, secs)
-    # one varlen call per (rank, stage, q source, kv source, causality), as the simulator groups items
-    qsrc = np.where(qo == rank, size, qo)
-    ksrc = np.where(ko == rank, size, ko)
-    key = ((cell * (size + 1) + qsrc) * (size + 1) + ksrc) * 2 + causal
-    keys, inv = np.unique(key, return_inverse=True)
-    gcell = keys // (2 * (size + 1) * (size + 1))
-    _acc(fixed, gcell, k.launch_s)
-    _acc(launch, gcell // n, k.launch_s)
+    _acc(fixed, g.gcell, k.launch_s)
+    _acc(launch, g.gcell // n, k.launch_s)
     if phase != "fwd" and k.cta_s > 0:  # FA3's backward grid: ⌈max kv / 128⌉ × heads CTAs per block
-        maxk = np.zeros(len(keys))
-        np.maximum.at(maxk, inv, nk)
-        cnt = np.bincount(inv, minlength=len(keys))
-        _acc(fixed, gcell, k.cta_s * np.ceil(maxk / 128.0) * pr.heads * cnt)
+        _acc(fixed, g.gcell, k.cta_s * np.ceil(g.maxk / 128.0) * pr.heads * g.count)
     if phase != "fwd" and k.gqa_dkv_accum and pr.group > 1:
         T = float(k.tile or 128)
         _acc(fixed, cell, np.ceil(nk / T) * pr.heads * T * pr.accum_row / pr.hbm_bw)
-    span = int(max(qb.max(), kb.max())) + 1
-    home_q = rank == qo
+    home_q = g.home_q
     away_q = ~home_q
     if phase == "fwd":  # o rows merged into the q owner's accumulator
-        again = _rows_again(rank[home_q], qa[home_q], qb[home_q], span)
-        _acc(fixed, cell[home_q], again * pr.merge_o)
+        _acc(fixed, cell[home_q], g.again_q * pr.merge_o)
         _acc(fixed, qo[away_q] * n + np.minimum(stg[away_q] + 1, n - 1), nq[away_q] * pr.merge_o)
     else:  # dq into the q owner's, dk/dv into the kv owner's fp32 gradients
-        again = _rows_again(rank[home_q], qa[home_q], qb[home_q], span)
-        _acc(fixed, cell[home_q], again * pr.merge_dq)
+        _acc(fixed, cell[home_q], g.again_q * pr.merge_dq)
         _acc(fixed, qo[away_q] * n + np.minimum(stg[away_q] + 1, n - 1), nq[away_q] * pr.merge_dq)
-        home_k = rank == ko
+        home_k = g.home_k
         away_k = ~home_k
-        again = _rows_again(rank[home_k], ka[home_k], kb[home_k], span)
-        _acc(fixed, cell[home_k], again * pr.merge_dkv)
+        _acc(fixed, cell[home_k], g.again_k * pr.merge_dkv)
         _acc(fixed, ko[away_k] * n + np.minimum(stg[away_k] + 1, n - 1), nk[away_k] * pr.merge_dkv)
     return BlockCosts(kern, fixed, launch)
 
@@ -189,12 +216,12 @@ def _both(a: np.ndarray) -> np.ndarray:
 
 
 def _compute(units, work_grid: np.ndarray, size: int, n: int, pr: Prices, phase: str, sent: np.ndarray,
-             recv: np.ndarray, a: np.ndarray | None = None) -> tuple[np.ndarray, float]:
+             recv: np.ndarray, a: np.ndarray | None = None, groups: BlockGroups | None = None) -> tuple[np.ndarray, float]:
     """[P, n] compute seconds of ``units`` (flat when ``pr`` has no kernel) and the launch seconds
     of the rank with the most."""
     if pr.kernel is None:
         return work_grid * (pr.sec_fwd if phase == "fwd" else pr.sec_bwd), 0.0
-    bc = block_costs(_arrays(units) if a is None else a, size, n, pr, phase)
+    bc = block_costs(_arrays(units) if a is None else a, size, n, pr, phase, groups)
     return bc.seconds(sent, recv, pr.overlap_slowdown), float(bc.launch.max(initial=0.0))
 
 
@@ -238,36 +265,46 @@ def phase_time(units: list[Unit], msgs: list[Message] | tuple[Message, ...], siz
     )
 
 
-def _traffic(units, size: int, n: int, pr: Prices) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Bytes sent/received per [rank, round], forward and backward, of staged remote ``units``
-    (inputs deduplicated per rank, stage and range, as ``codegen.phase_messages`` does);
-    ``[2, rank, round]`` (network, NVLink) when some inter ranks share a node."""
+def _traffic(a: np.ndarray, size: int, n: int, pr: Prices) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Bytes sent/received per [rank, round], forward and backward, of staged remote blocks ``a``
+    (``_arrays`` rows; inputs deduplicated per rank, stage and range, as
+    ``codegen.phase_messages`` does); ``[2, rank, round]`` (network, NVLink) when some inter ranks
+    share a node. Bytes per token are integers, so the sums are exact in any order."""
     same = _same_node(pr, size)
-    t = np.zeros((4, 2, size, n))
+    cells = 2 * size * n
+    t = np.zeros((4, cells))  # sent fwd, received fwd, sent bwd, received bwd; flat [link, rank, round]
+    rank, stg = a[:, 0], a[:, 1]
+    # per side: (columns of the range and owner, input bytes fwd, input bytes bwd, result bytes fwd,
+    # result bytes bwd) per token; q travels with do/lse/delta in backward and returns o+lse / dq;
+    # kv returns dkv in backward
+    for lo, hi, oc, f_in, b_in, f_out, b_out in ((2, 3, 8, pr.q, pr.q_bwd, pr.o_lse, pr.dq),
+                                               (4, 5, 9, pr.kv, pr.kv, 0.0, pr.dkv)):
+        away = np.nonzero(rank != a[:, oc])[0]
+        if len(away) == 0:
+            continue
+        r, k, o, start, stop = rank[away], stg[away], a[away, oc], a[away, lo], a[away, hi]
+        tokens = stop - start
+        link = same[r, o].astype(np.int64) if same is not None else np.zeros(len(away), dtype=np.int64)
+        base = link * size
+        k_in = np.mod(k - 1, n)  # the round before the stage (numpy's -1: the last round, as before)
+        assert int(k.max()) + 1 < n, "a remote block's results return after the last round"
+        k_out = k + 1
+        # an input is sent once per rank, stage and range
+        order = np.lexsort((stop, start, o, k, r))
+        first = np.ones(len(order), dtype=bool)
+        keys = (r, k, o, start, stop)
+        first[1:] = np.any([x[order][1:] != x[order][:-1] for x in keys], axis=0)
+        once = order[first]
+        src_in, dst_in = (base[once] + o[once]) * n + k_in[once], (base[once] + r[once]) * n + k_in[once]
+        src_out, dst_out = (base + r) * n + k_out, (base + o) * n + k_out
+        for row, idx, per_token in ((0, src_in, f_in), (1, dst_in, f_in), (2, src_in, b_in), (3, dst_in, b_in)):
+            if per_token:
+                t[row] += np.bincount(idx, weights=tokens[once] * per_token, minlength=cells)
+        for row, idx, per_token in ((0, src_out, f_out), (1, dst_out, f_out), (2, src_out, b_out), (3, dst_out, b_out)):
+            if per_token:
+                t[row] += np.bincount(idx, weights=tokens * per_token, minlength=cells)
+    t = t.reshape(4, 2, size, n)
     sf, rf, sb, rb = t[0], t[1], t[2], t[3]
-    seen: set[tuple] = set()
-    # per side: (tag, input bytes fwd, input bytes bwd, result bytes fwd, result bytes bwd) per token;
-    # q travels with do/lse/delta in backward and returns o+lse / dq; kv returns dkv in backward
-    q_side = (0, pr.q, pr.q_bwd, pr.o_lse, pr.dq)
-    kv_side = (1, pr.kv, pr.kv, 0.0, pr.dkv)
-    for u in units:
-        r, k = u.rank, u.stage
-        for owner, rng, (tag, f_in, b_in, f_out, b_out) in ((u.q_owner, u.q, q_side), (u.kv_owner, u.kv, kv_side)):
-            if r == owner:
-                continue
-            c = 1 if same is not None and same[r, owner] else 0
-            n = rng.stop - rng.start
-            key = (r, k, owner, tag, rng.start, rng.stop)
-            if key not in seen:  # an input is sent once per rank, stage and range
-                seen.add(key)
-                sf[c, owner, k - 1] += n * f_in
-                rf[c, r, k - 1] += n * f_in
-                sb[c, owner, k - 1] += n * b_in
-                rb[c, r, k - 1] += n * b_in
-            sf[c, r, k + 1] += n * f_out
-            rf[c, owner, k + 1] += n * f_out
-            sb[c, r, k + 1] += n * b_out
-            rb[c, owner, k + 1] += n * b_out
     if same is None:
         return sf[0], rf[0], sb[0], rb[0]
     return sf, rf, sb, rb
@@ -280,10 +317,11 @@ def quick_price(units: list[Unit], size: int, pr: Prices, latency: float) -> tup
     work = np.zeros((size, n))
     for u in units:
         work[u.rank, u.stage] += u.work
-    sf, rf, sb, rb = _traffic([u for u in units if not u.is_local], size, n, pr)
-    a = _arrays(units) if pr.kernel is not None else None
-    fwd, _ = _total(_compute(units, work, size, n, pr, "fwd", _both(sf), _both(rf), a)[0], sf, rf, pr.bw, latency, pr.nvl_bw)
-    bwd, _ = _total(_compute(units, work, size, n, pr, "bwd", _both(sb), _both(rb), a)[0], sb, rb, pr.bw, latency, pr.nvl_bw)
+    a = _arrays(units)
+    sf, rf, sb, rb = _traffic(a, size, n, pr)
+    g = BlockGroups.of(a, size, n) if pr.kernel is not None and len(a) else None
+    fwd, _ = _total(_compute(units, work, size, n, pr, "fwd", _both(sf), _both(rf), a, g)[0], sf, rf, pr.bw, latency, pr.nvl_bw)
+    bwd, _ = _total(_compute(units, work, size, n, pr, "bwd", _both(sb), _both(rb), a, g)[0], sb, rb, pr.bw, latency, pr.nvl_bw)
     return fwd, bwd
 
 
@@ -293,15 +331,16 @@ def price_staging(st: Staging, size: int, pr: Prices, latency: float) -> float:
     n = st.stages + 1
     work = np.zeros((size, n))
     work[:, : st.stages] = st.remote_work + st.local_budget
-    sf, rf, sb, rb = _traffic(st.remote, size, n, pr)
+    a = _arrays(st.remote)
+    sf, rf, sb, rb = _traffic(a, size, n, pr)
     if pr.kernel is None:
         fwd, _ = _total(work * pr.sec_fwd, sf, rf, pr.bw, latency, pr.nvl_bw)
         bwd, _ = _total(work * pr.sec_bwd, sb, rb, pr.bw, latency, pr.nvl_bw)
         return fwd + bwd
-    a = _arrays(st.remote)
+    g = BlockGroups.of(a, size, n) if len(a) else None
     out = 0.0
     for phase, s_, r_ in (("fwd", sf, rf), ("bwd", sb, rb)):
-        bc = block_costs(a, size, n, pr, phase)
+        bc = block_costs(a, size, n, pr, phase, g)
         spp, fixed_local = _local_rates(st, size, pr, phase)
         kern = bc.kernel
         kern[:, : st.stages] += st.local_budget * spp[:, None]
