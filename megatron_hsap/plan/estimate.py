@@ -331,26 +331,44 @@ def price_staging(st: Staging, size: int, pr: Prices, latency: float) -> float:
     n = st.stages + 1
     work = np.zeros((size, n))
     work[:, : st.stages] = st.remote_work + st.local_budget
-    a = _arrays(st.remote)
-    sf, rf, sb, rb = _traffic(a, size, n, pr)
+    sf, rf, sb, rb, costs = _remote_prices(st, size, n, pr)
     if pr.kernel is None:
         fwd, _ = _total(work * pr.sec_fwd, sf, rf, pr.bw, latency, pr.nvl_bw)
         bwd, _ = _total(work * pr.sec_bwd, sb, rb, pr.bw, latency, pr.nvl_bw)
         return fwd + bwd
-    g = BlockGroups.of(a, size, n) if len(a) else None
     out = 0.0
-    for phase, s_, r_ in (("fwd", sf, rf), ("bwd", sb, rb)):
-        bc = block_costs(a, size, n, pr, phase, g)
+    for phase, s_, r_, bc in (("fwd", sf, rf, costs[0]), ("bwd", sb, rb, costs[1])):
         spp, fixed_local = _local_rates(st, size, pr, phase)
-        kern = bc.kernel
+        kern = bc.kernel.copy()
         kern[:, : st.stages] += st.local_budget * spp[:, None]
-        fixed = bc.fixed
+        fixed = bc.fixed.copy()
         share = st.local_budget / np.maximum(st.local_budget.sum(axis=1, keepdims=True), 1e-300)
         fixed[:, : st.stages] += share * fixed_local[:, None]
         # pouring puts each rank's local blocks into every stage with a budget: ~one call per stage
         fixed[:, : st.stages] += (st.local_budget > 0) * pr.kernel.launch_s
         comp = BlockCosts(kern, fixed, bc.launch).seconds(_both(s_), _both(r_), pr.overlap_slowdown)
         out += _total(comp, s_, r_, pr.bw, latency, pr.nvl_bw)[0]
+    return out
+
+
+def _remote_prices(st: Staging, size: int, n: int, pr: Prices) -> tuple:
+    """``(sent fwd, received fwd, sent bwd, received bwd, (block costs fwd, bwd))`` of a staging's
+    remote blocks (costs ``()`` without a kernel model), shared through ``st.memo`` by the stagings
+    of one split with the same remote blocks (``schedule.stage``; callers copy before adding)."""
+    key = st.memo_key
+    if key is not None:
+        hit = st.memo.get(key)
+        if hit is not None and hit[0] is pr and hit[1] == size:
+            return hit[2]
+    a = _arrays(st.remote)
+    sf, rf, sb, rb = _traffic(a, size, n, pr)
+    costs: tuple = ()
+    if pr.kernel is not None:
+        g = BlockGroups.of(a, size, n) if len(a) else None
+        costs = (block_costs(a, size, n, pr, "fwd", g), block_costs(a, size, n, pr, "bwd", g))
+    out = (sf, rf, sb, rb, costs)
+    if key is not None:
+        st.memo[key] = (pr, size, out)
     return out
 
 

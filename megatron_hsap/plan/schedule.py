@@ -112,6 +112,12 @@ class Staging:
     local_budget: np.ndarray
     remote_work: np.ndarray  # [P, stages] pairs
     min_rows: int = _MIN_SPLIT_ROWS  # pouring never cuts a local block thinner (``min_split_rows``)
+    # where ``estimate.price_staging`` keeps what it derives from ``remote`` alone (bytes per
+    # round, block costs): the split's memo, under a key naming the stage count and each rank's
+    # memoised cut list when no rank's list was changed after the cut (``_fill_last``); stagings
+    # of one split that differ only in the end weight then share it. None: not shared.
+    memo: dict | None = field(default=None, compare=False, repr=False)
+    memo_key: tuple | None = field(default=None, compare=False, repr=False)
 
     def units(self) -> list[Unit]:
         """Every block with its stage: the remote parts plus the local blocks poured by budget."""
@@ -180,6 +186,7 @@ def stage(split: Split, pr: Prices, shape: StageShape, budget: float) -> Staging
                 got = split.orders[key] = _cut_remote(split, r, n_mid, pr, budget, level)
             cuts[r], works[r], n = got
             used = max(used, n)
+    memoised = list(cuts)  # the memo's list objects (alive in ``split.orders``, so their ids are stable)
     stages = shape.stages + (used - n_mid)
     weights = StageShape(stages, shape.end_weight).weights
     floor = np.zeros((size, stages))
@@ -198,7 +205,9 @@ def stage(split: Split, pr: Prices, shape: StageShape, budget: float) -> Staging
             if split.local[r]:
                 budgets[r] = _water_fill(floor[r], weights, float(split.local_work[r]))
         remote.extend(cuts[r])
-    return Staging(stages, tuple(remote), split.local, budgets, floor, min_split_rows(pr))
+    shared = all(c is m for c, m in zip(cuts, memoised))
+    key = ("priced", stages, tuple(id(c) if c else 0 for c in memoised)) if shared else None
+    return Staging(stages, tuple(remote), split.local, budgets, floor, min_split_rows(pr), split.orders, key)
 
 
 def _fill_last(parts: list[Unit], floor: np.ndarray, budgets: np.ndarray, weights: np.ndarray, pr: Prices,
