@@ -179,6 +179,8 @@ def _assign(starts: np.ndarray, lengths: np.ndarray, work: np.ndarray, k_of: np.
                     best = (peak, k, chosen)
                 if peak <= cap or k >= k_max or floor >= best[0]:
                     break
+                if _wider_cannot_win(best[0], k, n, wd, rho, token_cost, projected_load, traffic, room):
+                    break
         if best is None:
             leftovers.append(d)
             continue
@@ -200,6 +202,28 @@ def _assign(starts: np.ndarray, lengths: np.ndarray, work: np.ndarray, k_of: np.
             a = b
         assert a == s + n, "token rooms must absorb every leftover document"
     return held, _cost(load, traffic)
+
+
+def _wider_cannot_win(best: float, k: int, n: int, wd: float, rho: float, token_cost: float,
+                      projected_load: np.ndarray, traffic: np.ndarray, room: np.ndarray) -> bool:
+    """Whether no split of the document (``n`` tokens, work ``wd``) over ``k' > k`` ranks can
+    cost less than ``best`` (``_assign``'s search then stops: skipping candidates that cannot
+    replace the best changes nothing). Each of the ``k'`` chosen ranks ``r`` (with room) pays
+    ``traffic[r] + token_cost·n·(k'−1)/k'``, at least ``traffic[r] + A`` with ``A =
+    token_cost·n·k/(k+1)``, on a load of ``projected_load[r] + (wd − ρ·n)/k'``: at least
+    ``projected_load[r]`` when ``wd ≥ ρ·n``, at least 0 otherwise (a chosen rank has room for its
+    share). ``_cost`` grows with both, so the busiest chosen rank costs at least the least of
+    those bounds over the ranks with room; the margin (1e-9 of the magnitudes) is far above the
+    rounding of the candidates' own float operations."""
+    ahead = token_cost * n * k / (k + 1)
+    open_ = room > 0
+    if not open_.any():
+        return False
+    if wd >= rho * n:
+        low = float(_cost(projected_load[open_], traffic[open_] + ahead).min())
+    else:
+        low = ahead + float(traffic[open_].min())
+    return low - 1e-9 * (low + float(projected_load.max()) + wd) >= best
 
 
 def _cost(load: np.ndarray, traffic: np.ndarray) -> np.ndarray:

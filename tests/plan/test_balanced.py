@@ -87,3 +87,33 @@ def test_split_only_when_it_pays_for_its_traffic() -> None:
     long_doc = Batch.build([0, 5000, 5400, 6000], 4)  # 5000 tokens > 1500 per rank: must be cut
     assert len({r for r, segs in enumerate(balanced_layout(long_doc, 4, 1, token_cost=1e6).segments)
                 for s in segs if s.tokens.start < 5000}) >= 4
+
+
+@pytest.mark.parametrize("token_cost", [0.0, 40.0, 2177.28])
+@pytest.mark.parametrize("projected", [False, True])
+def test_split_search_bound_only_skips_losers(monkeypatch, token_cost: float, projected: bool) -> None:
+    # the early stop of the per-document split search (balanced._wider_cannot_win, a lower bound on
+    # every wider split) must give exactly the assignment of the search that tries every split count
+    import megatron_hsap.plan.balanced as bal
+
+    fired = []
+    bound = bal._wider_cannot_win
+
+    def spy(*a):
+        r = bound(*a)
+        fired.append(r)
+        return r
+
+    for workload, tokens, inter in (("fineweb", 1 << 16, 8), ("sharegpt", 1 << 17, 16), ("slimpajama", 1 << 16, 4)):
+        for cu in pack_batches(workload, tokens, 2, 11):
+            batch = Batch.build(cu, inter)
+            args = (batch.doc_starts, np.diff(batch.doc_starts), batch.doc_work(-1).astype(float), None, inter,
+                    batch.padded_tokens // inter, projected, token_cost)
+            monkeypatch.setattr(bal, "_wider_cannot_win", spy)
+            held, cost = bal._assign(*args)
+            monkeypatch.setattr(bal, "_wider_cannot_win", lambda *a: False)
+            held_all, cost_all = bal._assign(*args)
+            assert held == held_all
+            assert cost.tobytes() == cost_all.tobytes()
+    if token_cost > 1000:
+        assert any(fired), "the bound never stopped a search: the test checks nothing"
