@@ -8,21 +8,21 @@ import math
 import numpy as np
 
 from megatron_hsap.plan.ir import TokenRange, Unit
-from megatron_hsap.plan.placement import Prices, rows_for_work
+from megatron_hsap.plan.placement import CostRates, rows_for_work
 from megatron_hsap.plan.units import clip_unit
 
 __all__ = ["footprint", "split_rows", "split_cols", "with_stage", "cut_by_cols", "count_fitting",
            "smallest_piece", "needs_tiles", "grid_tiles", "cut_fitting_part"]
 
 
-def footprint(u: Unit, pr: Prices) -> float:
+def footprint(u: Unit, rates: CostRates) -> float:
     """Pool bytes ``u`` needs on its rank in backward (the larger phase): received inputs plus
     fp32 partial results it sends home."""
     total = 0.0
     if u.rank != u.q_owner:
-        total += len(u.q) * (pr.q_bwd + pr.dq)
+        total += len(u.q) * (rates.q_bwd + rates.dq)
     if u.rank != u.kv_owner:
-        total += len(u.kv) * (pr.kv + pr.dkv)
+        total += len(u.kv) * (rates.kv + rates.dkv)
     return total
 
 
@@ -57,7 +57,7 @@ def _part(u: Unit, q: TokenRange, kv: TokenRange, causal: bool) -> Unit | None:
     return part if u.window < 0 else clip_unit(part, u.window)
 
 
-def cut_by_cols(u: Unit, pr: Prices) -> bool:
+def cut_by_cols(u: Unit, rates: CostRates) -> bool:
     """Which side to cut a remote rectangle along: the one whose rows did not travel (no re-send),
     else so that the side re-sent with every part is the one of fewer bytes."""
     q_rem, kv_rem = u.rank != u.q_owner, u.rank != u.kv_owner
@@ -65,7 +65,7 @@ def cut_by_cols(u: Unit, pr: Prices) -> bool:
         return False
     if kv_rem and not q_rem:
         return True
-    return len(u.q) * (pr.q_bwd + pr.dq) <= len(u.kv) * (pr.kv + pr.dkv)
+    return len(u.q) * (rates.q_bwd + rates.dq) <= len(u.kv) * (rates.kv + rates.dkv)
 
 
 def count_fitting(amount: float, per: float) -> int:
@@ -77,34 +77,34 @@ def count_fitting(amount: float, per: float) -> int:
     return int(amount // per)
 
 
-def smallest_piece(u: Unit, pr: Prices) -> float:
+def smallest_piece(u: Unit, rates: CostRates) -> float:
     """Work of the smallest part ``cut_fitting_part`` can cut from ``u`` (one row or one column)."""
     if u.causal:
         return float(u.q.start - u.kv.start + 1)
-    return float(len(u.q) if cut_by_cols(u, pr) else len(u.kv))
+    return float(len(u.q) if cut_by_cols(u, rates) else len(u.kv))
 
 
-def needs_tiles(u: Unit, budget: float, pr: Prices) -> bool:
+def needs_tiles(u: Unit, budget: float, rates: CostRates) -> bool:
     """Whether ``grid_tiles`` cuts ``u`` (whatever the share): q rows and kv both travel and even
     the shorter side nearly fills ``budget``. Otherwise ``grid_tiles(u, ...)`` is ``[u]``."""
     if u.rank == u.q_owner or u.rank == u.kv_owner:
         return False
-    fq, fk = pr.q_bwd + pr.dq, pr.kv + pr.dkv
+    fq, fk = rates.q_bwd + rates.dq, rates.kv + rates.dkv
     if u.causal:  # row cuts (``cut_fitting_part``) can make progress unless one row's keys fill the budget
         return (u.q.stop - u.kv.start) * fk + fq > budget and len(u.q) >= 2
     # else cuts along the longer side (re-sending the shorter) can make progress
     return min(len(u.q) * fq, len(u.kv) * fk) > budget / 2
 
 
-def grid_tiles(u: Unit, share: float, budget: float, pr: Prices) -> list[Unit]:
+def grid_tiles(u: Unit, share: float, budget: float, rates: CostRates) -> list[Unit]:
     """A block whose q rows and kv both travel and whose shorter side alone nearly fills
     ``budget`` (so 1-D cuts, which re-send that side with every part, cannot progress): cut into a
     grid of tiles of about ``share`` pairs (one stage's worth) that each fit the budget; a tile of
     area A costs r·fq + c·fk, least at r = sqrt(A·fk/fq). Causal blocks first split into their
     triangles and the rectangle between them."""
-    if not needs_tiles(u, budget, pr):
+    if not needs_tiles(u, budget, rates):
         return [u]
-    fq, fk = pr.q_bwd + pr.dq, pr.kv + pr.dkv
+    fq, fk = rates.q_bwd + rates.dq, rates.kv + rates.dkv
     nq, nk = len(u.q), len(u.kv)
     if u.causal:
         m = u.q.start + nq // 2
@@ -116,7 +116,7 @@ def grid_tiles(u: Unit, share: float, budget: float, pr: Prices) -> list[Unit]:
             _part(u, TokenRange(m, u.q.stop), TokenRange(u.q.start, m), False),
             _part(u, TokenRange(m, u.q.stop), TokenRange(m, u.q.stop), True),
         ]
-        return [t for part in parts if part is not None for t in grid_tiles(part, share, budget, pr)]
+        return [t for part in parts if part is not None for t in grid_tiles(part, share, budget, rates)]
     area = max(1.0, min(float(share), float(nq) * nk, budget * budget / (4 * fq * fk)))
     r = min(nq, max(1, int(math.sqrt(area * fk / fq))))
     c = min(nk, max(1, int(area / r)))
@@ -129,7 +129,7 @@ def grid_tiles(u: Unit, share: float, budget: float, pr: Prices) -> list[Unit]:
     return [t for t in tiles if t is not None]
 
 
-def cut_fitting_part(u: Unit, work: float, room: float, pr: Prices) -> tuple[Unit | None, list[Unit]]:
+def cut_fitting_part(u: Unit, work: float, room: float, rates: CostRates) -> tuple[Unit | None, list[Unit]]:
     """Cut from remote block ``u`` a part with at most ``work`` pairs and ``room`` pool bytes.
     Returns (part, rest); part is None when not even one row/column fits.
 
@@ -138,7 +138,7 @@ def cut_fitting_part(u: Unit, work: float, room: float, pr: Prices) -> tuple[Uni
     re-sent with every part; ``grid_tiles`` tiled the blocks where that side alone is too big). A
     causal block needing both is cut by rows (the key prefix is re-sent with every part)."""
     q_rem, kv_rem = u.rank != u.q_owner, u.rank != u.kv_owner
-    fq, fk = pr.q_bwd + pr.dq, pr.kv + pr.dkv
+    fq, fk = rates.q_bwd + rates.dq, rates.kv + rates.dkv
     nq, nk = len(u.q), len(u.kv)
     if u.causal:
         n = rows_for_work(u.q, u.kv.start, True, nk, work, u.window)
@@ -150,7 +150,7 @@ def cut_fitting_part(u: Unit, work: float, room: float, pr: Prices) -> tuple[Uni
             return u, []
         a, b = split_rows(u, u.q.start + n)
         return a, [b]
-    by_cols = cut_by_cols(u, pr)
+    by_cols = cut_by_cols(u, rates)
     # cutting along one axis: the other axis' rows (if remote) travel with every part
     length, per, fixed = (nk, fk, nq * fq if q_rem else 0.0) if by_cols else (nq, fq, nk * fk if kv_rem else 0.0)
     n = min(count_fitting(work, nq if by_cols else nk), count_fitting(room - fixed, per))

@@ -10,7 +10,7 @@ A rank's compute in a stage is priced like the hardware charges it (``block_cost
 its shape (the tile model), ``launch_s`` per varlen call (blocks reading the same inputs with the
 same causality share one), FA3's backward grid and GQA dK/dV atomics where the kernel has them,
 the LSE merges and fp32 accumulations of rows that receive more than one contribution (HBM bytes
-/ bandwidth), and the kernel slowdown while the stage's round is in flight. ``Prices`` without a
+/ bandwidth), and the kernel slowdown while the stage's round is in flight. ``CostRates`` without a
 kernel (hand-made tests) keep the flat ``work × seconds per pair``.
 
 ``quick_price`` computes the same number straight from staged blocks (no messages, no slots) so
@@ -30,8 +30,8 @@ from megatron_hsap.plan.codegen import Message
 from megatron_hsap.plan.costs import HeadShape
 from megatron_hsap.plan.hardware import Hardware, LinkClass
 from megatron_hsap.plan.ir import Unit, Wire
-from megatron_hsap.plan.placement import Prices
-from megatron_hsap.plan.schedule import Staging
+from megatron_hsap.plan.placement import CostRates
+from megatron_hsap.plan.schedule import StagedBlocks
 from megatron_hsap.plan.units import WorkUnit
 from megatron_hsap.plan.window import staircase_pairs
 
@@ -145,7 +145,7 @@ class BlockGroups:
                    home_k, _rows_again(rank[home_k], ka[home_k], kb[home_k], span))
 
 
-def block_costs(a: np.ndarray, size: int, n: int, pr: Prices, phase: str, groups: BlockGroups | None = None) -> BlockCosts:
+def block_costs(a: np.ndarray, size: int, n: int, rates: CostRates, phase: str, groups: BlockGroups | None = None) -> BlockCosts:
     """Price the blocks ``a`` (``_arrays`` rows) of one phase on a ``[size, n]`` grid (see the
     module docstring; ``sim/hsap.py`` charges the same terms event by event); ``groups``:
     ``BlockGroups.of(a, size, n)`` when the caller prices both phases."""
@@ -157,32 +157,32 @@ def block_costs(a: np.ndarray, size: int, n: int, pr: Prices, phase: str, groups
     g = BlockGroups.of(a, size, n) if groups is None else groups
     rank, stg, qa, qb, ka, kb, work, causal, qo, ko = a.T
     nq, nk = qb - qa, kb - ka
-    k = pr.kernel
+    k = rates.kernel
     assert k is not None
-    fpp = pr.fpp_fwd if phase == "fwd" else pr.fpp_bwd
+    fpp = rates.fpp_fwd if phase == "fwd" else rates.fpp_bwd
     w = np.maximum(work, 1).astype(np.float64)
-    secs = work * fpp / k.rate(nq, nk, phase, pr.group, w)
+    secs = work * fpp / k.rate(nq, nk, phase, rates.group, w)
     cell = g.cell
     _acc(kern, cell, secs)
     _acc(fixed, g.gcell, k.launch_s)
     _acc(launch, g.gcell // n, k.launch_s)
     if phase != "fwd" and k.cta_s > 0:  # FA3's backward grid: ⌈max kv / 128⌉ × heads CTAs per block
-        _acc(fixed, g.gcell, k.cta_s * np.ceil(g.maxk / 128.0) * pr.heads * g.count)
-    if phase != "fwd" and k.gqa_dkv_accum and pr.group > 1:
+        _acc(fixed, g.gcell, k.cta_s * np.ceil(g.maxk / 128.0) * rates.heads * g.count)
+    if phase != "fwd" and k.gqa_dkv_accum and rates.group > 1:
         T = float(k.tile or 128)
-        _acc(fixed, cell, np.ceil(nk / T) * pr.heads * T * pr.accum_row / pr.hbm_bw)
+        _acc(fixed, cell, np.ceil(nk / T) * rates.heads * T * rates.accum_row / rates.hbm_bw)
     home_q = g.home_q
     away_q = ~home_q
     if phase == "fwd":  # o rows merged into the q owner's accumulator
-        _acc(fixed, cell[home_q], g.again_q * pr.merge_o)
-        _acc(fixed, qo[away_q] * n + np.minimum(stg[away_q] + 1, n - 1), nq[away_q] * pr.merge_o)
+        _acc(fixed, cell[home_q], g.again_q * rates.merge_o)
+        _acc(fixed, qo[away_q] * n + np.minimum(stg[away_q] + 1, n - 1), nq[away_q] * rates.merge_o)
     else:  # dq into the q owner's, dk/dv into the kv owner's fp32 gradients
-        _acc(fixed, cell[home_q], g.again_q * pr.merge_dq)
-        _acc(fixed, qo[away_q] * n + np.minimum(stg[away_q] + 1, n - 1), nq[away_q] * pr.merge_dq)
+        _acc(fixed, cell[home_q], g.again_q * rates.merge_dq)
+        _acc(fixed, qo[away_q] * n + np.minimum(stg[away_q] + 1, n - 1), nq[away_q] * rates.merge_dq)
         home_k = g.home_k
         away_k = ~home_k
-        _acc(fixed, cell[home_k], g.again_k * pr.merge_dkv)
-        _acc(fixed, ko[away_k] * n + np.minimum(stg[away_k] + 1, n - 1), nk[away_k] * pr.merge_dkv)
+        _acc(fixed, cell[home_k], g.again_k * rates.merge_dkv)
+        _acc(fixed, ko[away_k] * n + np.minimum(stg[away_k] + 1, n - 1), nk[away_k] * rates.merge_dkv)
     return BlockCosts(kern, fixed, launch)
 
 
@@ -201,12 +201,12 @@ def _total(comp: np.ndarray, sent: np.ndarray, recv: np.ndarray, bw: float, late
     return float(per_stage.sum()) + lat, lat
 
 
-def _same_node(pr: Prices, size: int) -> np.ndarray | None:
+def _same_node(rates: CostRates, size: int) -> np.ndarray | None:
     """[P, P] bool: inter ranks on one node (their P2P traffic runs over NVLink), or None when
     every pair uses the plan's one link."""
-    if not pr.node or pr.nvl_bw <= 0:
+    if not rates.node or rates.nvl_bw <= 0:
         return None
-    node = np.asarray(pr.node[:size])
+    node = np.asarray(rates.node[:size])
     return node[:, None] == node[None, :]
 
 
@@ -215,20 +215,20 @@ def _both(a: np.ndarray) -> np.ndarray:
     return a.sum(axis=0) if a.ndim == 3 else a
 
 
-def _compute(units, work_grid: np.ndarray, size: int, n: int, pr: Prices, phase: str, sent: np.ndarray,
+def _compute(units, work_grid: np.ndarray, size: int, n: int, rates: CostRates, phase: str, sent: np.ndarray,
              recv: np.ndarray, a: np.ndarray | None = None, groups: BlockGroups | None = None) -> tuple[np.ndarray, float]:
-    """[P, n] compute seconds of ``units`` (flat when ``pr`` has no kernel) and the launch seconds
+    """[P, n] compute seconds of ``units`` (flat when ``rates`` has no kernel) and the launch seconds
     of the rank with the most."""
-    if pr.kernel is None:
-        return work_grid * (pr.sec_fwd if phase == "fwd" else pr.sec_bwd), 0.0
-    bc = block_costs(_arrays(units) if a is None else a, size, n, pr, phase, groups)
-    return bc.seconds(sent, recv, pr.overlap_slowdown), float(bc.launch.max(initial=0.0))
+    if rates.kernel is None:
+        return work_grid * (rates.sec_fwd if phase == "fwd" else rates.sec_bwd), 0.0
+    bc = block_costs(_arrays(units) if a is None else a, size, n, rates, phase, groups)
+    return bc.seconds(sent, recv, rates.overlap_slowdown), float(bc.launch.max(initial=0.0))
 
 
 def phase_time(units: list[Unit], msgs: list[Message] | tuple[Message, ...], size: int, sec_per_pair: float, bw: float,
-               latency: float, *, pr: Prices | None = None, phase: str = "fwd") -> PhaseTime:
+               latency: float, *, rates: CostRates | None = None, phase: str = "fwd") -> PhaseTime:
     """The estimate of one phase of staged ``units`` and the messages codegen emitted for them.
-    With ``pr`` (carrying the kernel model) compute is priced by block shape (``block_costs``);
+    With ``rates`` (carrying the kernel model) compute is priced by block shape (``block_costs``);
     without it, ``work × sec_per_pair``."""
     stages = 1 + max((u.stage for u in units), default=0)
     grid = np.zeros((size, stages + 1))
@@ -237,7 +237,7 @@ def phase_time(units: list[Unit], msgs: list[Message] | tuple[Message, ...], siz
         w = u.work
         grid[u.rank, u.stage] += w
         work[u.rank] += w
-    same = _same_node(pr, size) if pr is not None else None
+    same = _same_node(rates, size) if rates is not None else None
     sent = np.zeros((2, size, stages + 1))
     recv = np.zeros((2, size, stages + 1))
     for m in msgs:
@@ -246,9 +246,9 @@ def phase_time(units: list[Unit], msgs: list[Message] | tuple[Message, ...], siz
         recv[c, m.dst, m.round] += m.nbytes
     if same is None:
         sent, recv = sent[0], recv[0]
-    nvl = pr.nvl_bw if pr is not None else 0.0
-    if pr is not None and pr.kernel is not None:
-        comp, launch = _compute(units, grid, size, stages + 1, pr, phase, _both(sent), _both(recv))
+    nvl = rates.nvl_bw if rates is not None else 0.0
+    if rates is not None and rates.kernel is not None:
+        comp, launch = _compute(units, grid, size, stages + 1, rates, phase, _both(sent), _both(recv))
     else:
         comp, launch = grid * sec_per_pair, 0.0
     total, lat = _total(comp, sent, recv, bw, latency, nvl)
@@ -265,20 +265,20 @@ def phase_time(units: list[Unit], msgs: list[Message] | tuple[Message, ...], siz
     )
 
 
-def _traffic(a: np.ndarray, size: int, n: int, pr: Prices) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def _traffic(a: np.ndarray, size: int, n: int, rates: CostRates) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Bytes sent/received per [rank, round], forward and backward, of staged remote blocks ``a``
     (``_arrays`` rows; inputs deduplicated per rank, stage and range, as
     ``codegen.phase_messages`` does); ``[2, rank, round]`` (network, NVLink) when some inter ranks
     share a node. Bytes per token are integers, so the sums are exact in any order."""
-    same = _same_node(pr, size)
+    same = _same_node(rates, size)
     cells = 2 * size * n
     t = np.zeros((4, cells))  # sent fwd, received fwd, sent bwd, received bwd; flat [link, rank, round]
     rank, stg = a[:, 0], a[:, 1]
     # per side: (columns of the range and owner, input bytes fwd, input bytes bwd, result bytes fwd,
     # result bytes bwd) per token; q travels with do/lse/delta in backward and returns o+lse / dq;
     # kv returns dkv in backward
-    for lo, hi, oc, f_in, b_in, f_out, b_out in ((2, 3, 8, pr.q, pr.q_bwd, pr.o_lse, pr.dq),
-                                               (4, 5, 9, pr.kv, pr.kv, 0.0, pr.dkv)):
+    for lo, hi, oc, f_in, b_in, f_out, b_out in ((2, 3, 8, rates.q, rates.q_bwd, rates.o_lse, rates.dq),
+                                               (4, 5, 9, rates.kv, rates.kv, 0.0, rates.dkv)):
         away = np.nonzero(rank != a[:, oc])[0]
         if len(away) == 0:
             continue
@@ -310,7 +310,7 @@ def _traffic(a: np.ndarray, size: int, n: int, pr: Prices) -> tuple[np.ndarray, 
     return sf, rf, sb, rb
 
 
-def quick_price(units: list[Unit], size: int, pr: Prices, latency: float) -> tuple[float, float]:
+def quick_price(units: list[Unit], size: int, rates: CostRates, latency: float) -> tuple[float, float]:
     """(forward, backward) estimated seconds of staged ``units``; equals ``phase_time`` over the
     messages ``codegen.phase_messages`` would emit."""
     n = 2 + max((u.stage for u in units), default=0)
@@ -318,87 +318,87 @@ def quick_price(units: list[Unit], size: int, pr: Prices, latency: float) -> tup
     for u in units:
         work[u.rank, u.stage] += u.work
     a = _arrays(units)
-    sf, rf, sb, rb = _traffic(a, size, n, pr)
-    g = BlockGroups.of(a, size, n) if pr.kernel is not None and len(a) else None
-    fwd, _ = _total(_compute(units, work, size, n, pr, "fwd", _both(sf), _both(rf), a, g)[0], sf, rf, pr.bw, latency, pr.nvl_bw)
-    bwd, _ = _total(_compute(units, work, size, n, pr, "bwd", _both(sb), _both(rb), a, g)[0], sb, rb, pr.bw, latency, pr.nvl_bw)
+    sf, rf, sb, rb = _traffic(a, size, n, rates)
+    g = BlockGroups.of(a, size, n) if rates.kernel is not None and len(a) else None
+    fwd, _ = _total(_compute(units, work, size, n, rates, "fwd", _both(sf), _both(rf), a, g)[0], sf, rf, rates.bw, latency, rates.nvl_bw)
+    bwd, _ = _total(_compute(units, work, size, n, rates, "bwd", _both(sb), _both(rb), a, g)[0], sb, rb, rates.bw, latency, rates.nvl_bw)
     return fwd, bwd
 
 
-def price_staging(st: Staging, size: int, pr: Prices, latency: float) -> float:
+def price_staging(st: StagedBlocks, size: int, rates: CostRates, latency: float) -> float:
     """Forward + backward estimated seconds of a staging, its local blocks counted by budget
     (pouring them splits at row granularity, which moves a stage's work by at most one row)."""
     n = st.stages + 1
     work = np.zeros((size, n))
     work[:, : st.stages] = st.remote_work + st.local_budget
-    sf, rf, sb, rb, costs = _remote_prices(st, size, n, pr)
-    if pr.kernel is None:
-        fwd, _ = _total(work * pr.sec_fwd, sf, rf, pr.bw, latency, pr.nvl_bw)
-        bwd, _ = _total(work * pr.sec_bwd, sb, rb, pr.bw, latency, pr.nvl_bw)
+    sf, rf, sb, rb, costs = _remote_prices(st, size, n, rates)
+    if rates.kernel is None:
+        fwd, _ = _total(work * rates.sec_fwd, sf, rf, rates.bw, latency, rates.nvl_bw)
+        bwd, _ = _total(work * rates.sec_bwd, sb, rb, rates.bw, latency, rates.nvl_bw)
         return fwd + bwd
     out = 0.0
     for phase, s_, r_, bc in (("fwd", sf, rf, costs[0]), ("bwd", sb, rb, costs[1])):
-        spp, fixed_local = _local_rates(st, size, pr, phase)
+        spp, fixed_local = _local_rates(st, size, rates, phase)
         kern = bc.kernel.copy()
         kern[:, : st.stages] += st.local_budget * spp[:, None]
         fixed = bc.fixed.copy()
         share = st.local_budget / np.maximum(st.local_budget.sum(axis=1, keepdims=True), 1e-300)
         fixed[:, : st.stages] += share * fixed_local[:, None]
         # pouring puts each rank's local blocks into every stage with a budget: ~one call per stage
-        fixed[:, : st.stages] += (st.local_budget > 0) * pr.kernel.launch_s
-        comp = BlockCosts(kern, fixed, bc.launch).seconds(_both(s_), _both(r_), pr.overlap_slowdown)
-        out += _total(comp, s_, r_, pr.bw, latency, pr.nvl_bw)[0]
+        fixed[:, : st.stages] += (st.local_budget > 0) * rates.kernel.launch_s
+        comp = BlockCosts(kern, fixed, bc.launch).seconds(_both(s_), _both(r_), rates.overlap_slowdown)
+        out += _total(comp, s_, r_, rates.bw, latency, rates.nvl_bw)[0]
     return out
 
 
-def _remote_prices(st: Staging, size: int, n: int, pr: Prices) -> tuple:
+def _remote_prices(st: StagedBlocks, size: int, n: int, rates: CostRates) -> tuple:
     """``(sent fwd, received fwd, sent bwd, received bwd, (block costs fwd, bwd))`` of a staging's
     remote blocks (costs ``()`` without a kernel model), shared through ``st.memo`` by the stagings
     of one split with the same remote blocks (``schedule.stage``; callers copy before adding)."""
     key = st.memo_key
     if key is not None:
         hit = st.memo.get(key)
-        if hit is not None and hit[0] is pr and hit[1] == size:
+        if hit is not None and hit[0] is rates and hit[1] == size:
             return hit[2]
     a = _arrays(st.remote)
-    sf, rf, sb, rb = _traffic(a, size, n, pr)
+    sf, rf, sb, rb = _traffic(a, size, n, rates)
     costs: tuple = ()
-    if pr.kernel is not None:
+    if rates.kernel is not None:
         g = BlockGroups.of(a, size, n) if len(a) else None
-        costs = (block_costs(a, size, n, pr, "fwd", g), block_costs(a, size, n, pr, "bwd", g))
+        costs = (block_costs(a, size, n, rates, "fwd", g), block_costs(a, size, n, rates, "bwd", g))
     out = (sf, rf, sb, rb, costs)
     if key is not None:
-        st.memo[key] = (pr, size, out)
+        st.memo[key] = (rates, size, out)
     return out
 
 
-_LOCAL_MEMO: dict[tuple[int, str], tuple[object, Prices, str, tuple[np.ndarray, np.ndarray]]] = {}
+_LOCAL_MEMO: dict[tuple[int, str], tuple[object, CostRates, str, tuple[np.ndarray, np.ndarray]]] = {}
 
 
-def _local_rates(st: Staging, size: int, pr: Prices, phase: str) -> tuple[np.ndarray, np.ndarray]:
+def _local_rates(st: StagedBlocks, size: int, rates: CostRates, phase: str) -> tuple[np.ndarray, np.ndarray]:
     """``_local_rates_of`` memoised on the staging's local blocks (every staging of one split shares
     the same tuple; the memo holds it, so an identity check is safe)."""
     hit = _LOCAL_MEMO.get((id(st.local), phase))
-    if hit is not None and hit[0] is st.local and hit[1] is pr and hit[2] == phase:
+    if hit is not None and hit[0] is st.local and hit[1] is rates and hit[2] == phase:
         return hit[3]
-    out = _local_rates_of(st, size, pr, phase)
+    out = _local_rates_of(st, size, rates, phase)
     if len(_LOCAL_MEMO) >= 16:
         _LOCAL_MEMO.clear()
-    _LOCAL_MEMO[(id(st.local), phase)] = (st.local, pr, phase, out)
+    _LOCAL_MEMO[(id(st.local), phase)] = (st.local, rates, phase, out)
     return out
 
 
-def _local_rates_of(st: Staging, size: int, pr: Prices, phase: str) -> tuple[np.ndarray, np.ndarray]:
+def _local_rates_of(st: StagedBlocks, size: int, rates: CostRates, phase: str) -> tuple[np.ndarray, np.ndarray]:
     """Per rank: kernel seconds per pair of its local blocks (their shapes before pouring) and
     their merge seconds (launches excluded: pouring decides the calls)."""
-    spp = np.full(size, pr.sec_fwd if phase == "fwd" else pr.sec_bwd)
+    spp = np.full(size, rates.sec_fwd if phase == "fwd" else rates.sec_bwd)
     fixed = np.zeros(size)
     locs = [u for loc in st.local for u in loc]
     if not locs:
         return spp, fixed
     a = _arrays(locs)
     a[:, 1] = 0  # one stage: the merge and kernel totals per rank
-    bc = block_costs(a, size, 1, pr, phase)
+    bc = block_costs(a, size, 1, rates, phase)
     w = np.bincount(a[:, 0], weights=a[:, 6], minlength=size)
     has = w > 0
     spp[has] = bc.kernel[has, 0] / w[has]
@@ -428,18 +428,18 @@ def compute_bound(total_work: int, size: int, sec_fwd: float, sec_bwd: float) ->
     return total_work * (sec_fwd + sec_bwd) / size
 
 
-def ideal_compute(doc_lengths: np.ndarray, doc_work: np.ndarray, size: int, pr: Prices) -> float:
+def ideal_compute(doc_lengths: np.ndarray, doc_work: np.ndarray, size: int, rates: CostRates) -> float:
     """Seconds of forward + backward attention with every document whole at the kernel's rate for
     its own shape and the work spread perfectly over ``size`` ranks, no traffic, no launches
-    (the compute bound the layout rule compares with; flat rates when ``pr`` has no kernel)."""
+    (the compute bound the layout rule compares with; flat rates when ``rates`` has no kernel)."""
     work = np.asarray(doc_work, dtype=np.float64)
-    if pr.kernel is None:
-        return compute_bound(int(work.sum()), size, pr.sec_fwd, pr.sec_bwd)
+    if rates.kernel is None:
+        return compute_bound(int(work.sum()), size, rates.sec_fwd, rates.sec_bwd)
     n = np.asarray(doc_lengths, dtype=np.float64)
     keep = work > 0
     n, work = n[keep], work[keep]
-    k = pr.kernel
-    t = (work * pr.fpp_fwd / k.rate(n, n, "fwd", pr.group, work)).sum() + (work * pr.fpp_bwd / k.rate(n, n, "bwd", pr.group, work)).sum()
+    k = rates.kernel
+    t = (work * rates.fpp_fwd / k.rate(n, n, "fwd", rates.group, work)).sum() + (work * rates.fpp_bwd / k.rate(n, n, "bwd", rates.group, work)).sum()
     return float(t) / size
 
 

@@ -29,14 +29,14 @@ from megatron_hsap.plan.ir import TokenRange, Unit, Wire
 from megatron_hsap.plan.units import WorkUnit, causal_work, clip_unit
 from megatron_hsap.plan.window import banded_pairs, staircase_pairs
 
-__all__ = ["Prices", "Placement", "owner_computes", "min_traffic", "region_distflash", "rows_for_work", "tail_rows_for_work"]
+__all__ = ["CostRates", "Placement", "owner_computes", "min_traffic", "region_distflash", "rows_for_work", "tail_rows_for_work"]
 
 # per-rank traffic vector: bytes sent / received, forward and backward
 SF, RF, SB, RB = range(4)
 
 
 @dataclass(frozen=True, slots=True)
-class Prices:
+class CostRates:
     """Per-token bytes of each wire, seconds per (q, k) pair and the link bandwidth; and what the
     estimate needs to price blocks like the hardware (docs/design.md §4): the kernel model, FLOPs
     per pair, HBM bytes per merged row and the kernel slowdown beside NCCL transfers.
@@ -71,7 +71,7 @@ class Prices:
     nvl_bw: float = 0.0
 
     @classmethod
-    def of(cls, shape: HeadShape, hw: Hardware, bw: float, node: tuple[int, ...] = ()) -> "Prices":
+    def of(cls, shape: HeadShape, hw: Hardware, bw: float, node: tuple[int, ...] = ()) -> "CostRates":
         b = shape.token_bytes
         h, hkv, d, dv = shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.head_dim_v
         return cls(
@@ -181,7 +181,7 @@ class Placement:
 
     name: str
     units: list[WorkUnit]
-    pr: Prices
+    rates: CostRates
     size: int
     work: list[float]  # [P] pairs
     traffic: list[Vec]  # [P] bytes (SF, RF, SB, RB)
@@ -190,7 +190,7 @@ class Placement:
     base: list[Unit]  # every block whole on its q owner (shared by copies: placed() reuses them)
 
     def copy(self, name: str) -> "Placement":
-        return Placement(name, self.units, self.pr, self.size, list(self.work), list(self.traffic), list(self.home),
+        return Placement(name, self.units, self.rates, self.size, list(self.work), list(self.traffic), list(self.home),
                          [list(b) for b in self.bands], self.base)
 
     # ------------------------------------------------------------------ one block's share
@@ -208,7 +208,7 @@ class Placement:
     def contrib(self, i: int, home: int | None = None, bands: list[Band] | None = None) -> list[tuple[int, float, Vec]]:
         """(rank, work, traffic) terms of block ``i`` (optionally for a hypothetical state)."""
         u = self.units[i]
-        pr = self.pr
+        rates = self.rates
         home = self.home[i] if home is None else home
         bands = self.bands[i] if bands is None else bands
         a, c = u.q_owner, u.kv_owner
@@ -217,17 +217,17 @@ class Placement:
         if home > u.q.start:
             out.append((a, self.rows_work(i, u.q.start, home), _ZERO))
             if c != a:  # the head fetches the kv slice
-                kv = pr.kv_side(nk)
+                kv = rates.kv_side(nk)
                 out.append((c, 0.0, kv))
                 out.append((a, 0.0, _mirror(kv)))
         for x, y, h in bands:
             out.append((h, self.rows_work(i, x, y), _ZERO))
             if h != a:
-                q = pr.q_side(y - x)
+                q = rates.q_side(y - x)
                 out.append((a, 0.0, q))
                 out.append((h, 0.0, _mirror(q)))
             if h != c:
-                kv = pr.kv_side(_band_keys(u, x, y) if u.causal else nk)
+                kv = rates.kv_side(_band_keys(u, x, y) if u.causal else nk)
                 out.append((c, 0.0, kv))
                 out.append((h, 0.0, _mirror(kv)))
         return out
@@ -301,14 +301,14 @@ class Placement:
                         out.append(part)
         return out
 
-    def surrogate(self) -> float:
+    def flat_time_bound(self) -> float:
         """max over ranks of Σ_phase max(compute, max(sent, received) / bw): a lower bound of the
         staged estimate (staging adds latency and can only add traffic)."""
-        pr = self.pr
+        rates = self.rates
         t = np.asarray(self.traffic, dtype=float).reshape(self.size, 4)
         w = np.asarray(self.work, dtype=float)
-        f = np.maximum(w * pr.sec_fwd, np.maximum(t[:, SF], t[:, RF]) / pr.bw)
-        b = np.maximum(w * pr.sec_bwd, np.maximum(t[:, SB], t[:, RB]) / pr.bw)
+        f = np.maximum(w * rates.sec_fwd, np.maximum(t[:, SF], t[:, RF]) / rates.bw)
+        b = np.maximum(w * rates.sec_bwd, np.maximum(t[:, SB], t[:, RB]) / rates.bw)
         return float((f + b).max())
 
 
@@ -338,43 +338,43 @@ def _normalise(u: WorkUnit, home: int, bands: list[Band]) -> tuple[int, list[Ban
     return home, out
 
 
-def _empty(name: str, units: list[WorkUnit], size: int, pr: Prices, base: list[Unit] | None) -> Placement:
+def _empty(name: str, units: list[WorkUnit], size: int, rates: CostRates, base: list[Unit] | None) -> Placement:
     if base is None:
         base = [Unit(u.doc, u.q, u.kv, u.causal, u.q_owner, u.kv_owner, u.q_owner, window=u.window) for u in units]
     work = [0.0] * size
     for u in units:
         work[u.q_owner] += u.work
     traffic: list[Vec] = [_ZERO] * size
-    pl = Placement(name, units, pr, size, work, traffic, [u.q.stop for u in units], [[] for _ in units], base)
+    pl = Placement(name, units, rates, size, work, traffic, [u.q.stop for u in units], [[] for _ in units], base)
     for i, u in enumerate(units):
         if u.q_owner != u.kv_owner:  # the q owner fetches the kv slice
-            kv = pr.kv_side(u.kv.stop - u.kv.start)
+            kv = rates.kv_side(u.kv.stop - u.kv.start)
             pl.traffic[u.kv_owner] = _plus(pl.traffic[u.kv_owner], kv)
             pl.traffic[u.q_owner] = _plus(pl.traffic[u.q_owner], _mirror(kv))
     return pl
 
 
-def owner_computes(units: list[WorkUnit], size: int, pr: Prices, base: list[Unit] | None = None) -> Placement:
+def owner_computes(units: list[WorkUnit], size: int, rates: CostRates, base: list[Unit] | None = None) -> Placement:
     """Every block on its q owner: the reference the planner must never lose to. (``base``, in
     all three starts: the blocks as ``Unit``s on their q owners, shared to save allocations.)"""
-    return _empty("owner-computes", units, size, pr, base)
+    return _empty("owner-computes", units, size, rates, base)
 
 
-def min_traffic(units: list[WorkUnit], size: int, pr: Prices, base: list[Unit] | None = None) -> Placement:
+def min_traffic(units: list[WorkUnit], size: int, rates: CostRates, base: list[Unit] | None = None) -> Placement:
     """Every cross block on whichever owner moves fewer bytes (both phases)."""
-    pl = _empty("min-traffic", units, size, pr, base)
+    pl = _empty("min-traffic", units, size, rates, base)
     for i, u in enumerate(units):
-        if u.q_owner != u.kv_owner and len(u.q) * pr.q_total < len(u.kv) * pr.kv_total:
+        if u.q_owner != u.kv_owner and len(u.q) * rates.q_total < len(u.kv) * rates.kv_total:
             pl.set_rows(i, u.q.start, [(u.q.start, u.q.stop, u.kv_owner)])
     return pl
 
 
-def region_distflash(units: list[WorkUnit], size: int, pr: Prices, base: list[Unit] | None = None) -> Placement:
+def region_distflash(units: list[WorkUnit], size: int, rates: CostRates, base: list[Unit] | None = None) -> Placement:
     """DistFlashAttn inside every document's region (the paper's step 2): a document spanning
     ``n`` chunks puts its cross block ``(i, j)`` on the kv owner when ``i − j > n/2`` and on the q
     owner when ``i − j < n/2``; at exactly ``n/2`` the tail half of the rows goes to the kv owner.
     For one document over all ranks this is DistFlashAttn's balanced schedule."""
-    pl = _empty("region-distflash", units, size, pr, base)
+    pl = _empty("region-distflash", units, size, rates, base)
     span: dict[int, tuple[int, int]] = {}
     for u in units:
         lo, hi = span.get(u.doc, (u.q_owner, u.q_owner))

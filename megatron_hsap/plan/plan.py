@@ -20,10 +20,10 @@ from megatron_hsap.plan.ir import Phase, Unit
 from megatron_hsap.plan.layout import Batch, Layout, contiguous_layout, normalize_cu_seqlens, validate_layout
 from megatron_hsap.plan.balanced import balanced_layout, kept_layout
 from megatron_hsap.plan.options import DEFAULT_POOL_CHUNKS, DEFAULT_POOL_MIN, PlanOptions, kv_heads_per_rank, validated_options
-from megatron_hsap.plan.placement import Placement, Prices, min_traffic, owner_computes, region_distflash
+from megatron_hsap.plan.placement import Placement, CostRates, min_traffic, owner_computes, region_distflash
 from megatron_hsap.plan.plan_type import ChosenCandidate, Plan
 from megatron_hsap.plan.rebalance import balance
-from megatron_hsap.plan.schedule import Split, StageShape, Staging, StagingError, default_shape, stage, stage_shapes
+from megatron_hsap.plan.schedule import BlocksByRank, StageShape, StagedBlocks, StagingError, default_shape, stage, stage_shapes
 from megatron_hsap.plan.units import WorkUnit, build_units, clip_unit
 
 __all__ = ["Plan", "PlanOptions", "compile_plan", "clear_plan_cache", "kv_heads_per_rank", "kept_layout"]
@@ -41,22 +41,22 @@ _MIN_GAIN = 0.01  # a candidate whose lower bound is within 1% of the best estim
 _OWNER_MARGIN = 0.02
 
 
-def _best_staging(split: Split, pr: Prices, lat: float, budget: float, *, explore: bool = True) -> tuple[float, Staging]:
+def _best_staging(split: BlocksByRank, rates: CostRates, latency: float, budget: float, *, explore: bool = True) -> tuple[float, StagedBlocks]:
     """Stage ``split`` and keep the lowest price: the default shape only (a quick first price to
     rank placements), or with ``explore`` every end-stage weight at the fewest stages, then twice
     as many stages at the best weight."""
-    shapes = stage_shapes(split, pr, budget)
+    shapes = stage_shapes(split, rates, budget)
     fewest = min(s.stages for s in shapes)
     first = [default_shape(shapes)] if not explore else [s for s in shapes if s.stages == fewest]
-    best: tuple[float, Staging, StageShape] | None = None
+    best: tuple[float, StagedBlocks, StageShape] | None = None
 
     def consider(shp: StageShape) -> None:
         nonlocal best
         try:
-            st = stage(split, pr, shp, budget)
+            st = stage(split, rates, shp, budget)
         except StagingError:
             return
-        t = price_staging(st, split.size, pr, lat)
+        t = price_staging(st, split.size, rates, latency)
         if best is None or t < best[0] * (1 - 1e-12):
             best = (t, st, shp)
 
@@ -70,23 +70,23 @@ def _best_staging(split: Split, pr: Prices, lat: float, budget: float, *, explor
     return best[0], best[1]
 
 
-def _build(name: str, units: list[Unit], size: int, shape: HeadShape, capacity: int, pr: Prices, lat: float, budget: float) -> ChosenCandidate:
+def _build(name: str, units: list[Unit], size: int, shape: HeadShape, capacity: int, rates: CostRates, latency: float, budget: float) -> ChosenCandidate:
     """Messages, programs, slots and exact prices of one staged placement (``PoolOverflow`` if the
     slots do not fit)."""
     units = sorted(units, key=lambda u: (u.rank, u.stage, u.rank == u.q_owner, u.q.start, u.kv.start))
     fwd = generate(units, Phase.FWD, size, shape, capacity, 0)
     bwd = generate(units, Phase.BWD, size, shape, capacity, fwd.rounds)
-    ft = phase_time(units, fwd.messages, size, pr.sec_fwd, pr.bw, lat, pr=pr, phase="fwd")
-    bt = phase_time(units, bwd.messages, size, pr.sec_bwd, pr.bw, lat, pr=pr, phase="bwd")
+    ft = phase_time(units, fwd.messages, size, rates.sec_fwd, rates.bw, latency, rates=rates, phase="fwd")
+    bt = phase_time(units, bwd.messages, size, rates.sec_bwd, rates.bw, latency, rates=rates, phase="bwd")
     return ChosenCandidate(name, tuple(units), fwd, bwd, ft, bt, budget)
 
 
-def _placements(units: list[WorkUnit], size: int, pr: Prices, allow_helpers: bool) -> dict[str, Placement]:
-    owner = owner_computes(units, size, pr)
+def _placements(units: list[WorkUnit], size: int, rates: CostRates, allow_helpers: bool) -> dict[str, Placement]:
+    owner = owner_computes(units, size, rates)
     out = {"owner-computes": owner}
     if size == 1 or not units:
         return out
-    mt = min_traffic(units, size, pr, owner.base)
+    mt = min_traffic(units, size, rates, owner.base)
     starts = [owner]
     if mt.home != owner.home:
         out["min-traffic"] = mt
@@ -94,36 +94,36 @@ def _placements(units: list[WorkUnit], size: int, pr: Prices, allow_helpers: boo
     chunks: dict[int, set[int]] = {}
     for u in units:
         chunks.setdefault(u.doc, set()).update((u.q_owner, u.kv_owner))
-    rd = region_distflash(units, size, pr, owner.base) if max(map(len, chunks.values()), default=0) >= 3 else owner
+    rd = region_distflash(units, size, rates, owner.base) if max(map(len, chunks.values()), default=0) >= 3 else owner
     if (rd.home, rd.bands) != (owner.home, owner.bands) and (rd.home, rd.bands) != (mt.home, mt.bands):
         out["region-distflash"] = rd
         starts.append(rd)
-    ideal = compute_bound(sum(u.work for u in units), size, pr.sec_fwd, pr.sec_bwd)
+    ideal = compute_bound(sum(u.work for u in units), size, rates.sec_fwd, rates.sec_bwd)
     for start in starts:
-        base = start.surrogate()
+        base = start.flat_time_bound()
         if base <= ideal * (1 + _MIN_GAIN):
             continue  # already within 1% of perfect balance (a balanced layout): moving cannot pay
         for beta in sorted(_TRAFFIC_BUDGETS, reverse=True):
             pl = balance(start, traffic_budget=beta, allow_helpers=allow_helpers, name=f"{start.name}+balanced@{beta:g}")
-            if pl.surrogate() >= base * (1 - _MIN_GAIN):
+            if pl.flat_time_bound() >= base * (1 - _MIN_GAIN):
                 break  # the most permissive budget barely helps: stricter ones help even less
             out[pl.name] = pl
     return out
 
 
-def _price(placements: dict[str, Placement], size: int, pr: Prices, lat: float, budget: float,
-           forced: str) -> dict[str, tuple[float, Split, Staging]]:
-    """Stage and price the placements: each under its default shape, in order of the surrogate
+def _price(placements: dict[str, Placement], size: int, rates: CostRates, latency: float, budget: float,
+           forced: str) -> dict[str, tuple[float, BlocksByRank, StagedBlocks]]:
+    """Stage and price the placements: each under its default shape, in order of ``Placement.flat_time_bound``
     (a lower bound of the staged estimate), skipping those whose bound cannot beat the best price
     by 1%; then every shape for the best one (and for owner-computes while its bound says it
     could still win)."""
-    order = sorted(placements, key=lambda n: (placements[n].surrogate(), n != forced, n != "owner-computes", n))
-    priced: dict[str, tuple[float, Split, Staging]] = {}
+    order = sorted(placements, key=lambda n: (placements[n].flat_time_bound(), n != forced, n != "owner-computes", n))
+    priced: dict[str, tuple[float, BlocksByRank, StagedBlocks]] = {}
     seen: set[tuple] = set()
     best_t = float("inf")
     for name in order:
         pl = placements[name]
-        if name != "owner-computes" and pl.surrogate() >= best_t * (1 - _MIN_GAIN):
+        if name != "owner-computes" and pl.flat_time_bound() >= best_t * (1 - _MIN_GAIN):
             continue
         if forced != "auto" and name != forced:
             continue
@@ -131,50 +131,50 @@ def _price(placements: dict[str, Placement], size: int, pr: Prices, lat: float, 
         if key in seen:
             continue
         seen.add(key)
-        split = Split.of(pl.placed(), size)
-        t, st = _best_staging(split, pr, lat, budget, explore=False)
+        split = BlocksByRank.of(pl.placed(), size)
+        t, st = _best_staging(split, rates, latency, budget, explore=False)
         priced[name] = (t, split, st)
         best_t = min(best_t, t)
     top = sorted(priced, key=lambda n: priced[n][0])[:_EXPLORE]
-    if "owner-computes" in priced and placements["owner-computes"].surrogate() < priced[top[0]][0]:
+    if "owner-computes" in priced and placements["owner-computes"].flat_time_bound() < priced[top[0]][0]:
         top.append("owner-computes")
     for name in dict.fromkeys(top):
         t0, split, _ = priced[name]
-        t, st = _best_staging(split, pr, lat, budget)
+        t, st = _best_staging(split, rates, latency, budget)
         if t < t0:
             priced[name] = (t, split, st)
     return priced
 
 
-def _restage(split: Split, pr: Prices, lat: float, budget: float) -> tuple[float, Staging]:
+def _restage(split: BlocksByRank, rates: CostRates, latency: float, budget: float) -> tuple[float, StagedBlocks]:
     """Stage again under a halved pool budget (a pool-overflow retry). Every shape is explored only
     for moderate plans: with thousands of small remote blocks (≤ 1K tokens per rank) each halving
     re-staged them all (tens of seconds)."""
-    return _best_staging(split, pr, lat, budget, explore=sum(map(len, split.remote)) <= _EXPLORE_RETRY_BLOCKS)
+    return _best_staging(split, rates, latency, budget, explore=sum(map(len, split.remote)) <= _EXPLORE_RETRY_BLOCKS)
 
 
 _MIN_STAGE_BUDGET = 64  # bytes: below this per-stage pool budget a pool-overflow retry gives up
 
 
-def _build_or_halve(name: str, split: Split, st: Staging, budget: float, size: int, shape: HeadShape, capacity: int,
-                    pr: Prices, lat: float) -> tuple[ChosenCandidate | None, float, Staging, float]:
+def _build_or_halve(name: str, split: BlocksByRank, st: StagedBlocks, budget: float, size: int, shape: HeadShape, capacity: int,
+                    rates: CostRates, latency: float) -> tuple[ChosenCandidate | None, float, StagedBlocks, float]:
     """One pool-overflow step (both searches of ``_choose`` use it): build ``st``'s code; if its
     slots overflow the pool, halve the per-stage ``budget`` and restage ``split`` under it.
     Returns ``(candidate, price, staging, budget)``: the built candidate, or ``None`` with the
     restaged price and staging under the halved budget (nothing restaged, price ``inf``, once the
     budget falls below ``_MIN_STAGE_BUDGET``)."""
     try:
-        return _build(name, st.units(), size, shape, capacity, pr, lat, budget), float("nan"), st, budget
+        return _build(name, st.units(), size, shape, capacity, rates, latency, budget), float("nan"), st, budget
     except PoolOverflow:
         budget /= 2
         if budget < _MIN_STAGE_BUDGET:
             return None, float("inf"), st, budget
-        t, st = _restage(split, pr, lat, budget)
+        t, st = _restage(split, rates, latency, budget)
         return None, t, st, budget
 
 
-def _choose(priced: dict[str, tuple[float, Split, Staging]], size: int, shape: HeadShape, capacity: int, pr: Prices,
-            lat: float, budget: float) -> tuple[ChosenCandidate | None, dict[str, float], float]:
+def _choose(priced: dict[str, tuple[float, BlocksByRank, StagedBlocks]], size: int, shape: HeadShape, capacity: int, rates: CostRates,
+            latency: float, budget: float) -> tuple[ChosenCandidate | None, dict[str, float], float]:
     """Generate code for the lowest price; if its slots do not fit the pool, halve its per-stage
     budget and let it compete again. Returns (chosen, prices, owner-computes time); the chosen
     plan's exact time never exceeds owner-computes'."""
@@ -184,7 +184,7 @@ def _choose(priced: dict[str, tuple[float, Split, Staging]], size: int, shape: H
     while priced:
         name = min(priced, key=lambda n: (priced[n][0], n != "owner-computes"))
         _, split, st = priced[name]
-        best, t, st, budgets[name] = _build_or_halve(name, split, st, budgets[name], size, shape, capacity, pr, lat)
+        best, t, st, budgets[name] = _build_or_halve(name, split, st, budgets[name], size, shape, capacity, rates, latency)
         if best is not None:
             break
         if budgets[name] < _MIN_STAGE_BUDGET:
@@ -201,7 +201,7 @@ def _choose(priced: dict[str, tuple[float, Split, Staging]], size: int, shape: H
         _, split, st = priced["owner-computes"]
         oc_budget = budgets["owner-computes"]
         while oc_budget >= _MIN_STAGE_BUDGET:  # as above, until its slots fit the pool
-            oc, _, st, oc_budget = _build_or_halve("owner-computes", split, st, oc_budget, size, shape, capacity, pr, lat)
+            oc, _, st, oc_budget = _build_or_halve("owner-computes", split, st, oc_budget, size, shape, capacity, rates, latency)
             if oc is not None:
                 owner_time = oc.time
                 if oc.time <= best.time * (1 + _OWNER_MARGIN):
@@ -283,16 +283,16 @@ def _compile_uncached(cu: tuple[int, ...], opts: PlanOptions) -> Plan:
         return _compile_on(contiguous_layout(batch, size, opts.intra_size), batch, shape, opts)
 
     hw = HARDWARE[opts.hardware]
-    pr = Prices.of(shape, hw, hw.bandwidth(_link_of(opts)))
+    rates = CostRates.of(shape, hw, hw.bandwidth(_link_of(opts)))
     contiguous = None
     # any layout: every document whole at its own kernel rate, perfectly spread (docs/design.md §4)
-    bound = ideal_compute(np.diff(batch.doc_starts), batch.doc_work(opts.window), size, pr)
+    bound = ideal_compute(np.diff(batch.doc_starts), batch.doc_work(opts.window), size, rates)
     if opts.layout_fallback:
         contiguous = _compile_on(contiguous_layout(batch, size, opts.intra_size), batch, shape, opts)
         if kept_layout(contiguous.chosen.time, None, bound) == "contiguous":
             return contiguous  # already within 1% of the compute bound: no layout can gain more
     # pairs of attention one token's kv costs to move (forward kv, backward kv and dkv back)
-    token_cost = (2 * pr.kv + pr.dkv) / pr.bw / (pr.sec_fwd + pr.sec_bwd)
+    token_cost = (2 * rates.kv + rates.dkv) / rates.bw / (rates.sec_fwd + rates.sec_bwd)
     balanced = _compile_on(balanced_layout(batch, size, opts.intra_size, token_cost, opts.window), batch, shape, opts)
     if contiguous is None:
         return balanced
@@ -321,17 +321,17 @@ def _compile_on(layout: Layout, batch: Batch, shape: HeadShape, opts: PlanOption
     hw = HARDWARE[opts.hardware]
     link = _link_of(opts)
     capacity = opts.pool_bytes or max(DEFAULT_POOL_CHUNKS * layout.chunk_tokens * shape.chunk_token_bytes, DEFAULT_POOL_MIN)
-    pr = Prices.of(shape, hw, hw.bandwidth(link), _nodes(opts) if link is LinkClass.INFINIBAND else ())
-    lat = hw.latency(link)
+    rates = CostRates.of(shape, hw, hw.bandwidth(link), _nodes(opts) if link is LinkClass.INFINIBAND else ())
+    latency = hw.latency(link)
     pieces, units = build_units(batch, layout, opts.window)
-    placements = _placements(units, size, pr, opts.allow_helpers)
+    placements = _placements(units, size, rates, opts.allow_helpers)
     if opts.placement != "auto":
         placements = {n: pl for n, pl in placements.items() if n in (opts.placement, "owner-computes")}
         if opts.placement not in placements:  # min-traffic equals owner-computes on this batch
             placements[opts.placement] = placements["owner-computes"]
     budget = capacity * _BUDGET_FRACTION
-    priced = _price(placements, size, pr, lat, budget, opts.placement)
-    best, alternatives, owner_time = _choose(priced, size, shape, capacity, pr, lat, budget)
+    priced = _price(placements, size, rates, latency, budget, opts.placement)
+    best, alternatives, owner_time = _choose(priced, size, shape, capacity, rates, latency, budget)
     if best is None:
         raise ConfigError(
             f"pool_bytes={capacity} cannot hold the slots of even one token row per stage; raise pool_bytes "
@@ -360,10 +360,10 @@ def _with_clipped(plan: Plan, full: Plan) -> Plan:
     left = plan.options.window
     units = [c for u in full.chosen.units if (c := clip_unit(replace(u, window=left), left)) is not None]
     hw, link = full.hardware, full.link
-    pr = Prices.of(full.shape, hw, hw.bandwidth(link), _nodes(full.options) if link is LinkClass.INFINIBAND else ())
+    rates = CostRates.of(full.shape, hw, hw.bandwidth(link), _nodes(full.options) if link is LinkClass.INFINIBAND else ())
     try:
         cand = _build(full.chosen.name, units, full.inter_size, full.shape, full.pool_capacity,
-                      pr, hw.latency(link), full.chosen.budget)
+                      rates, hw.latency(link), full.chosen.budget)
     except PoolOverflow:  # (slots only shrink; first-fit could still differ)
         return plan
     if cand.time >= plan.chosen.time:

@@ -61,13 +61,13 @@ def balance(start: Placement, *, traffic_budget: float, allow_helpers: bool = Tr
     link moves in ``tau``'s compute time of that phase (1.0: traffic as long as compute).
     ``allow_helpers=False`` restricts moves to a block's own q and kv owners."""
     pl = start.copy(name or f"{start.name}+balanced")
-    pr, size, units = pl.pr, pl.size, pl.units
+    rates, size, units = pl.rates, pl.size, pl.units
     if size == 1:
         return pl
     tau = float(sum(pl.work)) / size
     if tau <= 0:
         return pl
-    cap = (tau * pr.sec_fwd * pr.bw * traffic_budget, tau * pr.sec_bwd * pr.bw * traffic_budget)
+    cap = (tau * rates.sec_fwd * rates.bw * traffic_budget, tau * rates.sec_bwd * rates.bw * traffic_budget)
     touching: list[list[int]] = [[] for _ in range(size)]
     for i, u in enumerate(units):
         touching[u.q_owner].append(i)
@@ -124,8 +124,8 @@ _HEAD, _BAND = 0, 1
 
 def _candidates(pl: Placement, b: int, blocks: list[int], tau: float, allow_helpers: bool) -> list[tuple[float, int, int, int]]:
     """(bytes per pair, kind, block, band index) of every way ``b`` can shed work, cheapest first.
-    Prices assume the cheapest receiver (the kv owner for rows of a cross block)."""
-    pr, units = pl.pr, pl.units
+    CostRates assume the cheapest receiver (the kv owner for rows of a cross block)."""
+    rates, units = pl.rates, pl.units
     excess = pl.work[b] - tau
     out = []
     for i in blocks:
@@ -135,14 +135,14 @@ def _candidates(pl: Placement, b: int, blocks: list[int], tau: float, allow_help
         if b == a and pl.home[i] > u.q.start:
             w = pl.rows_work(i, u.q.start, pl.home[i])
             if c != a:
-                out.append((pr.q_total / nk, _HEAD, i, -1))
+                out.append((rates.q_total / nk, _HEAD, i, -1))
             elif allow_helpers and w > 0:
                 amount = min(w, excess)
                 x = tail_rows_for_work(TokenRange(u.q.start, pl.home[i]), u.kv.start, u.causal, nk, amount, u.window)
                 moved = pl.rows_work(i, x, pl.home[i])
                 nkv = (pl.home[i] - u.kv.start) if u.causal else nk
                 if moved > 0:
-                    out.append((((pl.home[i] - x) * pr.q_total + nkv * pr.kv_total) / moved, _HEAD, i, -1))
+                    out.append((((pl.home[i] - x) * rates.q_total + nkv * rates.kv_total) / moved, _HEAD, i, -1))
         for j, (x, y, h) in enumerate(pl.bands[i]):
             if h != b:
                 continue
@@ -151,10 +151,10 @@ def _candidates(pl: Placement, b: int, blocks: list[int], tau: float, allow_help
                 continue
             if j == len(pl.bands[i]) - 1 and b != a:
                 # rows back to the q owner: they stop travelling; the head may start fetching kv
-                fetch = nk * pr.kv_total if (c != a and pl.home[i] == u.q.start) else 0.0
-                out.append((max(fetch - (y - x) * pr.q_total, 0.0) / w + 1e-12, _BAND, i, j))
+                fetch = nk * rates.kv_total if (c != a and pl.home[i] == u.q.start) else 0.0
+                out.append((max(fetch - (y - x) * rates.q_total, 0.0) / w + 1e-12, _BAND, i, j))
             elif allow_helpers:
-                out.append((pr.q_total / nk + (pr.kv_total * nk / w if b == c else 0.0), _BAND, i, j))
+                out.append((rates.q_total / nk + (rates.kv_total * nk / w if b == c else 0.0), _BAND, i, j))
     out.sort()
     return out
 
@@ -208,7 +208,7 @@ def _shed(pl: Placement, b: int, kind: int, i: int, j: int, tau: float, ok, rece
             new_home, new_bands = m, pl.bands[i][:j] + [(m, hi, b)]
         else:  # the tail rows [m, hi) go to h
             m = tail_rows_for_work(TokenRange(lo, hi), u.kv.start, u.causal, nk, amount, u.window)
-            min_band = _MIN_BAND_ROWS if pl.pr.kernel is None else pl.pr.kernel.min_block_rows()
+            min_band = _MIN_BAND_ROWS if pl.rates.kernel is None else pl.rates.kernel.min_block_rows()
             if hi - m < min_band and m > lo:  # a band under one row tile runs at rows/tile of the rate
                 m = max(lo, hi - min_band)
             while pl.rows_work(i, m, hi) > spare * 1.05 + 1 and m < hi - 1:
@@ -220,9 +220,9 @@ def _shed(pl: Placement, b: int, kind: int, i: int, j: int, tau: float, ok, rece
                 new_bands = pl.bands[i][:j] + [(m, hi, h), (lo, m, b)] + pl.bands[i][j + 1:]
         changes = pl.delta(i, new_home, new_bands)
         moved_w, moved_t = changes.get(h, (0.0, _ZERO))
-        pr = pl.pr
-        xfer = (max(moved_t[0], moved_t[1]) + max(moved_t[2], moved_t[3])) / pr.bw
-        if moved_w <= 0 or xfer > budget_ratio * moved_w * (pr.sec_fwd + pr.sec_bwd):
+        rates = pl.rates
+        xfer = (max(moved_t[0], moved_t[1]) + max(moved_t[2], moved_t[3])) / rates.bw
+        if moved_w <= 0 or xfer > budget_ratio * moved_w * (rates.sec_fwd + rates.sec_bwd):
             excluded.add(h)  # the move's bytes would not hide behind the work it brings
             continue
         if not ok(changes):

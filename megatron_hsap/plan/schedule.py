@@ -34,9 +34,9 @@ import numpy as np
 from megatron_hsap.plan.cuts import (cut_fitting_part, footprint, grid_tiles, needs_tiles, smallest_piece, split_cols,
                                      split_rows, with_stage)
 from megatron_hsap.plan.ir import Unit
-from megatron_hsap.plan.placement import Prices, rows_for_work
+from megatron_hsap.plan.placement import CostRates, rows_for_work
 
-__all__ = ["Split", "Staging", "StagingError", "StageShape", "default_shape", "stage", "footprint", "stage_shapes", "split_rows", "split_cols"]
+__all__ = ["BlocksByRank", "StagedBlocks", "StagingError", "StageShape", "default_shape", "stage", "footprint", "stage_shapes", "split_rows", "split_cols"]
 
 
 class StagingError(Exception):
@@ -46,11 +46,11 @@ class StagingError(Exception):
 _MIN_SPLIT_ROWS = 16  # local blocks are not cut into slivers thinner than this (flat prices: no kernel model)
 
 
-def min_split_rows(pr: Prices) -> int:
+def min_split_rows(rates: CostRates) -> int:
     """Fewest q rows a local block is cut to at a stage boundary: the kernel model's minimum
     tile (``KernelModel.min_block_rows``: a sliver under one row tile runs at rows/tile of the
     rate; docs/design.md §4), or ``_MIN_SPLIT_ROWS`` under flat prices."""
-    return pr.kernel.min_block_rows() if pr.kernel is not None else _MIN_SPLIT_ROWS
+    return rates.kernel.min_block_rows() if rates.kernel is not None else _MIN_SPLIT_ROWS
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,7 +102,7 @@ def _water_fill(floor: np.ndarray, weights: np.ndarray, amount: float) -> np.nda
 
 
 @dataclass(frozen=True, slots=True)
-class Staging:
+class StagedBlocks:
     """A placement cut into stages before local blocks are poured: the remote parts (stage set),
     each rank's local blocks and their per-stage work budgets ``[P, stages]``."""
 
@@ -129,7 +129,7 @@ class Staging:
 
 
 @dataclass(frozen=True, slots=True)
-class Split:
+class BlocksByRank:
     """A placement's blocks by rank: remote and local (in token order), with local work sums."""
 
     size: int
@@ -144,7 +144,7 @@ class Split:
     orders: dict = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
-    def of(cls, placed: list[Unit], size: int) -> "Split":
+    def of(cls, placed: list[Unit], size: int) -> "BlocksByRank":
         local: list[list[Unit]] = [[] for _ in range(size)]
         remote: list[list[Unit]] = [[] for _ in range(size)]
         lw = np.zeros(size)
@@ -162,7 +162,7 @@ class Split:
         return cls(size, tuple(map(tuple, remote)), tuple(map(tuple, local)), lw, tuple(rw))
 
 
-def stage(split: Split, pr: Prices, shape: StageShape, budget: float) -> Staging:
+def stage(split: BlocksByRank, rates: CostRates, shape: StageShape, budget: float) -> StagedBlocks:
     """Cut ``split`` into ``shape``'s stages (see the module docstring); local blocks get budgets.
 
     ``budget``: pool bytes one rank may use for the remote blocks of one stage. When a rank's
@@ -183,7 +183,7 @@ def stage(split: Split, pr: Prices, shape: StageShape, budget: float) -> Staging
             key = ("cut", r, n_mid, budget, level)  # a pure function of these: shapes that differ
             got = split.orders.get(key)  # only in alpha share it (the result is never mutated)
             if got is None:
-                got = split.orders[key] = _cut_remote(split, r, n_mid, pr, budget, level)
+                got = split.orders[key] = _cut_remote(split, r, n_mid, rates, budget, level)
             cuts[r], works[r], n = got
             used = max(used, n)
     memoised = list(cuts)  # the memo's list objects (alive in ``split.orders``, so their ids are stable)
@@ -201,16 +201,16 @@ def stage(split: Split, pr: Prices, shape: StageShape, budget: float) -> Staging
         if split.local[r]:
             budgets[r] = _water_fill(floor[r], weights, float(split.local_work[r]))
         if stages >= 3 and cuts[r]:
-            cuts[r] = _fill_last(cuts[r], floor[r], budgets[r], weights, pr, budget)
+            cuts[r] = _fill_last(cuts[r], floor[r], budgets[r], weights, rates, budget)
             if split.local[r]:
                 budgets[r] = _water_fill(floor[r], weights, float(split.local_work[r]))
         remote.extend(cuts[r])
     shared = all(c is m for c, m in zip(cuts, memoised))
     key = ("priced", stages, tuple(id(c) if c else 0 for c in memoised)) if shared else None
-    return Staging(stages, tuple(remote), split.local, budgets, floor, min_split_rows(pr), split.orders, key)
+    return StagedBlocks(stages, tuple(remote), split.local, budgets, floor, min_split_rows(rates), split.orders, key)
 
 
-def _fill_last(parts: list[Unit], floor: np.ndarray, budgets: np.ndarray, weights: np.ndarray, pr: Prices,
+def _fill_last(parts: list[Unit], floor: np.ndarray, budgets: np.ndarray, weights: np.ndarray, rates: CostRates,
                budget: float) -> list[Unit]:
     """A rank short of local work idles in the local-only last stage. Blocks whose q rows are its
     own and whose kv was fetched can run there after all: their only result that travels is dkv of
@@ -233,7 +233,7 @@ def _fill_last(parts: list[Unit], floor: np.ndarray, budgets: np.ndarray, weight
     by_stage = load.tolist()
     fetched.sort(key=lambda i: -by_stage[parts[i].stage])
     room_b = budget
-    per_col = pr.kv + pr.dkv
+    per_col = rates.kv + rates.dkv
     out = list(parts)
     for i in fetched:
         if want <= 0:
@@ -257,7 +257,7 @@ def _fill_last(parts: list[Unit], floor: np.ndarray, budgets: np.ndarray, weight
         floor[u.stage] -= mw
         floor[last] += mw
         want -= mw
-        room_b -= footprint(moved, pr)
+        room_b -= footprint(moved, rates)
     return [u for u in out if u is not None]
 
 
@@ -289,7 +289,7 @@ def _interleave(units: list[Unit], size: int) -> list[Unit]:
     return [t[3] for t in keyed]
 
 
-def _ordered_remote(split: Split, r: int, per: float, budget: float, pr: Prices) -> list[tuple[Unit, int, float]]:
+def _ordered_remote(split: BlocksByRank, r: int, per: float, budget: float, rates: CostRates) -> list[tuple[Unit, int, float]]:
     """Rank ``r``'s remote blocks, 2-D tiled where needed (``grid_tiles``), in ``_interleave``
     order, each with its work and pool footprint; cached on ``split`` when no block needs tiles
     (then ``per`` does not matter)."""
@@ -298,15 +298,15 @@ def _ordered_remote(split: Split, r: int, per: float, budget: float, pr: Prices)
     if got is not None:
         return got
     units = split.remote[r]
-    tiled = any(needs_tiles(u, budget, pr) for u in units)
-    order = _interleave([t for u in units for t in grid_tiles(u, per, budget, pr)] if tiled else list(units), split.size)
-    got = [(u, u.work, footprint(u, pr)) for u in order]
+    tiled = any(needs_tiles(u, budget, rates) for u in units)
+    order = _interleave([t for u in units for t in grid_tiles(u, per, budget, rates)] if tiled else list(units), split.size)
+    got = [(u, u.work, footprint(u, rates)) for u in order]
     if not tiled:
         split.orders[key] = got
     return got
 
 
-def _cut_remote(split: Split, r: int, n_mid: int, pr: Prices, budget: float,
+def _cut_remote(split: BlocksByRank, r: int, n_mid: int, rates: CostRates, budget: float,
                 level: float | None = None) -> tuple[list[Unit], list[int], int]:
     """Spread rank ``r``'s remote blocks evenly by work over middle stages ``1 .. n_mid`` (or,
     with ``level``, fill each from the first up to that much work) within ``budget`` pool bytes
@@ -318,7 +318,7 @@ def _cut_remote(split: Split, r: int, n_mid: int, pr: Prices, budget: float,
     works: list[int] = []
     k = 0  # middle stage index (stage k + 1)
     placed_w = acc_b = 0.0  # work placed so far (all stages), pool bytes of stage k
-    queue = list(reversed(_ordered_remote(split, r, per, budget, pr)))  # (block, work, footprint)
+    queue = list(reversed(_ordered_remote(split, r, per, budget, rates)))  # (block, work, footprint)
     while queue:
         u, w, fp = queue.pop()
         # cumulative target: stages 0..k hold per·(k+1); the last planned one takes the rest
@@ -334,10 +334,10 @@ def _cut_remote(split: Split, r: int, n_mid: int, pr: Prices, budget: float,
             continue
         part, rest = None, [u]
         if (not small or fp > budget - acc_b) and room_w >= 0.1 * per:  # else the stage is full
-            part, rest = cut_fitting_part(u, max(room_w, 0.0), budget - acc_b, pr)
+            part, rest = cut_fitting_part(u, max(room_w, 0.0), budget - acc_b, rates)
         if part is None and acc_b == 0.0:
             # an empty stage: take at least one row or column, whatever the work target says
-            part, rest = cut_fitting_part(u, max(room_w, smallest_piece(u, pr)), budget, pr)
+            part, rest = cut_fitting_part(u, max(room_w, smallest_piece(u, rates)), budget, rates)
             if part is None:
                 part, rest = u, []  # not one row fits the pool budget: codegen decides
         if part is not None:
@@ -345,9 +345,9 @@ def _cut_remote(split: Split, r: int, n_mid: int, pr: Prices, budget: float,
             pw = part.work
             works.append(pw)
             placed_w += pw
-            acc_b += footprint(part, pr)
+            acc_b += footprint(part, rates)
         if rest:
-            queue.extend((t, t.work, footprint(t, pr)) for t in reversed(rest))
+            queue.extend((t, t.work, footprint(t, rates)) for t in reversed(rest))
             k, acc_b = k + 1, 0.0
     return out, works, (out[-1].stage if out else 1)  # stages only grow along the queue
 
@@ -388,14 +388,14 @@ def _fill_stages_by_budget(units: list[Unit], budgets: np.ndarray, min_rows: int
     return out
 
 
-def _tiled_bytes(u: Unit, pr: Prices, budget: float) -> float:
+def _tiled_bytes(u: Unit, rates: CostRates, budget: float) -> float:
     """Pool bytes ``u`` will occupy over all its stages once cut to fit ``budget``: its footprint,
     or, when both q rows and kv travel and they do not fit together, one budget per 2D tile
     (``cut_fitting_part`` re-sends a tile's q rows and kv columns with each neighbouring tile)."""
-    fp = footprint(u, pr)
+    fp = footprint(u, rates)
     if fp <= budget or u.rank == u.q_owner or u.rank == u.kv_owner:
         return fp
-    fq, fk = pr.q_bwd + pr.dq, pr.kv + pr.dkv
+    fq, fk = rates.q_bwd + rates.dq, rates.kv + rates.dkv
     nq, nk = len(u.q), (u.q.stop - u.kv.start) if u.causal else len(u.kv)
     rows = min(nq, max(1.0, budget / (2 * fq)))
     cols = min(nk, max(1.0, (budget - rows * fq) / fk))
@@ -409,7 +409,7 @@ def default_shape(shapes: list[StageShape]) -> StageShape:
     return min((s for s in shapes if s.stages == fewest), key=lambda s: (abs(s.end_weight - 0.5), s.ring_fill))
 
 
-def stage_shapes(split: Split, pr: Prices, budget: float, max_stages: int = 1024) -> list[StageShape]:
+def stage_shapes(split: BlocksByRank, rates: CostRates, budget: float, max_stages: int = 1024) -> list[StageShape]:
     """Candidate stage shapes for a placement: enough middle stages for the pool budget and for the
     most remote-heavy rank, with short or full-length local end stages; the caller prices each."""
     size = split.size
@@ -418,7 +418,7 @@ def stage_shapes(split: Split, pr: Prices, budget: float, max_stages: int = 1024
     for r in range(size):
         for u in split.remote[r]:
             remote_w[r] += u.work
-            remote_b[r] += _tiled_bytes(u, pr, budget)
+            remote_b[r] += _tiled_bytes(u, rates, budget)
     if not remote_w.any() and not remote_b.any():
         return [StageShape(1, 1.0)]
     work = remote_w + split.local_work

@@ -4,7 +4,7 @@ document, owners, rank and stage; ``cut_fitting_part``'s part respects its work 
 (docs/design.md §2.1 step 3).
 
 Reference: each unit's pair set is materialised as a boolean [T, T] mask here; pool bytes are
-re-derived from ``Prices`` (q rows: q+do+lse+delta in, dq out; kv rows: kv in, dkv out)."""
+re-derived from ``CostRates`` (q rows: q+do+lse+delta in, dq out; kv rows: kv in, dkv out)."""
 
 from __future__ import annotations
 
@@ -15,12 +15,12 @@ from megatron_hsap.plan.costs import HeadShape
 from megatron_hsap.plan.cuts import footprint, grid_tiles, needs_tiles, split_cols, split_rows, cut_fitting_part
 from megatron_hsap.plan.hardware import HARDWARE, LinkClass
 from megatron_hsap.plan.ir import TokenRange, Unit
-from megatron_hsap.plan.placement import Prices
+from megatron_hsap.plan.placement import CostRates
 
 N = 96
 SHAPE = HeadShape(num_heads=4, num_kv_heads=2, head_dim=16, head_dim_v=16)
 HW = HARDWARE["h100"]
-PR = Prices.of(SHAPE, HW, HW.bandwidth(LinkClass.INFINIBAND))
+PR = CostRates.of(SHAPE, HW, HW.bandwidth(LinkClass.INFINIBAND))
 
 
 def mask(u: Unit) -> np.ndarray:

@@ -15,7 +15,7 @@ from megatron_hsap.plan import compile_plan
 from megatron_hsap.plan.codegen import Message
 from megatron_hsap.plan.estimate import compute_bound, lower_bounds, necessary_traffic, phase_time, quick_price
 from megatron_hsap.plan.ir import TokenRange, Unit, Wire
-from megatron_hsap.plan.placement import Prices
+from megatron_hsap.plan.placement import CostRates
 
 
 def test_phase_time_by_hand_two_ranks() -> None:
@@ -57,12 +57,12 @@ def test_bounds_below_estimate_and_quick_price_equals_phase_time(lengths, inter,
     cu = list(np.concatenate([[0], np.cumsum(lengths)]).astype(int))
     plan = compile_plan(cu, inter, num_heads=4, num_kv_heads=2, head_dim=16, layout=layout, pool_bytes=pool)
     c = plan.chosen
-    pr = Prices.of(plan.shape, plan.hardware, plan.hardware.bandwidth(plan.link))
-    lat = plan.hardware.latency(plan.link)
-    f = phase_time(list(c.units), plan.raw_messages("fwd"), inter, pr.sec_fwd, pr.bw, lat, pr=pr, phase="fwd")
-    b = phase_time(list(c.units), plan.raw_messages("bwd"), inter, pr.sec_bwd, pr.bw, lat, pr=pr, phase="bwd")
+    rates = CostRates.of(plan.shape, plan.hardware, plan.hardware.bandwidth(plan.link))
+    latency = plan.hardware.latency(plan.link)
+    f = phase_time(list(c.units), plan.raw_messages("fwd"), inter, rates.sec_fwd, rates.bw, latency, rates=rates, phase="fwd")
+    b = phase_time(list(c.units), plan.raw_messages("bwd"), inter, rates.sec_bwd, rates.bw, latency, rates=rates, phase="bwd")
     assert (f.total, b.total) == (c.fwd_time.total, c.bwd_time.total)  # the plan's stored estimate is this
-    qf, qb = quick_price(list(c.units), inter, pr, lat)
+    qf, qb = quick_price(list(c.units), inter, rates, latency)
     assert qf == pytest.approx(f.total, rel=1e-9) and qb == pytest.approx(b.total, rel=1e-9)  # why: same terms summed in another order
     total = plan.batch.total_work()
     nec_f, nec_b = necessary_traffic(list(plan.work_units), plan.shape)
@@ -87,11 +87,11 @@ def test_block_costs_by_hand() -> None:
     hw = HARDWARE["a100"]
     from megatron_hsap.plan.costs import HeadShape
 
-    pr = Prices.of(HeadShape(num_heads=4, num_kv_heads=4, head_dim=16, head_dim_v=16), hw, hw.nvlink_bw)
-    bc = block_costs(_arrays(units), 2, 2, pr, "fwd")
+    rates = CostRates.of(HeadShape(num_heads=4, num_kv_heads=4, head_dim=16, head_dim_v=16), hw, hw.nvlink_bw)
+    bc = block_costs(_arrays(units), 2, 2, rates, "fwd")
     k = hw.kernel
-    want = [10 * pr.fpp_fwd / float(k.rate(4, 4, "fwd", 1, 10)), 16 * pr.fpp_fwd / float(k.rate(4, 4, "fwd", 1, 16))]
+    want = [10 * rates.fpp_fwd / float(k.rate(4, 4, "fwd", 1, 10)), 16 * rates.fpp_fwd / float(k.rate(4, 4, "fwd", 1, 16))]
     assert bc.kernel[0, 0] == pytest.approx(sum(want), rel=1e-12)  # why: the same float terms, summed in another order
     assert bc.launch.tolist() == [2 * k.launch_s, k.launch_s]  # causal and rectangle calls on rank 0, one on rank 1
-    assert bc.fixed[0, 0] == pytest.approx(2 * k.launch_s + 4 * pr.merge_o, rel=1e-12)  # why: as above
-    assert bc.fixed[0, 1] == pytest.approx(4 * pr.merge_o, rel=1e-12)  # the remote result merged a stage later
+    assert bc.fixed[0, 0] == pytest.approx(2 * k.launch_s + 4 * rates.merge_o, rel=1e-12)  # why: as above
+    assert bc.fixed[0, 1] == pytest.approx(4 * rates.merge_o, rel=1e-12)  # the remote result merged a stage later

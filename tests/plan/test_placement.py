@@ -18,12 +18,12 @@ from megatron_hsap.plan.costs import HeadShape
 from megatron_hsap.plan.hardware import HARDWARE, LinkClass
 from megatron_hsap.plan.ir import Wire
 from megatron_hsap.plan.layout import Batch, contiguous_layout
-from megatron_hsap.plan.placement import Prices, min_traffic, owner_computes, region_distflash
+from megatron_hsap.plan.placement import CostRates, min_traffic, owner_computes, region_distflash
 from megatron_hsap.plan.units import build_units
 
 SHAPE = HeadShape(num_heads=4, num_kv_heads=2, head_dim=16, head_dim_v=16)
 HW = HARDWARE["h100"]
-PR = Prices.of(SHAPE, HW, HW.bandwidth(LinkClass.INFINIBAND))
+PR = CostRates.of(SHAPE, HW, HW.bandwidth(LinkClass.INFINIBAND))
 STARTS = (owner_computes, min_traffic, region_distflash)
 
 

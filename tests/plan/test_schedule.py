@@ -21,7 +21,7 @@ from megatron_hsap.plan.cuts import footprint
 from megatron_hsap.plan.ir import Phase, Wire
 from megatron_hsap.plan.placement import min_traffic, region_distflash
 from megatron_hsap.plan.rebalance import balance
-from megatron_hsap.plan.schedule import Split, StageShape, default_shape, stage, stage_shapes
+from megatron_hsap.plan.schedule import BlocksByRank, StageShape, default_shape, stage, stage_shapes
 from tests.plan.test_placement import PR, pairs, setup
 
 INPUTS = {Phase.FWD: {Wire.Q, Wire.KV}, Phase.BWD: {Wire.Q, Wire.KV, Wire.DO, Wire.LSE, Wire.DELTA}}
@@ -67,7 +67,7 @@ def test_stage_tiles_the_placement_within_the_pool_budget(lengths, inter, budget
     budget = budget_rows * (PR.q_bwd + PR.dq + PR.kv + PR.dkv)
     for start in (min_traffic, region_distflash):
         placed = balance(start(wunits, inter, PR), traffic_budget=1.2).placed()
-        split = Split.of(placed, inter)
+        split = BlocksByRank.of(placed, inter)
         shapes = stage_shapes(split, PR, budget)
         assert default_shape(shapes) in shapes
         for shape in shapes[:3]:
