@@ -71,7 +71,7 @@ def call_cost(hw: Hardware, nq, nk, pairs, phase: str, *, heads: int, kv_heads: 
 
 @dataclass(frozen=True, slots=True)
 class MergeRates:
-    """HBM seconds per merged row (``plan/placement.Prices.of``'s ``merge_o`` / ``merge_dq`` /
+    """HBM seconds per merged row (``plan/placement.CostRates.of``'s ``merge_o`` / ``merge_dq`` /
     ``merge_dkv``, the same formulas): an o row's forward LSE merge, a dq row's and a dk/dv row's
     backward accumulation."""
 
