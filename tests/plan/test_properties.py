@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from megatron_hsap.plan import compile_plan
@@ -88,6 +88,9 @@ def realistic(draw):
 @pytest.mark.parametrize("layout", ["contiguous", "balanced"])
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(case=realistic())
+# found by hypothesis: owner-computes' other stage shapes were skipped on a flat-rate bound that is
+# no bound under InfiniBand (node-local pairs at NVLink rate): 7.678 ms chosen vs 7.442 alone
+@example(case=([0, 1309, 2000, 2844, 4086, 5173, 5511, 6421, 7732, 12904, 14228, 14378, 16046, 16384], 16, (32, 32), "ib"))
 def test_never_worse_than_owner_computes(case, layout: str) -> None:
     # the planner's guarantee, per layout (the balanced one forced; the choice between layouts
     # is test_balanced_never_worse_than_contiguous's)
