@@ -128,10 +128,8 @@ def _staircase_forms(tree: ast.AST) -> list[str]:
     return out
 
 
-# Written-out copies left (a ratchet: may only shrink): files of other owners (the calibration
-# fit's reference count, the windowed baselines, the cost model's tile efficiency), and one form
-# that is not an integer count (flat's diagonal block at P = 1 has c = l/2 rows).
-STAIRCASE_LEFT = {"bench/gpu_calibration.py", "baselines/windowed.py", "sim/constants.py"}
+# The one written-out form left: not an integer count (flat's diagonal block at P = 1 has c = l/2 rows).
+STAIRCASE_LEFT: set[str] = set()
 STAIRCASE_FORMS_LEFT = {("baselines/flat.py", "c * (c + 1) / 2")}
 
 

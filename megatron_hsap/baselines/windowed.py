@@ -56,7 +56,7 @@ from megatron_hsap.plan.costs import HeadShape
 from megatron_hsap.plan.hardware import Hardware, LinkClass
 from megatron_hsap.plan.ir import Wire
 from megatron_hsap.plan.layout import normalize_cu_seqlens
-from megatron_hsap.plan.window import normalize_window
+from megatron_hsap.plan.window import normalize_window, staircase_pairs
 
 __all__ = ["WINDOWED_PEERS", "MAGI_CHUNK_SIZE", "price_windowed", "banded_row_pairs", "magi_dispatch", "MagiDispatch"]
 
@@ -69,10 +69,10 @@ def banded_row_pairs(n: np.ndarray, left: int) -> np.ndarray:
     (0-based) sees ``min(i, left) + 1`` keys. float64, same shape as ``n``; ``left = -1``: causal."""
     n = np.asarray(n, dtype=np.float64)
     if left < 0:
-        return n * (n + 1) / 2
+        return staircase_pairs(n)  # float64 in, float64 out (n(n-1) is even: exact)
     w = float(left) + 1.0  # keys of a full window row
     head = np.minimum(n, w)
-    return head * (head + 1) / 2 + np.maximum(n - w, 0.0) * w
+    return staircase_pairs(head) + np.maximum(n - w, 0.0) * w
 
 
 def _rows_pairs(a: np.ndarray, b: np.ndarray, lengths: np.ndarray, left: int) -> np.ndarray:

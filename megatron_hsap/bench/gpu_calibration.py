@@ -34,6 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from megatron_hsap.errors import ConfigError
+from megatron_hsap.plan.window import staircase_pairs
 
 __all__ = [
     "Measurement", "Calibration", "block_work", "block_flops", "call_flops", "grid", "fit", "write_calibration",
@@ -50,8 +51,8 @@ def block_work(nq: int, nk: int, causal: bool) -> int:
     if not causal:
         return nq * nk
     if nq <= nk:  # query i sees i + nk - nq + 1 keys
-        return nq * (nk - nq) + nq * (nq + 1) // 2
-    return nk * (nk + 1) // 2  # the first nq - nk queries see no key
+        return staircase_pairs(nq, nk - nq + 1)
+    return staircase_pairs(nk)  # the first nq - nk queries see no key
 
 
 def block_flops(work: int, heads: int, d: int, dv: int, phase: str) -> float:
