@@ -125,12 +125,18 @@ def test_estimate_prefers_chunks_where_the_all_to_all_is_large():
     assert sorted(est) == [1, 2, 4]
     assert plan.head_chunks > 1 and est[plan.head_chunks] == min(est.values())
     assert est[plan.head_chunks] < 0.95 * est[1]
-    # C = 1 is the sequential layer: all-to-all in, SAP, all-to-all out, both phases
-    link_bw = plan.hardware.nvlink_bw
-    lat = plan.hardware.nvlink_latency
+    # C = 1 is the sequential layer: all-to-all in, SAP, all-to-all out, both phases (8 calls). The
+    # all-to-all runs at NVLink × a2a_efficiency plus its rearranges (4 × each whole tensor through
+    # HBM; a rank's whole tensor is its bytes sent × P/(P−1)); SAP's launches are already in its
+    # estimate (one per plan/calls.py kernel call, the count the pipeline pays per chunk)
+    hw = plan.hardware
+    p = plan.intra_size
     sent = a2a_bytes_sent(plan)
+    total = sent["fwd"] + sent["bwd"]
     launches = sum(ph.launch_s for ph in pipeline_phases(plan).values())
-    want = plan.chosen.time + (sent["fwd"] + sent["bwd"]) / link_bw + 8 * lat + launches
+    assert launches == pytest.approx(plan.chosen.fwd_time.launch + plan.chosen.bwd_time.launch, rel=1e-12)
+    want = plan.chosen.time + total / (hw.nvlink_bw * hw.a2a_efficiency) + 4 * total * p / (p - 1) / hw.hbm_bw \
+        + 8 * hw.nvlink_latency
     assert est[1] == pytest.approx(want, rel=1e-12)
 
 
