@@ -104,7 +104,7 @@ def _placements(units: list[WorkUnit], size: int, rates: CostRates, allow_helper
         if base <= ideal * (1 + _MIN_GAIN):
             continue  # already within 1% of perfect balance (a balanced layout): moving cannot pay
         for beta in sorted(_TRAFFIC_BUDGETS, reverse=True):
-            pl = balance(start, traffic_budget=beta, allow_helpers=allow_helpers, name=f"{start.name}+balanced@{beta:g}")
+            pl = balance(start, traffic_budget=beta, allow_helpers=allow_helpers, name=f"{start.name}+rebalanced@{beta:g}")
             if pl.flat_time_bound() >= base * (1 - _MIN_GAIN):
                 break  # the most permissive budget barely helps: stricter ones help even less
             out[pl.name] = pl

@@ -41,7 +41,8 @@ class ChosenCandidate:
     estimated times (docs/design.md §4).
 
     ``name``: the placement (``"owner-computes"``, ``"min-traffic"``, ``"region-distflash"``, or a
-    start ``+balanced@β`` rebalanced under traffic budget β; ``plan/placement.py``, ``plan/rebalance.py``).
+    start ``+rebalanced@β`` rebalanced under traffic budget β (``rebalanced``, not ``balanced``: that word names
+    the token layout); ``plan/placement.py``, ``plan/rebalance.py``).
     ``units``: the placed and staged blocks, in program order. ``fwd`` / ``bwd``: each phase's
     programs, messages and pool peaks (``plan/codegen.py``). ``fwd_time`` / ``bwd_time``: each
     phase's estimate. ``budget``: the per-stage remote pool budget in bytes it was staged under

@@ -60,7 +60,7 @@ def balance(start: Placement, *, traffic_budget: float, allow_helpers: bool = Tr
     ``traffic_budget``: a rank's bytes per phase may grow only up to this fraction of what its
     link moves in ``tau``'s compute time of that phase (1.0: traffic as long as compute).
     ``allow_helpers=False`` restricts moves to a block's own q and kv owners."""
-    pl = start.copy(name or f"{start.name}+balanced")
+    pl = start.copy(name or f"{start.name}+rebalanced")
     rates, size, units = pl.rates, pl.size, pl.units
     if size == 1:
         return pl

@@ -306,3 +306,15 @@ def test_phase_enum_and_programs() -> None:
     sends = [op for p in plan.fwd_programs for i in p.instrs if isinstance(i, Post) for op in i.round.ops if isinstance(op, Send)]
     recvs = [op for p in plan.fwd_programs for i in p.instrs if isinstance(i, Post) for op in i.round.ops if isinstance(op, Recv)]
     assert len(sends) == len(recvs)
+
+
+
+def test_rebalanced_candidates_are_named_apart_from_the_balanced_layout() -> None:
+    # "balanced" names the token layout (plan/balanced.py); a placement start shed toward τ under a
+    # traffic budget is "<start>+rebalanced@<β>" (plan/rebalance.py), so the two never read alike.
+    plan = compile_plan([0, 7000, 7500, 8192], 4, num_heads=32, head_dim=128)
+    s = plan.stats()
+    assert s.layout == "balanced"
+    start, _, beta = s.placement.partition("+rebalanced@")
+    assert start in {"owner-computes", "min-traffic", "region-distflash"} and float(beta) in {1.2, 0.6, 0.3}
+    assert "+balanced" not in s.placement
