@@ -237,7 +237,7 @@ class P2PChannel:
         t0 = time.perf_counter()
         deadline = t0 + self.timeout_s
         if (not self._cpu) if self.device_wait is None else self.device_wait:
-            self._wait_on_device(deadline)
+            self._wait_on_device(self.watchdog.clock() + self.timeout_s)
             self.comm_s += time.perf_counter() - t0
             return
         try:

@@ -76,12 +76,18 @@ class _Entry:
 class Watchdog:
     """Deadlines of device-waited rounds (see the module docstring). Thread-safe.
 
-    ``on_fire(error, group)`` runs on the watchdog thread when a round misses its deadline;
-    ``clock`` is ``time.perf_counter`` (the channels' deadlines use it).
+    ``on_fire(error, group)`` runs on the watchdog thread when a round misses its deadline.
+    ``clock``: the seconds deadlines are in (``time.perf_counter``; ``P2PChannel`` reads
+    :attr:`clock` for its device-waited deadlines). ``thread=False`` starts no thread: the owner
+    drives it with :meth:`fire_due` (tests do, with a fake clock, so no assertion races the
+    machine's load).
     """
 
-    def __init__(self, on_fire: Callable[[CommunicationError, object], None] = _default_on_fire) -> None:
+    def __init__(self, on_fire: Callable[[CommunicationError, object], None] = _default_on_fire, *,
+                 clock: Callable[[], float] = time.perf_counter, thread: bool = True) -> None:  # fmt: skip
         self._on_fire = on_fire
+        self.clock = clock
+        self._threaded = thread
         self._heap: list[_Entry] = []
         self._seq = itertools.count()
         self._cond = threading.Condition()
@@ -93,7 +99,7 @@ class Watchdog:
     # ---------------------------------------------------------------- training thread
     def watch(self, works: Sequence[object], deadline: float, error: Callable[[], CommunicationError],
               group: object = None) -> None:  # fmt: skip
-        """File one round: ``works`` must all complete by ``deadline`` (``time.perf_counter``),
+        """File one round: ``works`` must all complete by ``deadline`` (in :attr:`clock` seconds),
         else ``error()`` (called on the watchdog thread) is raised by the next :meth:`check`."""
         entry = _Entry(float(deadline), next(self._seq), tuple(works), error, group)
         with self._cond:
@@ -103,6 +109,8 @@ class Watchdog:
             earliest = self._heap[0].deadline if self._heap else None
             heapq.heappush(self._heap, entry)
             self.rounds_filed += 1
+            if not self._threaded:
+                return
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=_run, args=(weakref.ref(self),), name="hsap-watchdog", daemon=True)
                 self._thread.start()
@@ -119,7 +127,7 @@ class Watchdog:
 
     def wait_fired(self, timeout_s: float) -> CommunicationError | None:
         """Block until a round fires or ``timeout_s`` passes; the error (not cleared) or None."""
-        end = time.perf_counter() + timeout_s
+        end = time.perf_counter() + timeout_s  # a real wait, whatever clock the deadlines use
         with self._cond:
             while self._fired is None:
                 left = end - time.perf_counter()
@@ -146,11 +154,19 @@ class Watchdog:
                     self._thread = None  # decided under the lock: the next watch() starts a new one
                     return False
                 return True
-            left = self._heap[0].deadline - time.perf_counter()
+            left = self._heap[0].deadline - self.clock()
             if left > 0:
                 self._cond.wait(timeout=left)
                 self.wakeups += 1
-            now = time.perf_counter()
+        self.fire_due()
+        return True
+
+    def fire_due(self) -> int:
+        """Check every round whose deadline has passed on :attr:`clock`: each work is asked
+        ``is_completed()`` once; a round still incomplete fires. The number of rounds checked."""
+        due: list[_Entry] = []
+        with self._cond:
+            now = self.clock()
             while self._heap and self._heap[0].deadline <= now:
                 due.append(heapq.heappop(self._heap))
         for entry in due:
@@ -165,7 +181,7 @@ class Watchdog:
                     self._fired = err
                 self._cond.notify_all()
             self._on_fire(err, entry.group)
-        return True
+        return len(due)
 
 
 def _all_done(works: Sequence[object]) -> bool:

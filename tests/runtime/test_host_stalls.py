@@ -170,31 +170,67 @@ class _Work:
         return self.done
 
 
+class _Clock:
+    """A fake clock the test advances by hand: no assertion depends on the machine's load."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def test_watchdog_drops_completed_rounds_and_fires_only_late_ones():
     fired: list[str] = []
-    dog = Watchdog(on_fire=lambda err, g: fired.append(str(err)))
-    now = time.perf_counter()
+    clock = _Clock()
+    dog = Watchdog(on_fire=lambda err, g: fired.append(str(err)), clock=clock, thread=False)
     done, late = _Work(True), _Work(False)
-    # Deadlines far enough out that a loaded machine cannot pass them before the check below.
-    dog.watch([done], now + 2.0, lambda: CommunicationError("round 1 late"))
-    dog.watch([late], now + 4.0, lambda: CommunicationError("round 2 late"))
+    dog.watch([done], clock.now + 2.0, lambda: CommunicationError("round 1 late"))
+    dog.watch([late], clock.now + 4.0, lambda: CommunicationError("round 2 late"))
     dog.check()  # nothing fired yet: check is a no-op (nor does watch query the works)
-    assert done.queries == 0 and late.queries == 0
-    err = dog.wait_fired(20.0)
-    assert str(err) == "round 2 late" and fired == ["round 2 late"]
+    assert dog.fire_due() == 0 and done.queries == 0 and late.queries == 0  # nothing due yet
+    clock.now += 2.5
+    assert dog.fire_due() == 1 and fired == [] and dog.pending == 1  # round 1 completed: dropped
+    assert done.queries == 1 and late.queries == 0
+    dog.check()  # still nothing to raise
+    clock.now += 2.0
+    assert dog.fire_due() == 1
+    assert fired == ["round 2 late"] and str(dog.wait_fired(0.0)) == "round 2 late"
     assert dog.pending == 0 and done.queries == 1 and late.queries == 1  # each asked once, at its deadline
     with pytest.raises(CommunicationError, match="round 2 late"):
         dog.check()
     dog.check()  # reported once
+    assert dog.fire_due() == 0 and fired == ["round 2 late"]
+
+
+def test_watchdog_thread_fires_on_the_injected_clock():
+    # the thread path with a clock already past the deadline: it fires without sleeping on it
+    fired: list[str] = []
+    clock = _Clock()
+    dog = Watchdog(on_fire=lambda err, g: fired.append(str(err)), clock=clock)
+    dog.watch([_Work(False)], clock.now - 1.0, lambda: CommunicationError("overdue"))
+    assert str(dog.wait_fired(60.0)) == "overdue" and fired == ["overdue"]
 
 
 def test_watchdog_prunes_completed_rounds_when_many_are_filed(monkeypatch):
     monkeypatch.setattr(watchdog_mod, "_PRUNE_AT", 8)
+    clock = _Clock()
+    dog = Watchdog(on_fire=lambda err, g: None, clock=clock, thread=False)
+    works = [_Work(True) for _ in range(50)]
+    for w in works:
+        dog.watch([w], clock.now + 3600.0, lambda: CommunicationError("never"))
+    assert dog.pending <= 8 and dog.rounds_filed == 50
+    assert all(w.queries <= 1 for w in works[:-1]) and works[-1].queries == 0  # pruning asks each once
+    left = dog.pending
+    clock.now += 3601.0
+    assert dog.fire_due() == left and dog.pending == 0  # the survivors are checked at their deadline
+
+
+def test_watchdog_thread_sleeps_while_nothing_is_due():
     dog = Watchdog(on_fire=lambda err, g: None)
     far = time.perf_counter() + 3600.0
-    for i in range(50):
+    for _ in range(20):
         dog.watch([_Work(True)], far, lambda: CommunicationError("never"))
-    assert dog.pending <= 8 and dog.rounds_filed == 50
     assert dog.wakeups == 0  # filing rounds with later deadlines never wakes the thread
 
 
