@@ -29,7 +29,7 @@ import numpy as np
 from megatron_hsap.plan.codegen import Message
 from megatron_hsap.plan.costs import HeadShape
 from megatron_hsap.plan.hardware import Hardware, LinkClass
-from megatron_hsap.plan.ir import Unit, Wire
+from megatron_hsap.plan.ir import Phase, Unit, Wire
 from megatron_hsap.plan.placement import CostRates
 from megatron_hsap.plan.schedule import StagedBlocks
 from megatron_hsap.plan.units import WorkUnit
@@ -145,10 +145,11 @@ class BlockGroups:
                    home_k, _rows_again(rank[home_k], ka[home_k], kb[home_k], span))
 
 
-def block_costs(a: np.ndarray, size: int, n: int, rates: CostRates, phase: str, groups: BlockGroups | None = None) -> BlockCosts:
+def block_costs(a: np.ndarray, size: int, n: int, rates: CostRates, phase: Phase | str, groups: BlockGroups | None = None) -> BlockCosts:
     """Price the blocks ``a`` (``_arrays`` rows) of one phase on a ``[size, n]`` grid (see the
     module docstring; ``sim/hsap.py`` charges the same terms event by event); ``groups``:
     ``BlockGroups.of(a, size, n)`` when the caller prices both phases."""
+    phase = Phase(phase)
     kern = np.zeros((size, n))
     fixed = np.zeros((size, n))
     launch = np.zeros(size)
@@ -159,21 +160,21 @@ def block_costs(a: np.ndarray, size: int, n: int, rates: CostRates, phase: str, 
     nq, nk = qb - qa, kb - ka
     k = rates.kernel
     assert k is not None
-    fpp = rates.fpp_fwd if phase == "fwd" else rates.fpp_bwd
+    fpp = rates.fpp_fwd if phase == Phase.FWD else rates.fpp_bwd
     w = np.maximum(work, 1).astype(np.float64)
     secs = work * fpp / k.rate(nq, nk, phase, rates.group, w)
     cell = g.cell
     _acc(kern, cell, secs)
     _acc(fixed, g.gcell, k.launch_s)
     _acc(launch, g.gcell // n, k.launch_s)
-    if phase != "fwd" and k.cta_s > 0:  # FA3's backward grid: ⌈max kv / 128⌉ × heads CTAs per block
+    if phase != Phase.FWD and k.cta_s > 0:  # FA3's backward grid: ⌈max kv / 128⌉ × heads CTAs per block
         _acc(fixed, g.gcell, k.cta_s * np.ceil(g.maxk / 128.0) * rates.heads * g.count)
-    if phase != "fwd" and k.gqa_dkv_accum and rates.group > 1:
+    if phase != Phase.FWD and k.gqa_dkv_accum and rates.group > 1:
         T = float(k.tile or 128)
         _acc(fixed, cell, np.ceil(nk / T) * rates.heads * T * rates.accum_row / rates.hbm_bw)
     home_q = g.home_q
     away_q = ~home_q
-    if phase == "fwd":  # o rows merged into the q owner's accumulator
+    if phase == Phase.FWD:  # o rows merged into the q owner's accumulator
         _acc(fixed, cell[home_q], g.again_q * rates.merge_o)
         _acc(fixed, qo[away_q] * n + np.minimum(stg[away_q] + 1, n - 1), nq[away_q] * rates.merge_o)
     else:  # dq into the q owner's, dk/dv into the kv owner's fp32 gradients
@@ -215,21 +216,22 @@ def _both(a: np.ndarray) -> np.ndarray:
     return a.sum(axis=0) if a.ndim == 3 else a
 
 
-def _compute(units, work_grid: np.ndarray, size: int, n: int, rates: CostRates, phase: str, sent: np.ndarray,
+def _compute(units, work_grid: np.ndarray, size: int, n: int, rates: CostRates, phase: Phase, sent: np.ndarray,
              recv: np.ndarray, a: np.ndarray | None = None, groups: BlockGroups | None = None) -> tuple[np.ndarray, float]:
     """[P, n] compute seconds of ``units`` (flat when ``rates`` has no kernel) and the launch seconds
     of the rank with the most."""
     if rates.kernel is None:
-        return work_grid * (rates.sec_fwd if phase == "fwd" else rates.sec_bwd), 0.0
+        return work_grid * (rates.sec_fwd if phase == Phase.FWD else rates.sec_bwd), 0.0
     bc = block_costs(_arrays(units) if a is None else a, size, n, rates, phase, groups)
     return bc.seconds(sent, recv, rates.overlap_slowdown), float(bc.launch.max(initial=0.0))
 
 
 def phase_time(units: list[Unit], msgs: list[Message] | tuple[Message, ...], size: int, sec_per_pair: float, bw: float,
-               latency: float, *, rates: CostRates | None = None, phase: str = "fwd") -> PhaseTime:
+               latency: float, *, rates: CostRates | None = None, phase: Phase | str = Phase.FWD) -> PhaseTime:
     """The estimate of one phase of staged ``units`` and the messages codegen emitted for them.
     With ``rates`` (carrying the kernel model) compute is priced by block shape (``block_costs``);
     without it, ``work × sec_per_pair``."""
+    phase = Phase(phase)
     stages = 1 + max((u.stage for u in units), default=0)
     grid = np.zeros((size, stages + 1))
     work = np.zeros(size, dtype=np.int64)
@@ -320,8 +322,8 @@ def quick_price(units: list[Unit], size: int, rates: CostRates, latency: float) 
     a = _arrays(units)
     sf, rf, sb, rb = _traffic(a, size, n, rates)
     g = BlockGroups.of(a, size, n) if rates.kernel is not None and len(a) else None
-    fwd, _ = _total(_compute(units, work, size, n, rates, "fwd", _both(sf), _both(rf), a, g)[0], sf, rf, rates.bw, latency, rates.nvl_bw)
-    bwd, _ = _total(_compute(units, work, size, n, rates, "bwd", _both(sb), _both(rb), a, g)[0], sb, rb, rates.bw, latency, rates.nvl_bw)
+    fwd, _ = _total(_compute(units, work, size, n, rates, Phase.FWD, _both(sf), _both(rf), a, g)[0], sf, rf, rates.bw, latency, rates.nvl_bw)
+    bwd, _ = _total(_compute(units, work, size, n, rates, Phase.BWD, _both(sb), _both(rb), a, g)[0], sb, rb, rates.bw, latency, rates.nvl_bw)
     return fwd, bwd
 
 
@@ -337,7 +339,7 @@ def price_staging(st: StagedBlocks, size: int, rates: CostRates, latency: float)
         bwd, _ = _total(work * rates.sec_bwd, sb, rb, rates.bw, latency, rates.nvl_bw)
         return fwd + bwd
     out = 0.0
-    for phase, s_, r_, bc in (("fwd", sf, rf, costs[0]), ("bwd", sb, rb, costs[1])):
+    for phase, s_, r_, bc in ((Phase.FWD, sf, rf, costs[0]), (Phase.BWD, sb, rb, costs[1])):
         spp, fixed_local = _local_rates(st, size, rates, phase)
         kern = bc.kernel.copy()
         kern[:, : st.stages] += st.local_budget * spp[:, None]
@@ -365,7 +367,7 @@ def _remote_prices(st: StagedBlocks, size: int, n: int, rates: CostRates) -> tup
     costs: tuple = ()
     if rates.kernel is not None:
         g = BlockGroups.of(a, size, n) if len(a) else None
-        costs = (block_costs(a, size, n, rates, "fwd", g), block_costs(a, size, n, rates, "bwd", g))
+        costs = (block_costs(a, size, n, rates, Phase.FWD, g), block_costs(a, size, n, rates, Phase.BWD, g))
     out = (sf, rf, sb, rb, costs)
     if key is not None:
         st.memo[key] = (rates, size, out)
@@ -375,7 +377,7 @@ def _remote_prices(st: StagedBlocks, size: int, n: int, rates: CostRates) -> tup
 _LOCAL_MEMO: dict[tuple[int, str], tuple[object, CostRates, str, tuple[np.ndarray, np.ndarray]]] = {}
 
 
-def _local_rates(st: StagedBlocks, size: int, rates: CostRates, phase: str) -> tuple[np.ndarray, np.ndarray]:
+def _local_rates(st: StagedBlocks, size: int, rates: CostRates, phase: Phase) -> tuple[np.ndarray, np.ndarray]:
     """``_local_rates_of`` memoised on the staging's local blocks (every staging of one split shares
     the same tuple; the memo holds it, so an identity check is safe)."""
     hit = _LOCAL_MEMO.get((id(st.local), phase))
@@ -388,10 +390,10 @@ def _local_rates(st: StagedBlocks, size: int, rates: CostRates, phase: str) -> t
     return out
 
 
-def _local_rates_of(st: StagedBlocks, size: int, rates: CostRates, phase: str) -> tuple[np.ndarray, np.ndarray]:
+def _local_rates_of(st: StagedBlocks, size: int, rates: CostRates, phase: Phase) -> tuple[np.ndarray, np.ndarray]:
     """Per rank: kernel seconds per pair of its local blocks (their shapes before pouring) and
     their merge seconds (launches excluded: pouring decides the calls)."""
-    spp = np.full(size, rates.sec_fwd if phase == "fwd" else rates.sec_bwd)
+    spp = np.full(size, rates.sec_fwd if phase == Phase.FWD else rates.sec_bwd)
     fixed = np.zeros(size)
     locs = [u for loc in st.local for u in loc]
     if not locs:
@@ -439,7 +441,7 @@ def ideal_compute(doc_lengths: np.ndarray, doc_work: np.ndarray, size: int, rate
     keep = work > 0
     n, work = n[keep], work[keep]
     k = rates.kernel
-    t = (work * rates.fpp_fwd / k.rate(n, n, "fwd", rates.group, work)).sum() + (work * rates.fpp_bwd / k.rate(n, n, "bwd", rates.group, work)).sum()
+    t = (work * rates.fpp_fwd / k.rate(n, n, Phase.FWD, rates.group, work)).sum() + (work * rates.fpp_bwd / k.rate(n, n, Phase.BWD, rates.group, work)).sum()
     return float(t) / size
 
 

@@ -19,6 +19,7 @@ from typing import Protocol
 
 import numpy as np
 
+from megatron_hsap.plan.ir import Phase
 from megatron_hsap.plan.window import staircase_pairs
 
 
@@ -79,14 +80,16 @@ class KernelModel:
     mblock_overhead: float = 0.8
     gqa_dkv_accum: bool = False  # FA3 backward's fp32 dK/dV atomics per q head (gqa_accum_time)
 
-    def rows(self, nq: np.ndarray | int, group: int, phase: str) -> np.ndarray | int:
+    def rows(self, nq: np.ndarray | int, group: int, phase: Phase | str) -> np.ndarray | int:
         """Tile rows a block of ``nq`` q tokens fills (``group`` = q heads per kv head)."""
-        return nq * group if (self.pack_gqa and phase == "fwd" and group > 1) else nq
+        phase = Phase(phase)
+        return nq * group if (self.pack_gqa and phase is Phase.FWD and group > 1) else nq
 
     def efficiency(self, nq: np.ndarray | int, nk: np.ndarray | int, pairs: np.ndarray | None = None,
-                   phase: str = "fwd", group: int = 1) -> np.ndarray:
+                   phase: Phase | str = Phase.FWD, group: int = 1) -> np.ndarray:
         """Kernel efficiency in (0, 1] of blocks ``[n]`` (``nq`` q tokens, ``nk`` keys, ``pairs``
         unmasked (q, k) pairs; ``pairs`` None means a full block). Arrays broadcast."""
+        phase = Phase(phase)
         nq = np.maximum(1.0, np.asarray(nq, dtype=np.float64))
         nk = np.maximum(1.0, np.asarray(nk, dtype=np.float64))
         if self.tile <= 0:
@@ -94,30 +97,31 @@ class KernelModel:
             return n / (n + self.curve.half_rate_tokens)
         T = float(self.tile)
         pr = nq * nk if pairs is None else np.maximum(1.0, np.asarray(pairs, dtype=np.float64))
-        g = group if (self.pack_gqa and phase == "fwd" and group > 1) else 1
+        g = group if (self.pack_gqa and phase is Phase.FWD and group > 1) else 1
         m = np.ceil(nq * g / T)
         per_row = np.clip(pr / nq / T + 0.5, 1.0, np.ceil(nk / T))
         return np.minimum(1.0, pr * g / ((m * (per_row + self.mblock_overhead)) * T * T))
 
-    def rate(self, nq: np.ndarray | int, nk: np.ndarray | int, phase: str, group: int = 1,
+    def rate(self, nq: np.ndarray | int, nk: np.ndarray | int, phase: Phase | str, group: int = 1,
              pairs: np.ndarray | None = None) -> np.ndarray:
-        peak = self.fwd_peak if phase == "fwd" else self.bwd_peak
+        peak = self.fwd_peak if Phase(phase) is Phase.FWD else self.bwd_peak
         return peak * self.efficiency(nq, nk, pairs, phase, group)
 
-    def blocks_time(self, nq: np.ndarray, nk: np.ndarray, flops: np.ndarray, phase: str, group: int = 1,
+    def blocks_time(self, nq: np.ndarray, nk: np.ndarray, flops: np.ndarray, phase: Phase | str, group: int = 1,
                     pairs: np.ndarray | None = None) -> float:
         """Seconds for blocks ``[n]`` of ``flops`` each (``pairs`` each), without any launch cost."""
         if len(flops) == 0:
             return 0.0
         return float((np.asarray(flops, dtype=np.float64) / self.rate(nq, nk, phase, group, pairs)).sum())
 
-    def blocks_time_py(self, blocks: list[tuple[int, int, float, float]], phase: str, group: int = 1) -> float:
+    def blocks_time_py(self, blocks: list[tuple[int, int, float, float]], phase: Phase | str, group: int = 1) -> float:
         """``blocks_time`` for a short list of ``(nq, nk, flops, pairs)`` without numpy overhead
         (the same formulas, term by term)."""
         if not blocks:
             return 0.0
-        peak = self.fwd_peak if phase == "fwd" else self.bwd_peak
-        g = group if (self.pack_gqa and phase == "fwd" and group > 1) else 1
+        phase = Phase(phase)
+        peak = self.fwd_peak if phase is Phase.FWD else self.bwd_peak
+        g = group if (self.pack_gqa and phase is Phase.FWD and group > 1) else 1
         total = 0.0
         if self.tile <= 0:
             half = self.curve.half_rate_tokens
@@ -135,23 +139,23 @@ class KernelModel:
             total += flops / (peak * eff)
         return total
 
-    def grid_time(self, max_nq: float, max_nk: float, n_blocks: int, heads: int, phase: str) -> float:
+    def grid_time(self, max_nq: float, max_nk: float, n_blocks: int, heads: int, phase: Phase | str) -> float:
         """Scheduling cost of a varlen *backward* call's grid: FlashAttention-3's backward sizes it
         by the longest kv block, ``⌈max_nk / 128⌉ × heads × n_blocks`` CTAs, most of which exit at
         once when blocks differ in length (its forward walks only real tiles with a varlen-aware
         persistent scheduler: no cost). ``cta_s`` per CTA (averaged over the SMs) is fitted in
         ``sim/calibrate.py``; 0 leaves the model as before."""
-        if self.cta_s <= 0 or n_blocks == 0 or phase == "fwd":
+        if self.cta_s <= 0 or n_blocks == 0 or Phase(phase) is Phase.FWD:
             return 0.0
         return self.cta_s * float(np.ceil(max_nk / 128.0)) * heads * n_blocks
 
-    def gqa_accum_time(self, nk: np.ndarray, shape: "HeadShapeLike", phase: str, hbm_bw: float) -> float:
+    def gqa_accum_time(self, nk: np.ndarray, shape: "HeadShapeLike", phase: Phase | str, hbm_bw: float) -> float:
         """FlashAttention-3's backward with GQA (``gqa_dkv_accum``): every (kv tile, q head) CTA
         adds its fp32 dK/dV partial (tile × (d + dv) × 4 bytes) into the per-kv-head accumulator
         with atomics (hopper/epilogue_bwd.hpp ``CollectiveEpilogueBwdGQA``), a read-modify-write in
         HBM once the accumulator exceeds L2. Negligible for long blocks (the CTA's own work
         dwarfs it), dominant for skinny ones (a few q rows against many keys). ``nk``: ``[n]``."""
-        if not self.gqa_dkv_accum or phase == "fwd" or shape.num_heads <= shape.num_kv_heads or len(nk) == 0:
+        if not self.gqa_dkv_accum or Phase(phase) is Phase.FWD or shape.num_heads <= shape.num_kv_heads or len(nk) == 0:
             return 0.0
         T = float(self.tile or 128)
         tiles = float(np.ceil(np.asarray(nk, dtype=np.float64) / T).sum())
@@ -175,7 +179,7 @@ class KernelModel:
         curve (``tile`` 0) has no tiles: 16 rows. Cached per model."""
         return _min_block_rows(self, loss, keys)
 
-    def call_time(self, nq: np.ndarray, nk: np.ndarray, flops: np.ndarray, phase: str) -> float:
+    def call_time(self, nq: np.ndarray, nk: np.ndarray, flops: np.ndarray, phase: Phase | str) -> float:
         """One varlen kernel call over several document blocks (``[n]`` arrays)."""
         return self.curve.launch_s + self.blocks_time(nq, nk, flops, phase)
 

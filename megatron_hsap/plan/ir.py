@@ -24,6 +24,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from megatron_hsap.errors import ConfigError
 from megatron_hsap.plan.window import banded_pairs, kernel_window
 
 __all__ = [
@@ -62,9 +63,22 @@ class Wire(str, enum.Enum):
     DKV = "dkv"  # fp32, dk [n, hkv, d] then dv [n, hkv, dv]
 
 
-class Phase(str, enum.Enum):
+class Phase(enum.StrEnum):
+    """The one phase vocabulary (docs/design.md §1): forward and backward.
+
+    A ``StrEnum``, so a member formats, prints, hashes and compares as its value (``f"{Phase.FWD}"``
+    is ``"fwd"``, ``Phase.FWD == "fwd"``): CSV labels, plan dumps, fingerprints and dict lookups by
+    the string stay byte-identical. ``Phase("fwd")`` converts a user's string; any other value
+    raises ``ConfigError`` naming the allowed ones.
+    """
+
     FWD = "fwd"
     BWD = "bwd"
+
+    @classmethod
+    def _missing_(cls, value: object) -> Phase:
+        allowed = ", ".join(repr(m.value) for m in cls)
+        raise ConfigError(f"phase must be one of {allowed} (or Phase.FWD / Phase.BWD), got {value!r}")
 
 
 class PhaseWires(NamedTuple):

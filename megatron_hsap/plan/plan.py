@@ -76,8 +76,8 @@ def _build(name: str, units: list[Unit], size: int, shape: HeadShape, capacity: 
     units = sorted(units, key=lambda u: (u.rank, u.stage, u.rank == u.q_owner, u.q.start, u.kv.start))
     fwd = generate(units, Phase.FWD, size, shape, capacity, 0)
     bwd = generate(units, Phase.BWD, size, shape, capacity, fwd.rounds)
-    ft = phase_time(units, fwd.messages, size, rates.sec_fwd, rates.bw, latency, rates=rates, phase="fwd")
-    bt = phase_time(units, bwd.messages, size, rates.sec_bwd, rates.bw, latency, rates=rates, phase="bwd")
+    ft = phase_time(units, fwd.messages, size, rates.sec_fwd, rates.bw, latency, rates=rates, phase=Phase.FWD)
+    bt = phase_time(units, bwd.messages, size, rates.sec_bwd, rates.bw, latency, rates=rates, phase=Phase.BWD)
     return ChosenCandidate(name, tuple(units), fwd, bwd, ft, bt, budget)
 
 

@@ -41,6 +41,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from megatron_hsap.errors import BatchError, ConfigError, RuntimeMismatchError
+from megatron_hsap.plan.ir import Phase
 from megatron_hsap.plan.lru import LRUCache
 from megatron_hsap.runtime.consistency import fingerprint_mismatch
 from megatron_hsap.runtime.env import read_env
@@ -69,8 +70,8 @@ class HSAPRunner:
     intra: dist.ProcessGroup | None
     inter: dist.ProcessGroup | None
     debug: bool
-    a2a_bytes_sent: dict[str, int] = field(default_factory=lambda: {"fwd": 0, "bwd": 0})
-    a2a_s: dict[str, float] = field(default_factory=lambda: {"fwd": 0.0, "bwd": 0.0})
+    a2a_bytes_sent: dict[Phase, int] = field(default_factory=lambda: {Phase.FWD: 0, Phase.BWD: 0})
+    a2a_s: dict[Phase, float] = field(default_factory=lambda: {Phase.FWD: 0.0, Phase.BWD: 0.0})
 
     @property
     def intra_size(self) -> int:
@@ -86,10 +87,10 @@ class HSAPRunner:
 
     def reset_stats(self) -> None:
         self.executor.reset_stats()
-        self.a2a_bytes_sent = {"fwd": 0, "bwd": 0}
-        self.a2a_s = {"fwd": 0.0, "bwd": 0.0}
+        self.a2a_bytes_sent = {Phase.FWD: 0, Phase.BWD: 0}
+        self.a2a_s = {Phase.FWD: 0.0, Phase.BWD: 0.0}
 
-    def exchange(self, recv: Tensor, send: Tensor, phase: str, stage: str) -> Exchange:
+    def exchange(self, recv: Tensor, send: Tensor, phase: Phase, stage: str) -> Exchange:
         """Issue one intra all-to-all of ``send`` into ``recv`` (asynchronous), counting the bytes
         this rank sends: all but its own ``1/P`` block."""
         t0 = time.perf_counter()
@@ -98,7 +99,7 @@ class HSAPRunner:
         self.a2a_s[phase] += time.perf_counter() - t0
         return x
 
-    def wait(self, x: Exchange, phase: str) -> Tensor:
+    def wait(self, x: Exchange, phase: Phase) -> Tensor:
         """Wait one exchange under the deadline (``Exchange.wait``); host seconds into ``a2a_s``."""
         t0 = time.perf_counter()
         out = x.wait()
@@ -113,9 +114,9 @@ class HSAPRunner:
     def agree_intra(self, device: torch.device) -> None:
         """The intra group's plan handshake before the first all-to-all (cached per plan)."""
         if self.intra_size > 1:
-            agree(self.plan, self.intra, "intra", "fwd", timeout_s=self.timeout_s, device=device)
+            agree(self.plan, self.intra, "intra", Phase.FWD, timeout_s=self.timeout_s, device=device)
 
-    def _a2a(self, fn: Any, x: Tensor, phase: str) -> Tensor:
+    def _a2a(self, fn: Any, x: Tensor, phase: Phase) -> Tensor:
         p = self.intra_size
         t0 = time.perf_counter()
         self.a2a_bytes_sent[phase] += x.numel() * x.element_size() * (p - 1) // p  # my own slice stays
@@ -152,7 +153,7 @@ def runner_for(plan: "Plan", *, intra_group: dist.ProcessGroup | None = None,
     return _runner(plan, intra, inter, device)
 
 
-def _pipeline(runner: HSAPRunner, phase: str, ins: Sequence[tuple[Tensor, Tensor]], backs: Sequence[Tensor],
+def _pipeline(runner: HSAPRunner, phase: Phase, ins: Sequence[tuple[Tensor, Tensor]], backs: Sequence[Tensor],
               compute: Callable[[int], Sequence[Tensor]]) -> None:  # fmt: skip
     """Run ``compute(c)`` for every head chunk ``c < C = plan.head_chunks`` with the intra
     all-to-alls pipelined around it (docs/design.md §2.2).
@@ -231,7 +232,7 @@ class HSAPAttention(torch.autograd.Function):
             lses.append(lse)
             return [oc]
 
-        _pipeline(runner, "fwd", list(zip(sends, recvs)), [back], compute)
+        _pipeline(runner, Phase.FWD, list(zip(sends, recvs)), [back], compute)
         ctx.save_for_backward(*recvs, sinks, *outs, *lses)
         ctx.runner, ctx.scale, ctx.num_kv_heads, ctx.heads, ctx.chunks = runner, scale, k.shape[1], heads, chunks
         return unchunk_returned(back)  # [t, H, dv]
@@ -257,7 +258,7 @@ class HSAPAttention(torch.autograd.Function):
                 dsinks_h[c * hc : (c + 1) * hc] = sink_grad(doc, outs[c], lses[c], sinks[ctx.heads][c * hc : (c + 1) * hc])
             return sap_backward(runner.executor, doc, qc, kc, vc, outs[c], lses[c], ctx.scale)
 
-        _pipeline(runner, "bwd", [(send, recv)], backs, compute)
+        _pipeline(runner, Phase.BWD, [(send, recv)], backs, compute)
         dq = unchunk_returned(backs[0])
         # Replicated kv heads: their gradients come back in the activation dtype, summed in fp32.
         dk = sum_kv_grad_for_intra(unchunk_returned(backs[1]).float(), ctx.num_kv_heads).to(kh.dtype)

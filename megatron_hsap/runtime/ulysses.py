@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from megatron_hsap.errors import CommunicationError, ConfigError, RuntimeMismatchError
 from megatron_hsap.plan.checks import positive_int
+from megatron_hsap.plan.ir import Phase
 from megatron_hsap.plan.options import kv_heads_per_rank
 from megatron_hsap.runtime.p2p import group_ranks, wait_collective
 from megatron_hsap.runtime.watchdog import WATCHDOG
@@ -177,7 +178,7 @@ def ulysses_bytes(
     v = a2a_bytes(tokens, hx, dv, p, b)
     o = a2a_bytes(tokens, num_heads, dv, p, b)
     fwd, bwd = q + k + v + o, o + q + k + v  # bwd: dO, then dq, dk, dv (same shapes)
-    return {"fwd": fwd, "bwd": bwd, "total": fwd + bwd}
+    return {Phase.FWD: fwd, Phase.BWD: bwd, "total": fwd + bwd}
 
 
 # --------------------------------------------------------------------------- all-to-all
