@@ -19,14 +19,16 @@ from __future__ import annotations
 
 import numpy as np
 
+from megatron_hsap.plan.ir import Phase
+
 __all__ = ["TERMS", "phase_breakdown"]
 
 TERMS = ("ideal", "kernel_efficiency", "imbalance", "merges", "all_to_all", "latency", "exposed_communication")
 
 
-def phase_breakdown(run: object, phase: str, ideal_s: float, latency_s: float) -> dict[str, float]:
+def phase_breakdown(run: object, phase: Phase | str, ideal_s: float, latency_s: float) -> dict[str, float]:
     """Terms of ``run``'s ``phase`` (a ``PhaseRun`` of ``methods.MethodRun``) in seconds."""
-    pr = run.fwd if phase == "fwd" else run.bwd  # type: ignore[attr-defined]
+    pr = run.fwd if Phase(phase) is Phase.FWD else run.bwd  # type: ignore[attr-defined]
     tl = pr.timeline
     k = int(np.argmax(tl.finish))
     comp = tl.busy("compute")

@@ -14,6 +14,7 @@ from typing import Sequence
 import numpy as np
 
 from megatron_hsap.plan.costs import HeadShape
+from megatron_hsap.plan.ir import Phase
 from megatron_hsap.plan.window import staircase_pairs
 from megatron_hsap.sim.config import SimHardware
 from megatron_hsap.sim.engine import Busy, Collective, Instr, Join, Launch, PostTag, TaggedTransfer, WaitTag, Workload
@@ -51,11 +52,11 @@ class Blocks:
     def work(self) -> float:
         return float(self.pairs.sum())
 
-    def seconds(self, hw: SimHardware, shape: HeadShape, phase: str, launch: bool = True) -> tuple[float, float]:
+    def seconds(self, hw: SimHardware, shape: HeadShape, phase: Phase | str, launch: bool = True) -> tuple[float, float]:
         """(seconds, FLOPs) of one varlen call over these blocks on ``shape``'s heads."""
         if self.empty:
             return 0.0, 0.0
-        fpp = shape.fwd_flops_per_pair if phase == "fwd" else shape.bwd_flops_per_pair
+        fpp = shape.fwd_flops_per_pair if phase == Phase.FWD else shape.bwd_flops_per_pair
         flops = self.pairs * fpp
         t = hw.kernel.blocks_time(self.nq, self.nk, flops, phase, shape.num_heads // max(1, shape.num_kv_heads), self.pairs)
         t += hw.kernel.grid_time(float(self.nq.max()), float(self.nk.max()), len(self.pairs), shape.num_heads, phase)
@@ -114,7 +115,7 @@ class Builder:
         """Block ``rank`` until side-stream item ``tag`` is done (engine ``Join``)."""
         self.progs[rank].append(Join(tag))
 
-    def kernel(self, rank: int, blocks: Blocks, hw: SimHardware, shape: HeadShape, phase: str, label: str = "") -> float:
+    def kernel(self, rank: int, blocks: Blocks, hw: SimHardware, shape: HeadShape, phase: Phase | str, label: str = "") -> float:
         """Append one varlen attention call; returns its seconds. While a posted transfer of this
         rank is in flight, the kernel shares SMs and HBM with NCCL: ``hw.overlap_slowdown``; the
         engine applies the same factor to the part that overlaps a side-stream all-to-all."""
@@ -124,7 +125,7 @@ class Builder:
         self.busy(rank, t, "compute", label, f, hw.overlap_slowdown)  # and while a side-stream all-to-all runs
         return t
 
-    def fa3_wrapper(self, rank: int, nq: float, nk: float, shape: HeadShape, phase: str, hw: SimHardware) -> None:
+    def fa3_wrapper(self, rank: int, nq: float, nk: float, shape: HeadShape, phase: Phase | str, hw: SimHardware) -> None:
         """The unpad / pad copies around one kernel call of MagiAttention's FA3 wrappers
         (``SimHardware.fa3_wrapper_copies``) for ``nq`` q and ``nk`` kv tokens of ``shape``'s heads:
         each gather reads and writes its tensor (2×), each pad zero-fills, then scatters (3×).
@@ -136,7 +137,7 @@ class Builder:
         o = nq * shape.num_heads * shape.head_dim_v * b
         lse = nq * shape.num_heads * 4
         kv = nk * shape.num_kv_heads * (shape.head_dim + shape.head_dim_v) * b
-        if phase == "fwd":
+        if phase == Phase.FWD:
             nbytes = 2 * (q + kv) + 3 * (o + lse)
         else:
             nbytes = 2 * (q + 2 * o + lse + kv) + 3 * (q + kv)

@@ -37,6 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
+from megatron_hsap.plan.ir import Phase
 from megatron_hsap.sim import paper
 from megatron_hsap.sim.config import SimHardware, sim_hardware
 from megatron_hsap.sim.methods import run_method
@@ -48,10 +49,10 @@ __all__ = ["CalPoint", "simulate_points", "fit", "calibrate", "TOLERANCE", "PARA
 TOLERANCE = 0.20  # the issue's "within 20% per point"
 DEFAULT_SEEDS = 10  # batches per published point (the mean of TFLOP/s, as MagiAttention averages its masks)
 PARAMS = {  # fitted constant -> the (method, phase) 8-GPU points that fit it
-    "a2a_efficiency": (("ulysses", "fwd"), ("usp", "fwd")),
-    "collective_efficiency": (("allgather_kv_zigzag", "fwd"),),
-    "cta_s": (("allgather_kv_zigzag", "bwd"),),
-    "te_step_s": (("te_thd_ring", "fwd"),),
+    "a2a_efficiency": (("ulysses", Phase.FWD), ("usp", Phase.FWD)),
+    "collective_efficiency": (("allgather_kv_zigzag", Phase.FWD),),
+    "cta_s": (("allgather_kv_zigzag", Phase.BWD),),
+    "te_step_s": (("te_thd_ring", Phase.FWD),),
 }
 GRIDS = {"cta_s": np.array([0.0, 0.5, 1, 1.5, 2, 2.5, 3, 3.5, 4, 4.5, 5, 6, 7, 8, 10, 12, 15, 20, 25, 30, 40]) * 1e-9,
          "te_step_s": np.arange(0.0, 1.5001, 0.025) * 1e-3}
@@ -66,9 +67,9 @@ MISSING = {  # keyed by method, or (method, phase) where the phases differ
     "usp": "the THD ring's per-step cost is fitted on ring-p2p at 8 GPUs (NVLink) and assumed the same across nodes",
     "hybrid_cp": "the BalancedCPScheduler's exact grouping (we place largest-first), its barriers' skew; its "
                  "single-sample rings are modelled without the THD ring's per-step cost (with it: ≈ −29% at 64)",
-    ("allgather_kv_zigzag", "fwd"): "NCCL's all-gather across 8 nodes by message size (the rail-aware ring is "
+    ("allgather_kv_zigzag", Phase.FWD): "NCCL's all-gather across 8 nodes by message size (the rail-aware ring is "
                                     "NVLink-bound there at collective_efficiency, fitted at 8)",
-    ("allgather_kv_zigzag", "bwd"): "FA3's varlen backward grid cost (cta_s per empty CTA, fitted at 8) and its "
+    ("allgather_kv_zigzag", Phase.BWD): "FA3's varlen backward grid cost (cta_s per empty CTA, fitted at 8) and its "
                                     "fp32 dK/dV atomics (HBM-bound read-modify-write) at 8× the documents",
 }
 

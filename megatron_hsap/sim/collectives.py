@@ -26,6 +26,7 @@ import numpy as np
 
 from megatron_hsap.baselines.hierarchical import HYBRID_TOKENS_PER_RANK, hybrid_stages
 from megatron_hsap.plan.costs import HeadShape
+from megatron_hsap.plan.ir import Phase
 from megatron_hsap.sim.builder import Blocks, Builder, causal_pairs
 from megatron_hsap.sim.cluster import Cluster
 from megatron_hsap.sim.engine import Workload
@@ -48,7 +49,7 @@ def _zigzag_halves(lengths: np.ndarray, P: int, r: int) -> tuple[Blocks, Blocks]
     return out[0], out[1]
 
 
-def allgather_zigzag_schedule(cu: np.ndarray, cluster: Cluster, shape: HeadShape, phase: str) -> tuple[Workload, list[int]]:
+def allgather_zigzag_schedule(cu: np.ndarray, cluster: Cluster, shape: HeadShape, phase: Phase | str) -> tuple[Workload, list[int]]:
     """See the module docstring; CP ranks 0..P−1 placed contiguously on nodes."""
     hw = cluster.hw
     P = cluster.cp_size
@@ -68,12 +69,12 @@ def allgather_zigzag_schedule(cu: np.ndarray, cluster: Cluster, shape: HeadShape
         for i, t in enumerate(gathers):
             b.collective(r, tags[i], t, "collective", "all-gather k" if i == 0 else "all-gather v")
         b.elementwise(r, 2 * full_kv, hw, "reorder kv")  # read + write the gathered KV
-        if phase == "bwd":
+        if phase == Phase.BWD:
             b.elementwise(r, full_kv, hw, "zero dkv")
         for half, name in ((front, "front half"), (back, "back half")):
             b.fa3_wrapper(r, float(half.nq.sum()), float(lengths.sum()), shape, phase, hw)
             b.kernel(r, half, hw, shape, phase, name)
-        if phase == "bwd":  # each half returns full-length dk, dv (written, then dk.add_: read 2, write 1)
+        if phase == Phase.BWD:  # each half returns full-length dk, dv (written, then dk.add_: read 2, write 1)
             b.elementwise(r, 2 * 4 * full_kv, hw, "dk/dv of both halves")
             b.elementwise(r, 2 * full_kv, hw, "reorder dkv")
             for i, t in enumerate(gathers):
@@ -81,7 +82,7 @@ def allgather_zigzag_schedule(cu: np.ndarray, cluster: Cluster, shape: HeadShape
     return b.build(), ranks
 
 
-def hybrid_cp_schedule(cu: np.ndarray, cluster: Cluster, shape: HeadShape, phase: str) -> tuple[Workload, list[int]]:
+def hybrid_cp_schedule(cu: np.ndarray, cluster: Cluster, shape: HeadShape, phase: Phase | str) -> tuple[Workload, list[int]]:
     """See the module docstring. Ring samples are priced by the TE THD ring schedule on their
     own ``g``-rank sub-cluster (simulated once per distinct (length, g)), then placed as busy
     spans on their ranks; stages end with a barrier (one collective latency)."""

@@ -20,6 +20,7 @@ from typing import Any
 
 from megatron_hsap.errors import ConfigError
 from megatron_hsap.plan.hardware import HeadShapeLike, KernelCurve, KernelModel, LinkClass
+from megatron_hsap.plan.ir import Phase
 from megatron_hsap.sim import constants
 
 __all__ = ["SimHardware", "KernelModel", "sim_hardware", "load_overrides", "reset_overrides", "merge_bytes", "HARDWARE_NAMES"]
@@ -135,12 +136,12 @@ def sim_hardware(name: str) -> SimHardware:
     )
 
 
-def merge_bytes(impl: str, phase: str, key: str | None = None) -> float:
+def merge_bytes(impl: str, phase: Phase | str, key: str | None = None) -> float:
     """HBM bytes per element of one merge (``phase`` fwd) or accumulation (bwd) of ``impl``."""
     table = {**constants.MERGE_BYTES.get(impl, {}), **_MERGE_OVERRIDES.get(impl, {})}
     if not table:
         raise ConfigError(f"unknown implementation {impl!r}; choose one of {', '.join(constants.MERGE_BYTES)}")
-    return float(table.get(key or phase, 0.0))
+    return float(table.get(key or Phase(phase), 0.0))
 
 
 def load_overrides(path: str | Path) -> None:

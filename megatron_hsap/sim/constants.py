@@ -19,6 +19,7 @@ from typing import Any
 # simulator): the tile, the prologue overhead, the launch cost, the peaks derived from the
 # workloads.md rates, the HBM bandwidth and HSAP's merge bytes. This table reads them.
 from megatron_hsap.plan import hardware as _plan_hw
+from megatron_hsap.plan.ir import Phase
 
 HALF_RATE_TOKENS = _plan_hw.HALF_RATE_TOKENS
 TILE = _plan_hw.TILE
@@ -101,11 +102,11 @@ for _hw in HARDWARE.values():
 #       back half, i.e. +8 per element). Backward ``dq += buffer`` (fp32 += bf16): 4+2+4 = 10.
 #   distflashattn: LightSeq's Triton rescale kernel, like TE: 10 / 12.
 MERGE_BYTES: dict[str, dict[str, float]] = {
-    "hsap": {"fwd": _plan_hw.MERGE_FWD_BYTES, "bwd": _plan_hw.MERGE_BWD_BYTES},
-    "fa3": {"fwd": 10.0, "bwd": 12.0},  # MagiAttention's FA3 ring baselines: a fused correction like TE's
-    "te": {"fwd": 10.0, "bwd": 12.0},
-    "ring_flash_attn": {"fwd": 18.0, "bwd": 10.0, "half_index_extra": 8.0},
-    "distflashattn": {"fwd": 10.0, "bwd": 12.0},
+    "hsap": {Phase.FWD: _plan_hw.MERGE_FWD_BYTES, Phase.BWD: _plan_hw.MERGE_BWD_BYTES},
+    "fa3": {Phase.FWD: 10.0, Phase.BWD: 12.0},  # MagiAttention's FA3 ring baselines: a fused correction like TE's
+    "te": {Phase.FWD: 10.0, Phase.BWD: 12.0},
+    "ring_flash_attn": {Phase.FWD: 18.0, Phase.BWD: 10.0, "half_index_extra": 8.0},
+    "distflashattn": {Phase.FWD: 10.0, Phase.BWD: 12.0},
 }
 
 # GPT FLOP model for the non-attention part (Table 4): matmul FLOPs at a fixed fraction of the

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from megatron_hsap.baselines.hierarchical import window_size
 from megatron_hsap.plan.costs import HeadShape
-from megatron_hsap.plan.ir import Wire
+from megatron_hsap.plan.ir import Phase, Wire
 from megatron_hsap.sim.builder import Builder
 from megatron_hsap.sim.cluster import Cluster
 from megatron_hsap.sim.config import merge_bytes
@@ -27,7 +27,7 @@ from megatron_hsap.sim.schedules import RingSteps
 __all__ = ["double_ring_schedule", "window_size"]
 
 
-def double_ring_schedule(steps: RingSteps, shape: HeadShape, cluster: Cluster, gpus: list[int], phase: str, *,
+def double_ring_schedule(steps: RingSteps, shape: HeadShape, cluster: Cluster, gpus: list[int], phase: Phase | str, *,
                          w: int, before: list[float] = (), after: list[float] = ()) -> tuple[Workload, list[int]]:  # type: ignore[assignment]
     """One phase of the double ring over ring ranks ``gpus`` (``steps.blocks[x][s]`` = blocks of
     ring rank x against the KV of ring rank (x−s) mod r, as ``zigzag_steps`` builds them)."""
@@ -37,7 +37,7 @@ def double_ring_schedule(steps: RingSteps, shape: HeadShape, cluster: Cluster, g
     b = Builder(r)
     h, hkv, d, dv = shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.head_dim_v
     kv = steps.local_tokens * shape.token_bytes(Wire.KV)
-    moved = kv if phase == "fwd" else 2 * kv  # backward: KV and dKV (activation dtype) travel together
+    moved = kv if phase == Phase.FWD else 2 * kv  # backward: KV and dKV (activation dtype) travel together
     outer = [b.new_tag() for _ in range(nw)]
     inner = [[b.new_tag() for _ in range(w)] for _ in range(nw)]
     for x in range(r):
@@ -56,8 +56,8 @@ def double_ring_schedule(steps: RingSteps, shape: HeadShape, cluster: Cluster, g
                 blocks = steps.blocks[x][(x - owner) % r]
                 b.kernel(x, blocks, hw, shape, phase, f"window {k} step {i}")
                 if owner != x and not blocks.empty:
-                    width = h * dv * merge_bytes("fa3", "fwd") if phase == "fwd" else (
-                        h * d + hkv * (d + dv)) * merge_bytes("fa3", "bwd")
+                    width = h * dv * merge_bytes("fa3", Phase.FWD) if phase == Phase.FWD else (
+                        h * d + hkv * (d + dv)) * merge_bytes("fa3", Phase.BWD)
                     b.elementwise(x, steps.out_rows[x, (x - owner) % r] * width, hw)
                 if i + 1 < w:
                     b.wait(x, inner[k][i])

@@ -28,7 +28,7 @@ from megatron_hsap.plan.calls import LocalRows, stage_calls
 from megatron_hsap.plan.chunks import chunk_shape
 from megatron_hsap.plan.costs import HeadShape
 from megatron_hsap.plan.options import kv_heads_per_rank
-from megatron_hsap.plan.ir import Accumulate, Compute, Merge, Post as PlanPost, Send, Wait as PlanWait, Wire
+from megatron_hsap.plan.ir import Accumulate, Compute, Merge, Phase, Post as PlanPost, Send, Wait as PlanWait, Wire
 from megatron_hsap.sim.builder import Builder
 from megatron_hsap.sim.cluster import Cluster
 from megatron_hsap.sim.config import merge_bytes
@@ -37,7 +37,7 @@ from megatron_hsap.sim.engine import Workload
 __all__ = ["hsap_workload", "a2a_calls"]
 
 
-def a2a_calls(plan: object, cluster: Cluster, phase: str, chunks: int = 1) -> tuple[list[float], list[float]]:
+def a2a_calls(plan: object, cluster: Cluster, phase: Phase | str, chunks: int = 1) -> tuple[list[float], list[float]]:
     """Seconds of each all-to-all before and after SAP in ``phase`` (empty lists at P_intra 1),
     each for one of ``chunks`` head chunks (1/``chunks`` of the bytes, a whole latency each)."""
     o = plan.options  # type: ignore[attr-defined]
@@ -54,7 +54,7 @@ def a2a_calls(plan: object, cluster: Cluster, phase: str, chunks: int = 1) -> tu
         return cluster.all_to_all_time(members, tokens * heads * dim * b / chunks)
 
     q, k, v, out = call(h, d), call(hkv, d), call(hkv, dv), call(h, dv)
-    if phase == "fwd":
+    if Phase(phase) is Phase.FWD:
         return [q, k, v], [out]
     return [out], [q, k, v]  # dO before; dq, dk, dv after (same shapes as q, k, v)
 
@@ -94,7 +94,7 @@ def _item_merge_bytes(item: object, widths: dict[Wire, float], cov: dict[str, _C
     return total
 
 
-def hsap_workload(plan: object, cluster: Cluster, phase: str) -> tuple[Workload, list[int]]:
+def hsap_workload(plan: object, cluster: Cluster, phase: Phase | str) -> tuple[Workload, list[int]]:
     """Engine workload of one inter group for ``phase`` (``fwd``/``bwd``) and its CP ranks.
 
     ``plan.head_chunks`` = C > 1 (``plan/chunks.py``; ``runtime/hsap.py`` ``_pipeline``): the
@@ -106,7 +106,8 @@ def hsap_workload(plan: object, cluster: Cluster, phase: str) -> tuple[Workload,
     SAP kernels that overlap them run ``1 + overlap_slowdown`` times slower (docs/design.md §2.4)."""
     hw = cluster.hw
     shape = plan.shape  # type: ignore[attr-defined]
-    progs = plan.fwd_programs if phase == "fwd" else plan.bwd_programs  # type: ignore[attr-defined]
+    phase = Phase(phase)
+    progs = plan.fwd_programs if phase == Phase.FWD else plan.bwd_programs  # type: ignore[attr-defined]
     chunks = int(getattr(plan, "head_chunks", 1) or 1) if cluster.intra_size > 1 else 1
     b = Builder(len(progs))
     before, after = a2a_calls(plan, cluster, phase, chunks)
@@ -138,14 +139,14 @@ def hsap_workload(plan: object, cluster: Cluster, phase: str) -> tuple[Workload,
     return b.build(), cluster.inter_group(0)
 
 
-def _sap(b: Builder, r: int, prog: object, rows: LocalRows, shape: HeadShape, scale: float, offset: int, phase: str,
+def _sap(b: Builder, r: int, prog: object, rows: LocalRows, shape: HeadShape, scale: float, offset: int, phase: Phase,
          hw: object) -> None:  # fmt: skip
     """Rank ``r``'s SAP program on ``shape``'s heads: sends scaled by ``scale`` (a head chunk's
     share), round tags shifted by ``offset`` (one set per chunk); ``rows``: the rank's local rows."""
-    fpp = shape.fwd_flops_per_pair if phase == "fwd" else shape.bwd_flops_per_pair
+    fpp = shape.fwd_flops_per_pair if phase == Phase.FWD else shape.bwd_flops_per_pair
     h, hkv = shape.num_heads, shape.num_kv_heads
     per = merge_bytes("hsap", phase)
-    outputs = (Wire.O,) if phase == "fwd" else (Wire.DQ, Wire.DKV)
+    outputs = (Wire.O,) if phase == Phase.FWD else (Wire.DQ, Wire.DKV)
     widths = {w: shape.token_elements(w) * per for w in outputs}  # HBM bytes per row merged (plan/costs.py)
     cov = {"q": _Coverage(), "kv": _Coverage()}
     for ins in prog.instrs:  # type: ignore[attr-defined]
@@ -168,7 +169,7 @@ def _sap(b: Builder, r: int, prog: object, rows: LocalRows, shape: HeadShape, sc
                 b.busy(r, secs, "compute", f"stage {ins.stage}", sum(x[2] for x in blocks), hw.overlap_slowdown)  # type: ignore[attr-defined]
                 b.elementwise(r, sum(_item_merge_bytes(it, widths, cov) for it in items), hw, "merge local")  # type: ignore[arg-type]
         elif isinstance(ins, Merge):
-            b.elementwise(r, len(ins.tokens) * shape.token_elements(Wire.O) * merge_bytes("hsap", "fwd"), hw, "merge o")  # type: ignore[arg-type]
+            b.elementwise(r, len(ins.tokens) * shape.token_elements(Wire.O) * merge_bytes("hsap", Phase.FWD), hw, "merge o")  # type: ignore[arg-type]
         elif isinstance(ins, Accumulate):
             width = shape.token_elements(ins.wire)
-            b.elementwise(r, len(ins.tokens) * width * merge_bytes("hsap", "bwd"), hw, f"accumulate {ins.wire.value}")  # type: ignore[arg-type]
+            b.elementwise(r, len(ins.tokens) * width * merge_bytes("hsap", Phase.BWD), hw, f"accumulate {ins.wire.value}")  # type: ignore[arg-type]

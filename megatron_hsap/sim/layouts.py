@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from megatron_hsap.plan.hardware import LinkClass
+from megatron_hsap.plan.ir import Phase
 from megatron_hsap.plan.workloads import pack_batches
 from megatron_hsap.sim.breakdown import TERMS, phase_breakdown
 from megatron_hsap.sim.config import SimHardware, sim_hardware, with_links
@@ -106,7 +107,7 @@ def _run_layout(cu: np.ndarray, hw: SimHardware, inter: int, layout: str, pt: Po
         return LayoutRun(layout, nan, nan, nan, nan, nan, (), (pt.row(method, "error", err, "text"),), err, nan)
     stats = run.extra["plan"]
     terms = dict.fromkeys(TERMS, 0.0)
-    for ph in ("fwd", "bwd"):
+    for ph in Phase:
         for k, v in phase_breakdown(run, ph, ideal_seconds(cu, SHAPE, hw, inter, ph), hw.latency(LinkClass.INFINIBAND)).items():
             terms[k] += v
     rows = method_rows(pt, replace(run, method=method)) + [

@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from megatron_hsap.baselines.registry import REGISTRY
+from megatron_hsap.plan.ir import Phase
 from megatron_hsap.sim import paper
 from megatron_hsap.sim.config import sim_hardware
 from megatron_hsap.sim.methods import full_shape, ideal_seconds, run_method, useful_flops
@@ -39,7 +40,7 @@ BASELINES = ("te_thd_ring", "te_thd_ring_nopad", "allgather_kv_zigzag", "ulysses
 TOKENS_PER_GPU = MAGI_TOKENS_PER_GPU
 
 
-def best_document_aware(med: dict[str, dict[str, float]], phase: str) -> tuple[str, float]:
+def best_document_aware(med: dict[str, dict[str, float]], phase: Phase | str) -> tuple[str, float]:
     """(name, TFLOP/s) of the fastest document-aware baseline in ``med`` for ``phase``."""
     cands = {m: v[phase] for m, v in med.items() if m in REGISTRY and REGISTRY[m].document_aware and v[phase] == v[phase]}
     name = max(cands, key=cands.__getitem__)
@@ -71,10 +72,10 @@ def magi(out_dir: str | Path, *, quick: bool = False, seeds: int | None = None, 
         topo["hsap_contiguous"] = tune_topology("hsap", sample, hw=hw, P=P, shape=shape, plan_options={"layout": "contiguous"})
         tf: dict[str, dict[str, list[float]]] = {}
         used: dict[str, str] = {}  # topology each method actually ran (USP picks its own a2a degree)
-        ideal = {"fwd": [], "bwd": []}
+        ideal = {Phase.FWD: [], Phase.BWD: []}
         for seed, cu in enumerate(_batches(workload, T, n_seeds)):
             uf = useful_flops(cu, shape)
-            for ph, mult in (("fwd", 1.0), ("bwd", 2.5)):
+            for ph, mult in ((Phase.FWD, 1.0), (Phase.BWD, 2.5)):
                 ideal[ph].append(mult * uf / ideal_seconds(cu, shape, hw, P, ph) / P / 1e12)
             for m in ("hsap", "hsap_contiguous", *BASELINES):
                 t = topo.get(m)
@@ -87,45 +88,45 @@ def magi(out_dir: str | Path, *, quick: bool = False, seeds: int | None = None, 
                 pt = Point(workload, T, *(int(x) for x in run.topology.split("x")), link, "64/8", seed)
                 rows += [replace(r, method=m) for r in method_rows(pt, run)]
                 used[m] = run.topology
-                for ph in ("fwd", "bwd"):
-                    tf.setdefault(m, {"fwd": [], "bwd": []})[ph].append(run.tflops_per_gpu(ph))
+                for ph in Phase:
+                    tf.setdefault(m, {Phase.FWD: [], Phase.BWD: []})[ph].append(run.tflops_per_gpu(ph))
         med = {m: {ph: float(np.mean(v)) for ph, v in d.items()} for m, d in tf.items()}
         ide = {ph: float(np.mean(v)) for ph, v in ideal.items()}
         errs = []
         for m in BASELINES:
-            pub = paper.MAGI_PUBLISHED.get((P, m, "fwd")) if workload == "magiattention" else None
+            pub = paper.MAGI_PUBLISHED.get((P, m, Phase.FWD)) if workload == "magiattention" else None
             if m not in med:
                 table.append([P, REGISTRY[m].label, "-", "n/a", "n/a", "", ""])
                 continue
             err = ""
             if pub:
-                e = med[m]["fwd"] / pub - 1
+                e = med[m][Phase.FWD] / pub - 1
                 errs.append(abs(e))
                 err = f"{pub:.0f} ({100 * e:+.0f}%)"
-            pub_b = paper.MAGI_PUBLISHED.get((P, m, "bwd")) if workload == "magiattention" else None
+            pub_b = paper.MAGI_PUBLISHED.get((P, m, Phase.BWD)) if workload == "magiattention" else None
             if pub_b:
-                e = med[m]["bwd"] / pub_b - 1
+                e = med[m][Phase.BWD] / pub_b - 1
                 errs.append(abs(e))
                 err += f"; bwd {pub_b:.0f} ({100 * e:+.0f}%)"
             topo_s = used[m]
             table.append([P, REGISTRY[m].label, topo_s,
-                          med[m]["fwd"], med[m]["bwd"], err, ""])
+                          med[m][Phase.FWD], med[m][Phase.BWD], err, ""])
         worst = f"±{100 * max(errs):.0f}%" if errs else "n/a"
         for m, label in (("hsap", "HSAP (balanced, shipped)"), ("hsap_contiguous", "HSAP contiguous (paper's variant)")):
             if m in med:
-                table.append([P, label, topo[m].topology, med[m]["fwd"], med[m]["bwd"], "", f"calibration error at {P} GPUs up to {worst}"])
+                table.append([P, label, topo[m].topology, med[m][Phase.FWD], med[m][Phase.BWD], "", f"calibration error at {P} GPUs up to {worst}"])
         magi_f, magi_b = paper.MAGI_SELF.get(P, (float("nan"), float("nan")))
         table.append([P, "MagiAttention (its published figure)", "-", magi_f, magi_b, "published", ""])
-        table.append([P, "ideal (FA3 per document / P)", "-", ide["fwd"], ide["bwd"], "", ""])
-        for ph in ("fwd", "bwd"):
+        table.append([P, "ideal (FA3 per document / P)", "-", ide[Phase.FWD], ide[Phase.BWD], "", ""])
+        for ph in Phase:
             name, best = best_document_aware(med, ph)
             h = med.get("hsap", {}).get(ph, float("nan"))
             pt = Point(workload, T, topo["hsap"].intra, topo["hsap"].inter, link, "64/8", "mean")
             rows += [pt.row("hsap", f"{ph}_ratio_to_best_baseline", h / best, "x"), pt.row(name, f"{ph}_best_baseline", best, "TFLOP/s")]
-            magi_v = magi_f if ph == "fwd" else magi_b
+            magi_v = magi_f if ph == Phase.FWD else magi_b
             heads.append([P, ph, f"{h:.0f}", f"{REGISTRY[name].label}: {best:.0f}", f"{h / best:.2f}×", f"{magi_v:.0f}",
                           f"{h / magi_v:.2f}×", worst, "HSAP loses" if h < best else ""])
-            if ph == "fwd":
+            if ph == Phase.FWD:
                 series["HSAP"].append(h)
                 series["best baseline"].append(best)
                 series["MagiAttention (published)"].append(magi_f)

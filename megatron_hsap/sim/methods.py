@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from megatron_hsap.plan.costs import HeadShape
+from megatron_hsap.plan.ir import Phase
 from megatron_hsap.plan.layout import normalize_cu_seqlens
 from megatron_hsap.sim.builder import Blocks, Builder, causal_pairs
 from megatron_hsap.sim.cluster import Cluster
@@ -68,9 +69,10 @@ class MethodRun:
     def seconds(self) -> float:
         return self.fwd.seconds + self.bwd.seconds
 
-    def tflops_per_gpu(self, phase: str) -> float:
-        f = self.useful_fwd_flops * (1.0 if phase == "fwd" else 2.5)
-        t = self.fwd.seconds if phase == "fwd" else self.bwd.seconds
+    def tflops_per_gpu(self, phase: Phase | str) -> float:
+        phase = Phase(phase)
+        f = self.useful_fwd_flops * (1.0 if phase == Phase.FWD else 2.5)
+        t = self.fwd.seconds if phase == Phase.FWD else self.bwd.seconds
         return f / t / self.P / 1e12 if t > 0 else 0.0
 
 
@@ -107,11 +109,12 @@ def unavailable(method: str, *, intra: int, inter: int, shape: HeadShape) -> str
     return rule("usp" if method == "hsap" else method, intra=intra, inter=inter, shape=shape)
 
 
-def ideal_seconds(cu: np.ndarray, shape: HeadShape, hw: Any, P: int, phase: str) -> float:
+def ideal_seconds(cu: np.ndarray, shape: HeadShape, hw: Any, P: int, phase: Phase | str) -> float:
     """Σ over documents of FLOPs / kernel rate at that document's shape, divided by P."""
+    phase = Phase(phase)
     lengths = np.diff(np.asarray(cu, dtype=np.int64)).astype(np.float64)
     lengths = lengths[lengths > 0]
-    fpp = shape.fwd_flops_per_pair if phase == "fwd" else shape.bwd_flops_per_pair
+    fpp = shape.fwd_flops_per_pair if phase == Phase.FWD else shape.bwd_flops_per_pair
     group = shape.num_heads // max(1, shape.num_kv_heads)
     pairs = causal_pairs(lengths)
     return hw.kernel.blocks_time(lengths, lengths, pairs * fpp, phase, group, pairs) / P
@@ -122,7 +125,7 @@ def useful_flops(cu: np.ndarray, shape: HeadShape) -> float:
     return float(causal_pairs(lengths[lengths > 0]).sum() * shape.fwd_flops_per_pair)
 
 
-def _a2a_times(cluster: Cluster, shape: HeadShape, local_tokens: float, phase: str) -> tuple[list[float], list[float]]:
+def _a2a_times(cluster: Cluster, shape: HeadShape, local_tokens: float, phase: Phase) -> tuple[list[float], list[float]]:
     u = cluster.intra_size
     if u == 1:
         return [], []
@@ -135,10 +138,10 @@ def _a2a_times(cluster: Cluster, shape: HeadShape, local_tokens: float, phase: s
 
     q, k, v = call(shape.num_heads, shape.head_dim), call(hkv_x, shape.head_dim), call(hkv_x, shape.head_dim_v)
     o = call(shape.num_heads, shape.head_dim_v)
-    return ([q, k, v], [o]) if phase == "fwd" else ([o], [q, k, v])
+    return ([q, k, v], [o]) if phase == Phase.FWD else ([o], [q, k, v])
 
 
-def _ring_methods(method: str, cu: np.ndarray, cluster: Cluster, shape: HeadShape, phase: str) -> tuple[Workload, list[int]]:
+def _ring_methods(method: str, cu: np.ndarray, cluster: Cluster, shape: HeadShape, phase: Phase) -> tuple[Workload, list[int]]:
     P, r = cluster.cp_size, cluster.inter_size
     lengths = np.diff(cu)
     if method == "blind_ring":
@@ -164,7 +167,7 @@ def _ring_methods(method: str, cu: np.ndarray, cluster: Cluster, shape: HeadShap
                          dkv_bytes_per_elem=shape.dtype_bytes, before=before, after=after)
 
 
-def _allgather(cu: np.ndarray, cluster: Cluster, shape: HeadShape, phase: str, stride: int | None = None) -> tuple[Workload, list[int]]:
+def _allgather(cu: np.ndarray, cluster: Cluster, shape: HeadShape, phase: Phase, stride: int | None = None) -> tuple[Workload, list[int]]:
     """Llama-3 all-gather KV on the contiguous layout: per chunk of ``stride`` kv heads, a blocking
     all-gather of K and V, then the kernel (backward: then a reduce-scatter of dK, dV)."""
     hw = cluster.hw
@@ -193,16 +196,16 @@ def _allgather(cu: np.ndarray, cluster: Cluster, shape: HeadShape, phase: str, s
         nq = e - a
         blocks = Blocks.of(nq, e - ds, causal_pairs(nq, a - ds + 1))
         for i in range(chunks):
-            if phase == "bwd":
+            if phase == Phase.BWD:
                 b.elementwise(r, 2 * P * kv_bytes, cluster.hw, "zero dkv")
             b.collective(r, gather_tags[i], gather, "collective", "all-gather kv")
             b.kernel(r, blocks, hw, part, phase, "attention")
-            if phase == "bwd":
+            if phase == Phase.BWD:
                 b.collective(r, scatter_tags[i], gather, "collective", "reduce-scatter dkv")
     return b.build(), ranks
 
 
-def _ulysses(cu: np.ndarray, cluster: Cluster, shape: HeadShape, phase: str) -> tuple[Workload, list[int]]:
+def _ulysses(cu: np.ndarray, cluster: Cluster, shape: HeadShape, phase: Phase) -> tuple[Workload, list[int]]:
     P = cluster.cp_size
     lengths = np.diff(cu).astype(np.float64)
     lengths = lengths[lengths > 0]
@@ -215,7 +218,7 @@ def _ulysses(cu: np.ndarray, cluster: Cluster, shape: HeadShape, phase: str) -> 
         return cluster.all_to_all_time(ranks, tokens * (heads // P) * dim * shape.dtype_bytes)
 
     q, k, v, o = a2a(shape.num_heads, shape.head_dim), a2a(hkv_x, shape.head_dim), a2a(hkv_x, shape.head_dim_v), a2a(shape.num_heads, shape.head_dim_v)
-    before, after = ([q, k, v], [o]) if phase == "fwd" else ([o], [q, k, v])
+    before, after = ([q, k, v], [o]) if phase == Phase.FWD else ([o], [q, k, v])
     b = Builder(P)
     blocks = Blocks.of(lengths, lengths, causal_pairs(lengths))
     for r in ranks:
@@ -228,7 +231,7 @@ def _ulysses(cu: np.ndarray, cluster: Cluster, shape: HeadShape, phase: str) -> 
     return b.build(), ranks
 
 
-def _te_a2a(cu: np.ndarray, cluster: Cluster, shape: HeadShape, phase: str) -> tuple[Workload, list[int]]:
+def _te_a2a(cu: np.ndarray, cluster: Cluster, shape: HeadShape, phase: Phase) -> tuple[Workload, list[int]]:
     """Transformer Engine's a2a CP (``AttnFuncWithCPAndQKVOA2A``, NVIDIA/TransformerEngine
     ``transformer_engine/pytorch/attention/dot_product_attention/context_parallel.py``
     ``flash_attn_a2a_communicate``): documents padded to 2P (THD dual-chunk layout); one
@@ -258,7 +261,7 @@ def _te_a2a(cu: np.ndarray, cluster: Cluster, shape: HeadShape, phase: str) -> t
 
     h, hkv, d, dv = shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.head_dim_v
     qkv, o = pipeline([(h, d), (hkv, d), (hkv, dv)]), pipeline([(h, dv)])
-    before, after = (qkv, o) if phase == "fwd" else (o, qkv)
+    before, after = (qkv, o) if phase == Phase.FWD else (o, qkv)
     bld = Builder(P)
     blocks = Blocks.of(lengths, lengths, causal_pairs(lengths))
     for r in ranks:
@@ -336,8 +339,8 @@ def run_method(method: str, cu_seqlens: object, *, hw: Any, intra: int, inter: i
 
         raise ConfigError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
     runs = {}
-    for ph in ("fwd", "bwd"):
+    for ph in Phase:
         work, gpus = build(ph)
         c = cluster if method in ("hsap", "te_thd_ring", "te_thd_ring_nopad", "te_a2a_p2p", "usp", "loongtrain", "blind_ring") else flat
         runs[ph] = PhaseRun(simulate_on(work, c, gpus), work, gpus)
-    return MethodRun(method, topo, P, runs["fwd"], runs["bwd"], useful_flops(cu, shape), note, extra)
+    return MethodRun(method, topo, P, runs[Phase.FWD], runs[Phase.BWD], useful_flops(cu, shape), note, extra)

@@ -8,6 +8,8 @@ cell). MagiAttention: forward TFLOP/s per GPU on its varlen-causal H100 benchmar
 
 from __future__ import annotations
 
+from megatron_hsap.plan.ir import Phase
+
 __all__ = ["TABLE2", "TABLE3", "TABLE4", "MAGI_FWD", "MAGI_PUBLISHED", "TABLE4_TOPOLOGIES", "TABLE4_LENGTHS"]
 
 # (SP size, max sequence length) -> (DistFlashAttn ms, SAP ms); A100, 16 heads of 128.
@@ -76,10 +78,10 @@ MAGI_FWD: dict[int, dict[str, float]] = {
 # (MagiAttention exps/dist_attn/baselines/ring_attn.py RingAttnP2P), ring-allgather its
 # RingAttnAllGather (per-document zigzag), Megatron hybrid CP its hybrid_dcp.py.
 MAGI_PUBLISHED: dict[tuple[int, str, str], float] = {
-    (8, "te_thd_ring", "fwd"): 89.0, (8, "ulysses", "fwd"): 278.0, (8, "usp", "fwd"): 261.0,
-    (8, "hybrid_cp", "fwd"): 277.0, (8, "allgather_kv_zigzag", "fwd"): 289.0, (8, "allgather_kv_zigzag", "bwd"): 179.0,
-    (64, "te_thd_ring", "fwd"): 29.0, (64, "ulysses", "fwd"): 163.0, (64, "usp", "fwd"): 191.0,
-    (64, "hybrid_cp", "fwd"): 161.0, (64, "allgather_kv_zigzag", "fwd"): 180.0, (64, "allgather_kv_zigzag", "bwd"): 55.0,
+    (8, "te_thd_ring", Phase.FWD): 89.0, (8, "ulysses", Phase.FWD): 278.0, (8, "usp", Phase.FWD): 261.0,
+    (8, "hybrid_cp", Phase.FWD): 277.0, (8, "allgather_kv_zigzag", Phase.FWD): 289.0, (8, "allgather_kv_zigzag", Phase.BWD): 179.0,
+    (64, "te_thd_ring", Phase.FWD): 29.0, (64, "ulysses", Phase.FWD): 163.0, (64, "usp", Phase.FWD): 191.0,
+    (64, "hybrid_cp", Phase.FWD): 161.0, (64, "allgather_kv_zigzag", Phase.FWD): 180.0, (64, "allgather_kv_zigzag", Phase.BWD): 55.0,
 }
 # MagiAttention itself on the same protocol (fwd, bwd), for the side-by-side column.
 MAGI_SELF: dict[int, tuple[float, float]] = {8: (459.0, 360.0), 64: (237.0, 264.0)}

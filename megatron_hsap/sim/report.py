@@ -18,6 +18,7 @@ from typing import Callable
 
 import numpy as np
 
+from megatron_hsap.plan.ir import Phase
 from megatron_hsap.sim.results import markdown_table, read_csv
 
 __all__ = ["REGIONS", "render", "update_readme", "main"]
@@ -68,11 +69,11 @@ def _magi(rows: list[dict[str, str]]) -> str:
     tab, loses = [], []
     for P in sorted(means, key=int):
         med = means[P]
-        for ph in ("fwd", "bwd"):
+        for ph in Phase:
             aware = {m: v[ph] for m, v in med.items() if m in REGISTRY and REGISTRY[m].document_aware}
             best = max(aware, key=aware.__getitem__)
             h, hc = med["hsap"][ph], med.get("hsap_contiguous", {}).get(ph, float("nan"))
-            magi = paper.MAGI_SELF.get(int(P), (float("nan"),) * 2)[0 if ph == "fwd" else 1]
+            magi = paper.MAGI_SELF.get(int(P), (float("nan"),) * 2)[0 if ph == Phase.FWD else 1]
             blind = med.get("distflashattn", {}).get(ph, float("nan"))
             tab.append([P, ph, f"{h:.0f}", f"{hc:.0f}", f"{REGISTRY[best].label}: {aware[best]:.0f}", f"{h / aware[best]:.2f}×",
                         _ratio_spread(seeds[(P, ph)], False), f"{magi:.0f}", f"{blind:.0f}"])
@@ -291,9 +292,9 @@ def _plots(results: Path) -> list[Path]:
                          "speed-up (>1: SAP faster)", "Table 2: SAP vs the best document-aware baseline, by SP and T"))
     means = _magi_means(read_csv(path))
     Ps = sorted(means, key=int)
-    best = [max(v["fwd"] for m, v in means[P].items() if m in REGISTRY and REGISTRY[m].document_aware) for P in Ps]
+    best = [max(v[Phase.FWD] for m, v in means[P].items() if m in REGISTRY and REGISTRY[m].document_aware) for P in Ps]
     out.append(_plot(results / "report_magi.png", [f"{P} GPUs" for P in Ps],
-                     {"HSAP": [means[P]["hsap"]["fwd"] for P in Ps], "best document-aware baseline": best},
+                     {"HSAP": [means[P]["hsap"][Phase.FWD] for P in Ps], "best document-aware baseline": best},
                      "forward TFLOP/s per GPU", "MagiAttention protocol: HSAP vs best baseline (simulated)"))
     return out
 

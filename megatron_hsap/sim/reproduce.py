@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from megatron_hsap.plan.ir import Phase
 from megatron_hsap.plan.workloads import pack_batches
 from megatron_hsap.sim import paper
 from megatron_hsap.sim.config import sim_hardware
@@ -67,8 +68,8 @@ def method_rows(pt: Point, run: MethodRun) -> list[Row]:
         pt.row(run.method, "fwd_time", run.fwd.seconds * 1e3, "ms"),
         pt.row(run.method, "bwd_time", run.bwd.seconds * 1e3, "ms"),
         pt.row(run.method, "time", run.seconds * 1e3, "ms"),
-        pt.row(run.method, "fwd_tflops_per_gpu", run.tflops_per_gpu("fwd"), "TFLOP/s"),
-        pt.row(run.method, "bwd_tflops_per_gpu", run.tflops_per_gpu("bwd"), "TFLOP/s"),
+        pt.row(run.method, "fwd_tflops_per_gpu", run.tflops_per_gpu(Phase.FWD), "TFLOP/s"),
+        pt.row(run.method, "bwd_tflops_per_gpu", run.tflops_per_gpu(Phase.BWD), "TFLOP/s"),
         pt.row(run.method, "topology", run.topology, "intra x inter"),
     ]
     if "compile_s" in run.extra:

@@ -20,6 +20,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from megatron_hsap.plan.hardware import LinkClass
+from megatron_hsap.plan.ir import Phase
 from megatron_hsap.plan.plan import kept_layout
 from megatron_hsap.plan.workloads import pack_batches
 from megatron_hsap.sim.breakdown import phase_breakdown
@@ -57,8 +58,8 @@ def scale(out_dir: str | Path, *, quick: bool = False, seeds: int | None = None,
             ("bytes_over_necessary", plan["bytes_total"] / max(plan["necessary_bytes"], 1), "ratio"),
             ("rounds_fwd", plan["rounds_fwd"], "rounds"), ("plan_and_simulate_wall", wall, "s"))]
         uf = useful_flops(cu, shape)
-        ideal = {ph: ideal_seconds(cu, shape, hw, P, ph) for ph in ("fwd", "bwd")}
-        ideal_tf = {"fwd": uf / ideal["fwd"] / P / 1e12, "bwd": 2.5 * uf / ideal["bwd"] / P / 1e12}
+        ideal = {ph: ideal_seconds(cu, shape, hw, P, ph) for ph in Phase}
+        ideal_tf = {Phase.FWD: uf / ideal[Phase.FWD] / P / 1e12, Phase.BWD: 2.5 * uf / ideal[Phase.BWD] / P / 1e12}
         bal, err = attempt(run_method, "hsap", cu, hw=hw, intra=intra, inter=inter, shape=shape, plan_options=BALANCED)
         cells = ["failed"] * 5
         if bal is None:
@@ -72,19 +73,19 @@ def scale(out_dir: str | Path, *, quick: bool = False, seeds: int | None = None,
                 ("rounds_fwd", bp["rounds_fwd"], "rounds"), ("balanced_over_contiguous", bal.seconds / run.seconds, "ratio"))]
             kept = kept_layout(plan["estimated_time_s"], bp["estimated_time_s"], plan["compute_bound_s"])
             cells = [bp["imbalance"], f"{bal.fwd.seconds * 1e3:.2f} / {bal.bwd.seconds * 1e3:.2f}",
-                     f"{bal.tflops_per_gpu('fwd'):.0f} / {bal.tflops_per_gpu('bwd'):.0f}", f"{bal.seconds / run.seconds:.2f}×", kept]
+                     f"{bal.tflops_per_gpu(Phase.FWD):.0f} / {bal.tflops_per_gpu(Phase.BWD):.0f}", f"{bal.seconds / run.seconds:.2f}×", kept]
         side.append([f"{T / M:g}M", plan["imbalance"], f"{run.fwd.seconds * 1e3:.2f} / {run.bwd.seconds * 1e3:.2f}",
-                     f"{run.tflops_per_gpu('fwd'):.0f} / {run.tflops_per_gpu('bwd'):.0f}"] + cells)
+                     f"{run.tflops_per_gpu(Phase.FWD):.0f} / {run.tflops_per_gpu(Phase.BWD):.0f}"] + cells)
         usp = run_method("usp", cu, hw=hw, intra=intra, inter=inter, shape=shape) if with_baseline else None
         if usp is not None:
             rows += method_rows(pt, usp)
         table.append([f"{intra}x{inter}", f"{T / M:g}M", len(cu) - 1, run.extra["compile_s"], plan["placement"], plan["imbalance"],
                       plan["bytes_total"] / max(plan["necessary_bytes"], 1), plan["rounds_fwd"], run.fwd.seconds * 1e3, run.bwd.seconds * 1e3,
-                      f"{run.tflops_per_gpu('fwd'):.0f} / {run.tflops_per_gpu('bwd'):.0f}",
-                      f"{100 * run.tflops_per_gpu('fwd') / ideal_tf['fwd']:.0f}% / {100 * run.tflops_per_gpu('bwd') / ideal_tf['bwd']:.0f}%",
-                      f"{usp.tflops_per_gpu('fwd'):.0f} / {usp.tflops_per_gpu('bwd'):.0f}" if usp else "-"])
+                      f"{run.tflops_per_gpu(Phase.FWD):.0f} / {run.tflops_per_gpu(Phase.BWD):.0f}",
+                      f"{100 * run.tflops_per_gpu(Phase.FWD) / ideal_tf[Phase.FWD]:.0f}% / {100 * run.tflops_per_gpu(Phase.BWD) / ideal_tf[Phase.BWD]:.0f}%",
+                      f"{usp.tflops_per_gpu(Phase.FWD):.0f} / {usp.tflops_per_gpu(Phase.BWD):.0f}" if usp else "-"])
         for r in (run, bal) if bal is not None else (run,):
-            for ph in ("fwd", "bwd"):
+            for ph in Phase:
                 b = phase_breakdown(r, ph, ideal[ph], hw.latency(LinkClass.INFINIBAND))
                 terms_tab.append([f"{T / M:g}M", "contiguous" if r is run else "balanced", ph] + [1e3 * v for v in b.values()])
                 rows += [pt.row(r.method, f"{ph}_term_{k}", 1e3 * v, "ms") for k, v in b.items()]

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from megatron_hsap.plan.costs import HeadShape
-from megatron_hsap.plan.ir import Wire
+from megatron_hsap.plan.ir import Phase, Wire
 from megatron_hsap.sim.builder import Blocks, Builder, causal_pairs
 from megatron_hsap.sim.cluster import Cluster
 from megatron_hsap.sim.config import merge_bytes
@@ -125,7 +125,7 @@ def ring_schedule(
     shape: HeadShape,
     cluster: Cluster,
     gpus: list[int],
-    phase: str,
+    phase: Phase | str,
     *,
     impl: str,
     dkv_bytes_per_elem: int,
@@ -156,29 +156,29 @@ def ring_schedule(
             if impl == "te" and not blocks.empty:
                 b.fa3_wrapper(r, steps.out_rows[r, s], steps.kv_rows[r, s], shape, phase, hw)
             b.kernel(r, blocks, hw, shape, phase, f"step {s}")
-            if phase == "fwd":
+            if phase == Phase.FWD:
                 if s > 0 and not blocks.empty:
-                    b.elementwise(r, steps.out_rows[r, s] * h * dv * merge_bytes(impl, "fwd") + steps.extra_bytes[r, s], hw)
+                    b.elementwise(r, steps.out_rows[r, s] * h * dv * merge_bytes(impl, Phase.FWD) + steps.extra_bytes[r, s], hw)
             else:
                 if s > 0 and not blocks.empty:
-                    b.elementwise(r, steps.out_rows[r, s] * h * d * merge_bytes(impl, "bwd") + steps.extra_bytes[r, s], hw, "dq")
+                    b.elementwise(r, steps.out_rows[r, s] * h * d * merge_bytes(impl, Phase.BWD) + steps.extra_bytes[r, s], hw, "dq")
                 if s > 0:
                     b.wait(r, dkv_tags[s - 1])
                     if not blocks.empty:
-                        b.elementwise(r, steps.kv_rows[r, s] * hkv * (d + dv) * merge_bytes(impl, "bwd"), hw, "dkv")
+                        b.elementwise(r, steps.kv_rows[r, s] * hkv * (d + dv) * merge_bytes(impl, Phase.BWD), hw, "dkv")
             if s < P - 1:
                 b.wait(r, kv_tags[s])
-            if phase == "bwd" and P > 1:
+            if phase == Phase.BWD and P > 1:
                 b.send(dkv_tags[s], r, nxt, dkv_bytes, "dkv")
                 b.post(r, dkv_tags[s])
-        if phase == "bwd" and P > 1:
+        if phase == Phase.BWD and P > 1:
             b.wait(r, dkv_tags[P - 1])
         for t in after:
             b.busy(r, t, "a2a", "all-to-all out")
     return b.build(), list(gpus)
 
 
-def distflashattn_schedule(T: int, shape: HeadShape, cluster: Cluster, phase: str) -> tuple[Workload, list[int]]:
+def distflashattn_schedule(T: int, shape: HeadShape, cluster: Cluster, phase: Phase | str) -> tuple[Workload, list[int]]:
     """DistFlashAttn (LightSeq), document-blind, on CP ranks ``0..P−1`` (``plan/baselines.py``
     describes the steps). Round t is posted at the start of step t and carries the inputs of
     step t+1 and the returns of step t−1; round S+1 returns the last step's results."""
@@ -194,7 +194,7 @@ def distflashattn_schedule(T: int, shape: HeadShape, cluster: Cluster, phase: st
     def helping(s: int) -> bool:
         return 1 <= s <= S and 2 * s != P
 
-    if phase == "fwd":
+    if phase == Phase.FWD:
         q_pack, back_q, back_kv = tb(Wire.Q), tb(Wire.O) + tb(Wire.LSE), 0.0
     else:  # LightSeq allocates dq and dk/dv deltas like q and k/v (activation dtype)
         q_pack = tb(Wire.Q) + tb(Wire.LSE) + tb(Wire.O) + tb(Wire.DO)
@@ -208,12 +208,12 @@ def distflashattn_schedule(T: int, shape: HeadShape, cluster: Cluster, phase: st
     for s in range(1, S + 1):  # returns of step s travel in round s+1
         for r in range(P):
             if r < s and helping(s):
-                b.send(tags[s + 1], r, r + P - s, L * back_q, "o" if phase == "fwd" else "dq")
+                b.send(tags[s + 1], r, r + P - s, L * back_q, "o" if phase == Phase.FWD else "dq")
             if r >= s and back_kv:
                 b.send(tags[s + 1], r, r - s, L * back_kv, "dkv")
     diag = Blocks.of([L], [L], causal_pairs(L))
     full = Blocks.of([L], [L], [L * L])
-    width_o = h * (dv if phase == "fwd" else d)
+    width_o = h * (dv if phase == Phase.FWD else d)
     for r in range(P):
         for t in range(S + 2):
             b.post(r, tags[t])
@@ -223,13 +223,13 @@ def distflashattn_schedule(T: int, shape: HeadShape, cluster: Cluster, phase: st
                 b.kernel(r, full, hw, shape, phase, f"step {t}")
                 if r >= t:  # own q rows: fold the partial in
                     b.elementwise(r, L * width_o * merge_bytes("distflashattn", phase), hw)
-                elif phase == "bwd":  # helper: dk/dv of its own kv
-                    b.elementwise(r, L * hkv * (d + dv) * merge_bytes("distflashattn", "bwd"), hw, "dkv")
+                elif phase == Phase.BWD:  # helper: dk/dv of its own kv
+                    b.elementwise(r, L * hkv * (d + dv) * merge_bytes("distflashattn", Phase.BWD), hw, "dkv")
             b.wait(r, tags[t])
             s = t - 1  # returns of step s arrived in round t
             if 1 <= s <= S:
                 if helping(s) and r >= P - s:
                     b.elementwise(r, L * width_o * merge_bytes("distflashattn", phase), hw, "merge returned")
                 if back_kv and r + s < P:
-                    b.elementwise(r, L * hkv * (d + dv) * merge_bytes("distflashattn", "bwd"), hw, "dkv returned")
+                    b.elementwise(r, L * hkv * (d + dv) * merge_bytes("distflashattn", Phase.BWD), hw, "dkv returned")
     return b.build(), list(range(P))

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from megatron_hsap.plan.costs import HeadShape
+from megatron_hsap.plan.ir import Phase
 from megatron_hsap.sim.builder import Blocks, causal_pairs
 from megatron_hsap.sim.cluster import Cluster
 from megatron_hsap.sim.config import SimHardware, merge_bytes, sim_hardware
@@ -52,7 +53,7 @@ class RingFlashCheck:
         return all(abs(s / p - 1) <= TOLERANCE for s, p in ((self.fwd_pct, self.published_fwd), (self.fwd_bwd_pct, self.published_fwd_bwd)))
 
 
-def _flash_ideal(local: np.ndarray, hw: SimHardware, shape: HeadShape, phase: str) -> float:
+def _flash_ideal(local: np.ndarray, hw: SimHardware, shape: HeadShape, phase: Phase) -> float:
     blocks = Blocks.of(local, local, causal_pairs(local))
     return 8 * blocks.seconds(hw, shape, phase)[0]
 
@@ -66,17 +67,17 @@ def ring_flash_attention_check(hw: SimHardware | None = None) -> list[RingFlashC
     shape = HeadShape(num_heads=32, num_kv_heads=8, head_dim=128, head_dim_v=128, dtype_bytes=2)
     cluster = Cluster(hw=hw, intra_size=1, inter_size=P)
     gpus = list(range(P))
-    ideal = {"fwd": 0.0, "bwd": 0.0}
-    spent = {m: {"fwd": 0.0, "bwd": 0.0} for m in RFA_PUBLISHED}
+    ideal = {Phase.FWD: 0.0, Phase.BWD: 0.0}
+    spent = {m: {Phase.FWD: 0.0, Phase.BWD: 0.0} for m in RFA_PUBLISHED}
     width = shape.num_heads * shape.head_dim_v
     for cu in RFA_CU_SEQLENS:
         local = np.diff(np.asarray(cu, dtype=np.float64))
         global_cu = np.concatenate(([0], np.cumsum(local * P))).astype(np.int64)
         steps = {
             "ring": contiguous_ring_steps(local, P),
-            "zigzag": zigzag_steps(local / 2, P, gather_extra=merge_bytes("ring_flash_attn", "fwd", "half_index_extra"), width=width),
+            "zigzag": zigzag_steps(local / 2, P, gather_extra=merge_bytes("ring_flash_attn", Phase.FWD, "half_index_extra"), width=width),
         }
-        for phase in ("fwd", "bwd"):
+        for phase in Phase:
             ideal[phase] += _flash_ideal(local, hw, shape, phase)
             for name, st in steps.items():
                 work, g = ring_schedule(st, shape, cluster, gpus, phase, impl="ring_flash_attn", dkv_bytes_per_elem=4)
@@ -85,8 +86,8 @@ def ring_flash_attention_check(hw: SimHardware | None = None) -> list[RingFlashC
             spent["llama3"][phase] += simulate_on(work, cluster, g).makespan
     out = []
     for name, (pub_f, pub_fb) in RFA_PUBLISHED.items():
-        f = 100 * ideal["fwd"] / spent[name]["fwd"]
-        fb = 100 * (ideal["fwd"] + ideal["bwd"]) / (spent[name]["fwd"] + spent[name]["bwd"])
+        f = 100 * ideal[Phase.FWD] / spent[name][Phase.FWD]
+        fb = 100 * (ideal[Phase.FWD] + ideal[Phase.BWD]) / (spent[name][Phase.FWD] + spent[name][Phase.BWD])
         out.append(RingFlashCheck(name, f, fb, pub_f, pub_fb))
     return out
 
