@@ -41,7 +41,7 @@ from megatron_hsap.baselines.kernel_blocks import _PricingInputs, zigzag_allgath
 from megatron_hsap.errors import ConfigError
 from megatron_hsap.plan.costs import HeadShape
 from megatron_hsap.plan.hardware import Hardware, LinkClass
-from megatron_hsap.plan.ir import Wire
+from megatron_hsap.plan.ir import Phase, Wire
 from megatron_hsap.plan.layout import normalize_cu_seqlens
 from megatron_hsap.plan.window import staircase_pairs
 
@@ -149,7 +149,7 @@ def _price_te_thd_ring(env: _PricingInputs, pad_compute: bool = True) -> Baselin
 
     m = env.merge
 
-    def phase(owners: list[np.ndarray], ph: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def phase(owners: list[np.ndarray], ph: Phase) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """[steps, P] kernel seconds, fixed seconds (launch, grid, merges) and pairs; step by step
         (a [steps, P, docs] stack would not fit memory at P = 64 with thousands of documents)."""
         kern, fixed, work = np.zeros((P, P)), np.zeros((P, P)), np.zeros((P, P))
@@ -160,11 +160,11 @@ def _price_te_thd_ring(env: _PricingInputs, pad_compute: bool = True) -> Baselin
             if i > 0:  # the first step writes, later steps correct (fwd) / accumulate (bwd)
                 live = pairs > 0
                 q_rows, k_rows = np.where(live, nq, 0.0).sum(axis=-1), np.where(live, nk, 0.0).sum(axis=-1)
-                fixed[i] += q_rows * m.o if ph == "fwd" else q_rows * m.dq + k_rows * m.dkv
+                fixed[i] += q_rows * m.o if ph == Phase.FWD else q_rows * m.dq + k_rows * m.dkv
         return kern, fixed, work
 
-    f_kern, f_fixed, fwd_pairs = phase([(ranks - i) % P for i in range(P)], "fwd")
-    b_kern, b_fixed, _ = phase([(ranks + 1 + i) % P for i in range(P)], "bwd")
+    f_kern, f_fixed, fwd_pairs = phase([(ranks - i) % P for i in range(P)], Phase.FWD)
+    b_kern, b_fixed, _ = phase([(ranks + 1 + i) % P for i in range(P)], Phase.BWD)
     local_tokens = 2 * float(c.sum()) if P > 1 else float(lengths.sum())  # padded tokens per rank
     kv_bytes = local_tokens * env.row_bytes(Wire.KV)
     dkv_bytes = kv_bytes  # activation dtype, same shape as KV
@@ -227,7 +227,7 @@ def _price_allgather_kv(env: _PricingInputs) -> BaselineCost:
     nq = np.maximum(b - a, 0.0)
     nk = np.where(nq > 0, b - cu[None, :-1], 0.0)
     pairs = np.where(nq > 0, staircase_pairs(nk) - staircase_pairs(nk - nq), 0.0)
-    f, g = env.calls(nq, nk, pairs, "fwd"), env.calls(nq, nk, pairs, "bwd")
+    f, g = env.calls(nq, nk, pairs, Phase.FWD), env.calls(nq, nk, pairs, Phase.BWD)
     kv_bytes = float((P - 1) * L) * env.row_bytes(Wire.KV)
     dkv_bytes = kv_bytes  # activation dtype
     coll = 0.0 if P == 1 else env.lat
@@ -348,8 +348,8 @@ def _price_ulysses(env: _PricingInputs) -> BaselineCost:
     pairs = _causal_pairs(env.lengths) / P
     work = np.full(P, pairs)
     lengths = env.lengths.astype(np.float64)
-    f = env.calls(lengths, lengths, staircase_pairs(lengths), "fwd", head_split=P)
-    g = env.calls(lengths, lengths, staircase_pairs(lengths), "bwd", head_split=P)
+    f = env.calls(lengths, lengths, staircase_pairs(lengths), Phase.FWD, head_split=P)
+    g = env.calls(lengths, lengths, staircase_pairs(lengths), Phase.BWD, head_split=P)
     sent = 2 * q_like * (q_tok + o_tok) + 2 * kv_sent
     recv = 2 * q_like * (q_tok + o_tok) + 2 * kv_recv
     replicated = "" if Hkv % P == 0 else f"; kv heads replicated ({int(need.max())} per rank)"
@@ -440,8 +440,8 @@ def _price_distflashattn(env: _PricingInputs) -> BaselineCost:
             b_merge[s] += helper * L * m.dkv
             f_merge[s + 1, ranks[helper] + P - s] += L * m.o
             b_merge[s + 1, ranks[helper] + P - s] += L * m.dq
-    f_cost = env.calls(L, L, compute[..., None], "fwd")
-    b_cost = env.calls(L, L, compute[..., None], "bwd")
+    f_cost = env.calls(L, L, compute[..., None], Phase.FWD)
+    b_cost = env.calls(L, L, compute[..., None], Phase.BWD)
     slow = env.hw.overlap_slowdown
     fwd_time, fwd_steps = _rounds_time(env, f_cost.kernel, f_sent, f_recv, f_cost.fixed + f_merge, slow)
     bwd_time, bwd_steps = _rounds_time(env, b_cost.kernel, b_sent, b_recv, b_cost.fixed + b_merge, slow)

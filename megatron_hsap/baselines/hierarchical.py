@@ -51,7 +51,7 @@ from megatron_hsap.baselines.registry import heads_split_ok, hybrid_group_sizes,
 from megatron_hsap.errors import ConfigError
 from megatron_hsap.plan.costs import HeadShape
 from megatron_hsap.plan.hardware import Hardware, LinkClass
-from megatron_hsap.plan.ir import Wire
+from megatron_hsap.plan.ir import Phase, Wire
 from megatron_hsap.plan.layout import normalize_cu_seqlens
 
 __all__ = ["HIERARCHICAL", "price", "hybrid_stages", "window_size", "HYBRID_TOKENS_PER_RANK"]
@@ -224,8 +224,8 @@ def _double_ring(lengths: np.ndarray, P: int, r: int, u: int, shape: HeadShape, 
     inner = LinkClass.NVLINK if w * u <= gpus_per_node else link
     total = {}
     rounds = 0
-    for ph, moved, rate in (("fwd", kv, hw.attn_fwd_flops), ("bwd", 2 * kv, hw.attn_bwd_flops)):
-        fpp = (shape.fwd_flops_per_pair if ph == "fwd" else shape.bwd_flops_per_pair) / rate
+    for ph, moved, rate in ((Phase.FWD, kv, hw.attn_fwd_flops), (Phase.BWD, 2 * kv, hw.attn_bwd_flops)):
+        fpp = (shape.fwd_flops_per_pair if ph == Phase.FWD else shape.bwd_flops_per_pair) / rate
         t = 0.0
         for k in range(nw):
             win = 0.0
@@ -242,7 +242,7 @@ def _double_ring(lengths: np.ndarray, P: int, r: int, u: int, shape: HeadShape, 
             t += win
         total[ph] = t
     sent = (w - 1) * nw * 3 * kv + (nw - 1) * 3 * kv
-    return total["fwd"], total["bwd"], sent, float(step.sum()), rounds
+    return total[Phase.FWD], total[Phase.BWD], sent, float(step.sum()), rounds
 
 
 def _price_hybrid(lengths: np.ndarray, P: int, shape: HeadShape, hw: Hardware, link: LinkClass, gpus_per_node: int) -> BaselineCost:

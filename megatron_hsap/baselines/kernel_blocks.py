@@ -28,7 +28,7 @@ import numpy as np
 
 from megatron_hsap.plan.costs import HeadShape
 from megatron_hsap.plan.hardware import Hardware, LinkClass
-from megatron_hsap.plan.ir import Wire
+from megatron_hsap.plan.ir import Phase, Wire
 
 __all__ = ["CallCost", "call_cost", "MergeRates", "zigzag_allgather_compute"]
 
@@ -45,11 +45,12 @@ class CallCost:
         return CallCost(self.kernel + other.kernel, self.fixed + other.fixed)
 
 
-def call_cost(hw: Hardware, nq, nk, pairs, phase: str, *, heads: int, kv_heads: int, flops_per_pair: float,
+def call_cost(hw: Hardware, nq, nk, pairs, phase: Phase | str, *, heads: int, kv_heads: int, flops_per_pair: float,
               head_dim: int, head_dim_v: int) -> CallCost:
     """Price calls of blocks ``nq`` × ``nk`` with ``pairs`` unmasked pairs each (arrays broadcast
     to ``[..., n_blocks]``) in ``phase`` ("fwd" / "bwd"); ``heads`` / ``kv_heads`` the heads one
     call runs (Ulysses: after its all-to-all), ``flops_per_pair`` for those heads."""
+    phase = Phase(phase)
     k = hw.kernel
     pairs = np.asarray(pairs, dtype=np.float64)
     nq, nk, pairs = np.broadcast_arrays(np.asarray(nq, dtype=np.float64), np.asarray(nk, dtype=np.float64), pairs)
@@ -59,10 +60,10 @@ def call_cost(hw: Hardware, nq, nk, pairs, phase: str, *, heads: int, kv_heads: 
     kern = np.where(live, pairs * flops_per_pair / rate, 0.0).sum(axis=-1)
     made = live.any(axis=-1)
     fixed = made * k.launch_s
-    if phase != "fwd" and k.cta_s > 0:  # FA3's backward grid (KernelModel.grid_time), per block of the call
+    if phase != Phase.FWD and k.cta_s > 0:  # FA3's backward grid (KernelModel.grid_time), per block of the call
         maxk = np.where(live, nk, 0.0).max(axis=-1, initial=0.0)
         fixed = fixed + k.cta_s * np.ceil(maxk / 128.0) * heads * live.sum(axis=-1)
-    if phase != "fwd" and k.gqa_dkv_accum and heads > kv_heads:  # KernelModel.gqa_accum_time
+    if phase != Phase.FWD and k.gqa_dkv_accum and heads > kv_heads:  # KernelModel.gqa_accum_time
         T = float(k.tile or 128)
         tiles = np.where(live, np.ceil(nk / T), 0.0).sum(axis=-1)
         fixed = fixed + tiles * heads * T * (head_dim + head_dim_v) * 4 * 2 / hw.hbm_bw
@@ -108,11 +109,11 @@ class _PricingInputs:
     def lat(self) -> float:
         return self.hw.latency(self.link)
 
-    def calls(self, nq, nk, pairs, phase: str, head_split: int = 1) -> CallCost:
+    def calls(self, nq, nk, pairs, phase: Phase | str, head_split: int = 1) -> CallCost:
         """Kernel-model seconds of one varlen call per leading index of the ``[..., docs]``
         blocks (``kernel_blocks.call_cost``); ``head_split``: the call runs H/head_split heads."""
-        sh = self.shape
-        fpp = sh.fwd_flops_per_pair if phase == "fwd" else sh.bwd_flops_per_pair
+        sh, phase = self.shape, Phase(phase)
+        fpp = sh.fwd_flops_per_pair if phase == Phase.FWD else sh.bwd_flops_per_pair
         kv = max(1, sh.num_kv_heads // head_split) if sh.num_kv_heads % head_split == 0 else 1
         return call_cost(self.hw, nq, nk, pairs, phase, heads=sh.num_heads // head_split, kv_heads=kv,
                          flops_per_pair=fpp / head_split, head_dim=sh.head_dim, head_dim_v=sh.head_dim_v)
@@ -146,8 +147,8 @@ def zigzag_allgather_compute(env: _PricingInputs, row_pairs: Callable[[np.ndarra
 
     halves = [half(ranks), half(2 * P - 1 - ranks)] if P > 1 else [half(0 * ranks)]
     work = sum(h[2].sum(axis=-1) for h in halves)
-    f_busy = sum((x.kernel + x.fixed for x in (env.calls(*h, "fwd") for h in halves)), np.zeros(P))
-    b_busy = sum((x.kernel + x.fixed for x in (env.calls(*h, "bwd") for h in halves)), np.zeros(P))
+    f_busy = sum((x.kernel + x.fixed for x in (env.calls(*h, Phase.FWD) for h in halves)), np.zeros(P))
+    b_busy = sum((x.kernel + x.fixed for x in (env.calls(*h, Phase.BWD) for h in halves)), np.zeros(P))
     if P > 1:
         b_busy = b_busy + sum(np.where(h[2] > 0, h[1], 0.0).sum(axis=-1) for h in halves) * env.merge.dkv
     return work, f_busy, b_busy

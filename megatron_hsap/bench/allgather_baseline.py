@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from megatron_hsap.errors import ConfigError
+from megatron_hsap.plan.ir import Phase
 from megatron_hsap.plan.layout import normalize_cu_seqlens
 from megatron_hsap.runtime.executor import PhaseStats
 from megatron_hsap.runtime.kernels import attn_backward, attn_forward
@@ -68,7 +69,7 @@ class AllGatherKVAttention:
         self.max_q, self.max_k = max(lq), max(lk)
         if self.cu_k[-1].item() != self.kv_stop - self.kv_start:
             raise ConfigError("internal: all-gather key ranges are not contiguous")
-        self.stats = {"fwd": PhaseStats(), "bwd": PhaseStats()}
+        self.stats = {Phase.FWD: PhaseStats(), Phase.BWD: PhaseStats()}
 
     def _gather(self, x: Tensor, st: PhaseStats) -> Tensor:
         full = torch.empty((x.shape[0] * self.world, *x.shape[1:]), dtype=x.dtype, device=x.device)
@@ -83,7 +84,7 @@ class AllGatherKVAttention:
     def forward(self, q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor]:
         """``q [L, h, d]``, ``k``/``v [L, hkv, d|dv]`` -> ``out [L, h, dv]`` fp32, ``lse [L, h]``."""
         t0 = time.perf_counter()
-        st = self.stats["fwd"]
+        st = self.stats[Phase.FWD]
         kf, vf = self._gather(k, st), self._gather(v, st)
         c0 = time.perf_counter()
         sl = slice(self.kv_start, self.kv_stop)
@@ -98,7 +99,7 @@ class AllGatherKVAttention:
     def backward(self, do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                  scale: float) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
         t0 = time.perf_counter()
-        st = self.stats["bwd"]
+        st = self.stats[Phase.BWD]
         kf, vf = self._gather(k, st), self._gather(v, st)
         c0 = time.perf_counter()
         sl = slice(self.kv_start, self.kv_stop)
@@ -128,4 +129,4 @@ class AllGatherKVAttention:
         return dq, grads[0], grads[1]
 
     def reset_stats(self) -> None:
-        self.stats = {"fwd": PhaseStats(), "bwd": PhaseStats()}
+        self.stats = {Phase.FWD: PhaseStats(), Phase.BWD: PhaseStats()}

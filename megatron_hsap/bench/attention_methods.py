@@ -22,6 +22,7 @@ from megatron_hsap.bench.ring_baseline import A2AP2PAttention, RingAttention, Zi
 from megatron_hsap.baselines.flat import price_baseline
 from megatron_hsap.plan.costs import HeadShape
 from megatron_hsap.plan.hardware import A100, LinkClass
+from megatron_hsap.plan.ir import Phase
 
 __all__ = ["Counters", "Method", "HSAPMethod", "RingMethod", "AllGatherMethod", "A2AP2PMethod"]
 
@@ -86,7 +87,7 @@ class HSAPMethod(Method):
         a2a = self.runner.a2a_bytes_sent
         return Counters(
             inter_bytes=sum(s.bytes_sent for s in st.values()),
-            intra_bytes=a2a["fwd"] + a2a["bwd"],
+            intra_bytes=a2a[Phase.FWD] + a2a[Phase.BWD],
             compute_s=sum(s.compute_s for s in st.values()),
             comm_s=sum(s.comm_s for s in st.values()) + sum(self.runner.a2a_s.values()),
         )
@@ -194,7 +195,7 @@ class A2AP2PMethod(Method):
     def counters(self) -> Counters:
         st = self.method.ring.stats.values()
         a2a = self.method.a2a_bytes_sent
-        return Counters(sum(s.bytes_sent for s in st), a2a["fwd"] + a2a["bwd"],
+        return Counters(sum(s.bytes_sent for s in st), a2a[Phase.FWD] + a2a[Phase.BWD],
                         sum(s.compute_s for s in st), sum(s.comm_s for s in st) + self.method.a2a_s)  # fmt: skip
 
     def predicted(self) -> tuple[int | None, int | None]:

@@ -34,6 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from megatron_hsap.errors import ConfigError
+from megatron_hsap.plan.ir import Phase
 from megatron_hsap.plan.window import staircase_pairs
 
 __all__ = [
@@ -55,10 +56,10 @@ def block_work(nq: int, nk: int, causal: bool) -> int:
     return staircase_pairs(nk)  # the first nq - nk queries see no key
 
 
-def block_flops(work: int, heads: int, d: int, dv: int, phase: str) -> float:
+def block_flops(work: int, heads: int, d: int, dv: int, phase: Phase | str) -> float:
     """docs/design.md §4: 2·H·(d_qk + d_v)·work forward, 2.5× that backward."""
     fwd = 2.0 * heads * (d + dv) * work
-    return fwd if phase == "fwd" else 2.5 * fwd
+    return fwd if phase == Phase.FWD else 2.5 * fwd
 
 
 Block = tuple[int, int]  # (n_q, n_kv) of one document block of a varlen call
@@ -101,15 +102,15 @@ class Calibration:
             if not (math.isfinite(value) and value >= 0) or (name != "launch_s" and value <= 0):
                 raise ConfigError(f"calibration {name}={value!r} is not a positive finite number")
 
-    def call_seconds(self, phase: str, blocks: Sequence[Block], flops: Sequence[float], heads: int) -> float:
+    def call_seconds(self, phase: Phase | str, blocks: Sequence[Block], flops: Sequence[float], heads: int) -> float:
         """Seconds of one varlen call over ``blocks`` of ``flops`` each: the simulator's
         ``KernelModel.call_time`` plus ``grid_time`` (launch, curve, backward grid)."""
-        peak = self.attn_fwd_peak if phase == "fwd" else self.attn_bwd_peak
+        peak = self.attn_fwd_peak if phase == Phase.FWD else self.attn_bwd_peak
         t = self.launch_s
         for (nq, nk), fl in zip(blocks, flops):
             n = max(1, min(nq, nk))
             t += fl * (n + self.half_rate_tokens) / (peak * n)
-        if phase == "bwd" and blocks:
+        if phase == Phase.BWD and blocks:
             t += self.cta_s * math.ceil(max(nk for _, nk in blocks) / 128) * heads * len(blocks)
         return t
 
@@ -120,7 +121,7 @@ def grid(sizes: Sequence[int], tokens_per_call: int) -> list[tuple[str, bool, tu
     planner issues them, many documents in one varlen call); then ragged backward calls, one
     block of each of the two largest sizes plus short blocks of the smallest (``cta_s``)."""
     out = []
-    for phase in ("fwd", "bwd"):
+    for phase in Phase:
         for causal in (True, False):
             for nq in sizes:
                 for nk in sizes:
@@ -131,11 +132,11 @@ def grid(sizes: Sequence[int], tokens_per_call: int) -> list[tuple[str, bool, tu
     for long in sorted(sizes)[-2:]:
         for causal in (True, False):
             many = max(1, tokens_per_call // short - 1)
-            out.append(("bwd", causal, ((long, long),) + ((short, short),) * many))
+            out.append((Phase.BWD, causal, ((long, long),) + ((short, short),) * many))
     return out
 
 
-def call_flops(m_blocks: Sequence[Block], causal: bool, heads: int, d: int, dv: int, phase: str) -> list[float]:
+def call_flops(m_blocks: Sequence[Block], causal: bool, heads: int, d: int, dv: int, phase: Phase | str) -> list[float]:
     """FLOPs of each block of one call."""
     return [block_flops(block_work(nq, nk, causal), heads, d, dv, phase) for nq, nk in m_blocks]
 
@@ -159,7 +160,7 @@ def fit(measurements: Sequence[Measurement]) -> Calibration:
     if len({m.phase for m in measurements}) < 2:
         raise ConfigError("calibration needs forward and backward measurements")
     t = np.array([m.seconds for m in measurements])
-    is_fwd = np.array([m.phase == "fwd" for m in measurements])
+    is_fwd = np.array([m.phase == Phase.FWD for m in measurements])
     # per call: A = Σ flops, B = Σ flops / n over its blocks, so Σ flops·(1 + half/n) = A + half·B;
     # flops per block from the call's total, split in proportion to each block's work
     a_sum, b_sum, ctas = np.zeros(len(t)), np.zeros(len(t)), np.zeros(len(t))
@@ -168,7 +169,7 @@ def fit(measurements: Sequence[Measurement]) -> Calibration:
         fl = m.flops * works / works.sum()
         n = np.array([max(1, min(nq, nk)) for nq, nk in m.blocks], dtype=np.float64)
         a_sum[i], b_sum[i] = fl.sum(), (fl / n).sum()
-        if m.phase == "bwd":
+        if m.phase == Phase.BWD:
             ctas[i] = math.ceil(max(nk for _, nk in m.blocks) / 128) * m.heads * len(m.blocks)
     w = 1.0 / t  # relative errors: every shape counts alike, whatever its duration
     best = None
@@ -263,7 +264,7 @@ def register_planner_hardware(path: str | Path, name: str | None = None) -> str:
 
 
 # ----------------------------------------------------------------------------- per-rank comparison
-def rank_calls(plan, rank: int, phase: str) -> list[list[tuple[int, int, bool]]]:
+def rank_calls(plan, rank: int, phase: Phase | str) -> list[list[tuple[int, int, bool]]]:
     """The kernel calls of one inter rank's program: per ``Compute`` stage, its items'
     ``(n_q, n_kv, causal)`` grouped by mask (one varlen call per mask and stage)."""
     from megatron_hsap.plan.ir import Compute
@@ -287,7 +288,7 @@ def compare_ranks(
     rows = []
     for rank in range(plan.inter_size):
         predicted = measured = 0.0
-        for phase in ("fwd", "bwd"):
+        for phase in Phase:
             for items in rank_calls(plan, rank, phase):
                 blocks = [(nq, nk) for nq, nk, _ in items]
                 predicted += cal.call_seconds(phase, blocks, call_flops(blocks, items[0][2], heads, d, dv, phase), heads)

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from megatron_hsap.bench import gpu_calibration as gc
+from megatron_hsap.plan.ir import Phase
 from megatron_hsap.runtime import kernels
 
 __all__ = ["DRY_TRUTH", "calibrate", "check_ranks", "hardware_name"]
@@ -42,7 +43,7 @@ class _Clock:
     def __init__(self, ctx: Any, backend: str, reps: int) -> None:
         self.ctx, self.backend, self.reps, self.calls = ctx, backend, reps, 0
 
-    def time(self, phase: str, items: list[tuple[int, int, bool]], heads: tuple[int, int], d: int, dv: int,
+    def time(self, phase: Phase | str, items: list[tuple[int, int, bool]], heads: tuple[int, int], d: int, dv: int,
              dtype: torch.dtype) -> float:  # fmt: skip
         h, hkv = heads
         causal = items[0][2]
@@ -54,7 +55,7 @@ class _Clock:
         args = dict(cu_seqlens_q=_cu(lq, dev), cu_seqlens_k=_cu(lk, dev), max_seqlen_q=max(lq), max_seqlen_k=max(lk),
                     causal=causal, softmax_scale=d**-0.5, backend=self.backend)  # fmt: skip
         out, lse = kernels.attn_forward(q, k, v, **args)
-        run: Callable[[], Any] = (lambda: kernels.attn_forward(q, k, v, **args)) if phase == "fwd" else \
+        run: Callable[[], Any] = (lambda: kernels.attn_forward(q, k, v, **args)) if phase == Phase.FWD else \
             (lambda: kernels.attn_backward(out, q, k, v, out, lse, **args))  # fmt: skip
         self.calls += 1
         if self.ctx.dry:

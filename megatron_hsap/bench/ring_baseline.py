@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from megatron_hsap.errors import ConfigError
+from megatron_hsap.plan.ir import Phase
 from megatron_hsap.plan.layout import normalize_cu_seqlens
 from megatron_hsap.runtime.env import read_env
 from megatron_hsap.runtime.executor import PhaseStats
@@ -127,7 +128,7 @@ class RingAttention:
         self.backend = backend
         self.timeout_s = read_env().p2p_timeout_s
         self.seqlens = {(s, u): _pair_seqlens(layout.chunk, s, u, self.device) for s in (0, 1) for u in (0, 1)}
-        self.stats = {"fwd": PhaseStats(), "bwd": PhaseStats()}
+        self.stats = {Phase.FWD: PhaseStats(), Phase.BWD: PhaseStats()}
 
     def _pairs(self, src: int) -> list[tuple[tuple[Tensor, Tensor, int], bool]]:
         """(seqlens, causal) of the (q slot, kv slot) pairs that attend at this step."""
@@ -150,7 +151,7 @@ class RingAttention:
         p, (nxt, prv) = self.layout.ring, self._peers()
         if p > 1:
             warm_up(self.group, q.device)
-        chan = P2PChannel(self.group, timeout_s=self.timeout_s, phase="fwd")
+        chan = P2PChannel(self.group, timeout_s=self.timeout_s, phase=Phase.FWD)
         out = torch.zeros((q.shape[0], q.shape[1], v.shape[2]), dtype=_F32, device=q.device)
         lse = torch.full(q.shape[:2], float("-inf"), dtype=_F32, device=q.device)
         cur = (k.contiguous(), v.contiguous())
@@ -171,7 +172,7 @@ class RingAttention:
                 chan.wait(i)
                 cur = spare
         chan.close()
-        self._record("fwd", chan, compute, t0)
+        self._record(Phase.FWD, chan, compute, t0)
         return out, lse
 
     def backward(self, do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
@@ -179,7 +180,7 @@ class RingAttention:
         """fp32 ``dq``, ``dk``, ``dv`` of the local rows (``out`` the final output, ``lse`` fp32)."""
         t0 = time.perf_counter()
         p, (nxt, prv) = self.layout.ring, self._peers()
-        chan = P2PChannel(self.group, timeout_s=self.timeout_s, phase="bwd")
+        chan = P2PChannel(self.group, timeout_s=self.timeout_s, phase=Phase.BWD)
         do, out = do.to(q.dtype).contiguous(), out.to(q.dtype).contiguous()
         delta = (do.float() * out.float()).sum(dim=-1)
         dq = torch.zeros(q.shape, dtype=_F32, device=q.device)
@@ -229,10 +230,10 @@ class RingAttention:
             chan.wait(p)
             dk, dv = dk + final[0].float(), dv + final[1].float()
         chan.close()
-        self._record("bwd", chan, compute, t0)
+        self._record(Phase.BWD, chan, compute, t0)
         return dq, dk, dv
 
-    def _record(self, phase: str, chan: P2PChannel, compute: float, t0: float) -> None:
+    def _record(self, phase: Phase, chan: P2PChannel, compute: float, t0: float) -> None:
         st = self.stats[phase]
         st.calls += 1
         st.bytes_sent += chan.bytes_sent
@@ -242,7 +243,7 @@ class RingAttention:
         st.wall_s += time.perf_counter() - t0
 
     def reset_stats(self) -> None:
-        self.stats = {"fwd": PhaseStats(), "bwd": PhaseStats()}
+        self.stats = {Phase.FWD: PhaseStats(), Phase.BWD: PhaseStats()}
 
 
 class A2AP2PAttention:
@@ -254,10 +255,10 @@ class A2AP2PAttention:
                  device: torch.device | str, *, backend: str | None = "cpu") -> None:  # fmt: skip
         self.layout, self.intra = layout, intra
         self.ring = RingAttention(layout, inter, device, backend=backend)
-        self.a2a_bytes_sent = {"fwd": 0, "bwd": 0}
+        self.a2a_bytes_sent = {Phase.FWD: 0, Phase.BWD: 0}
         self.a2a_s = 0.0
 
-    def _a2a(self, x: Tensor, phase: str, to_heads: bool) -> Tensor:
+    def _a2a(self, x: Tensor, phase: Phase, to_heads: bool) -> Tensor:
         p = self.layout.intra
         if p == 1:
             return x
@@ -270,23 +271,23 @@ class A2AP2PAttention:
     def forward(self, q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, tuple]:
         """Local ``[t, H, d]`` rows -> ``out [t, H, dv]`` (activation dtype) and what backward needs."""
         p = self.layout.intra
-        qh = self._a2a(q, "fwd", True)
-        kh = self._a2a(expand_kv_for_intra(k, p), "fwd", True)
-        vh = self._a2a(expand_kv_for_intra(v, p), "fwd", True)
+        qh = self._a2a(q, Phase.FWD, True)
+        kh = self._a2a(expand_kv_for_intra(k, p), Phase.FWD, True)
+        vh = self._a2a(expand_kv_for_intra(v, p), Phase.FWD, True)
         oh, lse = self.ring.forward(qh, kh, vh, scale)
         oh = oh.to(q.dtype)
-        return self._a2a(oh, "fwd", False), (qh, kh, vh, oh, lse, k.shape[1])
+        return self._a2a(oh, Phase.FWD, False), (qh, kh, vh, oh, lse, k.shape[1])
 
     def backward(self, do: Tensor, saved: tuple, scale: float) -> tuple[Tensor, Tensor, Tensor]:
         qh, kh, vh, oh, lse, hkv = saved
-        doh = self._a2a(do.to(oh.dtype), "bwd", True)
+        doh = self._a2a(do.to(oh.dtype), Phase.BWD, True)
         dq, dk, dv = self.ring.backward(doh, qh, kh, vh, oh, lse, scale)
-        dq = self._a2a(dq.to(qh.dtype), "bwd", False)
-        dk = sum_kv_grad_for_intra(self._a2a(dk.to(kh.dtype), "bwd", False).float(), hkv)
-        dv = sum_kv_grad_for_intra(self._a2a(dv.to(vh.dtype), "bwd", False).float(), hkv)
+        dq = self._a2a(dq.to(qh.dtype), Phase.BWD, False)
+        dk = sum_kv_grad_for_intra(self._a2a(dk.to(kh.dtype), Phase.BWD, False).float(), hkv)
+        dv = sum_kv_grad_for_intra(self._a2a(dv.to(vh.dtype), Phase.BWD, False).float(), hkv)
         return dq, dk, dv
 
     def reset_stats(self) -> None:
         self.ring.reset_stats()
-        self.a2a_bytes_sent = {"fwd": 0, "bwd": 0}
+        self.a2a_bytes_sent = {Phase.FWD: 0, Phase.BWD: 0}
         self.a2a_s = 0.0
