@@ -296,3 +296,67 @@ def test_plan_stats_read_by_attribute():
     assert isinstance(s, PlanStats) and s.as_dict()["imbalance"] == s.imbalance
     with pytest.raises(TypeError):
         s["imbalance"]  # noqa: B018 - not subscriptable
+
+
+# --- the phase vocabulary (plan/ir.Phase, a StrEnum): no "fwd" / "bwd" string literal elsewhere
+
+def _phase_literals(tree: ast.AST) -> list[str]:
+    """String constants that are exactly ``"fwd"`` or ``"bwd"`` (docstrings and longer strings such
+    as ``"fwd_tflops_per_gpu"`` are other things), as ``line:value``."""
+    return [f"{node.lineno}:{node.value}" for node in ast.walk(tree)
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in ("fwd", "bwd")]
+
+
+# Literals that are not a phase. Each entry: (path, value, reason); the count must match exactly.
+PHASE_LITERALS_ALLOWED = {
+    # the two column headers of the MagiAttention table (text of a markdown header, not a phase key)
+    ("sim/magi.py", "fwd"): 1,
+    ("sim/magi.py", "bwd"): 1,
+}
+
+
+def test_phase_literals_written_only_in_ir():
+    found: dict[tuple[str, str], int] = {}
+    for path, tree in SOURCES.items():
+        if path == "plan/ir.py":  # Phase itself: FWD = "fwd", BWD = "bwd"
+            continue
+        for hit in _phase_literals(tree):
+            key = (path, hit.split(":")[1])
+            found[key] = found.get(key, 0) + 1
+    assert found == PHASE_LITERALS_ALLOWED, {k: v for k, v in found.items() if PHASE_LITERALS_ALLOWED.get(k) != v}
+    assert sorted(h.split(":")[1] for h in _phase_literals(SOURCES["plan/ir.py"])) == ["bwd", "fwd"]
+
+
+def test_phase_scanner_can_fail():
+    tree = ast.parse('"""docstring naming "fwd"."""\nx = run("fwd") if p == \'bwd\' else f"{g(\'fwd\')}"\ny = "fwd_s"\n')
+    assert sorted(_phase_literals(tree)) == ["2:bwd", "2:fwd", "2:fwd"]  # the docstring and "fwd_s" are not hits
+
+
+def test_phase_formats_as_its_value():
+    import json
+
+    from megatron_hsap.plan.ir import Phase
+
+    assert f"{Phase.FWD}" == "fwd" and f"{Phase.BWD}" == "bwd" and str(Phase.BWD) == "bwd"
+    assert "%s/%s" % (Phase.FWD, Phase.BWD) == "fwd/bwd" and f"{Phase.FWD:>4}" == " fwd"
+    assert [p.value for p in Phase] == ["fwd", "bwd"] and list(Phase) == ["fwd", "bwd"]
+    assert Phase("fwd") is Phase.FWD and Phase(Phase.BWD) is Phase.BWD
+    assert {Phase.FWD: 1}["fwd"] == 1 and hash(Phase.BWD) == hash("bwd")
+    assert json.dumps({Phase.FWD: Phase.BWD}) == '{"fwd": "bwd"}'
+    for bad in ("forward", "FWD", "", None, 0):
+        with pytest.raises(ConfigError, match=r"phase must be one of 'fwd', 'bwd' \(or Phase.FWD / Phase.BWD\), got "):
+            Phase(bad)
+
+
+def test_public_phase_parameters_accept_strings_and_reject_others():
+    from megatron_hsap.plan.hardware import KernelCurve, KernelModel
+    from megatron_hsap.plan.ir import Phase
+    from megatron_hsap.sim.config import merge_bytes
+
+    k = KernelModel(fwd_peak=4.0, bwd_peak=2.0, curve=KernelCurve(half_rate_tokens=512.0, launch_s=1e-5))
+    assert float(k.rate(256, 256, "fwd")) == float(k.rate(256, 256, Phase.FWD)) == 2 * float(k.rate(256, 256, "bwd"))
+    assert merge_bytes("te", "bwd") == merge_bytes("te", Phase.BWD) == 12.0
+    with pytest.raises(ConfigError, match="phase must be one of"):
+        k.rate(256, 256, "backward")
+    with pytest.raises(ConfigError, match="phase must be one of"):
+        merge_bytes("te", "forward")
