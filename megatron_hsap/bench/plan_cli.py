@@ -149,7 +149,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--layout", choices=("contiguous", "balanced"), default=None,
                     help="token layout (default: compile_plan's, balanced; the --sample batch: contiguous, as in Figure 3)")
     ap.add_argument("--rank", type=nonnegative_int, default=None, help="inter rank whose program to print (default: the busiest)")
-    ap.add_argument("--phase", choices=(Phase.FWD, Phase.BWD), default=Phase.FWD, help="which program to print")
+    ap.add_argument("--phase", choices=[p.value for p in Phase], default=Phase.FWD.value, help="which program to print")
     ap.add_argument("--max-lines", type=nonnegative_int, default=120, help="truncate the printed program (0: all)")
     ap.add_argument("--json", action="store_true", help="print one JSON object (stats, program, verification)")
     ap.add_argument("--plot", type=writable_file, default=None, help="write the Figure-3 picture to this PNG (default: none)")
