@@ -1,0 +1,201 @@
+"""Head chunks of the intra all-to-all (issue 14 item 1), the planner's side: the rule and the
+choice (``plan/chunks.py``, ``estimate.pipelined_time``) — the valid counts, the errors of forced
+bad values, the auto choice (1 without an intra or inter group; > 1 where the all-to-all is large
+against SAP), the closed form against an independent event-by-event replay of the same schedule,
+and the plan hash covering the count. The pipelined runtime is tested in
+``tests/runtime/test_head_chunks.py``.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+import numpy as np
+import pytest
+
+from megatron_hsap.errors import ConfigError
+from megatron_hsap.plan import compile_plan
+from megatron_hsap.plan.chunks import a2a_bytes_sent, chunk_shape, head_chunk_estimates, pipeline_phases, valid_head_chunks
+from megatron_hsap.plan.costs import HeadShape
+from megatron_hsap.plan.ir import Wire
+from megatron_hsap.plan.estimate import PipelinePhase, pipelined_time
+from megatron_hsap.plan.workloads import pack_batches
+
+K = 1024
+
+
+# --------------------------------------------------------------------------- the rule
+
+
+@pytest.mark.parametrize(("h", "hkv", "want"), [(8, 8, (1, 2, 4, 8)), (8, 2, (1, 2)), (8, 1, (1,)), (6, 3, (1, 3)), (12, 8, (1, 2, 4))])
+def test_valid_counts_split_q_and_kv_heads_alike(h, hkv, want):
+    assert valid_head_chunks(h, hkv) == want
+    for c in want:  # chunk c's q heads use exactly chunk c's kv heads
+        per_q, per_kv, group = h // c, hkv // c, h // hkv if h % hkv == 0 else None
+        if group is not None:
+            assert {i // group for i in range(per_q)} == set(range(per_kv))
+
+
+def test_chunk_shape_is_one_chunk_of_the_heads():
+    s = HeadShape(num_heads=8, num_kv_heads=4, head_dim=64, head_dim_v=32, dtype_bytes=2)
+    part = chunk_shape(s, 2)
+    assert (part.num_heads, part.num_kv_heads, part.head_dim, part.head_dim_v, part.dtype_bytes) == (4, 2, 64, 32, 2)
+    assert chunk_shape(s, 1) == s
+    # a token's bytes summed over the chunks are the plan's (every message shrinks by C)
+    assert all(2 * part.token_bytes(w) == s.token_bytes(w) for w in Wire)
+    with pytest.raises(ConfigError, match="3 head chunks"):
+        chunk_shape(s, 3)
+
+
+@pytest.mark.parametrize(
+    ("kw", "says"),
+    [
+        (dict(head_chunks=0), "head_chunks=0 must be None"),
+        (dict(head_chunks=-2), "head_chunks=-2 must be None"),
+        (dict(head_chunks=True), "head_chunks=True must be None"),
+        (dict(head_chunks=2.0), "head_chunks=2.0 must be None"),
+        (dict(head_chunks=3), "head_chunks=3 cannot split the 8 q heads and 2 kv heads"),
+        (dict(head_chunks=4), "valid head_chunks: [1, 2]"),
+        (dict(head_chunks=16), "head_chunks=16 cannot split"),
+    ],
+)
+def test_forced_bad_values_raise_config_error_naming_them(kw, says):
+    with pytest.raises(ConfigError) as exc:
+        compile_plan([0, 100, 256], 2, 4, num_heads=32, num_kv_heads=8, **kw)
+    assert says in str(exc.value)
+
+
+def test_forced_chunks_without_an_intra_group_raise():
+    with pytest.raises(ConfigError, match="intra_size=1"):
+        compile_plan([0, 256], 4, 1, num_heads=8, head_chunks=2)
+    assert compile_plan([0, 256], 4, 1, num_heads=8, head_chunks=1).head_chunks == 1
+    with pytest.raises(ConfigError, match=r"valid head_chunks: \[1\]"):  # one kv head per rank
+        compile_plan([0, 256], 2, 4, num_heads=8, num_kv_heads=2, head_chunks=2)
+
+
+def test_forced_counts_are_kept_and_change_nothing_else():
+    cu = [0, 300, 1000, 1024]
+    base = compile_plan(cu, 2, 2, num_heads=8, num_kv_heads=8)
+    for c in (1, 2, 4, np.int64(4)):
+        p = compile_plan(cu, 2, 2, num_heads=8, num_kv_heads=8, head_chunks=c)
+        assert p.head_chunks == c and type(p.head_chunks) is int
+        assert p.fwd_programs == base.fwd_programs and p.bwd_programs == base.bwd_programs
+        assert p.layout.segments == base.layout.segments and p.pool_capacity == base.pool_capacity
+
+
+# --------------------------------------------------------------------------- the choice
+
+
+def test_no_intra_group_or_one_kv_head_per_rank_chooses_one_chunk():
+    cu = pack_batches("fineweb", 256 * K, 1, 0)[0]
+    assert compile_plan(cu, 8, 1, num_heads=32, num_kv_heads=8, hardware="h100").head_chunks == 1  # pure SAP
+    assert compile_plan(cu, 1, 8, num_heads=32, num_kv_heads=8, hardware="h100").head_chunks == 1  # 1 kv head per rank
+    assert compile_plan(cu, 1, 4, num_heads=32, num_kv_heads=32, hardware="h100", head_chunks=4).head_chunks == 4
+
+
+def test_pure_ulysses_pipelines_by_the_same_estimate():
+    """P_inter = 1: the local attention of chunk k hides its neighbours' all-to-alls, so the planner
+    chooses by the same closed form (the least of head_chunk_estimates, ties to fewer chunks)."""
+    cu = pack_batches("fineweb", 256 * K, 1, 0)[0]
+    plan = compile_plan(cu, 1, 4, num_heads=32, num_kv_heads=32, hardware="h100")
+    est = head_chunk_estimates(plan)
+    assert plan.head_chunks == min(est, key=lambda c: (est[c], c)) and plan.head_chunks > 1
+    assert est[plan.head_chunks] < est[1]
+
+
+def test_estimate_prefers_chunks_where_the_all_to_all_is_large():
+    """fineweb 256K on 2×4 H100s, GQA 32/8: the all-to-all of 16 q + 4 kv heads is worth hiding."""
+    cu = pack_batches("fineweb", 256 * K, 1, 0)[0]
+    plan = compile_plan(cu, 4, 2, num_heads=32, num_kv_heads=8, hardware="h100")
+    est = head_chunk_estimates(plan)
+    assert sorted(est) == [1, 2, 4]
+    assert plan.head_chunks > 1 and est[plan.head_chunks] == min(est.values())
+    assert est[plan.head_chunks] < 0.95 * est[1]
+    # C = 1 is the sequential layer: all-to-all in, SAP, all-to-all out, both phases (8 calls). The
+    # all-to-all runs at NVLink × a2a_efficiency plus its rearranges (4 × each whole tensor through
+    # HBM; a rank's whole tensor is its bytes sent × P/(P−1)); SAP's launches are already in its
+    # estimate (one per plan/calls.py kernel call, the count the pipeline pays per chunk)
+    hw = plan.hardware
+    p = plan.intra_size
+    sent = a2a_bytes_sent(plan)
+    total = sent["fwd"] + sent["bwd"]
+    launches = sum(ph.launch_s for ph in pipeline_phases(plan).values())
+    assert launches == pytest.approx(plan.chosen.fwd_time.launch + plan.chosen.bwd_time.launch, rel=1e-12)
+    want = plan.chosen.time + total / (hw.nvlink_bw * hw.a2a_efficiency) + 4 * total * p / (p - 1) / hw.hbm_bw \
+        + 8 * hw.nvlink_latency
+    assert est[1] == pytest.approx(want, rel=1e-12)
+
+
+def test_tiny_batches_keep_one_chunk():
+    """Latency-bound: every extra chunk pays its all-to-all latencies and SAP's launches again."""
+    plan = compile_plan([0, 7, 8, 1500, 1501, 4000], 4, 2, layout="contiguous")
+    assert plan.head_chunks == 1
+
+
+def test_a2a_bytes_equal_ulysses_volume():
+    from megatron_hsap.runtime.ulysses import ulysses_bytes
+
+    for h, hkv, p in ((32, 8, 2), (32, 8, 8), (8, 1, 4), (16, 16, 4)):
+        plan = compile_plan([0, 100, 1000, 4096], 2, p, num_heads=h, num_kv_heads=hkv, head_dim=64, head_dim_v=32)
+        want = ulysses_bytes(plan.local_tokens, h, hkv, 64, p, head_dim_v=32, dtype_bytes=2)
+        assert a2a_bytes_sent(plan) == {"fwd": want["fwd"], "bwd": want["bwd"]}
+
+
+# --------------------------------------------------------------------------- the closed form
+
+
+def _replay(ph: PipelinePhase, chunks: int, bw: float, lat: float) -> float:
+    """The runtime's schedule event by event: one intra link serving all-to-alls in issue order,
+    one compute stream. At the start of chunk k's SAP the host has issued chunk k+1's all-to-all,
+    then chunk k−1's return; SAP k starts when its all-to-all landed and SAP k−1 finished."""
+    a = ph.in_bytes / chunks / bw + ph.in_calls * lat
+    r = ph.out_bytes / chunks / bw + ph.out_calls * lat
+    s = (ph.sap_s - ph.latency_s) / chunks + ph.latency_s + ph.launch_s
+    link_free = 0.0
+    arrived: dict[int, float] = {}
+
+    def issue(t: float, dur: float) -> float:
+        nonlocal link_free
+        link_free = max(link_free, t) + dur
+        return link_free
+
+    arrived[1] = issue(0.0, a)
+    sap_end = 0.0
+    done_out = []
+    for k in range(1, chunks + 1):
+        start = max(sap_end, arrived[k])
+        if k < chunks:
+            arrived[k + 1] = issue(start, a)
+        if k > 1:
+            heapq.heappush(done_out, issue(start, r))
+        sap_end = start + s
+    done_out.append(issue(sap_end, r))
+    return max(done_out)
+
+
+@pytest.mark.parametrize("chunks", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize(("sap", "in_b", "out_b"), [(1e-3, 1e6, 3e5), (1e-4, 5e7, 5e7), (2e-3, 2e7, 6e7), (5e-4, 3e6, 1e6)])
+def test_closed_form_against_an_event_replay(chunks, sap, in_b, out_b):
+    ph = PipelinePhase(sap_s=sap, latency_s=sap / 10, launch_s=2e-5, in_bytes=int(in_b), out_bytes=int(out_b), in_calls=3, out_calls=1)
+    bw, lat = 1e11, 1e-5
+    closed, replay = pipelined_time(ph, chunks, bw, lat), _replay(ph, chunks, bw, lat)
+    if chunks == 1:
+        assert closed == pytest.approx(replay, rel=1e-12)
+        return
+    a = ph.in_bytes / chunks / bw + 3 * lat
+    r = ph.out_bytes / chunks / bw + lat
+    s = (sap - sap / 10) / chunks + sap / 10 + 2e-5
+    if s >= a + r:  # compute-bound: every step is one SAP chunk, the replay agrees exactly
+        assert closed == pytest.approx(replay, rel=1e-12)
+        assert closed == pytest.approx(a + chunks * s + r, rel=1e-12)
+    else:  # link-bound: the closed form waits for both transfers each step, never less than the replay
+        assert replay <= closed * (1 + 1e-12)
+        assert closed <= replay + (chunks - 1) * r  # ... and by at most the overlap of returns
+
+
+def test_chunk_count_enters_the_hash_only_above_one():
+    cu = [0, 300, 1000, 1024]
+    plans = {c: compile_plan(cu, 2, 2, num_heads=8, num_kv_heads=8, head_chunks=c) for c in (None, 1, 2, 4)}
+    assert plans[None].head_chunks == 1
+    assert plans[None].hash == plans[1].hash  # one chunk: the hash from before chunks existed
+    assert len({plans[1].hash, plans[2].hash, plans[4].hash}) == 3
