@@ -37,7 +37,7 @@ from typing import Callable
 
 import numpy as np
 
-from megatron_hsap.baselines.kernel_blocks import _PricingInputs, zigzag_allgather_compute
+from megatron_hsap.baselines.kernel_blocks import _PricingInputs, zigzag_allgather_compute, zigzag_ring_steps
 from megatron_hsap.errors import ConfigError
 from megatron_hsap.plan.costs import HeadShape
 from megatron_hsap.plan.hardware import Hardware, LinkClass
@@ -128,43 +128,9 @@ def _price_te_thd_ring(env: _PricingInputs, pad_compute: bool = True) -> Baselin
     like KV. P = 1 is no CP: one causal call per phase, no padding.
     """
     P = env.P
+    c = np.ceil(env.lengths / (2 * P))  # chunk size of each padded document; P = 1: no padding
+    ring = zigzag_ring_steps(env, P, c, pad_compute=pad_compute)  # [steps, P] calls and merges
     lengths = env.lengths.astype(np.float64)
-    # chunk size of each padded document; P = 1 is no CP at all: no padding
-    c = np.ceil(lengths / (2 * P))
-    j = np.arange(2 * P, dtype=np.float64)[:, None]
-    real = np.clip(lengths[None, :] - j * c[None, :], 0.0, c[None, :])  # [2P, docs] real rows per chunk
-    rows = np.broadcast_to(c, real.shape) if (pad_compute and P > 1) else real  # rows the kernel computes
-    ranks = np.arange(P)
-    lo, hi = rows[ranks], rows[2 * P - 1 - ranks]  # [P, docs]: rank r's first and second q chunk
-
-    def blocks(kv_owner: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(nq, nk, pairs) [P ranks, docs] of each rank's call when it holds kv of ``kv_owner``."""
-        klo, khi = rows[kv_owner], rows[2 * P - 1 - kv_owner]
-        below = (kv_owner < ranks)[:, None]
-        diag = (kv_owner == ranks)[:, None]
-        nq = np.where(diag | below, lo + hi, hi)
-        nk = np.where(diag, lo + hi, np.where(below, klo, klo + khi))
-        pairs = np.where(diag, staircase_pairs(lo) + hi * lo + staircase_pairs(hi), nq * nk)
-        return nq, nk, pairs
-
-    m = env.merge
-
-    def phase(owners: list[np.ndarray], ph: Phase) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """[steps, P] kernel seconds, fixed seconds (launch, grid, merges) and pairs; step by step
-        (a [steps, P, docs] stack would not fit memory at P = 64 with thousands of documents)."""
-        kern, fixed, work = np.zeros((P, P)), np.zeros((P, P)), np.zeros((P, P))
-        for i, o in enumerate(owners):
-            nq, nk, pairs = blocks(o)
-            cost = env.calls(nq, nk, pairs, ph)
-            kern[i], fixed[i], work[i] = cost.kernel, cost.fixed, pairs.sum(axis=-1)
-            if i > 0:  # the first step writes, later steps correct (fwd) / accumulate (bwd)
-                live = pairs > 0
-                q_rows, k_rows = np.where(live, nq, 0.0).sum(axis=-1), np.where(live, nk, 0.0).sum(axis=-1)
-                fixed[i] += q_rows * m.o if ph == Phase.FWD else q_rows * m.dq + k_rows * m.dkv
-        return kern, fixed, work
-
-    f_kern, f_fixed, fwd_pairs = phase([(ranks - i) % P for i in range(P)], Phase.FWD)
-    b_kern, b_fixed, _ = phase([(ranks + 1 + i) % P for i in range(P)], Phase.BWD)
     local_tokens = 2 * float(c.sum()) if P > 1 else float(lengths.sum())  # padded tokens per rank
     kv_bytes = local_tokens * env.row_bytes(Wire.KV)
     dkv_bytes = kv_bytes  # activation dtype, same shape as KV
@@ -177,8 +143,8 @@ def _price_te_thd_ring(env: _PricingInputs, pad_compute: bool = True) -> Baselin
         bwd_round[1 : P - 1] = kv_bytes + dkv_bytes
         bwd_round[P - 1] = dkv_bytes
     slow = env.hw.overlap_slowdown
-    fwd_time, fwd_steps = _rounds_time(env, f_kern, fwd_round, fwd_round, f_fixed, slow)
-    bwd_time, bwd_steps = _rounds_time(env, b_kern, bwd_round, bwd_round, b_fixed, slow)
+    fwd_time, fwd_steps = _rounds_time(env, ring.fwd.kernel, fwd_round, fwd_round, ring.fwd.fixed, slow)
+    bwd_time, bwd_steps = _rounds_time(env, ring.bwd.kernel, bwd_round, bwd_round, ring.bwd.fixed, slow)
     sent = fwd_round.sum(axis=0) + bwd_round.sum(axis=0)
     real_tokens = int(env.cu[-1])
     padded = int(round(local_tokens)) * P if P > 1 else real_tokens
@@ -188,7 +154,7 @@ def _price_te_thd_ring(env: _PricingInputs, pad_compute: bool = True) -> Baselin
         bwd_time=bwd_time,
         bytes_sent=sent,
         bytes_recv=sent.copy(),
-        work=fwd_pairs.sum(axis=0),
+        work=ring.pairs.sum(axis=0),
         steps=fwd_steps + bwd_steps,
         note=f"documents padded to 2P={2 * P}: {padded - real_tokens} pad tokens ({(padded - real_tokens) / max(real_tokens, 1):.1%}, "
         f"{'computed' if pad_compute else 'sent, not computed'}); dKV in activation dtype; kernel-model priced",

@@ -29,8 +29,9 @@ import numpy as np
 from megatron_hsap.plan.costs import HeadShape
 from megatron_hsap.plan.hardware import Hardware, LinkClass
 from megatron_hsap.plan.ir import Phase, Wire
+from megatron_hsap.plan.window import staircase_pairs
 
-__all__ = ["CallCost", "call_cost", "MergeRates", "zigzag_allgather_compute"]
+__all__ = ["CallCost", "call_cost", "MergeRates", "RingSteps", "zigzag_ring_steps", "zigzag_allgather_compute"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,3 +153,72 @@ def zigzag_allgather_compute(env: _PricingInputs, row_pairs: Callable[[np.ndarra
     if P > 1:
         b_busy = b_busy + sum(np.where(h[2] > 0, h[1], 0.0).sum(axis=-1) for h in halves) * env.merge.dkv
     return work, f_busy, b_busy
+
+
+@dataclass(frozen=True, slots=True)
+class RingSteps:
+    """A per-document zigzag KV ring's calls, ``[steps, ring ranks]``: ``fwd`` / ``bwd`` seconds
+    (``kernel`` slowed beside a transfer, ``fixed`` = launch, grid, GQA atomics and the step's
+    merges, not slowed) and the forward ``pairs`` each call computes (backward: the same)."""
+
+    fwd: CallCost
+    bwd: CallCost
+    pairs: np.ndarray
+
+
+def zigzag_ring_steps(env: _PricingInputs, r: int, c: np.ndarray, *, pad_compute: bool,
+                      merge_every_fwd_step: bool = False) -> RingSteps:
+    """One varlen call per rank and step of the per-document zigzag KV ring over ``r`` ranks,
+    on ``env.shape``'s heads (the heads one ring rank holds), each document cut in ``2r`` chunks
+    of ``c[doc]`` rows (padded; ring rank i holds chunks i and 2r−1−i). Forward step i: rank i
+    holds the kv of rank (i−s) mod r — step 0 the diagonal (both q chunks against both kv
+    chunks, causal), an earlier owner the lower triangle (both q chunks × its first kv chunk), a
+    later owner the upper one (q chunk 2r−1−i × both kv chunks): Transformer Engine's
+    ``AttnFuncWithCPAndKVP2P`` sections (``context_parallel.py``) and MagiAttention's
+    ``FA3RingAttnFunc`` (``exps/dist_attn/baselines/ring_attn.py``) alike. Backward step s holds
+    the kv of (i+1+s) mod r (ending on its own). ``pad_compute``: the kernel computes the padding
+    (TE's FA2 THD path); else real rows only (cuDNN / FA3). Merges, at HBM bandwidth: forward,
+    steps 1.. correct the call's q rows by LSE (TE's ``thd_out_correction`` in the loop);
+    ``merge_every_fwd_step``: every step's q rows, after the loop (``FA3RingAttnFunc`` starts
+    from a zero output and corrects all ``cp_size`` partials at the end: charged to the last
+    step, which moves nothing); backward, steps 1.. add the call's dq and dk/dv rows (step 0
+    copies), both implementations."""
+    lengths = env.lengths.astype(np.float64)
+    c = np.asarray(c, dtype=np.float64)
+    j = np.arange(2 * r, dtype=np.float64)[:, None]
+    real = np.clip(lengths[None, :] - j * c[None, :], 0.0, c[None, :])  # [2r, docs] real rows per chunk
+    rows = np.broadcast_to(c, real.shape) if (pad_compute and r > 1) else real
+    ranks = np.arange(r)
+    lo, hi = rows[ranks], rows[2 * r - 1 - ranks]  # [r, docs]: each rank's first and second q chunk
+
+    def blocks(kv_owner: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(nq, nk, pairs) [r, docs] of each rank's call when it holds the kv of ``kv_owner``."""
+        klo, khi = rows[kv_owner], rows[2 * r - 1 - kv_owner]
+        below = (kv_owner < ranks)[:, None]
+        diag = (kv_owner == ranks)[:, None]
+        nq = np.where(diag | below, lo + hi, hi)
+        nk = np.where(diag, lo + hi, np.where(below, klo, klo + khi))
+        pairs = np.where(diag, staircase_pairs(lo) + hi * lo + staircase_pairs(hi), nq * nk)
+        return nq, nk, pairs
+
+    m = env.merge
+
+    def phase(owners: list[np.ndarray], ph: Phase) -> tuple[CallCost, np.ndarray]:
+        """Step by step (a [steps, r, docs] stack would not fit memory at r = 64 with thousands
+        of documents)."""
+        kern, fixed, work = np.zeros((r, r)), np.zeros((r, r)), np.zeros((r, r))
+        for i, o in enumerate(owners):
+            nq, nk, pairs = blocks(o)
+            cost = env.calls(nq, nk, pairs, ph)
+            kern[i], fixed[i], work[i] = cost.kernel, cost.fixed, pairs.sum(axis=-1)
+            live = pairs > 0
+            q_rows, k_rows = np.where(live, nq, 0.0).sum(axis=-1), np.where(live, nk, 0.0).sum(axis=-1)
+            if ph == Phase.FWD and merge_every_fwd_step and r > 1:
+                fixed[r - 1] += q_rows * m.o
+            elif i > 0:  # the first step writes, later steps correct (fwd) / accumulate (bwd)
+                fixed[i] += q_rows * m.o if ph == Phase.FWD else q_rows * m.dq + k_rows * m.dkv
+        return CallCost(kern, fixed), work
+
+    fwd, pairs = phase([(ranks - i) % r for i in range(r)], Phase.FWD)
+    bwd, _ = phase([(ranks + 1 + i) % r for i in range(r)], Phase.BWD)
+    return RingSteps(fwd=fwd, bwd=bwd, pairs=pairs)
