@@ -44,15 +44,19 @@ baselines of ``flat``.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from megatron_hsap.baselines.flat import BaselineCost, _causal_pairs, _rounds_time, price_baseline
+from megatron_hsap.baselines.kernel_blocks import _PricingInputs, zigzag_ring_steps
 from megatron_hsap.baselines.registry import heads_split_ok, hybrid_group_sizes, split_heads, unavailable, usp_degree
 from megatron_hsap.errors import ConfigError
 from megatron_hsap.plan.costs import HeadShape
 from megatron_hsap.plan.hardware import Hardware, LinkClass
 from megatron_hsap.plan.ir import Phase, Wire
 from megatron_hsap.plan.layout import normalize_cu_seqlens
+from megatron_hsap.plan.window import staircase_pairs
 
 __all__ = ["HIERARCHICAL", "price", "hybrid_stages", "window_size", "HYBRID_TOKENS_PER_RANK"]
 
@@ -124,39 +128,38 @@ def _a2a_phase(shape: HeadShape, u: int, local_tokens: float, hw: Hardware) -> t
     return t, t, 2 * (u - 1) * sum(sizes)
 
 
-def _ring(lengths: np.ndarray, P: int, r: int, shape: HeadShape, hw: Hardware, link: LinkClass, *,
-          pad_compute: bool) -> tuple[float, float, float, float, int]:
-    """The per-document zigzag KV ring over ``r`` ranks on ``shape``'s heads, documents padded
-    to 2P and split in 2r chunks (``c = padded / 2r``): (fwd s, bwd s, bytes sent per rank
-    fwd+bwd, forward pairs per rank, rounds). Step 0 is the causal 2c × 2c block, every other
-    step 2c² pairs per document on every rank (balanced); forward rounds 0..r−2 carry the KV;
-    backward round s carries the KV of step s+1 and the dKV of step s−1, and the last step's dKV
-    travels after it, exposed (the order of ``sim.schedules.ring_schedule``). ``pad_compute``
-    False: pairs scaled to the real tokens (cuDNN/FA3 skip padding)."""
+def _ring(env: _PricingInputs, r: int, link: LinkClass, *, pad_compute: bool,
+          merge_every_fwd_step: bool) -> tuple[float, float, float, np.ndarray, int]:
+    """The per-document zigzag KV ring over ``r`` ranks on ``env.shape``'s heads (the heads one
+    ring rank holds), documents padded to ``2·env.P`` and split in 2r chunks (``c = padded /
+    2r``): (fwd s, bwd s, bytes sent per rank fwd+bwd, forward pairs per ring rank ``[r]``,
+    rounds). Compute: one call per rank and step at its blocks' shapes with the step's merges
+    (``kernel_blocks.zigzag_ring_steps``; ``merge_every_fwd_step`` for MagiAttention's
+    ``FA3RingAttnFunc``, which corrects every step's output after the loop), the kernel slowed
+    by ``overlap_slowdown`` beside a transfer. Forward rounds 0..r−2 carry the KV; backward
+    round s carries the KV of step s+1 and the dKV of step s−1, and the last step's dKV travels
+    after it, exposed (the order of ``sim.schedules.ring_schedule``)."""
+    P = env.P
+    lengths = env.lengths
     padded = -(-lengths // (2 * P)) * (2 * P) if P > 1 else lengths
-    c = padded.astype(np.float64) / (2 * r) if r > 1 else padded.astype(np.float64) / 2.0
-    c = c[c > 0]
-    step = np.full(r, float((2 * c * c).sum()))
-    step[0] = float((2 * c * c + c).sum())
-    if not pad_compute and step.sum() > 0:
-        step *= _causal_pairs(lengths) / r / step.sum()
-    kv = 2 * float(c.sum()) * shape.token_bytes(Wire.KV)
-    fwd_round = np.zeros(r)
+    c = padded.astype(np.float64) / (2 * r)
+    steps = zigzag_ring_steps(env, r, c, pad_compute=pad_compute, merge_every_fwd_step=merge_every_fwd_step)
+    kv = 2 * float(c.sum()) * env.row_bytes(Wire.KV)
+    fwd_round = np.zeros((r, 1))
     fwd_round[: r - 1] = kv
-    bwd_round = np.zeros(r)
+    bwd_round = np.zeros((r, 1))
     if r > 1:
         bwd_round[0] = kv
         bwd_round[1 : r - 1] = 2 * kv
         bwd_round[r - 1] = kv
-    fpp_f = shape.fwd_flops_per_pair / hw.attn_fwd_flops
-    fpp_b = shape.bwd_flops_per_pair / hw.attn_bwd_flops
-    env = _Link(hw, link)
-    tf, nf = _rounds_time(env, (step * fpp_f)[:, None], fwd_round[:, None], fwd_round[:, None])  # type: ignore[arg-type]
-    tb, nb = _rounds_time(env, (step * fpp_b)[:, None], bwd_round[:, None], bwd_round[:, None])  # type: ignore[arg-type]
+    lk, slow = _Link(env.hw, link), env.hw.overlap_slowdown
+    tf, nf = _rounds_time(lk, steps.fwd.kernel, fwd_round, fwd_round, steps.fwd.fixed, slow)  # type: ignore[arg-type]
+    tb, nb = _rounds_time(lk, steps.bwd.kernel, bwd_round, bwd_round, steps.bwd.fixed, slow)  # type: ignore[arg-type]
     if r > 1:  # the last step's dKV leaves after its compute: one more round, nothing to hide it
-        tb += kv / env.bw + env.lat
+        tb += kv / lk.bw + lk.lat
         nb += 1
-    return tf, tb, float(fwd_round.sum() + bwd_round.sum() + (kv if r > 1 else 0.0)), float(step.sum()), nf + nb
+    sent = float(fwd_round.sum() + bwd_round.sum() + (kv if r > 1 else 0.0))
+    return tf, tb, sent, steps.pairs.sum(axis=0), nf + nb
 
 
 class _Link:
@@ -168,8 +171,14 @@ class _Link:
 
 
 # ---------------------------------------------------------------- the five methods
-def _price_te_a2a(lengths: np.ndarray, P: int, shape: HeadShape, hw: Hardware, link: LinkClass) -> BaselineCost:
-    padded = -(-lengths // (2 * P)) * (2 * P) if P > 1 else lengths
+def _price_te_a2a(env: _PricingInputs) -> BaselineCost:
+    """TE's a2a CP (module docstring): compute is ONE varlen call per phase on H/P heads over
+    every whole document (``AttnFuncWithCPAndQKVOA2A`` calls the fused / flash kernel once on
+    the gathered sequence, real tokens), a causal l × l block each, no merge — like
+    ``flat._price_ulysses``."""
+    P, shape, hw, link = env.P, env.shape, env.hw, env.link
+    lengths = env.lengths.astype(np.float64)
+    padded = -(-env.lengths // (2 * P)) * (2 * P) if P > 1 else env.lengths
     local = float(padded.sum()) / P
     b = shape.dtype_bytes
 
@@ -181,56 +190,60 @@ def _price_te_a2a(lengths: np.ndarray, P: int, shape: HeadShape, hw: Hardware, l
              a2a(shape.num_heads, shape.head_dim_v)]
     comm = sum(t for t, _ in parts)
     sent = 2 * sum(s for _, s in parts)
-    pairs = _causal_pairs(lengths) / P
-    return BaselineCost(method="te_a2a", fwd_time=comm + pairs * shape.fwd_flops_per_pair / hw.attn_fwd_flops,
-                        bwd_time=comm + pairs * shape.bwd_flops_per_pair / hw.attn_bwd_flops,
+    pairs = _causal_pairs(env.lengths) / P
+    f, g = (env.calls(lengths, lengths, staircase_pairs(lengths), ph, head_split=P) for ph in Phase)
+    return BaselineCost(method="te_a2a", fwd_time=comm + float(f.kernel + f.fixed), bwd_time=comm + float(g.kernel + g.fixed),
                         bytes_sent=np.full(P, sent), bytes_recv=np.full(P, sent), work=np.full(P, pairs),
                         steps=0 if P == 1 else 8,
-                        note=f"documents padded to 2P={2 * P} ({int(padded.sum()) - int(lengths.sum())} pad tokens travel, not computed)")
+                        note=f"documents padded to 2P={2 * P} ({int(padded.sum()) - int(env.lengths.sum())} pad tokens travel, "
+                             "not computed); kernel-model priced")
 
 
-def _price_usp_like(method: str, lengths: np.ndarray, intra: int, inter: int, shape: HeadShape, hw: Hardware,
-                    link: LinkClass, gpus_per_node: int) -> BaselineCost:
-    P = intra * inter
-    local_shape = split_heads(shape, intra)
-    padded = -(-lengths // (2 * P)) * (2 * P) if P > 1 else lengths
+def _price_usp_like(method: str, env: _PricingInputs, intra: int, inter: int, gpus_per_node: int) -> BaselineCost:
+    P, shape, hw = env.P, env.shape, env.hw
+    ring_env = replace(env, shape=split_heads(shape, intra))  # the heads one rank holds after the all-to-all
+    padded = -(-env.lengths // (2 * P)) * (2 * P) if P > 1 else env.lengths
     a_f, a_b, a_bytes = _a2a_phase(shape, intra, float(padded.sum()) / P, hw)
     pad_compute = method == "te_a2a_p2p"
+    fa3 = method != "te_a2a_p2p"  # USP and LoongTrain run MagiAttention's FA3 rings (FA3RingAttnFunc / FA3DoubleRingAttnFunc)
     if method == "loongtrain" and inter > 1:
-        tf, tb, r_bytes, pairs, rounds = _double_ring(lengths, P, inter, intra, local_shape, hw, link, gpus_per_node)
+        tf, tb, r_bytes, pairs, rounds = _double_ring(ring_env, inter, intra, env.link, gpus_per_node)
     else:
-        tf, tb, r_bytes, pairs, rounds = _ring(lengths, P, inter, local_shape, hw, link, pad_compute=pad_compute)
+        tf, tb, r_bytes, pairs, rounds = _ring(ring_env, inter, env.link, pad_compute=pad_compute, merge_every_fwd_step=fa3)
     sent = np.full(P, a_bytes + r_bytes)
     return BaselineCost(method=method, fwd_time=a_f + tf, bwd_time=a_b + tb, bytes_sent=sent, bytes_recv=sent.copy(),
-                        work=np.full(P, pairs / max(intra, 1)), steps=rounds + (8 if intra > 1 else 0),
+                        work=np.repeat(pairs / max(intra, 1), intra), steps=rounds + (8 if intra > 1 else 0),
                         note=f"{intra}x{inter}: all-to-all over {intra}, {'double ' if method == 'loongtrain' else ''}ring over {inter}"
-                             + ("; padding computed" if pad_compute else ""))
+                             + ("; padding computed" if pad_compute else "") + "; kernel-model priced")
 
 
-def _double_ring(lengths: np.ndarray, P: int, r: int, u: int, shape: HeadShape, hw: Hardware, link: LinkClass,
-                 gpus_per_node: int) -> tuple[float, float, float, float, int]:
+def _double_ring(env: _PricingInputs, r: int, u: int, link: LinkClass,
+                 gpus_per_node: int) -> tuple[float, float, float, np.ndarray, int]:
     """LoongTrain's double ring (module docstring): window ``w`` of ring ranks; the inner step i
-    of window k computes like ring step ``k·w + i`` and overlaps the inner transfer (NVLink when
-    the window shares a node); the window overlaps its outer transfer (``link``)."""
+    of window k computes like ring step ``k·w + i`` (its calls and merges from
+    ``kernel_blocks.zigzag_ring_steps``, FA3 on the real tokens, every forward step's output
+    corrected after the loop as ``FA3DoubleRingAttnFunc`` does) and overlaps the inner transfer
+    (NVLink when the window shares a node); the window overlaps its outer transfer (``link``).
+    A step lasts as long as its slowest rank; its kernels run ``overlap_slowdown`` slower while
+    an inner or outer transfer is in flight."""
+    hw, P = env.hw, env.P
     w = window_size(r, u, gpus_per_node)
     nw = r // w
-    padded = -(-lengths // (2 * P)) * (2 * P)
+    padded = -(-env.lengths // (2 * P)) * (2 * P)
     c = padded.astype(np.float64) / (2 * r)
-    c = c[c > 0]
-    step = np.full(r, float((2 * c * c).sum()))
-    step[0] = float((2 * c * c + c).sum())
-    step *= _causal_pairs(lengths) / r / step.sum()  # FA3 on the real tokens
-    kv = 2 * float(c.sum()) * shape.token_bytes(Wire.KV)
+    steps = zigzag_ring_steps(env, r, c, pad_compute=False, merge_every_fwd_step=True)
+    kv = 2 * float(c.sum()) * env.row_bytes(Wire.KV)
     inner = LinkClass.NVLINK if w * u <= gpus_per_node else link
     total = {}
     rounds = 0
-    for ph, moved, rate in ((Phase.FWD, kv, hw.attn_fwd_flops), (Phase.BWD, 2 * kv, hw.attn_bwd_flops)):
-        fpp = (shape.fwd_flops_per_pair if ph == Phase.FWD else shape.bwd_flops_per_pair) / rate
+    for ph, moved, cost in ((Phase.FWD, kv, steps.fwd), (Phase.BWD, 2 * kv, steps.bwd)):
         t = 0.0
         for k in range(nw):
             win = 0.0
             for i in range(w):
-                comp = step[k * w + i] * fpp
+                s = k * w + i
+                busy = cost.kernel[s] * (1.0 + hw.overlap_slowdown * (i + 1 < w or k + 1 < nw)) + cost.fixed[s]
+                comp = float(busy.max())
                 if i + 1 < w:
                     win += max(comp, moved / hw.bandwidth(inner)) + hw.latency(inner)
                     rounds += 1
@@ -242,35 +255,43 @@ def _double_ring(lengths: np.ndarray, P: int, r: int, u: int, shape: HeadShape, 
             t += win
         total[ph] = t
     sent = (w - 1) * nw * 3 * kv + (nw - 1) * 3 * kv
-    return total[Phase.FWD], total[Phase.BWD], sent, float(step.sum()), rounds
+    return total[Phase.FWD], total[Phase.BWD], sent, steps.pairs.sum(axis=0), rounds
 
 
-def _price_hybrid(lengths: np.ndarray, P: int, shape: HeadShape, hw: Hardware, link: LinkClass, gpus_per_node: int) -> BaselineCost:
+def _price_hybrid(env: _PricingInputs, gpus_per_node: int) -> BaselineCost:
+    """Megatron hybrid CP (module docstring): a ``g = 1`` sample is one ``flash_attn_func``
+    call per phase (a causal l × l block; MagiAttention's ``hybrid_dcp.py`` ``apply_fwd_attn``),
+    a ``g > 1`` sample its own ``RingAttnP2P`` — the FA3 zigzag ring of ``_ring`` over ``g``
+    ranks on the real tokens — one sample after another within a stage."""
+    P, shape, hw, link = env.P, env.shape, env.hw, env.link
     fwd = bwd = 0.0
     work = np.zeros(P)
     sent = np.zeros(P)
-    stages = hybrid_stages(lengths, P)
+    stages = hybrid_stages(env.lengths, P)
     for stage in stages:
         busy_f = np.zeros(P)
         busy_b = np.zeros(P)
         for n, first, g in stage:
             if g == 1:
-                pairs = _causal_pairs(np.array([n]))
-                busy_f[first] += pairs * shape.fwd_flops_per_pair / hw.attn_fwd_flops
-                busy_b[first] += pairs * shape.bwd_flops_per_pair / hw.attn_bwd_flops
+                one = np.array([float(n)])
+                pairs = _causal_pairs(one)
+                f, b = (env.calls(one, one, staircase_pairs(one), ph) for ph in Phase)
+                busy_f[first] += float(f.kernel + f.fixed)
+                busy_b[first] += float(b.kernel + b.fixed)
                 work[first] += pairs
                 continue
             lk = LinkClass.NVLINK if g <= gpus_per_node and first // gpus_per_node == (first + g - 1) // gpus_per_node else link
-            tf, tb, b, pairs, _ = _ring(np.array([n]), g, g, shape, hw, lk, pad_compute=False)
+            sample = _PricingInputs(cu=np.array([0, n], dtype=np.int64), P=g, shape=shape, hw=hw, link=lk)
+            tf, tb, b_sent, pairs, _ = _ring(sample, g, lk, pad_compute=False, merge_every_fwd_step=True)
             busy_f[first : first + g] += tf
             busy_b[first : first + g] += tb
             work[first : first + g] += pairs
-            sent[first : first + g] += b
+            sent[first : first + g] += b_sent
         barrier = hw.latency(link) if P > 1 else 0.0
         fwd += float(busy_f.max()) + barrier
         bwd += float(busy_b.max()) + barrier
     return BaselineCost(method="hybrid_cp", fwd_time=fwd, bwd_time=bwd, bytes_sent=sent, bytes_recv=sent.copy(), work=work,
-                        steps=2 * len(stages), note=f"{len(stages)} stage(s) of per-sample CP groups (8K tokens per rank)")
+                        steps=2 * len(stages), note=f"{len(stages)} stage(s) of per-sample CP groups (8K tokens per rank); kernel-model priced")
 
 
 # ---------------------------------------------------------------- entry point
@@ -289,17 +310,17 @@ def price(method: str, cu_seqlens: object, *, intra: int, inter: int, shape: Hea
     if unavailable(method, intra=intra, inter=inter, shape=shape) is not None:
         return None
     cu = np.asarray(normalize_cu_seqlens(cu_seqlens), dtype=np.int64)
-    lengths = np.diff(cu)
-    lengths = lengths[lengths > 0]
+    cu = np.concatenate(([0], np.cumsum(np.diff(cu)[np.diff(cu) > 0])))  # empty documents dropped
     gpn = gpus_per_node or hardware.gpus_per_node
     P = intra * inter
+    env = _PricingInputs(cu=cu, P=P, shape=shape, hw=hardware, link=link)
     if method == "te_a2a":
-        return _price_te_a2a(lengths, P, shape, hardware, link)
+        return _price_te_a2a(env)
     if method == "hybrid_cp":
-        return _price_hybrid(lengths, P, shape, hardware, link, gpn)
+        return _price_hybrid(env, gpn)
     if method == "usp":  # USP fixes its own split: the largest all-to-all inside a node
         intra = usp_degree(P, shape, gpn)
         inter = P // intra
     if not heads_split_ok(shape, intra):
         return None
-    return _price_usp_like(method, lengths, intra, inter, shape, hardware, link, gpn)
+    return _price_usp_like(method, env, intra, inter, gpn)

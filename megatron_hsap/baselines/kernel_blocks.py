@@ -206,7 +206,7 @@ def zigzag_ring_steps(env: _PricingInputs, r: int, c: np.ndarray, *, pad_compute
     def phase(owners: list[np.ndarray], ph: Phase) -> tuple[CallCost, np.ndarray]:
         """Step by step (a [steps, r, docs] stack would not fit memory at r = 64 with thousands
         of documents)."""
-        kern, fixed, work = np.zeros((r, r)), np.zeros((r, r)), np.zeros((r, r))
+        kern, fixed, merge, work = np.zeros((r, r)), np.zeros((r, r)), np.zeros((r, r)), np.zeros((r, r))
         for i, o in enumerate(owners):
             nq, nk, pairs = blocks(o)
             cost = env.calls(nq, nk, pairs, ph)
@@ -214,10 +214,10 @@ def zigzag_ring_steps(env: _PricingInputs, r: int, c: np.ndarray, *, pad_compute
             live = pairs > 0
             q_rows, k_rows = np.where(live, nq, 0.0).sum(axis=-1), np.where(live, nk, 0.0).sum(axis=-1)
             if ph == Phase.FWD and merge_every_fwd_step and r > 1:
-                fixed[r - 1] += q_rows * m.o
+                merge[r - 1] += q_rows * m.o
             elif i > 0:  # the first step writes, later steps correct (fwd) / accumulate (bwd)
-                fixed[i] += q_rows * m.o if ph == Phase.FWD else q_rows * m.dq + k_rows * m.dkv
-        return CallCost(kern, fixed), work
+                merge[i] += q_rows * m.o if ph == Phase.FWD else q_rows * m.dq + k_rows * m.dkv
+        return CallCost(kern, fixed + merge), work
 
     fwd, pairs = phase([(ranks - i) % r for i in range(r)], Phase.FWD)
     bwd, _ = phase([(ranks + 1 + i) % r for i in range(r)], Phase.BWD)

@@ -12,7 +12,7 @@ from megatron_hsap.baselines.hierarchical import HIERARCHICAL, hybrid_stages, pr
 from megatron_hsap.baselines.registry import REGISTRY, unavailable
 from megatron_hsap.errors import ConfigError
 from megatron_hsap.plan.costs import HeadShape
-from megatron_hsap.plan.hardware import Hardware, KernelCurve, LinkClass
+from megatron_hsap.plan.hardware import Hardware, KernelCurve, KernelModel, LinkClass
 from megatron_hsap.plan.workloads import pack_batches
 from tests.baselines.test_flat import TOY
 
@@ -85,8 +85,12 @@ def test_every_registry_flat_key_is_priced_and_unavailability_is_the_registry_ru
 
 
 # ---------------------------------------------------------------- flat price vs simulated schedule
+# The flat model's constants on the pricing side too: every block at its peak rate (a zero
+# half-rate size, no launch), no merge bytes, no kernel slowdown beside transfers.
 FLAT = Hardware(name="flatx", attn_fwd_flops=200e12, attn_bwd_flops=170e12, nvlink_bw=200e9, ib_bw=20e9,
-                nvlink_latency=10e-6, ib_latency=15e-6, gpus_per_node=8)
+                nvlink_latency=10e-6, ib_latency=15e-6, gpus_per_node=8,
+                kernel=KernelModel(fwd_peak=200e12, bwd_peak=170e12, curve=KernelCurve(half_rate_tokens=0.0, launch_s=0.0)),
+                merge_fwd_bytes=0.0, merge_bwd_bytes=0.0, overlap_slowdown=0.0)
 CASES = [([0, 4096], 2, 2), ("fineweb", 32768, 2, 4), ("slimpajama", 65536, 4, 4), ("fineweb", 65536, 8, 2), ([0, 65536], 2, 8)]
 # The flat model prices a step as the slowest rank's max(compute, transfer) + one latency; the
 # simulator runs the same rounds event by event (a round starts when both peers posted, ranks
@@ -121,3 +125,99 @@ def test_flat_price_matches_the_simulated_schedule(method: str) -> None:
             continue
         assert f.fwd_time == pytest.approx(r.fwd.seconds, rel=FLAT_VS_SIM), (method, case, "fwd")
         assert f.bwd_time == pytest.approx(r.bwd.seconds, rel=FLAT_VS_SIM), (method, case, "bwd")
+
+
+# ---------------------------------------------------------------- the kernel model's terms
+# KERNEL_TOY (tests/baselines/test_flat.py): 4 × 4 tiles with half a tile of prologue per row
+# tile, so a block costs m · (key tiles per row + 0.5) · 16 pair-seconds (1 pair/s peaks),
+# m = ⌈rows / 4⌉, key tiles per row = pairs / rows / 4 + 0.5 clipped to [1, ⌈keys / 4⌉]; 1 s per
+# launch; merges 1 s per o / dq row and 2 s per dk+dv row (ONE: 1 head of size 1); kernels 1.5×
+# slower while the round moves bytes; NVLink 1 B/s and 0.5 s per round.
+
+
+def test_te_a2a_kernel_terms_by_hand() -> None:
+    from tests.baselines.test_flat import KERNEL_TOY
+
+    c = price("te_a2a", [0, 16], intra=1, inter=2, shape=TWO, hardware=KERNEL_TOY, link=NV)
+    # four all-to-alls of 8 tokens × 1 head × 1 B to the one peer: 4 × 8.5 s, unoverlapped. Then ONE
+    # call per phase on 1 of the 2 heads: the 16 × 16 causal block, 136 pairs: m 4, key tiles
+    # 136/16/4 + 0.5 = 2.625 -> 4 · 3.125 · 16 = 200 s, plus one launch; no merge.
+    assert c.fwd_time == pytest.approx(4 * 8.5 + 200 + 1, **TIGHT)
+    assert c.bwd_time == pytest.approx(4 * 8.5 + 200 + 1, **TIGHT)
+
+
+def test_usp_ring_kernel_terms_by_hand() -> None:
+    from tests.baselines.test_flat import KERNEL_TOY
+
+    one = HeadShape(num_heads=1, num_kv_heads=1, head_dim=1, head_dim_v=1, dtype_bytes=1)
+    c = price("usp", [0, 8], intra=1, inter=2, shape=one, hardware=KERNEL_TOY, link=NV)
+    # c = 2: rank 0 holds chunks {0, 3}, rank 1 {1, 2}; KV round 4 tokens × 2 B = 8 s. Every call
+    # is one row tile of 4 × 4 keys at most: 1 · (1 + 0.5) · 16 = 24 s (diagonal 10 pairs, upper
+    # 2 × 4 and lower 4 × 2 blocks 8 pairs). Forward: step 0 beside the KV round (24 · 1.5 + 1
+    # launch); step 1 alone, plus FA3RingAttnFunc's output corrections of both steps after the
+    # loop (rank 0: 4 + 2 q rows, rank 1: 4 + 4, 1 s each).
+    assert c.fwd_time == pytest.approx(max(24 * 1.5 + 1, 8) + 0.5 + max(24 + 1 + 6, 24 + 1 + 8), **TIGHT)
+    # backward: step 0 (upper / lower) beside the KV round; step 1 the diagonal beside the dKV
+    # round, plus the dq (4 rows · 1 s) and dk, dv (4 rows · 2 s) accumulations; then the last
+    # step's dKV alone (8 s + 0.5 s)
+    assert c.bwd_time == pytest.approx((24 * 1.5 + 1 + 0.5) + (24 * 1.5 + 1 + 4 + 8 + 0.5) + 8.5, **TIGHT)
+    assert c.work.tolist() == [18.0, 18.0]  # 10 + 8 pairs each: 36 = 8 · 9 / 2 in all
+
+
+def test_hybrid_cp_one_call_per_sample_by_hand() -> None:
+    from tests.baselines.test_flat import KERNEL_TOY
+
+    one = HeadShape(num_heads=1, num_kv_heads=1, head_dim=1, head_dim_v=1, dtype_bytes=1)
+    c = price("hybrid_cp", [0, 24, 40], intra=1, inter=2, shape=one, hardware=KERNEL_TOY, link=NV)
+    # both samples need one rank and fit rank 0's 8K tokens: one stage, two flash_attn_func calls
+    # on rank 0 (hybrid_dcp.py calls the kernel per sample, not one varlen call): 24 × 24, 300
+    # pairs: m 6, key tiles 300/24/4 + 0.5 = 3.625 -> 6 · 4.125 · 16 = 396 s; 16 × 16: 200 s;
+    # a launch each, then the barrier (0.5 s).
+    assert hybrid_stages(np.array([24, 16]), 2) == [[(24, 0, 1), (16, 0, 1)]]
+    assert c.fwd_time == pytest.approx(396 + 1 + 200 + 1 + 0.5, **TIGHT)
+    assert c.bwd_time == pytest.approx(396 + 1 + 200 + 1 + 0.5, **TIGHT)
+
+
+def _perfect(hw: Hardware) -> Hardware:
+    """``hw`` with perfect kernels: every block at the kernel model's peak, no launch, grid,
+    atomics, merge bytes or slowdown beside transfers."""
+    from dataclasses import replace
+
+    k = hw.kernel
+    return replace(hw, kernel=KernelModel(fwd_peak=k.fwd_peak, bwd_peak=k.bwd_peak, curve=KernelCurve(half_rate_tokens=0.0, launch_s=0.0)),
+                   merge_fwd_bytes=0.0, merge_bwd_bytes=0.0, overlap_slowdown=0.0)
+
+
+@pytest.mark.parametrize("hw_name", ["a100", "h100-fa3"])
+def test_kernel_model_price_is_never_below_perfect_kernels(hw_name: str) -> None:
+    """Every hierarchical / per-sample peer priced with the kernel model costs at least what the
+    same schedule costs with perfect kernels at the model's peak, moves the same bytes and
+    computes the same pairs; with perfect kernels TE's a2a is the flat formula (pairs × FLOPs
+    per pair / peak + its all-to-alls) exactly."""
+    from megatron_hsap.plan.hardware import HARDWARE
+
+    hw = HARDWARE[hw_name]
+    ideal = _perfect(hw)
+    for cu in (pack_batches("fineweb", 65536, 1, 0)[0], np.array([0, 65536]), pack_batches("slimpajama", 32768, 1, 1)[0]):
+        for shape in (GQA, HeadShape(num_heads=32, num_kv_heads=32, head_dim=128, head_dim_v=128)):
+            for method in HIERARCHICAL:
+                for intra, inter in ((1, 8), (2, 4), (8, 2)):
+                    link = IB if intra == 8 else NV
+                    got = price(method, cu, intra=intra, inter=inter, shape=shape, hardware=hw, link=link)
+                    low = price(method, cu, intra=intra, inter=inter, shape=shape, hardware=ideal, link=link)
+                    if got is None:
+                        assert low is None
+                        continue
+                    key = (method, intra, inter, shape.num_kv_heads)
+                    assert got.fwd_time >= low.fwd_time and got.bwd_time >= low.bwd_time, key
+                    assert got.time > low.time * 1.001, key  # launches, tiles and merges cost something
+                    np.testing.assert_array_equal(got.bytes_sent, low.bytes_sent)
+                    np.testing.assert_array_equal(got.work, low.work)
+                    if method != "te_a2a_p2p":  # which computes TE's padding too
+                        assert got.work.sum() == pytest.approx(_causal_pairs(np.diff(cu)), rel=1e-9), key
+            P = 8
+            te = price("te_a2a", cu, intra=1, inter=P, shape=shape, hardware=ideal, link=NV)
+            if te is not None:
+                comm = te.fwd_time - _causal_pairs(np.diff(cu)) / P * shape.fwd_flops_per_pair / hw.kernel.fwd_peak
+                comm_b = te.bwd_time - _causal_pairs(np.diff(cu)) / P * shape.bwd_flops_per_pair / hw.kernel.bwd_peak
+                assert comm == pytest.approx(comm_b, rel=1e-9) and comm > 0  # the same four all-to-alls each way
