@@ -1,4 +1,4 @@
-"""Flat prices of the hierarchical and per-sample baselines, with the planner's constants
+"""Closed-form prices of the hierarchical and per-sample baselines, with the planner's constants
 (docs/design.md §4's rates, wire formats and transfer rule, exactly as ``baselines.flat``).
 
 One function, ``price(method, cu_seqlens, intra=, inter=, ...)``, prices every baseline of the
@@ -34,12 +34,16 @@ and these five, each modelled as its real implementation behaves:
   sample with ``g > 1`` runs the zigzag THD ring over its ``g`` consecutive ranks, a sample with
   ``g = 1`` is one kernel call; a stage lasts as long as its slowest rank, plus a barrier.
 
-Pricing: compute = pairs × FLOPs per pair / flat rate; a pipelined step costs the slowest rank's
-max(compute, transfer of the round it overlaps) plus one latency if bytes move (``flat.
-_rounds_time``); an all-to-all over ``u`` ranks costs ``(u − 1) × bytes per peer / bandwidth +
-latency``, unoverlapped. The intra all-to-all runs on NVLink; the ring on ``inter_link``
-(InfiniBand when the CP group spans nodes). Gradients travel in the activation dtype, like the
-baselines of ``flat``.
+Pricing: compute with the one kernel model, as ``baselines.flat`` does (``baselines/kernel_blocks.py``):
+every call the implementation makes at its blocks' shapes, one launch per call, FA3's backward
+grid and GQA atomics, the rings' LSE corrections and dq/dkv accumulations at HBM bandwidth, the
+kernel ``overlap_slowdown`` slower beside an in-flight transfer. A pipelined step costs the
+slowest rank's max(compute, transfer of the round it overlaps) plus one latency if bytes move
+(``flat._rounds_time``); an all-to-all over ``u`` ranks costs ``(u − 1) × bytes per peer /
+bandwidth + latency``, unoverlapped (no rearrange copies and the full NVLink figure, unlike
+``flat._price_ulysses``: this favours these peers). The intra all-to-all runs on NVLink; the ring
+on ``inter_link`` (InfiniBand when the CP group spans nodes). Gradients travel in the
+activation dtype, like the baselines of ``flat``.
 """
 
 from __future__ import annotations

@@ -94,11 +94,10 @@ class _Env:
     def lengths(self) -> np.ndarray:
         return np.diff(self.cu).astype(np.float64)
 
-    def fwd_s(self, pairs: np.ndarray | float) -> np.ndarray | float:
-        return pairs * self.shape.fwd_flops_per_pair / self.hw.attn_fwd_flops
-
-    def bwd_s(self, pairs: np.ndarray | float) -> np.ndarray | float:
-        return pairs * self.shape.bwd_flops_per_pair / self.hw.attn_bwd_flops
+    @property
+    def pricing(self) -> _PricingInputs:
+        """The kernel-model pricing inputs of ``baselines/kernel_blocks.py`` for this batch."""
+        return _PricingInputs(cu=self.cu, P=self.P, shape=self.shape, hw=self.hw, link=self.link)
 
 
 def _full(env: _Env, method: str) -> BaselineCost | None:
@@ -114,8 +113,7 @@ def _te_allgather_swa(env: _Env) -> BaselineCost:
     all-gather."""
     P = env.P
     left = env.left
-    flat_env = _PricingInputs(cu=env.cu, P=P, shape=env.shape, hw=env.hw, link=env.link)
-    work, f_busy, b_busy = zigzag_allgather_compute(flat_env, lambda n: banded_row_pairs(n, left), left)
+    work, f_busy, b_busy = zigzag_allgather_compute(env.pricing, lambda n: banded_row_pairs(n, left), left)
     full = _full(env, "allgather_kv_zigzag")  # same gathers and reduce-scatter: the window moves nothing less
     assert full is not None  # runs at every size
     kv_bytes = float(full.bytes_sent[0]) / 3.0  # one all-gather of KV per rank (fwd, bwd; dKV likewise)
@@ -134,22 +132,29 @@ def _te_allgather_swa(env: _Env) -> BaselineCost:
 
 
 def _te_a2a_swa(env: _Env) -> BaselineCost | None:
-    """TE's a2a all-to-alls unchanged; every rank computes the banded pairs on H/P heads."""
+    """TE's a2a all-to-alls unchanged; every rank makes ONE call per phase on H/P heads over every
+    whole document, each a banded l × l block (the kernel skips the tiles outside the window),
+    priced with the kernel model like the full-causal ``te_a2a``."""
     full = _full(env, "te_a2a")
     if full is None:
         return None
-    pairs = float(banded_row_pairs(env.lengths, env.left).sum()) / env.P
-    comm_fwd = full.fwd_time - float(env.fwd_s(float(full.work[0])))  # the all-to-alls (not overlapped)
-    comm_bwd = full.bwd_time - float(env.bwd_s(float(full.work[0])))
+    n = env.lengths
+    pairs = float(banded_row_pairs(n, env.left).sum()) / env.P
+    comm, banded = [], []
+    for ph, t in (("fwd", full.fwd_time), ("bwd", full.bwd_time)):
+        causal = env.pricing.calls(n, n, staircase_pairs(n), ph, head_split=env.P)
+        band = env.pricing.calls(n, n, banded_row_pairs(n, env.left), ph, head_split=env.P)
+        comm.append(t - float(causal.kernel + causal.fixed))  # the all-to-alls (not overlapped)
+        banded.append(float(band.kernel + band.fixed))
     return BaselineCost(
         method="te_a2a_swa",
-        fwd_time=comm_fwd + float(env.fwd_s(pairs)),
-        bwd_time=comm_bwd + float(env.bwd_s(pairs)),
+        fwd_time=comm[0] + banded[0],
+        bwd_time=comm[1] + banded[1],
         bytes_sent=full.bytes_sent.copy(),
         bytes_recv=full.bytes_recv.copy(),
         work=np.full(env.P, pairs),
         steps=full.steps,
-        note="all-to-alls not overlapped; banded compute on H/P heads",
+        note="all-to-alls not overlapped; banded compute on H/P heads (kernel-model priced)",
     )
 
 
@@ -207,25 +212,89 @@ def magi_dispatch(cu_seqlens: object, P: int, left: int, chunk_size: int = MAGI_
     return MagiDispatch(chunk_size=chunk_size, owner=owner, area=load, remote=remote, served=served)
 
 
+def magi_blocks(cu_seqlens: object, d: MagiDispatch, left: int) -> list[tuple[np.ndarray, ...]]:
+    """Per rank, the blocks of its two ffa calls: ``(nq, nk, pairs)`` of the host stage (keys the
+    rank holds) then of the remote stage (fetched keys), one block per (chunk, document) piece of
+    its q rows — the piece's rows that see such keys, the distinct such keys its rows see, and
+    their banded pairs. (MagiAttention's calc meta cuts a piece's keys into one ``AttnSlice`` per
+    run of same-side keys; one block per side packs them, which favours it slightly.)"""
+    cu = np.asarray(normalize_cu_seqlens(cu_seqlens), dtype=np.int64)
+    T = int(cu[-1])
+    P = len(d.area)
+    tok = np.arange(T)
+    doc = np.searchsorted(cu, tok, side="right") - 1
+    first_key = cu[doc] if left < 0 else np.maximum(cu[doc], tok - left)
+    token_owner = np.repeat(d.owner, d.chunk_size)[:T]
+    out = []
+    for r in range(P):
+        rows = np.flatnonzero(token_owner == r)
+        if rows.size == 0:
+            out.append(tuple(np.zeros(0) for _ in range(6)))
+            continue
+        held = np.concatenate(([0], np.cumsum(token_owner == r)))  # keys of rank r before each token
+        fk = first_key[rows]
+        local = (held[rows + 1] - held[fk]).astype(np.float64)
+        remote = (rows - fk + 1) - local
+        chunk = rows // d.chunk_size
+        start = np.r_[True, (chunk[1:] != chunk[:-1]) | (doc[rows][1:] != doc[rows][:-1])]
+        pid = np.cumsum(start) - 1
+        a, b = fk[start], rows[np.r_[start[1:], True]]  # each piece's first key and last row
+        nk_local = (held[b + 1] - held[a]).astype(np.float64)
+        nk_remote = (b - a + 1) - nk_local
+        n = int(pid[-1]) + 1
+        cnt = lambda w: np.bincount(pid, weights=w.astype(np.float64), minlength=n)  # noqa: E731
+        out.append((cnt(local > 0), nk_local, cnt(local), cnt(remote > 0), nk_remote, cnt(remote)))
+    return out
+
+
 def _magi_swa(env: _Env, chunk_size: int) -> BaselineCost:
+    """MagiAttention with its default ``OverlapConfig`` (``degree=1``: the host stage and ONE remote
+    stage, ``magi_attention/meta/solver/overlap_solver.py``) and ``DistAttnFunc``
+    (``magi_attention/functional/dist_attn.py``). Forward: the remote kv group-cast runs beside the
+    host-stage ffa call over the keys the rank holds (its kernel ``overlap_slowdown`` slower), then
+    one remote-stage ffa call over the fetched keys, which accumulates into the host output in
+    the kernel (``out=out_acc, lse=lse_acc``: no separate merge). Backward: the kv fetched again
+    beside the host-stage backward, the remote-stage backward (dq into ``dq_acc`` in the kernel),
+    then the group-reduce of the fp32 partial dk/dv to their owners, exposed
+    (``MAGI_ATTENTION_BWD_HIDE_TAIL_REDUCE`` defaults off), each owner summing the received rows
+    into its dk/dv at HBM bandwidth (an fp32 accumulation, ``merge_bwd_bytes`` per element). Every
+    ffa call priced with the kernel model at its blocks' shapes (``magi_blocks``); a rank's time is
+    its own chain of stages, the phase's the slowest rank's."""
     d = magi_dispatch(env.cu, env.P, env.left, chunk_size)
     kv = float(env.shape.token_bytes(Wire.KV))
     dkv = float(env.shape.token_bytes(Wire.DKV))  # fp32 partials
     bw, lat = env.hw.bandwidth(env.link), (0.0 if env.P == 1 else env.hw.latency(env.link))
     f_sent, f_recv = d.served * kv, d.remote * kv
-    b_sent, b_recv = d.served * kv + d.remote * dkv, d.remote * kv + d.served * dkv
-    fwd = float(np.max(np.maximum(env.fwd_s(d.area), np.maximum(f_sent, f_recv) / bw))) + lat
-    bwd = float(np.max(np.maximum(env.bwd_s(d.area), np.maximum(b_sent, b_recv) / bw))) + 2 * lat
+    r_sent, r_recv = d.remote * dkv, d.served * dkv  # the backward's group-reduce of dk/dv
+    fetch = np.maximum(f_sent, f_recv) / bw
+    reduce = np.maximum(r_sent, r_recv) / bw
+    slow = 1.0 + env.hw.overlap_slowdown * (fetch > 0)
+    pricing, m = env.pricing, env.pricing.merge
+    stage = {ph: np.zeros((2, env.P, 2)) for ph in ("fwd", "bwd")}  # [host/remote, rank, kernel/fixed]
+    for r, blocks in enumerate(magi_blocks(env.cu, d, env.left)):
+        for s, (nq, nk, pairs) in enumerate((blocks[:3], blocks[3:])):
+            for ph in ("fwd", "bwd"):
+                c = pricing.calls(nq, nk, pairs, ph)
+                stage[ph][s, r] = float(c.kernel), float(c.fixed)
+
+    def host(ph: str) -> np.ndarray:
+        return stage[ph][0, :, 0] * slow + stage[ph][0, :, 1]
+
+    def remote(ph: str) -> np.ndarray:
+        return stage[ph][1].sum(axis=-1)
+
+    fwd = float(np.max(np.maximum(host("fwd"), fetch) + lat + remote("fwd")))
+    bwd = float(np.max(np.maximum(host("bwd"), fetch) + lat + remote("bwd") + reduce + lat + d.served * m.dkv))
     return BaselineCost(
         method="magi_swa",
         fwd_time=fwd,
         bwd_time=bwd,
-        bytes_sent=f_sent + b_sent,
-        bytes_recv=f_recv + b_recv,
+        bytes_sent=f_sent + f_sent + r_sent,
+        bytes_recv=f_recv + f_recv + r_recv,
         work=d.area,
         steps=0 if env.P == 1 else 3,
         note=f"chunk {chunk_size}, min-heap dispatch (imbalance {d.area.max() / max(d.area.mean(), 1.0):.2f}); "
-        "remote keys fetched in fwd and bwd, fp32 dKV reduced; perfect overlap assumed",
+        "host + 1 remote ffa stage per phase (kernel-model priced), remote keys fetched in fwd and bwd, fp32 dKV reduced after",
     )
 
 

@@ -74,7 +74,21 @@ def test_te_a2a_swa_is_te_a2a_bytes_with_banded_compute() -> None:
     assert wide.time == pytest.approx(full.time, rel=1e-12) and np.array_equal(wide.bytes_sent, full.bytes_sent)
     narrow = price_windowed("te_a2a_swa", cu, **_kw(2, (3, 0)))
     total = sum(len(k) for k in _brute_keys(cu, 3))
-    assert np.allclose(narrow.work, total / 2) and narrow.time < full.time
+    # documents of ≤ 60 tokens fit one 128 × 128 tile: the band saves pairs, not kernel time
+    assert np.allclose(narrow.work, total / 2) and narrow.time == pytest.approx(full.time, rel=1e-12)
+    long_full = price("te_a2a", [0, 4096], intra=1, inter=2, shape=SHAPE, hardware=HW, link=LinkClass.NVLINK)
+    long_band = price_windowed("te_a2a_swa", [0, 4096], **_kw(2, (255, 0)))
+    # one 4096-token document, one call per phase on H/P = 4 heads, A100's FA2 tile model (128 ×
+    # 128 tiles, 0.8 tile of prologue per row tile): 32 row tiles, each visiting 4097/2/128 + 0.5
+    # key tiles causal and (256·257/2 + 3840·256)/4096/128 + 0.5 with the window of 256 keys; the
+    # all-to-alls and the launch are the same in both
+    k = HW.kernel
+    causal_tiles = 32 * (4097 / 2 / 128 + 0.5 + 0.8)
+    band_tiles = 32 * ((256 * 257 / 2 + 3840 * 256) / 4096 / 128 + 0.5 + 0.8)
+    for got_full, got_band, fpp, peak in ((long_full.fwd_time, long_band.fwd_time, SHAPE.fwd_flops_per_pair, k.fwd_peak),
+                                          (long_full.bwd_time, long_band.bwd_time, SHAPE.bwd_flops_per_pair, k.bwd_peak)):
+        want = (causal_tiles - band_tiles) * 128 * 128 * fpp / 2 / peak
+        assert got_full - got_band == pytest.approx(want, rel=1e-9)
     assert price_windowed("te_a2a_swa", cu, **_kw(4, (3, 0))) is None  # 2 kv heads: TE's a2a needs P | Hkv
 
 
