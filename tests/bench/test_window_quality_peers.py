@@ -163,3 +163,76 @@ def test_measure_peers_rows_and_readme_table(tmp_path) -> None:
     assert len(lines) == 4 and lines[2].startswith("| full | 4K, 2 | 32/32 |")
     ratio = get[("32/32", "te_allgather_swa", "estimated_time")] / get[("32/32", "hsap-window", "estimated_time")]
     assert f"{ratio:.2f}," in lines[2]
+
+
+@pytest.mark.parametrize("P, chunk", [(2, 8), (3, 5), (4, 4)])
+@pytest.mark.parametrize("left", [-1, 0, 2, 7, 30])
+def test_magi_blocks_equal_brute_force(P: int, chunk: int, left: int) -> None:
+    """Each rank's host / remote ffa blocks: per (chunk, document) piece of its q rows, the rows
+    that see a key of that side, the distinct such keys and the pairs, by sets of key tokens."""
+    from megatron_hsap.baselines.windowed import magi_blocks
+
+    for cu in BATCHES:
+        d = magi_dispatch(cu, P, left, chunk)
+        keys = _brute_keys(cu, left)
+        doc = np.searchsorted(cu, np.arange(cu[-1]), side="right") - 1
+        got = magi_blocks(cu, d, left)
+        for r in range(P):
+            pieces: dict[tuple[int, int], list[int]] = {}
+            for i in range(cu[-1]):
+                if d.owner[i // chunk] == r:
+                    pieces.setdefault((i // chunk, int(doc[i])), []).append(i)
+            want = [[], [], [], [], [], []]
+            for rows in pieces.values():
+                for side in (0, 1):  # host: keys rank r holds; remote: keys of other ranks
+                    mine = [[k for k in keys[i] if (d.owner[k // chunk] == r) == (side == 0)] for i in rows]
+                    want[3 * side].append(sum(1 for m in mine if m))
+                    want[3 * side + 1].append(len(set().union(*map(set, mine))))
+                    want[3 * side + 2].append(sum(len(m) for m in mine))
+            for g, w in zip(got[r], want):
+                assert g.tolist() == w, (cu, P, left, r)
+
+
+def test_magi_swa_stages_by_hand() -> None:
+    """Two ranks, 8-token chunks, one 32-token document, window of 7 keys, KERNEL_TOY (4 × 4 tiles,
+    half a tile of prologue per row tile, 1 s launches, 1 B/s and 0.5 s per transfer, kernels
+    1.5× slower beside one, 2 s per dk+dv row summed)."""
+    from tests.baselines.test_flat import KERNEL_TOY, ONE
+
+    cu = [0, 32]
+    d = magi_dispatch(cu, 2, 7, 8)
+    # areas 36, 64, 64, 64: chunk 1 -> rank 0, chunk 2 -> rank 1, chunk 3 -> rank 0 (tie), chunk 0 -> rank 1
+    assert d.owner.tolist() == [1, 0, 1, 0]
+    # rank 0 (rows 8..15, 24..31) fetches rank 1's keys 1..7 and 17..23 (14), serves 9..15 (7)
+    assert d.remote.tolist() == [14.0, 7.0] and d.served.tolist() == [7.0, 14.0]
+    cost = price_windowed("magi_swa", cu, world=2, window_size=(7, 0), shape=ONE, hardware=KERNEL_TOY,
+                          link=LinkClass.NVLINK, chunk_size=8)
+    # host blocks (a chunk's 8 rows × its own 8 keys, 36 pairs): 2 row tiles × (1.625 + 0.5) × 16 = 68 s;
+    # remote blocks (7 rows × 7 fetched keys, 28 pairs): 2 × (1.5 + 0.5) × 16 = 64 s. Rank 0: two
+    # of each; rank 1: two host blocks, one remote (chunk 0 sees only its own keys). One launch per call.
+    host = [2 * 68 + 1, 2 * 68 + 1]
+    remote = [2 * 64 + 1, 64 + 1]
+    fetch = [14 * 2, 14 * 2]  # max(sent, received) tokens × 2 B of k + v (1 B each)
+    reduce = [14 * 8, 14 * 8]  # fp32 dk + dv: 8 B per token
+    summed = [7 * 2, 14 * 2]  # the rows a rank serves, summed into its dk/dv
+    fwd = max(max((host[r] - 1) * 1.5 + 1, fetch[r]) + 0.5 + remote[r] for r in (0, 1))
+    bwd = max(max((host[r] - 1) * 1.5 + 1, fetch[r]) + 0.5 + remote[r] + reduce[r] + 0.5 + summed[r] for r in (0, 1))
+    assert (fwd, bwd) == (334.5, 461.0)
+    assert cost.fwd_time == pytest.approx(fwd, rel=1e-12)
+    assert cost.bwd_time == pytest.approx(bwd, rel=1e-12)
+
+
+@pytest.mark.parametrize("method", ["te_allgather_swa", "te_a2a_swa", "magi_swa"])
+def test_windowed_peers_never_below_perfect_kernels(method: str) -> None:
+    """The kernel-model price of each windowed peer is at least the same schedule's with perfect
+    kernels (every block at the model's peak, no launch, merge bytes or slowdown); bytes equal."""
+    from tests.baselines.test_hierarchical import _perfect
+    from megatron_hsap.plan.workloads import pack_batches
+
+    for cu in (pack_batches("fineweb", 32768, 1, 0)[0], [0, 32768]):
+        for shape in (SHAPE, HeadShape(num_heads=32, num_kv_heads=8, head_dim=128, head_dim_v=128, dtype_bytes=2)):
+            kw = dict(world=2, window_size=(4096, 0), shape=shape, link=LinkClass.NVLINK)  # 2 | Hkv (TE a2a)
+            got = price_windowed(method, cu, hardware=HW, **kw)
+            low = price_windowed(method, cu, hardware=_perfect(HW), **kw)
+            assert got.fwd_time > low.fwd_time and got.bwd_time > low.bwd_time, (method, shape)
+            np.testing.assert_array_equal(got.bytes_sent, low.bytes_sent)
