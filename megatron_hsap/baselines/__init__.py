@@ -2,10 +2,11 @@
 ``runtime``; ``plan`` keeps no baseline code).
 
 ``registry``: one ``Baseline`` record per method (availability rule, flat price, simulated
-schedule, CPU-executed implementation, source). ``flat``: the flat-rate prices of
-docs/design.md §4 used by ``plan-quality`` and the CPU benchmark's byte checks;
-``hierarchical``: the same for the all-to-all × ring and per-sample methods, and ``price``, the one
-entry point for every flat price.
+schedule, CPU-executed implementation, source). ``flat``: the closed-form prices of
+docs/design.md §4 (kernel calls priced with the planner's kernel model, ``kernel_blocks``) used
+by ``plan-quality`` and the CPU benchmark's byte checks; ``hierarchical``: the same for the
+all-to-all × ring and per-sample methods, and ``price``, the one entry point for every
+closed-form price; ``windowed``: the peers under a sliding window.
 """
 
 from __future__ import annotations

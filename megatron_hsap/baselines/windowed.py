@@ -1,8 +1,8 @@
 """Peers under a causal sliding window ``(left, 0)`` (issue 15 item 6; docs/design.md §4 wire
-formats and transfer rule, like ``baselines.flat``). ``te_allgather_swa`` prices its kernel calls
-with the one kernel model (``Hardware.kernel``, as ``baselines.flat`` does); ``te_a2a_swa`` and
-``magi_swa`` still price compute at the flat rates (``attn_fwd_flops``) — ``te_a2a_swa`` reuses
-``baselines.hierarchical``'s flat ``te_a2a``.
+formats and transfer rule, like ``baselines.flat``). Every peer prices its kernel calls with the
+one kernel model (``Hardware.kernel`` through ``baselines/kernel_blocks.py``, as
+``baselines.flat`` does: each call at its blocks' shapes, launches, merges where the code makes
+them, the kernel slowdown beside an in-flight transfer).
 
 Each model follows what the peer's code does with a window (read at the commits named below),
 not what it could do:
@@ -23,7 +23,8 @@ not what it could do:
 * ``te_a2a_swa`` — Transformer Engine ``AttnFuncWithCPAndQKVOA2A`` (same file; ``"a2a"`` is the
   other type that accepts windows): the all-to-alls of ``baselines.hierarchical``'s ``te_a2a``
   (documents padded to 2P, head split; the window changes no byte), each rank running the whole
-  sequence's banded pairs on H/P heads. Needs P | H and P | Hkv (the registry's rule).
+  sequence's banded pairs on H/P heads in ONE call per phase (each document a banded l × l
+  block). Needs P | H and P | Hkv (the registry's rule).
 * ``magi_swa`` — MagiAttention (SandAI-org/MagiAttention, commit 2c64135): a window becomes
   ``AttnSlice`` ranges per document (``magi_attention/api/functools.py``
   ``infer_attn_mask_from_sliding_window``: a CAUSAL slice for the rows whose window reaches the
@@ -35,9 +36,11 @@ not what it could do:
   fetches the remote keys its slices' ``k_range``s touch (group-cast), once in the forward and
   again in the backward, which also group-reduces the fp32 partial dK, dV to their owners
   (``magi_attention/functional/dist_attn.py``: ``_fetch_remote_kv`` in both passes,
-  ``reduce_partial_dq_dkv``). Compute and communication are priced as perfectly overlapped
-  (max of the two per phase, plus one latency per pass) — which favours MagiAttention, whose
-  overlap is staged.
+  ``reduce_partial_dq_dkv``). The stages are the default ``OverlapConfig(degree=1)``'s
+  (``magi_attention/meta/solver/overlap_solver.py``): one ffa call over the keys the rank holds
+  beside the fetch, then one over the fetched keys accumulating into the same output in the
+  kernel (no separate merge); the backward's dK/dV reduce runs after its last stage, exposed
+  (``_magi_swa``).
 
 Where a model favours the peer it says so; dK/dV of TE travel in the activation dtype (HSAP and
 MagiAttention send fp32 partials).

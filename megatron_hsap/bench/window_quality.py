@@ -15,7 +15,7 @@ worst over the seeds of windowed / full ratios) under ``--out``.
 ``--peers`` prices the same batches for the peers that accept a window
 (``megatron_hsap/baselines/windowed.py``: Transformer Engine's all-gather and a2a CP with SWA,
 MagiAttention's sliding-window ``AttnSlice`` masks) beside HSAP's full-causal and windowed plans —
-bytes and estimated time with the same flat constants (docs/design.md §4), plus the simulator's
+bytes and estimated time with the same constants and kernel model (docs/design.md §4), plus the simulator's
 time for HSAP's two plans (``sim.methods.run_method``, A100) — and writes ``windows_peers.csv``;
 :func:`peers_markdown` renders its README table (median over the seeds, ratios to HSAP's windowed
 plan).
