@@ -57,7 +57,7 @@ from megatron_hsap.baselines.kernel_blocks import _PricingInputs, zigzag_allgath
 from megatron_hsap.errors import ConfigError
 from megatron_hsap.plan.costs import HeadShape
 from megatron_hsap.plan.hardware import Hardware, LinkClass
-from megatron_hsap.plan.ir import Wire
+from megatron_hsap.plan.ir import Phase, Wire
 from megatron_hsap.plan.layout import normalize_cu_seqlens
 from megatron_hsap.plan.window import normalize_window, staircase_pairs
 
@@ -144,7 +144,7 @@ def _te_a2a_swa(env: _Env) -> BaselineCost | None:
     n = env.lengths
     pairs = float(banded_row_pairs(n, env.left).sum()) / env.P
     comm, banded = [], []
-    for ph, t in (("fwd", full.fwd_time), ("bwd", full.bwd_time)):
+    for ph, t in ((Phase.FWD, full.fwd_time), (Phase.BWD, full.bwd_time)):
         causal = env.pricing.calls(n, n, staircase_pairs(n), ph, head_split=env.P)
         band = env.pricing.calls(n, n, banded_row_pairs(n, env.left), ph, head_split=env.P)
         comm.append(t - float(causal.kernel + causal.fixed))  # the all-to-alls (not overlapped)
@@ -273,21 +273,21 @@ def _magi_swa(env: _Env, chunk_size: int) -> BaselineCost:
     reduce = np.maximum(r_sent, r_recv) / bw
     slow = 1.0 + env.hw.overlap_slowdown * (fetch > 0)
     pricing, m = env.pricing, env.pricing.merge
-    stage = {ph: np.zeros((2, env.P, 2)) for ph in ("fwd", "bwd")}  # [host/remote, rank, kernel/fixed]
+    stage = {ph: np.zeros((2, env.P, 2)) for ph in Phase}  # [host/remote, rank, kernel/fixed]
     for r, blocks in enumerate(magi_blocks(env.cu, d, env.left)):
         for s, (nq, nk, pairs) in enumerate((blocks[:3], blocks[3:])):
-            for ph in ("fwd", "bwd"):
+            for ph in Phase:
                 c = pricing.calls(nq, nk, pairs, ph)
                 stage[ph][s, r] = float(c.kernel), float(c.fixed)
 
-    def host(ph: str) -> np.ndarray:
+    def host(ph: Phase) -> np.ndarray:
         return stage[ph][0, :, 0] * slow + stage[ph][0, :, 1]
 
-    def remote(ph: str) -> np.ndarray:
+    def remote(ph: Phase) -> np.ndarray:
         return stage[ph][1].sum(axis=-1)
 
-    fwd = float(np.max(np.maximum(host("fwd"), fetch) + lat + remote("fwd")))
-    bwd = float(np.max(np.maximum(host("bwd"), fetch) + lat + remote("bwd") + reduce + lat + d.served * m.dkv))
+    fwd = float(np.max(np.maximum(host(Phase.FWD), fetch) + lat + remote(Phase.FWD)))
+    bwd = float(np.max(np.maximum(host(Phase.BWD), fetch) + lat + remote(Phase.BWD) + reduce + lat + d.served * m.dkv))
     return BaselineCost(
         method="magi_swa",
         fwd_time=fwd,
