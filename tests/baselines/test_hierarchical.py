@@ -221,3 +221,20 @@ def test_kernel_model_price_is_never_below_perfect_kernels(hw_name: str) -> None
                 comm = te.fwd_time - _causal_pairs(np.diff(cu)) / P * shape.fwd_flops_per_pair / hw.kernel.fwd_peak
                 comm_b = te.bwd_time - _causal_pairs(np.diff(cu)) / P * shape.bwd_flops_per_pair / hw.kernel.bwd_peak
                 assert comm == pytest.approx(comm_b, rel=1e-9) and comm > 0  # the same four all-to-alls each way
+
+
+def test_loongtrain_with_one_window_is_the_fa3_ring() -> None:
+    """A double ring whose window holds the whole ring (8 ranks in one node: one window, no outer
+    transfer) runs USP's FA3 ring step for step: the same calls, merges and overlapped rounds, so
+    the same forward time and pairs (its backward rounds differ: KV + dKV in every inner round, no
+    exposed tail). Both priced with the kernel model (KERNEL_TOY's launches, tiles, merges and
+    slowdown), so a difference in how either composes the calls shows."""
+    from tests.baselines.test_flat import KERNEL_TOY
+
+    one = HeadShape(num_heads=1, num_kv_heads=1, head_dim=1, head_dim_v=1, dtype_bytes=1)
+    cu = np.cumsum([0, 37, 90, 5, 124])
+    assert window_size(8, 1, 8) == 8
+    ring = price("usp", cu, intra=1, inter=8, shape=one, hardware=KERNEL_TOY, link=NV)
+    double = price("loongtrain", cu, intra=1, inter=8, shape=one, hardware=KERNEL_TOY, link=NV)
+    assert double.fwd_time == pytest.approx(ring.fwd_time, **TIGHT)
+    np.testing.assert_array_equal(double.work, ring.work)
