@@ -61,7 +61,8 @@ from megatron_hsap.plan.ir import Phase, Wire
 from megatron_hsap.plan.layout import normalize_cu_seqlens
 from megatron_hsap.plan.window import normalize_window, staircase_pairs
 
-__all__ = ["WINDOWED_PEERS", "MAGI_CHUNK_SIZE", "price_windowed", "banded_row_pairs", "magi_dispatch", "MagiDispatch"]
+__all__ = ["WINDOWED_PEERS", "MAGI_CHUNK_SIZE", "price_windowed", "banded_row_pairs", "magi_dispatch", "MagiDispatch",
+           "magi_blocks"]
 
 WINDOWED_PEERS = ("te_allgather_swa", "te_a2a_swa", "magi_swa")
 MAGI_CHUNK_SIZE = 512  # MagiAttention's examples/transformers README passes chunk_size=512
@@ -245,8 +246,11 @@ def magi_blocks(cu_seqlens: object, d: MagiDispatch, left: int) -> list[tuple[np
         nk_local = (held[b + 1] - held[a]).astype(np.float64)
         nk_remote = (b - a + 1) - nk_local
         n = int(pid[-1]) + 1
-        cnt = lambda w: np.bincount(pid, weights=w.astype(np.float64), minlength=n)  # noqa: E731
-        out.append((cnt(local > 0), nk_local, cnt(local), cnt(remote > 0), nk_remote, cnt(remote)))
+
+        def per_piece(w: np.ndarray) -> np.ndarray:
+            return np.bincount(pid, weights=w.astype(np.float64), minlength=n)
+
+        out.append((per_piece(local > 0), nk_local, per_piece(local), per_piece(remote > 0), nk_remote, per_piece(remote)))
     return out
 
 
