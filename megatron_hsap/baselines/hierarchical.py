@@ -108,16 +108,32 @@ def hybrid_stages(lengths: object, P: int, per_rank: int = HYBRID_TOKENS_PER_RAN
 
 
 # ---------------------------------------------------------------- building blocks
-def _a2a_seconds(bytes_per_peer: float, u: int, hw: Hardware) -> float:
-    """One all-to-all over ``u`` NVLink ranks: ``(u − 1)`` peers' bytes plus one latency."""
+def _a2a_seconds(bytes_per_peer: float, u: int, hw: Hardware, link: LinkClass = LinkClass.NVLINK) -> float:
+    """One all-to-all over ``u`` ranks on ``link``: ``(u − 1)`` peers' bytes at the all-to-all
+    rate HSAP's Ulysses and ``flat.ulysses`` are priced at (``Hardware.a2a_bandwidth``: NVLink
+    derated by ``a2a_efficiency``) plus one latency."""
     if u <= 1 or bytes_per_peer <= 0:
         return 0.0
-    return (u - 1) * bytes_per_peer / hw.bandwidth(LinkClass.NVLINK) + hw.latency(LinkClass.NVLINK)
+    return (u - 1) * bytes_per_peer / hw.a2a_bandwidth(link) + hw.latency(link)
+
+
+def _a2a_group_seconds(per_peer: list[float], u: int, hw: Hardware, link: LinkClass = LinkClass.NVLINK) -> float:
+    """One ``flash_attn_a2a_communicate`` call of Transformer Engine
+    (``transformer_engine/pytorch/attention/dot_product_attention/context_parallel.py``): the
+    tensors' all-to-alls back to back, each followed by its ``movedim(...).contiguous()`` +
+    ``index_select`` reorder on ``cp_stream`` while the next tensor's all-to-all runs — so only
+    the last tensor's reorder is exposed (``Hardware.a2a_copy_time`` of that whole local tensor,
+    ``u`` peers' share), the others are hidden (in the peer's favour)."""
+    if u <= 1:
+        return 0.0
+    return sum(_a2a_seconds(s, u, hw, link) for s in per_peer) + hw.a2a_copy_time(per_peer[-1] * u)
 
 
 def _a2a_phase(shape: HeadShape, u: int, local_tokens: float, hw: Hardware) -> tuple[float, float, float]:
     """(fwd seconds, bwd seconds, bytes sent per rank fwd+bwd) of the head all-to-alls over ``u``
-    ranks: q, k, v and out forward; dout, dq, dk, dv backward (the same four shapes)."""
+    ranks: q, k, v in one call before the attention and out after it forward; dout before and
+    dq, dk, dv after it backward (the same four shapes, two ``flash_attn_a2a_communicate`` calls
+    per phase)."""
     if u <= 1:
         return 0.0, 0.0, 0.0
     hkv = shape.num_kv_heads if shape.num_kv_heads % u == 0 else u  # replicated copies travel
@@ -126,10 +142,11 @@ def _a2a_phase(shape: HeadShape, u: int, local_tokens: float, hw: Hardware) -> t
     def per_peer(heads: int, dim: int) -> float:
         return local_tokens * (heads // u) * dim * b
 
-    sizes = [per_peer(shape.num_heads, shape.head_dim), per_peer(hkv, shape.head_dim), per_peer(hkv, shape.head_dim_v),
-             per_peer(shape.num_heads, shape.head_dim_v)]
-    t = sum(_a2a_seconds(s, u, hw) for s in sizes)
-    return t, t, 2 * (u - 1) * sum(sizes)
+    q, k, v = per_peer(shape.num_heads, shape.head_dim), per_peer(hkv, shape.head_dim), per_peer(hkv, shape.head_dim_v)
+    o = per_peer(shape.num_heads, shape.head_dim_v)
+    t_fwd = _a2a_group_seconds([q, k, v], u, hw) + _a2a_group_seconds([o], u, hw)
+    t_bwd = _a2a_group_seconds([o], u, hw) + _a2a_group_seconds([q, k, v], u, hw)
+    return t_fwd, t_bwd, 2 * (u - 1) * (q + k + v + o)
 
 
 def _ring(env: _PricingInputs, r: int, link: LinkClass, *, pad_compute: bool,
@@ -186,17 +203,18 @@ def _price_te_a2a(env: _PricingInputs) -> BaselineCost:
     local = float(padded.sum()) / P
     b = shape.dtype_bytes
 
-    def a2a(heads: int, dim: int) -> tuple[float, float]:
-        per_peer = local * (heads // P) * dim * b
-        return ((P - 1) * per_peer / hw.bandwidth(link) + hw.latency(link) if P > 1 else 0.0), (P - 1) * per_peer
+    def per_peer(heads: int, dim: int) -> float:
+        return local * (heads // P) * dim * b
 
-    parts = [a2a(shape.num_heads, shape.head_dim), a2a(shape.num_kv_heads, shape.head_dim), a2a(shape.num_kv_heads, shape.head_dim_v),
-             a2a(shape.num_heads, shape.head_dim_v)]
-    comm = sum(t for t, _ in parts)
-    sent = 2 * sum(s for _, s in parts)
+    q, k, v = per_peer(shape.num_heads, shape.head_dim), per_peer(shape.num_kv_heads, shape.head_dim), per_peer(shape.num_kv_heads, shape.head_dim_v)
+    o = per_peer(shape.num_heads, shape.head_dim_v)
+    # forward: q, k, v in one flash_attn_a2a_communicate call, out in another; backward: dout, then dq, dk, dv
+    comm_f = _a2a_group_seconds([q, k, v], P, hw, link) + _a2a_group_seconds([o], P, hw, link)
+    comm_b = _a2a_group_seconds([o], P, hw, link) + _a2a_group_seconds([q, k, v], P, hw, link)
+    sent = 2 * (P - 1) * (q + k + v + o)
     pairs = _causal_pairs(env.lengths) / P
     f, g = (env.calls(lengths, lengths, staircase_pairs(lengths), ph, head_split=P) for ph in Phase)
-    return BaselineCost(method="te_a2a", fwd_time=comm + float(f.kernel + f.fixed), bwd_time=comm + float(g.kernel + g.fixed),
+    return BaselineCost(method="te_a2a", fwd_time=comm_f + float(f.kernel + f.fixed), bwd_time=comm_b + float(g.kernel + g.fixed),
                         bytes_sent=np.full(P, sent), bytes_recv=np.full(P, sent), work=np.full(P, pairs),
                         steps=0 if P == 1 else 8,
                         note=f"documents padded to 2P={2 * P} ({int(padded.sum()) - int(env.lengths.sum())} pad tokens travel, "

@@ -90,7 +90,7 @@ def test_every_registry_flat_key_is_priced_and_unavailability_is_the_registry_ru
 FLAT = Hardware(name="flatx", attn_fwd_flops=200e12, attn_bwd_flops=170e12, nvlink_bw=200e9, ib_bw=20e9,
                 nvlink_latency=10e-6, ib_latency=15e-6, gpus_per_node=8,
                 kernel=KernelModel(fwd_peak=200e12, bwd_peak=170e12, curve=KernelCurve(half_rate_tokens=0.0, launch_s=0.0)),
-                merge_fwd_bytes=0.0, merge_bwd_bytes=0.0, overlap_slowdown=0.0)
+                merge_fwd_bytes=0.0, merge_bwd_bytes=0.0, overlap_slowdown=0.0, a2a_efficiency=1.0, hbm_bw=1e30)  # as _sim_flat_hw
 CASES = [([0, 4096], 2, 2), ("fineweb", 32768, 2, 4), ("slimpajama", 65536, 4, 4), ("fineweb", 65536, 8, 2), ([0, 65536], 2, 8)]
 # The flat model prices a step as the slowest rank's max(compute, transfer) + one latency; the
 # simulator runs the same rounds event by event (a round starts when both peers posted, ranks
@@ -139,11 +139,14 @@ def test_te_a2a_kernel_terms_by_hand() -> None:
     from tests.baselines.test_flat import KERNEL_TOY
 
     c = price("te_a2a", [0, 16], intra=1, inter=2, shape=TWO, hardware=KERNEL_TOY, link=NV)
-    # four all-to-alls of 8 tokens × 1 head × 1 B to the one peer: 4 × 8.5 s, unoverlapped. Then ONE
-    # call per phase on 1 of the 2 heads: the 16 × 16 causal block, 136 pairs: m 4, key tiles
-    # 136/16/4 + 0.5 = 2.625 -> 4 · 3.125 · 16 = 200 s, plus one launch; no merge.
-    assert c.fwd_time == pytest.approx(4 * 8.5 + 200 + 1, **TIGHT)
-    assert c.bwd_time == pytest.approx(4 * 8.5 + 200 + 1, **TIGHT)
+    # four all-to-alls of 8 tokens × 1 head × 1 B to the one peer at the all-to-all rate (NVLink 1 B/s
+    # × a2a_efficiency 0.45) plus 0.5 s latency each, unoverlapped; two flash_attn_a2a_communicate
+    # calls per phase, each exposing its last tensor's reorder copy (4 × the 16-B local tensor at
+    # 1 B/s HBM: 64 s). Then ONE call per phase on 1 of the 2 heads: the 16 × 16 causal block, 136
+    # pairs: m 4, key tiles 136/16/4 + 0.5 = 2.625 -> 4 · 3.125 · 16 = 200 s, plus one launch; no merge.
+    comm = 4 * (8 / 0.45 + 0.5) + 2 * 64
+    assert c.fwd_time == pytest.approx(comm + 200 + 1, **TIGHT)
+    assert c.bwd_time == pytest.approx(comm + 200 + 1, **TIGHT)
 
 
 def test_usp_ring_kernel_terms_by_hand() -> None:
@@ -185,7 +188,7 @@ def _perfect(hw: Hardware) -> Hardware:
 
     k = hw.kernel
     return replace(hw, kernel=KernelModel(fwd_peak=k.fwd_peak, bwd_peak=k.bwd_peak, curve=KernelCurve(half_rate_tokens=0.0, launch_s=0.0)),
-                   merge_fwd_bytes=0.0, merge_bwd_bytes=0.0, overlap_slowdown=0.0)
+                   merge_fwd_bytes=0.0, merge_bwd_bytes=0.0, overlap_slowdown=0.0, a2a_efficiency=1.0, hbm_bw=1e30)  # as _sim_flat_hw
 
 
 @pytest.mark.parametrize("hw_name", ["a100", "h100-fa3"])
@@ -238,3 +241,27 @@ def test_loongtrain_with_one_window_is_the_fa3_ring() -> None:
     double = price("loongtrain", cu, intra=1, inter=8, shape=one, hardware=KERNEL_TOY, link=NV)
     assert double.fwd_time == pytest.approx(ring.fwd_time, **TIGHT)
     np.testing.assert_array_equal(double.work, ring.work)
+
+
+def test_te_a2a_all_to_alls_are_priced_like_ulysses():
+    # one all-to-all rule for everyone: TE's head all-to-alls run at Hardware.a2a_bandwidth (NVLink
+    # derated by a2a_efficiency, as HSAP's Ulysses and flat.ulysses) plus the last tensor's reorder
+    # copy of each flash_attn_a2a_communicate call; halving the efficiency adds exactly the bytes'
+    # time once more (by hand: 4 tensors per phase, (u − 1) peers each, on [T/u, H/u, d] shares).
+    import dataclasses
+
+    cu, u = [0, 8192], 4
+    fast = dataclasses.replace(FLAT, a2a_efficiency=1.0)
+    slow = dataclasses.replace(FLAT, a2a_efficiency=0.5)
+    f = price("te_a2a", cu, intra=1, inter=u, shape=GQA, hardware=fast, link=NV)
+    s = price("te_a2a", cu, intra=1, inter=u, shape=GQA, hardware=slow, link=NV)
+    tokens = 8192 / u
+    per_peer = tokens / u * 2 * (16 * 128 + 8 * 128 + 8 * 128 + 16 * 128)  # q, k, v, out per peer
+    extra = (u - 1) * per_peer / 200e9  # the second half of the rate, once per phase
+    assert s.fwd_time - f.fwd_time == pytest.approx(extra, rel=1e-9)
+    assert s.bwd_time - f.bwd_time == pytest.approx(extra, rel=1e-9)
+    copies = dataclasses.replace(fast, hbm_bw=1e12)
+    c = price("te_a2a", cu, intra=1, inter=u, shape=GQA, hardware=copies, link=NV)
+    # exposed reorders: v's after q, k, v and out's (forward); the same two shapes backward
+    exposed = 4 * u * (per_peer * (8 * 128) / (48 * 128) + per_peer * (16 * 128) / (48 * 128)) / 1e12
+    assert c.fwd_time - f.fwd_time == pytest.approx(exposed, rel=1e-9)
