@@ -13,7 +13,7 @@ from __future__ import annotations
 import heapq
 
 from megatron_hsap.plan.ir import TokenRange
-from megatron_hsap.plan.placement import _ZERO, Placement, Vec, rows_for_work, tail_rows_for_work
+from megatron_hsap.plan.placement import _ZERO, Band, Placement, Vec, _band_keys, _normalise, rows_for_work, tail_rows_for_work
 
 __all__ = ["balance"]
 
@@ -95,6 +95,8 @@ def balance(start: Placement, *, traffic_budget: float, allow_helpers: bool = Tr
         if u.q_owner == u.kv_owner:
             local[u.q_owner] += pl.rows_work(i, u.q.start, pl.home[i])
     reserve = [min(_LOCAL_RESERVE * tau, w) for w in local]
+    # a band under one row tile runs at rows/tile of the rate (flat prices: _MIN_BAND_ROWS)
+    min_band = _MIN_BAND_ROWS if rates.kernel is None else rates.kernel.min_block_rows()
     order = sorted(range(size), key=lambda r: -pl.work[r])
     for b in order:
         if pl.work[b] <= tau * (1 + tol):
@@ -112,7 +114,7 @@ def balance(start: Placement, *, traffic_budget: float, allow_helpers: bool = Tr
                 if head - keep <= 0:
                     continue
                 before = head
-            _shed(pl, b, kind, i, j, tau, ok, receivers, touching, allow_helpers, keep, traffic_budget)
+            _shed(pl, b, kind, i, j, tau, ok, receivers, touching, allow_helpers, min_band, keep, traffic_budget)
             if kind == _HEAD and u.q_owner == u.kv_owner:
                 local[b] -= before - pl.rows_work(i, u.q.start, pl.home[i])
     return pl
@@ -160,7 +162,8 @@ def _candidates(pl: Placement, b: int, blocks: list[int], tau: float, allow_help
 
 
 def _shed(pl: Placement, b: int, kind: int, i: int, j: int, tau: float, ok, receivers: _Receivers,
-          touching: list[list[int]], allow_helpers: bool, keep: float = 0.0, budget_ratio: float = 1.0) -> None:
+          touching: list[list[int]], allow_helpers: bool, min_band: int, keep: float = 0.0,
+          budget_ratio: float = 1.0) -> None:
     """Apply one candidate: move rows off ``b`` to the best receiver(s) that keep every link
     within its cap (and at least ``keep`` pairs of a head where it stays). A move whose bytes take
     the receiver longer than ``budget_ratio`` × the compute time it brings is refused."""
@@ -208,7 +211,6 @@ def _shed(pl: Placement, b: int, kind: int, i: int, j: int, tau: float, ok, rece
             new_home, new_bands = m, pl.bands[i][:j] + [(m, hi, b)]
         else:  # the tail rows [m, hi) go to h
             m = tail_rows_for_work(TokenRange(lo, hi), u.kv.start, u.causal, nk, amount, u.window)
-            min_band = _MIN_BAND_ROWS if pl.rates.kernel is None else pl.rates.kernel.min_block_rows()
             if hi - m < min_band and m > lo:  # a band under one row tile runs at rows/tile of the rate
                 m = max(lo, hi - min_band)
             while pl.rows_work(i, m, hi) > spare * 1.05 + 1 and m < hi - 1:
@@ -218,13 +220,14 @@ def _shed(pl: Placement, b: int, kind: int, i: int, j: int, tau: float, ok, rece
             else:
                 new_home = pl.home[i]
                 new_bands = pl.bands[i][:j] + [(m, hi, h), (lo, m, b)] + pl.bands[i][j + 1:]
-        changes = pl.delta(i, new_home, new_bands)
-        moved_w, moved_t = changes.get(h, (0.0, _ZERO))
+        # most tries end here, on the receiver's own change: price it alone before the full delta
+        moved_w, moved_t = _rank_delta(pl, i, *_normalise(u, new_home, new_bands), h)
         rates = pl.rates
         xfer = (max(moved_t[0], moved_t[1]) + max(moved_t[2], moved_t[3])) / rates.bw
         if moved_w <= 0 or xfer > budget_ratio * moved_w * (rates.sec_fwd + rates.sec_bwd):
             excluded.add(h)  # the move's bytes would not hide behind the work it brings
             continue
+        changes = pl.delta(i, new_home, new_bands)
         if not ok(changes):
             # the donor's own link full: no receiver helps; else try another receiver
             if any(r == b for r, (_, d) in changes.items() if not ok({r: (0.0, d)})):
@@ -236,3 +239,53 @@ def _shed(pl: Placement, b: int, kind: int, i: int, j: int, tau: float, ok, rece
             touching[h].append(i)
         if kind == _BAND:
             return  # the band list changed shape: re-derive candidates next round
+
+
+def _rank_delta(pl: Placement, i: int, home: int, bands: list[Band], r: int) -> tuple[float, Vec]:
+    """Rank ``r``'s entry of ``pl.delta(i, home, bands)`` (``(0.0, _ZERO)`` where it has none) for
+    an already normalised ``home`` / ``bands``, without building the other ranks' terms: the
+    terms of ``Placement.contrib`` that fall on ``r``, old state subtracted then new state added,
+    in ``contrib``'s order — the same float operations as ``delta``, so the same bits."""
+    u = pl.units[i]
+    rates = pl.rates
+    a, c = u.q_owner, u.kv_owner
+    nk = u.kv.stop - u.kv.start
+    w = 0.0
+    t0 = t1 = t2 = t3 = 0.0
+    for sign, hm, bs in ((-1.0, pl.home[i], pl.bands[i]), (1.0, home, bands)):
+        sub = sign < 0
+        terms: list[Vec] = []  # traffic terms on r, in contrib's order
+        if hm > u.q.start:
+            if a == r:
+                x = pl.rows_work(i, u.q.start, hm)
+                if x:
+                    w = w - x if sub else w + x
+            if c != a:
+                if c == r:
+                    terms.append(rates.kv_side(nk))
+                if a == r:
+                    kv = rates.kv_side(nk)
+                    terms.append((kv[1], kv[0], kv[3], kv[2]))
+        for x, y, hh in bs:
+            if hh == r:
+                v = pl.rows_work(i, x, y)
+                if v:
+                    w = w - v if sub else w + v
+            if hh != a and (a == r or hh == r):
+                q = rates.q_side(y - x)
+                if a == r:
+                    terms.append(q)
+                if hh == r:
+                    terms.append((q[1], q[0], q[3], q[2]))
+            if hh != c and (c == r or hh == r):
+                kv = rates.kv_side(_band_keys(u, x, y) if u.causal else nk)
+                if c == r:
+                    terms.append(kv)
+                if hh == r:
+                    terms.append((kv[1], kv[0], kv[3], kv[2]))
+        for d in terms:
+            if sub:
+                t0, t1, t2, t3 = t0 - d[0], t1 - d[1], t2 - d[2], t3 - d[3]
+            else:
+                t0, t1, t2, t3 = t0 + d[0], t1 + d[1], t2 + d[2], t3 + d[3]
+    return w, (t0, t1, t2, t3)
