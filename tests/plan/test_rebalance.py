@@ -49,3 +49,28 @@ def test_one_long_document_is_balanced_near_tau() -> None:
     # tiny heads: the same moves cannot hide behind compute, so the traffic cap forbids them
     batch, units = setup([4096], 4, "contiguous")
     assert balance(owner_computes(units, 4, PR), traffic_budget=1.2).work == owner_computes(units, 4, PR).work
+
+
+@settings(max_examples=25, deadline=None)
+@given(cases, st.data())
+def test_rank_delta_is_bit_identical_to_the_full_delta(case, data) -> None:
+    # _rank_delta prices one receiver before the full delta (a compile-time fast path): it must
+    # give every rank exactly the bits Placement.delta gives it, or plans would change.
+    # Reference: Placement.delta itself, on rebalanced starts (blocks with heads and bands on helpers).
+    from megatron_hsap.plan.placement import _ZERO, _normalise
+    from megatron_hsap.plan.rebalance import _rank_delta
+
+    batch, units = setup(*case)
+    size = case[1]
+    for start in STARTS:
+        pl = balance(start(units, size, PR), traffic_budget=data.draw(st.sampled_from([0.3, 5.0])))
+        for i, u in enumerate(units):
+            home = pl.home[i]
+            m = data.draw(st.integers(u.q.start, home))
+            h = data.draw(st.integers(0, size - 1))
+            kept = data.draw(st.booleans())  # shed into a new band, or replace every band by one
+            bands = pl.bands[i] + [(m, home, h)] if kept else [(m, u.q.stop, h)]
+            full = pl.delta(i, m, bands)
+            nh, nb = _normalise(u, m, bands)
+            for r in range(size):
+                assert _rank_delta(pl, i, nh, nb, r) == full.get(r, (0.0, _ZERO))
