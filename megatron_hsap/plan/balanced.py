@@ -113,22 +113,29 @@ def _assign(starts: np.ndarray, lengths: np.ndarray, work: np.ndarray, k_of: np.
     # projection density is 0): the same float operations as ``_cost``, one rank at a time
     cost = np.zeros(size)
 
+    # Python mirrors of the arrays, for the scalar updates of ``give`` (the same float64 values and
+    # operations; numpy scalar reads and in-place updates only cost time)
+    room_l, load_l, traffic_l, cost_l = room.tolist(), load.tolist(), traffic.tolist(), cost.tolist()
+
     def give(r: int, a: int, b: int, doc_start: int, remote: float) -> None:
         held[r].append((a, b))
-        room[r] -= b - a
-        load[r] += piece_work(doc_start, a, b, window)
-        traffic[r] += token_cost * remote
-        lr, tr = float(load[r]), float(traffic[r])
-        cost[r] = (lr if lr >= tr else tr) + _EXPOSED * (tr if lr >= tr else lr)
+        room[r] = room_l[r] = room_l[r] - (b - a)
+        load[r] = lr = load_l[r] = load_l[r] + piece_work(doc_start, a, b, window)
+        traffic[r] = tr = traffic_l[r] = traffic_l[r] + token_cost * remote
+        cost[r] = cost_l[r] = (lr if lr >= tr else tr) + _EXPOSED * (tr if lr >= tr else lr)
 
     order = np.lexsort((np.arange(len(lengths)), -work))
     rest_work, rest_tokens = float(work.sum()), float(lengths.sum())
     cap = float(work.sum()) / size * (1 + _SLACK)
     leftovers: list[int] = []
     ranks = np.arange(size)
+    # Python scalars for the per-document loop (the same float64 values: numpy scalars only cost time)
+    starts_l, lengths_l, work_l = starts.tolist(), lengths.tolist(), work.tolist()
+    k_of_l = None if k_of is None else k_of.tolist()
     for d in order.tolist():
-        s, n = int(starts[d]), int(lengths[d])
-        rest_work -= work[d]
+        s, n = int(starts_l[d]), int(lengths_l[d])
+        wd = float(work_l[d])
+        rest_work -= wd
         rest_tokens -= n
         rho = rest_work / rest_tokens if projected and rest_tokens else 0.0
         if rho:  # projected: the rest of the room fills at the remaining density
@@ -136,14 +143,20 @@ def _assign(starts: np.ndarray, lengths: np.ndarray, work: np.ndarray, k_of: np.
             key = _cost(projected_load, traffic)
         else:  # load + room·0 is load, bit for bit: the maintained cost is the key
             projected_load, key = load, cost
+        keys_l: list[float] = [] if rho else cost_l  # the key as Python floats (projected: listed when first needed)
         best: tuple[float, int, np.ndarray | list[int]] | None = None
         by_key: list[np.ndarray] = []  # every rank by (key, rank), sorted once per document
 
         def best_ranks(k: int) -> np.ndarray | list[int] | None:
             """The k lowest-key ranks with room for a ``⌈n/k⌉`` share (None if fewer fit)."""
-            if k == 1:  # the common case: one masked argmin (ties: lowest rank)
-                r = int(np.where(room >= n, key, np.inf).argmin())
-                return [r] if room[r] >= n else None  # (read as chosen[0] only)
+            if k == 1:  # the common case: the lowest key with room (ties: lowest rank)
+                if not keys_l:  # (projected: listed once per document)
+                    keys_l.extend(key.tolist())
+                r, low = -1, 0.0
+                for j in range(size):
+                    if room_l[j] >= n and (r < 0 or keys_l[j] < low):
+                        r, low = j, keys_l[j]
+                return [r] if r >= 0 else None  # (read as chosen[0] only)
             if not by_key:
                 order = np.lexsort((ranks, key))
                 by_key.extend((order, room[order]))
@@ -151,15 +164,15 @@ def _assign(starts: np.ndarray, lengths: np.ndarray, work: np.ndarray, k_of: np.
             fit = order[rooms >= -(-n // k)]  # the ranks with room, still by (key, rank)
             return fit[:k] if len(fit) >= k else None
 
-        if k_of is not None:  # fixed split count (widened only when rooms are short)
-            for k in range(int(k_of[d]), size + 1):
+        if k_of_l is not None:  # fixed split count (widened only when rooms are short)
+            for k in range(int(k_of_l[d]), size + 1):
                 chosen = best_ranks(k)
                 if chosen is not None:
                     best = (0.0, k, chosen)
                     break
         else:
             k_max = min(size, max(1, n // (2 * _MIN_PIECE)))
-            wd = float(work[d])  # the same float64, as a Python float
+            bound: _WiderBound | None = None  # built at the first k that needs it (fixed for this document)
             for k in range(max(1, -(-n // chunk)), size + 1):
                 chosen = best_ranks(k)
                 if chosen is None:
@@ -179,7 +192,9 @@ def _assign(starts: np.ndarray, lengths: np.ndarray, work: np.ndarray, k_of: np.
                     best = (peak, k, chosen)
                 if peak <= cap or k >= k_max or floor >= best[0]:
                     break
-                if _wider_cannot_win(best[0], k, n, wd, rho, token_cost, projected_load, traffic, room):
+                if bound is None:
+                    bound = _WiderBound(n, wd, rho, token_cost, projected_load, traffic, room)
+                if bound.cannot_win(best[0], k):
                     break
         if best is None:
             leftovers.append(d)
@@ -204,26 +219,40 @@ def _assign(starts: np.ndarray, lengths: np.ndarray, work: np.ndarray, k_of: np.
     return held, _cost(load, traffic)
 
 
-def _wider_cannot_win(best: float, k: int, n: int, wd: float, rho: float, token_cost: float,
-                      projected_load: np.ndarray, traffic: np.ndarray, room: np.ndarray) -> bool:
-    """Whether no split of the document (``n`` tokens, work ``wd``) over ``k' > k`` ranks can
-    cost less than ``best`` (``_assign``'s search then stops: skipping candidates that cannot
-    replace the best changes nothing). Each of the ``k'`` chosen ranks ``r`` (with room) pays
+class _WiderBound:
+    """Whether no split of a document (``n`` tokens, work ``wd``) over ``k' > k`` ranks can cost
+    less than ``best`` (``_assign``'s search then stops: skipping candidates that cannot replace
+    the best changes nothing). Each of the ``k'`` chosen ranks ``r`` (with room) pays
     ``traffic[r] + token_cost·n·(k'−1)/k'``, at least ``traffic[r] + A`` with ``A =
     token_cost·n·k/(k+1)``, on a load of ``projected_load[r] + (wd − ρ·n)/k'``: at least
     ``projected_load[r]`` when ``wd ≥ ρ·n``, at least 0 otherwise (a chosen rank has room for its
     share). ``_cost`` grows with both, so the busiest chosen rank costs at least the least of
     those bounds over the ranks with room; the margin (1e-9 of the magnitudes) is far above the
-    rounding of the candidates' own float operations."""
-    ahead = token_cost * n * k / (k + 1)
-    open_ = room > 0
-    if not open_.any():
-        return False
-    if wd >= rho * n:
-        low = float(_cost(projected_load[open_], traffic[open_] + ahead).min())
-    else:
-        low = ahead + float(traffic[open_].min())
-    return low - 1e-9 * (low + float(projected_load.max()) + wd) >= best
+    rounding of the candidates' own float operations. Built once per document (the ranks with
+    room and their loads do not change while its split count is searched), asked per ``k``."""
+
+    __slots__ = ("n", "token_cost", "open", "loads", "traffics", "least_traffic", "top", "wd", "by_load")
+
+    def __init__(self, n: int, wd: float, rho: float, token_cost: float, projected_load: np.ndarray,
+                 traffic: np.ndarray, room: np.ndarray) -> None:
+        self.n, self.token_cost = n, token_cost
+        open_ = room > 0
+        self.open = bool(open_.any())
+        self.by_load = wd >= rho * n
+        if self.open:
+            self.loads, self.traffics = projected_load[open_], traffic[open_]
+            self.least_traffic = float(self.traffics.min())
+        self.top, self.wd = float(projected_load.max()), wd
+
+    def cannot_win(self, best: float, k: int) -> bool:
+        if not self.open:
+            return False
+        ahead = self.token_cost * self.n * k / (k + 1)
+        if self.by_load:
+            low = float(_cost(self.loads, self.traffics + ahead).min())
+        else:
+            low = ahead + self.least_traffic
+        return low - 1e-9 * (low + self.top + self.wd) >= best
 
 
 def _cost(load: np.ndarray, traffic: np.ndarray) -> np.ndarray:

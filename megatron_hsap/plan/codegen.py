@@ -67,49 +67,66 @@ def wire_bytes(shape: HeadShape) -> dict[Wire, int]:
     return {w: shape.token_bytes(w) for w in Wire}
 
 
-def _messages(units: list[Unit], phase: Phase, shape: HeadShape) -> tuple[list[Message], dict[tuple, int], dict[tuple[int, Wire], int]]:
+def _messages(units: list[Unit], phase: Phase, shape: HeadShape) -> tuple[list[Message], list[tuple[int, ...] | None], dict[tuple[int, Wire], int]]:
     """Every message of one phase in canonical order (inputs deduplicated per rank, stage and
     range; one result message per block and wire), and where each block's inputs and results
-    are: ({(rank, stage, src, wire, start, stop): message index}, {(block index, wire): message
-    index})."""
+    are: (per block, the message index of each input wire in ``srcs`` order, -1 for its rank's own
+    rows, None for a local block; {(block index, wire): message index})."""
     q_wires, kv_wires, results = PHASE_WIRES[phase]
     row_bytes = wire_bytes(shape)
     order = _WIRE_ORDER
-    recs: list[tuple] = []  # (round, src, dst, wire order, start, stop, part, wire, tokens, input key | result key)
+    # (round, src, dst, wire order, start, stop, part, record index): the first 7 fields are unique
+    # (inputs deduplicated, results numbered by part; a phase's input and result wires differ), so
+    # sorting the keys sorts the records in the canonical order
+    keys: list[tuple] = []
+    recs: list[tuple[Wire, TokenRange]] = []
     inputs: dict[tuple, int] = {}
-    parts: dict[tuple, int] = defaultdict(int)
+    parts: dict[tuple, int] = {}
+    result_rec: list[tuple[tuple[int, Wire], int]] = []
+    inputs_of: list[tuple[int, ...] | None] = []
     for i, u in enumerate(units):
         r, k = u.rank, u.stage
-        if u.is_local:
+        a, c = u.q_owner, u.kv_owner
+        if r == a == c:  # local (``Unit.is_local``)
+            inputs_of.append(None)
             continue
-        for owner, toks, wires in ((u.q_owner, u.q, q_wires), (u.kv_owner, u.kv, kv_wires)):
+        got: list[int] = []
+        for owner, toks, wires in ((a, u.q, q_wires), (c, u.kv, kv_wires)):
             if owner == r:
+                got.extend(-1 for _ in wires)
                 continue
-            a, b = toks.start, toks.stop
+            lo, hi = toks.start, toks.stop
             for w in wires:
-                key = (r, k, owner, w, a, b)
-                if key not in inputs:
-                    inputs[key] = len(recs)
-                    recs.append((k - 1, owner, r, order[w], a, b, 0, w, toks, key))
+                key = (r, k, owner, w, lo, hi)
+                j = inputs.get(key)
+                if j is None:
+                    j = inputs[key] = len(recs)
+                    keys.append((k - 1, owner, r, order[w], lo, hi, 0, j))
+                    recs.append((w, toks))
+                got.append(j)
+        inputs_of.append(tuple(got))
         for w in results:
-            owner, toks = (u.kv_owner, u.kv) if w is Wire.DKV else (u.q_owner, u.q)
+            owner, toks = (c, u.kv) if w is Wire.DKV else (a, u.q)
             if owner == r:
                 continue
             pkey = (k + 1, r, owner, w, toks.start, toks.stop)
-            part = parts[pkey]
+            part = parts.get(pkey, 0)
             parts[pkey] = part + 1
-            recs.append((k + 1, r, owner, order[w], toks.start, toks.stop, part, w, toks, (i, w)))
-    perm = sorted(range(len(recs)), key=lambda j: recs[j][:7])
+            j = len(recs)
+            keys.append((k + 1, r, owner, order[w], toks.start, toks.stop, part, j))
+            recs.append((w, toks))
+            result_rec.append(((i, w), j))
+    keys.sort()
     pos = [0] * len(recs)
     msgs: list[Message] = []
-    for new, j in enumerate(perm):
-        rec = recs[j]
+    for new, key in enumerate(keys):
+        j = key[7]
         pos[j] = new
-        msgs.append(Message(rec[0], rec[1], rec[2], rec[7], rec[8], row_bytes[rec[7]] * (rec[5] - rec[4]), rec[6]))
-    input_at = {key: pos[j] for key, j in inputs.items()}
-    result_at = {rec[9]: pos[j] for j, rec in enumerate(recs) if len(rec[9]) == 2}
-    return msgs, input_at, result_at
-
+        w, toks = recs[j]
+        msgs.append(Message(key[0], key[1], key[2], w, toks, row_bytes[w] * (key[5] - key[4]), key[6]))
+    inputs_of = [None if got is None else tuple(-1 if j < 0 else pos[j] for j in got) for got in inputs_of]
+    result_at = {key: pos[j] for key, j in result_rec}
+    return msgs, inputs_of, result_at
 
 
 def _first_fit(requests: list[tuple[int, int, int, int]], capacity: int) -> tuple[dict[int, Slot], int]:
@@ -183,7 +200,7 @@ def generate(units: list[Unit], phase: Phase, size: int, shape: HeadShape, capac
     Blocks should come sorted by (rank, stage, ...): that is the order of each stage's items.
     """
     stages = 1 + max((u.stage for u in units), default=0)
-    msgs, input_at, result_at = _messages(units, phase, shape)
+    msgs, inputs_of, result_at = _messages(units, phase, shape)
     q_wires, kv_wires, results = PHASE_WIRES[phase]
     row_bytes = wire_bytes(shape)
     requests: list[list[tuple[int, int, int, int]]] = [[] for _ in range(size)]
@@ -204,20 +221,22 @@ def generate(units: list[Unit], phase: Phase, size: int, shape: HeadShape, capac
         got, peak = _first_fit(requests[r], capacity)
         slot_of.update(got)
         peaks.append(peak)
-    items: dict[tuple[int, int], list[ComputeItem]] = defaultdict(list)
-    local_srcs = tuple((w, None) for w in q_wires + kv_wires)
+    items: dict[tuple[int, int], list[ComputeItem]] = {}
+    in_wires = q_wires + kv_wires
+    local_srcs = tuple((w, None) for w in in_wires)
     local_dsts = tuple((w, None) for w in results)
     for i, u in enumerate(units):
-        k, r = u.stage, u.rank
-        if u.is_local:
-            items[(r, k)].append(ComputeItem(q=u.q, kv=u.kv, causal=u.causal, srcs=local_srcs, dsts=local_dsts, window=u.window))
+        rk = (u.rank, u.stage)
+        its = items.get(rk)
+        if its is None:
+            its = items[rk] = []
+        got = inputs_of[i]
+        if got is None:  # local: every input and result in the rank's own tensors
+            its.append(ComputeItem(u.q, u.kv, u.causal, local_srcs, local_dsts, u.window))
             continue
-        srcs = []
-        for owner, toks, wires in ((u.q_owner, u.q, q_wires), (u.kv_owner, u.kv, kv_wires)):
-            for w in wires:
-                srcs.append((w, None if owner == r else slot_of[input_at[(r, k, owner, w, toks.start, toks.stop)]]))
+        srcs = tuple((w, None if j < 0 else slot_of[j]) for w, j in zip(in_wires, got))
         dsts = tuple((w, slot_of[out_at[(i, w)]] if (i, w) in out_at else None) for w in results)
-        items[(r, k)].append(ComputeItem(q=u.q, kv=u.kv, causal=u.causal, srcs=tuple(srcs), dsts=dsts, window=u.window))
+        its.append(ComputeItem(u.q, u.kv, u.causal, srcs, dsts, u.window))
     src_of_result = {result_at[key]: slot_of[out_key] for key, out_key in out_at.items()}
     ops: dict[tuple[int, int], list[Send | Recv]] = defaultdict(list)
     after: dict[tuple[int, int], list[Instr]] = defaultdict(list)

@@ -92,15 +92,15 @@ def test_split_only_when_it_pays_for_its_traffic() -> None:
 @pytest.mark.parametrize("token_cost", [0.0, 40.0, 2177.28])
 @pytest.mark.parametrize("projected", [False, True])
 def test_split_search_bound_only_skips_losers(monkeypatch, token_cost: float, projected: bool) -> None:
-    # the early stop of the per-document split search (balanced._wider_cannot_win, a lower bound on
-    # every wider split) must give exactly the assignment of the search that tries every split count
+    # the early stop of the per-document split search (balanced._WiderBound.cannot_win, a lower bound
+    # on every wider split) must give exactly the assignment of the search that tries every split count
     import megatron_hsap.plan.balanced as bal
 
     fired = []
-    bound = bal._wider_cannot_win
+    bound = bal._WiderBound.cannot_win
 
-    def spy(*a):
-        r = bound(*a)
+    def spy(self, best, k):
+        r = bound(self, best, k)
         fired.append(r)
         return r
 
@@ -109,9 +109,9 @@ def test_split_search_bound_only_skips_losers(monkeypatch, token_cost: float, pr
             batch = Batch.build(cu, inter)
             args = (batch.doc_starts, np.diff(batch.doc_starts), batch.doc_work(-1).astype(float), None, inter,
                     batch.padded_tokens // inter, projected, token_cost)
-            monkeypatch.setattr(bal, "_wider_cannot_win", spy)
+            monkeypatch.setattr(bal._WiderBound, "cannot_win", spy)
             held, cost = bal._assign(*args)
-            monkeypatch.setattr(bal, "_wider_cannot_win", lambda *a: False)
+            monkeypatch.setattr(bal._WiderBound, "cannot_win", lambda self, best, k: False)
             held_all, cost_all = bal._assign(*args)
             assert held == held_all
             assert cost.tobytes() == cost_all.tobytes()
