@@ -97,6 +97,13 @@ def balance(start: Placement, *, traffic_budget: float, allow_helpers: bool = Tr
     reserve = [min(_LOCAL_RESERVE * tau, w) for w in local]
     # a band under one row tile runs at rows/tile of the rate (flat prices: _MIN_BAND_ROWS)
     min_band = _MIN_BAND_ROWS if rates.kernel is None else rates.kernel.min_block_rows()
+    # A head shed to a helper (the block's own rank's block, or a cross block whose kv owner has
+    # no spare work) hands it n <= N = home - q.start rows that see at most K keys each (the key
+    # prefix to home of a causal block, else the kv slice): work <= n·K, for n·(q + q_bwd) + 2·K·kv
+    # bytes or more (its q rows and keys, both phases). _shed refuses it when even n = N cannot
+    # hide them, (q + q_bwd)/K + 2·kv/N > budget·bw·(sec_fwd + sec_bwd): such a candidate is
+    # skipped unpriced (the margin, 1e-6, is far above the rounding of _shed's float operations).
+    hidden = traffic_budget * rates.bw * (rates.sec_fwd + rates.sec_bwd) * (1 + 1e-6)
     order = sorted(range(size), key=lambda r: -pl.work[r])
     for b in order:
         if pl.work[b] <= tau * (1 + tol):
@@ -107,6 +114,9 @@ def balance(start: Placement, *, traffic_budget: float, allow_helpers: bool = Tr
             if pl.work[b] - tau <= tau * tol:
                 break
             u = units[i]
+            if (kind == _HEAD and allow_helpers and u.window < 0 and not pl.bands[i]
+                    and (u.q_owner == u.kv_owner or pl.work[u.kv_owner] >= tau) and _helpers_cannot_hide(pl, i, hidden)):
+                continue  # no helper can take any of it (see above): _shed would change nothing
             keep = 0.0
             if kind == _HEAD and u.q_owner == u.kv_owner:
                 head = pl.rows_work(i, u.q.start, pl.home[i])
@@ -239,6 +249,15 @@ def _shed(pl: Placement, b: int, kind: int, i: int, j: int, tau: float, ok, rece
             touching[h].append(i)
         if kind == _BAND:
             return  # the band list changed shape: re-derive candidates next round
+
+
+def _helpers_cannot_hide(pl: Placement, i: int, hidden: float) -> bool:
+    """Whether no helper can take head rows of block ``i`` (no bands, no window) within the
+    traffic test of ``_shed``: ``(q + q_bwd)/K + 2·kv/N > hidden`` (see ``balance``)."""
+    u, rates = pl.units[i], pl.rates
+    n = pl.home[i] - u.q.start
+    k = pl.home[i] - u.kv.start if u.causal else u.kv.stop - u.kv.start
+    return n > 0 and (rates.q + rates.q_bwd) / k + 2 * rates.kv / n > hidden
 
 
 def _rank_delta(pl: Placement, i: int, home: int, bands: list[Band], r: int) -> tuple[float, Vec]:

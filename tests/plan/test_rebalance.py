@@ -10,7 +10,8 @@ Reference: the block masks and checks of ``test_placement.py`` (independent brut
 from __future__ import annotations
 
 import numpy as np
-from hypothesis import given, settings, strategies as st
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from megatron_hsap.plan.costs import HeadShape
 from megatron_hsap.plan.hardware import LinkClass
@@ -74,3 +75,60 @@ def test_rank_delta_is_bit_identical_to_the_full_delta(case, data) -> None:
             nh, nb = _normalise(u, m, bands)
             for r in range(size):
                 assert _rank_delta(pl, i, nh, nb, r) == full.get(r, (0.0, _ZERO))
+
+
+_LLAMA = HeadShape(num_heads=32, num_kv_heads=8, head_dim=128, head_dim_v=128)
+# tiny heads (every helper refused), Llama heads over InfiniBand and over NVLink (helpers take rows)
+_RATES = (PR, CostRates.of(_LLAMA, HW, HW.bandwidth(LinkClass.INFINIBAND)), CostRates.of(_LLAMA, HW, HW.bandwidth(LinkClass.NVLINK)))
+
+
+def _with_and_without_bound(monkeypatch, pl0, budget):
+    import megatron_hsap.plan.rebalance as rb
+
+    fired = []
+    bound = rb._helpers_cannot_hide
+
+    def spy(*a):
+        r = bound(*a)
+        fired.append(r)
+        return r
+
+    monkeypatch.setattr(rb, "_helpers_cannot_hide", spy)
+    got = balance(pl0, traffic_budget=budget)
+    monkeypatch.setattr(rb, "_helpers_cannot_hide", lambda *a: False)
+    want = balance(pl0, traffic_budget=budget)
+    monkeypatch.setattr(rb, "_helpers_cannot_hide", bound)
+    return got, want, fired
+
+
+# (monkeypatch is set explicitly in every example, so sharing it across examples is safe)
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.tuples(st.lists(st.integers(1, 600), min_size=1, max_size=6), st.integers(2, 4),
+                 st.sampled_from(["contiguous", "balanced"])), st.sampled_from([0.3, 1.2, 5.0]), st.sampled_from(_RATES))
+def test_skipped_head_sheds_are_the_ones_shed_would_refuse(monkeypatch, case, budget, rates) -> None:
+    # balance skips, unpriced, head sheds whose rows no helper could hide (_helpers_cannot_hide, a
+    # compile-time bound): the placement must be exactly the one of the search that prices every
+    # candidate. Reference: balance with the bound switched off.
+    _, units = setup(*case)
+    for start in STARTS:
+        got, want, _ = _with_and_without_bound(monkeypatch, start(units, case[1], rates), budget)
+        assert (got.home, got.bands, got.work, got.traffic) == (want.home, want.bands, want.work, want.traffic)
+
+
+@pytest.mark.parametrize("budget", [0.3, 0.6])
+def test_the_skip_bound_fires_and_keeps_the_placement_on_a_packed_batch(monkeypatch, budget) -> None:
+    # the test above checks little unless the bound both skips candidates and leaves others to
+    # succeed: on fineweb 64K over 8 contiguous ranks (Llama heads, NVLink, the planner's budgets)
+    # it skips some, helpers still take rows, and every placement is the fully priced one
+    from megatron_hsap.plan.workloads import pack_batches
+
+    rates = _RATES[2]
+    cu = pack_batches("fineweb", 1 << 16, 1, 12345)[0]
+    _, units = setup(np.diff(cu).tolist(), 8, "contiguous")
+    skipped = helped = 0
+    for start in STARTS:
+        got, want, fired = _with_and_without_bound(monkeypatch, start(units, 8, rates), budget)
+        skipped += sum(fired)
+        helped += sum(1 for i, u in enumerate(units) for _, _, h in want.bands[i] if h not in (u.q_owner, u.kv_owner))
+        assert (got.home, got.bands, got.work, got.traffic) == (want.home, want.bands, want.work, want.traffic)
+    assert skipped > 10 and helped > 0, (skipped, helped)
