@@ -28,6 +28,8 @@ Deterministic: ties break by rank index and document order.
 
 from __future__ import annotations
 
+import bisect
+
 import numpy as np
 
 from megatron_hsap.plan.ir import Segment, TokenRange
@@ -116,13 +118,16 @@ def _assign(starts: np.ndarray, lengths: np.ndarray, work: np.ndarray, k_of: np.
     # Python mirrors of the arrays, for the scalar updates of ``give`` (the same float64 values and
     # operations; numpy scalar reads and in-place updates only cost time)
     room_l, load_l, traffic_l, cost_l = room.tolist(), load.tolist(), traffic.tolist(), cost.tolist()
+    by_cost = sorted((c, r) for r, c in enumerate(cost_l))  # every rank by (cost, rank), kept sorted by give
 
     def give(r: int, a: int, b: int, doc_start: int, remote: float) -> None:
         held[r].append((a, b))
         room[r] = room_l[r] = room_l[r] - (b - a)
         load[r] = lr = load_l[r] = load_l[r] + piece_work(doc_start, a, b, window)
         traffic[r] = tr = traffic_l[r] = traffic_l[r] + token_cost * remote
-        cost[r] = cost_l[r] = (lr if lr >= tr else tr) + _EXPOSED * (tr if lr >= tr else lr)
+        del by_cost[bisect.bisect_left(by_cost, (cost_l[r], r))]
+        cost[r] = cost_l[r] = c = (lr if lr >= tr else tr) + _EXPOSED * (tr if lr >= tr else lr)
+        bisect.insort(by_cost, (c, r))
 
     order = np.lexsort((np.arange(len(lengths)), -work))
     rest_work, rest_tokens = float(work.sum()), float(lengths.sum())
@@ -143,14 +148,19 @@ def _assign(starts: np.ndarray, lengths: np.ndarray, work: np.ndarray, k_of: np.
             key = _cost(projected_load, traffic)
         else:  # load + room·0 is load, bit for bit: the maintained cost is the key
             projected_load, key = load, cost
-        keys_l: list[float] = [] if rho else cost_l  # the key as Python floats (projected: listed when first needed)
+        keys_l: list[float] = []  # (projected) the key as Python floats, listed when first needed
         best: tuple[float, int, np.ndarray | list[int]] | None = None
         by_key: list[np.ndarray] = []  # every rank by (key, rank), sorted once per document
 
         def best_ranks(k: int) -> np.ndarray | list[int] | None:
             """The k lowest-key ranks with room for a ``⌈n/k⌉`` share (None if fewer fit)."""
             if k == 1:  # the common case: the lowest key with room (ties: lowest rank)
-                if not keys_l:  # (projected: listed once per document)
+                if not rho:  # the key is the cost: the first rank by (cost, rank) with room
+                    for _, r in by_cost:
+                        if room_l[r] >= n:
+                            return [r]
+                    return None
+                if not keys_l:  # projected: a scan of the key as Python floats, listed once per document
                     keys_l.extend(key.tolist())
                 r, low = -1, 0.0
                 for j in range(size):
