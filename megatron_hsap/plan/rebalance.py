@@ -101,22 +101,21 @@ def balance(start: Placement, *, traffic_budget: float, allow_helpers: bool = Tr
     # no spare work) hands it n <= N = home - q.start rows that see at most K keys each (the key
     # prefix to home of a causal block, else the kv slice): work <= n·K, for n·(q + q_bwd) + 2·K·kv
     # bytes or more (its q rows and keys, both phases). _shed refuses it when even n = N cannot
-    # hide them, (q + q_bwd)/K + 2·kv/N > budget·bw·(sec_fwd + sec_bwd): such a candidate is
-    # skipped unpriced (the margin, 1e-6, is far above the rounding of _shed's float operations).
+    # hide them, (q + q_bwd)/K + 2·kv/N > budget·bw·(sec_fwd + sec_bwd): _candidates leaves such a
+    # head out (the margin, 1e-6, is far above the rounding of _shed's float operations). The
+    # verdict holds until the candidate's turn: only its own shed changes its block, and while b
+    # sheds, every other rank's work only grows (the kv owner keeps no spare).
     hidden = traffic_budget * rates.bw * (rates.sec_fwd + rates.sec_bwd) * (1 + 1e-6)
     order = sorted(range(size), key=lambda r: -pl.work[r])
     for b in order:
         if pl.work[b] <= tau * (1 + tol):
             continue
-        cands = _candidates(pl, b, touching[b], tau, allow_helpers)
+        cands = _candidates(pl, b, touching[b], tau, allow_helpers, hidden)
         receivers = _Receivers(pl, tau, b)
         for _, kind, i, j in cands:
             if pl.work[b] - tau <= tau * tol:
                 break
             u = units[i]
-            if (kind == _HEAD and allow_helpers and u.window < 0 and not pl.bands[i]
-                    and (u.q_owner == u.kv_owner or pl.work[u.kv_owner] >= tau) and _helpers_cannot_hide(pl, i, hidden)):
-                continue  # no helper can take any of it (see above): _shed would change nothing
             keep = 0.0
             if kind == _HEAD and u.q_owner == u.kv_owner:
                 head = pl.rows_work(i, u.q.start, pl.home[i])
@@ -134,7 +133,8 @@ def balance(start: Placement, *, traffic_budget: float, allow_helpers: bool = Tr
 _HEAD, _BAND = 0, 1
 
 
-def _candidates(pl: Placement, b: int, blocks: list[int], tau: float, allow_helpers: bool) -> list[tuple[float, int, int, int]]:
+def _candidates(pl: Placement, b: int, blocks: list[int], tau: float, allow_helpers: bool,
+                hidden: float = float("inf")) -> list[tuple[float, int, int, int]]:
     """(bytes per pair, kind, block, band index) of every way ``b`` can shed work, cheapest first.
     CostRates assume the cheapest receiver (the kv owner for rows of a cross block)."""
     rates, units = pl.rates, pl.units
@@ -144,7 +144,9 @@ def _candidates(pl: Placement, b: int, blocks: list[int], tau: float, allow_help
         u = units[i]
         a, c = u.q_owner, u.kv_owner
         nk = u.kv.stop - u.kv.start
-        if b == a and pl.home[i] > u.q.start:
+        if b == a and pl.home[i] > u.q.start and not (
+                allow_helpers and u.window < 0 and not pl.bands[i] and (c == a or pl.work[c] >= tau)
+                and _helpers_cannot_hide(pl, i, hidden)):  # (no helper could take any of it: see balance)
             w = pl.rows_work(i, u.q.start, pl.home[i])
             if c != a:
                 out.append((rates.q_total / nk, _HEAD, i, -1))
