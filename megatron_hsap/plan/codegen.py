@@ -67,7 +67,7 @@ def wire_bytes(shape: HeadShape) -> dict[Wire, int]:
     return {w: shape.token_bytes(w) for w in Wire}
 
 
-def _messages(units: list[Unit], phase: Phase, shape: HeadShape) -> tuple[list[Message], list[tuple[int, ...] | None], dict[tuple[int, Wire], int]]:
+def _messages(units: list[Unit], phase: Phase, shape: HeadShape) -> tuple[list[Message], list[list[int] | None], dict[tuple[int, Wire], int]]:
     """Every message of one phase in canonical order (inputs deduplicated per rank, stage and
     range; one result message per block and wire), and where each block's inputs and results
     are: (per block, the message index of each input wire in ``srcs`` order, -1 for its rank's own
@@ -83,7 +83,7 @@ def _messages(units: list[Unit], phase: Phase, shape: HeadShape) -> tuple[list[M
     inputs: dict[tuple, int] = {}
     parts: dict[tuple, int] = {}
     result_rec: list[tuple[tuple[int, Wire], int]] = []
-    inputs_of: list[tuple[int, ...] | None] = []
+    inputs_of: list[list[int] | None] = []
     for i, u in enumerate(units):
         r, k = u.rank, u.stage
         a, c = u.q_owner, u.kv_owner
@@ -93,7 +93,7 @@ def _messages(units: list[Unit], phase: Phase, shape: HeadShape) -> tuple[list[M
         got: list[int] = []
         for owner, toks, wires in ((a, u.q, q_wires), (c, u.kv, kv_wires)):
             if owner == r:
-                got.extend(-1 for _ in wires)
+                got += [-1] * len(wires)
                 continue
             lo, hi = toks.start, toks.stop
             for w in wires:
@@ -104,7 +104,7 @@ def _messages(units: list[Unit], phase: Phase, shape: HeadShape) -> tuple[list[M
                     keys.append((k - 1, owner, r, order[w], lo, hi, 0, j))
                     recs.append((w, toks))
                 got.append(j)
-        inputs_of.append(tuple(got))
+        inputs_of.append(got)
         for w in results:
             owner, toks = (c, u.kv) if w is Wire.DKV else (a, u.q)
             if owner == r:
@@ -124,7 +124,7 @@ def _messages(units: list[Unit], phase: Phase, shape: HeadShape) -> tuple[list[M
         pos[j] = new
         w, toks = recs[j]
         msgs.append(Message(key[0], key[1], key[2], w, toks, row_bytes[w] * (key[5] - key[4]), key[6]))
-    inputs_of = [None if got is None else tuple(-1 if j < 0 else pos[j] for j in got) for got in inputs_of]
+    inputs_of = [None if got is None else [-1 if j < 0 else pos[j] for j in got] for got in inputs_of]
     result_at = {key: pos[j] for key, j in result_rec}
     return msgs, inputs_of, result_at
 
@@ -234,8 +234,8 @@ def generate(units: list[Unit], phase: Phase, size: int, shape: HeadShape, capac
         if got is None:  # local: every input and result in the rank's own tensors
             its.append(ComputeItem(u.q, u.kv, u.causal, local_srcs, local_dsts, u.window))
             continue
-        srcs = tuple((w, None if j < 0 else slot_of[j]) for w, j in zip(in_wires, got))
-        dsts = tuple((w, slot_of[out_at[(i, w)]] if (i, w) in out_at else None) for w in results)
+        srcs = tuple([(w, None if j < 0 else slot_of[j]) for w, j in zip(in_wires, got)])
+        dsts = tuple([(w, slot_of[out_at[(i, w)]] if (i, w) in out_at else None) for w in results])
         its.append(ComputeItem(u.q, u.kv, u.causal, srcs, dsts, u.window))
     src_of_result = {result_at[key]: slot_of[out_key] for key, out_key in out_at.items()}
     ops: dict[tuple[int, int], list[Send | Recv]] = defaultdict(list)
