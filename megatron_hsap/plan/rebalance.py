@@ -255,11 +255,25 @@ def _shed(pl: Placement, b: int, kind: int, i: int, j: int, tau: float, ok, rece
 
 def _helpers_cannot_hide(pl: Placement, i: int, hidden: float) -> bool:
     """Whether no helper can take head rows of block ``i`` (no bands, no window) within the
-    traffic test of ``_shed``: ``(q + q_bwd)/K + 2·kv/N > hidden`` (see ``balance``)."""
+    traffic test of ``_shed`` (see ``balance``). A band of the head's last ``n`` rows (1 <= n <=
+    N) moves at least ``n·A + K·2kv`` bytes (``A = q + q_bwd``) for ``W(n)`` pairs: ``n·K`` for a
+    rectangle, ``n·(K − (n−1)/2)`` for a causal block (its rows see K − n + 1 … K keys). It is
+    refused when ``n·A + 2K·kv > hidden·W(n)``; that difference is linear (rectangle) or convex
+    (causal) in n, so its least value over [1, N] lies at N or 1, or at the causal vertex
+    ``n* = K + ½ − A/hidden`` — checked there, over real n (a bound of the integer ones)."""
     u, rates = pl.units[i], pl.rates
-    n = pl.home[i] - u.q.start
-    k = pl.home[i] - u.kv.start if u.causal else u.kv.stop - u.kv.start
-    return n > 0 and (rates.q + rates.q_bwd) / k + 2 * rates.kv / n > hidden
+    n_max = pl.home[i] - u.q.start
+    if n_max <= 0:
+        return False
+    row, key = rates.q + rates.q_bwd, 2 * rates.kv
+    if hidden <= 0:  # any byte is refused
+        return row + key > 0
+    if u.causal:
+        k = pl.home[i] - u.kv.start
+        n = min(max(k + 0.5 - row / hidden, 1.0), float(n_max))
+        return n * row + k * key > hidden * n * (k - (n - 1) / 2)
+    k = u.kv.stop - u.kv.start
+    return all(n * row + k * key > hidden * n * k for n in (1, n_max))
 
 
 def _rank_delta(pl: Placement, i: int, home: int, bands: list[Band], r: int) -> tuple[float, Vec]:
