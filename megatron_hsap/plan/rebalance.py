@@ -6,6 +6,10 @@ excess through the cheapest moves first (bytes per pair moved): head rows to the
 any rank, rows of a band it holds back to the q owner or on to any rank — into the ranks with the
 most spare work, while no rank's traffic per phase exceeds ``traffic_budget`` × the time ``tau``
 takes to compute in that phase (traffic beyond that could not hide behind compute).
+
+Compile time (issue 14 item 5): heads no helper could take are left out before any tail search,
+and a receiver's change is priced alone (``_rank_delta``) before the full ``Placement.delta`` —
+the same float operations, so the same placement as pricing every candidate in full.
 """
 
 from __future__ import annotations
@@ -97,14 +101,12 @@ def balance(start: Placement, *, traffic_budget: float, allow_helpers: bool = Tr
     reserve = [min(_LOCAL_RESERVE * tau, w) for w in local]
     # a band under one row tile runs at rows/tile of the rate (flat prices: _MIN_BAND_ROWS)
     min_band = _MIN_BAND_ROWS if rates.kernel is None else rates.kernel.min_block_rows()
-    # A head shed to a helper (the block's own rank's block, or a cross block whose kv owner has
-    # no spare work) hands it n <= N = home - q.start rows that see at most K keys each (the key
-    # prefix to home of a causal block, else the kv slice): work <= n·K, for n·(q + q_bwd) + 2·K·kv
-    # bytes or more (its q rows and keys, both phases). _shed refuses it when even n = N cannot
-    # hide them, (q + q_bwd)/K + 2·kv/N > budget·bw·(sec_fwd + sec_bwd): _candidates leaves such a
-    # head out (the margin, 1e-6, is far above the rounding of _shed's float operations). The
-    # verdict holds until the candidate's turn: only its own shed changes its block, and while b
-    # sheds, every other rank's work only grows (the kv owner keeps no spare).
+    # A head shed to a helper (of the rank's own block, or of a cross block whose kv owner has no
+    # spare work) is refused by _shed when its bytes cannot hide behind the work they bring; when
+    # no band of the head could pass (_helpers_cannot_hide: a bound over every band size, with a
+    # 1e-6 margin far above the rounding of _shed's float operations), _candidates leaves the
+    # head out unpriced. The verdict holds until the candidate's turn: only its own shed changes
+    # its block, and while b sheds every other rank's work only grows (the kv owner stays full).
     hidden = traffic_budget * rates.bw * (rates.sec_fwd + rates.sec_bwd) * (1 + 1e-6)
     order = sorted(range(size), key=lambda r: -pl.work[r])
     for b in order:
