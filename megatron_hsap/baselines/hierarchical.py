@@ -117,23 +117,29 @@ def _a2a_seconds(bytes_per_peer: float, u: int, hw: Hardware, link: LinkClass = 
     return (u - 1) * bytes_per_peer / hw.a2a_bandwidth(link) + hw.latency(link)
 
 
-def _a2a_group_seconds(per_peer: list[float], u: int, hw: Hardware, link: LinkClass = LinkClass.NVLINK) -> float:
+def _te_a2a_pipeline_seconds(per_peer: list[float], u: int, hw: Hardware, link: LinkClass = LinkClass.NVLINK) -> float:
     """One ``flash_attn_a2a_communicate`` call of Transformer Engine
     (``transformer_engine/pytorch/attention/dot_product_attention/context_parallel.py``): the
-    tensors' all-to-alls back to back, each followed by its ``movedim(...).contiguous()`` +
-    ``index_select`` reorder on ``cp_stream`` while the next tensor's all-to-all runs — so only
-    the last tensor's reorder is exposed (``Hardware.a2a_copy_time`` of that whole local tensor,
-    ``u`` peers' share), the others are hidden (in the peer's favour)."""
+    tensors' all-to-alls back to back, the reorder (``movedim(...).contiguous()`` + ``index_select``,
+    one read + write of the tensor) of tensor i+1 before and of tensor i−1 after it running on
+    ``cp_stream`` while tensor i travels — first copy, then max(transfer, side copies) per tensor,
+    then the last copy: the software pipeline ``sim.methods._te_a2a`` executes."""
     if u <= 1:
         return 0.0
-    return sum(_a2a_seconds(s, u, hw, link) for s in per_peer) + hw.a2a_copy_time(per_peer[-1] * u)
+    core = [_a2a_seconds(x, u, hw, link) for x in per_peer]
+    copy = [2.0 * x * u / hw.hbm_bw for x in per_peer]
+    t = copy[0] + copy[-1]
+    for i, c in enumerate(core):
+        t += max(c, (copy[i + 1] if i + 1 < len(core) else 0.0) + (copy[i - 1] if i > 0 else 0.0))
+    return t
 
 
 def _a2a_phase(shape: HeadShape, u: int, local_tokens: float, hw: Hardware) -> tuple[float, float, float]:
-    """(fwd seconds, bwd seconds, bytes sent per rank fwd+bwd) of the head all-to-alls over ``u``
-    ranks: q, k, v in one call before the attention and out after it forward; dout before and
-    dq, dk, dv after it backward (the same four shapes, two ``flash_attn_a2a_communicate`` calls
-    per phase)."""
+    """(fwd seconds, bwd seconds, bytes sent per rank fwd+bwd) of the USP-style head all-to-alls
+    over ``u`` ranks (``yunchang`` / MagiAttention's baselines ``_varlen_all2all_before/after_attn``):
+    q, k, v and out forward, dout, dq, dk, dv backward (the same four shapes), each with its
+    ``t h d -> h t d`` rearrange before and the inverse after (``Hardware.a2a_copy_time``: 4 × the
+    whole tensor through HBM), as ``sim.methods._a2a_times`` prices them."""
     if u <= 1:
         return 0.0, 0.0, 0.0
     hkv = shape.num_kv_heads if shape.num_kv_heads % u == 0 else u  # replicated copies travel
@@ -142,11 +148,10 @@ def _a2a_phase(shape: HeadShape, u: int, local_tokens: float, hw: Hardware) -> t
     def per_peer(heads: int, dim: int) -> float:
         return local_tokens * (heads // u) * dim * b
 
-    q, k, v = per_peer(shape.num_heads, shape.head_dim), per_peer(hkv, shape.head_dim), per_peer(hkv, shape.head_dim_v)
-    o = per_peer(shape.num_heads, shape.head_dim_v)
-    t_fwd = _a2a_group_seconds([q, k, v], u, hw) + _a2a_group_seconds([o], u, hw)
-    t_bwd = _a2a_group_seconds([o], u, hw) + _a2a_group_seconds([q, k, v], u, hw)
-    return t_fwd, t_bwd, 2 * (u - 1) * (q + k + v + o)
+    sizes = [per_peer(shape.num_heads, shape.head_dim), per_peer(hkv, shape.head_dim), per_peer(hkv, shape.head_dim_v),
+             per_peer(shape.num_heads, shape.head_dim_v)]
+    t = sum(_a2a_seconds(x, u, hw) + hw.a2a_copy_time(x * u) for x in sizes)
+    return t, t, 2 * (u - 1) * sum(sizes)
 
 
 def _ring(env: _PricingInputs, r: int, link: LinkClass, *, pad_compute: bool,
@@ -209,8 +214,8 @@ def _price_te_a2a(env: _PricingInputs) -> BaselineCost:
     q, k, v = per_peer(shape.num_heads, shape.head_dim), per_peer(shape.num_kv_heads, shape.head_dim), per_peer(shape.num_kv_heads, shape.head_dim_v)
     o = per_peer(shape.num_heads, shape.head_dim_v)
     # forward: q, k, v in one flash_attn_a2a_communicate call, out in another; backward: dout, then dq, dk, dv
-    comm_f = _a2a_group_seconds([q, k, v], P, hw, link) + _a2a_group_seconds([o], P, hw, link)
-    comm_b = _a2a_group_seconds([o], P, hw, link) + _a2a_group_seconds([q, k, v], P, hw, link)
+    comm_f = _te_a2a_pipeline_seconds([q, k, v], P, hw, link) + _te_a2a_pipeline_seconds([o], P, hw, link)
+    comm_b = _te_a2a_pipeline_seconds([o], P, hw, link) + _te_a2a_pipeline_seconds([q, k, v], P, hw, link)
     sent = 2 * (P - 1) * (q + k + v + o)
     pairs = _causal_pairs(env.lengths) / P
     f, g = (env.calls(lengths, lengths, staircase_pairs(lengths), ph, head_split=P) for ph in Phase)
