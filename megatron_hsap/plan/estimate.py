@@ -31,7 +31,9 @@ from megatron_hsap.plan.costs import HeadShape
 from megatron_hsap.plan.hardware import Hardware, LinkClass
 from megatron_hsap.plan.ir import Phase, Unit, Wire
 from megatron_hsap.plan.placement import CostRates
+from megatron_hsap.plan.rank_path import path_finish, path_seconds, round_seconds, stack
 from megatron_hsap.plan.schedule import StagedBlocks
+from megatron_hsap.plan.traffic import both_links as _both, message_traffic, same_node as _same_node, staged_traffic
 from megatron_hsap.plan.units import WorkUnit
 from megatron_hsap.plan.window import staircase_pairs
 
@@ -55,12 +57,14 @@ class PhaseTime:
 @dataclass(frozen=True, slots=True)
 class BlockCosts:
     """Compute seconds per [rank, stage] of one phase: ``kernel`` (attention kernels, slowed
-    beside in-flight transfers) and ``fixed`` (launches, grid, merges: not slowed); ``launch``
-    [P]: each rank's launch seconds."""
+    beside in-flight transfers) and ``fixed`` (launches, grid, local merges: not slowed);
+    ``after``: merges of the results another rank computed, received in that round (done after
+    its wait, ``codegen``'s ``Merge`` / ``Accumulate``); ``launch`` [P]: each rank's launch seconds."""
 
     kernel: np.ndarray
     fixed: np.ndarray
     launch: np.ndarray
+    after: np.ndarray
 
     def seconds(self, sent: np.ndarray, recv: np.ndarray, slowdown: float) -> np.ndarray:
         if slowdown <= 0:
@@ -152,9 +156,10 @@ def block_costs(a: np.ndarray, size: int, n: int, rates: CostRates, phase: Phase
     phase = Phase(phase)
     kern = np.zeros((size, n))
     fixed = np.zeros((size, n))
+    after = np.zeros((size, n))
     launch = np.zeros(size)
     if len(a) == 0:
-        return BlockCosts(kern, fixed, launch)
+        return BlockCosts(kern, fixed, launch, after)
     g = BlockGroups.of(a, size, n) if groups is None else groups
     rank, stg, qa, qb, ka, kb, work, causal, qo, ko = a.T
     nq, nk = qb - qa, kb - ka
@@ -176,54 +181,48 @@ def block_costs(a: np.ndarray, size: int, n: int, rates: CostRates, phase: Phase
     away_q = ~home_q
     if phase == Phase.FWD:  # o rows merged into the q owner's accumulator
         _acc(fixed, cell[home_q], g.again_q * rates.merge_o)
-        _acc(fixed, qo[away_q] * n + np.minimum(stg[away_q] + 1, n - 1), nq[away_q] * rates.merge_o)
+        _acc(after, qo[away_q] * n + np.minimum(stg[away_q] + 1, n - 1), nq[away_q] * rates.merge_o)
     else:  # dq into the q owner's, dk/dv into the kv owner's fp32 gradients
         _acc(fixed, cell[home_q], g.again_q * rates.merge_dq)
-        _acc(fixed, qo[away_q] * n + np.minimum(stg[away_q] + 1, n - 1), nq[away_q] * rates.merge_dq)
+        _acc(after, qo[away_q] * n + np.minimum(stg[away_q] + 1, n - 1), nq[away_q] * rates.merge_dq)
         home_k = g.home_k
         away_k = ~home_k
         _acc(fixed, cell[home_k], g.again_k * rates.merge_dkv)
-        _acc(fixed, ko[away_k] * n + np.minimum(stg[away_k] + 1, n - 1), nk[away_k] * rates.merge_dkv)
-    return BlockCosts(kern, fixed, launch)
+        _acc(after, ko[away_k] * n + np.minimum(stg[away_k] + 1, n - 1), nk[away_k] * rates.merge_dkv)
+    return BlockCosts(kern, fixed, launch, after)
 
 
-def _total(comp: np.ndarray, sent: np.ndarray, recv: np.ndarray, bw: float, latency: float,
-           nvl_bw: float = 0.0) -> tuple[float, float]:
-    """(phase seconds, latency seconds) from [P, rounds] compute seconds and bytes; bytes
-    ``[2, P, rounds]`` are (network, NVLink) traffic on ports that run in parallel."""
-    if sent.ndim == 3:
-        xfer = np.maximum(np.maximum(sent[0], recv[0]) / bw, np.maximum(sent[1], recv[1]) / nvl_bw)
-        moved = sent.sum(axis=(0, 1))
-    else:
-        xfer = np.maximum(sent, recv) / bw
-        moved = sent.sum(axis=0)
-    per_stage = np.maximum(comp, xfer).max(axis=0)
-    lat = float((moved > 0).sum() * latency)
-    return float(per_stage.sum()) + lat, lat
+def _total(comp: np.ndarray, sent: np.ndarray, recv: np.ndarray, bw: float, latency: float, nvl_bw: float,
+           pairs: np.ndarray, after: np.ndarray | None = None, exposed: bool = False) -> tuple[float, float]:
+    """(phase seconds, exposed latency seconds) from ``[P, rounds]`` compute seconds, merges after
+    each wait and bytes (``[2, P, rounds]``: network, NVLink ports in parallel): the longest path
+    over the ranks' own programs (``plan/rank_path.py``). The exposed latency (with ``exposed``;
+    else 0) is what the path loses to round latencies (what every head chunk pays again,
+    ``pipelined_time``)."""
+    xfer = round_seconds(sent, recv, bw, nvl_bw)
+    total = path_seconds(comp, after, xfer, pairs, latency)
+    if latency <= 0 or not exposed:
+        return total, 0.0
+    return total, max(total - path_seconds(comp, after, xfer, pairs, 0.0), 0.0)
 
 
-def _same_node(rates: CostRates, size: int) -> np.ndarray | None:
-    """[P, P] bool: inter ranks on one node (their P2P traffic runs over NVLink), or None when
-    every pair uses the plan's one link."""
-    if not rates.node or rates.nvl_bw <= 0:
-        return None
-    node = np.asarray(rates.node[:size])
-    return node[:, None] == node[None, :]
-
-
-def _both(a: np.ndarray) -> np.ndarray:
-    """Network + NVLink bytes of a [2, P, rounds] array (or ``a`` itself)."""
-    return a.sum(axis=0) if a.ndim == 3 else a
+def _two_phases(fwd: tuple, bwd: tuple, rates: CostRates, latency: float) -> tuple[float, float]:
+    """``_total`` of forward and backward ``(comp, traffic, after)`` in one pass over the rounds
+    (``rank_path.stack``: the two phases are independent problems on disjoint rank sets)."""
+    parts = [(comp, after, round_seconds(tr.sent, tr.recv, rates.bw, rates.nvl_bw), tr.pairs) for comp, tr, after in (fwd, bwd)]
+    t = path_finish(*stack(parts), latency)
+    size = fwd[0].shape[0]
+    return float(t[:size].max(initial=0.0)), float(t[size:].max(initial=0.0))
 
 
 def _compute(units, work_grid: np.ndarray, size: int, n: int, rates: CostRates, phase: Phase, sent: np.ndarray,
-             recv: np.ndarray, a: np.ndarray | None = None, groups: BlockGroups | None = None) -> tuple[np.ndarray, float]:
-    """[P, n] compute seconds of ``units`` (flat when ``rates`` has no kernel) and the launch seconds
-    of the rank with the most."""
+             recv: np.ndarray, a: np.ndarray | None = None, groups: BlockGroups | None = None) -> tuple[np.ndarray, np.ndarray | None, float]:
+    """[P, n] compute seconds of ``units`` (flat when ``rates`` has no kernel), [P, n] merges after
+    each wait (None when flat) and the launch seconds of the rank with the most."""
     if rates.kernel is None:
-        return work_grid * (rates.sec_fwd if phase == Phase.FWD else rates.sec_bwd), 0.0
+        return work_grid * (rates.sec_fwd if phase == Phase.FWD else rates.sec_bwd), None, 0.0
     bc = block_costs(_arrays(units) if a is None else a, size, n, rates, phase, groups)
-    return bc.seconds(sent, recv, rates.overlap_slowdown), float(bc.launch.max(initial=0.0))
+    return bc.seconds(sent, recv, rates.overlap_slowdown), bc.after, float(bc.launch.max(initial=0.0))
 
 
 def phase_time(units: list[Unit], msgs: list[Message] | tuple[Message, ...], size: int, sec_per_pair: float, bw: float,
@@ -240,20 +239,15 @@ def phase_time(units: list[Unit], msgs: list[Message] | tuple[Message, ...], siz
         grid[u.rank, u.stage] += w
         work[u.rank] += w
     same = _same_node(rates, size) if rates is not None else None
-    sent = np.zeros((2, size, stages + 1))
-    recv = np.zeros((2, size, stages + 1))
-    for m in msgs:
-        c = 1 if same is not None and same[m.src, m.dst] else 0
-        sent[c, m.src, m.round] += m.nbytes
-        recv[c, m.dst, m.round] += m.nbytes
-    if same is None:
-        sent, recv = sent[0], recv[0]
+    tr = message_traffic(msgs, size, stages + 1, same)
+    sent, recv = tr.sent, tr.recv
     nvl = rates.nvl_bw if rates is not None else 0.0
+    after = None
     if rates is not None and rates.kernel is not None:
-        comp, launch = _compute(units, grid, size, stages + 1, rates, phase, _both(sent), _both(recv))
+        comp, after, launch = _compute(units, grid, size, stages + 1, rates, phase, _both(sent), _both(recv))
     else:
         comp, launch = grid * sec_per_pair, 0.0
-    total, lat = _total(comp, sent, recv, bw, latency, nvl)
+    total, lat = _total(comp, sent, recv, bw, latency, nvl, tr.pairs, after, exposed=True)
     xfer = np.maximum(sent, recv) / (np.array([bw, nvl])[:, None, None] if sent.ndim == 3 else bw)
     return PhaseTime(
         total=total,
@@ -267,51 +261,6 @@ def phase_time(units: list[Unit], msgs: list[Message] | tuple[Message, ...], siz
     )
 
 
-def _traffic(a: np.ndarray, size: int, n: int, rates: CostRates) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Bytes sent/received per [rank, round], forward and backward, of staged remote blocks ``a``
-    (``_arrays`` rows; inputs deduplicated per rank, stage and range, as
-    ``codegen.phase_messages`` does); ``[2, rank, round]`` (network, NVLink) when some inter ranks
-    share a node. Bytes per token are integers, so the sums are exact in any order."""
-    same = _same_node(rates, size)
-    cells = 2 * size * n
-    t = np.zeros((4, cells))  # sent fwd, received fwd, sent bwd, received bwd; flat [link, rank, round]
-    rank, stg = a[:, 0], a[:, 1]
-    # per side: (columns of the range and owner, input bytes fwd, input bytes bwd, result bytes fwd,
-    # result bytes bwd) per token; q travels with do/lse/delta in backward and returns o+lse / dq;
-    # kv returns dkv in backward
-    for lo, hi, oc, f_in, b_in, f_out, b_out in ((2, 3, 8, rates.q, rates.q_bwd, rates.o_lse, rates.dq),
-                                               (4, 5, 9, rates.kv, rates.kv, 0.0, rates.dkv)):
-        away = np.nonzero(rank != a[:, oc])[0]
-        if len(away) == 0:
-            continue
-        r, k, o, start, stop = rank[away], stg[away], a[away, oc], a[away, lo], a[away, hi]
-        tokens = stop - start
-        link = same[r, o].astype(np.int64) if same is not None else np.zeros(len(away), dtype=np.int64)
-        base = link * size
-        k_in = np.mod(k - 1, n)  # the round before the stage (numpy's -1: the last round, as before)
-        assert int(k.max()) + 1 < n, "a remote block's results return after the last round"
-        k_out = k + 1
-        # an input is sent once per rank, stage and range
-        order = np.lexsort((stop, start, o, k, r))
-        first = np.ones(len(order), dtype=bool)
-        keys = (r, k, o, start, stop)
-        first[1:] = np.any([x[order][1:] != x[order][:-1] for x in keys], axis=0)
-        once = order[first]
-        src_in, dst_in = (base[once] + o[once]) * n + k_in[once], (base[once] + r[once]) * n + k_in[once]
-        src_out, dst_out = (base + r) * n + k_out, (base + o) * n + k_out
-        for row, idx, per_token in ((0, src_in, f_in), (1, dst_in, f_in), (2, src_in, b_in), (3, dst_in, b_in)):
-            if per_token:
-                t[row] += np.bincount(idx, weights=tokens[once] * per_token, minlength=cells)
-        for row, idx, per_token in ((0, src_out, f_out), (1, dst_out, f_out), (2, src_out, b_out), (3, dst_out, b_out)):
-            if per_token:
-                t[row] += np.bincount(idx, weights=tokens * per_token, minlength=cells)
-    t = t.reshape(4, 2, size, n)
-    sf, rf, sb, rb = t[0], t[1], t[2], t[3]
-    if same is None:
-        return sf[0], rf[0], sb[0], rb[0]
-    return sf, rf, sb, rb
-
-
 def quick_price(units: list[Unit], size: int, rates: CostRates, latency: float) -> tuple[float, float]:
     """(forward, backward) estimated seconds of staged ``units``; equals ``phase_time`` over the
     messages ``codegen.phase_messages`` would emit."""
@@ -320,11 +269,12 @@ def quick_price(units: list[Unit], size: int, rates: CostRates, latency: float) 
     for u in units:
         work[u.rank, u.stage] += u.work
     a = _arrays(units)
-    sf, rf, sb, rb = _traffic(a, size, n, rates)
     g = BlockGroups.of(a, size, n) if rates.kernel is not None and len(a) else None
-    fwd, _ = _total(_compute(units, work, size, n, rates, Phase.FWD, _both(sf), _both(rf), a, g)[0], sf, rf, rates.bw, latency, rates.nvl_bw)
-    bwd, _ = _total(_compute(units, work, size, n, rates, Phase.BWD, _both(sb), _both(rb), a, g)[0], sb, rb, rates.bw, latency, rates.nvl_bw)
-    return fwd, bwd
+    out = []
+    for phase, tr in zip((Phase.FWD, Phase.BWD), staged_traffic(a, size, n, rates)):
+        comp, after, _ = _compute(units, work, size, n, rates, phase, _both(tr.sent), _both(tr.recv), a, g)
+        out.append((comp, tr, after))
+    return _two_phases(out[0], out[1], rates, latency)
 
 
 def price_staging(st: StagedBlocks, size: int, rates: CostRates, latency: float) -> float:
@@ -333,13 +283,11 @@ def price_staging(st: StagedBlocks, size: int, rates: CostRates, latency: float)
     n = st.stages + 1
     work = np.zeros((size, n))
     work[:, : st.stages] = st.remote_work + st.local_budget
-    sf, rf, sb, rb, costs = _remote_prices(st, size, n, rates)
+    tf, tb, costs = _remote_prices(st, size, n, rates)
     if rates.kernel is None:
-        fwd, _ = _total(work * rates.sec_fwd, sf, rf, rates.bw, latency, rates.nvl_bw)
-        bwd, _ = _total(work * rates.sec_bwd, sb, rb, rates.bw, latency, rates.nvl_bw)
-        return fwd + bwd
-    out = 0.0
-    for phase, s_, r_, bc in ((Phase.FWD, sf, rf, costs[0]), (Phase.BWD, sb, rb, costs[1])):
+        return sum(_two_phases((work * rates.sec_fwd, tf, None), (work * rates.sec_bwd, tb, None), rates, latency))
+    out = []
+    for phase, tr, bc in ((Phase.FWD, tf, costs[0]), (Phase.BWD, tb, costs[1])):
         spp, fixed_local = _local_rates(st, size, rates, phase)
         kern = bc.kernel.copy()
         kern[:, : st.stages] += st.local_budget * spp[:, None]
@@ -348,13 +296,13 @@ def price_staging(st: StagedBlocks, size: int, rates: CostRates, latency: float)
         fixed[:, : st.stages] += share * fixed_local[:, None]
         # pouring puts each rank's local blocks into every stage with a budget: ~one call per stage
         fixed[:, : st.stages] += (st.local_budget > 0) * rates.kernel.launch_s
-        comp = BlockCosts(kern, fixed, bc.launch).seconds(_both(s_), _both(r_), rates.overlap_slowdown)
-        out += _total(comp, s_, r_, rates.bw, latency, rates.nvl_bw)[0]
-    return out
+        comp = BlockCosts(kern, fixed, bc.launch, bc.after).seconds(_both(tr.sent), _both(tr.recv), rates.overlap_slowdown)
+        out.append((comp, tr, bc.after))
+    return sum(_two_phases(out[0], out[1], rates, latency))
 
 
 def _remote_prices(st: StagedBlocks, size: int, n: int, rates: CostRates) -> tuple:
-    """``(sent fwd, received fwd, sent bwd, received bwd, (block costs fwd, bwd))`` of a staging's
+    """``(traffic fwd, traffic bwd, (block costs fwd, bwd))`` of a staging's
     remote blocks (costs ``()`` without a kernel model), shared through ``st.memo`` by the stagings
     of one split with the same remote blocks (``schedule.stage``; callers copy before adding)."""
     key = st.memo_key
@@ -363,12 +311,12 @@ def _remote_prices(st: StagedBlocks, size: int, n: int, rates: CostRates) -> tup
         if hit is not None and hit[0] is rates and hit[1] == size:
             return hit[2]
     a = _arrays(st.remote)
-    sf, rf, sb, rb = _traffic(a, size, n, rates)
+    tf, tb = staged_traffic(a, size, n, rates)
     costs: tuple = ()
     if rates.kernel is not None:
         g = BlockGroups.of(a, size, n) if len(a) else None
         costs = (block_costs(a, size, n, rates, Phase.FWD, g), block_costs(a, size, n, rates, Phase.BWD, g))
-    out = (sf, rf, sb, rb, costs)
+    out = (tf, tb, costs)
     if key is not None:
         st.memo[key] = (rates, size, out)
     return out

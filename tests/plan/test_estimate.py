@@ -94,4 +94,4 @@ def test_block_costs_by_hand() -> None:
     assert bc.kernel[0, 0] == pytest.approx(sum(want), rel=1e-12)  # why: the same float terms, summed in another order
     assert bc.launch.tolist() == [2 * k.launch_s, k.launch_s]  # causal and rectangle calls on rank 0, one on rank 1
     assert bc.fixed[0, 0] == pytest.approx(2 * k.launch_s + 4 * rates.merge_o, rel=1e-12)  # why: as above
-    assert bc.fixed[0, 1] == pytest.approx(4 * rates.merge_o, rel=1e-12)  # the remote result merged a stage later
+    assert bc.fixed[0, 1] == 0.0 and bc.after[0, 1] == pytest.approx(4 * rates.merge_o, rel=1e-12)  # the remote result merged after the next wait

@@ -117,7 +117,9 @@ def test_empty_documents_cost_nothing() -> None:
 
 
 def test_messages_and_compute_units_shapes() -> None:
-    plan = compile_plan([0, 1 << 14], 4, num_heads=32, head_dim=128)
+    # the contiguous layout: one document's chunks see each other's kv, so both q and kv travel
+    # (the default may keep the balanced layout, where min-traffic moves only q)
+    plan = compile_plan([0, 1 << 14], 4, num_heads=32, head_dim=128, layout="contiguous")
     msgs = plan.messages()
     names = {m[3] for m in msgs}
     assert names <= {"q", "kv", "o", "lse", "do", "delta", "dq", "dkv"}

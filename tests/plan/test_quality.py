@@ -35,14 +35,17 @@ HEADS = {"mha": (32, 32), "gqa": (32, 8)}
 # the next 0.005 outward. (T, P, heads) -> efficiency reached where the target (0.9
 # compute-dominated, 0.6 else) is missed:
 EFF_MISSES = {(64 * K, 2, "mha"): 0.875, (64 * K, 4, "mha"): 0.78, (64 * K, 4, "gqa"): 0.87,
-              (64 * K, 8, "mha"): 0.72, (64 * K, 8, "gqa"): 0.815, (64 * K, 64, "gqa"): 0.54,
+              (64 * K, 8, "mha"): 0.72, (64 * K, 8, "gqa"): 0.815, (64 * K, 64, "gqa"): 0.53,
               (256 * K, 4, "mha"): 0.86, (256 * K, 8, "mha"): 0.845, (256 * K, 8, "gqa"): 0.88,
               (256 * K, 16, "mha"): 0.795, (256 * K, 16, "gqa"): 0.86, (1 * M, 4, "mha"): 0.895,
               (1 * M, 8, "mha"): 0.89, (1 * M, 16, "mha"): 0.875, (1 * M, 16, "gqa"): 0.895,
               (1 * M, 64, "mha"): 0.795, (1 * M, 64, "gqa"): 0.83}
 # (64K, 64, GQA) is traffic-bound over InfiniBand: rank 0 must ship its kv to every rank that keeps
 # a block (i, 0), rank P−1 receive every earlier kv; the necessary-traffic bound averages traffic
-# over all ranks, which the triangle's source and sink cannot.
+# over all ranks, which the triangle's source and sink cannot. Its floor went 0.54 -> 0.53 when the
+# estimate became a per-rank path (the same owner-computes plan, simulated 62.05 ms both times: the
+# estimate rose 42.11 -> 42.95 ms, received merges now follow the wait; the efficiency here is
+# bound / estimate).
 #
 # (T, P, heads) -> HSAP time / the best baseline's on one compute-bound document (target: a tie,
 # 1.005). The best is Ulysses (P ≥ 4 where P ≤ H: one whole-document block per rank at tile
@@ -190,12 +193,14 @@ def test_dominating_document_ties_the_ring(heads: str) -> None:
     # a 161K-token document in a 1M batch: HSAP beats the best baseline (measured 0.982× Ulysses
     # MHA, 0.937× GQA). Efficiency reached (target 0.98), measured 0.841 MHA / 0.933 GQA: MHA
     # 633.7 ms = kernel 543.8 + merges/launches 29.8 + kernel slowdown beside its transfers ≈ 60
-    # against an ideal of 532.9 ms; GQA 571.3 = 540.8 + 17.0 + ≈ 13.
+    # against an ideal of 532.9 ms; GQA 571.3 = 540.8 + 17.0 + ≈ 13. GQA's floor 0.93 -> 0.925 with
+    # the per-rank estimate: the same plan, simulated 573.5 ms, now estimated 573.1 (was 571.3:
+    # the merges of received results follow the wait instead of hiding under it).
     cu = pack_batches("sharegpt", 1 * M, 3, 0)[2]
     plan = plan_of(cu, 8, heads)
     s = plan.stats()
     base = baseline_times(cu, 8, heads)
-    assert efficiency(plan, s)[0] >= {"mha": 0.84, "gqa": 0.93}[heads]
+    assert efficiency(plan, s)[0] >= {"mha": 0.84, "gqa": 0.925}[heads]
     assert s.estimated_time_s <= min(base.values()) * 1.0
 
 

@@ -1,0 +1,112 @@
+"""Bytes and peers per rank and round of staged blocks, in closed form (docs/design.md §4).
+
+What ``codegen.phase_messages`` would emit for the staged blocks, summed without building the
+messages: inputs deduplicated per rank, stage and range; results one per block. The estimate
+(``plan/estimate.py``) prices them with ``plan/rank_path.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from megatron_hsap.plan.placement import CostRates
+from megatron_hsap.plan.rank_path import pairs_of
+
+__all__ = ["Traffic", "staged_traffic", "same_node", "both_links", "message_traffic"]
+
+
+@dataclass(frozen=True, slots=True)
+class Traffic:
+    """One phase's bytes per ``[rank, round]`` sent and received (``[2, rank, round]``: network,
+    NVLink, when some inter ranks share a node) and ``pairs``: the sorted ``(round, r, p)`` rows,
+    both directions, of the ranks that exchange bytes in a round (``rank_path.pairs_of``)."""
+
+    sent: np.ndarray
+    recv: np.ndarray
+    pairs: np.ndarray
+
+
+def same_node(rates: CostRates, size: int) -> np.ndarray | None:
+    """[P, P] bool: inter ranks on one node (their P2P traffic runs over NVLink), or None when
+    every pair uses the plan's one link."""
+    if not rates.node or rates.nvl_bw <= 0:
+        return None
+    node = np.asarray(rates.node[:size])
+    return node[:, None] == node[None, :]
+
+
+def both_links(a: np.ndarray) -> np.ndarray:
+    """Network + NVLink bytes of a [2, P, rounds] array (or ``a`` itself)."""
+    return a.sum(axis=0) if a.ndim == 3 else a
+
+
+def message_traffic(msgs, size: int, n: int, same: np.ndarray | None) -> Traffic:
+    """``Traffic`` of codegen's messages (``Message.round / src / dst / nbytes``)."""
+    sent = np.zeros((2, size, n))
+    recv = np.zeros((2, size, n))
+    rnd = np.fromiter((m.round for m in msgs), dtype=np.int64, count=len(msgs))
+    src = np.fromiter((m.src for m in msgs), dtype=np.int64, count=len(msgs))
+    dst = np.fromiter((m.dst for m in msgs), dtype=np.int64, count=len(msgs))
+    nb = np.fromiter((m.nbytes for m in msgs), dtype=np.float64, count=len(msgs))
+    link = same[src, dst].astype(np.int64) if same is not None else np.zeros(len(msgs), dtype=np.int64)
+    sent.reshape(-1)[:] = np.bincount((link * size + src) * n + rnd, weights=nb, minlength=sent.size)
+    recv.reshape(-1)[:] = np.bincount((link * size + dst) * n + rnd, weights=nb, minlength=recv.size)
+    if same is None:
+        sent, recv = sent[0], recv[0]
+    return Traffic(sent, recv, pairs_of(rnd, src, dst, size))
+
+
+def staged_traffic(a: np.ndarray, size: int, n: int, rates: CostRates) -> tuple[Traffic, Traffic]:
+    """Forward and backward ``Traffic`` of staged remote blocks ``a`` (``estimate._arrays`` rows).
+    Bytes per token are integers, so the sums are exact in any order."""
+    same = same_node(rates, size)
+    cells = 2 * size * n
+    t = np.zeros((4, cells))  # sent fwd, received fwd, sent bwd, received bwd; flat [link, rank, round]
+    pairs: tuple[list[np.ndarray], list[np.ndarray]] = ([], [])  # fwd, bwd: (round, src, dst) columns
+    rank, stg = a[:, 0], a[:, 1]
+    # per side: (columns of the range and owner, input bytes fwd, input bytes bwd, result bytes fwd,
+    # result bytes bwd) per token; q travels with do/lse/delta in backward and returns o+lse / dq;
+    # kv returns dkv in backward
+    for lo, hi, oc, f_in, b_in, f_out, b_out in ((2, 3, 8, rates.q, rates.q_bwd, rates.o_lse, rates.dq),
+                                               (4, 5, 9, rates.kv, rates.kv, 0.0, rates.dkv)):
+        away = np.nonzero(rank != a[:, oc])[0]
+        if len(away) == 0:
+            continue
+        r, k, o, start, stop = rank[away], stg[away], a[away, oc], a[away, lo], a[away, hi]
+        tokens = stop - start
+        link = same[r, o].astype(np.int64) if same is not None else np.zeros(len(away), dtype=np.int64)
+        base = link * size
+        k_in = np.mod(k - 1, n)  # the round before the stage (numpy's -1: the last round, as before)
+        assert int(k.max()) + 1 < n, "a remote block's results return after the last round"
+        k_out = k + 1
+        # an input is sent once per rank, stage and range
+        order = np.lexsort((stop, start, o, k, r))
+        first = np.ones(len(order), dtype=bool)
+        keys = (r, k, o, start, stop)
+        first[1:] = np.any([x[order][1:] != x[order][:-1] for x in keys], axis=0)
+        once = order[first]
+        src_in, dst_in = (base[once] + o[once]) * n + k_in[once], (base[once] + r[once]) * n + k_in[once]
+        src_out, dst_out = (base + r) * n + k_out, (base + o) * n + k_out
+        for row, idx, per_token in ((0, src_in, f_in), (1, dst_in, f_in), (2, src_in, b_in), (3, dst_in, b_in)):
+            if per_token:
+                t[row] += np.bincount(idx, weights=tokens[once] * per_token, minlength=cells)
+        for row, idx, per_token in ((0, src_out, f_out), (1, dst_out, f_out), (2, src_out, b_out), (3, dst_out, b_out)):
+            if per_token:
+                t[row] += np.bincount(idx, weights=tokens * per_token, minlength=cells)
+        pair_in = np.stack([k_in[once], o[once], r[once]])
+        pair_out = np.stack([k_out, r, o])
+        for ph, (p_in, p_out) in enumerate(((f_in, f_out), (b_in, b_out))):
+            if p_in:
+                pairs[ph].append(pair_in)
+            if p_out:
+                pairs[ph].append(pair_out)
+    t = t.reshape(4, 2, size, n)
+    if same is None:
+        t = t[:, 0]
+    out = []
+    for ph in (0, 1):
+        c = np.concatenate(pairs[ph], axis=1) if pairs[ph] else np.zeros((3, 0), dtype=np.int64)
+        out.append(Traffic(t[2 * ph], t[2 * ph + 1], pairs_of(c[0], c[1], c[2], size)))
+    return out[0], out[1]
