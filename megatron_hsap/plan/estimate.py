@@ -133,18 +133,26 @@ class BlockGroups:
     def of(cls, a: np.ndarray, size: int, n: int) -> "BlockGroups":
         rank, stg, qa, qb, ka, kb, _work, causal, qo, ko = a.T
         cell = rank * n + stg
-        # one varlen call per (rank, stage, q source, kv source, causality), as the simulator groups items
-        qsrc = np.where(qo == rank, size, qo)
-        ksrc = np.where(ko == rank, size, ko)
-        key = ((cell * (size + 1) + qsrc) * (size + 1) + ksrc) * 2 + causal
-        keys, inv = np.unique(key, return_inverse=True)
-        gcell = keys // (2 * (size + 1) * (size + 1))
-        maxk = np.zeros(len(keys))
-        np.maximum.at(maxk, inv, kb - ka)
-        span = int(max(qb.max(), kb.max())) + 1
         home_q = rank == qo
         home_k = rank == ko
-        return cls(cell, gcell, maxk, np.bincount(inv, minlength=len(keys)),
+        # the varlen calls of plan/calls.py, walking each stage's items in codegen's order (rank,
+        # stage, q home, q start, kv start): an item with a remote operand or result is a call of
+        # its own; consecutive local items with one causality fuse while their q and kv rows run
+        # on (contiguity in global tokens: exact on a one-segment layout, one call too many at a
+        # segment boundary of a multi-segment one, where local rows run on across it)
+        order = np.lexsort((ka, qa, home_q, cell))
+        local = (home_q & home_k)[order]
+        c_o, cz = cell[order], causal[order]
+        brk = np.ones(len(order), dtype=bool)
+        brk[1:] = ((c_o[1:] != c_o[:-1]) | ~local[1:] | ~local[:-1] | (cz[1:] != cz[:-1])
+                   | (qa[order][1:] != qb[order][:-1]) | (ka[order][1:] != kb[order][:-1]))
+        inv = np.empty(len(order), dtype=np.int64)
+        inv[order] = np.cumsum(brk) - 1
+        gcell = c_o[brk]
+        maxk = np.zeros(len(gcell))
+        np.maximum.at(maxk, inv, kb - ka)
+        span = int(max(qb.max(), kb.max())) + 1
+        return cls(cell, gcell, maxk, np.bincount(inv, minlength=len(gcell)),
                    home_q, _rows_again(rank[home_q], qa[home_q], qb[home_q], span),
                    home_k, _rows_again(rank[home_k], ka[home_k], kb[home_k], span))
 
