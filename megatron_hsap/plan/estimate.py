@@ -130,7 +130,7 @@ class BlockGroups:
     again_k: np.ndarray
 
     @classmethod
-    def of(cls, a: np.ndarray, size: int, n: int) -> "BlockGroups":
+    def of(cls, a: np.ndarray, size: int, n: int, rates: CostRates | None = None) -> "BlockGroups":
         rank, stg, qa, qb, ka, kb, _work, causal, qo, ko = a.T
         cell = rank * n + stg
         home_q = rank == qo
@@ -138,14 +138,14 @@ class BlockGroups:
         # the varlen calls of plan/calls.py, walking each stage's items in codegen's order (rank,
         # stage, q home, q start, kv start): an item with a remote operand or result is a call of
         # its own; consecutive local items with one causality fuse while their q and kv rows run
-        # on (contiguity in global tokens: exact on a one-segment layout, one call too many at a
-        # segment boundary of a multi-segment one, where local rows run on across it)
+        # on in the rank's local rows (``CostRates.segments``; without them, in global tokens)
         order = np.lexsort((ka, qa, home_q, cell))
         local = (home_q & home_k)[order]
-        c_o, cz = cell[order], causal[order]
+        c_o, cz, r_o = cell[order], causal[order], rank[order]
+        lq_a, lq_b, lk_a, lk_b = (_local_rows(rates, r_o, x[order], x is qb or x is kb) for x in (qa, qb, ka, kb))
         brk = np.ones(len(order), dtype=bool)
         brk[1:] = ((c_o[1:] != c_o[:-1]) | ~local[1:] | ~local[:-1] | (cz[1:] != cz[:-1])
-                   | (qa[order][1:] != qb[order][:-1]) | (ka[order][1:] != kb[order][:-1]))
+                   | (lq_a[1:] != lq_b[:-1]) | (lk_a[1:] != lk_b[:-1]))
         inv = np.empty(len(order), dtype=np.int64)
         inv[order] = np.cumsum(brk) - 1
         gcell = c_o[brk]
@@ -155,6 +155,32 @@ class BlockGroups:
         return cls(cell, gcell, maxk, np.bincount(inv, minlength=len(gcell)),
                    home_q, _rows_again(rank[home_q], qa[home_q], qb[home_q], span),
                    home_k, _rows_again(rank[home_k], ka[home_k], kb[home_k], span))
+
+
+_SEG_MEMO: dict[int, tuple[object, np.ndarray, np.ndarray, np.ndarray, int]] = {}
+
+
+def _local_rows(rates: CostRates | None, rank: np.ndarray, tok: np.ndarray, stop: bool) -> np.ndarray:
+    """Local row of global token boundary ``tok`` on ``rank`` (a ``stop`` maps through the segment
+    of its last token), from ``rates.segments``; ``tok`` itself without them. Only meaningful for
+    blocks whose rows the rank holds (local items)."""
+    segs = rates.segments if rates is not None else ()
+    if not segs or len(tok) == 0:
+        return tok
+    hit = _SEG_MEMO.get(id(segs))
+    if hit is None or hit[0] is not segs:
+        flat = [(r, t, l) for r, ss in enumerate(segs) for t, l in ss]
+        arr = np.array(flat, dtype=np.int64).reshape(-1, 3)
+        span = int(arr[:, 1].max(initial=0)) + (1 << 40)
+        keys = arr[:, 0] * span + arr[:, 1]
+        o = np.argsort(keys, kind="stable")
+        if len(_SEG_MEMO) >= 8:
+            _SEG_MEMO.clear()
+        hit = _SEG_MEMO[id(segs)] = (segs, keys[o], arr[o, 1], arr[o, 2], span)
+    _, keys, t0, l0, span = hit
+    probe = tok - 1 if stop else tok  # a stop belongs to its last token's segment, a start to its own
+    i = np.clip(np.searchsorted(keys, rank * span + probe, side="right") - 1, 0, len(keys) - 1)
+    return l0[i] + tok - t0[i]
 
 
 def block_costs(a: np.ndarray, size: int, n: int, rates: CostRates, phase: Phase | str, groups: BlockGroups | None = None) -> BlockCosts:
@@ -168,7 +194,7 @@ def block_costs(a: np.ndarray, size: int, n: int, rates: CostRates, phase: Phase
     launch = np.zeros(size)
     if len(a) == 0:
         return BlockCosts(kern, fixed, launch, after)
-    g = BlockGroups.of(a, size, n) if groups is None else groups
+    g = BlockGroups.of(a, size, n, rates) if groups is None else groups
     rank, stg, qa, qb, ka, kb, work, causal, qo, ko = a.T
     nq, nk = qb - qa, kb - ka
     k = rates.kernel
@@ -277,7 +303,7 @@ def quick_price(units: list[Unit], size: int, rates: CostRates, latency: float) 
     for u in units:
         work[u.rank, u.stage] += u.work
     a = _arrays(units)
-    g = BlockGroups.of(a, size, n) if rates.kernel is not None and len(a) else None
+    g = BlockGroups.of(a, size, n, rates) if rates.kernel is not None and len(a) else None
     out = []
     for phase, tr in zip((Phase.FWD, Phase.BWD), staged_traffic(a, size, n, rates)):
         comp, after, _ = _compute(units, work, size, n, rates, phase, _both(tr.sent), _both(tr.recv), a, g)
@@ -322,7 +348,7 @@ def _remote_prices(st: StagedBlocks, size: int, n: int, rates: CostRates) -> tup
     tf, tb = staged_traffic(a, size, n, rates)
     costs: tuple = ()
     if rates.kernel is not None:
-        g = BlockGroups.of(a, size, n) if len(a) else None
+        g = BlockGroups.of(a, size, n, rates) if len(a) else None
         costs = (block_costs(a, size, n, rates, Phase.FWD, g), block_costs(a, size, n, rates, Phase.BWD, g))
     out = (tf, tb, costs)
     if key is not None:

@@ -69,9 +69,13 @@ class CostRates:
     # every pair at ``bw``.
     node: tuple[int, ...] = ()
     nvl_bw: float = 0.0
+    # the layout's (global token start, local row start) per segment, per inter rank: which local
+    # items' rows run on in local rows (one varlen call, plan/calls.py); () counts global contiguity
+    segments: tuple[tuple[tuple[int, int], ...], ...] = ()
 
     @classmethod
-    def of(cls, shape: HeadShape, hw: Hardware, bw: float, node: tuple[int, ...] = ()) -> "CostRates":
+    def of(cls, shape: HeadShape, hw: Hardware, bw: float, node: tuple[int, ...] = (),
+           segments: tuple[tuple[tuple[int, int], ...], ...] = ()) -> "CostRates":
         b = shape.token_bytes
         h, hkv, d, dv = shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.head_dim_v
         return cls(
@@ -97,6 +101,7 @@ class CostRates:
             overlap_slowdown=hw.overlap_slowdown,
             node=node if len(set(node)) > 1 else (),
             nvl_bw=hw.nvlink_bw,
+            segments=segments,
         )
 
     @property

@@ -312,7 +312,27 @@ def _compile_uncached(cu: tuple[int, ...], opts: PlanOptions) -> Plan:
     # The balanced layout must never lose to the paper's: on the batch where its split documents
     # cost more traffic than the balance saves, keep the contiguous layout (the plan carries its
     # layout, so batch sharding follows whichever was kept; stats().layout says which).
-    return balanced if kept_layout(contiguous.chosen.time, balanced.chosen.time, bound) == "balanced" else contiguous
+    # compared as whole layers: with P_intra > 1 the intra all-to-all pipelined with SAP at each
+    # plan's head-chunk count (SAP alone kept a balanced plan 2.7% slower in simulation than
+    # owner-computes on the contiguous layout, ultrachat 16K 4x2 s2); and, as within one layout, a
+    # plan that moves work must beat the other layout's owner-computes plan by _OWNER_MARGIN
+    c_s, b_s = _layer_time(contiguous), _layer_time(balanced)
+    c_own, b_own = (p.chosen.name == "owner-computes" for p in (contiguous, balanced))
+    if c_own and not b_own:
+        b_s *= 1 + _OWNER_MARGIN
+    elif b_own and not c_own:
+        c_s *= 1 + _OWNER_MARGIN
+    return balanced if kept_layout(c_s, b_s, bound) == "balanced" else contiguous
+
+
+def _layer_time(plan: Plan) -> float:
+    """Estimated seconds of the whole HSAP layer of ``plan``: SAP, plus the intra all-to-all pipelined
+    with it at the plan's head-chunk count (``plan/chunks.py``) when ``P_intra > 1``."""
+    if plan.intra_size == 1:
+        return plan.chosen.time
+    from megatron_hsap.plan.chunks import head_chunk_estimates
+
+    return head_chunk_estimates(plan)[plan.head_chunks]
 
 
 def _link_of(opts: PlanOptions) -> LinkClass:
@@ -328,13 +348,18 @@ def _nodes(opts: PlanOptions) -> tuple[int, ...]:
     return tuple((i * opts.intra_size * opts.tp_size) // opts.gpus_per_node for i in range(opts.inter_size))
 
 
+def _segments(layout: Layout) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """(global token start, local row start) of each segment of each inter rank (``CostRates.segments``)."""
+    return tuple(tuple((s.tokens.start, s.local_start) for s in segs) for segs in layout.segments)
+
+
 def _compile_on(layout: Layout, batch: Batch, shape: HeadShape, opts: PlanOptions) -> Plan:
     size = opts.inter_size
     validate_layout(layout, batch.padded_tokens)
     hw = HARDWARE[opts.hardware]
     link = _link_of(opts)
     capacity = opts.pool_bytes or max(DEFAULT_POOL_CHUNKS * layout.chunk_tokens * shape.chunk_token_bytes, DEFAULT_POOL_MIN)
-    rates = CostRates.of(shape, hw, hw.bandwidth(link), _nodes(opts) if link is LinkClass.INFINIBAND else ())
+    rates = CostRates.of(shape, hw, hw.bandwidth(link), _nodes(opts) if link is LinkClass.INFINIBAND else (), _segments(layout))
     latency = hw.latency(link)
     pieces, units = build_units(batch, layout, opts.window)
     placements = _placements(units, size, rates, opts.allow_helpers)
@@ -373,7 +398,8 @@ def _with_clipped(plan: Plan, full: Plan) -> Plan:
     left = plan.options.window
     units = [c for u in full.chosen.units if (c := clip_unit(replace(u, window=left), left)) is not None]
     hw, link = full.hardware, full.link
-    rates = CostRates.of(full.shape, hw, hw.bandwidth(link), _nodes(full.options) if link is LinkClass.INFINIBAND else ())
+    rates = CostRates.of(full.shape, hw, hw.bandwidth(link), _nodes(full.options) if link is LinkClass.INFINIBAND else (),
+                         _segments(full.layout))
     try:
         cand = _build(full.chosen.name, units, full.inter_size, full.shape, full.pool_capacity,
                       rates, hw.latency(link), full.chosen.budget)
