@@ -142,7 +142,7 @@ class BlockGroups:
         order = np.lexsort((ka, qa, home_q, cell))
         local = (home_q & home_k)[order]
         c_o, cz, r_o = cell[order], causal[order], rank[order]
-        lq_a, lq_b, lk_a, lk_b = (_local_rows(rates, r_o, x[order], x is qb or x is kb) for x in (qa, qb, ka, kb))
+        lq_a, lq_b, lk_a, lk_b = _local_rows(rates, r_o, (qa[order], qb[order], ka[order], kb[order]))
         brk = np.ones(len(order), dtype=bool)
         brk[1:] = ((c_o[1:] != c_o[:-1]) | ~local[1:] | ~local[:-1] | (cz[1:] != cz[:-1])
                    | (lq_a[1:] != lq_b[:-1]) | (lk_a[1:] != lk_b[:-1]))
@@ -160,17 +160,17 @@ class BlockGroups:
 _SEG_MEMO: dict[int, tuple[object, np.ndarray, np.ndarray, np.ndarray, int]] = {}
 
 
-def _local_rows(rates: CostRates | None, rank: np.ndarray, tok: np.ndarray, stop: bool) -> np.ndarray:
-    """Local row of global token boundary ``tok`` on ``rank`` (a ``stop`` maps through the segment
-    of its last token), from ``rates.segments``; ``tok`` itself without them. Only meaningful for
-    blocks whose rows the rank holds (local items)."""
+def _local_rows(rates: CostRates | None, rank: np.ndarray, bounds: tuple[np.ndarray, ...]) -> tuple[np.ndarray, ...]:
+    """Local rows on ``rank`` of the global token ranges ``(q start, q stop, kv start, kv stop)``
+    (a stop maps through the segment of its last token), from ``rates.segments``; the tokens
+    themselves without them or on a one-segment-per-rank layout. Only meaningful for blocks whose
+    rows the rank holds (local items)."""
     segs = rates.segments if rates is not None else ()
-    if not segs or len(tok) == 0:
-        return tok
+    if not segs or len(rank) == 0 or all(len(ss) == 1 for ss in segs):
+        return bounds
     hit = _SEG_MEMO.get(id(segs))
     if hit is None or hit[0] is not segs:
-        flat = [(r, t, l) for r, ss in enumerate(segs) for t, l in ss]
-        arr = np.array(flat, dtype=np.int64).reshape(-1, 3)
+        arr = np.array([(r, t, l) for r, ss in enumerate(segs) for t, l in ss], dtype=np.int64).reshape(-1, 3)
         span = int(arr[:, 1].max(initial=0)) + (1 << 40)
         keys = arr[:, 0] * span + arr[:, 1]
         o = np.argsort(keys, kind="stable")
@@ -178,9 +178,10 @@ def _local_rows(rates: CostRates | None, rank: np.ndarray, tok: np.ndarray, stop
             _SEG_MEMO.clear()
         hit = _SEG_MEMO[id(segs)] = (segs, keys[o], arr[o, 1], arr[o, 2], span)
     _, keys, t0, l0, span = hit
-    probe = tok - 1 if stop else tok  # a stop belongs to its last token's segment, a start to its own
-    i = np.clip(np.searchsorted(keys, rank * span + probe, side="right") - 1, 0, len(keys) - 1)
-    return l0[i] + tok - t0[i]
+    tok = np.concatenate(bounds)
+    probe = tok - np.tile(np.repeat([0, 1], len(rank)), 2)  # a stop belongs to its last token's segment
+    i = np.clip(np.searchsorted(keys, np.tile(rank, 4) * span + probe, side="right") - 1, 0, len(keys) - 1)
+    return tuple(np.split(l0[i] + tok - t0[i], 4))
 
 
 def block_costs(a: np.ndarray, size: int, n: int, rates: CostRates, phase: Phase | str, groups: BlockGroups | None = None) -> BlockCosts:
@@ -382,7 +383,7 @@ def _local_rates_of(st: StagedBlocks, size: int, rates: CostRates, phase: Phase)
         return spp, fixed
     a = _arrays(locs)
     a[:, 1] = 0  # one stage: the merge and kernel totals per rank
-    bc = block_costs(a, size, 1, rates, phase)
+    bc = block_costs(a, size, 1, rates, phase, BlockGroups.of(a, size, 1))  # calls by global contiguity: launches are dropped below
     w = np.bincount(a[:, 0], weights=a[:, 6], minlength=size)
     has = w > 0
     spp[has] = bc.kernel[has, 0] / w[has]

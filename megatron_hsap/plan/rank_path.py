@@ -42,7 +42,9 @@ def pairs_of(rounds: np.ndarray, src: np.ndarray, dst: np.ndarray, size: int) ->
     (repeats and self-pairs dropped)."""
     rounds, src, dst = (np.asarray(x, dtype=np.int64) for x in (rounds, src, dst))
     keep = src != dst
-    key = np.unique(np.concatenate([(rounds * size + src) * size + dst, (rounds * size + dst) * size + src])[np.concatenate([keep, keep])])
+    one = np.unique((rounds[keep] * size + src[keep]) * size + dst[keep])  # few pairs from many transfers
+    k, a, b = one // (size * size), one // size % size, one % size
+    key = np.unique(np.concatenate([one, (k * size + b) * size + a]))
     return np.stack([key // (size * size), key // size % size, key % size], axis=1)
 
 
@@ -55,8 +57,9 @@ def stack(parts: list[tuple[np.ndarray, np.ndarray | None, np.ndarray, np.ndarra
     after = None if all(a is None for _, a, _, _ in parts) else np.concatenate(
         [np.zeros_like(c) if a is None else a for c, a, _, _ in parts])
     pairs = np.concatenate([p + np.array([0, o, o]) for (_, _, _, p), o in zip(parts, off)])
-    order = np.lexsort((pairs[:, 2], pairs[:, 1], pairs[:, 0]))
-    return comp, after, xfer, pairs[order]
+    # each part is sorted and its ranks lie above the previous part's: a stable sort by round alone
+    # keeps (round, r, p) order
+    return comp, after, xfer, pairs[np.argsort(pairs[:, 0], kind="stable")]
 
 
 def path_finish(comp: np.ndarray, after: np.ndarray | None, xfer: np.ndarray, pairs: np.ndarray, latency: float) -> np.ndarray:
