@@ -42,9 +42,15 @@ def pairs_of(rounds: np.ndarray, src: np.ndarray, dst: np.ndarray, size: int) ->
     (repeats and self-pairs dropped)."""
     rounds, src, dst = (np.asarray(x, dtype=np.int64) for x in (rounds, src, dst))
     keep = src != dst
-    one = np.unique((rounds[keep] * size + src[keep]) * size + dst[keep])  # few pairs from many transfers
-    k, a, b = one // (size * size), one // size % size, one % size
-    key = np.unique(np.concatenate([one, (k * size + b) * size + a]))
+    rounds, src, dst = rounds[keep], src[keep], dst[keep]
+    cells = (int(rounds.max()) + 1) * size * size if len(rounds) else 0
+    if cells <= 1 << 22:  # a flag per (round, r, p): no sort
+        flags = np.zeros(cells, dtype=bool)
+        flags[(rounds * size + src) * size + dst] = True
+        flags[(rounds * size + dst) * size + src] = True
+        key = np.flatnonzero(flags)
+    else:
+        key = np.unique(np.concatenate([(rounds * size + src) * size + dst, (rounds * size + dst) * size + src]))
     return np.stack([key // (size * size), key // size % size, key % size], axis=1)
 
 
