@@ -57,7 +57,10 @@ def test_bounds_below_estimate_and_quick_price_equals_phase_time(lengths, inter,
     cu = list(np.concatenate([[0], np.cumsum(lengths)]).astype(int))
     plan = compile_plan(cu, inter, num_heads=4, num_kv_heads=2, head_dim=16, layout=layout, pool_bytes=pool)
     c = plan.chosen
-    rates = CostRates.of(plan.shape, plan.hardware, plan.hardware.bandwidth(plan.link))
+    # the layout's segments, as the planner prices with them: local items fuse into one varlen call
+    # where their local rows run on (plan/calls.py)
+    segments = tuple(tuple((s.tokens.start, s.local_start) for s in segs) for segs in plan.layout.segments)
+    rates = CostRates.of(plan.shape, plan.hardware, plan.hardware.bandwidth(plan.link), segments=segments)
     latency = plan.hardware.latency(plan.link)
     f = phase_time(list(c.units), plan.raw_messages("fwd"), inter, rates.sec_fwd, rates.bw, latency, rates=rates, phase="fwd")
     b = phase_time(list(c.units), plan.raw_messages("bwd"), inter, rates.sec_bwd, rates.bw, latency, rates=rates, phase="bwd")
