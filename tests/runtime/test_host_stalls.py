@@ -227,8 +227,9 @@ def test_watchdog_prunes_completed_rounds_when_many_are_filed(monkeypatch):
 
 
 def test_watchdog_thread_sleeps_while_nothing_is_due():
-    dog = Watchdog(on_fire=lambda err, g: None)
-    far = time.perf_counter() + 3600.0
+    clock = _Clock()
+    dog = Watchdog(on_fire=lambda err, g: None, clock=clock)  # the thread sleeps an hour on it
+    far = clock.now + 3600.0
     for _ in range(20):
         dog.watch([_Work(True)], far, lambda: CommunicationError("never"))
     assert dog.wakeups == 0  # filing rounds with later deadlines never wakes the thread
