@@ -62,7 +62,7 @@ from megatron_hsap.plan.ir import Phase, Wire
 from megatron_hsap.plan.layout import normalize_cu_seqlens
 from megatron_hsap.plan.window import staircase_pairs
 
-__all__ = ["HIERARCHICAL", "price", "hybrid_stages", "window_size", "HYBRID_TOKENS_PER_RANK"]
+__all__ = ["HIERARCHICAL", "price", "hybrid_stages", "window_size", "te_a2a_pipeline", "HYBRID_TOKENS_PER_RANK"]
 
 HIERARCHICAL = ("te_a2a", "usp", "te_a2a_p2p", "loongtrain", "hybrid_cp")
 HYBRID_TOKENS_PER_RANK = 8192  # MagiAttention's hybrid_dcp.py: max_seqlen_per_rank = 8K
@@ -117,21 +117,25 @@ def _a2a_seconds(bytes_per_peer: float, u: int, hw: Hardware, link: LinkClass = 
     return (u - 1) * bytes_per_peer / hw.a2a_bandwidth(link) + hw.latency(link)
 
 
-def _te_a2a_pipeline_seconds(per_peer: list[float], u: int, hw: Hardware, link: LinkClass = LinkClass.NVLINK) -> float:
-    """One ``flash_attn_a2a_communicate`` call of Transformer Engine
-    (``transformer_engine/pytorch/attention/dot_product_attention/context_parallel.py``): the
-    tensors' all-to-alls back to back, the reorder (``movedim(...).contiguous()`` + ``index_select``,
-    one read + write of the tensor) of tensor i+1 before and of tensor i−1 after it running on
-    ``cp_stream`` while tensor i travels — first copy, then max(transfer, side copies) per tensor,
-    then the last copy: the software pipeline ``sim.methods._te_a2a`` executes."""
-    if u <= 1:
-        return 0.0
-    core = [_a2a_seconds(x, u, hw, link) for x in per_peer]
-    copy = [2.0 * x * u / hw.hbm_bw for x in per_peer]
-    t = copy[0] + copy[-1]
+def te_a2a_pipeline(core: list[float], copy: list[float]) -> float:
+    """Seconds of one ``flash_attn_a2a_communicate`` call of Transformer Engine
+    (``transformer_engine/pytorch/attention/dot_product_attention/context_parallel.py``) given each
+    tensor's all-to-all (``core``) and reorder copy (``copy``: ``movedim(...).contiguous()`` +
+    ``index_select``, one read + write of the tensor): the reorder of tensor i+1 before and of
+    tensor i−1 after it run on ``cp_stream`` while tensor i travels — first copy, then
+    max(transfer, side copies) per tensor, then the last copy. The one rule: the closed form
+    below and the simulator's ``sim.methods._te_a2a`` both call it."""
+    t = copy[0]
     for i, c in enumerate(core):
         t += max(c, (copy[i + 1] if i + 1 < len(core) else 0.0) + (copy[i - 1] if i > 0 else 0.0))
-    return t
+    return t + copy[-1]
+
+
+def _te_a2a_pipeline_seconds(per_peer: list[float], u: int, hw: Hardware, link: LinkClass = LinkClass.NVLINK) -> float:
+    """:func:`te_a2a_pipeline` of ``per_peer`` bytes over ``u`` ranks at the all-to-all rate."""
+    if u <= 1:
+        return 0.0
+    return te_a2a_pipeline([_a2a_seconds(x, u, hw, link) for x in per_peer], [2.0 * x * u / hw.hbm_bw for x in per_peer])
 
 
 def _a2a_phase(shape: HeadShape, u: int, local_tokens: float, hw: Hardware) -> tuple[float, float, float]:

@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from megatron_hsap.baselines.hierarchical import te_a2a_pipeline
 from megatron_hsap.plan.costs import HeadShape
 from megatron_hsap.plan.ir import Phase
 from megatron_hsap.plan.layout import normalize_cu_seqlens
@@ -253,11 +254,7 @@ def _te_a2a(cu: np.ndarray, cluster: Cluster, shape: HeadShape, phase: Phase) ->
         per_peer = [local * (h // P) * d * b for h, d in tensors]
         core = [cluster.all_to_all_time(ranks, x, copies=False) for x in per_peer]
         copy = [2 * x * P / hw.hbm_bw for x in per_peer]  # one read + write of the tensor
-        t = copy[0]
-        for i in range(len(core)):
-            side = (copy[i + 1] if i + 1 < len(core) else 0.0) + (copy[i - 1] if i > 0 else 0.0)
-            t += max(core[i], side)
-        return t + copy[-1]
+        return te_a2a_pipeline(core, copy)
 
     h, hkv, d, dv = shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.head_dim_v
     qkv, o = pipeline([(h, d), (hkv, d), (hkv, dv)]), pipeline([(h, dv)])
