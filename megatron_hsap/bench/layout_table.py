@@ -1,10 +1,10 @@
 """The side-by-side layout table of ``megatron-hsap plan-quality`` (issue 8 measures).
 
 For every grid point: the contiguous (paper) and balanced layouts' imbalance before any work
-moves (``owner``) and after the plan (``plan``), estimated time, compute efficiency (docs/design.md §4:
-compute bound / estimated time — the bound does not depend on the layout), the share of batches
-that are compute-dominated under the balanced layout and their compute efficiency (target ≥ 0.9
-on packed workloads), and the estimated-time ratios: forced balanced / contiguous (where it
+moves (``owner``) and after the plan (``plan``), estimated time, kernel efficiency (docs/design.md §4:
+every document whole at its own kernel rate, perfectly spread, no traffic / estimated time — the
+bound does not depend on the layout), the share of batches that are compute-dominated under the
+balanced layout and their kernel efficiency (target ≥ 0.9 on packed workloads), and the estimated-time ratios: forced balanced / contiguous (where it
 loses: > 1) and kept / contiguous (what ``layout="balanced"`` ships: never > 1).
 """
 
@@ -29,8 +29,8 @@ def layout_markdown(summary: dict[tuple, dict[tuple[str, str], tuple[float, floa
         return f"{fmt.format(med * scale)} ({fmt.format(worst * scale)})"
 
     head = ["workload", "T", "P", "link", "heads", "owner imb. contig.", "owner imb. bal.", "plan imb. contig.",
-            "plan imb. bal.", "est. ms contig.", "est. ms bal.", "comp. eff. contig.", "comp. eff. bal.",
-            "bal. compute-dominated", "comp. eff. bal. (dominated)", "bal. / contig.", "kept / contig.", "kept bal.", "target"]
+            "plan imb. bal.", "est. ms contig.", "est. ms bal.", "kernel eff. contig.", "kernel eff. bal.",
+            "bal. compute-dominated", "kernel eff. bal. (dominated)", "bal. / contig.", "kept / contig.", "kept bal.", "target"]
     lines = ["### Layouts: contiguous (paper) vs balanced (document-aware), median (worst) over the seeds", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     order = {w: i for i, w in enumerate(workloads)}
@@ -42,8 +42,8 @@ def layout_markdown(summary: dict[tuple, dict[tuple[str, str], tuple[float, floa
             continue
         w, T, P, link, heads = key
         target = "-"
-        if w != "full" and ("hsap-balanced", "dominated_compute_efficiency") in d:
-            ok = d[("hsap-balanced", "dominated_compute_efficiency")][1] >= TARGET_COMPUTE_EFFICIENCY
+        if w != "full" and ("hsap-balanced", "dominated_kernel_efficiency") in d:
+            ok = d[("hsap-balanced", "dominated_kernel_efficiency")][1] >= TARGET_COMPUTE_EFFICIENCY
             target = "met" if ok else "MISSED"
             met, missed = met + ok, missed + (not ok)
         if d[("hsap-kept", "balanced_over_contiguous")][0] > 1.005:  # beyond rounding
@@ -53,12 +53,12 @@ def layout_markdown(summary: dict[tuple, dict[tuple[str, str], tuple[float, floa
             cell(d, "hsap", "owner_imbalance", fmt="{:.2f}"), cell(d, "hsap-balanced", "owner_imbalance", fmt="{:.3f}"),
             cell(d, "hsap", "imbalance", fmt="{:.3f}"), cell(d, "hsap-balanced", "imbalance", fmt="{:.3f}"),
             cell(d, "hsap", "estimated_time", 1e3), cell(d, "hsap-balanced", "estimated_time", 1e3),
-            cell(d, "hsap", "compute_efficiency", fmt="{:.3f}"), cell(d, "hsap-balanced", "compute_efficiency", fmt="{:.3f}"),
+            cell(d, "hsap", "kernel_efficiency", fmt="{:.3f}"), cell(d, "hsap-balanced", "kernel_efficiency", fmt="{:.3f}"),
             f"{d[('hsap-balanced', 'compute_dominated')][0]:.0%}" if ("hsap-balanced", "compute_dominated") in d else "-",
-            cell(d, "hsap-balanced", "dominated_compute_efficiency", fmt="{:.3f}"),
+            cell(d, "hsap-balanced", "dominated_kernel_efficiency", fmt="{:.3f}"),
             cell(d, "hsap-kept", "balanced_over_contiguous", fmt="{:.2f}"), cell(d, "hsap-kept", "kept_over_contiguous", fmt="{:.2f}"),
             f"{d[('hsap-kept', 'balanced_kept')][0]:.0%}", target]) + " |")
-    lines += ["", f"Compute efficiency ≥ {TARGET_COMPUTE_EFFICIENCY} on compute-dominated batches of the packed workloads "
+    lines += ["", f"Kernel efficiency ≥ {TARGET_COMPUTE_EFFICIENCY} on compute-dominated batches of the packed workloads "
               f"(balanced, worst batch): met at {met} of {met + missed} points.",
               "Median balanced / contiguous > 1.005 (the fallback keeps contiguous there): "
               + ("; ".join(losses) if losses else "none") + "."]

@@ -41,6 +41,12 @@ _MIN_GAIN = 0.01  # a candidate whose lower bound is within 1% of the best estim
 # batches: 1% keeps every chosen plan no slower than owner-computes in simulation; 0 loses three
 # Table 4 batches by 0.1-0.3% (docs/design.md §4)
 _OWNER_MARGIN = 0.01
+# the balanced layout's code is not generated when its best staged price exceeds the contiguous
+# plan's exact time by more than this: a staged price is within ~1% of the built plan's time
+# (local blocks counted by budget), so such a layout would lose the comparison anyway. The one
+# document filling the batch at P_inter >= 16 loses by 1.1-3.4x and was where a compile took
+# minutes (pool-overflow rebuilds of a plan that was then dropped)
+_LAYOUT_PRUNE = 0.05
 
 
 def _best_staging(split: BlocksByRank, rates: CostRates, latency: float, budget: float, *, explore: bool = True) -> tuple[float, StagedBlocks]:
@@ -214,11 +220,16 @@ def _choose(priced: dict[str, tuple[float, BlocksByRank, StagedBlocks]], size: i
         _, split, st = priced["owner-computes"]
         oc_budget = budgets["owner-computes"]
         while oc_budget >= _MIN_STAGE_BUDGET:  # as above, until its slots fit the pool
-            oc, _, st, oc_budget = _build_or_halve("owner-computes", split, st, oc_budget, size, shape, capacity, rates, latency)
+            oc, t, st, oc_budget = _build_or_halve("owner-computes", split, st, oc_budget, size, shape, capacity, rates, latency)
             if oc is not None:
                 owner_time = oc.time
                 if oc.time <= best.time * (1 + _OWNER_MARGIN):
                     best = oc
+                break
+            if t >= best.time * (1 + _OWNER_RECHECK):
+                # restaged under a shrunk budget, owner-computes is no longer within the recheck's
+                # 5%: stop (each halving doubled its blocks; one 1M document spent ~40 s here)
+                owner_time = t
                 break
     return best, alternatives, owner_time
 
@@ -306,9 +317,12 @@ def _compile_uncached(cu: tuple[int, ...], opts: PlanOptions) -> Plan:
             return contiguous  # already within 1% of the compute bound: no layout can gain more
     # pairs of attention one token's kv costs to move (forward kv, backward kv and dkv back)
     token_cost = (2 * rates.kv + rates.dkv) / rates.bw / (rates.sec_fwd + rates.sec_bwd)
-    balanced = _compile_on(balanced_layout(batch, size, opts.intra_size, token_cost, opts.window), batch, shape, opts)
+    beat = contiguous.chosen.time if contiguous is not None else None
+    balanced = _compile_on(balanced_layout(batch, size, opts.intra_size, token_cost, opts.window), batch, shape, opts, beat)
     if contiguous is None:
         return balanced
+    if balanced is None:
+        return contiguous  # the balanced layout's best price is over 5% above the contiguous plan
     # The balanced layout must never lose to the paper's: on the batch where its split documents
     # cost more traffic than the balance saves, keep the contiguous layout (the plan carries its
     # layout, so batch sharding follows whichever was kept; stats().layout says which).
@@ -353,7 +367,10 @@ def _segments(layout: Layout) -> tuple[tuple[tuple[int, int], ...], ...]:
     return tuple(tuple((s.tokens.start, s.local_start) for s in segs) for segs in layout.segments)
 
 
-def _compile_on(layout: Layout, batch: Batch, shape: HeadShape, opts: PlanOptions) -> Plan:
+def _compile_on(layout: Layout, batch: Batch, shape: HeadShape, opts: PlanOptions, beat: float | None = None) -> Plan | None:
+    """The plan of ``batch`` on ``layout``; ``None`` when ``beat`` (another layout's estimated
+    seconds) is given and no candidate's staged price comes within ``_LAYOUT_PRUNE`` of it (no code
+    is generated then)."""
     size = opts.inter_size
     validate_layout(layout, batch.padded_tokens)
     hw = HARDWARE[opts.hardware]
@@ -369,6 +386,8 @@ def _compile_on(layout: Layout, batch: Batch, shape: HeadShape, opts: PlanOption
             placements[opts.placement] = placements["owner-computes"]
     budget = capacity * _BUDGET_FRACTION
     priced = _price(placements, size, rates, latency, budget, opts.placement)
+    if beat is not None and min(v[0] for v in priced.values()) > beat * (1 + _LAYOUT_PRUNE):
+        return None
     best, alternatives, owner_time = _choose(priced, size, shape, capacity, rates, latency, budget)
     if best is None:
         raise ConfigError(

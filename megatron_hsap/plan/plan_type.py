@@ -99,7 +99,7 @@ class Plan:
     work_units: tuple[WorkUnit, ...]
     chosen: ChosenCandidate
     alternatives: dict[str, float] = field(default_factory=dict)  # candidate name -> estimated time
-    owner_time: float = 0.0
+    owner_time: float = 0.0  # owner-computes' estimate: exact when it was built, else its last staged price
 
     # --- sizes -------------------------------------------------------------------------
     @property

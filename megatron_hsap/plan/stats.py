@@ -7,7 +7,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from megatron_hsap.plan.estimate import lower_bounds, necessary_traffic
+from megatron_hsap.plan.estimate import ideal_compute, lower_bounds, necessary_traffic
+from megatron_hsap.plan.placement import CostRates
 from megatron_hsap.plan.costs import FP32_BYTES, HeadShape
 from megatron_hsap.plan.ir import Compute, Wire
 from megatron_hsap.plan.options import kv_heads_per_rank
@@ -68,6 +69,10 @@ class PlanStats:
     lower_bound_s: float
     efficiency: float  # lower_bound_s / estimated_time_s
     compute_efficiency: float  # compute_bound_s / estimated_time_s
+    # every document whole at its own shape's kernel rate, perfectly spread, no traffic, no
+    # launches (estimate.ideal_compute: the layout rule's bound and issue 14's "ideal")
+    kernel_ideal_s: float
+    kernel_efficiency: float  # kernel_ideal_s / estimated_time_s
     compute_dominated: bool  # traffic bound at most half the compute bound
 
     def as_dict(self) -> dict[str, Any]:
@@ -88,6 +93,8 @@ def plan_stats(plan: "Plan") -> PlanStats:
     mean = total / size
     nec_f, nec_b = necessary_traffic(list(plan.work_units), plan.shape)
     bounds = lower_bounds(total, nec_f, nec_b, size, plan.shape, plan.hardware, plan.link)
+    rates = CostRates.of(plan.shape, plan.hardware, plan.hardware.bandwidth(plan.link))
+    ideal = ideal_compute(np.diff(plan.batch.doc_starts), plan.batch.doc_work(plan.options.window), size, rates)
     est = c.time
     owner_work = np.zeros(size, dtype=np.int64)
     for u in plan.work_units:
@@ -142,6 +149,8 @@ def plan_stats(plan: "Plan") -> PlanStats:
         lower_bound_s=bounds["bound_s"],
         efficiency=bounds["bound_s"] / est if est else 1.0,
         compute_efficiency=bounds["compute_s"] / est if est else 1.0,
+        kernel_ideal_s=ideal,
+        kernel_efficiency=ideal / est if est else 1.0,
         compute_dominated=bounds["traffic_s"] <= 0.5 * bounds["compute_s"],
     )
 
