@@ -24,7 +24,9 @@ from pathlib import Path
 import numpy as np
 
 from megatron_hsap.baselines.registry import REGISTRY
+from megatron_hsap.plan.hardware import LinkClass
 from megatron_hsap.plan.ir import Phase
+from megatron_hsap.sim.breakdown import TERMS, phase_breakdown
 from megatron_hsap.sim import paper
 from megatron_hsap.sim.config import sim_hardware
 from megatron_hsap.sim.methods import full_shape, ideal_seconds, run_method, useful_flops
@@ -62,7 +64,7 @@ def magi(out_dir: str | Path, *, quick: bool = False, seeds: int | None = None, 
     n_seeds = 1 if quick else (seeds or 10)
     n_tune = 1 if quick else 2
     rows: list[Row] = []
-    table, heads, notes = [], [], []
+    table, heads, notes, terms_tab = [], [], [], []
     series: dict[str, list[float]] = {"HSAP": [], "best baseline": [], "MagiAttention (published)": []}
     for P in progress(list(sizes), "magi"):
         T = TOKENS_PER_GPU * P
@@ -73,6 +75,7 @@ def magi(out_dir: str | Path, *, quick: bool = False, seeds: int | None = None, 
         tf: dict[str, dict[str, list[float]]] = {}
         used: dict[str, str] = {}  # topology each method actually ran (USP picks its own a2a degree)
         ideal = {Phase.FWD: [], Phase.BWD: []}
+        shares: dict[Phase, list[list[float]]] = {Phase.FWD: [], Phase.BWD: []}  # HSAP's breakdown per batch, % of the phase
         for seed, cu in enumerate(_batches(workload, T, n_seeds)):
             uf = useful_flops(cu, shape)
             for ph, mult in ((Phase.FWD, 1.0), (Phase.BWD, 2.5)):
@@ -90,6 +93,11 @@ def magi(out_dir: str | Path, *, quick: bool = False, seeds: int | None = None, 
                 used[m] = run.topology
                 for ph in Phase:
                     tf.setdefault(m, {Phase.FWD: [], Phase.BWD: []})[ph].append(run.tflops_per_gpu(ph))
+                    if m == "hsap":  # where the shipped plan's time goes (the critical rank; sim/breakdown.py)
+                        b = phase_breakdown(run, ph, ideal_seconds(cu, shape, hw, P, ph), hw.latency(LinkClass(link)))
+                        total = sum(b.values())
+                        shares[ph].append([100 * b[k] / total for k in TERMS])
+                        rows += [pt.row("hsap", f"{ph}_term_{k}", 1e3 * v, "ms") for k, v in b.items()]
         med = {m: {ph: float(np.mean(v)) for ph, v in d.items()} for m, d in tf.items()}
         ide = {ph: float(np.mean(v)) for ph, v in ideal.items()}
         errs = []
@@ -119,6 +127,8 @@ def magi(out_dir: str | Path, *, quick: bool = False, seeds: int | None = None, 
         table.append([P, "MagiAttention (its published figure)", "-", magi_f, magi_b, "published", ""])
         table.append([P, "ideal (FA3 per document / P)", "-", ide[Phase.FWD], ide[Phase.BWD], "", ""])
         for ph in Phase:
+            if shares[ph]:
+                terms_tab.append([P, topo["hsap"].topology, ph] + [float(x) for x in np.mean(shares[ph], axis=0)])
             name, best = best_document_aware(med, ph)
             h = med.get("hsap", {}).get(ph, float("nan"))
             pt = Point(workload, T, topo["hsap"].intra, topo["hsap"].inter, link, "64/8", "mean")
@@ -139,7 +149,10 @@ def magi(out_dir: str | Path, *, quick: bool = False, seeds: int | None = None, 
           markdown_table(["GPUs", "method", "topology", "fwd", "bwd", "published fwd (error)", "note"], table), "",
           "Headline — HSAP vs the best document-aware baseline and vs MagiAttention's own published figure:", "",
           markdown_table(["GPUs", "phase", "HSAP", "best baseline", "HSAP / best", "MagiAttention", "HSAP / Magi",
-                          "calibration error", ""], heads), "", *notes]
+                          "calibration error", ""], heads), "", *notes, "",
+          "Where HSAP's time goes (the shipped plan's critical rank, `sim/breakdown.py`; % of the phase, mean over the "
+          "batches; ideal = every document at FA3's rate for its shape, perfectly spread):", "",
+          markdown_table(["GPUs", "topology", "phase", *TERMS], terms_tab)]
     png = _plot(Path(out_dir) / "magi.png", [f"{P} GPUs" for P in sizes], series, "forward TFLOP/s per GPU",
                 "MagiAttention protocol: HSAP vs best baseline (simulated)")
     return Report("magi", rows, "\n".join(md), [png]).write(out_dir)
