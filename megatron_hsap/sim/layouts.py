@@ -38,7 +38,7 @@ from megatron_hsap.plan.ir import Phase
 from megatron_hsap.plan.workloads import pack_batches
 from megatron_hsap.sim.breakdown import TERMS, phase_breakdown
 from megatron_hsap.sim.config import SimHardware, sim_hardware, with_links
-from megatron_hsap.sim.methods import full_shape, ideal_seconds, run_method
+from megatron_hsap.sim.methods import full_shape, hsap_plan, ideal_seconds, run_method
 from megatron_hsap.sim.reproduce import Point, attempt, method_rows, progress
 from megatron_hsap.sim.results import Report, Row, markdown_table
 
@@ -61,7 +61,10 @@ def ib_hardware(name: str) -> SimHardware:
 def plan_options(layout: str) -> dict[str, Any]:
     """``compile_plan`` options of one layout over InfiniBand (``run_method`` passes ``hardware``);
     the layout is always explicit, whatever ``compile_plan``'s default is."""
-    base: dict[str, Any] = {"link": "ib", "gpus_per_node": 1, "layout": layout}
+    base: dict[str, Any] = {"link": "ib", "gpus_per_node": 1}
+    if layout == "default":  # what compile_plan ships: the balanced layout with its fallback
+        return base
+    base["layout"] = layout
     return {**base, "layout_fallback": False} if layout == "balanced" else base
 
 
@@ -78,24 +81,22 @@ class LayoutRun:
     terms: tuple[tuple[str, float], ...]  # breakdown.TERMS of the critical rank, fwd + bwd, seconds
     rows: tuple[Row, ...]
     error: str = ""
-    compute_bound_s: float = 0.0  # the kept-layout rule needs it (plan.kept_layout)
 
 
 @dataclass(frozen=True, slots=True)
 class LayoutPair:
     contiguous: LayoutRun
     balanced: LayoutRun
+    shipped: str = ""  # the layout compile_plan's default (balanced with its fallback) keeps on this batch
 
     @property
     def kept(self) -> LayoutRun | None:
-        """The plan ``layout="balanced"`` ships: balanced unless contiguous is estimated faster
-        (ties go to balanced, as in ``compile_plan``); None when either plan failed."""
-        from megatron_hsap.plan.plan import kept_layout
-
+        """The plan ``layout="balanced"`` ships — the planner's own choice (``shipped``), not a
+        second copy of its rule; None when either plan failed."""
         c, b = self.contiguous, self.balanced
-        if c.error or b.error:
+        if c.error or b.error or not self.shipped:
             return None
-        return b if kept_layout(c.estimate_s, b.estimate_s, c.compute_bound_s) == "balanced" else c
+        return b if self.shipped == "balanced" else c
 
 
 def _run_layout(cu: np.ndarray, hw: SimHardware, inter: int, layout: str, pt: Point) -> LayoutRun:
@@ -104,7 +105,7 @@ def _run_layout(cu: np.ndarray, hw: SimHardware, inter: int, layout: str, pt: Po
     method = f"hsap-{layout}"
     if run is None:
         nan = float("nan")
-        return LayoutRun(layout, nan, nan, nan, nan, nan, (), (pt.row(method, "error", err, "text"),), err, nan)
+        return LayoutRun(layout, nan, nan, nan, nan, nan, (), (pt.row(method, "error", err, "text"),), err)
     stats = run.extra["plan"]
     terms = dict.fromkeys(TERMS, 0.0)
     for ph in Phase:
@@ -114,7 +115,7 @@ def _run_layout(cu: np.ndarray, hw: SimHardware, inter: int, layout: str, pt: Po
         pt.row(method, "owner_imbalance", stats["owner_imbalance"], "ratio"),
         pt.row(method, "bytes_total", stats["bytes_total"], "bytes")]
     return LayoutRun(stats["layout"], run.seconds, stats["estimated_time_s"], stats["owner_imbalance"], stats["imbalance"],
-                     float(stats["bytes_total"]), tuple(terms.items()), tuple(rows), "", stats["compute_bound_s"])
+                     float(stats["bytes_total"]), tuple(terms.items()), tuple(rows), "")
 
 
 def compare_layouts(cu: np.ndarray, *, hw: SimHardware, inter: int, pt: Point | None = None) -> LayoutPair:
@@ -122,7 +123,10 @@ def compare_layouts(cu: np.ndarray, *, hw: SimHardware, inter: int, pt: Point | 
     ranks of ``hw`` (give it ``ib_hardware(...)`` for the issue's setting) with GQA 32/8, d 128."""
     cu = np.asarray(cu, dtype=np.int64)
     pt = pt or Point("custom", int(cu[-1]), 1, inter, f"ib-{hw.name}", "32/8", 0)
-    return LayoutPair(_run_layout(cu, hw, inter, "contiguous", pt), _run_layout(cu, hw, inter, "balanced", pt))
+    c, b = _run_layout(cu, hw, inter, "contiguous", pt), _run_layout(cu, hw, inter, "balanced", pt)
+    shipped = "" if c.error or b.error else hsap_plan(cu, hw=hw, intra=1, inter=inter, shape=SHAPE,
+                                                      plan_options=plan_options("default")).stats().layout
+    return LayoutPair(c, b, shipped)
 
 
 def _pair_rows(pt: Point, pair: LayoutPair) -> list[Row]:

@@ -38,7 +38,7 @@ from megatron_hsap.sim.cluster import Cluster
 from megatron_hsap.sim.engine import Timeline, Workload, simulate_on
 from megatron_hsap.sim.schedules import distflashattn_schedule, pad_lengths, ring_schedule, zigzag_steps
 
-__all__ = ["METHODS", "MethodRun", "PhaseRun", "run_method", "unavailable", "ideal_seconds", "useful_flops", "ulysses_degree"]
+__all__ = ["METHODS", "MethodRun", "PhaseRun", "run_method", "hsap_plan", "unavailable", "ideal_seconds", "useful_flops", "ulysses_degree"]
 
 METHODS = ("hsap", "te_thd_ring", "te_thd_ring_nopad", "te_a2a", "te_a2a_p2p", "usp", "allgather_kv", "allgather_kv_zigzag", "ulysses",
            "hybrid_cp", "loongtrain", "distflashattn", "blind_ring")
@@ -268,6 +268,17 @@ def _te_a2a(cu: np.ndarray, cluster: Cluster, shape: HeadShape, phase: Phase) ->
     return bld.build(), ranks
 
 
+def hsap_plan(cu: np.ndarray, *, hw: Any, intra: int, inter: int, shape: HeadShape, plan_options: dict | None = None) -> Any:
+    """The HSAP plan ``run_method("hsap", ...)`` simulates: ``compile_plan`` with the shipped
+    defaults (the balanced layout with its fallback) unless ``plan_options`` say otherwise — also
+    how a comparison of forced layouts learns which one the default would ship."""
+    from megatron_hsap.plan.plan import compile_plan
+
+    return compile_plan(cu, inter, intra, num_heads=shape.num_heads, num_kv_heads=shape.num_kv_heads,
+                        head_dim=shape.head_dim, dtype_bytes=shape.dtype_bytes,
+                        hardware=hw.name if hw.name in ("a100", "h100", "h100-fa3") else "a100", **dict(plan_options or {}))
+
+
 def run_method(method: str, cu_seqlens: object, *, hw: Any, intra: int, inter: int, shape: HeadShape,
                plan_options: dict[str, Any] | None = None, allgather_stride: int | None = None) -> MethodRun | None:
     """Simulate ``method`` forward and backward on ``cu_seqlens`` over ``intra × inter`` GPUs.
@@ -284,17 +295,13 @@ def run_method(method: str, cu_seqlens: object, *, hw: Any, intra: int, inter: i
     note = ""
     topo = f"{intra}x{inter}"
     if method == "hsap":
-        from megatron_hsap.plan.plan import compile_plan
         from megatron_hsap.sim.hsap import hsap_workload
 
         cluster = Cluster(hw=hw, intra_size=intra, inter_size=inter)
         t0 = time.perf_counter()
         # the shipped default layout (balanced) unless told otherwise; the paper's variant is
         # plan_options={"layout": "contiguous"}
-        opts = dict(plan_options or {})
-        plan = compile_plan(cu, inter, intra, num_heads=shape.num_heads, num_kv_heads=shape.num_kv_heads,
-                            head_dim=shape.head_dim, dtype_bytes=shape.dtype_bytes,
-                            hardware=hw.name if hw.name in ("a100", "h100", "h100-fa3") else "a100", **opts)
+        plan = hsap_plan(cu, hw=hw, intra=intra, inter=inter, shape=shape, plan_options=plan_options)
         extra["compile_s"] = time.perf_counter() - t0
         stats = plan.stats()
         keys = ("layout", "placement", "imbalance", "owner_imbalance", "bytes_total", "necessary_bytes", "rounds_fwd",

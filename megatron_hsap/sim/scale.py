@@ -21,11 +21,10 @@ from pathlib import Path
 
 from megatron_hsap.plan.hardware import LinkClass
 from megatron_hsap.plan.ir import Phase
-from megatron_hsap.plan.plan import kept_layout
 from megatron_hsap.plan.workloads import pack_batches
 from megatron_hsap.sim.breakdown import phase_breakdown
 from megatron_hsap.sim.config import sim_hardware
-from megatron_hsap.sim.methods import full_shape, ideal_seconds, run_method, useful_flops
+from megatron_hsap.sim.methods import full_shape, hsap_plan, ideal_seconds, run_method, useful_flops
 from megatron_hsap.sim.reproduce import Point, attempt, method_rows, progress
 from megatron_hsap.sim.results import Report, Row, markdown_table
 
@@ -71,7 +70,7 @@ def scale(out_dir: str | Path, *, quick: bool = False, seeds: int | None = None,
             rows += method_rows(pt, bal) + [pt.row("hsap-balanced", k, v, u) for k, v, u in (
                 ("bytes_over_necessary", bp["bytes_total"] / max(bp["necessary_bytes"], 1), "ratio"),
                 ("rounds_fwd", bp["rounds_fwd"], "rounds"), ("balanced_over_contiguous", bal.seconds / run.seconds, "ratio"))]
-            kept = kept_layout(plan["estimated_time_s"], bp["estimated_time_s"], plan["compute_bound_s"])
+            kept = hsap_plan(cu, hw=hw, intra=intra, inter=inter, shape=shape).stats().layout  # the planner's own choice
             cells = [bp["imbalance"], f"{bal.fwd.seconds * 1e3:.2f} / {bal.bwd.seconds * 1e3:.2f}",
                      f"{bal.tflops_per_gpu(Phase.FWD):.0f} / {bal.tflops_per_gpu(Phase.BWD):.0f}", f"{bal.seconds / run.seconds:.2f}×", kept]
         side.append([f"{T / M:g}M", plan["imbalance"], f"{run.fwd.seconds * 1e3:.2f} / {run.bwd.seconds * 1e3:.2f}",
