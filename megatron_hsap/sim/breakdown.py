@@ -21,7 +21,7 @@ import numpy as np
 
 from megatron_hsap.plan.ir import Phase
 
-__all__ = ["TERMS", "phase_breakdown"]
+__all__ = ["TERMS", "phase_breakdown", "run_terms", "LossTable"]
 
 TERMS = ("ideal", "kernel_efficiency", "imbalance", "merges", "all_to_all", "latency", "exposed_communication")
 
@@ -55,3 +55,49 @@ def phase_breakdown(run: object, phase: Phase | str, ideal_s: float, latency_s: 
     rest = float(tl.finish[k]) - sum(terms.values())
     terms["exposed_communication"] += rest  # any other span kind (none today); keeps the sum exact
     return terms
+
+
+def run_terms(run: object, cu: np.ndarray, shape: object, hw: object, P: int, latency_s: float) -> dict[str, float]:
+    """``phase_breakdown`` of ``run`` summed over forward and backward, in seconds (ideal: every
+    document at the kernel's rate for its shape over ``P`` GPUs, ``methods.ideal_seconds``)."""
+    from megatron_hsap.sim.methods import ideal_seconds
+
+    out = dict.fromkeys(TERMS, 0.0)
+    for ph in Phase:
+        for k, v in phase_breakdown(run, ph, ideal_seconds(cu, shape, hw, P, ph), latency_s).items():
+            out[k] += v
+    return out
+
+
+class LossTable:
+    """Where HSAP loses, as measured: for each point where HSAP's median is slower than a rival,
+    the mean over the point's batches of HSAP's breakdown terms minus the rival's (ms, fwd + bwd;
+    positive = HSAP spends more there), and the term that grows most — the miss's cause."""
+
+    def __init__(self) -> None:
+        self._acc: dict[tuple, list[dict[str, float]]] = {}
+        self.rows: list[list[object]] = []
+
+    def add(self, key: tuple, rival: str, hsap_terms: dict[str, float], rival_terms: dict[str, float]) -> None:
+        """One batch of point ``key`` against ``rival`` (terms from ``run_terms``)."""
+        self._acc.setdefault((key, rival), []).append({k: 1e3 * (hsap_terms[k] - rival_terms[k]) for k in TERMS})
+
+    def close(self, key: tuple, rival: str, label: str, ratio: float) -> None:
+        """Point ``key`` is done; keep its row when HSAP loses to ``rival`` (``ratio`` = rival
+        time / HSAP time < 1)."""
+        got = self._acc.pop((key, rival), [])
+        if not got or not ratio < 1:
+            return
+        mean = {k: float(np.mean([d[k] for d in got])) for k in TERMS}
+        worst = max(TERMS, key=mean.__getitem__)
+        self.rows.append([*key, label, f"{ratio:.2f}×", *[mean[k] for k in TERMS], worst])
+
+    def markdown(self, key_header: list[str]) -> list[str]:
+        """The table (``markdown_table``) with its caption; nothing when HSAP never loses."""
+        from megatron_hsap.sim.results import markdown_table
+
+        if not self.rows:
+            return []
+        return ["Where HSAP loses, measured (`sim/breakdown.py`: HSAP's terms minus the rival's on the critical rank, "
+                "ms forward + backward, mean over the point's batches; the last column is the term that grows most):", "",
+                markdown_table([*key_header, "rival", "rival / HSAP", *TERMS, "cause"], self.rows), ""]

@@ -16,9 +16,11 @@ from typing import Any, Callable
 
 import numpy as np
 
+from megatron_hsap.plan.hardware import LinkClass
 from megatron_hsap.plan.ir import Phase
 from megatron_hsap.plan.workloads import pack_batches
 from megatron_hsap.sim import paper
+from megatron_hsap.sim.breakdown import LossTable, run_terms
 from megatron_hsap.sim.config import sim_hardware
 from megatron_hsap.sim.methods import MethodRun, full_shape, run_method
 from megatron_hsap.sim.results import Report, Row, markdown_table
@@ -157,11 +159,13 @@ def table2(out_dir: str | Path, *, quick: bool = False, seeds: int | None = None
     errors: list[str] = []
     plot: dict[str, list[float]] = {}
     labels: list[str] = []
+    losses = LossTable()
     for wl in (workload, "full"):
         n_seeds = 1 if wl == "full" else len(_seeds(quick, seeds))
         for sp, T in progress(points, f"table2 {wl}"):
             t: dict[str, list[float]] = {}
             best_names: list[str] = []
+            kept: list[tuple[np.ndarray, dict[str, MethodRun | None]]] = []  # each seed's batch and runs, for the loss breakdown
             for seed in range(n_seeds):
                 cu = pack_batches(wl, T, 1, seed)[0]
                 pt = Point(wl, T, 1, sp, _link(sp), "16/16", seed)
@@ -181,8 +185,18 @@ def table2(out_dir: str | Path, *, quick: bool = False, seeds: int | None = None
                 assert best is not None  # the TE ring always runs
                 best_names.append(best[0])
                 t.setdefault("best", []).append(best[1].seconds * 1e3)
+                kept.append((cu, runs))
             med = {k: float(np.median(v)) for k, v in t.items()}
             bname = max(set(best_names), key=best_names.count)
+            key = (wl, sp, f"{T // 1024}K")
+            for rival, ratio in ((bname, med["best"] / med["hsap"]), ("distflashattn", med["distflashattn"] / med["hsap"])):
+                if ratio < 1:  # HSAP loses here: measure why, on every batch of the point
+                    for cu_s, runs_s in kept:
+                        if runs_s.get("hsap") is not None and runs_s.get(rival) is not None:
+                            lat = hw.latency(LinkClass(_link(sp)))
+                            losses.add(key, rival, run_terms(runs_s["hsap"], cu_s, shape, hw, sp, lat),
+                                       run_terms(runs_s[rival], cu_s, shape, hw, sp, lat))
+                    losses.close(key, rival, REGISTRY[rival].label, ratio)
             p_dfa, p_sap = paper.TABLE2[(sp, T)]
             mp = Point(wl, T, 1, sp, _link(sp), "16/16", "median")
             rows += [mp.row("hsap", "ratio_to_best_baseline", med["best"] / med["hsap"], "x"),
@@ -203,7 +217,8 @@ def table2(out_dir: str | Path, *, quick: bool = False, seeds: int | None = None
                           "DistFlashAttn ms (document-blind)", "SAP over DistFlashAttn", "paper SAP over DFA"], table), "",
           "DistFlashAttn is document-blind: on packed short documents it computes T²/Σl² more pairs, so the speed-up over "
           "it is mostly a workload effect; the `full` rows (one document) show the scheduling part alone. "
-          "Our SAP balances exact (q, k) pairs, the paper block counts (docs/design.md §2.1)."]
+          "Our SAP balances exact (q, k) pairs, the paper block counts (docs/design.md §2.1).", ""]
+    md += losses.markdown(["workload", "SP", "T"])
     md += [f"- {e}" for e in errors]
     png = _plot(Path(out_dir) / "table2.png", labels, plot, "speed-up of SAP (×)", "Table 2: SAP vs best baseline and vs DistFlashAttn")
     return Report("table2", rows, "\n".join(md), [png]).write(out_dir)
@@ -234,16 +249,19 @@ def table3(out_dir: str | Path, *, quick: bool = False, seeds: int | None = None
     series: dict[str, list[float]] = {}
     for wl in workloads:
         table = []
+        losses = LossTable()
         n_seeds = 1 if wl == "full" else len(_seeds(quick, seeds, "table3"))  # "full" has one batch per T
         for per_gpu, P in progress(points, f"table3 {wl}"):
             T = per_gpu * P
             tuned = tune_topology("hsap", sample_batches(wl, T, 1), hw=hw, P=P, shape=shape)
             times: dict[str, list[float]] = {}
+            kept: list[tuple[np.ndarray, dict[str, MethodRun | None]]] = []
             for seed in range(n_seeds):
                 cu = pack_batches(wl, T, 1, seed)[0]
                 runs: dict[str, MethodRun | None] = {m: run_method(m, cu, hw=hw, intra=1, inter=P, shape=shape)
                                                      for m in (*TABLE3_BASELINES, "distflashattn")}
                 runs["hsap"], err = attempt(run_method, "hsap", cu, hw=hw, intra=tuned.intra, inter=tuned.inter, shape=shape)
+                kept.append((cu, runs))
                 for name, run in runs.items():
                     if run is None:
                         continue
@@ -261,6 +279,13 @@ def table3(out_dir: str | Path, *, quick: bool = False, seeds: int | None = None
             h = med.get("hsap", float("nan"))
             mp = Point(wl, T, tuned.intra, tuned.inter, _link(P), "16/16", "median")
             rows += [mp.row("hsap", "ratio_to_best_baseline", aware[bname] / h, "x"), mp.row(bname, "best_baseline_time", aware[bname], "ms")]
+            if aware[bname] / h < 1:  # HSAP loses here: measure why
+                lat = hw.latency(LinkClass(_link(P)))
+                for cu_s, runs_s in kept:
+                    if runs_s.get("hsap") is not None and runs_s.get(bname) is not None:
+                        losses.add((f"{per_gpu // 1024}K", P), bname, run_terms(runs_s["hsap"], cu_s, shape, hw, P, lat),
+                                   run_terms(runs_s[bname], cu_s, shape, hw, P, lat))
+                losses.close((f"{per_gpu // 1024}K", P), bname, REGISTRY[bname].label, aware[bname] / h)
             uly = med.get("ulysses", "n/a (P > H)")
             table.append([f"{per_gpu // 1024}K", P, uly, med["distflashattn"], h, tuned.topology,
                           f"{REGISTRY[bname].label}: {aware[bname]:.1f}", f"{aware[bname] / h:.2f}×",
@@ -273,7 +298,7 @@ def table3(out_dir: str | Path, *, quick: bool = False, seeds: int | None = None
                f"`{wl}`, ms fwd + bwd, median of {n_seeds} seed(s); HSAP at one tuned topology per point)", "",
                markdown_table(["per GPU", "GPUs", "Ulysses", "DistFlashAttn (document-blind)", "HSAP", "HSAP topology (tuned)",
                                "best document-aware baseline", "HSAP speed-up over best", "paper Ulysses", "paper DFA", "paper HSAP"],
-                              table), ""]
+                              table), "", *losses.markdown(["per GPU", "GPUs"])]
     png = _plot(Path(out_dir) / "table3.png", labels, series, "ms (fwd+bwd)", "Table 3 (simulated)", log=True)
     return Report("table3", rows, "\n".join(md), [png]).write(out_dir)
 
