@@ -32,7 +32,7 @@ import numpy as np
 
 from megatron_hsap.argtypes import HelpFormatter, add_renamed, output_dir, positive_int
 from megatron_hsap.plan import clear_plan_cache, compile_plan
-from megatron_hsap.plan.plan import kept_layout
+from megatron_hsap.plan.plan import choose_layout
 from megatron_hsap.baselines.flat import BASELINES, price_baseline, unavailable_reason
 from megatron_hsap.baselines.registry import REGISTRY
 from megatron_hsap.plan.costs import HeadShape
@@ -159,7 +159,7 @@ def measure_point(pt: Point, hardware: str = "a100", layouts: tuple[str, ...] = 
                 add("hsap-balanced", "dominated_kernel_efficiency", b.kernel_efficiency)
             add("hsap-balanced", "bytes", b.bytes_total)
             add("hsap-balanced", "compile_time", bt)
-            choice = kept_layout(s.estimated_time_s, b.estimated_time_s, s.kernel_ideal_s)  # the planner's bound
+            choice = choose_layout(plan, bal, s.kernel_ideal_s).layout.name  # the planner's own rule
             kept = b.estimated_time_s if choice == "balanced" else s.estimated_time_s  # what layout="balanced" ships
             add("hsap-kept", "estimated_time", kept)
             add("hsap-kept", "compile_time", bt + dt)  # it compiles both layouts

@@ -26,7 +26,7 @@ from megatron_hsap.plan.rebalance import balance
 from megatron_hsap.plan.schedule import BlocksByRank, StageShape, StagedBlocks, StagingError, default_shape, stage, stage_shapes
 from megatron_hsap.plan.units import WorkUnit, build_units, clip_unit
 
-__all__ = ["Plan", "PlanOptions", "compile_plan", "clear_plan_cache", "kv_heads_per_rank", "kept_layout"]
+__all__ = ["Plan", "PlanOptions", "compile_plan", "choose_layout", "clear_plan_cache", "kv_heads_per_rank", "kept_layout"]
 
 
 _BUDGET_FRACTION = 0.45  # per-stage remote pool use: two stages' inputs and results live at once
@@ -323,6 +323,12 @@ def _compile_uncached(cu: tuple[int, ...], opts: PlanOptions) -> Plan:
         return balanced
     if balanced is None:
         return contiguous  # the balanced layout's best price is over 5% above the contiguous plan
+    return choose_layout(contiguous, balanced, bound)
+
+
+def choose_layout(contiguous: Plan, balanced: Plan, bound: float) -> Plan:
+    """The plan ``layout="balanced"`` with its fallback ships, of the two layouts' plans of one
+    batch (``bound``: ``estimate.ideal_compute`` of the batch, ``PlanStats.kernel_ideal_s``)."""
     # The balanced layout must never lose to the paper's: on the batch where its split documents
     # cost more traffic than the balance saves, keep the contiguous layout (the plan carries its
     # layout, so batch sharding follows whichever was kept; stats().layout says which).

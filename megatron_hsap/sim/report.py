@@ -243,6 +243,36 @@ def _validate(rows: list[dict[str, str]]) -> str:
     return markdown_table(["method", "fwd % sim / published", "fwd+bwd % sim / published", "within 15%"], tab)
 
 
+def _layout_measures(rows: list[dict[str, str]]) -> str:
+    """The layout grid of ``plan-quality`` (``results/plan_layouts.csv``) as one pivot: per
+    workload and T, per (P_inter, link), the median over seeds of the shipped plan's estimated time
+    over the contiguous plan's, its imbalance and its kernel efficiency (docs/design.md §4)."""
+    per: dict[tuple[str, ...], dict[str, dict[tuple[str, str], float]]] = defaultdict(lambda: defaultdict(dict))
+    for r in rows:
+        if r["source"] == "plan_quality" and r["seed"].isdigit():
+            per[(r["workload"], r["T"], r["heads"], r["P_inter"], r["link"])][r["seed"]][(r["method"], r["metric"])] = _f(r["value"])
+    order = {w: i for i, w in enumerate(("fineweb", "slimpajama", "ultrachat", "sharegpt", "full"))}
+    cols = sorted({(k[3], k[4]) for k in per}, key=lambda c: (int(c[0]), c[1] != "nvlink"))
+    cells: dict[tuple[str, str, str], dict[tuple[str, str], str]] = defaultdict(dict)
+    for (w, T, heads, P, link), seeds in per.items():
+        ratio, imb, eff = [], [], []
+        for d in seeds.values():
+            if ("hsap-kept", "balanced_kept") not in d:
+                continue
+            src = "hsap-balanced" if d[("hsap-kept", "balanced_kept")] else "hsap"
+            ratio.append(d[("hsap-kept", "kept_over_contiguous")])
+            imb.append(d[(src, "imbalance")])
+            eff.append(d[(src, "kernel_efficiency")])
+        if ratio:
+            cells[(w, T, heads)][(P, link)] = f"{np.median(ratio):.2f} · {np.median(imb):.2f} · {np.median(eff):.2f}"
+    tab = []
+    for w, T, heads in sorted(cells, key=lambda k: (order.get(k[0], 99), int(k[1]), k[2])):
+        t = int(T)
+        tab.append([w, f"{t >> 20}M" if t % (1 << 20) == 0 else f"{t >> 10}K", heads, *[cells[(w, T, heads)].get(c, "-") for c in cols]])
+    head = ["workload", "T", "heads", *[f"P {P} {'NVLink' if link == 'nvlink' else 'IB'}" for P, link in cols]]
+    return markdown_table(head, tab)
+
+
 REGIONS: dict[str, tuple[str, Callable[[list[dict[str, str]]], str]]] = {
     "calibration": ("calibrate.csv", _calibration),
     "magi": ("magi.csv", _magi),
@@ -250,6 +280,7 @@ REGIONS: dict[str, tuple[str, Callable[[list[dict[str, str]]], str]]] = {
     "table3": ("table3.csv", _table3),
     "validate": ("validate.csv", _validate),
     "table4": ("table4.csv", _table4),
+    "layout_measures": ("plan_layouts.csv", _layout_measures),
 }
 
 
