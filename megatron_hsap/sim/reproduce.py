@@ -187,7 +187,7 @@ def table2(out_dir: str | Path, *, quick: bool = False, seeds: int | None = None
                 t.setdefault("best", []).append(best[1].seconds * 1e3)
                 kept.append((cu, runs))
             med = {k: float(np.median(v)) for k, v in t.items()}
-            bname = max(set(best_names), key=best_names.count)
+            bname = max(sorted(set(best_names)), key=best_names.count)  # ties: by name, not by set order (hash seed)
             key = (wl, sp, f"{T // 1024}K")
             for rival, ratio in ((bname, med["best"] / med["hsap"]), ("distflashattn", med["distflashattn"] / med["hsap"])):
                 if ratio < 1:  # HSAP loses here: measure why, on every batch of the point
