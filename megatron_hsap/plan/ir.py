@@ -297,11 +297,18 @@ class Unit:
     rank: int
     stage: int = field(default=0)
     window: int = -1  # the plan's sliding window ``left`` (plan/window.py), -1: none
+    # ``work`` once computed (-1: not yet): the planner reads it ~4 times per block (cutting,
+    # staging, pricing); not part of the unit's identity (equality, hash, repr)
+    _work: int = field(default=-1, init=False, repr=False, compare=False)
 
     @property
     def work(self) -> int:
         """Unmasked (q, k) pairs (``plan/window.py``'s ``banded_pairs``)."""
-        return banded_pairs(self.q.start, self.q.stop, self.kv.start, self.kv.stop, self.window)
+        w = self._work
+        if w < 0:
+            w = banded_pairs(self.q.start, self.q.stop, self.kv.start, self.kv.stop, self.window)
+            object.__setattr__(self, "_work", w)  # a cache of a pure function of frozen fields
+        return w
 
     @property
     def is_local(self) -> bool:
