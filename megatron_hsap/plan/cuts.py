@@ -46,12 +46,8 @@ def split_cols(u: Unit, m: int) -> tuple[Unit, Unit]:
 
 
 def with_stage(u: Unit, stage: int) -> Unit:
-    # the constructor, not dataclasses.replace: called ~10^5 times per 1M-token compile; the same
-    # rows, so the same work (carried over when already computed)
-    v = Unit(u.doc, u.q, u.kv, u.causal, u.q_owner, u.kv_owner, u.rank, stage, u.window)
-    if u._work >= 0:
-        object.__setattr__(v, "_work", u._work)
-    return v
+    # not dataclasses.replace: called ~10^5 times per 1M-token compile (``Unit.at_stage``)
+    return u.at_stage(stage)
 
 
 def _part(u: Unit, q: TokenRange, kv: TokenRange, causal: bool) -> Unit | None:

@@ -22,6 +22,7 @@ the planner can price many candidate stagings and generate code for the winner o
 
 from __future__ import annotations
 
+import operator
 from array import array
 from dataclasses import dataclass
 
@@ -273,20 +274,21 @@ def phase_time(units: list[Unit], msgs: list[Message] | tuple[Message, ...], siz
     With ``rates`` (carrying the kernel model) compute is priced by block shape (``block_costs``);
     without it, ``work × sec_per_pair``."""
     phase = Phase(phase)
-    stages = 1 + max((u.stage for u in units), default=0)
-    grid = np.zeros((size, stages + 1))
+    a, groups = _rows_of(units, size, rates)
+    stages = 1 + int(a[:, 1].max(initial=0))
+    # pairs per [rank, stage]: ``np.bincount`` adds the blocks' (int) pairs to a float64 zero in
+    # block order, the same additions as a loop of ``grid[rank, stage] += work``
+    grid = np.bincount(a[:, 0] * (stages + 1) + a[:, 1], weights=a[:, 6], minlength=size * (stages + 1)).reshape(size, stages + 1)
     work = np.zeros(size, dtype=np.int64)
-    for u in units:
-        w = u.work
-        grid[u.rank, u.stage] += w
-        work[u.rank] += w
+    np.add.at(work, a[:, 0], a[:, 6])  # exact integers
     same = _same_node(rates, size) if rates is not None else None
     tr = message_traffic(msgs, size, stages + 1, same)
     sent, recv = tr.sent, tr.recv
     nvl = rates.nvl_bw if rates is not None else 0.0
     after = None
     if rates is not None and rates.kernel is not None:
-        comp, after, launch = _compute(units, grid, size, stages + 1, rates, phase, _both(sent), _both(recv))
+        comp, after, launch = _compute(units, grid, size, stages + 1, rates, phase, _both(sent), _both(recv), a,
+                                       groups(stages + 1) if len(a) else None)
     else:
         comp, launch = grid * sec_per_pair, 0.0
     total, lat = _total(comp, sent, recv, bw, latency, nvl, tr.pairs, after, exposed=True)
@@ -301,6 +303,28 @@ def phase_time(units: list[Unit], msgs: list[Message] | tuple[Message, ...], siz
         recv=_both(recv).sum(axis=1),
         launch=launch,
     )
+
+
+_ROWS_MEMO: list = []  # [(units as a tuple, rows, {n: BlockGroups})]: the last blocks ``phase_time`` priced
+
+
+def _rows_of(units, size: int, rates: CostRates | None):
+    """``(_arrays(units), groups(n))`` with ``groups(n) = BlockGroups.of(rows, size, n, rates)``,
+    memoised for the last blocks seen: the planner prices forward and backward of one block list
+    in turn (``phase_time`` twice), and both phases share rows and groups. The memo compares the
+    blocks themselves (identity, in order), so a list changed in between is never mistaken."""
+    hit = _ROWS_MEMO[0] if _ROWS_MEMO else None
+    if hit is None or hit[3] is not rates or hit[4] != size or len(hit[0]) != len(units) or not all(map(operator.is_, hit[0], units)):
+        hit = (tuple(units), _arrays(units), {}, rates, size)
+        _ROWS_MEMO[:] = [hit]
+    a, cache = hit[1], hit[2]
+
+    def groups(n: int) -> BlockGroups:
+        g = cache.get(n)
+        if g is None:
+            g = cache[n] = BlockGroups.of(a, size, n, rates)
+        return g
+    return a, groups
 
 
 def quick_price(units: list[Unit], size: int, rates: CostRates, latency: float) -> tuple[float, float]:
@@ -322,6 +346,19 @@ def quick_price(units: list[Unit], size: int, rates: CostRates, latency: float) 
 def price_staging(st: StagedBlocks, size: int, rates: CostRates, latency: float) -> float:
     """Forward + backward estimated seconds of a staging, its local blocks counted by budget
     (pouring them splits at row granularity, which moves a stage's work by at most one row)."""
+    # a staging priced again (``schedule.stage`` returns the same object for the same split and
+    # shape: the planner's quick price of a split's default shape, then its every-shape search)
+    key = ("price", id(st))
+    hit = st.memo.get(key) if st.memo is not None else None
+    if hit is not None and hit[0] is st and hit[1] is rates and hit[2] == (size, latency):
+        return hit[3]
+    t = _price_staging(st, size, rates, latency)
+    if st.memo is not None:
+        st.memo[key] = (st, rates, (size, latency), t)
+    return t
+
+
+def _price_staging(st: StagedBlocks, size: int, rates: CostRates, latency: float) -> float:
     n = st.stages + 1
     work = np.zeros((size, n))
     work[:, : st.stages] = st.remote_work + st.local_budget

@@ -140,7 +140,8 @@ class BlocksByRank:
     # staging memo, per split (so per compile and price set): (rank, budget) -> the rank's remote
     # blocks in ``_interleave`` order when no block needs 2-D tiles under that budget (the order
     # is then the same for every stage shape tried); ("cut", rank, middle stages, budget, level)
-    # -> ``_cut_remote``'s parts
+    # -> ``_cut_remote``'s parts; ("staged", shape, budget) -> (rates, ``stage``'s result); and
+    # ``estimate.price_staging``'s entries (through ``StagedBlocks.memo``)
     orders: dict = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
@@ -170,6 +171,19 @@ def stage(split: BlocksByRank, rates: CostRates, shape: StageShape, budget: floa
     size = split.size
     if shape.stages == 1 and any(split.remote):
         raise StagingError("one stage cannot hold blocks whose inputs travel")
+    # the planner stages a split's default shape twice (its quick price, then again among every
+    # shape): a pure function of these, and a StagedBlocks is never mutated, so the first is reused
+    key = ("staged", shape, budget)
+    hit = split.orders.get(key)
+    if hit is not None and hit[0] is rates:
+        return hit[1]
+    st = _stage(split, rates, shape, budget)
+    split.orders[key] = (rates, st)
+    return st
+
+
+def _stage(split: BlocksByRank, rates: CostRates, shape: StageShape, budget: float) -> StagedBlocks:
+    size = split.size
     n_mid = len(shape.middle)
     cuts: list[list[Unit]] = [[] for _ in range(size)]
     works: list[list[int]] = [[] for _ in range(size)]  # pairs of each part in ``cuts``
