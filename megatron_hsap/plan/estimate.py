@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import operator
 from array import array
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -136,6 +136,9 @@ class BlockGroups:
     again_q: np.ndarray
     home_k: np.ndarray
     again_k: np.ndarray
+    # what ``block_costs`` derives from these alone, the same in both phases (launch grids, index
+    # arrays): computed by the first phase priced, reused by the second
+    shared: dict = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def of(cls, a: np.ndarray, size: int, n: int, rates: CostRates | None = None) -> "BlockGroups":
@@ -198,40 +201,43 @@ def block_costs(a: np.ndarray, size: int, n: int, rates: CostRates, phase: Phase
     ``BlockGroups.of(a, size, n)`` when the caller prices both phases."""
     phase = Phase(phase)
     kern = np.zeros((size, n))
-    fixed = np.zeros((size, n))
     after = np.zeros((size, n))
-    launch = np.zeros(size)
     if len(a) == 0:
-        return BlockCosts(kern, fixed, launch, after)
+        return BlockCosts(kern, np.zeros((size, n)), np.zeros(size), after)
     g = BlockGroups.of(a, size, n, rates) if groups is None else groups
-    rank, stg, qa, qb, ka, kb, work, causal, qo, ko = a.T
-    nq, nk = qb - qa, kb - ka
     k = rates.kernel
     assert k is not None
+    got = g.shared.get((size, n, k.launch_s))
+    if got is None:  # phase-independent: launches (a zero grid plus them, as the phase would add) and indices
+        rank, stg, qa, qb, ka, kb, work, _causal, qo, ko = a.T
+        fixed0, launch0 = np.zeros((size, n)), np.zeros(size)
+        _acc(fixed0, g.gcell, k.launch_s)
+        _acc(launch0, g.gcell // n, k.launch_s)
+        away_q, away_k = ~g.home_q, ~g.home_k
+        nq, nk = qb - qa, kb - ka
+        got = g.shared[(size, n, k.launch_s)] = (
+            fixed0, launch0, nq, nk, work, np.maximum(work, 1).astype(np.float64),
+            g.cell[g.home_q], qo[away_q] * n + np.minimum(stg[away_q] + 1, n - 1), nq[away_q],
+            g.cell[g.home_k], ko[away_k] * n + np.minimum(stg[away_k] + 1, n - 1), nk[away_k])
+    fixed0, launch0, nq, nk, work, w, cell_hq, after_q, nq_away, cell_hk, after_k, nk_away = got
+    fixed, launch = fixed0.copy(), launch0.copy()
     fpp = rates.fpp_fwd if phase == Phase.FWD else rates.fpp_bwd
-    w = np.maximum(work, 1).astype(np.float64)
     secs = work * fpp / k.rate(nq, nk, phase, rates.group, w)
     cell = g.cell
     _acc(kern, cell, secs)
-    _acc(fixed, g.gcell, k.launch_s)
-    _acc(launch, g.gcell // n, k.launch_s)
     if phase != Phase.FWD and k.cta_s > 0:  # FA3's backward grid: ⌈max kv / 128⌉ × heads CTAs per block
         _acc(fixed, g.gcell, k.cta_s * np.ceil(g.maxk / 128.0) * rates.heads * g.count)
     if phase != Phase.FWD and k.gqa_dkv_accum and rates.group > 1:
         T = float(k.tile or 128)
         _acc(fixed, cell, np.ceil(nk / T) * rates.heads * T * rates.accum_row / rates.hbm_bw)
-    home_q = g.home_q
-    away_q = ~home_q
     if phase == Phase.FWD:  # o rows merged into the q owner's accumulator
-        _acc(fixed, cell[home_q], g.again_q * rates.merge_o)
-        _acc(after, qo[away_q] * n + np.minimum(stg[away_q] + 1, n - 1), nq[away_q] * rates.merge_o)
+        _acc(fixed, cell_hq, g.again_q * rates.merge_o)
+        _acc(after, after_q, nq_away * rates.merge_o)
     else:  # dq into the q owner's, dk/dv into the kv owner's fp32 gradients
-        _acc(fixed, cell[home_q], g.again_q * rates.merge_dq)
-        _acc(after, qo[away_q] * n + np.minimum(stg[away_q] + 1, n - 1), nq[away_q] * rates.merge_dq)
-        home_k = g.home_k
-        away_k = ~home_k
-        _acc(fixed, cell[home_k], g.again_k * rates.merge_dkv)
-        _acc(after, ko[away_k] * n + np.minimum(stg[away_k] + 1, n - 1), nk[away_k] * rates.merge_dkv)
+        _acc(fixed, cell_hq, g.again_q * rates.merge_dq)
+        _acc(after, after_q, nq_away * rates.merge_dq)
+        _acc(fixed, cell_hk, g.again_k * rates.merge_dkv)
+        _acc(after, after_k, nk_away * rates.merge_dkv)
     return BlockCosts(kern, fixed, launch, after)
 
 

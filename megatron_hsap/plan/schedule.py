@@ -215,9 +215,10 @@ def _stage(split: BlocksByRank, rates: CostRates, shape: StageShape, budget: flo
         if split.local[r]:
             budgets[r] = _water_fill(floor[r], weights, float(split.local_work[r]))
         if stages >= 3 and cuts[r]:
-            cuts[r] = _fill_last(cuts[r], floor[r], budgets[r], weights, rates, budget)
-            if split.local[r]:
+            filled = _fill_last(cuts[r], floor[r], budgets[r], weights, rates, budget)
+            if filled is not cuts[r] and split.local[r]:  # (the same list: ``floor`` unchanged, the same fill)
                 budgets[r] = _water_fill(floor[r], weights, float(split.local_work[r]))
+            cuts[r] = filled
         remote.extend(cuts[r])
     shared = all(c is m for c, m in zip(cuts, memoised))
     key = ("priced", stages, tuple(id(c) if c else 0 for c in memoised)) if shared else None
@@ -238,8 +239,9 @@ def _fill_last(parts: list[Unit], floor: np.ndarray, budgets: np.ndarray, weight
         return parts
     n_mid = len(mid)
     alpha = weights[last]
-    want = (alpha * mid.sum() / n_mid - load[last]) / (1 + alpha / n_mid)
-    if want <= 1e-3 * mid.mean():
+    total = mid.sum()
+    want = (alpha * total / n_mid - load[last]) / (1 + alpha / n_mid)
+    if want <= 1e-3 * (total / n_mid):  # ``mid.mean()``: the same sum over the same count, without its Python wrapper
         return parts
     fetched = [i for i, u in enumerate(parts) if 0 < u.stage < last and not u.causal and u.rank == u.q_owner != u.kv_owner]
     if not fetched:
@@ -272,6 +274,8 @@ def _fill_last(parts: list[Unit], floor: np.ndarray, budgets: np.ndarray, weight
         floor[last] += mw
         want -= mw
         room_b -= footprint(moved, rates)
+    if len(out) == len(parts):  # nothing moved: the same list (so stagings can still share its prices)
+        return parts
     return [u for u in out if u is not None]
 
 

@@ -84,8 +84,8 @@ def staged_traffic(a: np.ndarray, size: int, n: int, rates: CostRates) -> tuple[
         # an input is sent once per rank, stage and range
         order = np.lexsort((stop, start, o, k, r))
         first = np.ones(len(order), dtype=bool)
-        keys = (r, k, o, start, stop)
-        first[1:] = np.any([x[order][1:] != x[order][:-1] for x in keys], axis=0)
+        keys = np.stack((r, k, o, start, stop))[:, order]  # one gather, one comparison (not one per key)
+        first[1:] = (keys[:, 1:] != keys[:, :-1]).any(axis=0)
         once = order[first]
         src_in, dst_in = (base[once] + o[once]) * n + k_in[once], (base[once] + r[once]) * n + k_in[once]
         src_out, dst_out = (base + r) * n + k_out, (base + o) * n + k_out
