@@ -9,7 +9,7 @@ blocks are clipped to the band and those wholly outside it are empty too.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from megatron_hsap.plan.ir import TokenRange
 from megatron_hsap.plan.layout import Batch, Layout, segment_pieces
@@ -57,10 +57,17 @@ class WorkUnit:
     kv_owner: int
     pattern: str
     window: int = NO_WINDOW
+    # ``work`` once computed (-1: not yet): every placement start and rebalance reads it per block;
+    # not part of the unit's identity (equality, hash, repr)
+    _work: int = field(default=-1, init=False, repr=False, compare=False)
 
     @property
     def work(self) -> int:
-        return causal_work(self.q, self.kv, self.causal, self.window)
+        w = self._work
+        if w < 0:
+            w = causal_work(self.q, self.kv, self.causal, self.window)
+            object.__setattr__(self, "_work", w)  # a cache of a pure function of frozen fields
+        return w
 
 
 def pattern_of(q: TokenRange, kv: TokenRange, causal: bool, chunk: int) -> str:
