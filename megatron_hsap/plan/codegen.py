@@ -38,6 +38,9 @@ from megatron_hsap.plan.ir import (
     Unit,
     Wait,
     Wire,
+    new_recv,
+    new_send,
+    positional_builder,
 )
 
 __all__ = ["Message", "PoolOverflow", "generate", "ALIGN"]
@@ -60,6 +63,9 @@ class Message:
     tokens: TokenRange
     nbytes: int
     part: int = 0  # tells apart results of several blocks with the same rows (never merged in flight)
+
+
+_new_message = positional_builder(Message)  # ``Message(*fields)``, ~2x faster (``ir.positional_builder``)
 
 
 def wire_bytes(shape: HeadShape) -> dict[Wire, int]:
@@ -123,7 +129,7 @@ def _messages(units: list[Unit], phase: Phase, shape: HeadShape) -> tuple[list[M
         j = key[7]
         pos[j] = new
         w, toks = recs[j]
-        msgs.append(Message(key[0], key[1], key[2], w, toks, row_bytes[w] * (key[5] - key[4]), key[6]))
+        msgs.append(_new_message(key[0], key[1], key[2], w, toks, row_bytes[w] * (key[5] - key[4]), key[6]))
     inputs_of = [None if got is None else [-1 if j < 0 else pos[j] for j in got] for got in inputs_of]
     result_at = {key: pos[j] for key, j in result_rec}
     return msgs, inputs_of, result_at
@@ -247,8 +253,8 @@ def generate(units: list[Unit], phase: Phase, size: int, shape: HeadShape, capac
     for idx, m in enumerate(msgs):
         k = m.round
         dst = slot_of[idx]
-        ops[(m.src, k)].append(Send(m.wire, m.tokens, m.dst, m.nbytes, src_of_result.get(idx)))
-        ops[(m.dst, k)].append(Recv(m.wire, m.tokens, m.src, m.nbytes, dst))
+        ops[(m.src, k)].append(new_send(m.wire, m.tokens, m.dst, m.nbytes, src_of_result.get(idx)))
+        ops[(m.dst, k)].append(new_recv(m.wire, m.tokens, m.src, m.nbytes, dst))
         if m.wire is Wire.O:
             after[(m.dst, k)].append(Merge(m.tokens, dst, lse_of[(m.dst, k, m.src, m.tokens.start, m.tokens.stop, m.part)]))
         elif m.wire is Wire.DQ or m.wire is Wire.DKV:
