@@ -50,6 +50,7 @@ __all__ = [
     "positional_builder",
     "new_send",
     "new_recv",
+    "new_unit",
 ]
 
 
@@ -355,6 +356,7 @@ def positional_builder(cls: type) -> "Callable[..., Any]":
 
 new_send = positional_builder(Send)
 new_recv = positional_builder(Recv)
+new_unit = positional_builder(Unit)  # every field, ``_work`` last (-1: not computed)
 _new_unit = object.__new__
 (_set_doc, _set_q, _set_kv, _set_causal, _set_q_owner, _set_kv_owner, _set_rank, _set_stage, _set_window,
  _set_work) = (Unit.__dict__[f.name].__set__ for f in fields(Unit))

@@ -25,7 +25,7 @@ import numpy as np
 
 from megatron_hsap.plan.costs import HeadShape
 from megatron_hsap.plan.hardware import Hardware, KernelModel
-from megatron_hsap.plan.ir import TokenRange, Unit, Wire
+from megatron_hsap.plan.ir import TokenRange, Unit, Wire, new_unit
 from megatron_hsap.plan.units import WorkUnit, causal_work, clip_unit
 from megatron_hsap.plan.window import banded_pairs, staircase_pairs
 
@@ -345,7 +345,8 @@ def _normalise(u: WorkUnit, home: int, bands: list[Band]) -> tuple[int, list[Ban
 
 def _empty(name: str, units: list[WorkUnit], size: int, rates: CostRates, base: list[Unit] | None) -> Placement:
     if base is None:
-        base = [Unit(u.doc, u.q, u.kv, u.causal, u.q_owner, u.kv_owner, u.q_owner, window=u.window) for u in units]
+        # ``ir.new_unit``: the fast constructor, with the work unit's (equal) work carried over
+        base = [new_unit(u.doc, u.q, u.kv, u.causal, u.q_owner, u.kv_owner, u.q_owner, 0, u.window, u.work) for u in units]
     work = [0.0] * size
     for u in units:
         work[u.q_owner] += u.work

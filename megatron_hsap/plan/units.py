@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from megatron_hsap.plan.ir import TokenRange
+from megatron_hsap.plan.ir import TokenRange, positional_builder
 from megatron_hsap.plan.layout import Batch, Layout, segment_pieces
 from megatron_hsap.plan.window import NO_WINDOW, banded_pairs, clip_block
 
@@ -70,6 +70,9 @@ class WorkUnit:
         return w
 
 
+_new_work_unit = positional_builder(WorkUnit)  # every field, ``_work`` last: ~2x the keyword ``__init__``
+
+
 def pattern_of(q: TokenRange, kv: TokenRange, causal: bool, chunk: int) -> str:
     """The paper's A1–A5 names (Figure 3): A1 diagonal; cross blocks by whether the q rows / kv
     columns fill their whole chunk: A2 both, A3 rows whole (cross-up), A4 columns whole
@@ -101,19 +104,9 @@ def build_units(batch: Batch, layout: Layout, window: int = NO_WINDOW) -> tuple[
                 causal = kp is qp
                 if window >= 0 and qp.tokens.start - window >= kp.tokens.stop:
                     continue  # every key older than every row's window: an empty block
-                unit = clip_unit(
-                    WorkUnit(
-                        doc=doc,
-                        q=qp.tokens,
-                        kv=kp.tokens,
-                        causal=causal,
-                        q_owner=qp.owner,
-                        kv_owner=kp.owner,
-                        pattern=pattern_of(qp.tokens, kp.tokens, causal, chunk),
-                        window=window,
-                    ),
-                    window,
-                )
+                # ``_new_work_unit``: ``WorkUnit(doc, q, kv, causal, q_owner, kv_owner, pattern, window)``
+                unit = clip_unit(_new_work_unit(doc, qp.tokens, kp.tokens, causal, qp.owner, kp.owner,
+                                                pattern_of(qp.tokens, kp.tokens, causal, chunk), window, -1), window)
                 if unit is not None:
                     units.append(unit)
     return pieces, units
