@@ -60,10 +60,12 @@ def message_traffic(msgs, size: int, n: int, same: np.ndarray | None) -> Traffic
 
 def staged_traffic(a: np.ndarray, size: int, n: int, rates: CostRates) -> tuple[Traffic, Traffic]:
     """Forward and backward ``Traffic`` of staged remote blocks ``a`` (``estimate._arrays`` rows).
-    Bytes per token are integers, so the sums are exact in any order."""
+    Bytes per token are integers, so the sums are exact in any order: every row's bytes go into
+    one ``np.bincount`` (called per staging priced: the numpy calls, not the arithmetic, cost)."""
     same = same_node(rates, size)
     cells = 2 * size * n
-    t = np.zeros((4, cells))  # sent fwd, received fwd, sent bwd, received bwd; flat [link, rank, round]
+    idx: list[np.ndarray] = []  # flat [row, link, rank, round] of every byte count, rows: sent fwd,
+    wts: list[np.ndarray] = []  # received fwd, sent bwd, received bwd
     pairs: tuple[list[np.ndarray], list[np.ndarray]] = ([], [])  # fwd, bwd: (round, src, dst) columns
     rank, stg = a[:, 0], a[:, 1]
     # per side: (columns of the range and owner, input bytes fwd, input bytes bwd, result bytes fwd,
@@ -74,27 +76,27 @@ def staged_traffic(a: np.ndarray, size: int, n: int, rates: CostRates) -> tuple[
         away = np.nonzero(rank != a[:, oc])[0]
         if len(away) == 0:
             continue
-        r, k, o, start, stop = rank[away], stg[away], a[away, oc], a[away, lo], a[away, hi]
+        r, k, o, start, stop = a[away][:, (0, 1, oc, lo, hi)].T
         tokens = stop - start
-        link = same[r, o].astype(np.int64) if same is not None else np.zeros(len(away), dtype=np.int64)
-        base = link * size
+        base = same[r, o].astype(np.int64) * size if same is not None else 0
         k_in = np.mod(k - 1, n)  # the round before the stage (numpy's -1: the last round, as before)
         assert int(k.max()) + 1 < n, "a remote block's results return after the last round"
         k_out = k + 1
         # an input is sent once per rank, stage and range
         order = np.lexsort((stop, start, o, k, r))
-        first = np.ones(len(order), dtype=bool)
         keys = np.stack((r, k, o, start, stop))[:, order]  # one gather, one comparison (not one per key)
+        first = np.ones(len(order), dtype=bool)
         first[1:] = (keys[:, 1:] != keys[:, :-1]).any(axis=0)
         once = order[first]
-        src_in, dst_in = (base[once] + o[once]) * n + k_in[once], (base[once] + r[once]) * n + k_in[once]
+        src_in, dst_in = ((base + o) * n + k_in)[once], ((base + r) * n + k_in)[once]
         src_out, dst_out = (base + r) * n + k_out, (base + o) * n + k_out
-        for row, idx, per_token in ((0, src_in, f_in), (1, dst_in, f_in), (2, src_in, b_in), (3, dst_in, b_in)):
+        t_once = tokens[once]
+        for row, i, toks, per_token in ((0, src_in, t_once, f_in), (1, dst_in, t_once, f_in), (2, src_in, t_once, b_in),
+                                        (3, dst_in, t_once, b_in), (0, src_out, tokens, f_out), (1, dst_out, tokens, f_out),
+                                        (2, src_out, tokens, b_out), (3, dst_out, tokens, b_out)):
             if per_token:
-                t[row] += np.bincount(idx, weights=tokens[once] * per_token, minlength=cells)
-        for row, idx, per_token in ((0, src_out, f_out), (1, dst_out, f_out), (2, src_out, b_out), (3, dst_out, b_out)):
-            if per_token:
-                t[row] += np.bincount(idx, weights=tokens * per_token, minlength=cells)
+                idx.append(i + row * cells)
+                wts.append(toks * per_token)
         pair_in = np.stack([k_in[once], o[once], r[once]])
         pair_out = np.stack([k_out, r, o])
         for ph, (p_in, p_out) in enumerate(((f_in, f_out), (b_in, b_out))):
@@ -102,7 +104,10 @@ def staged_traffic(a: np.ndarray, size: int, n: int, rates: CostRates) -> tuple[
                 pairs[ph].append(pair_in)
             if p_out:
                 pairs[ph].append(pair_out)
-    t = t.reshape(4, 2, size, n)
+    if idx:
+        t = np.bincount(np.concatenate(idx), weights=np.concatenate(wts), minlength=4 * cells).reshape(4, 2, size, n)
+    else:
+        t = np.zeros((4, 2, size, n))
     if same is None:
         t = t[:, 0]
     out = []
