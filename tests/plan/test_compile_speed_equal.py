@@ -1,0 +1,177 @@
+"""The compile-time shortcuts (issue 14 item 5) change no number: each fast path equals the plain
+computation it replaced, exactly (``==`` on floats: the planner's choices compare these).
+
+References: the dataclass constructors and ``dataclasses.replace``; a per-block Python loop over
+the staged blocks for the bytes per rank and round (``traffic.staged_traffic``); freshly built
+groups and splits for the memoised ones (``BlockGroups.shared``, ``stage``/``price_staging``'s
+memo, ``phase_time``'s rows memo, ``_local_rates``). Plans of whole batches are covered by
+``tests/plan/plan_regression_cases.py --check`` (plan hashes of fixed batches)."""
+
+from __future__ import annotations
+
+from dataclasses import fields, replace
+
+import numpy as np
+import pytest
+
+from megatron_hsap.plan import clear_plan_cache, compile_plan
+from megatron_hsap.plan.estimate import (BlockGroups, _arrays, _local_rates_of, block_costs, phase_time, price_staging)
+from megatron_hsap.plan.hardware import LinkClass
+from megatron_hsap.plan.ir import Phase, Send, TokenRange, Unit, Wire, new_send, new_unit, positional_builder
+from megatron_hsap.plan.placement import CostRates
+from megatron_hsap.plan.plan import _link_of, _nodes, _segments, _BUDGET_FRACTION
+from megatron_hsap.plan.schedule import BlocksByRank, default_shape, stage, stage_shapes
+from megatron_hsap.plan.traffic import same_node, staged_traffic
+from megatron_hsap.plan.units import WorkUnit
+from megatron_hsap.plan.window import banded_pairs
+from megatron_hsap.plan.workloads import pack_batches
+
+SMALL = dict(num_heads=4, num_kv_heads=2, head_dim=16)
+
+
+def _plan_and_rates(workload: str, T: int, inter: int, seed: int, **kw):
+    clear_plan_cache()
+    cu = pack_batches(workload, T, seed + 1, 0)[seed]
+    plan = compile_plan(cu, inter, **SMALL, **kw)
+    hw, link = plan.hardware, plan.link
+    rates = CostRates.of(plan.shape, hw, hw.bandwidth(link), _nodes(plan.options) if link is LinkClass.INFINIBAND else (),
+                         _segments(plan.layout))
+    return plan, rates
+
+
+CASES = [("fineweb", 8192, 4, 0, {}), ("sharegpt", 8192, 16, 1, {}),  # 16 inter ranks: InfiniBand, 8 per node
+         ("ultrachat", 16384, 8, 2, {"layout": "contiguous"})]
+
+
+def test_unit_builders_equal_the_dataclass_constructors() -> None:
+    r = TokenRange
+    u = Unit(3, r(10, 20), r(0, 20), True, 1, 2, 0, 4, 7)
+    assert u.at_stage(5) == Unit(3, r(10, 20), r(0, 20), True, 1, 2, 0, 5, 7)
+    assert repr(u.at_stage(5)) == repr(replace(u, stage=5))
+    v = new_unit(3, r(10, 20), r(0, 20), True, 1, 2, 0, 4, 7, -1)
+    assert v == u and hash(v) == hash(u) and [getattr(v, f.name) for f in fields(Unit)] == [getattr(u, f.name) for f in fields(Unit)]
+    s = Send(Wire.KV, r(0, 8), 3, 512, None)
+    assert new_send(Wire.KV, r(0, 8), 3, 512, None) == s
+    with pytest.raises(AssertionError):
+        positional_builder(TokenRange)  # validates in __post_init__: no unchecked builder for it
+
+
+def test_cached_work_equals_banded_pairs_and_follows_replace() -> None:
+    r = TokenRange
+    for qs, qe, ks, ke, causal, left in [(10, 20, 0, 20, True, -1), (30, 40, 0, 12, False, -1), (50, 64, 20, 64, True, 9)]:
+        u = Unit(0, r(qs, qe), r(ks, ke), causal, 0, 1, 0, 0, left)
+        assert u.work == banded_pairs(qs, qe, ks, ke, left) == u.work  # computed, then cached
+        assert u.at_stage(3).work == u.work  # carried over: the same rows
+        w = replace(u, q=r(qs + 1, qe))  # new rows: the cache is not carried over
+        assert w.work == banded_pairs(qs + 1, qe, ks, ke, left)
+        wu = WorkUnit(0, r(qs, qe), r(ks, ke), causal, 0, 1, "A1", left)
+        assert wu.work == u.work and wu == replace(wu)
+
+
+def test_arrays_equals_the_tuple_construction() -> None:
+    plan, _ = _plan_and_rates("fineweb", 8192, 4, 0)
+    units = list(plan.chosen.units)
+    ref = np.array([(u.rank, u.stage, u.q.start, u.q.stop, u.kv.start, u.kv.stop, u.work, u.causal, u.q_owner, u.kv_owner)
+                    for u in units], dtype=np.int64)
+    a = _arrays(units)
+    assert a.dtype == np.int64 and a.flags.writeable and np.array_equal(a, ref)
+    assert _arrays([]).shape == (0, 10)
+
+
+def _traffic_by_loop(units, size: int, n: int, rates: CostRates):
+    """[4 rows: sent fwd, recv fwd, sent bwd, recv bwd][link][rank][round] bytes and each phase's
+    set of exchanging (round, r, p) both ways, one block at a time (inputs once per rank, stage
+    and range; results once per block)."""
+    same = same_node(rates, size)
+    t = np.zeros((4, 2, size, n))
+    pairs: list[set] = [set(), set()]
+    seen = set()
+    for u in units:
+        for owner, toks, f_in, b_in, f_out, b_out in ((u.q_owner, u.q, rates.q, rates.q_bwd, rates.o_lse, rates.dq),
+                                                      (u.kv_owner, u.kv, rates.kv, rates.kv, 0.0, rates.dkv)):
+            if owner == u.rank:
+                continue
+            link = int(same[u.rank, owner]) if same is not None else 0
+            nt = toks.stop - toks.start
+            k_in, k_out = (u.stage - 1) % n, u.stage + 1
+            key = (u.rank, u.stage, owner, toks.start, toks.stop)
+            moves = [] if key in seen else [(k_in, owner, u.rank, f_in, b_in)]
+            seen.add(key)
+            moves.append((k_out, u.rank, owner, f_out, b_out))
+            for k, src, dst, fb, bb in moves:
+                for ph, per in ((0, fb), (1, bb)):
+                    if per:
+                        t[2 * ph, link, src, k] += nt * per
+                        t[2 * ph + 1, link, dst, k] += nt * per
+                        pairs[ph] |= {(k, src, dst), (k, dst, src)}
+    return (t if same is not None else t[:, 0]), pairs
+
+
+@pytest.mark.parametrize("workload,T,inter,seed,kw", CASES)
+def test_staged_traffic_equals_a_loop_over_blocks(workload, T, inter, seed, kw) -> None:
+    plan, rates = _plan_and_rates(workload, T, inter, seed, **kw)
+    units = [u for u in plan.chosen.units if not u.is_local]
+    if not units:
+        pytest.skip("no remote block on this batch")
+    n = 2 + max(u.stage for u in units)
+    ref, ref_pairs = _traffic_by_loop(units, inter, n, rates)
+    for ph, tr in enumerate(staged_traffic(_arrays(units), inter, n, rates)):
+        assert np.array_equal(tr.sent, ref[2 * ph]) and np.array_equal(tr.recv, ref[2 * ph + 1])
+        assert set(map(tuple, tr.pairs.tolist())) == ref_pairs[ph]
+        assert list(map(tuple, tr.pairs.tolist())) == sorted(ref_pairs[ph])
+
+
+@pytest.mark.parametrize("workload,T,inter,seed,kw", CASES)
+def test_memoised_pricing_equals_fresh(workload, T, inter, seed, kw) -> None:
+    plan, rates = _plan_and_rates(workload, T, inter, seed, **kw)
+    units = list(plan.chosen.units)
+    a = _arrays(units)
+    n = 2 + int(a[:, 1].max())
+    # block costs: the second phase reuses the groups' shared launch grids and indices
+    g = BlockGroups.of(a, inter, n, rates)
+    for phase in (Phase.FWD, Phase.BWD, Phase.FWD):
+        got, fresh = block_costs(a, inter, n, rates, phase, g), block_costs(a, inter, n, rates, phase)
+        for x, y in zip((got.kernel, got.fixed, got.launch, got.after), (fresh.kernel, fresh.fixed, fresh.launch, fresh.after)):
+            assert np.array_equal(x, y)
+    assert len(g.shared) == 1
+    # phase_time: rows memoised for the last list, never reused for another one
+    msgs = plan.raw_messages("fwd")
+    first = phase_time(units, msgs, inter, rates.sec_fwd, rates.bw, plan.hardware.latency(plan.link), rates=rates, phase="fwd")
+    again = phase_time(list(units), msgs, inter, rates.sec_fwd, rates.bw, plan.hardware.latency(plan.link), rates=rates, phase="fwd")
+    assert first.total == again.total and np.array_equal(first.compute, again.compute) and np.array_equal(first.work, again.work)
+    moved = [u.at_stage(u.stage) for u in units[:-1]]  # another list (one block fewer): recomputed
+    other = phase_time(moved, msgs, inter, rates.sec_fwd, rates.bw, plan.hardware.latency(plan.link), rates=rates, phase="fwd")
+    assert other.work.sum() == first.work.sum() - units[-1].work
+    # stage and price_staging: the same object and price again; equal to a fresh split's
+    latency = plan.hardware.latency(plan.link)
+    budget = plan.pool_capacity * _BUDGET_FRACTION
+    placed = [u.at_stage(0) for u in units]
+    split = BlocksByRank.of(placed, inter)
+    for shp in stage_shapes(split, rates, budget):
+        try:
+            st = stage(split, rates, shp, budget)
+        except Exception:  # a shape that cannot hold the split: the planner skips it too
+            continue
+        assert stage(split, rates, shp, budget) is st
+        t = price_staging(st, inter, rates, latency)
+        assert price_staging(st, inter, rates, latency) == t
+        fresh_split = BlocksByRank.of(placed, inter)
+        assert price_staging(stage(fresh_split, rates, shp, budget), inter, rates, latency) == t
+    assert default_shape(stage_shapes(split, rates, budget)) in stage_shapes(split, rates, budget)
+
+
+def test_local_rates_of_both_phases_equal_one_phase_each() -> None:
+    plan, rates = _plan_and_rates("fineweb", 8192, 4, 0, layout="contiguous")
+    placed = [u.at_stage(0) for u in plan.chosen.units]
+    split = BlocksByRank.of(placed, 4)
+    st = stage(split, rates, default_shape(stage_shapes(split, rates, 1e12)), 1e12)
+    both = _local_rates_of(st, 4, rates)
+    locs = [u for loc in st.local for u in loc]
+    a = _arrays(locs)
+    a[:, 1] = 0
+    w = np.bincount(a[:, 0], weights=a[:, 6], minlength=4)
+    for phase in (Phase.FWD, Phase.BWD):
+        bc = block_costs(a, 4, 1, rates, phase, BlockGroups.of(a, 4, 1))
+        spp, fixed = both[phase]
+        has = w > 0
+        assert np.array_equal(spp[has], bc.kernel[has, 0] / w[has]) and np.array_equal(fixed, bc.fixed[:, 0] - bc.launch)
