@@ -59,7 +59,7 @@ def message_traffic(msgs, size: int, n: int, same: np.ndarray | None) -> Traffic
 
 
 def staged_traffic(a: np.ndarray, size: int, n: int, rates: CostRates) -> tuple[Traffic, Traffic]:
-    """Forward and backward ``Traffic`` of staged remote blocks ``a`` (``estimate._arrays`` rows).
+    """Forward and backward ``Traffic`` of staged remote blocks ``a`` (``block_costs._arrays`` rows).
     Bytes per token are integers, so the sums are exact in any order: every row's bytes go into
     one ``np.bincount`` (called per staging priced: the numpy calls, not the arithmetic, cost)."""
     same = same_node(rates, size)

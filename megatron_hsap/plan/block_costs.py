@@ -1,0 +1,206 @@
+"""What a staged block costs to compute, per ``[rank, stage]`` (docs/design.md §4): the kernel at
+its rate for the block's shape (``KernelModel``, ``plan/hardware.py``), a launch per varlen call
+(``plan/calls.py``'s grouping, in closed form), FA3's backward grid, GQA dK/dV atomics, and the
+LSE merges / fp32 accumulations of rows with more than one contribution. ``plan/estimate.py``
+turns these into phase times; split from it as its own concept (and to keep modules short).
+
+Blocks are ``_arrays`` rows (int64, one per block); every function here is numpy over them (they
+run per staging the planner prices)."""
+
+from __future__ import annotations
+
+from array import array
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from megatron_hsap.plan.ir import Phase
+from megatron_hsap.plan.placement import CostRates
+from megatron_hsap.plan.window import staircase_pairs
+
+__all__ = ["BlockCosts", "BlockGroups", "block_costs"]
+
+
+@dataclass(frozen=True, slots=True)
+class BlockCosts:
+    """Compute seconds per [rank, stage] of one phase: ``kernel`` (attention kernels, slowed
+    beside in-flight transfers) and ``fixed`` (launches, grid, local merges: not slowed);
+    ``after``: merges of the results another rank computed, received in that round (done after
+    its wait, ``codegen``'s ``Merge`` / ``Accumulate``); ``launch`` [P]: each rank's launch seconds."""
+
+    kernel: np.ndarray
+    fixed: np.ndarray
+    launch: np.ndarray
+    after: np.ndarray
+
+    def seconds(self, sent: np.ndarray, recv: np.ndarray, slowdown: float) -> np.ndarray:
+        if slowdown <= 0:
+            return self.kernel + self.fixed
+        return self.kernel * (1.0 + slowdown * ((sent > 0) | (recv > 0))) + self.fixed
+
+
+def _arrays(units) -> np.ndarray:
+    """[n, 10] int64: rank, stage, q.start, q.stop, kv.start, kv.stop, work, causal, q_owner, kv_owner
+    (work in closed form, docs/design.md §4, unless a sliding window bands the block)."""
+    if not units:
+        return np.zeros((0, 10), dtype=np.int64)
+    # one flat list of Python ints through ``array.array``: about half the time of ``np.array`` on a
+    # list of tuples (which discovers the nesting and dtype per element); called per staging priced
+    flat: list[int] = []
+    put = flat.extend
+    for u in units:
+        q, kv = u.q, u.kv
+        put((u.rank, u.stage, q.start, q.stop, kv.start, kv.stop, 0, u.causal, u.q_owner, u.kv_owner, u.window))
+    a = np.frombuffer(array("q", flat), dtype=np.int64).reshape(-1, 11).copy()
+    n = a[:, 3] - a[:, 2]
+    a[:, 6] = np.where(a[:, 7] == 1, staircase_pairs(n, a[:, 2] - a[:, 4] + 1), n * (a[:, 5] - a[:, 4]))
+    banded = np.nonzero(a[:, 10] >= 0)[0]
+    for i in banded:
+        a[i, 6] = units[i].work
+    return a[:, :10]
+
+
+def _rows_again(rank: np.ndarray, start: np.ndarray, stop: np.ndarray, span: int) -> np.ndarray:
+    """Per interval, rows already covered by an earlier interval of the same rank (intervals taken
+    in start order): the rows whose contribution is merged into an accumulator."""
+    n = len(rank)
+    if n == 0:
+        return np.zeros(0)
+    a = rank * span + start
+    b = rank * span + stop
+    order = np.lexsort((b, a))
+    a_s, b_s = a[order], b[order]
+    reach = np.maximum.accumulate(b_s)
+    prev = np.concatenate([[-1], reach[:-1]])  # keys are >= 0
+    again = np.clip(np.minimum(prev, b_s) - a_s, 0, None)
+    out = np.zeros(n)
+    out[order] = again
+    return out
+
+
+def _acc(grid: np.ndarray, idx: np.ndarray, vals) -> None:
+    """``grid.flat[idx] += vals`` with repeated indices summed (``np.bincount``: far faster than ``np.add.at``)."""
+    w = np.full(idx.shape, vals, dtype=np.float64) if np.ndim(vals) == 0 else vals
+    grid.reshape(-1)[:] += np.bincount(idx, weights=w, minlength=grid.size)
+
+
+@dataclass(frozen=True, slots=True)
+class BlockGroups:
+    """What ``block_costs`` needs of blocks ``a`` that does not depend on the phase (forward and
+    backward price the same blocks: ``price_staging`` and ``quick_price`` group them once):
+    each block's ``[rank, stage]`` cell, its varlen call (``inv`` into the calls, ``gcell`` each
+    call's cell), each call's longest kv block and block count, and the rows merged into an
+    accumulator already holding an earlier contribution (q rows on the q owner, kv rows on the kv
+    owner)."""
+
+    cell: np.ndarray
+    gcell: np.ndarray
+    maxk: np.ndarray
+    count: np.ndarray
+    home_q: np.ndarray
+    again_q: np.ndarray
+    home_k: np.ndarray
+    again_k: np.ndarray
+    # what ``block_costs`` derives from these alone, the same in both phases (launch grids, index
+    # arrays): computed by the first phase priced, reused by the second
+    shared: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @classmethod
+    def of(cls, a: np.ndarray, size: int, n: int, rates: CostRates | None = None) -> "BlockGroups":
+        rank, stg, qa, qb, ka, kb, _work, causal, qo, ko = a.T
+        cell = rank * n + stg
+        home_q = rank == qo
+        home_k = rank == ko
+        # the varlen calls of plan/calls.py, walking each stage's items in codegen's order (rank,
+        # stage, q home, q start, kv start): an item with a remote operand or result is a call of
+        # its own; consecutive local items with one causality fuse while their q and kv rows run
+        # on in the rank's local rows (``CostRates.segments``; without them, in global tokens)
+        order = np.lexsort((ka, qa, home_q, cell))
+        local = (home_q & home_k)[order]
+        c_o, cz, r_o = cell[order], causal[order], rank[order]
+        lq_a, lq_b, lk_a, lk_b = _local_rows(rates, r_o, (qa[order], qb[order], ka[order], kb[order]))
+        brk = np.ones(len(order), dtype=bool)
+        brk[1:] = ((c_o[1:] != c_o[:-1]) | ~local[1:] | ~local[:-1] | (cz[1:] != cz[:-1])
+                   | (lq_a[1:] != lq_b[:-1]) | (lk_a[1:] != lk_b[:-1]))
+        inv = np.empty(len(order), dtype=np.int64)
+        inv[order] = np.cumsum(brk) - 1
+        gcell = c_o[brk]
+        maxk = np.zeros(len(gcell))
+        np.maximum.at(maxk, inv, kb - ka)
+        span = int(max(qb.max(), kb.max())) + 1
+        return cls(cell, gcell, maxk, np.bincount(inv, minlength=len(gcell)),
+                   home_q, _rows_again(rank[home_q], qa[home_q], qb[home_q], span),
+                   home_k, _rows_again(rank[home_k], ka[home_k], kb[home_k], span))
+
+
+_SEG_MEMO: dict[int, tuple[object, np.ndarray, np.ndarray, np.ndarray, int]] = {}
+
+
+def _local_rows(rates: CostRates | None, rank: np.ndarray, bounds: tuple[np.ndarray, ...]) -> tuple[np.ndarray, ...]:
+    """Local rows on ``rank`` of the global token ranges ``(q start, q stop, kv start, kv stop)``
+    (a stop maps through the segment of its last token), from ``rates.segments``; the tokens
+    themselves without them or on a one-segment-per-rank layout. Only meaningful for blocks whose
+    rows the rank holds (local items)."""
+    segs = rates.segments if rates is not None else ()
+    if not segs or len(rank) == 0 or all(len(ss) == 1 for ss in segs):
+        return bounds
+    hit = _SEG_MEMO.get(id(segs))
+    if hit is None or hit[0] is not segs:
+        arr = np.array([(r, t, l) for r, ss in enumerate(segs) for t, l in ss], dtype=np.int64).reshape(-1, 3)
+        span = int(arr[:, 1].max(initial=0)) + (1 << 40)
+        keys = arr[:, 0] * span + arr[:, 1]
+        o = np.argsort(keys, kind="stable")
+        if len(_SEG_MEMO) >= 8:
+            _SEG_MEMO.clear()
+        hit = _SEG_MEMO[id(segs)] = (segs, keys[o], arr[o, 1], arr[o, 2], span)
+    _, keys, t0, l0, span = hit
+    tok = np.concatenate(bounds)
+    probe = tok - np.tile(np.repeat([0, 1], len(rank)), 2)  # a stop belongs to its last token's segment
+    i = np.clip(np.searchsorted(keys, np.tile(rank, 4) * span + probe, side="right") - 1, 0, len(keys) - 1)
+    return tuple(np.split(l0[i] + tok - t0[i], 4))
+
+
+def block_costs(a: np.ndarray, size: int, n: int, rates: CostRates, phase: Phase | str, groups: BlockGroups | None = None) -> BlockCosts:
+    """Price the blocks ``a`` (``_arrays`` rows) of one phase on a ``[size, n]`` grid (see the
+    module docstring; ``sim/hsap.py`` charges the same terms event by event); ``groups``:
+    ``BlockGroups.of(a, size, n)`` when the caller prices both phases."""
+    phase = Phase(phase)
+    kern = np.zeros((size, n))
+    after = np.zeros((size, n))
+    if len(a) == 0:
+        return BlockCosts(kern, np.zeros((size, n)), np.zeros(size), after)
+    g = BlockGroups.of(a, size, n, rates) if groups is None else groups
+    k = rates.kernel
+    assert k is not None
+    got = g.shared.get((size, n, k.launch_s))
+    if got is None:  # phase-independent: launches (a zero grid plus them, as the phase would add) and indices
+        rank, stg, qa, qb, ka, kb, work, _causal, qo, ko = a.T
+        fixed0, launch0 = np.zeros((size, n)), np.zeros(size)
+        _acc(fixed0, g.gcell, k.launch_s)
+        _acc(launch0, g.gcell // n, k.launch_s)
+        away_q, away_k = ~g.home_q, ~g.home_k
+        nq, nk = qb - qa, kb - ka
+        got = g.shared[(size, n, k.launch_s)] = (
+            fixed0, launch0, nq, nk, work, np.maximum(work, 1).astype(np.float64),
+            g.cell[g.home_q], qo[away_q] * n + np.minimum(stg[away_q] + 1, n - 1), nq[away_q],
+            g.cell[g.home_k], ko[away_k] * n + np.minimum(stg[away_k] + 1, n - 1), nk[away_k])
+    fixed0, launch0, nq, nk, work, w, cell_hq, after_q, nq_away, cell_hk, after_k, nk_away = got
+    fixed, launch = fixed0.copy(), launch0.copy()
+    fpp = rates.fpp_fwd if phase == Phase.FWD else rates.fpp_bwd
+    secs = work * fpp / k.rate(nq, nk, phase, rates.group, w)
+    cell = g.cell
+    _acc(kern, cell, secs)
+    if phase != Phase.FWD and k.cta_s > 0:  # FA3's backward grid: ⌈max kv / 128⌉ × heads CTAs per block
+        _acc(fixed, g.gcell, k.cta_s * np.ceil(g.maxk / 128.0) * rates.heads * g.count)
+    if phase != Phase.FWD and k.gqa_dkv_accum and rates.group > 1:
+        T = float(k.tile or 128)
+        _acc(fixed, cell, np.ceil(nk / T) * rates.heads * T * rates.accum_row / rates.hbm_bw)
+    if phase == Phase.FWD:  # o rows merged into the q owner's accumulator
+        _acc(fixed, cell_hq, g.again_q * rates.merge_o)
+        _acc(after, after_q, nq_away * rates.merge_o)
+    else:  # dq into the q owner's, dk/dv into the kv owner's fp32 gradients
+        _acc(fixed, cell_hq, g.again_q * rates.merge_dq)
+        _acc(after, after_q, nq_away * rates.merge_dq)
+        _acc(fixed, cell_hk, g.again_k * rates.merge_dkv)
+        _acc(after, after_k, nk_away * rates.merge_dkv)
+    return BlockCosts(kern, fixed, launch, after)
