@@ -343,7 +343,7 @@ def _cut_remote(split: BlocksByRank, r: int, n_mid: int, rates: CostRates, budge
         room_w = per * (k + 1) - placed_w if (k < n_mid - 1 or level is not None) else math.inf
         small = w <= 0.25 * per  # not worth a cut: place whole, later stages make up for it
         if (w <= room_w * 1.0001 + 1 or (small and room_w > 0.5 * w)) and fp <= budget - acc_b:
-            out.append(with_stage(u, k + 1))
+            out.append(u.at_stage(k + 1))
             works.append(w)
             placed_w += w
             acc_b += fp
@@ -374,7 +374,7 @@ def _fill_stages_by_budget(units: list[Unit], budgets: np.ndarray, min_rows: int
     """Local blocks into stages by cumulative work budgets, split by q rows at stage boundaries
     (never into a part thinner than ``min_rows``: the stage overfills or moves on instead)."""
     out: list[Unit] = []
-    cum = np.cumsum(budgets)
+    cum = np.cumsum(budgets).tolist()  # Python floats: the same values, without numpy scalar reads per block
     last = len(budgets) - 1
     k = 0
     poured = 0.0
@@ -385,7 +385,7 @@ def _fill_stages_by_budget(units: list[Unit], budgets: np.ndarray, min_rows: int
             k += 1
         w = u.work
         if k == last or poured + w <= cum[k] * (1 + 1e-9):
-            out.append(with_stage(u, k))
+            out.append(u.at_stage(k))
             poured += w
             continue
         room = cum[k] - poured
@@ -395,7 +395,7 @@ def _fill_stages_by_budget(units: list[Unit], budgets: np.ndarray, min_rows: int
             k += 1
             continue
         if n >= len(u.q) - min_rows:  # all but a sliver fits: overfill a little instead
-            out.append(with_stage(u, k))
+            out.append(u.at_stage(k))
             poured += w
             continue
         a, b = split_rows(u, u.q.start + n)
