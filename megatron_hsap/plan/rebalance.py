@@ -95,9 +95,11 @@ def balance(start: Placement, *, traffic_budget: float, allow_helpers: bool = Tr
     # local work (heads of blocks whose q and kv are the rank's own) each rank keeps in reserve:
     # without some, a rank idles in the first and last stages, which only local blocks may fill
     local = [0.0] * size
+    home = pl.home
     for i, u in enumerate(units):
-        if u.q_owner == u.kv_owner:
-            local[u.q_owner] += pl.rows_work(i, u.q.start, pl.home[i])
+        if u.q_owner == u.kv_owner:  # a whole head is the block's (cached) work: the same integer
+            h = home[i]
+            local[u.q_owner] += float(u.work) if h == u.q.stop else pl.rows_work(i, u.q.start, h)
     reserve = [min(_LOCAL_RESERVE * tau, w) for w in local]
     # a band under one row tile runs at rows/tile of the rate (flat prices: _MIN_BAND_ROWS)
     min_band = _MIN_BAND_ROWS if rates.kernel is None else rates.kernel.min_block_rows()

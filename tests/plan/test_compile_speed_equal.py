@@ -175,3 +175,16 @@ def test_local_rates_of_both_phases_equal_one_phase_each() -> None:
         spp, fixed = both[phase]
         has = w > 0
         assert np.array_equal(spp[has], bc.kernel[has, 0] / w[has]) and np.array_equal(fixed, bc.fixed[:, 0] - bc.launch)
+
+
+@pytest.mark.parametrize("window", [None, (700, 0)])
+def test_whole_head_rows_work_equals_the_cached_work(window) -> None:
+    """``rebalance.balance`` reads a whole head's pairs as the work unit's cached ``work``."""
+    from megatron_hsap.plan.placement import owner_computes
+
+    kw = {} if window is None else {"window_size": window}
+    plan, rates = _plan_and_rates("fineweb", 8192, 4, 0, **kw)
+    units = list(plan.work_units)
+    pl = owner_computes(units, 4, rates)
+    assert units and all(pl.rows_work(i, u.q.start, u.q.stop) == float(u.work) for i, u in enumerate(units))
+    assert any(u.window >= 0 for u in units) == (window is not None)
