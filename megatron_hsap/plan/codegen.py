@@ -38,6 +38,7 @@ from megatron_hsap.plan.ir import (
     Unit,
     Wait,
     Wire,
+    new_compute_item,
     new_recv,
     new_send,
     positional_builder,
@@ -238,11 +239,11 @@ def generate(units: list[Unit], phase: Phase, size: int, shape: HeadShape, capac
             its = items[rk] = []
         got = inputs_of[i]
         if got is None:  # local: every input and result in the rank's own tensors
-            its.append(ComputeItem(u.q, u.kv, u.causal, local_srcs, local_dsts, u.window))
+            its.append(new_compute_item(u.q, u.kv, u.causal, local_srcs, local_dsts, u.window))
             continue
         srcs = tuple([(w, None if j < 0 else slot_of[j]) for w, j in zip(in_wires, got)])
         dsts = tuple([(w, slot_of[out_at[(i, w)]] if (i, w) in out_at else None) for w in results])
-        its.append(ComputeItem(u.q, u.kv, u.causal, srcs, dsts, u.window))
+        its.append(new_compute_item(u.q, u.kv, u.causal, srcs, dsts, u.window))
     src_of_result = {result_at[key]: slot_of[out_key] for key, out_key in out_at.items()}
     ops: dict[tuple[int, int], list[Send | Recv]] = defaultdict(list)
     after: dict[tuple[int, int], list[Instr]] = defaultdict(list)

@@ -51,6 +51,7 @@ __all__ = [
     "new_send",
     "new_recv",
     "new_unit",
+    "new_compute_item",
 ]
 
 
@@ -339,15 +340,16 @@ class Unit:
 
 
 def positional_builder(cls: type) -> "Callable[..., Any]":
-    """A function building ``cls`` (a frozen, slotted dataclass without ``__post_init__``) from
-    every field's value in order, through the slots' setters: the dataclass ``__init__`` calls
-    ``object.__setattr__`` by name per field, ~2x the time. For the code generator's hottest
-    constructions (~10^4 messages and ops per 1M-token compile); equal objects either way
-    (tests/plan/test_compile_speed_equal.py)."""
-    assert "__slots__" in cls.__dict__ and not hasattr(cls, "__post_init__"), cls
+    """A function building ``cls`` (a frozen, slotted dataclass) from every field's value in
+    order, through the slots' setters, then its ``__post_init__`` checks if it has them: the
+    dataclass ``__init__`` calls ``object.__setattr__`` by name per field, ~2x the time. For the
+    planner's hottest constructions (~10^4 blocks, messages and ops per 1M-token compile); equal
+    objects either way (tests/plan/test_compile_speed_equal.py)."""
+    assert "__slots__" in cls.__dict__, cls
     names = [f.name for f in fields(cls)]
-    env = {"new": object.__new__, "cls": cls, **{f"set_{n}": cls.__dict__[n].__set__ for n in names}}
-    body = "".join(f"    set_{n}(v, {n})\n" for n in names)
+    env = {"new": object.__new__, "cls": cls, "check": getattr(cls, "__post_init__", None),
+           **{f"set_{n}": cls.__dict__[n].__set__ for n in names}}
+    body = "".join(f"    set_{n}(v, {n})\n" for n in names) + ("    check(v)\n" if env["check"] else "")
     exec(f"def build({', '.join(names)}):\n    v = new(cls)\n{body}    return v\n", env)  # unrolled: no loop per field
     build = env["build"]
     build.__doc__ = f"``{cls.__name__}(*fields)`` (``ir.positional_builder``)"
@@ -357,6 +359,7 @@ def positional_builder(cls: type) -> "Callable[..., Any]":
 new_send = positional_builder(Send)
 new_recv = positional_builder(Recv)
 new_unit = positional_builder(Unit)  # every field, ``_work`` last (-1: not computed)
+new_compute_item = positional_builder(ComputeItem)  # validated like ``ComputeItem(...)``
 _new_unit = object.__new__
 (_set_doc, _set_q, _set_kv, _set_causal, _set_q_owner, _set_kv_owner, _set_rank, _set_stage, _set_window,
  _set_work) = (Unit.__dict__[f.name].__set__ for f in fields(Unit))

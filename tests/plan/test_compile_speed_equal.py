@@ -17,7 +17,8 @@ import pytest
 from megatron_hsap.plan import clear_plan_cache, compile_plan
 from megatron_hsap.plan.estimate import (BlockGroups, _arrays, _local_rates_of, block_costs, phase_time, price_staging)
 from megatron_hsap.plan.hardware import LinkClass
-from megatron_hsap.plan.ir import Phase, Send, TokenRange, Unit, Wire, new_send, new_unit, positional_builder
+from megatron_hsap.plan.ir import (ComputeItem, Phase, Send, TokenRange, Unit, Wire, new_compute_item, new_send, new_unit,
+                                   positional_builder)
 from megatron_hsap.plan.placement import CostRates
 from megatron_hsap.plan.plan import _link_of, _nodes, _segments, _BUDGET_FRACTION
 from megatron_hsap.plan.schedule import BlocksByRank, default_shape, stage, stage_shapes
@@ -52,8 +53,14 @@ def test_unit_builders_equal_the_dataclass_constructors() -> None:
     assert v == u and hash(v) == hash(u) and [getattr(v, f.name) for f in fields(Unit)] == [getattr(u, f.name) for f in fields(Unit)]
     s = Send(Wire.KV, r(0, 8), 3, 512, None)
     assert new_send(Wire.KV, r(0, 8), 3, 512, None) == s
-    with pytest.raises(AssertionError):
-        positional_builder(TokenRange)  # validates in __post_init__: no unchecked builder for it
+    new_range = positional_builder(TokenRange)
+    assert new_range(3, 9) == TokenRange(3, 9)
+    with pytest.raises(ValueError):  # the builder still runs the class' __post_init__ checks
+        new_range(9, 3)
+    item = new_compute_item(r(10, 20), r(0, 20), True, ((Wire.Q, None),), ((Wire.O, None),), -1)
+    assert item == ComputeItem(r(10, 20), r(0, 20), True, ((Wire.Q, None),), ((Wire.O, None),), -1)
+    with pytest.raises(ValueError):
+        new_compute_item(r(10, 20), r(0, 30), True, (), (), -1)  # causal needs kv.stop == q.stop
 
 
 def test_cached_work_equals_banded_pairs_and_follows_replace() -> None:
