@@ -44,7 +44,7 @@ _OWNER_MARGIN = 0.01
 # the balanced layout's code is not generated when its best staged price exceeds the contiguous
 # plan's exact time by more than this: a staged price is within ~1% of the built plan's time
 # (local blocks counted by budget), so such a layout would lose the comparison anyway. The one
-# document filling the batch at P_inter >= 16 loses by 1.1-3.4x and was where a compile took
+# document filling the batch at P_inter >= 16 loses by 1.02-3.4x and was where a compile took
 # minutes (pool-overflow rebuilds of a plan that was then dropped)
 _LAYOUT_PRUNE = 0.05
 
@@ -228,7 +228,7 @@ def _choose(priced: dict[str, tuple[float, BlocksByRank, StagedBlocks]], size: i
                 break
             if t >= best.time * (1 + _OWNER_RECHECK):
                 # restaged under a shrunk budget, owner-computes is no longer within the recheck's
-                # 5%: stop (each halving doubled its blocks; one 1M document spent ~40 s here)
+                # 5%: stop (each shrink cuts more blocks; one 1M document spent ~40 s here)
                 owner_time = t
                 break
     return best, alternatives, owner_time
