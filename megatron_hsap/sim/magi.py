@@ -78,8 +78,9 @@ def magi(out_dir: str | Path, *, quick: bool = False, seeds: int | None = None, 
         shares: dict[Phase, list[list[float]]] = {Phase.FWD: [], Phase.BWD: []}  # HSAP's breakdown per batch, % of the phase
         for seed, cu in enumerate(_batches(workload, T, n_seeds)):
             uf = useful_flops(cu, shape)
+            ideal_s = {ph: ideal_seconds(cu, shape, hw, P, ph) for ph in Phase}  # the TFLOP/s ideal and the breakdown's
             for ph, mult in ((Phase.FWD, 1.0), (Phase.BWD, 2.5)):
-                ideal[ph].append(mult * uf / ideal_seconds(cu, shape, hw, P, ph) / P / 1e12)
+                ideal[ph].append(mult * uf / ideal_s[ph] / P / 1e12)
             for m in ("hsap", "hsap_contiguous", *BASELINES):
                 t = topo.get(m)
                 intra, inter = (t.intra, t.inter) if t else (1, P)
@@ -94,7 +95,7 @@ def magi(out_dir: str | Path, *, quick: bool = False, seeds: int | None = None, 
                 for ph in Phase:
                     tf.setdefault(m, {Phase.FWD: [], Phase.BWD: []})[ph].append(run.tflops_per_gpu(ph))
                     if m == "hsap":  # where the shipped plan's time goes (the critical rank; sim/breakdown.py)
-                        b = phase_breakdown(run, ph, ideal_seconds(cu, shape, hw, P, ph), hw.latency(LinkClass(link)))
+                        b = phase_breakdown(run, ph, ideal_s[ph], hw.latency(LinkClass(link)))
                         total = sum(b.values())
                         shares[ph].append([100 * b[k] / total for k in TERMS])
                         rows += [pt.row("hsap", f"{ph}_term_{k}", 1e3 * v, "ms") for k, v in b.items()]
