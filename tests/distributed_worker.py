@@ -13,6 +13,7 @@ import os
 import pickle
 import signal
 import sys
+import time
 import traceback
 from typing import Any
 
@@ -58,12 +59,14 @@ def _live_groups() -> set[Any]:
     return set(distributed_c10d._world.pg_map)
 
 
-def _cleanup_after_case(default_dtype: Any, grad_enabled: bool, groups_before: set[Any]) -> None:
+def _cleanup_after_case(case_id: int, default_dtype: Any, grad_enabled: bool, groups_before: set[Any]) -> None:
     """Undo global state a case may leave behind, so cases cannot leak into each other.
 
     Megatron's ``destroy_model_parallel`` forgets its groups without destroying them; each
     ``initialize_model_parallel`` at world 4 would leak ~100 sockets per rank, so groups a case
-    created (other than ``cached_group``'s) are destroyed here.
+    created (other than ``cached_group``'s) are destroyed here — once every rank has finished the
+    case: gloo connects a new group eagerly, and a rank destroying it while a slower peer is still
+    in ``new_group`` makes that peer fail ("connection closed by peer").
     """
     import torch
     import torch.distributed as dist
@@ -74,8 +77,25 @@ def _cleanup_after_case(default_dtype: Any, grad_enabled: bool, groups_before: s
     if ps is not None and ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     keep = groups_before | set(_GROUPS.values())
-    for group in _live_groups() - keep:
+    doomed = _live_groups() - keep
+    # every rank waits, even one holding none of the groups (a group of a subset of the ranks)
+    _store_barrier(f"hsap_pool_cleanup/{case_id}")
+    for group in doomed:
         dist.destroy_process_group(group)
+
+
+def _store_barrier(key: str, timeout_s: float = 120.0) -> None:
+    """Wait until every rank has reached ``key``, through the rendezvous store rather than gloo
+    (a case may leave its groups unusable). A peer stuck past ``timeout_s`` is the parent's to
+    diagnose (it times the case out and respawns the pool), so this gives up quietly."""
+    import torch.distributed as dist
+
+    store = dist.distributed_c10d._get_default_store()
+    world = dist.get_world_size()
+    store.add(key, 1)
+    deadline = time.monotonic() + timeout_s
+    while store.add(key, 0) < world and time.monotonic() < deadline:
+        time.sleep(0.002)
 
 
 def _worker_main(
@@ -130,7 +150,7 @@ def _worker_main(
                     f"(return plain data or detached tensors): {type(exc).__name__}: {exc}\n",
                 )
         try:
-            _cleanup_after_case(default_dtype, grad_enabled, groups_before)
+            _cleanup_after_case(case_id, default_dtype, grad_enabled, groups_before)
         except Exception:  # noqa: BLE001 - a broken cleanup must not kill the rank silently
             reply = ("raised", rank, case_id, None, "cleanup after the case failed:\n" + traceback.format_exc())
         conn.send_bytes(pickle.dumps(reply))

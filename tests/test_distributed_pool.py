@@ -143,3 +143,47 @@ def test_cases_do_not_leak_groups_or_globals(gloo_pool):
         assert pool.run(_leave_state_behind) == [4.0, 4.0]
     assert pool.run(_open_fds) == before  # each uncached group's sockets were closed
     assert pool.run(_torch_globals) == [("torch.float32", True)] * 2
+
+
+_DESTROY_SAW: list[bool] = []  # per worker process: what rank 0's cleanup saw when it destroyed
+
+
+def _fresh_group_slow_last_rank(delay_s: float) -> None:
+    """Every rank makes a group the pool will destroy; the last rank finishes ``delay_s`` late.
+    Rank 0 records, at the moment the pool destroys that group, whether the last rank was done."""
+    import torch.distributed as dist
+
+    store = dist.distributed_c10d._get_default_store()
+    key = "pool_test_last_rank_done"
+    dist.new_group(list(range(dist.get_world_size())), backend="gloo")
+    if dist.get_rank() == dist.get_world_size() - 1:
+        time.sleep(delay_s)
+        store.set(key, "1")
+    if dist.get_rank() == 0:
+        real = dist.destroy_process_group
+
+        def recording(group=None):
+            _DESTROY_SAW.append(store.check([key]))
+            dist.destroy_process_group = real
+            return real(group)
+
+        dist.destroy_process_group = recording
+
+
+def _destroy_saw() -> list[bool]:
+    import torch.distributed as dist
+
+    seen = list(_DESTROY_SAW)
+    _DESTROY_SAW.clear()
+    dist.barrier()
+    if dist.get_rank() == 0:
+        dist.distributed_c10d._get_default_store().delete_key("pool_test_last_rank_done")
+    return seen
+
+
+def test_cleanup_destroys_a_cases_groups_only_after_every_rank_finished(gloo_pool):
+    # a rank destroying a fresh gloo group while a slower peer is still connecting it makes the
+    # peer's new_group fail ("connection closed by peer"): the cleanup waits for every rank first
+    pool = gloo_pool(2)
+    pool.run(_fresh_group_slow_last_rank, 0.3)
+    assert pool.run(_destroy_saw)[0] == [True]

@@ -133,6 +133,10 @@ def initialize_hsap(
         owned: tuple[dist.ProcessGroup, ...] = ()
     else:
         intra, inter, owned = _create_groups(all_cp, intra_size, inter_size, rank)
+        # gloo connects a new group's pairs eagerly and each rank returns once its own side is up:
+        # without this barrier a rank that destroys its groups at once (a re-initialisation, a
+        # test) can close a pair a slower peer is still connecting ("connection closed by peer").
+        dist.barrier()
     if dist.get_rank(intra) != intra_rank or dist.get_rank(inter) != inter_rank:
         raise RuntimeMismatchError(
             f"rank {rank}: group ranks (intra {dist.get_rank(intra)}, inter {dist.get_rank(inter)}) "

@@ -258,10 +258,12 @@ def _local_rates_of(st: StagedBlocks, size: int, rates: CostRates) -> dict[Phase
     return out
 
 
-def necessary_traffic(units: list[WorkUnit], shape: HeadShape) -> tuple[int, int]:
-    """Forward and backward bytes that must move with no balancing at all (docs/design.md §4)."""
+def necessary_traffic(units: list[WorkUnit], shape: HeadShape, node: tuple[int, ...] = ()) -> tuple[int, int, int]:
+    """Forward and backward bytes that must move with no balancing at all (docs/design.md §4), and
+    how many of them (both phases) join ranks on different nodes (``node``: each inter rank's node,
+    ``CostRates.node``; ``()``: all of them)."""
     b = shape.token_bytes
-    fwd = bwd = 0
+    fwd = bwd = cross = 0
     kv_f, q_f = b(Wire.KV), b(Wire.Q) + b(Wire.O) + b(Wire.LSE)
     kv_b = b(Wire.KV) + b(Wire.DKV)
     q_b = b(Wire.Q) + b(Wire.DO) + b(Wire.LSE) + b(Wire.DELTA) + b(Wire.DQ)
@@ -269,9 +271,11 @@ def necessary_traffic(units: list[WorkUnit], shape: HeadShape) -> tuple[int, int
         if u.q_owner == u.kv_owner:
             continue
         nq, nk = len(u.q), len(u.kv)
-        fwd += min(nk * kv_f, nq * q_f)
-        bwd += min(nk * kv_b, nq * q_b)
-    return fwd, bwd
+        f, g = min(nk * kv_f, nq * q_f), min(nk * kv_b, nq * q_b)
+        fwd, bwd = fwd + f, bwd + g
+        if not node or node[u.q_owner] != node[u.kv_owner]:
+            cross += f + g
+    return fwd, bwd, cross
 
 
 def compute_bound(total_work: int, size: int, sec_fwd: float, sec_bwd: float) -> float:
@@ -295,12 +299,23 @@ def ideal_compute(doc_lengths: np.ndarray, doc_work: np.ndarray, size: int, rate
     return float(t) / size
 
 
-def lower_bounds(total_work: int, nec_fwd: int, nec_bwd: int, size: int, shape: HeadShape, hw: Hardware, link: LinkClass) -> dict[str, float]:
+def lower_bounds(total_work: int, nec_fwd: int, nec_bwd: int, size: int, shape: HeadShape, hw: Hardware, link: LinkClass,
+                 nec_cross: int | None = None) -> dict[str, float]:
     """Compute and traffic lower bounds, forward + backward, in seconds (compute at the kernel
-    model's peak rate, traffic at the plan's link bandwidth)."""
+    model's peak rate, traffic at the plan's link bandwidth).
+
+    ``nec_cross`` (``necessary_traffic``'s third figure, given when the inter ranks span nodes):
+    pairs sharing a node move at NVLink rate beside the NIC (the estimate prices them so), so the
+    bound is the larger of the cross-node bytes over the NICs and all bytes over both ports."""
     # at the kernel's asymptotic peak (efficiency 1): no block shape runs faster, so no estimate is below it
     compute = compute_bound(total_work, size, shape.fwd_flops_per_pair / hw.kernel.fwd_peak, shape.bwd_flops_per_pair / hw.kernel.bwd_peak)
-    traffic = (nec_fwd + nec_bwd) / (size * hw.bandwidth(link))
+    # a rank's round takes at least its bytes sent over its port(s): summed over ranks and rounds,
+    # at least the bytes over every rank's bandwidth together
+    bw = hw.bandwidth(link)
+    if nec_cross is None:
+        traffic = (nec_fwd + nec_bwd) / (size * bw)
+    else:
+        traffic = max(nec_cross / (size * bw), (nec_fwd + nec_bwd) / (size * (bw + hw.nvlink_bw)))
     return {"compute_s": compute, "traffic_s": traffic, "bound_s": max(compute, traffic)}
 
 

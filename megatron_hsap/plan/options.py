@@ -9,11 +9,11 @@ from dataclasses import dataclass
 from numbers import Integral
 
 from megatron_hsap.errors import ConfigError
-from megatron_hsap.plan.hardware import HARDWARE
+from megatron_hsap.plan.hardware import HARDWARE, LinkClass
 from megatron_hsap.plan.checks import positive_int
 from megatron_hsap.plan.window import normalize_window, window_left
 
-__all__ = ["PlanOptions", "kv_heads_per_rank", "valid_head_chunks", "check_head_chunks", "validated_options", "DEFAULT_POOL_CHUNKS", "DEFAULT_POOL_MIN", "LAYOUTS"]
+__all__ = ["PlanOptions", "kv_heads_per_rank", "valid_head_chunks", "check_head_chunks", "validated_options", "DEFAULT_POOL_CHUNKS", "DEFAULT_POOL_MIN", "LAYOUTS", "inter_rank_nodes"]
 
 LAYOUTS = ("contiguous", "balanced")
 
@@ -90,6 +90,15 @@ class PlanOptions:
             raise ConfigError(f"hardware={self.hardware!r} is unknown; choose one of {sorted(HARDWARE)}")
         check_head_chunks(self)
         return self
+
+
+def inter_rank_nodes(opts: PlanOptions, link: LinkClass) -> tuple[int, ...]:
+    """Node of each inter rank ``i`` of inter group 0 (CP rank ``i·P_intra``, TP ranks innermost)
+    under a network link class, for pricing which P2P pairs share a node (NVLink, in parallel
+    with the NIC: ``CostRates.node``); ``()`` under NVLink (one node, every pair at one rate)."""
+    if link is not LinkClass.INFINIBAND:
+        return ()
+    return tuple((i * opts.intra_size * opts.tp_size) // opts.gpus_per_node for i in range(opts.inter_size))
 
 
 def validated_options(inter_size, intra_size, num_heads, num_kv_heads, head_dim, head_dim_v, dtype_bytes,

@@ -19,7 +19,7 @@ from megatron_hsap.plan.hardware import HARDWARE, LinkClass, link_class_for
 from megatron_hsap.plan.ir import Phase, Unit
 from megatron_hsap.plan.layout import Batch, Layout, contiguous_layout, normalize_cu_seqlens, validate_layout
 from megatron_hsap.plan.balanced import balanced_layout, kept_layout
-from megatron_hsap.plan.options import DEFAULT_POOL_CHUNKS, DEFAULT_POOL_MIN, PlanOptions, kv_heads_per_rank, validated_options
+from megatron_hsap.plan.options import DEFAULT_POOL_CHUNKS, DEFAULT_POOL_MIN, PlanOptions, inter_rank_nodes, kv_heads_per_rank, validated_options
 from megatron_hsap.plan.placement import Placement, CostRates, min_traffic, owner_computes, region_distflash
 from megatron_hsap.plan.plan_type import ChosenCandidate, Plan
 from megatron_hsap.plan.rebalance import balance
@@ -362,12 +362,6 @@ def _link_of(opts: PlanOptions) -> LinkClass:
     return link_class_for(opts.tp_size * opts.intra_size * opts.inter_size, opts.gpus_per_node)
 
 
-def _nodes(opts: PlanOptions) -> tuple[int, ...]:
-    """Node of each inter rank ``i`` of inter group 0 (CP rank ``i·P_intra``, TP ranks innermost),
-    for pricing which P2P pairs share a node (NVLink) under a network link class."""
-    return tuple((i * opts.intra_size * opts.tp_size) // opts.gpus_per_node for i in range(opts.inter_size))
-
-
 def _segments(layout: Layout) -> tuple[tuple[tuple[int, int], ...], ...]:
     """(global token start, local row start) of each segment of each inter rank (``CostRates.segments``)."""
     return tuple(tuple((s.tokens.start, s.local_start) for s in segs) for segs in layout.segments)
@@ -382,7 +376,7 @@ def _compile_on(layout: Layout, batch: Batch, shape: HeadShape, opts: PlanOption
     hw = HARDWARE[opts.hardware]
     link = _link_of(opts)
     capacity = opts.pool_bytes or max(DEFAULT_POOL_CHUNKS * layout.chunk_tokens * shape.chunk_token_bytes, DEFAULT_POOL_MIN)
-    rates = CostRates.of(shape, hw, hw.bandwidth(link), _nodes(opts) if link is LinkClass.INFINIBAND else (), _segments(layout))
+    rates = CostRates.of(shape, hw, hw.bandwidth(link), inter_rank_nodes(opts, link), _segments(layout))
     latency = hw.latency(link)
     pieces, units = build_units(batch, layout, opts.window)
     placements = _placements(units, size, rates, opts.allow_helpers)
@@ -423,7 +417,7 @@ def _with_clipped(plan: Plan, full: Plan) -> Plan:
     left = plan.options.window
     units = [c for u in full.chosen.units if (c := clip_unit(replace(u, window=left), left)) is not None]
     hw, link = full.hardware, full.link
-    rates = CostRates.of(full.shape, hw, hw.bandwidth(link), _nodes(full.options) if link is LinkClass.INFINIBAND else (),
+    rates = CostRates.of(full.shape, hw, hw.bandwidth(link), inter_rank_nodes(full.options, link),
                          _segments(full.layout))
     try:
         cand = _build(full.chosen.name, units, full.inter_size, full.shape, full.pool_capacity,

@@ -11,7 +11,7 @@ from megatron_hsap.plan.estimate import ideal_compute, lower_bounds, necessary_t
 from megatron_hsap.plan.placement import CostRates
 from megatron_hsap.plan.costs import FP32_BYTES, HeadShape
 from megatron_hsap.plan.ir import Compute, Wire
-from megatron_hsap.plan.options import kv_heads_per_rank
+from megatron_hsap.plan.options import inter_rank_nodes, kv_heads_per_rank
 
 if TYPE_CHECKING:
     from megatron_hsap.plan.plan_type import Plan
@@ -91,8 +91,10 @@ def plan_stats(plan: "Plan") -> PlanStats:
     work = c.fwd_time.work
     total = plan.batch.total_work(plan.options.window)
     mean = total / size
-    nec_f, nec_b = necessary_traffic(list(plan.work_units), plan.shape)
-    bounds = lower_bounds(total, nec_f, nec_b, size, plan.shape, plan.hardware, plan.link)
+    node = inter_rank_nodes(plan.options, plan.link)
+    node = node if len(set(node)) > 1 else ()  # as CostRates.of: one node, one rate
+    nec_f, nec_b, nec_x = necessary_traffic(list(plan.work_units), plan.shape, node)
+    bounds = lower_bounds(total, nec_f, nec_b, size, plan.shape, plan.hardware, plan.link, nec_x if node else None)
     rates = CostRates.of(plan.shape, plan.hardware, plan.hardware.bandwidth(plan.link))
     ideal = ideal_compute(np.diff(plan.batch.doc_starts), plan.batch.doc_work(plan.options.window), size, rates)
     est = c.time

@@ -262,6 +262,51 @@ def test_destroy_then_reinitialise(gloo_pool):
         assert topo == "4x1"
 
 
+def _case_returns_after_every_rank_connected(last_rank_delay_s: float) -> bool:
+    """Whether, when ``initialize_hsap`` returns here, the last rank had finished creating its
+    groups. The last rank marks that in the store only ``last_rank_delay_s`` after its own
+    ``new_group`` calls returned, so a rank that does not wait for its peers returns first."""
+    import time
+
+    import torch.distributed as dist
+
+    from megatron_hsap.megatron import destroy_hsap, initialize_hsap
+    from megatron_hsap.megatron import parallel_state as ps
+
+    store = dist.distributed_c10d._get_default_store()
+    last = dist.get_rank() == dist.get_world_size() - 1
+    real_create = ps._create_groups
+
+    def slow_create(*args, **kwargs):
+        out = real_create(*args, **kwargs)
+        if last:
+            time.sleep(last_rank_delay_s)
+            store.set("hsap_test_last_rank_connected", "1")
+        return out
+
+    ps._create_groups = slow_create
+    try:
+        initialize_hsap(2, dist.get_world_size() // 2, node_check="off")
+        seen = store.check(["hsap_test_last_rank_connected"])
+        dist.barrier()  # every rank has looked before the key goes
+    finally:
+        ps._create_groups = real_create
+        destroy_hsap()
+    dist.barrier()
+    if dist.get_rank() == 0:
+        store.delete_key("hsap_test_last_rank_connected")
+    dist.barrier()
+    return seen
+
+
+def test_initialize_returns_only_once_every_rank_has_its_groups(gloo_pool):
+    # gloo connects a new group eagerly and each rank's new_group returns once its own pairs are
+    # up; a rank that destroyed its groups at once could close a pair its slower peer was still
+    # connecting (CI once failed so: "connection closed by peer"). initialize_hsap ends on a
+    # barrier, so even a rank 0.3 s late is done before anyone returns.
+    assert gloo_pool(4).run(_case_returns_after_every_rank_connected, 0.3) == [True] * 4
+
+
 # --------------------------------------------------------------------------- with Megatron
 
 

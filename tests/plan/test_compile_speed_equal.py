@@ -16,11 +16,11 @@ import pytest
 
 from megatron_hsap.plan import clear_plan_cache, compile_plan
 from megatron_hsap.plan.estimate import (BlockGroups, _arrays, _local_rates_of, block_costs, phase_time, price_staging)
-from megatron_hsap.plan.hardware import LinkClass
 from megatron_hsap.plan.ir import (ComputeItem, Phase, Send, TokenRange, Unit, Wire, new_compute_item, new_send, new_unit,
                                    positional_builder)
 from megatron_hsap.plan.placement import CostRates
-from megatron_hsap.plan.plan import _link_of, _nodes, _segments, _BUDGET_FRACTION
+from megatron_hsap.plan.options import inter_rank_nodes
+from megatron_hsap.plan.plan import _link_of, _segments, _BUDGET_FRACTION
 from megatron_hsap.plan.schedule import BlocksByRank, default_shape, stage, stage_shapes
 from megatron_hsap.plan.traffic import same_node, staged_traffic
 from megatron_hsap.plan.units import WorkUnit
@@ -35,7 +35,7 @@ def _plan_and_rates(workload: str, T: int, inter: int, seed: int, **kw):
     cu = pack_batches(workload, T, seed + 1, 0)[seed]
     plan = compile_plan(cu, inter, **SMALL, **kw)
     hw, link = plan.hardware, plan.link
-    rates = CostRates.of(plan.shape, hw, hw.bandwidth(link), _nodes(plan.options) if link is LinkClass.INFINIBAND else (),
+    rates = CostRates.of(plan.shape, hw, hw.bandwidth(link), inter_rank_nodes(plan.options, link),
                          _segments(plan.layout))
     return plan, rates
 

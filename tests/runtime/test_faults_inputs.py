@@ -180,8 +180,9 @@ def case_group_timeouts(megatron_minutes: float | None) -> list[float]:
 def test_hsap_groups_get_the_jobs_timeout(gloo_pool):
     pool = gloo_pool(2)
     # fresh ranks: the world-2 fault cases before this one abandon groups whose deadline expired
-    # (documented: not reusable); their gloo pairs can still be closing when new groups connect,
-    # which once failed this group creation on a loaded machine ("connection closed by peer")
+    # (documented: not reusable). The CI failure this once showed ("connection closed by peer" in
+    # new_group) was a rank destroying its new groups while its peer still connected them; fixed
+    # by the barrier that ends initialize_hsap (test_parallel_state tests it).
     pool.restart()
     default = torch.distributed.distributed_c10d.default_pg_timeout.total_seconds()
     for world_s, inter_s in pool.run(case_group_timeouts, None, timeout=60):
