@@ -9,6 +9,7 @@ run per staging the planner prices)."""
 
 from __future__ import annotations
 
+import math
 from array import array
 from dataclasses import dataclass, field
 
@@ -18,7 +19,7 @@ from megatron_hsap.plan.ir import Phase
 from megatron_hsap.plan.placement import CostRates
 from megatron_hsap.plan.window import staircase_pairs
 
-__all__ = ["BlockCosts", "BlockGroups", "block_costs"]
+__all__ = ["BlockCosts", "BlockGroups", "block_costs", "block_costs_pair"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,3 +205,100 @@ def block_costs(a: np.ndarray, size: int, n: int, rates: CostRates, phase: Phase
         _acc(fixed, cell_hk, g.again_k * rates.merge_dkv)
         _acc(after, after_k, nk_away * rates.merge_dkv)
     return BlockCosts(kern, fixed, launch, after)
+
+
+# up to this many blocks (none of them local) ``block_costs_pair`` runs as a Python loop: the
+# planner prices tens of remote blocks per staging (fineweb 64K, 8 ranks: ~25), where the ~80
+# numpy calls of ``BlockGroups.of`` and two ``block_costs`` cost more than the loop
+_PY_ROWS = 96
+
+
+def block_costs_pair(a: np.ndarray, size: int, n: int, rates: CostRates) -> tuple[BlockCosts, BlockCosts]:
+    """``block_costs`` of ``a`` in both phases (forward, backward) over one ``BlockGroups``; for up
+    to ``_PY_ROWS`` blocks none of which is local, the same numbers from ``_block_costs_py``."""
+    if 0 < len(a) <= _PY_ROWS and not ((a[:, 0] == a[:, 8]) & (a[:, 0] == a[:, 9])).any():
+        return _block_costs_py(a, size, n, rates)
+    g = BlockGroups.of(a, size, n, rates) if len(a) else None
+    return block_costs(a, size, n, rates, Phase.FWD, g), block_costs(a, size, n, rates, Phase.BWD, g)
+
+
+def _block_costs_py(a: np.ndarray, size: int, n: int, rates: CostRates) -> tuple[BlockCosts, BlockCosts]:
+    """``BlockGroups.of`` + ``block_costs`` per phase as a loop over blocks none of which is local
+    (so every block is a varlen call of its own: ``maxk`` its kv length, ``count`` 1): every cell
+    receives the same terms in the same order as ``np.bincount`` adds them (input order: blocks
+    in ``a``'s order, calls in ``BlockGroups``' (cell, q home, q start, kv start) order), each
+    ``_acc`` summed from zero before it is added to the grid. Kernel rates come from the kernel
+    model's own arrays (``KernelModel.rate``: one definition of the curve)."""
+    k = rates.kernel
+    assert k is not None
+    rows = a.tolist()
+    m = len(rows)
+    nq_a, nk_a = a[:, 3] - a[:, 2], a[:, 5] - a[:, 4]
+    w = np.maximum(a[:, 6], 1).astype(np.float64)
+    rate = {ph: k.rate(nq_a, nk_a, ph, rates.group, w).tolist() for ph in (Phase.FWD, Phase.BWD)}
+    cells = size * n
+    cell = [r[0] * n + r[1] for r in rows]
+    home_q = [r[0] == r[8] for r in rows]
+    home_k = [r[0] == r[9] for r in rows]
+    calls = sorted(range(m), key=lambda i: (cell[i], home_q[i], rows[i][2], rows[i][4]))  # lexsort: stable
+    span = int(max(a[:, 3].max(), a[:, 5].max())) + 1
+
+    def again(home: list[bool], lo: int, hi: int) -> list[tuple[int, float]]:
+        """``_rows_again`` of the blocks with ``home`` (in block order): (cell, rows again)."""
+        idx = [i for i in range(m) if home[i]]
+        keys = [(rows[i][0] * span + rows[i][lo], rows[i][0] * span + rows[i][hi]) for i in idx]
+        out = [0.0] * len(idx)
+        prev = -1
+        for j in sorted(range(len(idx)), key=keys.__getitem__):
+            ka, kb = keys[j]
+            out[j] = float(max(min(prev, kb) - ka, 0))
+            prev = kb if kb > prev else prev
+        return [(cell[i], x) for i, x in zip(idx, out)]
+
+    def away(home: list[bool], lo: int, hi: int, oc: int) -> list[tuple[int, int]]:
+        """(cell of the owner's merge after the round, rows) of the blocks without ``home``."""
+        return [(r[oc] * n + min(r[1] + 1, n - 1), r[hi] - r[lo]) for r, h in zip(rows, home) if not h]
+
+    def summed(terms: list[tuple[int, float]]) -> list[float]:
+        """One ``np.bincount``: the terms added one by one from zero, per cell."""
+        part = [0.0] * cells
+        for c, v in terms:
+            part[c] += v
+        return part
+
+    def plus(grid: list[float], part: list[float]) -> list[float]:
+        return [x + y for x, y in zip(grid, part)]
+
+    again_q, again_k = again(home_q, 2, 3), again(home_k, 4, 5)
+    away_q, away_k = away(home_q, 2, 3, 8), away(home_k, 4, 5, 9)
+    launch_s, heads = k.launch_s, rates.heads
+    fixed0 = summed([(cell[i], launch_s) for i in calls])
+    launch0 = [0.0] * size
+    for i in calls:
+        launch0[rows[i][0]] += launch_s
+    out = []
+    for phase in (Phase.FWD, Phase.BWD):
+        fpp = rates.fpp_fwd if phase == Phase.FWD else rates.fpp_bwd
+        kern = summed([(c, r[6] * fpp / x) for c, r, x in zip(cell, rows, rate[phase])])
+        fixed = fixed0
+        if phase == Phase.FWD:
+            mo = rates.merge_o
+            fixed = plus(fixed, summed([(c, x * mo) for c, x in again_q]))
+            after = summed([(c, nq * mo) for c, nq in away_q])
+        else:
+            if k.cta_s > 0:
+                cta = k.cta_s
+                fixed = plus(fixed, summed([(cell[i], cta * float(math.ceil(float(rows[i][5] - rows[i][4]) / 128.0)) * heads * 1)
+                                            for i in calls]))
+            if k.gqa_dkv_accum and rates.group > 1:
+                T = float(k.tile or 128)
+                ar, hb = rates.accum_row, rates.hbm_bw
+                fixed = plus(fixed, summed([(c, float(math.ceil((r[5] - r[4]) / T)) * heads * T * ar / hb) for c, r in zip(cell, rows)]))
+            mq, mk = rates.merge_dq, rates.merge_dkv
+            fixed = plus(fixed, summed([(c, x * mq) for c, x in again_q]))
+            after = summed([(c, nq * mq) for c, nq in away_q])
+            fixed = plus(fixed, summed([(c, x * mk) for c, x in again_k]))
+            after = plus(after, summed([(c, nk * mk) for c, nk in away_k]))
+        out.append(BlockCosts(np.array(kern).reshape(size, n), np.array(fixed).reshape(size, n), np.array(launch0),
+                              np.array(after).reshape(size, n)))
+    return out[0], out[1]

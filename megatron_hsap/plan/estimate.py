@@ -27,13 +27,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from megatron_hsap.plan.block_costs import BlockCosts, BlockGroups, _arrays, block_costs
+from megatron_hsap.plan.block_costs import BlockCosts, BlockGroups, _arrays, block_costs, block_costs_pair
 from megatron_hsap.plan.codegen import Message
 from megatron_hsap.plan.costs import HeadShape
 from megatron_hsap.plan.hardware import Hardware, LinkClass
 from megatron_hsap.plan.ir import Phase, Unit, Wire
 from megatron_hsap.plan.placement import CostRates
-from megatron_hsap.plan.rank_path import path_finish, path_seconds, round_seconds, stack
+from megatron_hsap.plan.rank_path import path_finish, path_seconds, path_seconds_py, round_seconds, stack
 from megatron_hsap.plan.schedule import StagedBlocks
 from megatron_hsap.plan.traffic import both_links as _both, message_traffic, same_node as _same_node, staged_traffic
 from megatron_hsap.plan.units import WorkUnit
@@ -185,6 +185,8 @@ def _price_staging(st: StagedBlocks, size: int, rates: CostRates, latency: float
     tf, tb, costs = _remote_prices(st, size, n, rates)
     if rates.kernel is None:
         return sum(_two_phases((work * rates.sec_fwd, tf, None), (work * rates.sec_bwd, tb, None), rates, latency))
+    if size * n <= _PY_CELLS:
+        return _price_small(st, size, n, rates, latency, ((Phase.FWD, tf, costs[0]), (Phase.BWD, tb, costs[1])))
     out = []
     for phase, tr, bc in ((Phase.FWD, tf, costs[0]), (Phase.BWD, tb, costs[1])):
         spp, fixed_local = _local_rates(st, size, rates, phase)
@@ -200,6 +202,43 @@ def _price_staging(st: StagedBlocks, size: int, rates: CostRates, latency: float
     return sum(_two_phases(out[0], out[1], rates, latency))
 
 
+# up to this many [rank, round] cells ``price_staging`` adds the local blocks and walks the ranks'
+# paths as Python loops (``_price_small``): fineweb 64K at 8 ranks has ~40 cells per staging
+_PY_CELLS = 256
+
+
+def _price_small(st: StagedBlocks, size: int, n: int, rates: CostRates, latency: float, phases) -> float:
+    """``_price_staging``'s kernel-model branch on Python lists: each cell gets the same
+    operations in the same order as the array expressions there (the local kernel seconds, the
+    local merges by budget share, a launch per stage with a budget, the slowdown beside a round
+    in flight), the row sums of budgets from the same numpy reduction, and each phase's path from
+    ``rank_path.path_seconds_py`` (the same recurrence as ``path_seconds``)."""
+    s_n = st.stages
+    lb = st.local_budget.tolist()
+    denom = np.maximum(st.local_budget.sum(axis=1), 1e-300).tolist()
+    launch_s, slow = rates.kernel.launch_s, rates.overlap_slowdown
+    totals = []
+    for phase, tr, bc in phases:
+        spp, fixed_local = (x.tolist() for x in _local_rates(st, size, rates, phase))
+        kern, fixed = bc.kernel.tolist(), bc.fixed.tolist()
+        for r in range(size):
+            kr, fr, br, sp, fl, d = kern[r], fixed[r], lb[r], spp[r], fixed_local[r], denom[r]
+            for k in range(s_n):
+                b = br[k]
+                kr[k] = kr[k] + b * sp
+                fr[k] = fr[k] + b / d * fl
+                fr[k] = fr[k] + (launch_s if b > 0 else 0.0)
+        if slow > 0:
+            busy = ((_both(tr.sent) > 0) | (_both(tr.recv) > 0)).tolist()
+            comp = [[kv * (1.0 + slow * (1.0 if on else 0.0)) + fv for kv, fv, on in zip(kr, fr, br)]
+                    for kr, fr, br in zip(kern, fixed, busy)]
+        else:
+            comp = [[kv + fv for kv, fv in zip(kr, fr)] for kr, fr in zip(kern, fixed)]
+        xfer = round_seconds(tr.sent, tr.recv, rates.bw, rates.nvl_bw).tolist()
+        totals.append(path_seconds_py(comp, bc.after.tolist(), xfer, tr.pairs.tolist(), latency))
+    return sum(totals)
+
+
 def _remote_prices(st: StagedBlocks, size: int, n: int, rates: CostRates) -> tuple:
     """``(traffic fwd, traffic bwd, (block costs fwd, bwd))`` of a staging's
     remote blocks (costs ``()`` without a kernel model), shared through ``st.memo`` by the stagings
@@ -213,8 +252,7 @@ def _remote_prices(st: StagedBlocks, size: int, n: int, rates: CostRates) -> tup
     tf, tb = staged_traffic(a, size, n, rates)
     costs: tuple = ()
     if rates.kernel is not None:
-        g = BlockGroups.of(a, size, n, rates) if len(a) else None
-        costs = (block_costs(a, size, n, rates, Phase.FWD, g), block_costs(a, size, n, rates, Phase.BWD, g))
+        costs = block_costs_pair(a, size, n, rates)
     out = (tf, tb, costs)
     if key is not None:
         st.memo[key] = (rates, size, out)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["round_seconds", "pairs_of", "stack", "path_finish", "path_seconds"]
+__all__ = ["round_seconds", "pairs_of", "stack", "path_finish", "path_seconds", "path_seconds_py"]
 
 
 def round_seconds(sent: np.ndarray, recv: np.ndarray, bw: float, nvl_bw: float = 0.0) -> np.ndarray:
@@ -99,3 +99,33 @@ def path_finish(comp: np.ndarray, after: np.ndarray | None, xfer: np.ndarray, pa
 def path_seconds(comp: np.ndarray, after: np.ndarray | None, xfer: np.ndarray, pairs: np.ndarray, latency: float) -> float:
     """Seconds until the last rank ends the phase (``path_finish``)."""
     return float(path_finish(comp, after, xfer, pairs, latency).max(initial=0.0))
+
+
+def path_seconds_py(comp: list[list[float]], after: list[list[float]] | None, xfer: list[list[float]],
+                    pairs: list[list[int]], latency: float) -> float:
+    """``path_seconds`` as a loop over ranks and rounds, for problems of a few hundred cells
+    (where numpy's per-round calls cost more than the arithmetic): the same operations on the
+    same values in the same order (``np.maximum.reduceat`` over a rank's pair rows is a running
+    maximum), so the same number. Arguments as lists (``tolist`` of the arrays)."""
+    size = len(comp)
+    n = len(comp[0]) if size else 0
+    t = [0.0] * size
+    j, m = 0, len(pairs)
+    for k in range(n):
+        end = [tr + row[k] for tr, row in zip(t, comp)]
+        while j < m and pairs[j][0] < k:  # (rounds are sorted; a round without compute has no rows)
+            j += 1
+        while j < m and pairs[j][0] == k:
+            a = pairs[j][1]
+            xa, ta = xfer[a][k], t[a]
+            done = None
+            while j < m and pairs[j][0] == k and pairs[j][1] == a:
+                b = pairs[j][2]
+                v = max(ta, t[b]) + (max(xa, xfer[b][k]) + latency)
+                if done is None or v > done:
+                    done = v
+                j += 1
+            if done > end[a]:
+                end[a] = done
+        t = end if after is None else [e + row[k] for e, row in zip(end, after)]
+    return max([0.0] + t)

@@ -61,7 +61,10 @@ def message_traffic(msgs, size: int, n: int, same: np.ndarray | None) -> Traffic
 def staged_traffic(a: np.ndarray, size: int, n: int, rates: CostRates) -> tuple[Traffic, Traffic]:
     """Forward and backward ``Traffic`` of staged remote blocks ``a`` (``block_costs._arrays`` rows).
     Bytes per token are integers, so the sums are exact in any order: every row's bytes go into
-    one ``np.bincount`` (called per staging priced: the numpy calls, not the arithmetic, cost)."""
+    one ``np.bincount`` (called per staging priced: the numpy calls, not the arithmetic, cost).
+    Up to ``_PY_ROWS`` blocks the same sums run as a Python loop (``_staged_traffic_py``)."""
+    if len(a) <= _PY_ROWS:
+        return _staged_traffic_py(a, size, n, rates)
     same = same_node(rates, size)
     cells = 2 * size * n
     idx: list[np.ndarray] = []  # flat [row, link, rank, round] of every byte count, rows: sent fwd,
@@ -114,4 +117,68 @@ def staged_traffic(a: np.ndarray, size: int, n: int, rates: CostRates) -> tuple[
     for ph in (0, 1):
         c = np.concatenate(pairs[ph], axis=1) if pairs[ph] else np.zeros((3, 0), dtype=np.int64)
         out.append(Traffic(t[2 * ph], t[2 * ph + 1], pairs_of(c[0], c[1], c[2], size)))
+    return out[0], out[1]
+
+
+# up to this many staged blocks ``staged_traffic`` runs as a Python loop: the planner prices tens of
+# blocks per staging (fineweb 64K, 8 ranks: ~25), where numpy's ~60 calls cost more than the loop
+_PY_ROWS = 96
+
+
+def _staged_traffic_py(a: np.ndarray, size: int, n: int, rates: CostRates) -> tuple[Traffic, Traffic]:
+    """``staged_traffic`` as a loop over the rows: the same byte products added into the same
+    cells in the same order (``np.bincount`` adds its weights one by one, in input order: per
+    side, q then kv, the deduplicated inputs then the results; the four rows sent / received
+    fwd / bwd are disjoint cells, so a block may add to all four at once), the same input dedup
+    (first of each (rank, stage, owner, range) in sorted order) and the same sorted pair rows."""
+    same = same_node(rates, size)
+    sm = same.tolist() if same is not None else None
+    cells = 2 * size * n
+    c2, c3 = 2 * cells, 3 * cells
+    flat = [0.0] * (4 * cells)
+    rows = a.tolist()
+    pairs: tuple[set, set] = (set(), set())
+    pp = size * size
+    for lo, hi, oc, f_in, b_in, f_out, b_out in ((2, 3, 8, rates.q, rates.q_bwd, rates.o_lse, rates.dq),
+                                               (4, 5, 9, rates.kv, rates.kv, 0.0, rates.dkv)):
+        away = [(row[0], row[1], row[oc], row[lo], row[hi]) for row in rows if row[0] != row[oc]]
+        if not away:
+            continue
+        assert max(x[1] for x in away) + 1 < n, "a remote block's results return after the last round"
+        ins = []
+        last = None
+        for key in sorted(away):  # equal keys are adjacent: the first of each run is kept
+            if key != last:
+                ins.append(key)
+                last = key
+        for grp, fb, bb, k_off, to_owner in ((ins, f_in, b_in, -1, True), (away, f_out, b_out, 1, False)):
+            if not (fb or bb):
+                continue
+            keys: list[int] = []
+            for r, k, o, start, stop in grp:
+                base = size if sm is not None and sm[r][o] else 0
+                kk = (k + k_off) % n
+                src, dst = (o, r) if to_owner else (r, o)
+                s_cell, d_cell = (base + src) * n + kk, (base + dst) * n + kk
+                toks = stop - start
+                if fb:
+                    v = toks * fb
+                    flat[s_cell] += v
+                    flat[d_cell + cells] += v
+                if bb:
+                    v = toks * bb
+                    flat[s_cell + c2] += v
+                    flat[d_cell + c3] += v
+                keys.append(kk * pp + src * size + dst)
+                keys.append(kk * pp + dst * size + src)
+            for ph, per in ((0, fb), (1, bb)):
+                if per:
+                    pairs[ph].update(keys)
+    t = np.array(flat).reshape(4, 2, size, n)
+    if same is None:
+        t = t[:, 0]
+    out = []
+    for ph in (0, 1):
+        key = np.array(sorted(pairs[ph]), dtype=np.int64)
+        out.append(Traffic(t[2 * ph], t[2 * ph + 1], np.stack([key // pp, key // size % size, key % size], axis=1)))
     return out[0], out[1]
