@@ -172,17 +172,30 @@ def price_staging(st: StagedBlocks, size: int, rates: CostRates, latency: float)
     hit = st.memo.get(key) if st.memo is not None else None
     if hit is not None and hit[0] is st and hit[1] is rates and hit[2] == (size, latency):
         return hit[3]
-    t = _price_staging(st, size, rates, latency)
+    # another staging of the split equal to one priced before (about one in six: two stage shapes
+    # often cut and fill alike, e.g. ``ring_fill`` or another end weight changing no block): the
+    # price is a function of the stage count, the remote blocks' ``_arrays`` rows (all that
+    # ``_remote_prices`` reads of them), the local budgets and remote work per [rank, stage] and
+    # the local blocks (``_local_rates``; one tuple per split), so equal keys give equal prices
+    a = _arrays(st.remote)
+    same = ("price-of", st.stages, a.tobytes(), st.local_budget.tobytes(), st.remote_work.tobytes())
+    hit = st.memo.get(same) if st.memo is not None else None
+    if hit is not None and hit[0] is st.local and hit[1] is rates and hit[2] == (size, latency):
+        t = hit[3]
+    else:
+        t = _price_staging(st, size, rates, latency, a)
+        if st.memo is not None:
+            st.memo[same] = (st.local, rates, (size, latency), t)
     if st.memo is not None:
         st.memo[key] = (st, rates, (size, latency), t)
     return t
 
 
-def _price_staging(st: StagedBlocks, size: int, rates: CostRates, latency: float) -> float:
+def _price_staging(st: StagedBlocks, size: int, rates: CostRates, latency: float, a: np.ndarray | None = None) -> float:
     n = st.stages + 1
     work = np.zeros((size, n))
     work[:, : st.stages] = st.remote_work + st.local_budget
-    tf, tb, costs = _remote_prices(st, size, n, rates)
+    tf, tb, costs = _remote_prices(st, size, n, rates, a)
     if rates.kernel is None:
         return sum(_two_phases((work * rates.sec_fwd, tf, None), (work * rates.sec_bwd, tb, None), rates, latency))
     if size * n <= _PY_CELLS:
@@ -239,7 +252,7 @@ def _price_small(st: StagedBlocks, size: int, n: int, rates: CostRates, latency:
     return sum(totals)
 
 
-def _remote_prices(st: StagedBlocks, size: int, n: int, rates: CostRates) -> tuple:
+def _remote_prices(st: StagedBlocks, size: int, n: int, rates: CostRates, a: np.ndarray | None = None) -> tuple:
     """``(traffic fwd, traffic bwd, (block costs fwd, bwd))`` of a staging's
     remote blocks (costs ``()`` without a kernel model), shared through ``st.memo`` by the stagings
     of one split with the same remote blocks (``schedule.stage``; callers copy before adding)."""
@@ -248,7 +261,8 @@ def _remote_prices(st: StagedBlocks, size: int, n: int, rates: CostRates) -> tup
         hit = st.memo.get(key)
         if hit is not None and hit[0] is rates and hit[1] == size:
             return hit[2]
-    a = _arrays(st.remote)
+    if a is None:
+        a = _arrays(st.remote)
     tf, tb = staged_traffic(a, size, n, rates)
     costs: tuple = ()
     if rates.kernel is not None:
@@ -274,22 +288,52 @@ def _local_rates(st: StagedBlocks, size: int, rates: CostRates, phase: Phase) ->
     return hit[2][phase]
 
 
+# per CostRates: (rates, size, {(rank, ids of the rank's local blocks): (the blocks, {phase: (spp, merges)})})
+_LOCAL_RANK_MEMO: dict[int, tuple[CostRates, int, dict]] = {}
+
+
 def _local_rates_of(st: StagedBlocks, size: int, rates: CostRates) -> dict[Phase, tuple[np.ndarray, np.ndarray]]:
     """Per phase and rank: kernel seconds per pair of its local blocks (their shapes before
-    pouring) and their merge seconds (launches excluded: pouring decides the calls)."""
-    locs = [u for loc in st.local for u in loc]
+    pouring) and their merge seconds (launches excluded: pouring decides the calls).
+
+    Memoised per rank on its local blocks (by identity: the placements of one compile share the
+    blocks they leave untouched, ``Placement.placed``; the memo holds them, so their ids stay
+    theirs): a rank's two numbers depend on its own blocks alone (``block_costs`` sums per
+    [rank, stage] cell, calls never fuse across ranks, merged rows are counted per rank), so the
+    ranks not memoised are priced together (``_local_rates_batch``) and each keeps its own."""
+    book = _LOCAL_RANK_MEMO.get(id(rates))
+    if book is None or book[0] is not rates or book[1] != size:
+        if len(_LOCAL_RANK_MEMO) >= 4:
+            _LOCAL_RANK_MEMO.clear()
+        book = _LOCAL_RANK_MEMO[id(rates)] = (rates, size, {})
+    memo = book[2]
+    keys = [(r, tuple(map(id, loc))) for r, loc in enumerate(st.local)]
+    missing = [r for r, loc in enumerate(st.local) if loc and keys[r] not in memo]
+    if missing:
+        got = _local_rates_batch([u for r in missing for u in st.local[r]], size, rates)
+        for r in missing:
+            memo[keys[r]] = (st.local[r], {ph: (float(got[ph][0][r]), float(got[ph][1][r])) for ph in got})
     out = {}
-    if locs:
-        a = _arrays(locs)
-        a[:, 1] = 0  # one stage: the merge and kernel totals per rank
-        groups = BlockGroups.of(a, size, 1)  # calls by global contiguity: launches are dropped below
-        w = np.bincount(a[:, 0], weights=a[:, 6], minlength=size)
-        has = w > 0
     for phase in (Phase.FWD, Phase.BWD):
         spp = np.full(size, rates.sec_fwd if phase == Phase.FWD else rates.sec_bwd)
-        if not locs:
-            out[phase] = spp, np.zeros(size)
-            continue
+        fixed = np.zeros(size)
+        for r, loc in enumerate(st.local):
+            if loc:
+                spp[r], fixed[r] = memo[keys[r]][1][phase]
+        out[phase] = spp, fixed
+    return out
+
+
+def _local_rates_batch(locs: list[Unit], size: int, rates: CostRates) -> dict[Phase, tuple[np.ndarray, np.ndarray]]:
+    """``_local_rates_of``'s numbers for the ranks of ``locs`` (non-empty), in one pass."""
+    a = _arrays(locs)
+    a[:, 1] = 0  # one stage: the merge and kernel totals per rank
+    groups = BlockGroups.of(a, size, 1)  # calls by global contiguity: launches are dropped below
+    w = np.bincount(a[:, 0], weights=a[:, 6], minlength=size)
+    has = w > 0
+    out = {}
+    for phase in (Phase.FWD, Phase.BWD):
+        spp = np.full(size, rates.sec_fwd if phase == Phase.FWD else rates.sec_bwd)
         bc = block_costs(a, size, 1, rates, phase, groups)
         spp[has] = bc.kernel[has, 0] / w[has]
         out[phase] = spp, bc.fixed[:, 0] - bc.launch
