@@ -4,7 +4,10 @@ computation it replaced, exactly (``==`` on floats: the planner's choices compar
 References: the dataclass constructors and ``dataclasses.replace``; a per-block Python loop over
 the staged blocks for the bytes per rank and round (``traffic.staged_traffic``); freshly built
 groups and splits for the memoised ones (``BlockGroups.shared``, ``stage``/``price_staging``'s
-memo, ``phase_time``'s rows memo, ``_local_rates``). Plans of whole batches are covered by
+memo, ``phase_time``'s rows memo, ``_local_rates``); the numpy forms for the Python loops that
+price small stagings (``_staged_traffic_py``, ``_block_costs_py``, ``path_seconds_py``,
+``_price_small``), a fresh computation for ``price_staging``'s content memo and one pass over
+all ranks for the per-rank local-rates memo. Plans of whole batches are covered by
 ``tests/plan/plan_regression_cases.py --check`` (plan hashes of fixed batches)."""
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from megatron_hsap.plan.ir import (ComputeItem, Phase, Send, TokenRange, Unit, W
 from megatron_hsap.plan.placement import CostRates
 from megatron_hsap.plan.options import inter_rank_nodes
 from megatron_hsap.plan.plan import _link_of, _segments, _BUDGET_FRACTION
-from megatron_hsap.plan.schedule import BlocksByRank, default_shape, stage, stage_shapes
+from megatron_hsap.plan.schedule import BlocksByRank, StagingError, default_shape, stage, stage_shapes
 from megatron_hsap.plan.traffic import same_node, staged_traffic
 from megatron_hsap.plan.units import WorkUnit
 from megatron_hsap.plan.window import banded_pairs
@@ -195,3 +198,129 @@ def test_whole_head_rows_work_equals_the_cached_work(window) -> None:
     pl = owner_computes(units, 4, rates)
     assert units and all(pl.rows_work(i, u.q.start, u.q.stop) == float(u.work) for i, u in enumerate(units))
     assert any(u.window >= 0 for u in units) == (window is not None)
+
+
+# the Python-loop paths for small stagings (issue 14 item 5) against the numpy forms they stand
+# in for: every stage shape of a chosen plan's placement, on an A100 (FA2: no grid or GQA terms)
+# and an H100 (FA3: CTA grid, GQA dK/dV atomics, packed GQA), on one node and over InfiniBand
+# (NVLink pairs: two link classes)
+SMALL_CASES = [("fineweb", 8192, 4, 0, {"hardware": "a100"}), ("fineweb", 8192, 8, 0, {"hardware": "h100"}),
+               ("sharegpt", 8192, 16, 1, {"hardware": "h100"}), ("ultrachat", 16384, 8, 2, {"layout": "contiguous"})]
+
+
+def _stagings(plan, rates):
+    """Every staging the planner could price for the chosen plan's blocks (each stage shape)."""
+    budget = plan.pool_capacity * _BUDGET_FRACTION
+    split = BlocksByRank.of([u.at_stage(0) for u in plan.chosen.units], plan.options.inter_size)
+    out = []
+    for shp in stage_shapes(split, rates, budget):
+        try:
+            out.append(stage(split, rates, shp, budget))
+        except StagingError:
+            continue
+    return out
+
+
+def _numpy_paths(monkeypatch) -> None:
+    import megatron_hsap.plan.block_costs as bcm
+    import megatron_hsap.plan.estimate as est
+    import megatron_hsap.plan.traffic as trm
+
+    monkeypatch.setattr(bcm, "_PY_ROWS", -1)
+    monkeypatch.setattr(trm, "_PY_ROWS", -1)
+    monkeypatch.setattr(est, "_PY_CELLS", -1)
+
+
+@pytest.mark.parametrize("workload,T,inter,seed,kw", SMALL_CASES)
+def test_small_staging_loops_equal_the_numpy_forms(workload, T, inter, seed, kw, monkeypatch) -> None:
+    from megatron_hsap.plan.block_costs import _block_costs_py
+    from megatron_hsap.plan.rank_path import path_seconds, path_seconds_py, round_seconds
+    from megatron_hsap.plan.traffic import _staged_traffic_py
+
+    plan, rates = _plan_and_rates(workload, T, inter, seed, **kw)
+    latency = plan.hardware.latency(plan.link)
+    sts = [st for st in _stagings(plan, rates) if st.remote]
+    assert rates.kernel is not None
+    assert any(len(st.remote) <= 96 and inter * (st.stages + 1) <= 256 for st in sts)  # the planner runs the loops here
+    fast = []
+    for st in sts:
+        a, n = _arrays(st.remote), st.stages + 1
+        g = BlockGroups.of(a, inter, n, rates)
+        for ref, got in zip((block_costs(a, inter, n, rates, Phase.FWD, g), block_costs(a, inter, n, rates, Phase.BWD, g)),
+                            _block_costs_py(a, inter, n, rates)):
+            for f in ("kernel", "fixed", "launch", "after"):
+                x, y = getattr(ref, f), getattr(got, f)
+                assert x.shape == y.shape and np.array_equal(x, y), f
+        with monkeypatch.context() as m:
+            import megatron_hsap.plan.traffic as trm
+            m.setattr(trm, "_PY_ROWS", -1)
+            ref_tr = staged_traffic(a, inter, n, rates)
+        for ref, got in zip(ref_tr, _staged_traffic_py(a, inter, n, rates)):
+            assert ref.sent.shape == got.sent.shape and np.array_equal(ref.sent, got.sent) and np.array_equal(ref.recv, got.recv)
+            assert got.pairs.dtype == np.int64 and np.array_equal(ref.pairs, got.pairs)
+            comp = np.arange(inter * n, dtype=np.float64).reshape(inter, n) * 1e-5 + 3e-4
+            after = np.full((inter, n), 2e-6)
+            xfer = round_seconds(ref.sent, ref.recv, rates.bw, rates.nvl_bw)
+            for aft in (None, after):
+                assert path_seconds(comp, aft, xfer, ref.pairs, latency) == path_seconds_py(
+                    comp.tolist(), None if aft is None else aft.tolist(), xfer.tolist(), ref.pairs.tolist(), latency)
+        fast.append(price_staging(replace(st, memo=None, memo_key=None), inter, rates, latency))
+    with monkeypatch.context() as m:
+        _numpy_paths(m)
+        plain = [price_staging(replace(st, memo=None, memo_key=None), inter, rates, latency) for st in sts]
+    assert fast == plain  # each staging's price, bit for bit
+
+
+def test_small_paths_give_the_same_plans(monkeypatch) -> None:
+    """A whole compile with the loops and with numpy only: the same plan and estimates."""
+    from megatron_hsap.plan.fingerprint import plan_hash
+
+    cu = pack_batches("fineweb", 16384, 2, 3)[1]
+    clear_plan_cache()
+    fast = compile_plan(cu, 8, **SMALL, hardware="h100")
+    with monkeypatch.context() as m:
+        _numpy_paths(m)
+        clear_plan_cache()
+        plain = compile_plan(cu, 8, **SMALL, hardware="h100")
+    clear_plan_cache()
+    assert plan_hash(fast) == plan_hash(plain) and fast.chosen.time == plain.chosen.time and fast.owner_time == plain.owner_time
+
+
+def test_an_equal_staging_reuses_its_price() -> None:
+    """``price_staging``'s content memo: a staging equal to one priced before (other objects, the
+    same rows and budgets) gets the price a fresh computation gives; a different one does not."""
+    plan, rates = _plan_and_rates("fineweb", 8192, 8, 0, hardware="h100")
+    latency = plan.hardware.latency(plan.link)
+    st = next(s for s in _stagings(plan, rates) if s.remote)
+    t = price_staging(st, 8, rates, latency)
+    twin = replace(st, remote=tuple(u.at_stage(u.stage) for u in st.remote), local_budget=st.local_budget.copy())
+    assert twin.remote == st.remote and all(x is not y for x, y in zip(twin.remote, st.remote))
+    assert price_staging(twin, 8, rates, latency) == t == price_staging(replace(st, memo=None, memo_key=None), 8, rates, latency)
+    bumped = st.local_budget.copy()
+    bumped[bumped > 0] *= 1.5  # more local work per stage: a slower staging
+    other = replace(st, local_budget=bumped, remote_work=st.remote_work)
+    assert price_staging(other, 8, rates, latency) == price_staging(replace(other, memo=None, memo_key=None), 8, rates, latency) > t
+
+
+def test_local_rates_per_rank_memo_equals_one_pass_over_all_ranks() -> None:
+    """``_local_rates_of`` memoises each rank's numbers across splits; they equal one pass over
+    every rank's local blocks at once (``_local_rates_batch``), for splits sharing some blocks."""
+    import megatron_hsap.plan.estimate as est
+
+    plan, rates = _plan_and_rates("fineweb", 8192, 8, 0, layout="contiguous")
+    placed = [u.at_stage(0) for u in plan.chosen.units]
+    est._LOCAL_RANK_MEMO.clear()
+    first = BlocksByRank.of(placed, 8)
+    # a second split: rank 0's first local block cut in two (new objects), every other block shared
+    r0 = [u for u in placed if u.rank == 0 and u.is_local][0]
+    from megatron_hsap.plan.cuts import split_rows
+    x, y = split_rows(r0, r0.q.start + len(r0.q) // 2)
+    second = BlocksByRank.of([v for u in placed for v in ((x, y) if u is r0 else (u,))], 8)
+    for split in (first, second, first):
+        st = stage(split, rates, default_shape(stage_shapes(split, rates, 1e12)), 1e12)
+        got = est._local_rates_of(st, 8, rates)
+        ref = est._local_rates_batch([u for loc in st.local for u in loc], 8, rates)
+        for phase in (Phase.FWD, Phase.BWD):
+            has = np.array([bool(loc) for loc in st.local])
+            assert np.array_equal(got[phase][0][has], ref[phase][0][has]) and np.array_equal(got[phase][1], ref[phase][1])
+    assert len(est._LOCAL_RANK_MEMO) == 1 and len(next(iter(est._LOCAL_RANK_MEMO.values()))[2]) == 9  # 8 ranks + rank 0 again
