@@ -216,8 +216,9 @@ def _price_staging(st: StagedBlocks, size: int, rates: CostRates, latency: float
 
 
 # up to this many [rank, round] cells ``price_staging`` adds the local blocks and walks the ranks'
-# paths as Python loops (``_price_small``): fineweb 64K at 8 ranks has ~40 cells per staging
-_PY_CELLS = 256
+# paths as Python loops (``_price_small``): fineweb 64K at 8 ranks has ~40 cells per staging; at 64
+# ranks (192 cells and more, many pairs per round) numpy's per-round calls are the faster (measured)
+_PY_CELLS = 96
 
 
 def _price_small(st: StagedBlocks, size: int, n: int, rates: CostRates, latency: float, phases) -> float:

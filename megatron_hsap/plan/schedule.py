@@ -80,14 +80,14 @@ class StageShape:
         return range(1, max(2, s - 1)) if s >= 2 else range(0)
 
 
-def _water_fill(floor: np.ndarray, weights: np.ndarray, amount: float) -> np.ndarray:
+def _water_fill(floor: list[float], weights: list[float], amount: float) -> list[float]:
     """x ≥ 0 with Σx = amount minimising max_k (floor_k + x_k) / w_k (fill to level λ·w_k)."""
     n = len(floor)
     if amount <= 0 or n == 0:
-        return np.zeros(n)
+        return [0.0] * n
     # a few dozen stages at most: Python floats (the same IEEE operations as the array form,
     # ``floor / weights``, a stable sort, ``max(λ·w − floor, 0)``), called per rank and staging
-    fl, wl = floor.tolist(), weights.tolist()
+    fl, wl = floor, weights
     bp = [f / w for f, w in zip(fl, wl)]  # level at which stage k starts receiving
     order = sorted(range(n), key=bp.__getitem__)
     wsum = fsum = 0.0
@@ -98,7 +98,7 @@ def _water_fill(floor: np.ndarray, weights: np.ndarray, amount: float) -> np.nda
         lam = (amount + fsum) / wsum
         if j + 1 == n or lam <= bp[order[j + 1]]:
             break
-    return np.array([max(lam * w - f, 0.0) for f, w in zip(fl, wl)])
+    return [max(lam * w - f, 0.0) for f, w in zip(fl, wl)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,30 +202,37 @@ def _stage(split: BlocksByRank, rates: CostRates, shape: StageShape, budget: flo
             used = max(used, n)
     memoised = list(cuts)  # the memo's list objects (alive in ``split.orders``, so their ids are stable)
     stages = shape.stages + (used - n_mid)
-    weights = StageShape(stages, shape.end_weight).weights
-    floor = np.zeros((size, stages))
-    budgets = np.zeros((size, stages))
+    # per rank as Python lists (a few stages: numpy's per-row calls cost more than the
+    # arithmetic), the same values as ``StageShape.weights`` and the same operations per cell
+    weights = [1.0] * stages
+    if stages >= 2:
+        weights[0] = shape.end_weight
+    if stages >= 3:
+        weights[-1] = shape.end_weight
+    local_work = split.local_work.tolist()
+    floor: list[list[float]] = []
+    budgets: list[list[float]] = []
     remote: list[Unit] = []
     for r in range(size):
-        if cuts[r]:
-            row = [0.0] * stages  # the same additions, in the same order, as on the array
-            for u, w in zip(cuts[r], works[r]):
-                row[u.stage] += w
-            floor[r] = row
-        if split.local[r]:
-            budgets[r] = _water_fill(floor[r], weights, float(split.local_work[r]))
+        row = [0.0] * stages  # the same additions, in the same order, as on the array
+        for u, w in zip(cuts[r], works[r]):
+            row[u.stage] += w
+        bud = _water_fill(row, weights, local_work[r]) if split.local[r] else [0.0] * stages
         if stages >= 3 and cuts[r]:
-            filled = _fill_last(cuts[r], floor[r], budgets[r], weights, rates, budget)
-            if filled is not cuts[r] and split.local[r]:  # (the same list: ``floor`` unchanged, the same fill)
-                budgets[r] = _water_fill(floor[r], weights, float(split.local_work[r]))
+            filled = _fill_last(cuts[r], row, bud, weights, rates, budget)
+            if filled is not cuts[r] and split.local[r]:  # (the same list: ``row`` unchanged, the same fill)
+                bud = _water_fill(row, weights, local_work[r])
             cuts[r] = filled
+        floor.append(row)
+        budgets.append(bud)
         remote.extend(cuts[r])
     shared = all(c is m for c, m in zip(cuts, memoised))
     key = ("priced", stages, tuple(id(c) if c else 0 for c in memoised)) if shared else None
-    return StagedBlocks(stages, tuple(remote), split.local, budgets, floor, min_split_rows(rates), split.orders, key)
+    return StagedBlocks(stages, tuple(remote), split.local, np.array(budgets).reshape(size, stages),
+                        np.array(floor).reshape(size, stages), min_split_rows(rates), split.orders, key)
 
 
-def _fill_last(parts: list[Unit], floor: np.ndarray, budgets: np.ndarray, weights: np.ndarray, rates: CostRates,
+def _fill_last(parts: list[Unit], floor: list[float], budgets: list[float], weights: list[float], rates: CostRates,
                budget: float) -> list[Unit]:
     """A rank short of local work idles in the local-only last stage. Blocks whose q rows are its
     own and whose kv was fetched can run there after all: their only result that travels is dkv of
@@ -233,20 +240,20 @@ def _fill_last(parts: list[Unit], floor: np.ndarray, budgets: np.ndarray, weight
     columns from the busiest middle stages until the last stage carries its share (``floor`` is
     updated in place)."""
     last = len(weights) - 1
-    load = floor + budgets
+    load = [f + b for f, b in zip(floor, budgets)]
     mid = load[1:last]
-    if not len(mid):
+    if not mid:
         return parts
     n_mid = len(mid)
     alpha = weights[last]
-    total = mid.sum()
+    total = float(np.array(mid).sum())  # numpy's (pairwise) sum of the contiguous row, as before
     want = (alpha * total / n_mid - load[last]) / (1 + alpha / n_mid)
     if want <= 1e-3 * (total / n_mid):  # ``mid.mean()``: the same sum over the same count, without its Python wrapper
         return parts
     fetched = [i for i, u in enumerate(parts) if 0 < u.stage < last and not u.causal and u.rank == u.q_owner != u.kv_owner]
     if not fetched:
         return parts
-    by_stage = load.tolist()
+    by_stage = load
     fetched.sort(key=lambda i: -by_stage[parts[i].stage])
     room_b = budget
     per_col = rates.kv + rates.dkv
