@@ -55,6 +55,13 @@ class PhaseTime:
     launch: float = 0.0  # kernel launches of the rank with the most (included in ``total``)
 
 
+# up to this many [rank, round] cells ``price_staging`` adds the local blocks and walks the ranks'
+# paths as Python loops (``_price_small``; ``_total`` the paths): fineweb 64K at 8 ranks has ~40
+# cells per staging; at 64 ranks (192 cells and more, many pairs per round) numpy's per-round
+# calls are the faster (measured)
+_PY_CELLS = 96
+
+
 def _total(comp: np.ndarray, sent: np.ndarray, recv: np.ndarray, bw: float, latency: float, nvl_bw: float,
            pairs: np.ndarray, after: np.ndarray | None = None, exposed: bool = False) -> tuple[float, float]:
     """(phase seconds, exposed latency seconds) from ``[P, rounds]`` compute seconds, merges after
@@ -63,10 +70,15 @@ def _total(comp: np.ndarray, sent: np.ndarray, recv: np.ndarray, bw: float, late
     else 0) is what the path loses to round latencies (what every head chunk pays again,
     ``pipelined_time``)."""
     xfer = round_seconds(sent, recv, bw, nvl_bw)
-    total = path_seconds(comp, after, xfer, pairs, latency)
+    if comp.size <= _PY_CELLS:  # a few dozen cells: the loop form (the same numbers, ``rank_path``)
+        args = (comp.tolist(), None if after is None else after.tolist(), xfer.tolist(), pairs.tolist())
+        path = lambda lat: path_seconds_py(*args, lat)  # noqa: E731
+    else:
+        path = lambda lat: path_seconds(comp, after, xfer, pairs, lat)  # noqa: E731
+    total = path(latency)
     if latency <= 0 or not exposed:
         return total, 0.0
-    return total, max(total - path_seconds(comp, after, xfer, pairs, 0.0), 0.0)
+    return total, max(total - path(0.0), 0.0)
 
 
 def _two_phases(fwd: tuple, bwd: tuple, rates: CostRates, latency: float) -> tuple[float, float]:
@@ -213,12 +225,6 @@ def _price_staging(st: StagedBlocks, size: int, rates: CostRates, latency: float
         comp = BlockCosts(kern, fixed, bc.launch, bc.after).seconds(_both(tr.sent), _both(tr.recv), rates.overlap_slowdown)
         out.append((comp, tr, bc.after))
     return sum(_two_phases(out[0], out[1], rates, latency))
-
-
-# up to this many [rank, round] cells ``price_staging`` adds the local blocks and walks the ranks'
-# paths as Python loops (``_price_small``): fineweb 64K at 8 ranks has ~40 cells per staging; at 64
-# ranks (192 cells and more, many pairs per round) numpy's per-round calls are the faster (measured)
-_PY_CELLS = 96
 
 
 def _price_small(st: StagedBlocks, size: int, n: int, rates: CostRates, latency: float, phases) -> float:
