@@ -295,26 +295,17 @@ def _local_rates(st: StagedBlocks, size: int, rates: CostRates, phase: Phase) ->
     return hit[2][phase]
 
 
-# per CostRates: (rates, size, {(rank, ids of the rank's local blocks): (the blocks, {phase: (spp, merges)})})
-_LOCAL_RANK_MEMO: dict[int, tuple[CostRates, int, dict]] = {}
-
-
 def _local_rates_of(st: StagedBlocks, size: int, rates: CostRates) -> dict[Phase, tuple[np.ndarray, np.ndarray]]:
     """Per phase and rank: kernel seconds per pair of its local blocks (their shapes before
     pouring) and their merge seconds (launches excluded: pouring decides the calls).
 
-    Memoised per rank on its local blocks (by identity: the placements of one compile share the
+    Memoised per rank on its local blocks in ``rates.local_memo`` (by identity: the placements of one compile share the
     blocks they leave untouched, ``Placement.placed``; the memo holds them, so their ids stay
     theirs): a rank's two numbers depend on its own blocks alone (``block_costs`` sums per
     [rank, stage] cell, calls never fuse across ranks, merged rows are counted per rank), so the
     ranks not memoised are priced together (``_local_rates_batch``) and each keeps its own."""
-    book = _LOCAL_RANK_MEMO.get(id(rates))
-    if book is None or book[0] is not rates or book[1] != size:
-        if len(_LOCAL_RANK_MEMO) >= 4:
-            _LOCAL_RANK_MEMO.clear()
-        book = _LOCAL_RANK_MEMO[id(rates)] = (rates, size, {})
-    memo = book[2]
-    keys = [(r, tuple(map(id, loc))) for r, loc in enumerate(st.local)]
+    memo = rates.local_memo  # one compile's (CostRates.local_memo)
+    keys = [(size, r, tuple(map(id, loc))) for r, loc in enumerate(st.local)]
     missing = [r for r, loc in enumerate(st.local) if loc and keys[r] not in memo]
     if missing:
         got = _local_rates_batch([u for r in missing for u in st.local[r]], size, rates)

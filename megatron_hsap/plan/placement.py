@@ -19,7 +19,7 @@ document region, and balanced ones with different budgets) and keeps the lowest 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -72,6 +72,10 @@ class CostRates:
     # the layout's (global token start, local row start) per segment, per inter rank: which local
     # items' rows run on in local rows (one varlen call, plan/calls.py); () counts global contiguity
     segments: tuple[tuple[tuple[int, int], ...], ...] = ()
+    # estimate._local_rates_of's per-rank memo, {(size, rank, ids of its local blocks): (the
+    # blocks, numbers)}: the placements of one compile (one CostRates) share blocks they leave
+    # untouched; it lives and dies with these rates (a `replace` gets a fresh one), no part of equality
+    local_memo: dict = field(default_factory=dict, init=False, compare=False, hash=False, repr=False)
 
     @classmethod
     def of(cls, shape: HeadShape, hw: Hardware, bw: float, node: tuple[int, ...] = (),

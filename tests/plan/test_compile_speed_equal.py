@@ -309,7 +309,7 @@ def test_local_rates_per_rank_memo_equals_one_pass_over_all_ranks() -> None:
 
     plan, rates = _plan_and_rates("fineweb", 8192, 8, 0, layout="contiguous")
     placed = [u.at_stage(0) for u in plan.chosen.units]
-    est._LOCAL_RANK_MEMO.clear()
+    rates.local_memo.clear()
     first = BlocksByRank.of(placed, 8)
     # a second split: rank 0's first local block cut in two (new objects), every other block shared
     r0 = [u for u in placed if u.rank == 0 and u.is_local][0]
@@ -323,4 +323,4 @@ def test_local_rates_per_rank_memo_equals_one_pass_over_all_ranks() -> None:
         for phase in (Phase.FWD, Phase.BWD):
             has = np.array([bool(loc) for loc in st.local])
             assert np.array_equal(got[phase][0][has], ref[phase][0][has]) and np.array_equal(got[phase][1], ref[phase][1])
-    assert len(est._LOCAL_RANK_MEMO) == 1 and len(next(iter(est._LOCAL_RANK_MEMO.values()))[2]) == 9  # 8 ranks + rank 0 again
+    assert len(rates.local_memo) == 9  # 8 ranks + rank 0 again
