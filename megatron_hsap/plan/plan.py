@@ -5,7 +5,7 @@ estimated time among several placements; cached by every input."""
 from __future__ import annotations
 
 import gc
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -41,11 +41,12 @@ _MIN_GAIN = 0.01  # a candidate whose lower bound is within 1% of the best estim
 # batches: 1% keeps every chosen plan no slower than owner-computes in simulation; 0 loses three
 # Table 4 batches by 0.1-0.3% (docs/design.md §4)
 _OWNER_MARGIN = 0.01
-# the balanced layout's code is not generated when its best staged price exceeds the contiguous
-# plan's exact time by more than this: a staged price is within ~1% of the built plan's time
-# (local blocks counted by budget), so such a layout would lose the comparison anyway. The one
-# document filling the batch at P_inter >= 16 loses by 1.02-3.4x and was where a compile took
-# minutes (pool-overflow rebuilds of a plan that was then dropped)
+# a layout's code is not generated when its best staged price exceeds the other layout's built
+# time by more than this: a staged price is within ~1% of the built plan's time (local blocks
+# counted by budget), so such a layout would lose the comparison anyway. The one document filling
+# the batch at P_inter >= 16 loses by 1.02-3.4x on the balanced layout and was where a compile took
+# minutes (pool-overflow rebuilds of a plan that was then dropped); packed batches at 1M/P_inter 64
+# lose by 2-3x on the contiguous one, whose code was built and dropped (~15% of the compile)
 _LAYOUT_PRUNE = 0.05
 
 
@@ -308,21 +309,35 @@ def _compile_uncached(cu: tuple[int, ...], opts: PlanOptions) -> Plan:
 
     hw = HARDWARE[opts.hardware]
     rates = CostRates.of(shape, hw, hw.bandwidth(_link_of(opts)))
-    contiguous = None
     # any layout: every document whole at its own kernel rate, perfectly spread (docs/design.md §4)
     bound = ideal_compute(np.diff(batch.doc_starts), batch.doc_work(opts.window), size, rates)
+    # Code is generated only for a layout that can still be kept: a layout whose best staged
+    # price is over _LAYOUT_PRUNE above the other's built time would lose the choice anyway
+    # (a staged price is within ~1% of the built plan's time). The contiguous plan is built first
+    # when it may be within 1% of the bound (then nothing can gain more); else after the balanced one.
+    contiguous = con = None
     if opts.layout_fallback:
-        contiguous = _compile_on(contiguous_layout(batch, size, opts.intra_size), batch, shape, opts)
-        if kept_layout(contiguous.chosen.time, None, bound) == "contiguous":
-            return contiguous  # already within 1% of the compute bound: no layout can gain more
+        con = _price_on(contiguous_layout(batch, size, opts.intra_size), batch, shape, opts)
+        if kept_layout(con.price / (1 + _LAYOUT_PRUNE), None, bound) == "contiguous":
+            contiguous = _build_on(con)
+            if kept_layout(contiguous.chosen.time, None, bound) == "contiguous":
+                return contiguous  # already within 1% of the compute bound: no layout can gain more
     # pairs of attention one token's kv costs to move (forward kv, backward kv and dkv back)
     token_cost = (2 * rates.kv + rates.dkv) / rates.bw / (rates.sec_fwd + rates.sec_bwd)
-    beat = contiguous.chosen.time if contiguous is not None else None
-    balanced = _compile_on(balanced_layout(batch, size, opts.intra_size, token_cost, opts.window), batch, shape, opts, beat)
+    bal = _price_on(balanced_layout(batch, size, opts.intra_size, token_cost, opts.window), batch, shape, opts)
+    if con is None:
+        return _build_on(bal)
+    if contiguous is None and bal.price > con.price * (1 + _LAYOUT_PRUNE):
+        # prune the balanced layout against the contiguous plan's built time only: a staged
+        # price can sit below it (25% where a pool overflow restages: table4 fineweb 16K 1x8 s1)
+        contiguous = _build_on(con)
+    if contiguous is not None and bal.price > contiguous.chosen.time * (1 + _LAYOUT_PRUNE):
+        return contiguous
+    balanced = _build_on(bal)
     if contiguous is None:
-        return balanced
-    if balanced is None:
-        return contiguous  # the balanced layout's best price is over 5% above the contiguous plan
+        if con.price > balanced.chosen.time * (1 + _LAYOUT_PRUNE):
+            return balanced  # (on the 167 benchmark batches no contiguous price exceeds its built time)
+        contiguous = _build_on(con)
     return choose_layout(contiguous, balanced, bound)
 
 
@@ -367,10 +382,30 @@ def _segments(layout: Layout) -> tuple[tuple[tuple[int, int], ...], ...]:
     return tuple(tuple((s.tokens.start, s.local_start) for s in segs) for segs in layout.segments)
 
 
-def _compile_on(layout: Layout, batch: Batch, shape: HeadShape, opts: PlanOptions, beat: float | None = None) -> Plan | None:
-    """The plan of ``batch`` on ``layout``; ``None`` when ``beat`` (another layout's estimated
-    seconds) is given and no candidate's staged price comes within ``_LAYOUT_PRUNE`` of it (no code
-    is generated then)."""
+@dataclass(frozen=True)
+class _Priced:
+    """One layout's candidates staged and priced, before any code is generated (``_price_on``);
+    ``price``: the lowest staged price (seconds, within ~1% of the built plan's time)."""
+
+    layout: Layout
+    batch: Batch
+    shape: HeadShape
+    opts: PlanOptions
+    link: LinkClass
+    capacity: int
+    rates: CostRates
+    latency: float
+    pieces: tuple
+    units: tuple[WorkUnit, ...]
+    priced: dict[str, tuple[float, BlocksByRank, StagedBlocks]]
+
+    @property
+    def price(self) -> float:
+        return min(v[0] for v in self.priced.values())
+
+
+def _price_on(layout: Layout, batch: Batch, shape: HeadShape, opts: PlanOptions) -> _Priced:
+    """Units, placements and staged prices of ``batch`` on ``layout`` (no code yet)."""
     size = opts.inter_size
     validate_layout(layout, batch.padded_tokens)
     hw = HARDWARE[opts.hardware]
@@ -384,30 +419,39 @@ def _compile_on(layout: Layout, batch: Batch, shape: HeadShape, opts: PlanOption
         placements = {n: pl for n, pl in placements.items() if n in (opts.placement, "owner-computes")}
         if opts.placement not in placements:  # min-traffic equals owner-computes on this batch
             placements[opts.placement] = placements["owner-computes"]
-    budget = capacity * _BUDGET_FRACTION
-    priced = _price(placements, size, rates, latency, budget, opts.placement)
-    if beat is not None and min(v[0] for v in priced.values()) > beat * (1 + _LAYOUT_PRUNE):
-        return None
-    best, alternatives, owner_time = _choose(priced, size, shape, capacity, rates, latency, budget)
+    priced = _price(placements, size, rates, latency, capacity * _BUDGET_FRACTION, opts.placement)
+    return _Priced(layout, batch, shape, opts, link, capacity, rates, latency, tuple(pieces), tuple(units), priced)
+
+
+def _build_on(p: _Priced) -> Plan:
+    """Generate the code of ``p``'s lowest price (``_choose``: pool-overflow retries, the
+    owner-computes recheck) and assemble the ``Plan``."""
+    best, alternatives, owner_time = _choose(p.priced, p.opts.inter_size, p.shape, p.capacity, p.rates, p.latency,
+                                             p.capacity * _BUDGET_FRACTION)
     if best is None:
         raise ConfigError(
-            f"pool_bytes={capacity} cannot hold the slots of even one token row per stage; raise pool_bytes "
+            f"pool_bytes={p.capacity} cannot hold the slots of even one token row per stage; raise pool_bytes "
             f"(default {DEFAULT_POOL_CHUNKS} × chunk × heads × (d_qk + d_v) × bytes)"
         )
     return Plan(
-        options=opts,
-        batch=batch,
-        layout=layout,
-        shape=shape,
-        hardware=hw,
-        link=link,
-        pool_capacity=capacity,
-        pieces=tuple(pieces),
-        work_units=tuple(units),
+        options=p.opts,
+        batch=p.batch,
+        layout=p.layout,
+        shape=p.shape,
+        hardware=HARDWARE[p.opts.hardware],
+        link=p.link,
+        pool_capacity=p.capacity,
+        pieces=p.pieces,
+        work_units=p.units,
         chosen=best,
         alternatives=alternatives,
         owner_time=owner_time,
     )
+
+
+def _compile_on(layout: Layout, batch: Batch, shape: HeadShape, opts: PlanOptions) -> Plan:
+    """The plan of ``batch`` on ``layout``."""
+    return _build_on(_price_on(layout, batch, shape, opts))
 
 
 def _with_clipped(plan: Plan, full: Plan) -> Plan:

@@ -1,7 +1,7 @@
 """The candidate search's bounds on work (plan/plan.py): what it skips must not change the plan.
 
-Counts and plan hashes only (no timing): the layout prune generates no code for a balanced layout
-that cannot win, and the owner-computes recheck stops rebuilding once its restaged price leaves
+Counts and plan hashes only (no timing): the layout prune generates no code for a layout that
+cannot win (balanced or contiguous), and the owner-computes recheck stops rebuilding once its restaged price leaves
 the recheck's window."""
 
 from __future__ import annotations
@@ -57,6 +57,20 @@ def test_layout_prune_never_skips_a_layout_that_wins(monkeypatch: pytest.MonkeyP
     full, _ = _compile_counting(monkeypatch, cu, 8)
     assert full.stats().layout == "balanced"
     assert plan_hash(pruned) == plan_hash(full)
+
+
+def test_layout_prune_generates_no_code_for_a_contiguous_layout_that_loses(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a packed batch whose contiguous layout loses by ~15% (owner imbalance): its code is not
+    # generated once the balanced plan is built; the shipped plan is the same
+    from megatron_hsap.plan.workloads import pack_batches
+
+    cu = [int(x) for x in pack_batches("fineweb", 65536, 2, 12345)[1]]
+    pruned, n_pruned = _compile_counting(monkeypatch, cu, 8)
+    monkeypatch.setattr(search, "_LAYOUT_PRUNE", float("inf"))
+    full, n_full = _compile_counting(monkeypatch, cu, 8)
+    assert pruned.stats().layout == full.stats().layout == "balanced"
+    assert plan_hash(pruned) == plan_hash(full) and pruned.chosen.time == full.chosen.time
+    assert n_full - n_pruned >= 2, (n_full, n_pruned)  # at least the contiguous forward and backward
 
 
 def _fake_choose(monkeypatch: pytest.MonkeyPatch, owner_results: list[tuple[float | None, float]]) -> tuple[object, float, int]:
