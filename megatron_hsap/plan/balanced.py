@@ -89,12 +89,17 @@ def _split_counts(lengths: np.ndarray, work: np.ndarray, size: int, chunk: int) 
 _LAYOUT_GAIN_PERCENT = 1  # layout="balanced" skips its compile when the contiguous plan is this close to the compute bound
 _SLACK = 0.02  # a document whole on a rank may overshoot the mean work by this before it is split
 _EXPOSED = 0.5  # measured: 0.5 beat 0.1, 0.25 and 1.0 (no overlap) on plan estimates, 64K–1M, P 8–64
+_KEEP_WITHIN = 1.005  # balanced_layout keeps the fewest pieces among the variants within 0.5% of the cheapest
 _MIN_PIECE = 64  # tokens: balance alone never cuts a document into head/tail pieces smaller than this
 
 
 def _assign(starts: np.ndarray, lengths: np.ndarray, work: np.ndarray, k_of: np.ndarray | None, size: int,
-            chunk: int, projected: bool, token_cost: float, window: int = -1) -> tuple[list[list[tuple[int, int]]], np.ndarray]:
+            chunk: int, projected: bool, token_cost: float, window: int = -1,
+            abandon_above: float = float("inf")) -> tuple[list[list[tuple[int, int]]], np.ndarray]:
     """One greedy assignment: ``(pieces held per rank, estimated cost per rank)``.
+
+    ``abandon_above``: raise ``_Abandoned`` as soon as one rank's cost exceeds it (costs only grow
+    while pieces are given: the finished assignment would cost more still; ``balanced_layout``).
 
     Documents go largest work first. With ``k_of`` a document is cut head–tail over ``k_of[d]``
     ranks; without it, over the ``k`` (smallest first, pieces ≥ ``_MIN_PIECE``) that minimises
@@ -127,6 +132,8 @@ def _assign(starts: np.ndarray, lengths: np.ndarray, work: np.ndarray, k_of: np.
         traffic[r] = tr = traffic_l[r] = traffic_l[r] + token_cost * remote
         del by_cost[bisect.bisect_left(by_cost, (cost_l[r], r))]
         cost[r] = cost_l[r] = c = (lr if lr >= tr else tr) + _EXPOSED * (tr if lr >= tr else lr)
+        if c > abandon_above:
+            raise _Abandoned
         bisect.insort(by_cost, (c, r))
 
     order = np.lexsort((np.arange(len(lengths)), -work))
@@ -229,6 +236,10 @@ def _assign(starts: np.ndarray, lengths: np.ndarray, work: np.ndarray, k_of: np.
     return held, _cost(load, traffic)
 
 
+class _Abandoned(Exception):
+    """An assignment stopped by ``abandon_above``: it cannot be the kept variant."""
+
+
 class _WiderBound:
     """Whether no split of a document (``n`` tokens, work ``wd``) over ``k' > k`` ranks can cost
     less than ``best`` (``_assign``'s search then stops: skipping candidates that cannot replace
@@ -295,11 +306,26 @@ def balanced_layout(batch: Batch, inter_size: int, intra_size: int, token_cost: 
             splits.append(k_of)
     variants = []
     # (the projected placement pays mostly with per-document splits: 5 variants, not 8)
-    for k_of, projected in [*((k, False) for k in splits), (None, False), (None, True)]:
-        held, cost = _assign(starts, lengths, work, k_of, size, chunk, projected, token_cost, window)
-        variants.append((float(cost.max()), sum(map(len, held)), held))
-    low = min(v[0] for v in variants)
-    held = min((v for v in variants if v[0] <= low * 1.005), key=lambda v: (v[1], v[0]))[2]
+    candidates = [*((k, False) for k in splits), (None, False), (None, True)]
+    # A variant whose busiest rank already costs more than ``_KEEP_WITHIN`` × the cheapest one
+    # finished so far can be neither the cheapest nor within ``_KEEP_WITHIN`` of it (its costs
+    # only grow: piece work and traffic are ≥ 0 and float addition is monotone), so its assignment
+    # stops there — the kept variant is the same as with every one finished. The order they run
+    # in changes nothing else (the choice below reads them in ``candidates`` order): the fixed
+    # splits from the most split (usually the cheapest, setting the bar) to ``must``, then the
+    # slower per-document variants.
+    run_order = [*reversed(range(len(splits))), len(splits), len(splits) + 1]
+    for i in run_order:
+        k_of, projected = candidates[i]
+        bar = min(v[1] for v in variants) * _KEEP_WITHIN if variants and token_cost >= 0 else float("inf")
+        try:
+            held, cost = _assign(starts, lengths, work, k_of, size, chunk, projected, token_cost, window, bar)
+        except _Abandoned:
+            continue
+        variants.append((i, float(cost.max()), sum(map(len, held)), held))
+    variants.sort(key=lambda v: v[0])
+    low = min(v[1] for v in variants)
+    held = min((v for v in variants if v[1] <= low * _KEEP_WITHIN), key=lambda v: (v[2], v[1]))[3]
     segments = []
     for r in range(size):
         merged: list[list[int]] = []
