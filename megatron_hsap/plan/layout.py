@@ -7,6 +7,7 @@ sliced across the ``P_intra`` ranks of its node.
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 from numbers import Integral
 from typing import Sequence
@@ -187,15 +188,18 @@ def validate_layout(layout: Layout, padded_tokens: int) -> None:
         raise ConfigError(f"layout {layout.name}: tokens not held exactly once")
 
 
-def segment_pieces(batch: Batch, segments: Sequence[Segment]) -> list[tuple[int, TokenRange, int]]:
-    """Split a rank's segments at document boundaries: (doc, global range, local start) each."""
+def segment_pieces(batch: Batch, segments: Sequence[Segment], starts: list[int] | None = None) -> list[tuple[int, TokenRange, int]]:
+    """Split a rank's segments at document boundaries: (doc, global range, local start) each.
+    ``starts``: ``batch.doc_starts.tolist()`` when the caller has it (a caller over every rank
+    converts once; ``bisect`` on the list finds what ``np.searchsorted(side="right")`` does)."""
     out: list[tuple[int, TokenRange, int]] = []
-    starts = batch.doc_starts
+    if starts is None:
+        starts = batch.doc_starts.tolist()
     for s in segments:
         a, b = s.tokens.start, s.tokens.stop
-        d = int(np.searchsorted(starts, a, side="right") - 1)
+        d = bisect.bisect_right(starts, a) - 1
         while a < b:
-            end = min(b, int(starts[d + 1]))
+            end = min(b, starts[d + 1])
             out.append((d, TokenRange(a, end), s.local_start + (a - s.tokens.start)))
             a = end
             d += 1

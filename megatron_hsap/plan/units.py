@@ -73,40 +73,61 @@ class WorkUnit:
 _new_work_unit = positional_builder(WorkUnit)  # every field, ``_work`` last: ~2x the keyword ``__init__``
 
 
+_CROSS_PATTERNS = {(True, True): "A2", (True, False): "A3", (False, True): "A4", (False, False): "A5"}
+
+
 def pattern_of(q: TokenRange, kv: TokenRange, causal: bool, chunk: int) -> str:
     """The paper's A1–A5 names (Figure 3): A1 diagonal; cross blocks by whether the q rows / kv
     columns fill their whole chunk: A2 both, A3 rows whole (cross-up), A4 columns whole
     (cross-right), A5 neither (cross-corner)."""
     if causal:
         return "A1"
-    rows_whole = len(q) == chunk
-    cols_whole = len(kv) == chunk
-    return {(True, True): "A2", (True, False): "A3", (False, True): "A4", (False, False): "A5"}[(rows_whole, cols_whole)]
+    return _CROSS_PATTERNS[(len(q) == chunk, len(kv) == chunk)]
+
+
+_new_piece = positional_builder(Piece)
 
 
 def build_units(batch: Batch, layout: Layout, window: int = NO_WINDOW) -> tuple[list[Piece], list[WorkUnit]]:
     """All pieces and all non-empty blocks, in (doc, q start, kv start) order; under a window
-    each block is clipped to the band (``clip_unit``) and blocks beyond it are left out."""
+    each block is clipped to the band (``clip_unit``) and blocks beyond it are left out.
+
+    (Hot at 10^4–10^5 blocks per compile: document starts as a Python list for ``bisect``,
+    ``positional_builder`` constructions, each piece's range, owner and whole-chunk flag read once
+    — ``pattern_of``'s rule, the same objects; tests/plan/test_compile_speed_equal.py checks them
+    against the plain construction.)"""
+    starts = batch.doc_starts.tolist()
     pieces: list[Piece] = []
     for rank, segs in enumerate(layout.segments):
-        for doc, rng, local in segment_pieces(batch, segs):
-            pieces.append(Piece(doc, rng, rank, local))
+        for doc, rng, local in segment_pieces(batch, segs, starts):
+            pieces.append(_new_piece(doc, rng, rank, local))
     pieces.sort(key=lambda p: p.tokens.start)
     units: list[WorkUnit] = []
-    by_doc: dict[int, list[Piece]] = {}
-    for p in pieces:
-        by_doc.setdefault(p.doc, []).append(p)
+    by_doc: dict[int, list[tuple[TokenRange, int, bool]]] = {}
     chunk = layout.chunk_tokens
+    for p in pieces:
+        t = p.tokens
+        n = t.stop - t.start
+        by_doc.setdefault(p.doc, []).append((t, p.owner, n == chunk, n))
+    new, patterns, append = _new_work_unit, _CROSS_PATTERNS, units.append
     for doc in sorted(by_doc):
         plist = by_doc[doc]
-        for qi, qp in enumerate(plist):
-            for kp in plist[: qi + 1]:
-                causal = kp is qp
-                if window >= 0 and qp.tokens.start - window >= kp.tokens.stop:
+        for qi, (qt, qo, qwhole, qn) in enumerate(plist):
+            if window < 0:
+                # ``WorkUnit(doc, q, kv, causal, q_owner, kv_owner, pattern, window)`` with its work
+                # (``causal_work``'s closed forms: every earlier piece's keys lie before the rows,
+                # a rectangle; the diagonal is a triangle, staircase_pairs(n))
+                for kt, ko, kwhole, kn in plist[:qi]:
+                    append(new(doc, qt, kt, False, qo, ko, patterns[(qwhole, kwhole)], window, qn * kn))
+                append(new(doc, qt, qt, True, qo, qo, "A1", window, qn + qn * (qn - 1) // 2))
+                continue
+            for ki in range(qi + 1):
+                kt, ko, kwhole, _ = plist[ki]
+                if qt.start - window >= kt.stop:
                     continue  # every key older than every row's window: an empty block
-                # ``_new_work_unit``: ``WorkUnit(doc, q, kv, causal, q_owner, kv_owner, pattern, window)``
-                unit = clip_unit(_new_work_unit(doc, qp.tokens, kp.tokens, causal, qp.owner, kp.owner,
-                                                pattern_of(qp.tokens, kp.tokens, causal, chunk), window, -1), window)
+                causal = ki == qi
+                unit = clip_unit(new(doc, qt, kt, causal, qo, ko, "A1" if causal else patterns[(qwhole, kwhole)],
+                                     window, -1), window)
                 if unit is not None:
-                    units.append(unit)
+                    append(unit)
     return pieces, units
