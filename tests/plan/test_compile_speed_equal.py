@@ -324,3 +324,119 @@ def test_local_rates_per_rank_memo_equals_one_pass_over_all_ranks() -> None:
             has = np.array([bool(loc) for loc in st.local])
             assert np.array_equal(got[phase][0][has], ref[phase][0][has]) and np.array_equal(got[phase][1], ref[phase][1])
     assert len(rates.local_memo) == 9  # 8 ranks + rank 0 again
+
+
+def _variants_in_full(batch, size: int, token_cost: float, window: int):
+    """``balanced_layout``'s choice with every greedy variant run to its end (the plain selection)."""
+    from megatron_hsap.plan import balanced as B
+
+    chunk = batch.padded_tokens // size
+    starts, lengths = batch.doc_starts, np.diff(batch.doc_starts)
+    work = batch.doc_work(window).astype(float)
+    tau = float(work.sum()) / size
+    must = np.clip(np.ceil(lengths / chunk), 1, size).astype(np.int64)
+    plain = np.clip(np.maximum(np.ceil(work / tau) if tau else 1, must), 1, size).astype(np.int64)
+    dense = B._split_counts(lengths, work, size, chunk) if size > 1 else plain
+    splits = [must]
+    for k_of in (plain, dense):
+        if not any(np.array_equal(k_of, x) for x in splits):
+            splits.append(k_of)
+    variants = []
+    for k_of, projected in [*((k, False) for k in splits), (None, False), (None, True)]:
+        held, cost = B._assign(starts, lengths, work, k_of, size, chunk, projected, token_cost, window)
+        variants.append((float(cost.max()), sum(map(len, held)), held))
+    low = min(v[0] for v in variants)
+    held = min((v for v in variants if v[0] <= low * 1.005), key=lambda v: (v[1], v[0]))[2]
+    return [sorted(h) for h in held]
+
+
+@pytest.mark.parametrize("workload, T, size, token_cost, window", [
+    ("fineweb", 1 << 16, 8, 0.0, -1), ("fineweb", 1 << 16, 8, 300.0, -1), ("sharegpt", 1 << 17, 16, 40.0, -1),
+    ("slimpajama", 1 << 18, 32, 120.0, -1), ("fineweb", 1 << 17, 16, 80.0, 4096)])
+def test_abandoned_layout_variants_keep_the_same_layout(workload, T, size, token_cost, window, monkeypatch) -> None:
+    """A variant stopped once a rank costs more than 1.005 × the cheapest finished one (and the
+    most-split-first order) keeps the layout every variant run in full keeps; the inputs stop some."""
+    from megatron_hsap.plan import balanced as B
+    from megatron_hsap.plan.layout import Batch
+
+    stopped = []
+    assign = B._assign
+
+    def counting(*a, **k):
+        try:
+            return assign(*a, **k)
+        except B._Abandoned:
+            stopped.append(a[3] is None)
+            raise
+
+    monkeypatch.setattr(B, "_assign", counting)
+    for seed in range(3):
+        batch = Batch.build(pack_batches(workload, T, seed + 1, 0)[seed], size * 8)
+        layout = B.balanced_layout(batch, size, 8, token_cost, window)
+        got = [sorted((s.tokens.start, s.tokens.stop) for s in segs) for segs in layout.segments]
+        ref = _variants_in_full(batch, size, token_cost, window)
+        merged = []
+        for h in ref:  # neighbours on one rank merged, as balanced_layout's segments are
+            m: list[list[int]] = []
+            for a, b in h:
+                if m and m[-1][1] == a:
+                    m[-1][1] = b
+                else:
+                    m.append([a, b])
+            merged.append([tuple(x) for x in m])
+        assert got == merged
+    assert stopped, "the inputs must exercise the early stop"
+
+
+def _build_units_plain(batch, layout, window: int):
+    """The construction ``build_units`` replaced: ``np.searchsorted`` per segment, keyword
+    constructors, ``pattern_of`` and ``clip_unit`` per block, work left to ``causal_work``."""
+    from megatron_hsap.plan.units import Piece, clip_unit, pattern_of
+
+    pieces = []
+    starts = batch.doc_starts
+    for rank, segs in enumerate(layout.segments):
+        for s in segs:
+            a, b = s.tokens.start, s.tokens.stop
+            d = int(np.searchsorted(starts, a, side="right") - 1)
+            while a < b:
+                end = min(b, int(starts[d + 1]))
+                pieces.append(Piece(d, TokenRange(a, end), rank, s.local_start + (a - s.tokens.start)))
+                a, d = end, d + 1
+    pieces.sort(key=lambda p: p.tokens.start)
+    by_doc: dict[int, list] = {}
+    for p in pieces:
+        by_doc.setdefault(p.doc, []).append(p)
+    units = []
+    for doc in sorted(by_doc):
+        plist = by_doc[doc]
+        for qi, qp in enumerate(plist):
+            for kp in plist[: qi + 1]:
+                if window >= 0 and qp.tokens.start - window >= kp.tokens.stop:
+                    continue
+                causal = kp is qp
+                u = clip_unit(WorkUnit(doc, qp.tokens, kp.tokens, causal, qp.owner, kp.owner,
+                                       pattern_of(qp.tokens, kp.tokens, causal, layout.chunk_tokens), window), window)
+                if u is not None:
+                    units.append(u)
+    return pieces, units
+
+
+@pytest.mark.parametrize("window", [-1, 2048])
+@pytest.mark.parametrize("layout_name", ["contiguous", "balanced"])
+def test_build_units_equals_the_plain_construction(layout_name, window) -> None:
+    """``build_units``'s fast path: the same pieces and blocks (fields, order) as the plain
+    construction, and each block's preset work equal to ``causal_work`` computed afresh."""
+    from megatron_hsap.plan.balanced import balanced_layout
+    from megatron_hsap.plan.layout import Batch, contiguous_layout
+    from megatron_hsap.plan.units import build_units, causal_work
+
+    for workload, T, size in [("fineweb", 1 << 16, 8), ("sharegpt", 1 << 17, 16), ("slimpajama", 1 << 18, 32)]:
+        batch = Batch.build(pack_batches(workload, T, 1, 0)[0], size * 4)
+        layout = (contiguous_layout(batch, size, 4) if layout_name == "contiguous"
+                  else balanced_layout(batch, size, 4, 50.0, window))
+        pieces, units = build_units(batch, layout, window)
+        ref_pieces, ref_units = _build_units_plain(batch, layout, window)
+        assert pieces == ref_pieces and units == ref_units
+        assert [u.work for u in units] == [causal_work(u.q, u.kv, u.causal, u.window) for u in ref_units]
+        assert len({u.pattern for u in units}) >= 2
