@@ -76,6 +76,9 @@ class CostRates:
     # blocks, numbers)}: the placements of one compile (one CostRates) share blocks they leave
     # untouched; it lives and dies with these rates (a `replace` gets a fresh one), no part of equality
     local_memo: dict = field(default_factory=dict, init=False, compare=False, hash=False, repr=False)
+    # placement._start_sums' memo, {(id(units), size): (units, work, traffic)}: the three starts of
+    # one layout (owner-computes, min-traffic, region-distflash) begin from the same sums
+    start_memo: dict = field(default_factory=dict, init=False, compare=False, hash=False, repr=False)
 
     @classmethod
     def of(cls, shape: HeadShape, hw: Hardware, bw: float, node: tuple[int, ...] = (),
@@ -347,21 +350,40 @@ def _normalise(u: WorkUnit, home: int, bands: list[Band]) -> tuple[int, list[Ban
     return home, out
 
 
+def _start_sums(units: list[WorkUnit], size: int, rates: CostRates) -> tuple[list[float], list[Vec]]:
+    """Per-rank work and traffic with every block whole on its q owner (a fresh copy each call).
+
+    The same float operations as adding ``u.work`` and ``rates.kv_side`` / its mirror per block in
+    block order (``_plus`` per component; ranks no block reaches keep ``_ZERO``), computed once per
+    ``(units, size)`` and kept on ``rates`` (one compile's) for the other starts of the layout.
+    tests/plan/test_compile_speed_equal.py checks them against the per-block form."""
+    key = (id(units), size)
+    got = rates.start_memo.get(key)
+    if got is None or got[0] is not units or got[1] != len(units):
+        work = [0.0] * size
+        sf, rf, sb, rb = ([0.0] * size for _ in range(4))
+        touched = [False] * size
+        kv, dkv = rates.kv, rates.dkv
+        for u in units:
+            a, c = u.q_owner, u.kv_owner
+            work[a] += u.work
+            if a != c:  # the q owner fetches the kv slice: kv_side(n) = (n·kv, 0, n·kv, n·dkv) on c, mirrored on a
+                n = u.kv.stop - u.kv.start
+                k, d = n * kv, n * dkv
+                sf[c] += k; rf[c] += 0.0; sb[c] += k; rb[c] += d  # noqa: E702
+                sf[a] += 0.0; rf[a] += k; sb[a] += d; rb[a] += k  # noqa: E702
+                touched[a] = touched[c] = True
+        traffic = [(sf[r], rf[r], sb[r], rb[r]) if touched[r] else _ZERO for r in range(size)]
+        got = rates.start_memo[key] = (units, len(units), work, traffic)
+    return list(got[2]), list(got[3])
+
+
 def _empty(name: str, units: list[WorkUnit], size: int, rates: CostRates, base: list[Unit] | None) -> Placement:
     if base is None:
         # ``ir.new_unit``: the fast constructor, with the work unit's (equal) work carried over
         base = [new_unit(u.doc, u.q, u.kv, u.causal, u.q_owner, u.kv_owner, u.q_owner, 0, u.window, u.work) for u in units]
-    work = [0.0] * size
-    for u in units:
-        work[u.q_owner] += u.work
-    traffic: list[Vec] = [_ZERO] * size
-    pl = Placement(name, units, rates, size, work, traffic, [u.q.stop for u in units], [[] for _ in units], base)
-    for i, u in enumerate(units):
-        if u.q_owner != u.kv_owner:  # the q owner fetches the kv slice
-            kv = rates.kv_side(u.kv.stop - u.kv.start)
-            pl.traffic[u.kv_owner] = _plus(pl.traffic[u.kv_owner], kv)
-            pl.traffic[u.q_owner] = _plus(pl.traffic[u.q_owner], _mirror(kv))
-    return pl
+    work, traffic = _start_sums(units, size, rates)
+    return Placement(name, units, rates, size, work, traffic, [u.q.stop for u in units], [[] for _ in units], base)
 
 
 def owner_computes(units: list[WorkUnit], size: int, rates: CostRates, base: list[Unit] | None = None) -> Placement:

@@ -440,3 +440,33 @@ def test_build_units_equals_the_plain_construction(layout_name, window) -> None:
         assert pieces == ref_pieces and units == ref_units
         assert [u.work for u in units] == [causal_work(u.q, u.kv, u.causal, u.window) for u in ref_units]
         assert len({u.pattern for u in units}) >= 2
+
+
+def test_start_sums_equal_the_per_block_form() -> None:
+    """``placement._start_sums`` (one pass, memoised on the compile's rates for the three starts)
+    equals adding each block's work and ``kv_side`` traffic per block with ``_plus``, bit for bit;
+    a fresh copy each call (a start's updates never reach the next one)."""
+    from megatron_hsap.plan import placement as PL
+    from megatron_hsap.plan.balanced import balanced_layout
+    from megatron_hsap.plan.layout import Batch
+    from megatron_hsap.plan.units import build_units
+
+    plan, rates = _plan_and_rates("sharegpt", 1 << 17, 16, 0)
+    batch = plan.batch
+    for layout in (balanced_layout(batch, 16, 1, 50.0), None):
+        units = build_units(batch, layout)[1] if layout else build_units(batch, plan.layout)[1]
+        work, traffic = [0.0] * 16, [PL._ZERO] * 16
+        for u in units:
+            work[u.q_owner] += u.work
+        for u in units:
+            if u.q_owner != u.kv_owner:
+                kv = rates.kv_side(u.kv.stop - u.kv.start)
+                traffic[u.kv_owner] = PL._plus(traffic[u.kv_owner], kv)
+                traffic[u.q_owner] = PL._plus(traffic[u.q_owner], PL._mirror(kv))
+        for _ in range(2):
+            pl = PL.owner_computes(units, 16, rates)
+            assert pl.work == work and pl.traffic == traffic
+            assert all((a is PL._ZERO) == (b is PL._ZERO) for a, b in zip(pl.traffic, traffic))
+            pl.work[0] += 1.0  # a start's own changes stay its own
+        assert any(t is not PL._ZERO for t in traffic)
+    assert len(rates.start_memo) == 2
