@@ -173,18 +173,30 @@ def contiguous_layout(batch: Batch, inter_size: int, intra_size: int) -> Layout:
 
 
 def validate_layout(layout: Layout, padded_tokens: int) -> None:
-    """Every token held exactly once, local rows dense, equal chunk sizes."""
-    seen = np.zeros(padded_tokens, dtype=np.int64)
+    """Every token held exactly once, local rows dense, equal chunk sizes.
+
+    "Exactly once" without a per-token count: the non-empty segments (cut at ``padded_tokens``,
+    where a count array's slices end) sorted by start must tile ``[0, padded_tokens)`` — each
+    starts where the previous one stops (a gap, an overlap or a token held twice breaks that)."""
+    spans: list[tuple[int, int]] = []
     for rank, segs in enumerate(layout.segments):
         row = 0
         for s in segs:
             if s.local_start != row:
                 raise ConfigError(f"layout {layout.name}: rank {rank} segment {s} is not at local row {row}")
-            seen[s.tokens.start : s.tokens.stop] += 1
-            row += len(s.tokens)
+            a, b = min(s.tokens.start, padded_tokens), min(s.tokens.stop, padded_tokens)
+            if b > a:
+                spans.append((a, b))
+            row += s.tokens.stop - s.tokens.start
         if row != layout.chunk_tokens:
             raise ConfigError(f"layout {layout.name}: rank {rank} holds {row} tokens, expected {layout.chunk_tokens}")
-    if not (seen == 1).all():
+    covered = 0
+    for a, b in sorted(spans):
+        if a != covered:
+            covered = -1  # a gap or an overlap
+            break
+        covered = b
+    if covered != padded_tokens:
         raise ConfigError(f"layout {layout.name}: tokens not held exactly once")
 
 

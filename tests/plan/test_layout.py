@@ -88,3 +88,43 @@ def test_validate_layout_rejects_a_token_held_twice() -> None:
         validate_layout(Layout("bad", segs, 4, 1), 8)
     with pytest.raises(ConfigError, match="cp_rank"):
         contiguous_layout(Batch.build([0, 8], 2), 2, 1).local_token_indices(2)
+
+
+def test_validate_layout_tiling_check_equals_a_token_count() -> None:
+    """``validate_layout``'s sorted-tiling test of "every token exactly once" accepts and rejects
+    exactly the layouts a per-token count (``seen[s:e] += 1``, all ones) does: random segments
+    with gaps, overlaps, repeats, empty and past-the-end segments."""
+    rng = np.random.default_rng(7)
+    verdicts = {True: 0, False: 0}
+    for _ in range(400):
+        padded = int(rng.integers(1, 24))
+        cuts = sorted({0, padded, *rng.integers(0, padded + 1, int(rng.integers(0, 5))).tolist()})
+        spans = [(a, b) for a, b in zip(cuts, cuts[1:])]
+        for _ in range(int(rng.integers(0, 3))):  # break it: drop, repeat, move, widen past the end
+            kind = int(rng.integers(0, 4))
+            if kind == 0 and spans:
+                spans.pop(int(rng.integers(0, len(spans))))
+            elif kind == 1 and spans:
+                spans.append(spans[int(rng.integers(0, len(spans)))])
+            elif kind == 2:
+                a = int(rng.integers(0, padded + 1))
+                spans.append((a, a + int(rng.integers(0, 3))))
+            else:
+                spans.append((padded, padded + int(rng.integers(1, 3))))
+        rows = sum(b - a for a, b in spans)
+        segs, row = [], 0
+        for a, b in spans:  # all on one rank, dense local rows
+            segs.append(Segment(TokenRange(a, b), row))
+            row += b - a
+        seen = np.zeros(padded, dtype=np.int64)
+        for a, b in spans:
+            seen[a:b] += 1
+        expected = bool((seen == 1).all())
+        try:
+            validate_layout(Layout("t", (tuple(segs),), rows, 1), padded)
+            got = True
+        except ConfigError:
+            got = False
+        assert got == expected, (padded, spans)
+        verdicts[got] += 1
+    assert min(verdicts.values()) > 50
