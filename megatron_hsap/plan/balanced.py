@@ -32,11 +32,13 @@ import bisect
 
 import numpy as np
 
-from megatron_hsap.plan.ir import Segment, TokenRange
+from megatron_hsap.plan.ir import Segment, TokenRange, positional_builder
 from megatron_hsap.plan.layout import Batch, Layout
 from megatron_hsap.plan.window import banded_pairs, staircase_pairs
 
 __all__ = ["balanced_layout", "piece_work", "kept_layout"]
+
+_new_segment, _new_range = positional_builder(Segment), positional_builder(TokenRange)  # ~2x the dataclass __init__
 
 
 def piece_work(doc_start: int, a: int, b: int, window: int = -1) -> int:
@@ -336,7 +338,7 @@ def balanced_layout(batch: Batch, inter_size: int, intra_size: int, token_cost: 
                 merged.append([a, b])
         segs, row = [], 0
         for a, b in merged:
-            segs.append(Segment(TokenRange(a, b), row))
+            segs.append(_new_segment(_new_range(a, b), row))  # Segment(TokenRange(a, b), row)
             row += b - a
         segments.append(tuple(segs))
     return Layout(name="balanced", segments=tuple(segments), chunk_tokens=chunk, intra_size=intra_size)

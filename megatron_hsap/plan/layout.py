@@ -209,7 +209,12 @@ def segment_pieces(batch: Batch, segments: Sequence[Segment], starts: list[int] 
         starts = batch.doc_starts.tolist()
     for s in segments:
         a, b = s.tokens.start, s.tokens.stop
+        if a >= b:
+            continue  # an empty segment holds no piece
         d = bisect.bisect_right(starts, a) - 1
+        if starts[d + 1] >= b:  # the segment lies in one document: its own (equal) range
+            out.append((d, s.tokens, s.local_start))
+            continue
         while a < b:
             end = min(b, starts[d + 1])
             out.append((d, TokenRange(a, end), s.local_start + (a - s.tokens.start)))

@@ -128,3 +128,30 @@ def test_validate_layout_tiling_check_equals_a_token_count() -> None:
         assert got == expected, (padded, spans)
         verdicts[got] += 1
     assert min(verdicts.values()) > 50
+
+
+def test_segment_pieces_equals_a_per_token_document_lookup() -> None:
+    """``segment_pieces`` (bisect on the document starts, a segment inside one document kept
+    whole) cuts each segment exactly where a per-token ``doc_of`` changes, empty segments
+    holding nothing; with and without the caller's ``starts`` list."""
+    rng = np.random.default_rng(3)
+    for _ in range(60):
+        n = int(rng.integers(1, 40))
+        cu = sorted({0, n, *rng.integers(0, n + 1, int(rng.integers(0, 6))).tolist()})
+        batch = Batch.build(cu, 1)
+        cuts = sorted({0, n, *rng.integers(0, n + 1, int(rng.integers(0, 6))).tolist()})
+        segs, row = [], 0
+        for a, b in [*zip(cuts, cuts[1:]), (n // 2, n // 2)]:
+            segs.append(Segment(TokenRange(a, b), row))
+            row += b - a
+        ref = []
+        for s in segs:
+            for t in range(s.tokens.start, s.tokens.stop):
+                d, local = batch.doc_of(t), s.local_start + t - s.tokens.start
+                if ref and ref[-1][0] == d and ref[-1][1].stop == t and ref[-1][3] is s:
+                    ref[-1] = (d, TokenRange(ref[-1][1].start, t + 1), ref[-1][2], s)
+                else:
+                    ref.append((d, TokenRange(t, t + 1), local, s))
+        ref = [r[:3] for r in ref]
+        assert segment_pieces(batch, segs) == ref
+        assert segment_pieces(batch, segs, batch.doc_starts.tolist()) == ref
