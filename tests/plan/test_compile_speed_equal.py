@@ -470,3 +470,28 @@ def test_start_sums_equal_the_per_block_form() -> None:
             pl.work[0] += 1.0  # a start's own changes stay its own
         assert any(t is not PL._ZERO for t in traffic)
     assert len(rates.start_memo) == 2
+
+
+def test_placement_copies_share_band_lists_safely() -> None:
+    """``Placement.copy`` shares the per-block band lists (values: replaced, never changed in
+    place): rebalancing copies of a start leaves the start's lists as they were, and gives what a
+    rebalance of a deep copy gives."""
+    from megatron_hsap.plan.placement import Placement, owner_computes, region_distflash
+    from megatron_hsap.plan.rebalance import balance
+    from megatron_hsap.plan.units import build_units
+
+    plan, rates = _plan_and_rates("sharegpt", 1 << 17, 16, 0, layout="contiguous")
+    units = build_units(plan.batch, plan.layout)[1]
+    moved = 0
+    for start in (owner_computes(units, 16, rates), region_distflash(units, 16, rates)):
+        snap = [list(b) for b in start.bands]
+        state = (list(start.home), list(start.work), list(start.traffic))
+        for beta in (1.0, 0.25):
+            got = balance(start, traffic_budget=beta)
+            deep = Placement(start.name, units, rates, 16, list(start.work), list(start.traffic), list(start.home),
+                             [list(b) for b in start.bands], start.base)
+            ref = balance(deep, traffic_budget=beta)
+            assert (got.home, got.bands, got.work, got.traffic) == (ref.home, ref.bands, ref.work, ref.traffic)
+            moved += got.bands != start.bands
+        assert start.bands == snap and (start.home, start.work, start.traffic) == state
+    assert moved
