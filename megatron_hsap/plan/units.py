@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 
 from megatron_hsap.plan.ir import TokenRange, positional_builder
 from megatron_hsap.plan.layout import Batch, Layout, segment_pieces
-from megatron_hsap.plan.window import NO_WINDOW, banded_pairs, clip_block
+from megatron_hsap.plan.window import NO_WINDOW, banded_pairs, clip_block, staircase_pairs
 
 __all__ = ["Piece", "WorkUnit", "build_units", "causal_work", "pattern_of", "clip_unit"]
 
@@ -119,7 +119,7 @@ def build_units(batch: Batch, layout: Layout, window: int = NO_WINDOW) -> tuple[
                 # a rectangle; the diagonal is a triangle, staircase_pairs(n))
                 for kt, ko, kwhole, kn in plist[:qi]:
                     append(new(doc, qt, kt, False, qo, ko, patterns[(qwhole, kwhole)], window, qn * kn))
-                append(new(doc, qt, qt, True, qo, qo, "A1", window, qn + qn * (qn - 1) // 2))
+                append(new(doc, qt, qt, True, qo, qo, "A1", window, staircase_pairs(qn)))
                 continue
             for ki in range(qi + 1):
                 kt, ko, kwhole, _ = plist[ki]
