@@ -95,10 +95,12 @@ class PlanOptions:
 def inter_rank_nodes(opts: PlanOptions, link: LinkClass) -> tuple[int, ...]:
     """Node of each inter rank ``i`` of inter group 0 (CP rank ``i·P_intra``, TP ranks innermost)
     under a network link class, for pricing which P2P pairs share a node (NVLink, in parallel
-    with the NIC: ``CostRates.node``); ``()`` under NVLink (one node, every pair at one rate)."""
+    with the NIC: ``CostRates.node``); ``()`` under NVLink or when they all share one node (every
+    pair at one rate)."""
     if link is not LinkClass.INFINIBAND:
         return ()
-    return tuple((i * opts.intra_size * opts.tp_size) // opts.gpus_per_node for i in range(opts.inter_size))
+    node = tuple((i * opts.intra_size * opts.tp_size) // opts.gpus_per_node for i in range(opts.inter_size))
+    return node if len(set(node)) > 1 else ()
 
 
 def validated_options(inter_size, intra_size, num_heads, num_kv_heads, head_dim, head_dim_v, dtype_bytes,

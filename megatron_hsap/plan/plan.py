@@ -426,7 +426,8 @@ def _price_on(layout: Layout, batch: Batch, shape: HeadShape, opts: PlanOptions)
 def _build_on(p: _Priced) -> Plan:
     """Generate the code of ``p``'s lowest price (``_choose``: pool-overflow retries, the
     owner-computes recheck) and assemble the ``Plan``."""
-    best, alternatives, owner_time = _choose(p.priced, p.opts.inter_size, p.shape, p.capacity, p.rates, p.latency,
+    # a copy: _choose drops and re-prices candidates as it retries, and ``p.price`` must not move
+    best, alternatives, owner_time = _choose(dict(p.priced), p.opts.inter_size, p.shape, p.capacity, p.rates, p.latency,
                                              p.capacity * _BUDGET_FRACTION)
     if best is None:
         raise ConfigError(

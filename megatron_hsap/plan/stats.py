@@ -92,7 +92,6 @@ def plan_stats(plan: "Plan") -> PlanStats:
     total = plan.batch.total_work(plan.options.window)
     mean = total / size
     node = inter_rank_nodes(plan.options, plan.link)
-    node = node if len(set(node)) > 1 else ()  # as CostRates.of: one node, one rate
     nec_f, nec_b, nec_x = necessary_traffic(list(plan.work_units), plan.shape, node)
     bounds = lower_bounds(total, nec_f, nec_b, size, plan.shape, plan.hardware, plan.link, nec_x if node else None)
     rates = CostRates.of(plan.shape, plan.hardware, plan.hardware.bandwidth(plan.link))
