@@ -31,7 +31,7 @@ from megatron_hsap.plan.layout import normalize_cu_seqlens
 from megatron_hsap.runtime.env import read_env
 from megatron_hsap.runtime.executor import PhaseStats
 from megatron_hsap.runtime.kernels import attn_backward, attn_forward
-from megatron_hsap.runtime.merge import merge_into
+from megatron_hsap.runtime.merge import merge_into, use_fused_merge
 from megatron_hsap.runtime.p2p import P2PChannel, Transfer, warm_up
 from megatron_hsap.runtime.ulysses import expand_kv_for_intra, heads_to_seq, seq_to_heads, sum_kv_grad_for_intra
 
@@ -126,7 +126,9 @@ class RingAttention:
             raise ConfigError(f"ring layout for {layout.ring} ranks but the group has {size}")
         self.rank = dist.get_rank(group) if layout.ring > 1 else 0
         self.backend = backend
-        self.timeout_s = read_env().p2p_timeout_s
+        env = read_env()
+        self.timeout_s = env.p2p_timeout_s
+        self.fused_merge = use_fused_merge(self.device, env)  # TE fuses its correction too (thd_out_correction)
         self.seqlens = {(s, u): _pair_seqlens(layout.chunk, s, u, self.device) for s in (0, 1) for u in (0, 1)}
         self.stats = {Phase.FWD: PhaseStats(), Phase.BWD: PhaseStats()}
 
@@ -166,7 +168,7 @@ class RingAttention:
             for (cq, ck, mx), causal in self._pairs((self.rank - i) % p):
                 o, l = attn_forward(q, cur[0], cur[1], cu_seqlens_q=cq, cu_seqlens_k=ck, max_seqlen_q=mx,
                                     max_seqlen_k=mx, causal=causal, softmax_scale=scale, backend=self.backend)  # fmt: skip
-                merge_into(out, lse, o, l)
+                merge_into(out, lse, o, l, fused=self.fused_merge)
             compute += time.perf_counter() - c0
             if i < p - 1:
                 chan.wait(i)

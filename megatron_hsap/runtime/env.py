@@ -13,6 +13,8 @@ variable                default    meaning
 ``HSAP_P2P_TIMEOUT_S``  ``300``    deadline (s, ≤ one week) of every HSAP collective: P2P rounds,
                                    the plan handshake, warm-up, Ulysses all-to-all, debug checks
 ``HSAP_DEBUG``          ``0``      ``1``/``true``: extra (slow, syncing) consistency checks
+``HSAP_FUSED_MERGE``    ``1``      ``0``: LSE merges on CUDA run the eager torch kernels instead
+                                   of the one-launch Triton kernel (``runtime/fused_merge.py``)
 ======================  =========  ==========================================================
 """
 
@@ -46,6 +48,7 @@ ENV_VARS: tuple[EnvVar, ...] = (
     ),
     EnvVar("HSAP_P2P_TIMEOUT_S", "300", "seconds a P2P round may wait before failing"),
     EnvVar("HSAP_DEBUG", "0", "1/true enables slow consistency checks (host syncs)"),
+    EnvVar("HSAP_FUSED_MERGE", "1", "0 runs CUDA LSE merges eagerly instead of the fused Triton kernel"),
 )
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
@@ -63,6 +66,7 @@ class EnvSettings:
     attn_backend: str | None = None
     p2p_timeout_s: float = 300.0
     debug: bool = False
+    fused_merge: bool = True  # HSAP_FUSED_MERGE (the kernel still needs CUDA and Triton)
 
 
 def _parse_bool(name: str, raw: str) -> bool:
@@ -100,4 +104,5 @@ def read_env(environ: Mapping[str, str] | None = None) -> EnvSettings:
         )
 
     debug = _parse_bool("HSAP_DEBUG", env.get("HSAP_DEBUG", "0"))
-    return EnvSettings(attn_backend=backend, p2p_timeout_s=timeout, debug=debug)
+    fused_merge = _parse_bool("HSAP_FUSED_MERGE", env.get("HSAP_FUSED_MERGE", "1"))
+    return EnvSettings(attn_backend=backend, p2p_timeout_s=timeout, debug=debug, fused_merge=fused_merge)

@@ -48,7 +48,7 @@ from megatron_hsap.plan.lru import LRUCache
 from megatron_hsap.runtime.env import MAX_TIMEOUT_S, read_env
 from megatron_hsap.runtime.handshake import agree
 from megatron_hsap.runtime.kernels import attn_backward, attn_forward, resolve_backend
-from megatron_hsap.runtime.merge import merge_into
+from megatron_hsap.runtime.merge import merge_into, use_fused_merge
 from megatron_hsap.runtime.p2p import P2PChannel, Transfer, warm_up
 from megatron_hsap.runtime.prepared import (AccumulatePartial, ComputeCalls, MergePartial, PostRound, Prepared,
                                             PreparedCall, WaitRound, prepare)  # fmt: skip
@@ -125,7 +125,7 @@ class Executor:
 
     Build it once per (plan, group, device) — :func:`executor_for` caches them — and call
     :meth:`forward` / :meth:`backward` every step. Reads ``HSAP_P2P_TIMEOUT_S`` and
-    ``HSAP_ATTN_BACKEND`` here, at construction, never on the hot path.
+    ``HSAP_ATTN_BACKEND`` (and ``HSAP_FUSED_MERGE``) here, at construction, never on the hot path.
 
     ``skip_rounds`` is a test-only fault injection: this rank neither posts nor waits those
     global round indices (its peers then time out).
@@ -155,6 +155,7 @@ class Executor:
         if not 0 < self.timeout_s <= MAX_TIMEOUT_S:  # inf would overflow after a round is posted
             raise ConfigError(f"timeout_s={timeout_s!r} must be a finite number of seconds in (0, {MAX_TIMEOUT_S:g}]")
         self.backend = resolve_backend(backend, self.device)
+        self.fused_merge = use_fused_merge(self.device, env)  # one Triton launch per merge on CUDA
         self.skip_rounds = frozenset(skip_rounds)
         _ = plan.hash  # host work for the handshake, here rather than before the first round
         rows = LocalRows(plan.layout.segments[self.rank])
@@ -265,7 +266,7 @@ class Executor:
                     t0 = time.perf_counter()
                     o, = self._view(buf, o_slot, Wire.O, n)
                     lse, = self._view(buf, lse_slot, Wire.LSE, n)
-                    merge_into(acc[Wire.O][rows], acc[Wire.LSE][rows], o, lse)
+                    merge_into(acc[Wire.O][rows], acc[Wire.LSE][rows], o, lse, fused=self.fused_merge)
                     compute_s += time.perf_counter() - t0
                 case AccumulatePartial(wire=wire, rows=rows, tokens=n, src=src):
                     t0 = time.perf_counter()
@@ -335,7 +336,7 @@ class Executor:
         if o_dst is None:
             if call.q_rows is None:
                 raise RuntimeMismatchError(f"item {item} merges locally but its q rows are not local")
-            merge_into(acc[Wire.O][call.q_rows], acc[Wire.LSE][call.q_rows], o, lse)
+            merge_into(acc[Wire.O][call.q_rows], acc[Wire.LSE][call.q_rows], o, lse, fused=self.fused_merge)
         else:
             self._view(buf, o_dst, Wire.O, len(item.q))[0].copy_(o)
             self._view(buf, lse_dst, Wire.LSE, len(item.q))[0].copy_(lse)

@@ -10,17 +10,40 @@ where ``o_x = Σ_{j∈x} e^{s_j} v_j / e^{lse_x}`` and ``lse_x = log Σ_{j∈x} 
 Every exponent above is ≤ 0, so nothing overflows however large the logits (|lse| ~ 1e4 in
 bf16 training is common); an empty side (``lse = -inf``) gets weight exactly 0, and two empty
 sides stay empty (``lse = -inf``, ``o`` unchanged, i.e. 0) without producing NaN.
+
+Two implementations of the same formulas: the eager torch one below (a dozen small kernels, 18 HBM
+bytes per output element; every CPU tensor, fp64 accumulators) and ONE Triton launch
+(``runtime/fused_merge.py``, 10 bytes), taken with ``fused=True`` on CUDA tensors. Callers decide
+``fused`` once, at construction, with :func:`use_fused_merge` (``HSAP_FUSED_MERGE``, Triton present).
 """
 
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 from torch import Tensor
 
-__all__ = ["merge_into", "merge_sinks", "sink_grad"]
+from megatron_hsap.runtime.env import EnvSettings
+
+__all__ = ["merge_into", "merge_sinks", "sink_grad", "use_fused_merge"]
+
+_FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def merge_into(out_acc: Tensor, lse_acc: Tensor, out_part: Tensor, lse_part: Tensor) -> None:
+def use_fused_merge(device: torch.device | str, env: EnvSettings) -> bool:
+    """Whether merges on ``device`` take the fused Triton kernel: a CUDA device, Triton importable
+    (looked up, not imported) and ``HSAP_FUSED_MERGE`` not ``0``. Call it at construction."""
+    return torch.device(device).type == "cuda" and env.fused_merge and importlib.util.find_spec("triton") is not None
+
+
+def _fusable(out_acc: Tensor, lse_acc: Tensor, out_part: Tensor) -> bool:
+    # the kernel's contract; anything else (fp64 accumulators, CPU tensors) takes the eager path
+    return (out_acc.is_cuda and out_acc.dtype == lse_acc.dtype == torch.float32
+            and out_part.dtype in _FUSED_DTYPES)  # fmt: skip
+
+
+def merge_into(out_acc: Tensor, lse_acc: Tensor, out_part: Tensor, lse_part: Tensor, *, fused: bool = False) -> None:
     """Merge one partial result into an accumulator, in place.
 
     Args:
@@ -28,7 +51,14 @@ def merge_into(out_acc: Tensor, lse_acc: Tensor, out_part: Tensor, lse_part: Ten
         lse_acc: ``[n, h]`` same dtype, may hold ``-inf`` (nothing merged yet), updated in place.
         out_part: ``[n, h, dv]`` any float dtype (a kernel's output).
         lse_part: ``[n, h]`` float32, may hold ``-inf`` (row attended no key of this part).
+        fused: one Triton launch instead of the eager kernels, for fp32 accumulators on CUDA
+            (:func:`use_fused_merge`); CPU tensors always run eager (bit-identical to before).
     """
+    if fused and _fusable(out_acc, lse_acc, out_part):
+        from megatron_hsap.runtime.fused_merge import fused_merge_into  # lazy: Triton only when used
+
+        fused_merge_into(out_acc, lse_acc, out_part, lse_part.float())
+        return
     lse_part = lse_part.to(lse_acc.dtype)
     hi = torch.maximum(lse_acc, lse_part)
     lo = torch.minimum(lse_acc, lse_part)
@@ -57,14 +87,20 @@ def merge_into(out_acc: Tensor, lse_acc: Tensor, out_part: Tensor, lse_part: Ten
 # gives  ds = Σ_rows p_sink · (0 - D) = -Σ_rows e^{s - lse'} · rowsum(dO ∘ o').
 
 
-def merge_sinks(out: Tensor, lse: Tensor, sinks: Tensor) -> None:
+def merge_sinks(out: Tensor, lse: Tensor, sinks: Tensor, *, fused: bool = False) -> None:
     """Merge per-head sink logits into final results, in place (call once per row, after all merges).
 
     Args:
         out: ``[n, h, dv]`` float32 final output of the keys (updated to ``o'``).
         lse: ``[n, h]`` float32 final LSE of the keys, may be ``-inf`` (updated to ``lse'``).
         sinks: ``[h]`` sink logits of these ``h`` heads (any float dtype; ``-inf`` = no sink).
+        fused: as in :func:`merge_into` (the same kernel, the part's output read as 0).
     """
+    if fused and _fusable(out, lse, out):
+        from megatron_hsap.runtime.fused_merge import fused_merge_sinks
+
+        fused_merge_sinks(out, lse, sinks)
+        return
     sink = sinks.detach().to(device=lse.device, dtype=lse.dtype).expand_as(lse)
     merge_into(out, lse, torch.zeros((), dtype=out.dtype, device=out.device).expand_as(out), sink)
 

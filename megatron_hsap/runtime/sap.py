@@ -32,7 +32,7 @@ def sap_forward(ex: Executor, q: Tensor, k: Tensor, v: Tensor, scale: float,
     with the sinks merged in)."""
     out, lse = ex.forward(q, k, v, scale)  # float32, every partial of every row merged
     if sinks is not None:
-        merge_sinks(out, lse, sinks)
+        merge_sinks(out, lse, sinks, fused=ex.fused_merge)
     return out.to(q.dtype), lse
 
 

@@ -335,7 +335,7 @@ def test_read_env_parses_and_rejects_bad_values():
         read_env({"HSAP_P2P_TIMEOUT_S": "0"})
     with pytest.raises(ConfigError, match="HSAP_DEBUG='maybe'"):
         read_env({"HSAP_DEBUG": "maybe"})
-    assert {v.name for v in ENV_VARS} == {"HSAP_ATTN_BACKEND", "HSAP_P2P_TIMEOUT_S", "HSAP_DEBUG"}
+    assert {v.name for v in ENV_VARS} == {"HSAP_ATTN_BACKEND", "HSAP_P2P_TIMEOUT_S", "HSAP_DEBUG", "HSAP_FUSED_MERGE"}
 
 
 def test_torch_cuda_adapter_call_shapes_on_meta():
