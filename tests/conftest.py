@@ -33,3 +33,17 @@ def pytest_configure(config: pytest.Config) -> None:
 def gloo_pool() -> Callable[[int], GlooPool]:
     """Factory ``gloo_pool(world_size) -> GlooPool``; pools live for the whole session."""
     return get_pool
+
+
+@pytest.fixture
+def unit_merge_bytes(tmp_path):
+    """Every baseline implementation's merges at 1 HBM byte per element (the hand-computed
+    KERNEL_TOY tests): flat baseline prices read their implementation's bytes from
+    ``sim/config.merge_bytes`` (not the hardware), so the toy sets them through ``--config``."""
+    from megatron_hsap.sim import config
+
+    impls = "\n".join(f"  {name}: {{fwd: 1.0, bwd: 1.0}}" for name in config.constants.MERGE_BYTES)
+    (tmp_path / "unit_merges.yaml").write_text("merge_bytes:\n" + impls + "\n")
+    config.load_overrides(tmp_path / "unit_merges.yaml")
+    yield
+    config.reset_overrides()

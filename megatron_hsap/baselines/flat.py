@@ -9,8 +9,8 @@ kernel model (``Hardware.kernel``, the ``KernelModel`` of ``plan/hardware.py`` t
 planner's estimate and the simulator read; ``baselines/kernel_blocks.py``): every kernel call
 the implementation makes (each docstring cites how many per step), each document block at its
 own shape, ``launch_s`` per call, FA3's backward grid and GQA atomics, and the implementation's
-LSE merges / gradient accumulations at HBM bandwidth with ``Hardware.merge_fwd_bytes`` /
-``merge_bwd_bytes``, like ``plan/estimate.py`` prices HSAP. A rank's transfer time in a round
+LSE merges / gradient accumulations at HBM bandwidth with the implementation's own bytes per
+element (``_MERGE_IMPL``; ``sim/constants.MERGE_BYTES``), like ``plan/estimate.py`` prices HSAP's. A rank's transfer time in a round
 = max(bytes sent, bytes received) / ``hardware.bandwidth(link)`` (full duplex); a round or
 collective costs one ``hardware.latency(link)``. Pipelined schedules price a step as the
 slowest rank's max(compute, transfer of the round it overlaps) plus the round's latency, the
@@ -464,4 +464,9 @@ def price_baseline(
     if unavailable_reason(method, world=int(world), shape=shape) is not None:
         return None
     cu = np.asarray(normalize_cu_seqlens(cu_seqlens), dtype=np.int64)
-    return _PRICERS[method](_PricingInputs(cu=cu, P=int(world), shape=shape, hw=hardware, link=link))
+    impl = _MERGE_IMPL.get(method, "te")
+    return _PRICERS[method](_PricingInputs(cu=cu, P=int(world), shape=shape, hw=hardware, link=link, impl=impl))
+
+
+# Whose merge kernel a flat method runs (the rest are TE's or merge nothing: all-gather, Ulysses)
+_MERGE_IMPL = {"distflashattn": "distflashattn"}

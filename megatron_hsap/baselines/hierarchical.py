@@ -312,7 +312,7 @@ def _price_hybrid(env: _PricingInputs, gpus_per_node: int) -> BaselineCost:
                 work[first] += pairs
                 continue
             lk = LinkClass.NVLINK if g <= gpus_per_node and first // gpus_per_node == (first + g - 1) // gpus_per_node else link
-            sample = _PricingInputs(cu=np.array([0, n], dtype=np.int64), P=g, shape=shape, hw=hw, link=lk)
+            sample = _PricingInputs(cu=np.array([0, n], dtype=np.int64), P=g, shape=shape, hw=hw, link=lk, impl="fa3")
             tf, tb, b_sent, pairs, _ = _ring(sample, g, lk, pad_compute=False, merge_every_fwd_step=True)
             busy_f[first : first + g] += tf
             busy_b[first : first + g] += tb
@@ -344,7 +344,8 @@ def price(method: str, cu_seqlens: object, *, intra: int, inter: int, shape: Hea
     cu = np.concatenate(([0], np.cumsum(np.diff(cu)[np.diff(cu) > 0])))  # empty documents dropped
     gpn = gpus_per_node or hardware.gpus_per_node
     P = intra * inter
-    env = _PricingInputs(cu=cu, P=P, shape=shape, hw=hardware, link=link)
+    # USP, LoongTrain and hybrid CP run MagiAttention's FA3 rings (their fused correction), TE its own
+    env = _PricingInputs(cu=cu, P=P, shape=shape, hw=hardware, link=link, impl="te" if method.startswith("te_") else "fa3")
     if method == "te_a2a":
         return _price_te_a2a(env)
     if method == "hybrid_cp":

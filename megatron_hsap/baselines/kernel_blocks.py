@@ -12,8 +12,11 @@ estimate charges HSAP's own blocks:
 * FlashAttention-3's backward grid, ``cta_s · ⌈longest kv block / 128⌉ · heads`` per block of a
   call, and its GQA fp32 dK/dV atomics, ``⌈nk / tile⌉ · heads · tile · (d + dv) · 4 · 2`` HBM
   bytes per block (both zero for kernels without them, e.g. the A100's FA2);
-* merges and accumulations (``merge_rows``) at HBM bandwidth with the very bytes per element of
-  ``Hardware.merge_fwd_bytes`` / ``merge_bwd_bytes`` the estimate uses.
+* merges and accumulations (``merge_rows``) at HBM bandwidth with the bytes per element of the
+  baseline's OWN implementation (``_PricingInputs.impl``: TE's ``thd_out_correction``, MagiAttention's
+  FA3 rings, LightSeq's Triton rescale), read from the table the simulator reads
+  (``sim/config.merge_bytes``, i.e. ``sim/constants.MERGE_BYTES`` plus ``--config`` overrides) — not
+  HSAP's ``Hardware.merge_fwd_bytes``, so a change to HSAP's merge cannot move a baseline.
 
 Arrays are ``[..., n_blocks]``: one call per leading index (a step and a rank), its document
 blocks on the last axis; blocks with no pair are dropped (not computed, not counted).
@@ -30,6 +33,7 @@ from megatron_hsap.plan.costs import HeadShape
 from megatron_hsap.plan.hardware import Hardware, LinkClass
 from megatron_hsap.plan.ir import Phase, Wire
 from megatron_hsap.plan.window import staircase_pairs
+from megatron_hsap.sim.config import merge_bytes
 
 __all__ = ["CallCost", "call_cost", "MergeRates", "RingSteps", "zigzag_ring_steps", "zigzag_allgather_compute"]
 
@@ -74,18 +78,18 @@ def call_cost(hw: Hardware, nq, nk, pairs, phase: Phase | str, *, heads: int, kv
 @dataclass(frozen=True, slots=True)
 class MergeRates:
     """HBM seconds per merged row (``plan/placement.CostRates.of``'s ``merge_o`` / ``merge_dq`` /
-    ``merge_dkv``, the same formulas): an o row's forward LSE merge, a dq row's and a dk/dv row's
-    backward accumulation."""
+    ``merge_dkv``, the same formulas, with implementation ``impl``'s bytes per element): an o row's
+    forward LSE merge, a dq row's and a dk/dv row's backward accumulation."""
 
     o: float
     dq: float
     dkv: float
 
     @classmethod
-    def of(cls, shape: HeadShape, hw: Hardware) -> "MergeRates":
+    def of(cls, shape: HeadShape, hw: Hardware, impl: str) -> "MergeRates":
         h, hkv, d, dv = shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.head_dim_v
-        return cls(o=h * dv * hw.merge_fwd_bytes / hw.hbm_bw, dq=h * d * hw.merge_bwd_bytes / hw.hbm_bw,
-                   dkv=hkv * (d + dv) * hw.merge_bwd_bytes / hw.hbm_bw)
+        fwd, bwd = merge_bytes(impl, Phase.FWD), merge_bytes(impl, Phase.BWD)
+        return cls(o=h * dv * fwd / hw.hbm_bw, dq=h * d * bwd / hw.hbm_bw, dkv=hkv * (d + dv) * bwd / hw.hbm_bw)
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +101,7 @@ class _PricingInputs:
     shape: HeadShape
     hw: Hardware
     link: LinkClass
+    impl: str = "te"  # whose merge kernel (sim/constants.MERGE_BYTES key): te, fa3, distflashattn
 
     @property
     def lengths(self) -> np.ndarray:
@@ -121,7 +126,7 @@ class _PricingInputs:
 
     @property
     def merge(self) -> MergeRates:
-        return MergeRates.of(self.shape, self.hw)
+        return MergeRates.of(self.shape, self.hw, self.impl)
 
     def row_bytes(self, wire: Wire) -> float:
         return float(self.shape.token_bytes(wire))

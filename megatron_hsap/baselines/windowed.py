@@ -101,7 +101,8 @@ class _Env:
     @property
     def pricing(self) -> _PricingInputs:
         """The kernel-model pricing inputs of ``baselines/kernel_blocks.py`` for this batch."""
-        return _PricingInputs(cu=self.cu, P=self.P, shape=self.shape, hw=self.hw, link=self.link)
+        return _PricingInputs(cu=self.cu, P=self.P, shape=self.shape, hw=self.hw, link=self.link,
+                              impl="fa3")  # only dk/dv accumulations here: 12 B per element in TE's and FA3's alike
 
 
 def _full(env: _Env, method: str) -> BaselineCost | None:

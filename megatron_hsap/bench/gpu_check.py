@@ -12,18 +12,21 @@ Transformer Engine are checked when they import. Runs from a plain copy of the t
                  executor's merge and accumulation pattern (split-kv partials, ``merge_into`` in
                  fp32, partial gradients against the final out/lse) per backend, large logits
                  included; the receive pool on the device.
-3. ``multirank`` when >= 2 GPUs are visible: a 1×P plan over NCCL (one process per GPU) vs the
+3. ``merge``     the fused Triton LSE merge (:mod:`~megatron_hsap.bench.gpu_check_merge`) against the
+                 eager merge and float64, and its HBM bytes per element (priced 10) vs the eager
+                 path's (priced 18) at the measured copy bandwidth (``merge.csv``).
+4. ``multirank`` when >= 2 GPUs are visible: a 1×P plan over NCCL (one process per GPU) vs the
                  reference; skipped (and said so) with one GPU.
-4. ``calibrate`` kernel time by block shape (fwd/bwd × causal/rectangle × q×kv grid, plus
+5. ``calibrate`` kernel time by block shape (fwd/bwd × causal/rectangle × q×kv grid, plus
                  ragged backward calls), fitted to the simulator's kernel model (:mod:`~megatron_hsap.bench.gpu_calibration`) and
                  written as ``calibration.yaml`` for ``megatron-hsap simulate --config`` and
                  ``gpu_calibration.register_planner_hardware``.
-5. ``ranks``     per inter rank of a P-rank plan: its kernel calls timed on this GPU vs the
+6. ``ranks``     per inter rank of a P-rank plan: its kernel calls timed on this GPU vs the
                  calibrated model's prediction of the same calls, beside the planned work.
 
 ``--only kernels,calibrate`` runs some sections (``ranks`` runs inside ``calibrate``);
 ``--budget-s`` (default 240 on a GPU, none on the dry run) starts no section later than that
-(such a section is reported as failed). Everything goes to one folder (``checks.csv``,
+(such a section is reported as failed). Everything goes to one folder (``checks.csv``, ``merge.csv``,
 ``calibration.csv``, ``calibration.yaml``, ``ranks.csv``, ``environment.json``, ``summary.txt``
 and ``summary.md``, the table for the README) and the summary table is printed. Exit status 1
 when any check failed.
@@ -397,7 +400,7 @@ def _summary_markdown(ctx: _Ctx, env: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-SECTIONS = ("kernels", "executor", "multirank", "calibrate")  # calibrate includes the per-rank comparison
+SECTIONS = ("kernels", "executor", "merge", "multirank", "calibrate")  # calibrate includes the per-rank comparison
 
 
 def run_check(out: Path, *, dry_run: bool, hardware: str | None = None, only: tuple[str, ...] = SECTIONS,
@@ -433,7 +436,10 @@ def run_check(out: Path, *, dry_run: bool, hardware: str | None = None, only: tu
         except Exception as exc:
             ctx.fail("calibrate", "calibration / per-rank comparison", exc)
 
-    runs = {"kernels": [check_kernels], "executor": [check_executor, check_merges], "multirank": [check_multirank],
+    from megatron_hsap.bench.gpu_check_merge import check_fused_merge
+
+    runs = {"kernels": [check_kernels], "executor": [check_executor, check_merges], "merge": [check_fused_merge],
+            "multirank": [check_multirank],
             "calibrate": [timed_calibration]}  # fmt: skip
     for name in only:
         for section in runs[name]:

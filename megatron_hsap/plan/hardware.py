@@ -193,6 +193,18 @@ def _min_block_rows(k: KernelModel, loss: float, keys: int) -> int:
     return int(n[np.nonzero(k.efficiency(n, keys) >= (1 - loss) * full)[0][0]])
 
 
+# HBM bytes per output element of one merge / accumulate step of HSAP's runtime, as the GPU path
+# runs it (sim/constants.MERGE_BYTES["hsap"]; Hardware.merge_fwd_bytes / merge_bwd_bytes). Forward:
+# the fused Triton merge (runtime/fused_merge.py, one launch) reads the fp32 accumulator 4 + the
+# bf16 part 2 and writes 4 -> 10. The eager fallback (runtime/merge.py without Triton or with
+# HSAP_FUSED_MERGE=0: ``out_acc.mul_(w).addcmul_(part, w)``, read 4 + write 4, then read 4 + 2 +
+# write 4) moves 18 — MERGE_FWD_BYTES_EAGER, priced only if one sets merge_fwd_bytes to it.
+# Backward ``+=`` into fp32 grads: 4 + 4 + 4 = 12.
+MERGE_FWD_BYTES = 10.0
+MERGE_FWD_BYTES_EAGER = 18.0
+MERGE_BWD_BYTES = 12.0
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Hardware:
     """One GPU model and its links. Rates in FLOP/s, bandwidths in bytes/s, latencies in s."""
@@ -208,8 +220,8 @@ class Hardware:
     dense_peak_flops: float = 0.0  # bf16 dense matmul peak (GPT FLOP model of the simulator)
     kernel: KernelModel = field(default_factory=lambda: KernelModel(fwd_peak=190e12, bwd_peak=170e12))
     hbm_bw: float = 1.6e12  # achieved HBM bandwidth of memory-bound kernels (LSE merges, accumulations)
-    merge_fwd_bytes: float = 18.0  # HBM bytes per element of one forward LSE merge (MERGE_BYTES)
-    merge_bwd_bytes: float = 12.0  # ... of one backward fp32 accumulation
+    merge_fwd_bytes: float = MERGE_FWD_BYTES  # HBM bytes per element of one forward LSE merge (HSAP's)
+    merge_bwd_bytes: float = MERGE_BWD_BYTES  # ... of one backward fp32 accumulation
     # Kernels that run while an NCCL transfer is in flight are this much slower (NCCL holds one CTA
     # per channel, 2–16 of 132 SMs, and a share of HBM): assumed, not fitted (sim/constants.py CALIBRATED).
     overlap_slowdown: float = 0.10
@@ -249,12 +261,6 @@ LAUNCH_S = 5e-6  # fixed cost of one kernel call
 CTA_S = 6e-9
 OVERLAP_SLOWDOWN = 0.10  # Hardware.overlap_slowdown
 A2A_EFFICIENCY = 0.45  # Hardware.a2a_efficiency
-
-# HBM bytes per output element of one merge / accumulate step of HSAP's runtime (runtime/merge.py
-# ``out_acc.mul_(w).addcmul_(part, w)`` on fp32: read 4 + write 4, then read 4 + 2 (bf16 part) +
-# write 4 -> 18; backward ``+=`` into fp32 grads: 4 + 4 + 4 = 12). sim/constants.MERGE_BYTES["hsap"].
-MERGE_FWD_BYTES = 18.0
-MERGE_BWD_BYTES = 12.0
 
 
 def tile_efficiency(tokens: int) -> float:

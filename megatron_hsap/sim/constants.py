@@ -92,8 +92,10 @@ for _hw in HARDWARE.values():
 
 # Bytes of HBM traffic per output element of one merge / accumulate step, by implementation
 # (read from each code base; the element counts are n_rows x heads x head_dim):
-#   hsap: runtime/merge.py ``out_acc.mul_(w).addcmul_(part, w)`` on fp32: read 4 + write 4,
-#         then read 4 + 2 (bf16 part) + write 4 -> 18; backward ``+=`` into fp32 grads: 4+4+4.
+#   hsap: the fused Triton merge on the GPU (runtime/fused_merge.py): read fp32 acc 4 + bf16
+#         part 2 + write 4 -> 10 (the eager fallback, runtime/merge.py ``out_acc.mul_(w).addcmul_
+#         (part, w)``, moves 18: plan/hardware.MERGE_FWD_BYTES_EAGER); backward ``+=`` into fp32
+#         grads: 4+4+4. Both from plan/hardware.py (one home).
 #   te: Transformer Engine's fused ``thd_out_correction``: read fp32 acc 4 + bf16 part 2 +
 #       write 4 -> 10; backward adds in place like HSAP (12).
 #   ring_flash_attn: ``update_out_and_lse`` under torch.jit.script (fused after warm-up):

@@ -357,7 +357,8 @@ def test_zigzag_balances_where_contiguous_does_not() -> None:
 # Tile model with 4 × 4 tiles and half a tile of prologue per row tile: a block costs
 # m · (key tiles per row + 0.5) · 16 pair-seconds (peaks of 1 pair/s), m = ⌈rows / 4⌉, key tiles
 # per row = pairs / rows / 4 + 0.5 clipped to [1, ⌈keys / 4⌉]; 1 s per launch; merges 1 B per
-# element at 1 B/s (1 s per o or dq row of one head of size 1, 2 s per dk+dv row); kernels 1.5×
+# element at 1 B/s (1 s per o or dq row of one head of size 1, 2 s per dk+dv row; the baselines' own
+# bytes set to 1 by the unit_merge_bytes fixture, tests/conftest.py); kernels 1.5×
 # slower while the round moves bytes.
 KERNEL_TOY = Hardware(
     name="kernel-toy",
@@ -376,7 +377,7 @@ KERNEL_TOY = Hardware(
 )
 
 
-def test_te_ring_kernel_terms_by_hand() -> None:
+def test_te_ring_kernel_terms_by_hand(unit_merge_bytes) -> None:
     cost = price_baseline("te_thd_ring", [0, 16], world=2, shape=ONE, hardware=KERNEL_TOY, link=NV)
     assert cost is not None
     # c = 4; rank 0 holds chunks {0, 3}, rank 1 {1, 2}. One call per rank and step (TE's sections):
@@ -392,7 +393,7 @@ def test_te_ring_kernel_terms_by_hand() -> None:
     assert cost.work.tolist() == [68, 68]  # pairs unchanged by the kernel model
 
 
-def test_allgather_kernel_terms_by_hand() -> None:
+def test_allgather_kernel_terms_by_hand(unit_merge_bytes) -> None:
     cost = price_baseline("allgather_kv", [0, 16], world=4, shape=ONE, hardware=KERNEL_TOY, link=NV)
     assert cost is not None
     # rank 3: rows 12..15 against keys 0..15, 58 pairs: key tiles 58/4/4 + 0.5 = 4.125 -> 4:
@@ -428,3 +429,25 @@ def test_call_cost_matches_the_kernel_models_own_terms() -> None:
         assert float(got.kernel) == pytest.approx(want_kernel, rel=1e-12)
         assert float(got.fixed) == pytest.approx(want_fixed, rel=1e-12)
         assert (float(got.fixed) > k.launch_s) == (phase == "bwd")  # grid and atomics in backward only
+
+
+def test_baselines_merge_with_their_own_bytes_not_hsaps() -> None:
+    """A baseline's LSE merges cost its implementation's bytes (sim/constants.MERGE_BYTES: TE's
+    fused correction 10 / 12), whatever HSAP's merge costs (Hardware.merge_fwd_bytes)."""
+    from dataclasses import replace
+
+    from megatron_hsap.baselines.kernel_blocks import MergeRates
+    from megatron_hsap.plan.hardware import HARDWARE, MERGE_FWD_BYTES, MERGE_FWD_BYTES_EAGER
+    from megatron_hsap.sim.config import merge_bytes
+
+    hw = HARDWARE["h100"]
+    assert hw.merge_fwd_bytes == MERGE_FWD_BYTES == merge_bytes("hsap", "fwd") == 10.0  # the fused merge
+    eager = replace(hw, merge_fwd_bytes=MERGE_FWD_BYTES_EAGER, merge_bwd_bytes=99.0)
+    cu = [0, 9000, 20000, 32768]
+    for method, impl in (("te_thd_ring", "te"), ("distflashattn", "distflashattn")):
+        a = price_baseline(method, cu, world=8, shape=MHA, hardware=hw, link=NV)
+        b = price_baseline(method, cu, world=8, shape=MHA, hardware=eager, link=NV)
+        assert a is not None and b is not None and (a.fwd_time, a.bwd_time) == (b.fwd_time, b.bwd_time), method
+    m = MergeRates.of(MHA, hw, "ring_flash_attn")
+    assert m.o == pytest.approx(32 * 128 * 18.0 / hw.hbm_bw) and m.dq == pytest.approx(32 * 128 * 10.0 / hw.hbm_bw)
+    assert MergeRates.of(MHA, eager, "te").o == pytest.approx(32 * 128 * 10.0 / hw.hbm_bw)

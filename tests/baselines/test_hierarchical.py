@@ -135,7 +135,7 @@ def test_flat_price_matches_the_simulated_schedule(method: str) -> None:
 # slower while the round moves bytes; NVLink 1 B/s and 0.5 s per round.
 
 
-def test_te_a2a_kernel_terms_by_hand() -> None:
+def test_te_a2a_kernel_terms_by_hand(unit_merge_bytes) -> None:
     from tests.baselines.test_flat import KERNEL_TOY
 
     c = price("te_a2a", [0, 16], intra=1, inter=2, shape=TWO, hardware=KERNEL_TOY, link=NV)
@@ -152,7 +152,7 @@ def test_te_a2a_kernel_terms_by_hand() -> None:
     assert c.bwd_time == pytest.approx(comm + 200 + 1, **TIGHT)
 
 
-def test_usp_ring_kernel_terms_by_hand() -> None:
+def test_usp_ring_kernel_terms_by_hand(unit_merge_bytes) -> None:
     from tests.baselines.test_flat import KERNEL_TOY
 
     one = HeadShape(num_heads=1, num_kv_heads=1, head_dim=1, head_dim_v=1, dtype_bytes=1)
@@ -170,7 +170,7 @@ def test_usp_ring_kernel_terms_by_hand() -> None:
     assert c.work.tolist() == [18.0, 18.0]  # 10 + 8 pairs each: 36 = 8 · 9 / 2 in all
 
 
-def test_hybrid_cp_one_call_per_sample_by_hand() -> None:
+def test_hybrid_cp_one_call_per_sample_by_hand(unit_merge_bytes) -> None:
     from tests.baselines.test_flat import KERNEL_TOY
 
     one = HeadShape(num_heads=1, num_kv_heads=1, head_dim=1, head_dim_v=1, dtype_bytes=1)
@@ -229,7 +229,7 @@ def test_kernel_model_price_is_never_below_perfect_kernels(hw_name: str) -> None
                 assert comm == pytest.approx(comm_b, rel=1e-9) and comm > 0  # the same four all-to-alls each way
 
 
-def test_loongtrain_with_one_window_is_the_fa3_ring() -> None:
+def test_loongtrain_with_one_window_is_the_fa3_ring(unit_merge_bytes) -> None:
     """A double ring whose window holds the whole ring (8 ranks in one node: one window, no outer
     transfer) runs USP's FA3 ring step for step: the same calls, merges and overlapped rounds, so
     the same forward time and pairs (its backward rounds differ: KV + dKV in every inner round, no

@@ -51,7 +51,7 @@ def test_dry_run_script_passes_and_its_yaml_loads(tmp_path):
         assert (out / name).is_file(), name
     rows = list(csv.DictReader((out / "checks.csv").open()))
     sections = {r["section"] for r in rows}
-    assert sections == {"kernels", "executor", "multirank", "calibrate", "ranks"}, sections
+    assert sections == {"kernels", "executor", "merge", "multirank", "calibrate", "ranks"}, sections
     assert all(r["passed"] == "True" for r in rows), [r for r in rows if r["passed"] != "True"]
     assert sum(r["section"] == "kernels" for r in rows) >= 9  # MHA/GQA/MQA/MLA × masks + large logits
 

@@ -193,7 +193,7 @@ def test_magi_blocks_equal_brute_force(P: int, chunk: int, left: int) -> None:
                 assert g.tolist() == w, (cu, P, left, r)
 
 
-def test_magi_swa_stages_by_hand() -> None:
+def test_magi_swa_stages_by_hand(unit_merge_bytes) -> None:
     """Two ranks, 8-token chunks, one 32-token document, window of 7 keys, KERNEL_TOY (4 × 4 tiles,
     half a tile of prologue per row tile, 1 s launches, 1 B/s and 0.5 s per transfer, kernels
     1.5× slower beside one, 2 s per dk+dv row summed)."""
