@@ -10,6 +10,7 @@ planner. Plus the calibration helpers on their own (block work against a brute-f
 from __future__ import annotations
 
 import csv
+import importlib.util
 import os
 import subprocess
 import sys
@@ -54,6 +55,9 @@ def test_dry_run_script_passes_and_its_yaml_loads(tmp_path):
     assert sections == {"kernels", "executor", "merge", "multirank", "calibrate", "ranks"}, sections
     assert all(r["passed"] == "True" for r in rows), [r for r in rows if r["passed"] != "True"]
     assert sum(r["section"] == "kernels" for r in rows) >= 9  # MHA/GQA/MQA/MLA × masks + large logits
+    if importlib.util.find_spec("triton") is not None:  # the fused merge under Triton's interpreter
+        merged = [r for r in rows if r["section"] == "merge" and r["error"] not in ("", "nan")]
+        assert len(merged) == 7 and all(float(r["error"]) <= float(r["tol"]) for r in merged), merged
 
     # The YAML loads into the simulator (PyYAML, here) exactly as written and into the planner.
     from megatron_hsap.plan import compile_plan
