@@ -37,7 +37,7 @@ def use_fused_merge(device: torch.device | str, env: EnvSettings) -> bool:
     return torch.device(device).type == "cuda" and env.fused_merge and importlib.util.find_spec("triton") is not None
 
 
-def _fusable(out_acc: Tensor, lse_acc: Tensor, out_part: Tensor) -> bool:
+def _kernel_takes(out_acc: Tensor, lse_acc: Tensor, out_part: Tensor) -> bool:
     # the kernel's contract; anything else (fp64 accumulators, CPU tensors) takes the eager path
     return (out_acc.is_cuda and out_acc.dtype == lse_acc.dtype == torch.float32
             and out_part.dtype in _FUSED_DTYPES)  # fmt: skip
@@ -54,7 +54,7 @@ def merge_into(out_acc: Tensor, lse_acc: Tensor, out_part: Tensor, lse_part: Ten
         fused: one Triton launch instead of the eager kernels, for fp32 accumulators on CUDA
             (:func:`use_fused_merge`); CPU tensors always run eager (bit-identical to before).
     """
-    if fused and _fusable(out_acc, lse_acc, out_part):
+    if fused and _kernel_takes(out_acc, lse_acc, out_part):
         from megatron_hsap.runtime.fused_merge import fused_merge_into  # lazy: Triton only when used
 
         fused_merge_into(out_acc, lse_acc, out_part, lse_part.float())
@@ -96,7 +96,7 @@ def merge_sinks(out: Tensor, lse: Tensor, sinks: Tensor, *, fused: bool = False)
         sinks: ``[h]`` sink logits of these ``h`` heads (any float dtype; ``-inf`` = no sink).
         fused: as in :func:`merge_into` (the same kernel, the part's output read as 0).
     """
-    if fused and _fusable(out, lse, out):
+    if fused and _kernel_takes(out, lse, out):
         from megatron_hsap.runtime.fused_merge import fused_merge_sinks
 
         fused_merge_sinks(out, lse, sinks)

@@ -203,7 +203,7 @@ def test_fusable_tensors_reach_the_kernel(monkeypatch):
     stub.fused_merge_into = lambda *a: calls.append("merge")
     stub.fused_merge_sinks = lambda *a: calls.append("sinks")
     monkeypatch.setitem(sys.modules, _MOD, stub)
-    monkeypatch.setattr(merge_mod, "_fusable", lambda *a: True)  # as if on CUDA
+    monkeypatch.setattr(merge_mod, "_kernel_takes", lambda *a: True)  # as if on CUDA
     acc, lse = torch.zeros(1, 1, 1), torch.zeros(1, 1)
     merge_into(acc, lse, acc, lse, fused=True)
     merge_sinks(acc, lse, torch.zeros(1), fused=True)
