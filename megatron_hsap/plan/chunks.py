@@ -111,9 +111,11 @@ def chunked_p2p_bytes(plan: "Plan") -> dict[Phase, tuple[np.ndarray, np.ndarray]
 
 
 def chunk_phase_times(plan: "Plan", chunks: int) -> tuple[PhaseTime, PhaseTime]:
-    """The plan's estimate (``estimate.phase_time``, forward and backward) of ONE of ``chunks``
-    head chunks: the same staged blocks and messages at :func:`chunk_shape` — kernels at the
-    chunk's heads and GQA group, q-side messages ``1/C``, kv-side ``1/Ckv`` of the plan's."""
+    """The plan's estimate (``estimate.phase_time``, forward and backward) of its SAP run as
+    ``chunks`` head chunks back to back: the same staged blocks and messages at
+    :func:`chunk_shape` — kernels at the chunk's heads and GQA group, q-side messages ``1/C``,
+    kv-side ``1/Ckv`` of the plan's — repeated ``C`` times as one longest path (``repeat``:
+    ranks run ahead into the next chunk as the runtime's do). ``total`` covers all chunks."""
     from megatron_hsap.plan.options import inter_rank_nodes
     from megatron_hsap.plan.placement import CostRates
     from megatron_hsap.plan.plan import _segments  # the plan's rates, as compile_plan built them
@@ -125,7 +127,8 @@ def chunk_phase_times(plan: "Plan", chunks: int) -> tuple[PhaseTime, PhaseTime]:
     times = []
     for ph, code, sec in ((Phase.FWD, plan.chosen.fwd, rates.sec_fwd), (Phase.BWD, plan.chosen.bwd, rates.sec_bwd)):
         msgs = [replace(m, nbytes=_chunk_nbytes(m.nbytes, m.wire, plan.shape, part)) for m in code.messages]
-        times.append(phase_time(units, msgs, plan.inter_size, sec, rates.bw, hw.latency(link), rates=rates, phase=ph))
+        times.append(phase_time(units, msgs, plan.inter_size, sec, rates.bw, hw.latency(link), rates=rates, phase=ph,
+                                repeat=chunks))
     return times[0], times[1]
 
 
@@ -165,7 +168,7 @@ def pipeline_phases(plan: "Plan", chunks: int = 1) -> dict[Phase, PipelinePhase]
     """The inputs of ``estimate.pipelined_time`` per phase at ``chunks`` head chunks: the plan's
     SAP estimate, its round latencies and kernel launches (paid again by every chunk), the
     all-to-all bytes and calls (those of k, v forward and dk, dv backward marked as the kv
-    side), and — where q chunks share a kv chunk (``Ckv < C``) — one chunk's SAP re-priced at its
+    side), and — where q chunks share a kv chunk (``Ckv < C``) — the mean chunk's SAP re-priced at its
     shape (:func:`chunk_phase_times`: its kv-side traffic does not shrink with ``C``)."""
     hw, b = plan.hardware, a2a_call_bytes(plan)
     shared = plan.intra_size > 1 and kv_head_chunks(chunks, plan.shape.num_kv_heads) < chunks
@@ -183,7 +186,7 @@ def pipeline_phases(plan: "Plan", chunks: int = 1) -> dict[Phase, PipelinePhase]
                                 out_copy_s=hw.a2a_copy_time(sum(b[n] for n in after) * p / max(1, p - 1)),
                                 kv_in_bytes=kv_in, kv_out_bytes=kv_out,
                                 kv_in_calls=sum(n in ("k", "v") for n in before), kv_out_calls=sum(n in ("k", "v") for n in after),
-                                chunk_sap_s=None if part is None else part.total - part.launch)  # fmt: skip
+                                chunk_sap_s=None if part is None else (part.total - chunks * part.launch) / chunks)  # fmt: skip
     return out
 
 

@@ -101,10 +101,14 @@ def _compute(units, work_grid: np.ndarray, size: int, n: int, rates: CostRates, 
 
 
 def phase_time(units: list[Unit], msgs: list[Message] | tuple[Message, ...], size: int, sec_per_pair: float, bw: float,
-               latency: float, *, rates: CostRates | None = None, phase: Phase | str = Phase.FWD) -> PhaseTime:
+               latency: float, *, rates: CostRates | None = None, phase: Phase | str = Phase.FWD,
+               repeat: int = 1) -> PhaseTime:
     """The estimate of one phase of staged ``units`` and the messages codegen emitted for them.
     With ``rates`` (carrying the kernel model) compute is priced by block shape (``block_costs``);
-    without it, ``work × sec_per_pair``."""
+    without it, ``work × sec_per_pair``. ``repeat``: the programs run that many times back to
+    back (head chunks, ``plan/chunks.chunk_phase_times``), priced as one path over the repeated
+    rounds — a rank starts its next pass when its own last round is done, not when every rank's
+    is; ``total`` and ``latency`` cover every pass, the per-stage arrays one pass."""
     phase = Phase(phase)
     a, groups = _rows_of(units, size, rates)
     stages = 1 + int(a[:, 1].max(initial=0))
@@ -123,7 +127,13 @@ def phase_time(units: list[Unit], msgs: list[Message] | tuple[Message, ...], siz
                                        groups(stages + 1) if len(a) else None)
     else:
         comp, launch = grid * sec_per_pair, 0.0
-    total, lat = _total(comp, sent, recv, bw, latency, nvl, tr.pairs, after, exposed=True)
+    if repeat > 1:
+        n = stages + 1
+        pairs = np.concatenate([tr.pairs + np.array([c * n, 0, 0], dtype=tr.pairs.dtype) for c in range(repeat)])
+        total, lat = _total(np.tile(comp, repeat), np.tile(sent, repeat), np.tile(recv, repeat), bw, latency, nvl, pairs,
+                            None if after is None else np.tile(after, repeat), exposed=True)  # fmt: skip
+    else:
+        total, lat = _total(comp, sent, recv, bw, latency, nvl, tr.pairs, after, exposed=True)
     xfer = np.maximum(sent, recv) / (np.array([bw, nvl])[:, None, None] if sent.ndim == 3 else bw)
     return PhaseTime(
         total=total,
