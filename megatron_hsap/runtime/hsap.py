@@ -12,7 +12,9 @@ Rank ``(i, j)`` (CP rank ``i·P_intra + j``) holds ``[t_local, H, d]`` rows of i
 
 The three steps are pipelined over ``plan.head_chunks`` head chunks (docs/design.md §2.2 "Head
 chunks", :func:`_pipeline`): while SAP runs chunk ``k``, chunk ``k+1``'s all-to-all and chunk
-``k−1``'s return are in flight; one chunk is the sequence above.
+``k−1``'s return are in flight; one chunk is the sequence above. Chunks finer than the kv heads
+share a kv chunk (``plan/chunks.py``): k, v go to heads once, with its first q chunk; dk, dv are
+summed over its q chunks in fp32 and return once, after its last.
 
 ``P_intra = 1`` is pure SAP (:class:`~megatron_hsap.runtime.sap.SAPAttention`, no all-to-all);
 ``P_inter = 1`` is pure Ulysses with local attention (the plan has no P2P).
