@@ -156,7 +156,7 @@ def runner_for(plan: "Plan", *, intra_group: dist.ProcessGroup | None = None,
     return _runner(plan, intra, inter, device)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Stream:
     """One tensor's all-to-alls over the head chunks (``_pipeline``): ``recv [n, P, t, hc, d]``,
     ``n = C/per`` slices, slice ``i`` serving q chunks ``[i·per, (i+1)·per)`` (``per`` = 1: q, o,
