@@ -44,7 +44,8 @@ from megatron_hsap.plan.costs import HeadShape
 from megatron_hsap.plan.estimate import PhaseTime, PipelinePhase, phase_time, pipelined_time
 from megatron_hsap.plan.hardware import LinkClass, link_class_for
 from megatron_hsap.plan.ir import Phase, Post, Recv, Send, Wire
-from megatron_hsap.plan.options import check_head_chunks, kv_head_chunks, valid_head_chunks  # defined there; re-exported
+from megatron_hsap.plan.options import check_head_chunks, inter_rank_nodes, kv_head_chunks, valid_head_chunks  # rule: defined there; re-exported
+from megatron_hsap.plan.placement import CostRates
 
 if TYPE_CHECKING:
     from megatron_hsap.plan.options import PlanOptions
@@ -116,13 +117,10 @@ def chunk_phase_times(plan: "Plan", chunks: int) -> tuple[PhaseTime, PhaseTime]:
     :func:`chunk_shape` — kernels at the chunk's heads and GQA group, q-side messages ``1/C``,
     kv-side ``1/Ckv`` of the plan's — repeated ``C`` times as one longest path (``repeat``:
     ranks run ahead into the next chunk as the runtime's do). ``total`` covers all chunks."""
-    from megatron_hsap.plan.options import inter_rank_nodes
-    from megatron_hsap.plan.placement import CostRates
-    from megatron_hsap.plan.plan import _segments  # the plan's rates, as compile_plan built them
-
     part = chunk_shape(plan.shape, chunks)
     hw, link = plan.hardware, plan.link
-    rates = CostRates.of(part, hw, hw.bandwidth(link), inter_rank_nodes(plan.options, link), _segments(plan.layout))
+    rates = CostRates.of(part, hw, hw.bandwidth(link), inter_rank_nodes(plan.options, link),
+                         plan.layout.segment_starts())  # the plan's rates at the chunk's shape, as compile_plan built them
     units = list(plan.chosen.units)
     times = []
     for ph, code, sec in ((Phase.FWD, plan.chosen.fwd, rates.sec_fwd), (Phase.BWD, plan.chosen.bwd, rates.sec_bwd)):
