@@ -311,5 +311,5 @@ def test_plan_forces_or_reports_the_head_chunks(capsys: pytest.CaptureFixture[st
     chosen = compile_plan(pack_batches("fineweb", 16384, 1, 0)[0], 2, 2, num_heads=16, head_dim=128).head_chunks
     assert plan_cli.main(base) == 0
     assert json.loads(capsys.readouterr().out)["stats"]["head_chunks"] == chosen  # the planner's own choice
-    assert plan_cli.main(base[:-1] + ["--kv-heads", "2", "--head-chunks", "2"]) == 1  # 1 kv head per intra rank
-    assert "valid head_chunks: [1]" in capsys.readouterr().err
+    assert plan_cli.main(base[:-1] + ["--kv-heads", "2", "--head-chunks", "3"]) == 1  # 8 q and 1 kv head per intra rank
+    assert "valid head_chunks: [1, 2, 4, 8]" in capsys.readouterr().err

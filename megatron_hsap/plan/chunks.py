@@ -1,18 +1,29 @@
 """Head chunks of the intra all-to-all: the valid counts, their estimated time and the count a plan
-runs with (docs/design.md §2.2 "Autograd", §4).
+runs with (docs/design.md §2.2 "Head chunks", §4).
 
 ``HSAPAttention`` (``runtime/hsap.py``) splits the ``h = H/P_intra`` q heads and ``hkv`` kv heads a
 rank holds after the all-to-all (``plan.shape``; kv heads replicated when ``P_intra > Hkv``) into
-``C = plan.head_chunks`` equal chunks and pipelines them: while SAP computes chunk ``k``, the
+``C = plan.head_chunks`` q chunks and pipelines them: while SAP computes chunk ``k``, the
 all-to-all of chunk ``k+1`` (q, k, v forward; dO backward) and the return of chunk ``k−1`` (o;
 dq, dk, dv) are in flight on the intra group.
 
-**Rule** (:func:`valid_head_chunks`): ``C`` divides both ``h`` and ``hkv``. Chunk ``c`` then holds q
-heads ``[c·h/C, (c+1)·h/C)`` and kv heads ``[c·hkv/C, (c+1)·hkv/C)`` — exactly the kv heads those
-q heads use (``h/hkv`` q heads per kv head), so each chunk is one SAP run of the same programs on
-``1/C`` of the heads: every message and slot shrinks by ``C`` and the bytes summed over the chunks
-equal the plan's. With one kv head per rank (``P_intra ≥ Hkv`` under GQA) only ``C = 1`` is valid:
-a kv head shared by several chunks would be re-sent by every chunk's SAP rounds.
+**Rule** (:func:`valid_head_chunks`): ``C`` divides ``h`` and either divides ``hkv`` or is a
+multiple of it. Chunk ``c`` holds q heads ``[c·h/C, (c+1)·h/C)`` and kv chunk ``c·Ckv // C`` of
+``Ckv = min(C, hkv)`` (:func:`kv_head_chunks`): ``hkv/Ckv`` kv heads, exactly those its q heads
+use (``h/hkv`` q heads per kv head). Each chunk is one SAP run of the same programs at
+:func:`chunk_shape` (``h/C`` q, ``hkv/Ckv`` kv heads).
+
+* ``C | hkv`` (``Ckv = C``): every message and slot shrinks by ``C``; the P2P bytes summed over
+  the chunks equal the plan's.
+* ``hkv | C`` (``C > hkv``; e.g. one kv head per rank, ``P_intra ≥ Hkv`` under GQA): a kv chunk
+  serves ``C/Ckv`` consecutive q chunks. Its all-to-all travels once, with its first q chunk; its
+  dk, dv are summed over its q chunks (fp32) and return once, after its last. SAP's kv-side
+  messages (``KV``, ``DKV``: :data:`KV_WIRES`) shrink only by ``Ckv``, so each q chunk re-sends
+  them: P2P bytes = q-side + kv-side · ``C/Ckv`` (:func:`chunked_p2p_bytes`) — the price the
+  estimate weighs against the hidden all-to-all (each such chunk re-priced at its shape,
+  :func:`chunk_phase_times`).
+
+The all-to-all bytes do not depend on ``C``.
 
 **Choice** (:func:`resolve_head_chunks`): ``options.head_chunks`` when given; else 1 when
 ``P_intra = 1`` (no all-to-all); else the valid count of least ``estimate.pipelined_time`` summed
@@ -25,13 +36,16 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from megatron_hsap.errors import ConfigError
 from megatron_hsap.plan.calls import call_counts
 from megatron_hsap.plan.costs import HeadShape
-from megatron_hsap.plan.estimate import PipelinePhase, pipelined_time
+from megatron_hsap.plan.estimate import PhaseTime, PipelinePhase, phase_time, pipelined_time
 from megatron_hsap.plan.hardware import LinkClass, link_class_for
-from megatron_hsap.plan.ir import Phase
-from megatron_hsap.plan.options import check_head_chunks, valid_head_chunks  # defined there; re-exported
+from megatron_hsap.plan.ir import Phase, Post, Recv, Send, Wire
+from megatron_hsap.plan.options import check_head_chunks, inter_rank_nodes, kv_head_chunks, valid_head_chunks  # rule: defined there; re-exported
+from megatron_hsap.plan.placement import CostRates
 
 if TYPE_CHECKING:
     from megatron_hsap.plan.options import PlanOptions
@@ -39,8 +53,12 @@ if TYPE_CHECKING:
 
 __all__ = [
     "valid_head_chunks",
+    "kv_head_chunks",
     "check_head_chunks",
+    "KV_WIRES",
     "chunk_shape",
+    "chunked_p2p_bytes",
+    "chunk_phase_times",
     "intra_link",
     "a2a_call_bytes",
     "a2a_bytes_sent",
@@ -49,18 +67,71 @@ __all__ = [
     "resolve_head_chunks",
 ]
 
-# all_to_all_single calls per chunk before / after SAP (runtime/hsap.py): q, k, v in and o out
-# forward; dO in and dq, dk, dv out backward
+# P2P wires whose rows carry kv heads: they shrink by Ckv per chunk, the others by C
+KV_WIRES = frozenset({Wire.KV, Wire.DKV})
+
+
 def chunk_shape(shape: HeadShape, chunks: int) -> HeadShape:
     """The head shape of one of ``chunks`` head chunks of ``shape`` (the rule above): ``h/C`` q and
-    ``hkv/C`` kv heads, the same head sizes and dtype. The executor and the simulator both use it."""
-    if chunks < 1 or shape.num_heads % chunks or shape.num_kv_heads % chunks:
+    ``hkv/Ckv`` kv heads, the same head sizes and dtype. The executor and the simulator both use it."""
+    if chunks < 1 or chunks not in valid_head_chunks(shape.num_heads, shape.num_kv_heads):
         raise ConfigError(f"{chunks} head chunks do not split {shape.num_heads} q / {shape.num_kv_heads} kv heads "
                           f"evenly; valid: {valid_head_chunks(shape.num_heads, shape.num_kv_heads)}")
+    kv = kv_head_chunks(chunks, shape.num_kv_heads)
     return shape if chunks == 1 else replace(shape, num_heads=shape.num_heads // chunks,
-                                             num_kv_heads=shape.num_kv_heads // chunks)
+                                             num_kv_heads=shape.num_kv_heads // kv)
 
 
+def _chunk_nbytes(nbytes: int, wire: Wire, shape: HeadShape, part: HeadShape) -> int:
+    """One chunk's bytes of a message of ``nbytes`` at ``shape`` (rows × the chunk's row bytes)."""
+    return nbytes // shape.token_bytes(wire) * part.token_bytes(wire)
+
+
+def chunked_p2p_bytes(plan: "Plan") -> dict[Phase, tuple[np.ndarray, np.ndarray]]:
+    """P2P bytes each inter rank sends and receives per phase, ``{phase: (sent [P], recv [P])}``,
+    all ``plan.head_chunks`` chunks together: q-side wires as the plan's, kv-side wires
+    (:data:`KV_WIRES`) ``C/Ckv`` times (each q chunk re-sends its kv chunk's rows). What the
+    executors count (``PhaseStats.bytes_sent`` / ``bytes_recv`` summed over the chunks)."""
+    c = plan.head_chunks if plan.intra_size > 1 else 1
+    part = chunk_shape(plan.shape, c)
+    out = {}
+    for ph in (Phase.FWD, Phase.BWD):
+        sent = np.zeros(plan.inter_size, dtype=np.int64)
+        recv = np.zeros(plan.inter_size, dtype=np.int64)
+        for r in range(plan.inter_size):
+            for ins in plan.program(r, ph).instrs:
+                if isinstance(ins, Post):
+                    for op in ins.round.ops:
+                        n = _chunk_nbytes(op.nbytes, op.wire, plan.shape, part) * c
+                        if isinstance(op, Send):
+                            sent[r] += n
+                        elif isinstance(op, Recv):
+                            recv[r] += n
+        out[ph] = (sent, recv)
+    return out
+
+
+def chunk_phase_times(plan: "Plan", chunks: int) -> tuple[PhaseTime, PhaseTime]:
+    """The plan's estimate (``estimate.phase_time``, forward and backward) of its SAP run as
+    ``chunks`` head chunks back to back: the same staged blocks and messages at
+    :func:`chunk_shape` — kernels at the chunk's heads and GQA group, q-side messages ``1/C``,
+    kv-side ``1/Ckv`` of the plan's — repeated ``C`` times as one longest path (``repeat``:
+    ranks run ahead into the next chunk as the runtime's do). ``total`` covers all chunks."""
+    part = chunk_shape(plan.shape, chunks)
+    hw, link = plan.hardware, plan.link
+    rates = CostRates.of(part, hw, hw.bandwidth(link), inter_rank_nodes(plan.options, link),
+                         plan.layout.segment_starts())  # the plan's rates at the chunk's shape, as compile_plan built them
+    units = list(plan.chosen.units)
+    times = []
+    for ph, code, sec in ((Phase.FWD, plan.chosen.fwd, rates.sec_fwd), (Phase.BWD, plan.chosen.bwd, rates.sec_bwd)):
+        msgs = [replace(m, nbytes=_chunk_nbytes(m.nbytes, m.wire, plan.shape, part)) for m in code.messages]
+        times.append(phase_time(units, msgs, plan.inter_size, sec, rates.bw, hw.latency(link), rates=rates, phase=ph,
+                                repeat=chunks))
+    return times[0], times[1]
+
+
+# all_to_all_single calls per chunk before / after SAP (runtime/hsap.py): q, k, v in and o out
+# forward; dO in and dq, dk, dv out backward
 _CALLS = {Phase.FWD: (("q", "k", "v"), ("o",)), Phase.BWD: (("o",), ("q", "k", "v"))}
 
 
@@ -91,19 +162,29 @@ def _kernel_calls(plan: "Plan", phase: Phase) -> int:
     return max(call_counts(plan, phase), default=0)
 
 
-def pipeline_phases(plan: "Plan") -> dict[Phase, PipelinePhase]:
-    """The inputs of ``estimate.pipelined_time`` per phase: the plan's SAP estimate, its round
-    latencies and kernel launches (paid again by every chunk) and the all-to-all bytes and calls."""
+def pipeline_phases(plan: "Plan", chunks: int = 1) -> dict[Phase, PipelinePhase]:
+    """The inputs of ``estimate.pipelined_time`` per phase at ``chunks`` head chunks: the plan's
+    SAP estimate, its round latencies and kernel launches (paid again by every chunk), the
+    all-to-all bytes and calls (those of k, v forward and dk, dv backward marked as the kv
+    side), and — where q chunks share a kv chunk (``Ckv < C``) — the mean chunk's SAP re-priced at its
+    shape (:func:`chunk_phase_times`: its kv-side traffic does not shrink with ``C``)."""
     hw, b = plan.hardware, a2a_call_bytes(plan)
+    shared = plan.intra_size > 1 and kv_head_chunks(chunks, plan.shape.num_kv_heads) < chunks
+    parts = chunk_phase_times(plan, chunks) if shared else (None, None)
     out = {}
-    for ph, pt in ((Phase.FWD, plan.chosen.fwd_time), (Phase.BWD, plan.chosen.bwd_time)):
+    p = plan.intra_size  # copies: 4 × each whole tensor, P/(P−1) × the bytes sent (Hardware.a2a_copy_time)
+    for ph, pt, part in ((Phase.FWD, plan.chosen.fwd_time, parts[0]), (Phase.BWD, plan.chosen.bwd_time, parts[1])):
         before, after = _CALLS[ph]
-        p = plan.intra_size  # copies: 4 × each whole tensor, P/(P−1) × the bytes sent (Hardware.a2a_copy_time)
+        kv_in = sum(b[n] for n in before if n in ("k", "v"))
+        kv_out = sum(b[n] for n in after if n in ("k", "v"))
         out[ph] = PipelinePhase(sap_s=pt.total - pt.launch, latency_s=pt.latency, launch_s=_kernel_calls(plan, ph) * hw.kernel.launch_s,
                                 in_bytes=sum(b[n] for n in before), out_bytes=sum(b[n] for n in after),
                                 in_calls=len(before), out_calls=len(after),
                                 in_copy_s=hw.a2a_copy_time(sum(b[n] for n in before) * p / max(1, p - 1)),
-                                out_copy_s=hw.a2a_copy_time(sum(b[n] for n in after) * p / max(1, p - 1)))  # fmt: skip
+                                out_copy_s=hw.a2a_copy_time(sum(b[n] for n in after) * p / max(1, p - 1)),
+                                kv_in_bytes=kv_in, kv_out_bytes=kv_out,
+                                kv_in_calls=sum(n in ("k", "v") for n in before), kv_out_calls=sum(n in ("k", "v") for n in after),
+                                chunk_sap_s=None if part is None else (part.total - chunks * part.launch) / chunks)  # fmt: skip
     return out
 
 
@@ -114,9 +195,12 @@ def head_chunk_estimates(plan: "Plan") -> dict[int, float]:
         return {1: plan.chosen.time}
     link = intra_link(plan.options)
     bw, lat = plan.hardware.a2a_bandwidth(link), plan.hardware.latency(link)
-    phases = pipeline_phases(plan)
-    return {c: sum(pipelined_time(ph, c, bw, lat) for ph in phases.values())
-            for c in valid_head_chunks(plan.shape.num_heads, plan.shape.num_kv_heads)}  # fmt: skip
+    hkv = plan.shape.num_kv_heads
+    out = {}
+    for c in valid_head_chunks(plan.shape.num_heads, hkv):
+        phases = pipeline_phases(plan, c)
+        out[c] = sum(pipelined_time(ph, c, bw, lat, kv_head_chunks(c, hkv)) for ph in phases.values())
+    return out
 
 
 def resolve_head_chunks(plan: "Plan") -> int:

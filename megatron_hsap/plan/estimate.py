@@ -101,10 +101,14 @@ def _compute(units, work_grid: np.ndarray, size: int, n: int, rates: CostRates, 
 
 
 def phase_time(units: list[Unit], msgs: list[Message] | tuple[Message, ...], size: int, sec_per_pair: float, bw: float,
-               latency: float, *, rates: CostRates | None = None, phase: Phase | str = Phase.FWD) -> PhaseTime:
+               latency: float, *, rates: CostRates | None = None, phase: Phase | str = Phase.FWD,
+               repeat: int = 1) -> PhaseTime:
     """The estimate of one phase of staged ``units`` and the messages codegen emitted for them.
     With ``rates`` (carrying the kernel model) compute is priced by block shape (``block_costs``);
-    without it, ``work × sec_per_pair``."""
+    without it, ``work × sec_per_pair``. ``repeat``: the programs run that many times back to
+    back (head chunks, ``plan/chunks.chunk_phase_times``), priced as one path over the repeated
+    rounds — a rank starts its next pass when its own last round is done, not when every rank's
+    is; ``total`` and ``latency`` cover every pass, the per-stage arrays one pass."""
     phase = Phase(phase)
     a, groups = _rows_of(units, size, rates)
     stages = 1 + int(a[:, 1].max(initial=0))
@@ -123,7 +127,13 @@ def phase_time(units: list[Unit], msgs: list[Message] | tuple[Message, ...], siz
                                        groups(stages + 1) if len(a) else None)
     else:
         comp, launch = grid * sec_per_pair, 0.0
-    total, lat = _total(comp, sent, recv, bw, latency, nvl, tr.pairs, after, exposed=True)
+    if repeat > 1:
+        n = stages + 1
+        pairs = np.concatenate([tr.pairs + np.array([c * n, 0, 0], dtype=tr.pairs.dtype) for c in range(repeat)])
+        total, lat = _total(np.tile(comp, repeat), np.tile(sent, repeat), np.tile(recv, repeat), bw, latency, nvl, pairs,
+                            None if after is None else np.tile(after, repeat), exposed=True)  # fmt: skip
+    else:
+        total, lat = _total(comp, sent, recv, bw, latency, nvl, tr.pairs, after, exposed=True)
     xfer = np.maximum(sent, recv) / (np.array([bw, nvl])[:, None, None] if sent.ndim == 3 else bw)
     return PhaseTime(
         total=total,
@@ -399,15 +409,19 @@ def lower_bounds(total_work: int, nec_fwd: int, nec_bwd: int, size: int, shape: 
     return {"compute_s": compute, "traffic_s": traffic, "bound_s": max(compute, traffic)}
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@dataclass(frozen=True, slots=True)
 class PipelinePhase:
     """One phase of an HSAP layer as ``pipelined_time`` prices it (all of a rank's heads).
 
     ``sap_s``: the plan's SAP estimate (``PhaseTime.total``), of which ``latency_s`` are round
     latencies; ``launch_s``: its kernel launches (``KernelCurve.launch_s`` each, not in ``sap_s``) —
-    latencies and launches are paid again by every head chunk; ``in_bytes`` / ``out_bytes``: bytes one rank sends in the all-to-alls before / after SAP
-    (forward q, k, v / o; backward dO / dq, dk, dv); ``in_calls`` / ``out_calls``: how many
-    ``all_to_all_single`` calls each chunk issues on each side."""
+    latencies and launches are paid again by every head chunk; ``in_bytes`` / ``out_bytes``: bytes
+    one rank sends in the all-to-alls before / after SAP (forward q, k, v / o; backward dO / dq,
+    dk, dv), of which ``kv_in_bytes`` / ``kv_out_bytes`` are the kv tensors (k, v / dk, dv);
+    ``in_calls`` / ``out_calls``: how many ``all_to_all_single`` calls each chunk issues on each
+    side, ``kv_*_calls`` of them the kv tensors'. ``chunk_sap_s``: one chunk's SAP seconds
+    without launches when the caller priced it at the chunk's shape (q chunks sharing a kv chunk:
+    ``plan/chunks.chunk_phase_times``); None: ``(sap_s − latency_s)/C + latency_s``."""
 
     sap_s: float
     latency_s: float
@@ -418,23 +432,49 @@ class PipelinePhase:
     out_calls: int
     in_copy_s: float = 0.0  # HBM rearranges around the all-to-alls before / after SAP, all chunks together
     out_copy_s: float = 0.0
+    kv_in_bytes: int = 0
+    kv_out_bytes: int = 0
+    kv_in_calls: int = 0
+    kv_out_calls: int = 0
+    chunk_sap_s: float | None = None
 
 
-def pipelined_time(ph: PipelinePhase, chunks: int, bw: float, call_latency: float) -> float:
-    """Seconds of one phase with the heads in ``chunks`` equal chunks (docs/design.md §4).
+def _side(total: int, kv: int, copy_s: float, calls: int, kv_calls: int, bw: float, lat: float, chunks: int,
+          kv_chunks: int, with_kv: bool) -> float:
+    """Seconds of one chunk's all-to-alls on one side: the q part (``1/C`` of its bytes and copies),
+    plus the kv part (``1/Ckv``) when this chunk carries it. Copies are linear in bytes."""
+    copy = copy_s / total if total else 0.0
+    t = (total - kv) * (1 / bw + copy) / chunks + (calls - kv_calls) * lat
+    return t + (kv * (1 / bw + copy) / kv_chunks + kv_calls * lat if with_kv else 0.0)
 
-    Per chunk: all-to-all in ``A = (in_bytes / bw + in_copy_s) / C + in_calls·latency``, return
-    ``R`` likewise (``bw``: ``Hardware.a2a_bandwidth``; copies: ``Hardware.a2a_copy_time``),
-    SAP ``S = (sap_s − latency_s) / C + latency_s + launch_s`` (compute and P2P scale with the
-    heads; latencies and launches do not). The all-to-alls of one intra group run one after another; while SAP computes
-    chunk ``k`` the group carries chunk ``k+1``'s all-to-all and chunk ``k−1``'s return:
-    ``A + Σ_k max(S, [k < C]·A + [k > 1]·R) + R``. ``C = 1`` is ``A + S + R`` (nothing hidden).
-    A rank sends ``(P−1)/P`` of its tensor and receives as much (full-duplex links), so its bytes
-    sent over ``bw`` is the transfer time.
+
+def pipelined_time(ph: PipelinePhase, chunks: int, bw: float, call_latency: float, kv_chunks: int | None = None) -> float:
+    """Seconds of one phase with the heads in ``chunks`` q chunks and ``kv_chunks`` kv chunks
+    (``Ckv``, default ``C``; docs/design.md §4).
+
+    Per chunk ``k`` (1-based; ``m = C/Ckv`` q chunks per kv chunk): all-to-all in ``A_k`` = the q
+    part ``(q bytes / bw + copies)/C`` + its calls' latencies, plus the kv part ``(kv bytes / bw +
+    copies)/Ckv`` + its latencies when ``k`` is a kv chunk's first (``(k−1) mod m = 0``; forward
+    k, v); return ``R_k`` likewise, its kv part (backward dk, dv) when ``k`` is a kv chunk's last
+    (``k mod m = 0``). ``bw``: ``Hardware.a2a_bandwidth``; copies: ``Hardware.a2a_copy_time``.
+    SAP ``S = (sap_s − latency_s)/C + latency_s + launch_s`` (compute and P2P scale with the heads;
+    latencies and launches do not), or ``chunk_sap_s + launch_s`` when given (kv-side P2P does not
+    shrink with ``C``). The all-to-alls of one intra group run one after another; while SAP
+    computes chunk ``k`` the group carries chunk ``k+1``'s all-to-all and chunk ``k−1``'s return:
+    ``A_1 + Σ_k max(S, [k < C]·A_{k+1} + [k > 1]·R_{k−1}) + R_C``. ``C = 1`` is ``A + S + R``
+    (nothing hidden). A rank sends ``(P−1)/P`` of its tensor and receives as much (full-duplex
+    links), so its bytes sent over ``bw`` is the transfer time.
     """
     if chunks < 1:
         raise ValueError(f"{chunks=} must be >= 1")
-    a = (ph.in_bytes / bw + ph.in_copy_s) / chunks + ph.in_calls * call_latency
-    r = (ph.out_bytes / bw + ph.out_copy_s) / chunks + ph.out_calls * call_latency
-    s = (ph.sap_s - ph.latency_s) / chunks + ph.latency_s + ph.launch_s
-    return a + r + sum(max(s, (a if k < chunks else 0.0) + (r if k > 1 else 0.0)) for k in range(1, chunks + 1))
+    kv = chunks if kv_chunks is None else kv_chunks
+    if kv < 1 or chunks % kv:
+        raise ValueError(f"{kv_chunks=} must divide {chunks=}")
+    m = chunks // kv
+    a = [_side(ph.in_bytes, ph.kv_in_bytes, ph.in_copy_s, ph.in_calls, ph.kv_in_calls, bw, call_latency, chunks, kv,
+               k % m == 0) for k in range(chunks)]  # fmt: skip
+    r = [_side(ph.out_bytes, ph.kv_out_bytes, ph.out_copy_s, ph.out_calls, ph.kv_out_calls, bw, call_latency, chunks, kv,
+               (k + 1) % m == 0) for k in range(chunks)]  # fmt: skip
+    sap = (ph.sap_s - ph.latency_s) / chunks + ph.latency_s if ph.chunk_sap_s is None else ph.chunk_sap_s
+    s = sap + ph.launch_s
+    return a[0] + r[-1] + sum(max(s, (a[k + 1] if k + 1 < chunks else 0.0) + (r[k - 1] if k else 0.0)) for k in range(chunks))

@@ -154,6 +154,10 @@ class Layout:
         part = self.chunk_tokens // self.intra_size
         return ids[j * part : (j + 1) * part]
 
+    def segment_starts(self) -> tuple[tuple[tuple[int, int], ...], ...]:
+        """(global token start, local row start) of each segment of each inter rank (``CostRates.segments``)."""
+        return tuple(tuple((s.tokens.start, s.local_start) for s in segs) for segs in self.segments)
+
     def owner_array(self, padded_tokens: int) -> tuple[np.ndarray, np.ndarray]:
         """(owner inter rank, local row) of every global token: two int64 arrays of length T'."""
         owner = np.empty(padded_tokens, dtype=np.int64)

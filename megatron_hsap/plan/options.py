@@ -13,7 +13,7 @@ from megatron_hsap.plan.hardware import HARDWARE, LinkClass
 from megatron_hsap.plan.checks import positive_int
 from megatron_hsap.plan.window import normalize_window, window_left
 
-__all__ = ["PlanOptions", "kv_heads_per_rank", "valid_head_chunks", "check_head_chunks", "validated_options", "DEFAULT_POOL_CHUNKS", "DEFAULT_POOL_MIN", "LAYOUTS", "inter_rank_nodes"]
+__all__ = ["PlanOptions", "kv_heads_per_rank", "valid_head_chunks", "kv_head_chunks", "check_head_chunks", "validated_options", "DEFAULT_POOL_CHUNKS", "DEFAULT_POOL_MIN", "LAYOUTS", "inter_rank_nodes"]
 
 LAYOUTS = ("contiguous", "balanced")
 
@@ -132,10 +132,18 @@ def _options(inter_size, intra_size, num_heads, num_kv_heads, head_dim, head_dim
 
 
 def valid_head_chunks(local_heads: int, local_kv_heads: int) -> tuple[int, ...]:
-    """Chunk counts that split ``local_heads`` q and ``local_kv_heads`` kv heads evenly and
-    consistently (the divisors of their gcd; the rule: ``plan/chunks.py``'s module docstring)."""
-    g = math.gcd(local_heads, local_kv_heads)
-    return tuple(c for c in range(1, g + 1) if g % c == 0)
+    """Chunk counts ``C`` that split ``local_heads`` q and ``local_kv_heads`` kv heads into equal
+    chunks, none straddling two kv groups: ``C | h`` and either ``C | hkv`` (every chunk its own kv heads) or
+    ``hkv | C`` (each kv head shared by ``C/hkv`` consecutive q chunks; needs ``hkv | h``). The
+    rule: ``plan/chunks.py``'s module docstring."""
+    h, hkv = local_heads, local_kv_heads
+    return tuple(c for c in range(1, h + 1) if h % c == 0 and (hkv % c == 0 or (c % hkv == 0 and h % hkv == 0)))
+
+
+def kv_head_chunks(chunks: int, local_kv_heads: int) -> int:
+    """kv chunks ``Ckv`` under ``chunks`` q head chunks: ``min(C, hkv)`` for a valid count (``C``
+    when ``C | hkv``; ``hkv`` when ``hkv | C``, kv chunk ``c·Ckv // C`` serving q chunk ``c``)."""
+    return math.gcd(chunks, local_kv_heads)
 
 
 def check_head_chunks(opts: PlanOptions) -> None:
@@ -159,5 +167,7 @@ def check_head_chunks(opts: PlanOptions) -> None:
         raise ConfigError(
             f"head_chunks={c} cannot split the {opts.num_heads // p} q heads and {hkv} kv heads each intra rank "
             f"holds (num_heads={opts.num_heads}, num_kv_heads={opts.num_kv_heads or opts.num_heads}, "
-            f"intra_size={p}) into equal chunks of whole kv groups; valid head_chunks: {list(valid)} (or None)"
+            f"intra_size={p}) into equal chunks (C must divide the q heads and either divide the kv heads or be a "
+            "multiple of them, q chunks then sharing a kv head); "
+            f"valid head_chunks: {list(valid)} (or None)"
         )

@@ -378,8 +378,8 @@ def _link_of(opts: PlanOptions) -> LinkClass:
 
 
 def _segments(layout: Layout) -> tuple[tuple[tuple[int, int], ...], ...]:
-    """(global token start, local row start) of each segment of each inter rank (``CostRates.segments``)."""
-    return tuple(tuple((s.tokens.start, s.local_start) for s in segs) for segs in layout.segments)
+    """``Layout.segment_starts`` (``CostRates.segments``)."""
+    return layout.segment_starts()
 
 
 @dataclass(frozen=True)

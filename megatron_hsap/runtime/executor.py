@@ -115,8 +115,8 @@ class _Buffers:
 
     pool: Tensor
     act: torch.dtype
-    shape: HeadShape  # the heads of this call: the plan's, or one head chunk's (1/div of them)
-    div: int = 1  # slots are used as their first nbytes/div bytes (runtime/hsap.py head chunks)
+    shape: HeadShape  # the heads of this call: the plan's, or one head chunk's (plan/chunks.chunk_shape)
+    full: HeadShape  # the plan's: slots hold its rows; a chunk uses the first rows × its own row bytes
     local: dict[Wire, tuple[Tensor, ...]] = field(default_factory=dict)
 
 
@@ -177,11 +177,11 @@ class Executor:
     def forward(self, q: Tensor, k: Tensor, v: Tensor, softmax_scale: float) -> tuple[Tensor, Tensor]:
         """``q [t, h, d]``, ``k [t, hkv, d]``, ``v [t, hkv, dv]`` (this inter rank's chunk, layout
         order) -> ``out [t, h, dv]`` float32 and ``lse [t, h]`` float32 of the whole packed batch."""
-        shape, div = self._check(q, k, v)
+        shape = self._check(q, k, v)
         t, h, dv = q.shape[0], q.shape[1], v.shape[2]
         out = torch.zeros((t, h, dv), dtype=_F32, device=q.device)
         lse = torch.full((t, h), float("-inf"), dtype=_F32, device=q.device)
-        buf = _Buffers(self._pool(q.device), q.dtype, shape, div)
+        buf = _Buffers(self._pool(q.device), q.dtype, shape, self.plan.shape)
         buf.local = {Wire.Q: (q.contiguous(),), Wire.KV: (k.contiguous(), v.contiguous())}
         acc = {Wire.O: out, Wire.LSE: lse}
         self._run(Phase.FWD, self._fwd, buf, acc, softmax_scale)
@@ -191,7 +191,7 @@ class Executor:
                  softmax_scale: float) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
         """Gradients of the forward: ``do``/``out [t, h, dv]`` (activation dtype; ``out`` the final
         output), ``lse [t, h]`` float32 final -> float32 ``dq [t, h, d]``, ``dk``, ``dv``."""
-        shape, div = self._check(q, k, v)
+        shape = self._check(q, k, v)
         if do.shape != out.shape or lse.shape != q.shape[:2]:
             raise RuntimeMismatchError(f"backward got {do.shape=} {out.shape=} {lse.shape=} for {q.shape=}")
         do, out = do.to(q.dtype).contiguous(), out.to(q.dtype).contiguous()
@@ -200,7 +200,7 @@ class Executor:
         dq = torch.zeros(q.shape, dtype=_F32, device=q.device)
         dk = torch.zeros(k.shape, dtype=_F32, device=q.device)
         dv = torch.zeros(v.shape, dtype=_F32, device=q.device)
-        buf = _Buffers(self._pool(q.device), q.dtype, shape, div)
+        buf = _Buffers(self._pool(q.device), q.dtype, shape, self.plan.shape)
         buf.local = {
             Wire.Q: (q.contiguous(),), Wire.KV: (k.contiguous(), v.contiguous()), Wire.DO: (do,),
             Wire.LSE: (lse,), Wire.DELTA: (delta,), Wire.O: (out,),
@@ -216,9 +216,9 @@ class Executor:
         return receive_pool(self.plan.pool_capacity, device)
 
     # ------------------------------------------------------------------ checks
-    def _check(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[HeadShape, int]:
-        """The call's head shape and chunk divisor: all of the plan's heads, or one of its
-        ``plan.head_chunks`` head chunks (the same programs on 1/C of the heads, docs/design.md §2.2)."""
+    def _check(self, q: Tensor, k: Tensor, v: Tensor) -> HeadShape:
+        """The call's head shape: all of the plan's heads, or one of its ``plan.head_chunks`` head
+        chunks (the same programs on ``h/C`` q and ``hkv/Ckv`` kv heads, docs/design.md §2.2)."""
         s, t, c = self.plan.shape, self.plan.chunk_tokens, self.plan.head_chunks
         if c > 1 and q.dim() == 3 and q.shape[1] * c == s.num_heads:
             s = chunk_shape(s, c)
@@ -231,7 +231,7 @@ class Executor:
                 f"activations are {q.dtype} ({q.element_size()} bytes) but the plan was compiled for "
                 f"dtype_bytes={s.dtype_bytes}; supported: fp32, bf16, fp16"
             )
-        return s, self.plan.shape.num_heads // s.num_heads
+        return s
 
     # ------------------------------------------------------------------ interpreter
     def _run(self, phase: Phase, prep: Prepared, buf: _Buffers, acc: dict, scale: float) -> None:
@@ -297,7 +297,8 @@ class Executor:
             nbytes = n * math.prod(row) * s.element_bytes(wire)
             out.append(buf.pool[off : off + nbytes].view(dtype).view(shape))
             off += nbytes
-        if (off - slot.offset) * buf.div != slot.nbytes or slot.end > buf.pool.numel():
+        # the slot holds n rows at the plan's shape; a head chunk uses its first n rows × its row bytes
+        if n * buf.full.token_bytes(wire) != slot.nbytes or off - slot.offset > slot.nbytes or slot.end > buf.pool.numel():
             raise RuntimeMismatchError(
                 f"slot {slot} for {n} rows of {wire.value} holds {slot.nbytes} bytes but the tensors "
                 f"need {off - slot.offset} (pool {buf.pool.numel()} bytes): the plan was compiled for other "

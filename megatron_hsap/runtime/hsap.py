@@ -12,7 +12,9 @@ Rank ``(i, j)`` (CP rank ``i·P_intra + j``) holds ``[t_local, H, d]`` rows of i
 
 The three steps are pipelined over ``plan.head_chunks`` head chunks (docs/design.md §2.2 "Head
 chunks", :func:`_pipeline`): while SAP runs chunk ``k``, chunk ``k+1``'s all-to-all and chunk
-``k−1``'s return are in flight; one chunk is the sequence above.
+``k−1``'s return are in flight; one chunk is the sequence above. Chunks finer than the kv heads
+share a kv chunk (``plan/chunks.py``): k, v go to heads once, with its first q chunk; dk, dv are
+summed over its q chunks in fp32 and return once, after its last.
 
 ``P_intra = 1`` is pure SAP (:class:`~megatron_hsap.runtime.sap.SAPAttention`, no all-to-all);
 ``P_inter = 1`` is pure Ulysses with local attention (the plan has no P2P).
@@ -43,6 +45,7 @@ from torch import Tensor
 from megatron_hsap.errors import BatchError, ConfigError, RuntimeMismatchError
 from megatron_hsap.plan.ir import Phase
 from megatron_hsap.plan.lru import LRUCache
+from megatron_hsap.plan.options import kv_head_chunks
 from megatron_hsap.runtime.consistency import fingerprint_mismatch
 from megatron_hsap.runtime.env import read_env
 from megatron_hsap.runtime.executor import ACTIVATION_DTYPES, Executor, executor_for
@@ -153,40 +156,60 @@ def runner_for(plan: "Plan", *, intra_group: dist.ProcessGroup | None = None,
     return _runner(plan, intra, inter, device)
 
 
-def _pipeline(runner: HSAPRunner, phase: Phase, ins: Sequence[tuple[Tensor, Tensor]], backs: Sequence[Tensor],
-              compute: Callable[[int], Sequence[Tensor]]) -> None:  # fmt: skip
+@dataclass(frozen=True, eq=False)
+class Stream:
+    """One tensor's all-to-alls over the head chunks (``_pipeline``): ``recv [n, P, t, hc, d]``,
+    ``n = C/per`` slices, slice ``i`` serving q chunks ``[i·per, (i+1)·per)`` (``per`` = 1: q, o,
+    dO, dq; ``C/Ckv``: k, v, dk, dv when q chunks share a kv chunk); ``send`` alike for an
+    exchange to heads, None for a return (its sends are ``compute``'s results)."""
+
+    send: Tensor | None
+    recv: Tensor
+    per: int = 1
+    name: str = ""
+
+
+def _pipeline(runner: HSAPRunner, phase: Phase, ins: Sequence[Stream], backs: Sequence[Stream],
+              compute: Callable[[int], Sequence[Tensor | None]]) -> None:  # fmt: skip
     """Run ``compute(c)`` for every head chunk ``c < C = plan.head_chunks`` with the intra
     all-to-alls pipelined around it (docs/design.md §2.2).
 
-    ``ins``: ``(send, recv)`` pairs ``[C, P, t, hc, d]`` exchanged before chunk ``c`` computes
-    (``[c]`` each); ``compute(c)`` returns chunk ``c``'s results ``[P·t, hc, d]``, result ``i``
-    returned into ``backs[i][c]``. While chunk ``c`` computes, chunk ``c+1``'s all-to-all (issued
-    first) and chunk ``c−1``'s return are in flight on the intra group; chunk ``c`` starts once
-    its own all-to-all is waited. Every exchange issued is waited: in issue order at the end on
-    success; on an error, each still pending one within one shared deadline (``timeout_s``), its
-    own failure suppressed, then the error propagates — no exchange is left in flight.
+    ``ins``: slice ``i`` of each stream is exchanged (``send[i]`` -> ``recv[i]``) before its first
+    q chunk ``i·per`` computes — a kv slice once, with the first q chunk that uses it.
+    ``compute(c)`` returns one result ``[P·t, hc, d]`` per stream of ``backs``, or None where a
+    stream's slice is not complete after chunk ``c`` (dk, dv summed over a kv slice's q chunks);
+    a result is returned into ``backs[i].recv[c // per]`` after its slice's last q chunk. While
+    chunk ``c`` computes, chunk ``c+1``'s all-to-all (issued first) and chunk ``c−1``'s return are
+    in flight on the intra group; chunk ``c`` starts once its own all-to-alls are waited. Every
+    exchange issued is waited: in issue order at the end on success; on an error, each still
+    pending one within one shared deadline (``timeout_s``), its own failure suppressed, then the
+    error propagates — no exchange is left in flight.
     """
     chunks = runner.plan.head_chunks
     issued: list[Exchange] = []
 
-    def issue(c: int, pairs: Sequence[tuple[Tensor, Tensor]], side: str) -> list[Exchange]:
+    def issue(c: int, pairs: Sequence[tuple[Tensor, Tensor, str]], side: str) -> list[Exchange]:
         xs = [runner.exchange(recv, send, phase, f"{phase} {side}, tensor {i + 1}/{len(pairs)} of head chunk "
-                              f"{c + 1}/{chunks}, [P, t, heads, d] = {list(send.shape)} per rank")
-              for i, (send, recv) in enumerate(pairs)]  # fmt: skip
+                              f"{c + 1}/{chunks} ({name}), [P, t, heads, d] = {list(send.shape)} per rank")
+              for i, (send, recv, name) in enumerate(pairs)]  # fmt: skip
         issued.extend(xs)
         return xs
 
-    def give_back(c: int, results: Sequence[Tensor]) -> None:
-        issue(c, [(r.view(b.shape[1:]), b[c]) for r, b in zip(results, backs)], "return")
+    def take(c: int) -> list[Exchange]:  # the slices whose first q chunk is c
+        return issue(c, [(x.send[c // x.per], x.recv[c // x.per], x.name) for x in ins if c % x.per == 0], "to heads")
+
+    def give_back(c: int, results: Sequence[Tensor | None]) -> None:
+        issue(c, [(r.view(b.recv.shape[1:]), b.recv[c // b.per], b.name) for r, b in zip(results, backs) if r is not None],
+              "return")  # fmt: skip
 
     try:
-        arriving = issue(0, [(send[0], recv[0]) for send, recv in ins], "to heads")
-        results: Sequence[Tensor] = ()
+        arriving = take(0)
+        results: Sequence[Tensor | None] = ()
         for c in range(chunks):
             for x in arriving:
                 runner.wait(x, phase)
             if c + 1 < chunks:
-                arriving = issue(c + 1, [(send[c + 1], recv[c + 1]) for send, recv in ins], "to heads")
+                arriving = take(c + 1)
             if c:
                 give_back(c - 1, results)
             results = compute(c)
@@ -208,15 +231,17 @@ def _pipeline(runner: HSAPRunner, phase: Phase, ins: Sequence[tuple[Tensor, Tens
 
 class HSAPAttention(torch.autograd.Function):
     """``HSAPAttention.apply(q, k, v, runner, softmax_scale, sinks) -> out`` (a2a, SAP, a2a back,
-    pipelined over ``plan.head_chunks`` head chunks); ``sinks`` ``[H]`` or None (this rank merges
-    and differentiates its head slice only)."""
+    pipelined over ``plan.head_chunks`` head chunks, kv over ``Ckv`` kv chunks); ``sinks`` ``[H]``
+    or None (this rank merges and differentiates its head slice only)."""
 
     @staticmethod
     def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, runner: HSAPRunner, scale: float,
                 sinks: Tensor | None = None) -> Tensor:  # fmt: skip
         p, chunks, t = runner.intra_size, runner.plan.head_chunks, q.shape[0]
-        # [C, P, t, hc, d]: one copy each; chunk c receives the whole inter chunk for its heads
-        sends = [chunked_send(x, p, chunks) for x in (q, expand_kv_for_intra(k, p), expand_kv_for_intra(v, p))]
+        kv_chunks = kv_head_chunks(chunks, runner.plan.shape.num_kv_heads)
+        per = chunks // kv_chunks  # q chunks per kv chunk
+        # [C, P, t, hc, d] (k, v: [Ckv, ...]): one copy each; slice c receives the whole inter chunk for its heads
+        sends = [chunked_send(q, p, chunks)] + [chunked_send(expand_kv_for_intra(x, p), p, kv_chunks) for x in (k, v)]
         recvs = [torch.empty_like(x) for x in sends]
         heads = runner.head_slice(q.shape[1])
         hc, dv = sends[0].shape[3], v.shape[2]
@@ -225,22 +250,25 @@ class HSAPAttention(torch.autograd.Function):
         lses: list[Tensor] = []
 
         def compute(c: int) -> list[Tensor]:
-            qc, kc, vc = (r[c].view(p * t, *r.shape[3:]) for r in recvs)  # [t·P, hc, d]
+            qc = recvs[0][c].view(p * t, *recvs[0].shape[3:])  # [t·P, hc, d]
+            kc, vc = (r[c // per].view(p * t, *r.shape[3:]) for r in recvs[1:])  # [t·P, hkv/Ckv, d]
             sinks_c = None if sinks is None else sinks[heads][c * hc : (c + 1) * hc]
             oc, lse = sap_forward(runner.executor, qc, kc, vc, scale, sinks_c)
             outs.append(oc)
             lses.append(lse)
             return [oc]
 
-        _pipeline(runner, Phase.FWD, list(zip(sends, recvs)), [back], compute)
+        ins = [Stream(sends[0], recvs[0], 1, "q"), Stream(sends[1], recvs[1], per, "k"), Stream(sends[2], recvs[2], per, "v")]
+        _pipeline(runner, Phase.FWD, ins, [Stream(None, back, 1, "o")], compute)
         ctx.save_for_backward(*recvs, sinks, *outs, *lses)
         ctx.runner, ctx.scale, ctx.num_kv_heads, ctx.heads, ctx.chunks = runner, scale, k.shape[1], heads, chunks
+        ctx.per = per
         return unchunk_returned(back)  # [t, H, dv]
 
     @staticmethod
     def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
         saved = ctx.saved_tensors
-        chunks = ctx.chunks
+        chunks, per = ctx.chunks, ctx.per
         (qh, kh, vh, sinks), outs, lses = saved[:4], saved[4 : 4 + chunks], saved[4 + chunks :]
         runner: HSAPRunner = ctx.runner
         p, t = runner.intra_size, dout.shape[0]
@@ -250,15 +278,25 @@ class HSAPAttention(torch.autograd.Function):
         hc = qh.shape[3]
         want_dsinks = sinks is not None and ctx.needs_input_grad[5]
         dsinks_h = torch.zeros(chunks * hc, dtype=sinks.dtype, device=sinks.device) if want_dsinks else None
+        dkv: list[Tensor] = []  # fp32 dk, dv of the current kv chunk, summed over its q chunks
 
-        def compute(c: int) -> tuple[Tensor, Tensor, Tensor]:
+        def compute(c: int) -> list[Tensor | None]:
             doc = recv[c].view(p * t, *recv.shape[3:])
-            qc, kc, vc = (x[c].view(p * t, *x.shape[3:]) for x in (qh, kh, vh))
+            qc = qh[c].view(p * t, *qh.shape[3:])
+            kc, vc = (x[c // per].view(p * t, *x.shape[3:]) for x in (kh, vh))
             if dsinks_h is not None:
                 dsinks_h[c * hc : (c + 1) * hc] = sink_grad(doc, outs[c], lses[c], sinks[ctx.heads][c * hc : (c + 1) * hc])
-            return sap_backward(runner.executor, doc, qc, kc, vc, outs[c], lses[c], ctx.scale)
+            dq, dk, dv = runner.executor.backward(doc, qc, kc, vc, outs[c], lses[c], ctx.scale)  # float32
+            if c % per == 0:
+                dkv[:] = [dk, dv]
+            else:
+                dkv[0].add_(dk)
+                dkv[1].add_(dv)
+            last = (c + 1) % per == 0  # dk, dv of a kv chunk return once, after its last q chunk
+            return [dq.to(qh.dtype), *((dkv[0].to(kh.dtype), dkv[1].to(vh.dtype)) if last else (None, None))]
 
-        _pipeline(runner, Phase.BWD, [(send, recv)], backs, compute)
+        _pipeline(runner, Phase.BWD, [Stream(send, recv, 1, "do")],
+                  [Stream(None, backs[0], 1, "dq"), Stream(None, backs[1], per, "dk"), Stream(None, backs[2], per, "dv")], compute)
         dq = unchunk_returned(backs[0])
         # Replicated kv heads: their gradients come back in the activation dtype, summed in fp32.
         dk = sum_kv_grad_for_intra(unchunk_returned(backs[1]).float(), ctx.num_kv_heads).to(kh.dtype)

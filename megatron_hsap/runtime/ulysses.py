@@ -16,7 +16,8 @@ sequence side, one copy out of it on the way back); no other copies.
 
 Head chunks (``plan.head_chunks``, ``runtime/hsap.py``): :func:`chunked_send` lays a sequence-side
 tensor out as ``[C, P, t, h/(P·C), d]`` in the same one copy, so chunk ``c``'s all-to-all sends
-the contiguous ``[c]`` (head chunk ``c`` of every destination's slice); :func:`issue_exchange`
+the contiguous ``[c]`` (head chunk ``c`` of every destination's slice; k and v in ``Ckv`` kv
+chunks when q chunks share a kv head); :func:`issue_exchange`
 issues it asynchronously and :meth:`Exchange.wait` waits it under the deadline;
 :func:`unchunk_returned` is the one copy back to ``[t, h, d]``.
 """

@@ -27,7 +27,7 @@ import bisect
 from megatron_hsap.plan.calls import LocalRows, stage_calls
 from megatron_hsap.plan.chunks import chunk_shape
 from megatron_hsap.plan.costs import HeadShape
-from megatron_hsap.plan.options import kv_heads_per_rank
+from megatron_hsap.plan.options import kv_head_chunks, kv_heads_per_rank
 from megatron_hsap.plan.ir import Accumulate, Compute, Merge, Phase, Post as PlanPost, Send, Wait as PlanWait, Wire
 from megatron_hsap.sim.builder import Builder
 from megatron_hsap.sim.cluster import Cluster
@@ -39,7 +39,9 @@ __all__ = ["hsap_workload", "a2a_calls"]
 
 def a2a_calls(plan: object, cluster: Cluster, phase: Phase | str, chunks: int = 1) -> tuple[list[float], list[float]]:
     """Seconds of each all-to-all before and after SAP in ``phase`` (empty lists at P_intra 1),
-    each for one of ``chunks`` head chunks (1/``chunks`` of the bytes, a whole latency each)."""
+    each for one of ``chunks`` head chunks (a whole latency each): q, o (and dO, dq) at 1/``C`` of
+    their bytes, k, v (dk, dv) at 1/``Ckv`` (``plan/chunks.kv_head_chunks``; one kv chunk serves
+    ``C/Ckv`` q chunks). Order: ``[q, k, v], [o]`` forward, ``[dO], [dq, dk, dv]`` backward."""
     o = plan.options  # type: ignore[attr-defined]
     p = cluster.intra_size
     if p == 1:
@@ -50,10 +52,12 @@ def a2a_calls(plan: object, cluster: Cluster, phase: Phase | str, chunks: int = 
     tokens = plan.local_tokens  # type: ignore[attr-defined]
     members = cluster.intra_group(0)
 
-    def call(heads: int, dim: int) -> float:
-        return cluster.all_to_all_time(members, tokens * heads * dim * b / chunks)
+    kv_chunks = kv_head_chunks(chunks, hkv)
 
-    q, k, v, out = call(h, d), call(hkv, d), call(hkv, dv), call(h, dv)
+    def call(heads: int, dim: int, parts: int) -> float:
+        return cluster.all_to_all_time(members, tokens * heads * dim * b / parts)
+
+    q, k, v, out = call(h, d, chunks), call(hkv, d, kv_chunks), call(hkv, dv, kv_chunks), call(h, dv, chunks)
     if Phase(phase) is Phase.FWD:
         return [q, k, v], [out]
     return [out], [q, k, v]  # dO before; dq, dk, dv after (same shapes as q, k, v)
@@ -98,12 +102,14 @@ def hsap_workload(plan: object, cluster: Cluster, phase: Phase | str) -> tuple[W
     """Engine workload of one inter group for ``phase`` (``fwd``/``bwd``) and its CP ranks.
 
     ``plan.head_chunks`` = C > 1 (``plan/chunks.py``; ``runtime/hsap.py`` ``_pipeline``): the
-    rank runs the SAP program C times on 1/C of the heads (every message and block shrinks by C)
-    and the intra all-to-alls go on its side stream in the runtime's issue order — chunk 0's
-    before anything, then at the start of chunk c's SAP the all-to-all of chunk c+1 and the
-    return of chunk c−1, the return of chunk C−1 at the end; chunk c's SAP waits for its own
-    all-to-all. NCCL runs the intra group's calls one after another (one communicator), and the
-    SAP kernels that overlap them run ``1 + overlap_slowdown`` times slower (docs/design.md §2.4)."""
+    rank runs the SAP program C times at ``chunk_shape`` (q-side messages and blocks 1/C of the
+    heads, kv-side messages 1/Ckv: a kv chunk's rows re-sent by each of its C/Ckv q chunks) and
+    the intra all-to-alls go on its side stream in the runtime's issue order — chunk 0's before
+    anything, then at the start of chunk c's SAP the all-to-all of chunk c+1 (k, v only when
+    c+1 starts a kv chunk) and the return of chunk c−1 (dk, dv only when c−1 ends one), the
+    return of chunk C−1 at the end; chunk c's SAP waits for its own all-to-all. NCCL runs the
+    intra group's calls one after another (one communicator), and the SAP kernels that overlap
+    them run ``1 + overlap_slowdown`` times slower (docs/design.md §2.4)."""
     hw = cluster.hw
     shape = plan.shape  # type: ignore[attr-defined]
     phase = Phase(phase)
@@ -111,38 +117,49 @@ def hsap_workload(plan: object, cluster: Cluster, phase: Phase | str) -> tuple[W
     chunks = int(getattr(plan, "head_chunks", 1) or 1) if cluster.intra_size > 1 else 1
     b = Builder(len(progs))
     before, after = a2a_calls(plan, cluster, phase, chunks)
+    per = chunks // kv_head_chunks(chunks, shape.num_kv_heads)  # q chunks per kv chunk
     part = chunk_shape(shape, chunks)
+    scale = {w: part.token_bytes(w) / shape.token_bytes(w) for w in Wire}  # one chunk's share of a message
     stride = 1 + max((ins.round.index for prog in progs for ins in prog.instrs if isinstance(ins, PlanPost)), default=0)
     side = iter(range(10**9))  # side-stream tags
     rows = [LocalRows(plan.layout.segments[r]) for r in range(len(progs))]  # type: ignore[attr-defined]
+    kv_in, kv_out = (before[1:], after[:0]) if phase == Phase.FWD else (before[:0], after[1:])  # k, v / dk, dv
+
+    def into(c: int) -> float:  # chunk c's all-to-all in: k, v only with a kv chunk's first q chunk
+        return sum(before) - (0.0 if c % per == 0 else sum(kv_in))
+
+    def back(c: int) -> float:  # chunk c's return: dk, dv only after a kv chunk's last q chunk
+        return sum(after) - (0.0 if (c + 1) % per == 0 else sum(kv_out))
+
     for r, prog in enumerate(progs):
         if chunks == 1:
             for t in before:
                 b.busy(r, t, "a2a", "all-to-all in")
-            _sap(b, r, prog, rows[r], part, 1.0, 0, phase, hw)
+            _sap(b, r, prog, rows[r], part, scale, 0, phase, hw)
             for t in after:
                 b.busy(r, t, "a2a", "all-to-all out")
             continue
         arriving = next(side)
-        b.launch(r, arriving, sum(before), "all-to-all in, chunk 1")
+        b.launch(r, arriving, into(0), "all-to-all in, chunk 1")
         for c in range(chunks):
             b.join(r, arriving)
             if c + 1 < chunks:
                 arriving = next(side)
-                b.launch(r, arriving, sum(before), f"all-to-all in, chunk {c + 2}")
+                b.launch(r, arriving, into(c + 1), f"all-to-all in, chunk {c + 2}")
             if c:
-                b.launch(r, next(side), sum(after), f"all-to-all back, chunk {c}")
-            _sap(b, r, prog, rows[r], part, 1.0 / chunks, c * stride, phase, hw)
+                b.launch(r, next(side), back(c - 1), f"all-to-all back, chunk {c}")
+            _sap(b, r, prog, rows[r], part, scale, c * stride, phase, hw)
         last = next(side)
-        b.launch(r, last, sum(after), f"all-to-all back, chunk {chunks}")
+        b.launch(r, last, back(chunks - 1), f"all-to-all back, chunk {chunks}")
         b.join(r, last)
     return b.build(), cluster.inter_group(0)
 
 
-def _sap(b: Builder, r: int, prog: object, rows: LocalRows, shape: HeadShape, scale: float, offset: int, phase: Phase,
-         hw: object) -> None:  # fmt: skip
-    """Rank ``r``'s SAP program on ``shape``'s heads: sends scaled by ``scale`` (a head chunk's
-    share), round tags shifted by ``offset`` (one set per chunk); ``rows``: the rank's local rows."""
+def _sap(b: Builder, r: int, prog: object, rows: LocalRows, shape: HeadShape, scale: dict[Wire, float], offset: int,
+         phase: Phase, hw: object) -> None:  # fmt: skip
+    """Rank ``r``'s SAP program on ``shape``'s heads: sends scaled by ``scale[wire]`` (a head
+    chunk's share of the message), round tags shifted by ``offset`` (one set per chunk); ``rows``:
+    the rank's local rows."""
     fpp = shape.fwd_flops_per_pair if phase == Phase.FWD else shape.bwd_flops_per_pair
     h, hkv = shape.num_heads, shape.num_kv_heads
     per = merge_bytes("hsap", phase)
@@ -153,7 +170,7 @@ def _sap(b: Builder, r: int, prog: object, rows: LocalRows, shape: HeadShape, sc
         if isinstance(ins, PlanPost):
             for op in ins.round.ops:
                 if isinstance(op, Send):
-                    b.send(offset + ins.round.index, r, op.peer, op.nbytes * scale, f"{op.wire.value}")
+                    b.send(offset + ins.round.index, r, op.peer, op.nbytes * scale[op.wire], f"{op.wire.value}")
             b.post(r, offset + ins.round.index)
         elif isinstance(ins, PlanWait):
             b.wait(r, offset + ins.index)

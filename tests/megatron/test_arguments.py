@@ -55,6 +55,8 @@ def test_head_chunks_flag_reaches_the_plan_options() -> None:
     assert validate_hsap_args(args) == HSAPArgs(intra_size=4, inter_size=2) and args.hsap_head_chunks == 1
     mha = _parse(GOOD + ["--num-query-groups", "16", "--hsap-head-chunks", "2"])  # 2 q and 2 kv heads per intra rank
     assert validate_hsap_args(mha) == HSAPArgs(intra_size=4, inter_size=2)  # 2 chunks of one q and one kv head
+    gqa = _parse(GOOD + ["--hsap-head-chunks", "2"])  # 2 q heads and 1 kv head per intra rank
+    assert validate_hsap_args(gqa) == HSAPArgs(intra_size=4, inter_size=2)  # 2 q chunks sharing the kv head
 
 
 def test_ring_is_the_default_and_untouched() -> None:
@@ -80,8 +82,8 @@ def test_ring_is_the_default_and_untouched() -> None:
         (["--pipeline-model-parallel-size", "2", "--micro-batch-size", "2"], "--micro-batch-size 1"),
         (["--spec", "my.module", "MY_SPEC"], "--spec"),
         (["--hybrid-context-parallel"], "alternatives"),
-        # 2 q heads and 1 kv head per intra rank: a second chunk would need a kv head of its own
-        (["--hsap-head-chunks", "2"], r"--hsap-head-chunks 2: each intra rank holds 2 q and 1 kv heads; valid counts: \[1\]"),
+        # 2 q heads and 1 kv head per intra rank: 2 q chunks may share the kv head, 4 cannot split 2 heads
+        (["--hsap-head-chunks", "4"], r"--hsap-head-chunks 4: each intra rank holds 2 q and 1 kv heads; valid counts: \[1, 2\]"),
         (["--hsap-head-chunks", "0"], "must be >= 1"),
     ],
 )

@@ -114,9 +114,10 @@ def test_sinks_with_chunks(gloo_pool):
 # --------------------------------------------------------------------------- runtime: overlap order
 
 
-def case_event_order(spec: dict) -> list[tuple[str, str, int]]:
+def case_event_order(spec: dict, named: bool = False) -> list[tuple[str, str, int]]:
     """Forward + backward with every intra all-to-all issue, wait and SAP call recorded in order:
-    ``("issue" | "wait", "<phase> to heads" | "<phase> return", chunk)``, ``("sap", phase, n)``
+    ``("issue" | "wait", "<phase> to heads" | "<phase> return", chunk)`` (``named``: the tensor's
+    name appended, ``"fwd to heads k"``), ``("sap", phase, n)``
     at the start of the n-th SAP call of the phase and ``("sap-end", phase, n)`` at its end;
     ``("async", "", 0)`` each time ``all_to_all_single`` is called with ``async_op=True``."""
     import torch.distributed as dist
@@ -134,9 +135,9 @@ def case_event_order(spec: dict) -> list[tuple[str, str, int]]:
     calls = {"fwd": 0, "bwd": 0}
 
     def parse(stage: str) -> tuple[str, int]:
-        m = re.match(r"(\w+ (?:to heads|return)), tensor \d+/\d+ of head chunk (\d+)/", stage)
+        m = re.match(r"(\w+ (?:to heads|return)), tensor \d+/\d+ of head chunk (\d+)/\d+ \((\w+)\)", stage)
         assert m, stage
-        return m.group(1), int(m.group(2)) - 1
+        return m.group(1) + (f" {m.group(3)}" if named else ""), int(m.group(2)) - 1
 
     class Recorded:
         def __init__(self, x):

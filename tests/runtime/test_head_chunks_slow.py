@@ -16,7 +16,9 @@ from tests.runtime import cases
 from tests.runtime.test_head_chunks import TOKENS, chunk_specs, check_chunk_group
 
 TOPOLOGIES = {4: [(1, 4), (2, 2), (4, 1)], 8: [(1, 8), (2, 4), (4, 2), (8, 1)]}
-HEADS = [(16, 16), (16, 8), (8, 2)]  # MHA; GQA; GQA with kv heads replicated at P_intra > 2
+# MHA; GQA; GQA with kv heads replicated at P_intra > 2 (1 kv head per rank at P_intra >= 2: the
+# largest count's q chunks share it, plan/chunks.py)
+HEADS = [(16, 16), (16, 8), (8, 2)]
 
 
 def _groups(world: int, seed: int, layout: str, dtype: str, packings: int) -> list[list[dict]]:

@@ -154,3 +154,39 @@ def test_hsap_workload_matches_the_plan() -> None:
         assert len(after) == (1 if phase == "fwd" else 3)
         tl = simulate_on(work, cluster, gpus)
         assert tl.makespan >= sum(before) + sum(after)
+
+
+@pytest.mark.parametrize("chunks", [2, 4])
+def test_hsap_workload_shares_kv_chunks_like_the_runtime(chunks) -> None:
+    """q chunks sharing a kv head (4 q heads, 1 kv head per intra rank): SAP's bytes are the
+    runtime's (``chunked_p2p_bytes``: kv side re-sent by every q chunk); on the side stream, k and v
+    travel with the first chunk only (forward) and dk, dv return after the last (backward), each
+    all-to-all at its chunk's bytes (q, o: 1/C; k, v: whole, Ckv = 1)."""
+    from megatron_hsap.plan.chunks import chunked_p2p_bytes
+    from megatron_hsap.plan.plan import compile_plan
+    from megatron_hsap.sim.engine import Launch
+    from megatron_hsap.sim.hsap import a2a_calls, hsap_workload
+
+    cu = [0, 900, 1000, 3100, 3200, 4096]
+    plan = compile_plan(cu, 4, 2, num_heads=8, num_kv_heads=2, head_dim=8, head_chunks=chunks)
+    assert (plan.shape.num_heads, plan.shape.num_kv_heads) == (4, 1)
+    cluster = Cluster(hw=TOY, intra_size=2, inter_size=4)
+    predicted = chunked_p2p_bytes(plan)
+    for phase in ("fwd", "bwd"):
+        work, _ = hsap_workload(plan, cluster, phase)
+        assert sum(t.nbytes for t in work.transfers) == pytest.approx(float(predicted[phase][0].sum()), **TIGHT)
+        assert sum(t.nbytes for t in work.transfers) > sum(m.nbytes for m in plan.raw_messages(phase))  # kv re-sent
+        one_q, one_kv = a2a_calls(plan, cluster, phase, chunks)
+        # by hand, toy NVLink (1 B/s + 0.5 s a call): 512 local tokens × d 8 × 2 bytes to the 1 peer,
+        # its 4 of the 8 q heads / C, its 1 kv head whole
+        q_like, kv_like = 512 * 4 * 8 * 2 / chunks + 0.5, 512 * 1 * 8 * 2 + 0.5
+        assert (one_q if phase == "fwd" else one_kv) == pytest.approx([q_like, kv_like, kv_like], **TIGHT)
+        launches = [(i.label, i.seconds) for i in work.programs[0] if isinstance(i, Launch)]
+        ins = [s for label, s in launches if label.startswith("all-to-all in")]
+        backs = [s for label, s in launches if label.startswith("all-to-all back")]
+        if phase == "fwd":
+            assert ins == pytest.approx([q_like + 2 * kv_like] + [q_like] * (chunks - 1), **TIGHT)
+            assert backs == pytest.approx([q_like] * chunks, **TIGHT)
+        else:
+            assert ins == pytest.approx([q_like] * chunks, **TIGHT)
+            assert backs == pytest.approx([q_like] * (chunks - 1) + [q_like + 2 * kv_like], **TIGHT)
