@@ -39,7 +39,7 @@ from megatron_hsap.plan.traffic import both_links as _both, message_traffic, sam
 from megatron_hsap.plan.units import WorkUnit
 
 __all__ = ["PhaseTime", "BlockCosts", "BlockGroups", "block_costs", "phase_time", "quick_price", "price_staging", "necessary_traffic",
-           "lower_bounds", "ideal_compute",
+           "lower_bounds", "ideal_compute", "price_floor",
            "PipelinePhase", "pipelined_time"]
 
 
@@ -372,6 +372,22 @@ def compute_bound(total_work: int, size: int, sec_fwd: float, sec_bwd: float) ->
     """Seconds of forward + backward attention with the work spread perfectly and no traffic
     (the compute lower bound of every plan, whatever its layout)."""
     return total_work * (sec_fwd + sec_bwd) / size
+
+
+def price_floor(rank_work: np.ndarray, rates: CostRates) -> float:
+    """Seconds no staging of a placement with ``rank_work`` pairs per rank is priced below by
+    ``price_staging`` (so no plan built from it): each phase's path runs through every stage of a
+    rank (``rank_path``: ``t(k + 1) ≥ t(k) + compute(k)``), whose compute is at least its kernel
+    seconds (launches, merges and the slowdown beside transfers only add), and a kernel runs at
+    most at its peak rate (efficiency ≤ 1); flat prices without a kernel. Shaved by 1e-9 for
+    the summation order of the stages' sums."""
+    k = rates.kernel
+    if k is None:
+        per = rates.sec_fwd + rates.sec_bwd
+    else:
+        assert rates.overlap_slowdown >= 0, rates.overlap_slowdown
+        per = rates.fpp_fwd / k.fwd_peak + rates.fpp_bwd / k.bwd_peak
+    return float(np.max(rank_work, initial=0.0)) * per * (1 - 1e-9)
 
 
 def ideal_compute(doc_lengths: np.ndarray, doc_work: np.ndarray, size: int, rates: CostRates) -> float:

@@ -5,7 +5,7 @@ estimated time among several placements; cached by every input."""
 from __future__ import annotations
 
 import gc
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -14,7 +14,7 @@ from megatron_hsap.errors import BatchError, ConfigError
 from megatron_hsap.plan.cache import PLAN_CACHE, clear_plan_cache, fast_key
 from megatron_hsap.plan.codegen import PoolOverflow, generate
 from megatron_hsap.plan.costs import HeadShape
-from megatron_hsap.plan.estimate import compute_bound, ideal_compute, phase_time, price_staging
+from megatron_hsap.plan.estimate import compute_bound, ideal_compute, phase_time, price_floor, price_staging
 from megatron_hsap.plan.hardware import HARDWARE, LinkClass, link_class_for
 from megatron_hsap.plan.ir import Phase, Unit
 from megatron_hsap.plan.layout import Batch, Layout, contiguous_layout, normalize_cu_seqlens, validate_layout
@@ -124,8 +124,7 @@ def _price(placements: dict[str, Placement], size: int, rates: CostRates, latenc
            forced: str) -> dict[str, tuple[float, BlocksByRank, StagedBlocks]]:
     """Stage and price the placements: each under its default shape, in order of ``Placement.flat_time_bound``
     (a lower bound of the staged estimate), skipping those whose bound cannot beat the best price
-    by 1%; then every shape for the best one and for owner-computes (always: the guarantee's
-    reference is owner-computes compiled alone, which prices every shape)."""
+    by 1%; then (``_explore``) every shape for the best one and for owner-computes."""
     order = sorted(placements, key=lambda n: (placements[n].flat_time_bound(), n != forced, n != "owner-computes", n))
     priced: dict[str, tuple[float, BlocksByRank, StagedBlocks]] = {}
     seen: set[tuple] = set()
@@ -144,6 +143,12 @@ def _price(placements: dict[str, Placement], size: int, rates: CostRates, latenc
         t, st = _best_staging(split, rates, latency, budget, explore=False)
         priced[name] = (t, split, st)
         best_t = min(best_t, t)
+    return priced
+
+
+def _explore(priced: dict[str, tuple[float, BlocksByRank, StagedBlocks]], rates: CostRates, latency: float, budget: float) -> None:
+    """Price every stage shape of the best quick price and of owner-computes (always: the
+    guarantee's reference is owner-computes compiled alone, which prices every shape), in place."""
     # ties (placements whose stagings price the same) go to owner-computes, explored anyway below
     top = sorted(priced, key=lambda n: (priced[n][0], n != "owner-computes"))[:_EXPLORE]
     if "owner-computes" in priced:
@@ -156,7 +161,6 @@ def _price(placements: dict[str, Placement], size: int, rates: CostRates, latenc
         t, st = _best_staging(split, rates, latency, budget)
         if t < t0:
             priced[name] = (t, split, st)
-    return priced
 
 
 def _restage(split: BlocksByRank, rates: CostRates, latency: float, budget: float) -> tuple[float, StagedBlocks]:
@@ -315,10 +319,13 @@ def _compile_uncached(cu: tuple[int, ...], opts: PlanOptions) -> Plan:
     # price is over _LAYOUT_PRUNE above the other's built time would lose the choice anyway
     # (a staged price is within ~1% of the built plan's time). The contiguous plan is built first
     # when it may be within 1% of the bound (then nothing can gain more); else after the balanced one.
+    # The contiguous layout is staged and priced only when a decision needs its exact price:
+    # ``con.floor`` (≤ that price) settles each comparison below whenever it falls on the far side.
     contiguous = con = None
     if opts.layout_fallback:
-        con = _price_on(contiguous_layout(batch, size, opts.intra_size), batch, shape, opts)
-        if kept_layout(con.price / (1 + _LAYOUT_PRUNE), None, bound) == "contiguous":
+        con = _price_on(contiguous_layout(batch, size, opts.intra_size), batch, shape, opts, lazy=True)
+        if (kept_layout(con.floor / (1 + _LAYOUT_PRUNE), None, bound) == "contiguous"
+                and kept_layout(con.exact().price / (1 + _LAYOUT_PRUNE), None, bound) == "contiguous"):
             contiguous = _build_on(con)
             if kept_layout(contiguous.chosen.time, None, bound) == "contiguous":
                 return contiguous  # already within 1% of the compute bound: no layout can gain more
@@ -327,7 +334,7 @@ def _compile_uncached(cu: tuple[int, ...], opts: PlanOptions) -> Plan:
     bal = _price_on(balanced_layout(batch, size, opts.intra_size, token_cost, opts.window), batch, shape, opts)
     if con is None:
         return _build_on(bal)
-    if contiguous is None and bal.price > con.price * (1 + _LAYOUT_PRUNE):
+    if contiguous is None and bal.price > con.floor * (1 + _LAYOUT_PRUNE) and bal.price > con.exact().price * (1 + _LAYOUT_PRUNE):
         # prune the balanced layout against the contiguous plan's built time only: a staged
         # price can sit below it (25% where a pool overflow restages: table4 fineweb 16K 1x8 s1)
         contiguous = _build_on(con)
@@ -335,7 +342,7 @@ def _compile_uncached(cu: tuple[int, ...], opts: PlanOptions) -> Plan:
         return contiguous
     balanced = _build_on(bal)
     if contiguous is None:
-        if con.price > balanced.chosen.time * (1 + _LAYOUT_PRUNE):
+        if con.floor > balanced.chosen.time * (1 + _LAYOUT_PRUNE) or con.exact().price > balanced.chosen.time * (1 + _LAYOUT_PRUNE):
             return balanced  # (on the 167 benchmark batches no contiguous price exceeds its built time)
         contiguous = _build_on(con)
     return choose_layout(contiguous, balanced, bound)
@@ -398,14 +405,37 @@ class _Priced:
     pieces: tuple
     units: tuple[WorkUnit, ...]
     priced: dict[str, tuple[float, BlocksByRank, StagedBlocks]]
+    # the staging and pricing still to run (``exact``): a layout whose ``floor`` already decides
+    # the layout choice is never staged (1M at P_inter 64: the contiguous layout, whose floor is
+    # twice the balanced plan's time)
+    pending: list = field(default_factory=list, compare=False, repr=False)
+
+    def exact(self) -> "_Priced":
+        """This layout's candidates staged and priced (once): ``_price``, then ``_explore``."""
+        if self.pending:
+            placements, size, forced = self.pending.pop()
+            budget = self.capacity * _BUDGET_FRACTION
+            self.priced.update(_price(placements, size, self.rates, self.latency, budget, forced))
+            _explore(self.priced, self.rates, self.latency, budget)
+        return self
 
     @property
     def price(self) -> float:
+        assert not self.pending, "price of a layout not staged yet (call exact())"
         return min(v[0] for v in self.priced.values())
 
+    @property
+    def floor(self) -> float:
+        """A lower bound of ``exact().price``: before staging, the least ``estimate.price_floor``
+        of the placements (the price is one placement's staged price); after, the price."""
+        if not self.pending:
+            return self.price
+        return min(price_floor(np.asarray(pl.work, dtype=np.float64), self.rates) for pl in self.pending[0][0].values())
 
-def _price_on(layout: Layout, batch: Batch, shape: HeadShape, opts: PlanOptions) -> _Priced:
-    """Units, placements and staged prices of ``batch`` on ``layout`` (no code yet)."""
+
+def _price_on(layout: Layout, batch: Batch, shape: HeadShape, opts: PlanOptions, *, lazy: bool = False) -> _Priced:
+    """Units, placements and staged prices of ``batch`` on ``layout`` (no code yet); ``lazy``:
+    staging and pricing wait for ``_Priced.exact``."""
     size = opts.inter_size
     validate_layout(layout, batch.padded_tokens)
     hw = HARDWARE[opts.hardware]
@@ -419,13 +449,15 @@ def _price_on(layout: Layout, batch: Batch, shape: HeadShape, opts: PlanOptions)
         placements = {n: pl for n, pl in placements.items() if n in (opts.placement, "owner-computes")}
         if opts.placement not in placements:  # min-traffic equals owner-computes on this batch
             placements[opts.placement] = placements["owner-computes"]
-    priced = _price(placements, size, rates, latency, capacity * _BUDGET_FRACTION, opts.placement)
-    return _Priced(layout, batch, shape, opts, link, capacity, rates, latency, tuple(pieces), tuple(units), priced)
+    p = _Priced(layout, batch, shape, opts, link, capacity, rates, latency, tuple(pieces), tuple(units), {},
+                [(placements, size, opts.placement)])
+    return p if lazy else p.exact()
 
 
 def _build_on(p: _Priced) -> Plan:
     """Generate the code of ``p``'s lowest price (``_choose``: pool-overflow retries, the
     owner-computes recheck) and assemble the ``Plan``."""
+    p.exact()
     # a copy: _choose drops and re-prices candidates as it retries, and ``p.price`` must not move
     best, alternatives, owner_time = _choose(dict(p.priced), p.opts.inter_size, p.shape, p.capacity, p.rates, p.latency,
                                              p.capacity * _BUDGET_FRACTION)

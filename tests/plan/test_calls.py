@@ -8,7 +8,8 @@ Properties, on compiled plans of several packings, layouts, windows and rank cou
   kernel window whose rows are consecutive — checked against an independent reference: the local
   row of a token is its index in the rank's ``Layout.local_token_indices`` (numpy);
 * the grouping is maximal: two neighbouring calls of a stage could not have been one;
-* ``call_counts`` is the per-rank number of calls.
+* ``call_counts`` is the per-rank number of calls (counted from the staged blocks when the plan
+  has no window: equal to the walk over the programs on random plans).
 
 The count against what the executor launches is in tests/runtime/test_executor.py (kernel
 invocations counted on CPU runs), and against what the simulator prices in tests/sim/test_hsap_calls.py.
@@ -18,6 +19,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from megatron_hsap.errors import RuntimeMismatchError
 from megatron_hsap.plan import compile_plan
@@ -132,3 +135,27 @@ def test_local_rows_follow_segments() -> None:
         rows(TokenRange(18, 42))
     with pytest.raises(RuntimeMismatchError, match="not held"):
         rows(TokenRange(0, 5))
+
+
+def _walked(plan, phase) -> tuple[int, ...]:
+    """The reference count: walk every rank's program (``program_calls``)."""
+    return tuple(sum(len(c) for c in program_calls(plan.program(r, phase), plan.layout.segments[r]))
+                 for r in range(plan.inter_size))  # fmt: skip
+
+
+@settings(deadline=None, max_examples=12)
+@given(workload=st.sampled_from(["fineweb", "sharegpt", "ultrachat", "full"]), inter=st.sampled_from([2, 4, 8, 16]),
+       intra=st.sampled_from([1, 2]), seed=st.integers(0, 5), layout=st.sampled_from(["balanced", "contiguous"]),
+       pool=st.sampled_from([None, 1 << 16]))
+def test_counts_from_blocks_equal_the_program_walk(workload, inter, intra, seed, layout, pool) -> None:
+    """``call_counts`` of plans without a window (counted from the staged blocks) equals the
+    walk over the programs, in both phases, on random packings, layouts and pool sizes (a small
+    pool cuts blocks into more stages)."""
+    from megatron_hsap.plan.workloads import pack_batches
+
+    cu = [0, 16384] if workload == "full" else pack_batches(workload, 16384, seed + 1, 11)[seed]
+    opts = {"layout": layout, "layout_fallback": False} | ({"pool_bytes": pool} if pool else {})
+    plan = compile_plan(cu, inter, intra, num_heads=8, num_kv_heads=2, head_dim=16, **opts)
+    for phase in (Phase.FWD, Phase.BWD):
+        assert call_counts(plan, phase) == _walked(plan, phase)
+    assert sum(_walked(plan, Phase.FWD)) >= len({(u.rank, u.stage) for u in plan.units()})  # at least a call per stage

@@ -78,13 +78,16 @@ def test_cached_work_equals_banded_pairs_and_follows_replace() -> None:
         assert wu.work == u.work and wu == replace(wu)
 
 
-def test_arrays_equals_the_tuple_construction() -> None:
-    plan, _ = _plan_and_rates("fineweb", 8192, 4, 0)
+@pytest.mark.parametrize("window", [None, (300, 0)])
+def test_arrays_equals_the_tuple_construction(window) -> None:
+    plan, _ = _plan_and_rates("fineweb", 131072, 8, 0, window_size=window)
     units = list(plan.chosen.units)
-    ref = np.array([(u.rank, u.stage, u.q.start, u.q.stop, u.kv.start, u.kv.stop, u.work, u.causal, u.q_owner, u.kv_owner)
-                    for u in units], dtype=np.int64)
-    a = _arrays(units)
-    assert a.dtype == np.int64 and a.flags.writeable and np.array_equal(a, ref)
+    assert len(units) > 96  # both forms: the column form above 96 blocks, cached ``work`` up to it
+    for part in (units, units[:96], units[-7:]):
+        ref = np.array([(u.rank, u.stage, u.q.start, u.q.stop, u.kv.start, u.kv.stop, u.work, u.causal, u.q_owner,
+                         u.kv_owner) for u in part], dtype=np.int64)
+        a = _arrays(part)
+        assert a.dtype == np.int64 and a.flags.writeable and a.shape == (len(part), 10) and np.array_equal(a, ref)
     assert _arrays([]).shape == (0, 10)
 
 
