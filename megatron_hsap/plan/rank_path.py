@@ -162,23 +162,30 @@ def path_seconds_py(comp: list[list[float]], after: list[list[float]] | None, fl
         while j < m and flows[j][0] == k:
             j += 1
         if j > i:
-            rows = [(f[1], f[2], f[3], v, max(t[f[1]], t[f[2]]) + latency) for f, v in zip(flows[i:j], nbytes[i:j])]
-            drain: dict[tuple[int, int, int], float] = {}
-            for side in (0, 1):  # send ports, receive ports
-                ports: dict[tuple[int, int], list[tuple[float, float]]] = {}
-                for row in rows:
-                    ports.setdefault((row[side], row[2]), []).append((row[4], row[3]))
-                for (r, c), fs in ports.items():
-                    fs.sort()
-                    tail, best = 0.0, float("-inf")
-                    for idx in range(len(fs) - 1, -1, -1):
-                        tail += fs[idx][1]
-                        v = fs[idx][0] + tail / bw[c]
-                        if v > best:
-                            best = v
-                    drain[(side, r, c)] = best
-            for src, dst, c, _, _ in rows:
-                f = max(drain[(0, src, c)], drain[(1, dst, c)])
+            # per port (rank, link, direction): its transfers' (start, bytes)
+            ports: dict[tuple[int, int, int], list[tuple[float, float]]] = {}
+            for (_, src, dst, c), v in zip(flows[i:j], nbytes[i:j]):
+                ts, td = t[src], t[dst]
+                x = ((ts if ts > td else td) + latency, v)
+                ports.setdefault((src, c, 0), []).append(x)
+                ports.setdefault((dst, c, 1), []).append(x)
+            drain = {}
+            for key, fs in ports.items():
+                if len(fs) == 1:
+                    drain[key] = fs[0][0] + fs[0][1] / bw[key[1]]
+                    continue
+                fs.sort()
+                tail, best = 0.0, float("-inf")
+                for a, v in reversed(fs):
+                    tail += v
+                    x = a + tail / bw[key[1]]
+                    if x > best:
+                        best = x
+                drain[key] = best
+            for _, src, dst, c in flows[i:j]:
+                f, g = drain[(src, c, 0)], drain[(dst, c, 1)]
+                if g > f:
+                    f = g
                 if f > end[src]:
                     end[src] = f
                 if f > end[dst]:
