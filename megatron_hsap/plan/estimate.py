@@ -1,9 +1,9 @@
 """The estimated time of a staged plan and its lower bounds (docs/design.md §4).
 
-Per phase and stage ``k``: the slowest rank's ``max(compute of stage k, transfer of round k)``
-plus the round's latency when the round moves anything (round ``k`` overlaps stage ``k``; the last
-round returns results with nothing to hide behind). A rank's transfer time in a round is
-max(bytes sent, bytes received) / bandwidth (full-duplex links).
+Per phase: the longest path over the ranks' own programs (``plan/rank_path.py``): round ``k``
+overlaps stage ``k`` on each rank's clock, a transfer starts when both ends have posted, and each
+port (full duplex, per link class) carries its round's transfers as they start; the last round
+returns results with nothing to hide behind.
 
 A rank's compute in a stage is priced like the hardware charges it (``plan/block_costs.py``; the same
 ``KernelModel`` the simulator runs, ``plan/hardware.py``): every block at the kernel's rate for
@@ -23,7 +23,7 @@ the planner can price many candidate stagings and generate code for the winner o
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -33,9 +33,9 @@ from megatron_hsap.plan.costs import HeadShape
 from megatron_hsap.plan.hardware import Hardware, LinkClass
 from megatron_hsap.plan.ir import Phase, Unit, Wire
 from megatron_hsap.plan.placement import CostRates
-from megatron_hsap.plan.rank_path import path_finish, path_seconds, path_seconds_py, round_seconds, stack
+from megatron_hsap.plan.rank_path import path_finish, path_seconds, path_seconds_py, stack
 from megatron_hsap.plan.schedule import StagedBlocks
-from megatron_hsap.plan.traffic import both_links as _both, message_traffic, same_node as _same_node, staged_traffic
+from megatron_hsap.plan.traffic import Traffic, both_links as _both, message_traffic, same_node as _same_node, staged_traffic
 from megatron_hsap.plan.units import WorkUnit
 
 __all__ = ["PhaseTime", "BlockCosts", "BlockGroups", "block_costs", "phase_time", "quick_price", "price_staging", "necessary_traffic",
@@ -62,19 +62,19 @@ class PhaseTime:
 _PY_CELLS = 96
 
 
-def _total(comp: np.ndarray, sent: np.ndarray, recv: np.ndarray, bw: float, latency: float, nvl_bw: float,
-           pairs: np.ndarray, after: np.ndarray | None = None, exposed: bool = False) -> tuple[float, float]:
+def _total(comp: np.ndarray, tr: Traffic, bw: float, latency: float, nvl_bw: float,
+           after: np.ndarray | None = None, exposed: bool = False) -> tuple[float, float]:
     """(phase seconds, exposed latency seconds) from ``[P, rounds]`` compute seconds, merges after
-    each wait and bytes (``[2, P, rounds]``: network, NVLink ports in parallel): the longest path
-    over the ranks' own programs (``plan/rank_path.py``). The exposed latency (with ``exposed``;
-    else 0) is what the path loses to round latencies (what every head chunk pays again,
-    ``pipelined_time``)."""
-    xfer = round_seconds(sent, recv, bw, nvl_bw)
+    each wait and the phase's ``Traffic`` (its sends per round and link: network, NVLink ports in
+    parallel): the longest path over the ranks' own programs (``plan/rank_path.py``). The exposed
+    latency (with ``exposed``; else 0) is what the path loses to round latencies (what every head
+    chunk pays again, ``pipelined_time``)."""
+    bws = (bw, nvl_bw)
     if comp.size <= _PY_CELLS:  # a few dozen cells: the loop form (the same numbers, ``rank_path``)
-        args = (comp.tolist(), None if after is None else after.tolist(), xfer.tolist(), pairs.tolist())
+        args = (comp.tolist(), None if after is None else after.tolist(), tr.flows.tolist(), tr.nbytes.tolist(), bws)
         path = lambda lat: path_seconds_py(*args, lat)  # noqa: E731
     else:
-        path = lambda lat: path_seconds(comp, after, xfer, pairs, lat)  # noqa: E731
+        path = lambda lat: path_seconds(comp, after, tr.flows, tr.nbytes, bws, lat)  # noqa: E731
     total = path(latency)
     if latency <= 0 or not exposed:
         return total, 0.0
@@ -84,8 +84,8 @@ def _total(comp: np.ndarray, sent: np.ndarray, recv: np.ndarray, bw: float, late
 def _two_phases(fwd: tuple, bwd: tuple, rates: CostRates, latency: float) -> tuple[float, float]:
     """``_total`` of forward and backward ``(comp, traffic, after)`` in one pass over the rounds
     (``rank_path.stack``: the two phases are independent problems on disjoint rank sets)."""
-    parts = [(comp, after, round_seconds(tr.sent, tr.recv, rates.bw, rates.nvl_bw), tr.pairs) for comp, tr, after in (fwd, bwd)]
-    t = path_finish(*stack(parts), latency)
+    parts = [(comp, after, tr.flows, tr.nbytes) for comp, tr, after in (fwd, bwd)]
+    t = path_finish(*stack(parts), (rates.bw, rates.nvl_bw), latency)
     size = fwd[0].shape[0]
     return float(t[:size].max(initial=0.0)), float(t[size:].max(initial=0.0))
 
@@ -127,13 +127,13 @@ def phase_time(units: list[Unit], msgs: list[Message] | tuple[Message, ...], siz
                                        groups(stages + 1) if len(a) else None)
     else:
         comp, launch = grid * sec_per_pair, 0.0
-    if repeat > 1:
+    if repeat > 1:  # the same rounds again: pass c's flows offset by c·(stages + 1) rounds
         n = stages + 1
-        pairs = np.concatenate([tr.pairs + np.array([c * n, 0, 0], dtype=tr.pairs.dtype) for c in range(repeat)])
-        total, lat = _total(np.tile(comp, repeat), np.tile(sent, repeat), np.tile(recv, repeat), bw, latency, nvl, pairs,
+        flows = np.concatenate([tr.flows + np.array([c * n, 0, 0, 0], dtype=tr.flows.dtype) for c in range(repeat)])
+        total, lat = _total(np.tile(comp, repeat), replace(tr, flows=flows, nbytes=np.tile(tr.nbytes, repeat)), bw, latency, nvl,
                             None if after is None else np.tile(after, repeat), exposed=True)  # fmt: skip
     else:
-        total, lat = _total(comp, sent, recv, bw, latency, nvl, tr.pairs, after, exposed=True)
+        total, lat = _total(comp, tr, bw, latency, nvl, after, exposed=True)
     xfer = np.maximum(sent, recv) / (np.array([bw, nvl])[:, None, None] if sent.ndim == 3 else bw)
     return PhaseTime(
         total=total,
@@ -264,8 +264,7 @@ def _price_small(st: StagedBlocks, size: int, n: int, rates: CostRates, latency:
                     for kr, fr, br in zip(kern, fixed, busy)]
         else:
             comp = [[kv + fv for kv, fv in zip(kr, fr)] for kr, fr in zip(kern, fixed)]
-        xfer = round_seconds(tr.sent, tr.recv, rates.bw, rates.nvl_bw).tolist()
-        totals.append(path_seconds_py(comp, bc.after.tolist(), xfer, tr.pairs.tolist(), latency))
+        totals.append(path_seconds_py(comp, bc.after.tolist(), tr.flows.tolist(), tr.nbytes.tolist(), (rates.bw, rates.nvl_bw), latency))
     return sum(totals)
 
 

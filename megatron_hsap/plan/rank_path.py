@@ -6,32 +6,43 @@ with. So rank ``r`` posts round ``k`` at ``t_r(k)`` (the end of its round ``k �
 stage ``k`` until ``t_r(k) + compute_r(k)``, and its wait ends when its own compute is done and
 every transfer it takes part in has arrived; then it merges what it received:
 
-    t_r(k + 1) = max(t_r(k) + compute_r(k),  max over peers p of round k [max(t_r(k), t_p(k)) + latency + x_rp(k)]) + after_r(k)
+    t_r(k + 1) = max(t_r(k) + compute_r(k),  max over r's transfers f of round k [end_f]) + after_r(k)
 
-A transfer starts once both ends have posted (NCCL point-to-point is pairwise-synchronous) and
-takes ``x_rp = max(x_r, x_p)``: ``x`` is a rank's round transfer time, max(bytes sent, bytes
-received) / bandwidth per port class (full-duplex ports; the busier end's ports bound the pair,
-whose share of them max-min fairness cannot raise above what the busier end leaves). The phase
-ends when the last rank does. This is a closed form — one pass over the rounds, each vectorised
-over the round's pairs — not an event simulation: ports are not shared over time, a transfer is
-not split at other transfers' ends (``sim/engine.py`` does both, event by event, and is the
-independent check: ``sim/estimate_accuracy.py``).
+A transfer ``f = s → d`` (a round's bytes ``v_f`` between the two over one link class) starts at
+``a_f = max(t_s(k), t_d(k)) + latency``: once both ends have posted (NCCL point-to-point is
+pairwise-synchronous). It runs through ``s``'s send port and ``d``'s receive port of its class
+(full-duplex ports, one bandwidth per class). Each port carries the round's transfers as they
+start, never idle while one is pending (work-conserving, as max-min fair sharing is at a busy
+port), so it has carried all of them by its drain time
 
-Pairs are ``[m, 3]`` int64 rows ``(round, r, p)``, both directions of every exchanging pair,
-sorted; independent problems (a plan's forward and backward) are priced in one pass by stacking
-their ranks (``stack``): the per-round numpy calls, not the arithmetic, are the cost.
+    drain(port) = max over its transfers j of [a_j + Σ bytes of its transfers starting at or after a_j / bandwidth]
+
+and ``end_f = max(drain(send port of s), drain(receive port of d))``. Rounds never share a port:
+a rank posts round ``k + 1`` only after its round ``k`` transfers are done. The start times
+matter: a port that carries a late peer's bytes after an early peer's is not charged both from
+the later post (measured: owner-computes' backward on slimpajama SP8 32K s0 was priced 13.6%
+over the simulator when every transfer was charged the busier end's whole round bytes from the
+later post; within 3% with the drain). What is left out (``sim/engine.py`` does it, event by
+event, and is the independent check: ``sim/estimate_accuracy.py``): a short transfer at a busy
+port ends before the port drains (processor sharing), and a transfer slowed at one end leaves
+bandwidth to the others at its other end — both make the drain an upper bound.
+
+Transfers are ``[m, 4]`` int64 rows ``(round, src, dst, link)`` (link 0: the plan's link, 1:
+NVLink between inter ranks on one node) with their bytes ``[m]``, sorted (``flows_of``);
+independent problems (a plan's forward and backward) are priced in one pass by stacking their
+ranks (``stack``): the per-round numpy calls, not the arithmetic, are the cost.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["round_seconds", "pairs_of", "stack", "path_finish", "path_seconds", "path_seconds_py"]
+__all__ = ["round_seconds", "pairs_of", "flows_of", "stack", "path_finish", "path_seconds", "path_seconds_py"]
 
 
 def round_seconds(sent: np.ndarray, recv: np.ndarray, bw: float, nvl_bw: float = 0.0) -> np.ndarray:
     """[P, rounds] transfer seconds of each rank in each round from its bytes ``[P, rounds]``, or
-    ``[2, P, rounds]`` (network, NVLink: ports that run in parallel)."""
+    ``[2, P, rounds]`` (network, NVLink: ports that run in parallel): the busier of its ports."""
     if sent.ndim == 3:
         return np.maximum(np.maximum(sent[0], recv[0]) / bw, np.maximum(sent[1], recv[1]) / nvl_bw)
     return np.maximum(sent, recv) / bw
@@ -54,78 +65,130 @@ def pairs_of(rounds: np.ndarray, src: np.ndarray, dst: np.ndarray, size: int) ->
     return np.stack([key // (size * size), key // size % size, key % size], axis=1)
 
 
+def flows_of(rounds: np.ndarray, src: np.ndarray, dst: np.ndarray, link: np.ndarray, nbytes: np.ndarray,
+             size: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(flows, bytes)``: the sorted ``(round, src, dst, link)`` rows of the sends ``src → dst``
+    with the bytes of each summed (self-sends and empty ones dropped). Bytes are whole numbers, so
+    the sums are exact in any order."""
+    rounds, src, dst, link = (np.asarray(x, dtype=np.int64) for x in (rounds, src, dst, link))
+    nbytes = np.asarray(nbytes, dtype=np.float64)
+    keep = (src != dst) & (nbytes > 0)
+    key = ((rounds[keep] * 2 + link[keep]) * size + src[keep]) * size + dst[keep]
+    uniq, inv = np.unique(key, return_inverse=True)
+    total = np.bincount(inv.reshape(-1), weights=nbytes[keep], minlength=len(uniq))
+    rows = np.stack([uniq // (2 * size * size), uniq // size % size, uniq % size, uniq // (size * size) % 2], axis=1)
+    return rows.astype(np.int64).reshape(-1, 4), total
+
+
 def stack(parts: list[tuple[np.ndarray, np.ndarray | None, np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray | None, np.ndarray, np.ndarray]:
-    """Independent problems ``(comp, after, xfer, pairs)`` (same round count) as one: ranks of
+    """Independent problems ``(comp, after, flows, bytes)`` (same round count) as one: ranks of
     part ``i`` are offset by the ranks before it."""
     off = np.cumsum([0] + [c.shape[0] for c, _, _, _ in parts])
     comp = np.concatenate([c for c, _, _, _ in parts])
-    xfer = np.concatenate([x for _, _, x, _ in parts])
     after = None if all(a is None for _, a, _, _ in parts) else np.concatenate(
         [np.zeros_like(c) if a is None else a for c, a, _, _ in parts])
-    pairs = np.concatenate([p + np.array([0, o, o]) for (_, _, _, p), o in zip(parts, off)])
-    # each part is sorted and its ranks lie above the previous part's: a stable sort by round alone
-    # keeps (round, r, p) order
-    return comp, after, xfer, pairs[np.argsort(pairs[:, 0], kind="stable")]
+    flows = np.concatenate([f + np.array([0, o, o, 0]) for (_, _, f, _), o in zip(parts, off)])
+    nbytes = np.concatenate([v for _, _, _, v in parts])
+    order = np.argsort(flows[:, 0], kind="stable")  # rounds in order; within a round any order prices alike
+    return comp, after, flows[order], nbytes[order]
 
 
-def path_finish(comp: np.ndarray, after: np.ndarray | None, xfer: np.ndarray, pairs: np.ndarray, latency: float) -> np.ndarray:
+def _drain(port: np.ndarray, start: np.ndarray, bw: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
+    """Per transfer, the drain time of its ``port`` (the module docstring): the port's transfers
+    sorted by start, each one's start plus the bytes starting at or after it over the bandwidth
+    (of equal starts the first in order carries the most bytes: the maximum is the same)."""
+    order = np.lexsort((start, port))
+    p, v = port[order], nbytes[order]
+    new = np.ones(len(p), dtype=bool)
+    new[1:] = p[1:] != p[:-1]
+    heads = np.flatnonzero(new)
+    group = np.cumsum(new) - 1
+    tail = np.append(np.cumsum(v[::-1])[::-1], 0.0)  # bytes from here to the end (exact: whole numbers)
+    ends = np.append(heads[1:], len(p))  # where each port's rows stop
+    val = start[order] + (tail[:-1] - tail[ends[group]]) / bw[order]
+    out = np.empty(len(p))
+    out[order] = np.maximum.reduceat(val, heads)[group]
+    return out
+
+
+def path_finish(comp: np.ndarray, after: np.ndarray | None, flows: np.ndarray, nbytes: np.ndarray,
+                bws: tuple[float, float], latency: float) -> np.ndarray:
     """[P] seconds at which each rank ends the phase (the module docstring's recurrence).
 
-    ``comp`` / ``after`` / ``xfer``: ``[P, rounds]`` seconds of stage ``k``'s compute (kernels
-    slowed beside the round, launches, local merges), of the merges of round ``k``'s received
-    results (after its wait; None: none) and of round ``k``'s transfers; ``pairs``: ``pairs_of``."""
+    ``comp`` / ``after``: ``[P, rounds]`` seconds of stage ``k``'s compute (kernels slowed beside
+    the round, launches, local merges) and of the merges of round ``k``'s received results (after
+    its wait; None: none); ``flows`` / ``nbytes``: ``flows_of``; ``bws``: bandwidth of link 0 and 1."""
     size, n = comp.shape
     t = np.zeros(size)
-    kk, a, b = pairs[:, 0], pairs[:, 1], pairs[:, 2]
+    kk, s, d, c = flows[:, 0], flows[:, 1], flows[:, 2], flows[:, 3]
     bounds = np.searchsorted(kk, np.arange(n + 1))
-    # per pair: latency + the busier end's transfer time; each rank's peers are one run of rows
-    lat_x = np.maximum(xfer[a, kk], xfer[b, kk]) + latency
-    new = np.ones(len(kk), dtype=bool)
-    new[1:] = (kk[1:] != kk[:-1]) | (a[1:] != a[:-1])
-    heads = np.flatnonzero(new)
-    hb = np.searchsorted(heads, bounds)
+    bw = np.array([bws[0], bws[1] if bws[1] > 0 else bws[0]])[c]
+    out_port, in_port = s * 2 + c, d * 2 + c
     for k in range(n):
         end = t + comp[:, k]
         lo, hi = bounds[k], bounds[k + 1]
         if hi > lo:
-            first = heads[hb[k]: hb[k + 1]]
-            who = a[first]
-            done = np.maximum.reduceat(np.maximum(t[a[lo:hi]], t[b[lo:hi]]) + lat_x[lo:hi], first - lo)
-            end[who] = np.maximum(end[who], done)
+            sl = slice(lo, hi)
+            a = np.maximum(t[s[sl]], t[d[sl]]) + latency
+            fin = np.maximum(_drain(out_port[sl], a, bw[sl], nbytes[sl]), _drain(in_port[sl], a, bw[sl], nbytes[sl]))
+            np.maximum.at(end, s[sl], fin)
+            np.maximum.at(end, d[sl], fin)
         t = end if after is None else end + after[:, k]
     return t
 
 
-def path_seconds(comp: np.ndarray, after: np.ndarray | None, xfer: np.ndarray, pairs: np.ndarray, latency: float) -> float:
+def path_seconds(comp: np.ndarray, after: np.ndarray | None, flows: np.ndarray, nbytes: np.ndarray,
+                 bws: tuple[float, float], latency: float) -> float:
     """Seconds until the last rank ends the phase (``path_finish``)."""
-    return float(path_finish(comp, after, xfer, pairs, latency).max(initial=0.0))
+    return float(path_finish(comp, after, flows, nbytes, bws, latency).max(initial=0.0))
 
 
-def path_seconds_py(comp: list[list[float]], after: list[list[float]] | None, xfer: list[list[float]],
-                    pairs: list[list[int]], latency: float) -> float:
+def path_seconds_py(comp: list[list[float]], after: list[list[float]] | None, flows: list[list[int]], nbytes: list[float],
+                    bws: tuple[float, float], latency: float) -> float:
     """``path_seconds`` as a loop over ranks and rounds, for problems of a few hundred cells
     (where numpy's per-round calls cost more than the arithmetic): the same operations on the
-    same values in the same order (``np.maximum.reduceat`` over a rank's pair rows is a running
-    maximum), so the same number. Arguments as lists (``tolist`` of the arrays)."""
+    same values (byte sums of whole numbers are exact in any order; maxima are order-free), so
+    the same number. Arguments as lists (``tolist`` of the arrays)."""
     size = len(comp)
     n = len(comp[0]) if size else 0
+    bw = (bws[0], bws[1] if bws[1] > 0 else bws[0])
     t = [0.0] * size
-    j, m = 0, len(pairs)
+    j, m = 0, len(flows)
     for k in range(n):
         end = [tr + row[k] for tr, row in zip(t, comp)]
-        while j < m and pairs[j][0] < k:  # (rounds are sorted; a round without compute has no rows)
+        while j < m and flows[j][0] < k:
             j += 1
-        while j < m and pairs[j][0] == k:
-            a = pairs[j][1]
-            xa, ta = xfer[a][k], t[a]
-            done = None
-            while j < m and pairs[j][0] == k and pairs[j][1] == a:
-                b = pairs[j][2]
-                v = max(ta, t[b]) + (max(xa, xfer[b][k]) + latency)
-                if done is None or v > done:
-                    done = v
-                j += 1
-            if done > end[a]:
-                end[a] = done
+        i = j
+        while j < m and flows[j][0] == k:
+            j += 1
+        if j > i:
+            # per port (rank, link, direction): its transfers' (start, bytes)
+            ports: dict[tuple[int, int, int], list[tuple[float, float]]] = {}
+            for (_, src, dst, c), v in zip(flows[i:j], nbytes[i:j]):
+                ts, td = t[src], t[dst]
+                x = ((ts if ts > td else td) + latency, v)
+                ports.setdefault((src, c, 0), []).append(x)
+                ports.setdefault((dst, c, 1), []).append(x)
+            drain = {}
+            for key, fs in ports.items():
+                if len(fs) == 1:
+                    drain[key] = fs[0][0] + fs[0][1] / bw[key[1]]
+                    continue
+                fs.sort()
+                tail, best = 0.0, float("-inf")
+                for a, v in reversed(fs):
+                    tail += v
+                    x = a + tail / bw[key[1]]
+                    if x > best:
+                        best = x
+                drain[key] = best
+            for _, src, dst, c in flows[i:j]:
+                f, g = drain[(src, c, 0)], drain[(dst, c, 1)]
+                if g > f:
+                    f = g
+                if f > end[src]:
+                    end[src] = f
+                if f > end[dst]:
+                    end[dst] = f
         t = end if after is None else [e + row[k] for e, row in zip(end, after)]
     return max([0.0] + t)

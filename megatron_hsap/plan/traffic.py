@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from megatron_hsap.plan.placement import CostRates
-from megatron_hsap.plan.rank_path import pairs_of
+from megatron_hsap.plan.rank_path import flows_of, pairs_of
 
 __all__ = ["Traffic", "staged_traffic", "same_node", "both_links", "message_traffic"]
 
@@ -20,12 +20,16 @@ __all__ = ["Traffic", "staged_traffic", "same_node", "both_links", "message_traf
 @dataclass(frozen=True, slots=True)
 class Traffic:
     """One phase's bytes per ``[rank, round]`` sent and received (``[2, rank, round]``: network,
-    NVLink, when some inter ranks share a node) and ``pairs``: the sorted ``(round, r, p)`` rows,
-    both directions, of the ranks that exchange bytes in a round (``rank_path.pairs_of``)."""
+    NVLink, when some inter ranks share a node), ``pairs``: the sorted ``(round, r, p)`` rows,
+    both directions, of the ranks that exchange bytes in a round (``rank_path.pairs_of``), and
+    ``flows`` / ``nbytes``: each round's sends per ``(round, src, dst, link)`` with their bytes
+    (``rank_path.flows_of``: what the estimate's ports carry)."""
 
     sent: np.ndarray
     recv: np.ndarray
     pairs: np.ndarray
+    flows: np.ndarray
+    nbytes: np.ndarray
 
 
 def same_node(rates: CostRates, size: int) -> np.ndarray | None:
@@ -55,7 +59,7 @@ def message_traffic(msgs, size: int, n: int, same: np.ndarray | None) -> Traffic
     recv.reshape(-1)[:] = np.bincount((link * size + dst) * n + rnd, weights=nb, minlength=recv.size)
     if same is None:
         sent, recv = sent[0], recv[0]
-    return Traffic(sent, recv, pairs_of(rnd, src, dst, size))
+    return Traffic(sent, recv, pairs_of(rnd, src, dst, size), *flows_of(rnd, src, dst, link, nb, size))
 
 
 def staged_traffic(a: np.ndarray, size: int, n: int, rates: CostRates) -> tuple[Traffic, Traffic]:
@@ -70,6 +74,7 @@ def staged_traffic(a: np.ndarray, size: int, n: int, rates: CostRates) -> tuple[
     idx: list[np.ndarray] = []  # flat [row, link, rank, round] of every byte count, rows: sent fwd,
     wts: list[np.ndarray] = []  # received fwd, sent bwd, received bwd
     pairs: tuple[list[np.ndarray], list[np.ndarray]] = ([], [])  # fwd, bwd: (round, src, dst) columns
+    sends: tuple[list[np.ndarray], list[np.ndarray]] = ([], [])  # fwd, bwd: (round, src, dst, link, bytes) columns
     rank, stg = a[:, 0], a[:, 1]
     # per side: (columns of the range and owner, input bytes fwd, input bytes bwd, result bytes fwd,
     # result bytes bwd) per token; q travels with do/lse/delta in backward and returns o+lse / dq;
@@ -102,11 +107,14 @@ def staged_traffic(a: np.ndarray, size: int, n: int, rates: CostRates) -> tuple[
                 wts.append(toks * per_token)
         pair_in = np.stack([k_in[once], o[once], r[once]])
         pair_out = np.stack([k_out, r, o])
+        link = same[r, o].astype(np.int64) if same is not None else np.zeros(len(r), dtype=np.int64)
         for ph, (p_in, p_out) in enumerate(((f_in, f_out), (b_in, b_out))):
             if p_in:
                 pairs[ph].append(pair_in)
+                sends[ph].append(np.stack([*pair_in, link[once], t_once * p_in]).astype(np.float64))
             if p_out:
                 pairs[ph].append(pair_out)
+                sends[ph].append(np.stack([*pair_out, link, tokens * p_out]).astype(np.float64))
     if idx:
         t = np.bincount(np.concatenate(idx), weights=np.concatenate(wts), minlength=4 * cells).reshape(4, 2, size, n)
     else:
@@ -116,7 +124,8 @@ def staged_traffic(a: np.ndarray, size: int, n: int, rates: CostRates) -> tuple[
     out = []
     for ph in (0, 1):
         c = np.concatenate(pairs[ph], axis=1) if pairs[ph] else np.zeros((3, 0), dtype=np.int64)
-        out.append(Traffic(t[2 * ph], t[2 * ph + 1], pairs_of(c[0], c[1], c[2], size)))
+        f = np.concatenate(sends[ph], axis=1) if sends[ph] else np.zeros((5, 0))
+        out.append(Traffic(t[2 * ph], t[2 * ph + 1], pairs_of(c[0], c[1], c[2], size), *flows_of(*f[:4].astype(np.int64), f[4], size)))
     return out[0], out[1]
 
 
@@ -138,6 +147,7 @@ def _staged_traffic_py(a: np.ndarray, size: int, n: int, rates: CostRates) -> tu
     flat = [0.0] * (4 * cells)
     rows = a.tolist()
     pairs: tuple[set, set] = (set(), set())
+    sends: tuple[dict, dict] = ({}, {})  # fwd, bwd: (round, src, dst, link) -> bytes (whole numbers: exact sums)
     pp = size * size
     for lo, hi, oc, f_in, b_in, f_out, b_out in ((2, 3, 8, rates.q, rates.q_bwd, rates.o_lse, rates.dq),
                                                (4, 5, 9, rates.kv, rates.kv, 0.0, rates.dkv)):
@@ -165,10 +175,14 @@ def _staged_traffic_py(a: np.ndarray, size: int, n: int, rates: CostRates) -> tu
                     v = toks * fb
                     flat[s_cell] += v
                     flat[d_cell + cells] += v
+                    if src != dst and v > 0:
+                        sends[0][(kk, src, dst, 1 if base else 0)] = sends[0].get((kk, src, dst, 1 if base else 0), 0.0) + v
                 if bb:
                     v = toks * bb
                     flat[s_cell + c2] += v
                     flat[d_cell + c3] += v
+                    if src != dst and v > 0:
+                        sends[1][(kk, src, dst, 1 if base else 0)] = sends[1].get((kk, src, dst, 1 if base else 0), 0.0) + v
                 keys.append(kk * pp + src * size + dst)
                 keys.append(kk * pp + dst * size + src)
             for ph, per in ((0, fb), (1, bb)):
@@ -180,5 +194,7 @@ def _staged_traffic_py(a: np.ndarray, size: int, n: int, rates: CostRates) -> tu
     out = []
     for ph in (0, 1):
         key = np.array(sorted(pairs[ph]), dtype=np.int64)
-        out.append(Traffic(t[2 * ph], t[2 * ph + 1], np.stack([key // pp, key // size % size, key % size], axis=1)))
+        fl = sorted(sends[ph], key=lambda f: (f[0], f[3], f[1], f[2]))  # flows_of's order: round, link, src, dst
+        out.append(Traffic(t[2 * ph], t[2 * ph + 1], np.stack([key // pp, key // size % size, key % size], axis=1),
+                           np.array(fl, dtype=np.int64).reshape(-1, 4), np.array([sends[ph][f] for f in fl], dtype=np.float64)))
     return out[0], out[1]

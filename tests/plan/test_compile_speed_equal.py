@@ -93,11 +93,12 @@ def test_arrays_equals_the_tuple_construction(window) -> None:
 
 def _traffic_by_loop(units, size: int, n: int, rates: CostRates):
     """[4 rows: sent fwd, recv fwd, sent bwd, recv bwd][link][rank][round] bytes and each phase's
-    set of exchanging (round, r, p) both ways, one block at a time (inputs once per rank, stage
-    and range; results once per block)."""
+    set of exchanging (round, r, p) both ways and bytes per send (round, src, dst, link), one block
+    at a time (inputs once per rank, stage and range; results once per block)."""
     same = same_node(rates, size)
     t = np.zeros((4, 2, size, n))
     pairs: list[set] = [set(), set()]
+    sends: list[dict] = [{}, {}]
     seen = set()
     for u in units:
         for owner, toks, f_in, b_in, f_out, b_out in ((u.q_owner, u.q, rates.q, rates.q_bwd, rates.o_lse, rates.dq),
@@ -117,7 +118,8 @@ def _traffic_by_loop(units, size: int, n: int, rates: CostRates):
                         t[2 * ph, link, src, k] += nt * per
                         t[2 * ph + 1, link, dst, k] += nt * per
                         pairs[ph] |= {(k, src, dst), (k, dst, src)}
-    return (t if same is not None else t[:, 0]), pairs
+                        sends[ph][(k, src, dst, link)] = sends[ph].get((k, src, dst, link), 0.0) + nt * per
+    return (t if same is not None else t[:, 0]), pairs, sends
 
 
 @pytest.mark.parametrize("workload,T,inter,seed,kw", CASES)
@@ -127,9 +129,11 @@ def test_staged_traffic_equals_a_loop_over_blocks(workload, T, inter, seed, kw) 
     if not units:
         pytest.skip("no remote block on this batch")
     n = 2 + max(u.stage for u in units)
-    ref, ref_pairs = _traffic_by_loop(units, inter, n, rates)
+    ref, ref_pairs, ref_sends = _traffic_by_loop(units, inter, n, rates)
     for ph, tr in enumerate(staged_traffic(_arrays(units), inter, n, rates)):
         assert np.array_equal(tr.sent, ref[2 * ph]) and np.array_equal(tr.recv, ref[2 * ph + 1])
+        # why exact: whole bytes, exact sums in any order
+        assert dict(zip(map(tuple, tr.flows.tolist()), tr.nbytes.tolist())) == ref_sends[ph]
         assert set(map(tuple, tr.pairs.tolist())) == ref_pairs[ph]
         assert list(map(tuple, tr.pairs.tolist())) == sorted(ref_pairs[ph])
 
@@ -237,7 +241,7 @@ def _numpy_paths(monkeypatch) -> None:
 @pytest.mark.parametrize("workload,T,inter,seed,kw", SMALL_CASES)
 def test_small_staging_loops_equal_the_numpy_forms(workload, T, inter, seed, kw, monkeypatch) -> None:
     from megatron_hsap.plan.block_costs import _block_costs_py
-    from megatron_hsap.plan.rank_path import path_seconds, path_seconds_py, round_seconds
+    from megatron_hsap.plan.rank_path import path_seconds, path_seconds_py
     from megatron_hsap.plan.traffic import _staged_traffic_py
 
     plan, rates = _plan_and_rates(workload, T, inter, seed, **kw)
@@ -261,12 +265,13 @@ def test_small_staging_loops_equal_the_numpy_forms(workload, T, inter, seed, kw,
         for ref, got in zip(ref_tr, _staged_traffic_py(a, inter, n, rates)):
             assert ref.sent.shape == got.sent.shape and np.array_equal(ref.sent, got.sent) and np.array_equal(ref.recv, got.recv)
             assert got.pairs.dtype == np.int64 and np.array_equal(ref.pairs, got.pairs)
+            assert got.flows.dtype == np.int64 and np.array_equal(ref.flows, got.flows) and np.array_equal(ref.nbytes, got.nbytes)
             comp = np.arange(inter * n, dtype=np.float64).reshape(inter, n) * 1e-5 + 3e-4
             after = np.full((inter, n), 2e-6)
-            xfer = round_seconds(ref.sent, ref.recv, rates.bw, rates.nvl_bw)
+            bws = (rates.bw, rates.nvl_bw)
             for aft in (None, after):
-                assert path_seconds(comp, aft, xfer, ref.pairs, latency) == path_seconds_py(
-                    comp.tolist(), None if aft is None else aft.tolist(), xfer.tolist(), ref.pairs.tolist(), latency)
+                assert path_seconds(comp, aft, ref.flows, ref.nbytes, bws, latency) == path_seconds_py(
+                    comp.tolist(), None if aft is None else aft.tolist(), ref.flows.tolist(), ref.nbytes.tolist(), bws, latency)
         fast.append(price_staging(replace(st, memo=None, memo_key=None), inter, rates, latency))
     with monkeypatch.context() as m:
         _numpy_paths(m)

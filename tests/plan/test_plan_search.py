@@ -48,10 +48,11 @@ def test_layout_prune_keeps_the_plan_and_generates_no_code_for_the_losing_layout
 
 
 def test_layout_prune_never_skips_a_layout_that_wins(monkeypatch: pytest.MonkeyPatch) -> None:
-    # a packed batch where the balanced layout is kept: the prune must not fire
+    # a packed batch where the balanced layout is kept: the prune must not fire (seed 0: seed 1
+    # keeps the contiguous layout since the estimate's ports drain as transfers start)
     from megatron_hsap.plan.workloads import pack_batches
 
-    cu = [int(x) for x in pack_batches("fineweb", 65536, 1, 1)[0]]
+    cu = [int(x) for x in pack_batches("fineweb", 65536, 1, 0)[0]]
     pruned, _ = _compile_counting(monkeypatch, cu, 8)
     monkeypatch.setattr(search, "_LAYOUT_PRUNE", float("inf"))
     full, _ = _compile_counting(monkeypatch, cu, 8)

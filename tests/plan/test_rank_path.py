@@ -3,43 +3,54 @@
 Reference: the timelines below, worked by hand from the program order every rank runs
 (``Post(k) · Compute(k) · Wait(k) · Merge(k)``, plan/codegen.py): a rank that exchanges nothing
 with a slow rank runs ahead of it (a per-stage max over ranks would not), a transfer starts when
-both ends have posted, and the merges of received results come after the wait."""
+both ends have posted, a port carries its transfers as they start, and the merges of received
+results come after the wait. (The same case against the simulator: tests/sim/test_estimate_accuracy.py.)"""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from megatron_hsap.plan.rank_path import pairs_of, path_finish, path_seconds, round_seconds, stack
+from megatron_hsap.plan.rank_path import flows_of, pairs_of, path_finish, path_seconds, path_seconds_py, round_seconds, stack
 
 
-def _peers(n: int, size: int, pairs: dict[int, list[tuple[int, int]]]) -> np.ndarray:
-    rows = [(k, a, b) for k, ps in pairs.items() for a, b in ps]
-    k, a, b = (np.array([r[i] for r in rows], dtype=np.int64) for i in range(3)) if rows else (np.zeros(0, dtype=np.int64),) * 3
-    return pairs_of(k, a, b, size)
+def _flows(size: int, sends: list[tuple[int, int, int, float]]) -> tuple[np.ndarray, np.ndarray]:
+    """``flows_of`` of ``(round, src, dst, bytes)`` sends over link 0."""
+    k, src, dst, v = (np.array([x[i] for x in sends]) for i in range(4)) if sends else (np.zeros(0),) * 4
+    return flows_of(k, src, dst, np.zeros(len(k), dtype=np.int64), v, size)
 
 
 def test_independent_ranks_run_ahead() -> None:
     # ranks 0 and 1 alternate slow/fast stages and never exchange: each ends at its own sum (3 s),
     # where a per-stage max over ranks would charge 2 + 2 = 4 s
     comp = np.array([[2.0, 1.0], [1.0, 2.0]])
-    t = path_seconds(comp, None, np.zeros((2, 2)), _peers(2, 2, {}), latency=0.5)
+    t = path_seconds(comp, None, *_flows(2, []), (1.0, 0.0), latency=0.5)
     assert t == 3.0  # why: sums of small integers are exact in floats
 
 
-def test_transfer_waits_for_the_later_post_and_the_busier_end() -> None:
-    # round 1: rank 0 (posts at 2 s) sends to rank 1 (posts at 1 s); rank 1 also receives from rank 2
-    # (posts at 1 s) so its port is busier: x = (1 s + 1 s) of bytes; latency 0.25 s.
+def test_transfer_starts_at_the_later_post_and_a_port_drains_its_transfers_as_they_start() -> None:
+    # round 1: rank 0 (posts at 2 s) sends 1 s of bytes to rank 1 (posts at 1 s); rank 2 (posts at
+    # 1 s) sends rank 1 another 1 s; latency 0.25 s, 1 byte/s.
     comp = np.array([[2.0, 0.5], [1.0, 0.5], [1.0, 0.5]])
-    xfer = np.array([[0.0, 1.0], [0.0, 2.0], [0.0, 1.0]])
-    peers = _peers(2, 3, {1: [(0, 1), (2, 1)]})
-    # rank 1: pair (0, 1) starts max(2, 1) + 0.25 and takes max(1, 2) = 2 s -> 4.25; pair (2, 1) 1 + 0.25 + 2 = 3.25
-    # rank 0: its own pair ends at 4.25 (after its 2.5 s compute); rank 2: 3.25. Phase: 4.25
-    assert path_seconds(comp, None, xfer, peers, 0.25) == pytest.approx(4.25, rel=1e-15)  # why: a few float adds
-    # merges after the wait: rank 1 merges 0.5 s after 4.25
+    flows = _flows(3, [(1, 0, 1, 1.0), (1, 2, 1, 1.0)])
+    # rank 1's receive port: 2 → 1 starts at 1.25, 0 → 1 at max(2, 1) + 0.25 = 2.25: it drains at
+    # max(1.25 + 2, 2.25 + 1) = 3.25 (not 2.25 + 2: the first transfer is done when the second
+    # starts). Rank 0 ends at 3.25 too (its compute ends at 2.5); rank 2 waits for rank 1's port
+    # (3.25, an upper bound: the simulator ends its transfer at 2.25). Phase: 3.25
+    t = path_finish(comp, None, *flows, (1.0, 0.0), 0.25)
+    assert t.tolist() == [3.25, 3.25, 3.25]  # why: a few float adds of binary fractions, exact
+    # merges after the wait: rank 1 merges 0.5 s after 3.25
     after = np.zeros((3, 2))
     after[1, 1] = 0.5
-    assert path_seconds(comp, after, xfer, peers, 0.25) == pytest.approx(4.75, rel=1e-15)  # why: as above
+    assert path_seconds(comp, after, *flows, (1.0, 0.0), 0.25) == 3.75  # why: as above
+    assert path_seconds_py(comp.tolist(), after.tolist(), flows[0].tolist(), flows[1].tolist(), (1.0, 0.0), 0.25) == 3.75
+
+
+def test_flows_sum_a_rounds_sends_per_pair_and_link() -> None:
+    f, v = flows_of(np.array([1, 0, 1, 1, 0]), np.array([2, 1, 2, 0, 1]), np.array([0, 1, 0, 2, 0]), np.array([0, 0, 0, 1, 0]),
+                    np.array([3.0, 5.0, 4.0, 6.0, 0.0]), 3)
+    # the self-send and the empty send are dropped; the two 2 → 0 sends of round 1 add up
+    assert f.tolist() == [[1, 2, 0, 0], [1, 0, 2, 1]] and v.tolist() == [7.0, 6.0]
 
 
 def test_round_seconds_takes_the_busier_port_and_the_slower_class() -> None:
@@ -55,12 +66,14 @@ def test_stacked_phases_price_like_each_alone() -> None:
     rng = np.random.default_rng(7)
     parts = []
     for size in (3, 5):
-        comp, after, xfer = rng.random((size, 4)), rng.random((size, 4)), rng.random((size, 4))
+        comp, after = rng.random((size, 4)), rng.random((size, 4))
         src, dst = rng.integers(0, size, 12), rng.integers(0, size, 12)
-        parts.append((comp, after, xfer, pairs_of(rng.integers(0, 4, 12), src, dst, size)))
-    t = path_finish(*stack(parts), 0.1)
-    assert t[:3].tolist() == path_finish(*parts[0], 0.1).tolist()  # why: the same float operations per rank
-    assert t[3:].tolist() == path_finish(*parts[1], 0.1).tolist()
+        parts.append((comp, after, *flows_of(rng.integers(0, 4, 12), src, dst, rng.integers(0, 2, 12), rng.integers(1, 9, 12) * 1.0, size)))
+    t = path_finish(*stack(parts), (3.0, 7.0), 0.1)
+    assert t[:3].tolist() == path_finish(*parts[0], (3.0, 7.0), 0.1).tolist()  # why: the same float operations per rank
+    assert t[3:].tolist() == path_finish(*parts[1], (3.0, 7.0), 0.1).tolist()
+    py = path_seconds_py(*(x.tolist() for x in parts[1]), (3.0, 7.0), 0.1)
+    assert py == float(t[3:].max())  # why: the loop form makes the same operations on the same values
 
 
 def test_pairs_are_both_directions_once_without_self_pairs() -> None:
