@@ -67,11 +67,16 @@ def check_chunk_group(specs: list[dict], results: list[list[dict]]) -> None:
         if base is None:
             base = per_rank
             continue
+        # q chunks sharing a kv chunk (C > kv heads per rank) sum its dk, dv over their passes in fp32
+        # (runtime/hsap.py): another summation order than one chunk's, so fp32 reassociation
+        # (~1e-7 per add, 1.3e-6 seen at 8 ranks) — still far below the reference check above
+        shared = plan.head_chunks > plan.shape.num_kv_heads
         for r, r1 in zip(per_rank, base):
             for name in ("out", "dq", "dk", "dv"):
+                tol = 1e-5 if shared and name in ("dk", "dv") else 1e-6
                 scale = max(1e-30, float(np.abs(r1[name]).max()))
                 err = float(np.abs(r[name] - r1[name]).max()) / scale
-                assert err <= 1e-6, f"{name}: head_chunks={spec['head_chunks']} differs from 1 chunk by {err:.3g} rel"
+                assert err <= tol, f"{name}: head_chunks={spec['head_chunks']} differs from 1 chunk by {err:.3g} rel"
 
 
 def _run_groups(gloo_pool, world: int, groups: list[list[dict]]) -> None:
