@@ -384,11 +384,6 @@ def _link_of(opts: PlanOptions) -> LinkClass:
     return link_class_for(opts.tp_size * opts.intra_size * opts.inter_size, opts.gpus_per_node)
 
 
-def _segments(layout: Layout) -> tuple[tuple[tuple[int, int], ...], ...]:
-    """``Layout.segment_starts`` (``CostRates.segments``)."""
-    return layout.segment_starts()
-
-
 @dataclass(frozen=True)
 class _Priced:
     """One layout's candidates staged and priced, before any code is generated (``_price_on``);
@@ -441,7 +436,7 @@ def _price_on(layout: Layout, batch: Batch, shape: HeadShape, opts: PlanOptions,
     hw = HARDWARE[opts.hardware]
     link = _link_of(opts)
     capacity = opts.pool_bytes or max(DEFAULT_POOL_CHUNKS * layout.chunk_tokens * shape.chunk_token_bytes, DEFAULT_POOL_MIN)
-    rates = CostRates.of(shape, hw, hw.bandwidth(link), inter_rank_nodes(opts, link), _segments(layout))
+    rates = CostRates.of(shape, hw, hw.bandwidth(link), inter_rank_nodes(opts, link), layout.segment_starts())
     latency = hw.latency(link)
     pieces, units = build_units(batch, layout, opts.window)
     placements = _placements(units, size, rates, opts.allow_helpers)
@@ -495,7 +490,7 @@ def _with_clipped(plan: Plan, full: Plan) -> Plan:
     units = [c for u in full.chosen.units if (c := clip_unit(replace(u, window=left), left)) is not None]
     hw, link = full.hardware, full.link
     rates = CostRates.of(full.shape, hw, hw.bandwidth(link), inter_rank_nodes(full.options, link),
-                         _segments(full.layout))
+                         full.layout.segment_starts())
     try:
         cand = _build(full.chosen.name, units, full.inter_size, full.shape, full.pool_capacity,
                       rates, hw.latency(link), full.chosen.budget)

@@ -23,7 +23,7 @@ from megatron_hsap.plan.ir import (ComputeItem, Phase, Send, TokenRange, Unit, W
                                    positional_builder)
 from megatron_hsap.plan.placement import CostRates
 from megatron_hsap.plan.options import inter_rank_nodes
-from megatron_hsap.plan.plan import _link_of, _segments, _BUDGET_FRACTION
+from megatron_hsap.plan.plan import _link_of, _BUDGET_FRACTION
 from megatron_hsap.plan.schedule import BlocksByRank, StagingError, default_shape, stage, stage_shapes
 from megatron_hsap.plan.traffic import same_node, staged_traffic
 from megatron_hsap.plan.units import WorkUnit
@@ -39,7 +39,7 @@ def _plan_and_rates(workload: str, T: int, inter: int, seed: int, **kw):
     plan = compile_plan(cu, inter, **SMALL, **kw)
     hw, link = plan.hardware, plan.link
     rates = CostRates.of(plan.shape, hw, hw.bandwidth(link), inter_rank_nodes(plan.options, link),
-                         _segments(plan.layout))
+                         plan.layout.segment_starts())
     return plan, rates
 
 
