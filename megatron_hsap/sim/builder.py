@@ -3,13 +3,15 @@
 A schedule is written rank by rank in program order (``post``, ``kernel``, ``wait`` ...);
 ``send(tag, src, dst, nbytes)`` registers the bytes of one round between two ranks (several
 sends of one round between the same pair are one transfer: they share the pair's ports and the
-round completes only when all are done).
+round completes only when all are done). Whether a kernel runs beside a transfer of its rank
+(and pays ``overlap_slowdown``) is settled in ``build``, once every rank's sends are known: a
+rank that only receives a round from a rank written after it is slowed too.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 import numpy as np
 
@@ -77,6 +79,8 @@ class Builder:
         self._next_tag = 0
         self._moves: set[tuple[int, int]] = set()  # (tag, rank) pairs with bytes to move
         self._open: list[set[int]] = [set() for _ in range(n)]  # tags posted, not yet waited, per rank
+        # kernels appended while tags were open: (rank, index in its program, open tags, slowdown)
+        self._beside: list[tuple[int, int, frozenset[int], float]] = []
 
     def new_tag(self) -> int:
         self._next_tag += 1
@@ -91,16 +95,11 @@ class Builder:
 
     def post(self, rank: int, tag: int) -> None:
         self.progs[rank].append(PostTag(tag))
-        if (tag, rank) in self._moves:
-            self._open[rank].add(tag)
+        self._open[rank].add(tag)
 
     def wait(self, rank: int, tag: int) -> None:
         self.progs[rank].append(WaitTag(tag))
         self._open[rank].discard(tag)
-
-    def overlapped(self, rank: int) -> bool:
-        """Whether ``rank`` has a posted transfer in flight (posted, not yet waited) in program order."""
-        return bool(self._open[rank])
 
     def busy(self, rank: int, seconds: float, kind: str = "compute", label: str = "", flops: float = 0.0,
              overlap_slowdown: float = 0.0) -> None:
@@ -115,14 +114,22 @@ class Builder:
         """Block ``rank`` until side-stream item ``tag`` is done (engine ``Join``)."""
         self.progs[rank].append(Join(tag))
 
+    def compute(self, rank: int, seconds: float, hw: SimHardware, label: str = "", flops: float = 0.0) -> None:
+        """Append ``seconds`` of attention kernel on ``rank``. While a posted transfer that moves
+        bytes to or from this rank is in flight (posted, not yet waited, in program order), the
+        kernel shares SMs and HBM with NCCL and takes ``1 + hw.overlap_slowdown`` times as long —
+        decided in ``build``, when every rank's sends are registered. The engine applies the same
+        factor to the part that overlaps a side-stream all-to-all."""
+        if seconds <= 0:
+            return
+        if self._open[rank]:
+            self._beside.append((rank, len(self.progs[rank]), frozenset(self._open[rank]), hw.overlap_slowdown))
+        self.busy(rank, seconds, "compute", label, flops, hw.overlap_slowdown)
+
     def kernel(self, rank: int, blocks: Blocks, hw: SimHardware, shape: HeadShape, phase: Phase | str, label: str = "") -> float:
-        """Append one varlen attention call; returns its seconds. While a posted transfer of this
-        rank is in flight, the kernel shares SMs and HBM with NCCL: ``hw.overlap_slowdown``; the
-        engine applies the same factor to the part that overlaps a side-stream all-to-all."""
+        """Append one varlen attention call (``compute``); returns its seconds before any NCCL slowdown."""
         t, f = blocks.seconds(hw, shape, phase)
-        if self.overlapped(rank):
-            t *= 1.0 + hw.overlap_slowdown
-        self.busy(rank, t, "compute", label, f, hw.overlap_slowdown)  # and while a side-stream all-to-all runs
+        self.compute(rank, t, hw, label, f)
         return t
 
     def fa3_wrapper(self, rank: int, nq: float, nk: float, shape: HeadShape, phase: Phase | str, hw: SimHardware) -> None:
@@ -152,5 +159,10 @@ class Builder:
         self.progs[rank].append(Collective(tag, seconds, kind, label))
 
     def build(self) -> Workload:
+        for rank, i, tags, slowdown in self._beside:
+            if any((tag, rank) in self._moves for tag in tags):
+                busy = self.progs[rank][i]
+                self.progs[rank][i] = replace(busy, seconds=busy.seconds * (1.0 + slowdown))  # type: ignore[type-var]
+        self._beside = []
         transfers = [TaggedTransfer(s, d, b, t, self._labels[(t, s, d)]) for (t, s, d), b in sorted(self._bytes.items())]
         return Workload(programs=self.progs, transfers=transfers)

@@ -181,9 +181,7 @@ def _sap(b: Builder, r: int, prog: object, rows: LocalRows, shape: HeadShape, sc
                 secs = hw.kernel.curve.launch_s + hw.kernel.blocks_time_py(blocks, phase, h // max(1, hkv)) + hw.kernel.grid_time(  # type: ignore[attr-defined]
                     max(x[0] for x in blocks), max(x[1] for x in blocks), len(blocks), h, phase) + hw.kernel.gqa_accum_time(  # type: ignore[attr-defined]
                     [x[1] for x in blocks], shape, phase, hw.hbm_bw)  # type: ignore[attr-defined]
-                if b.overlapped(r):  # NCCL transfers in flight share the SMs (as Builder.kernel)
-                    secs *= 1.0 + hw.overlap_slowdown  # type: ignore[attr-defined]
-                b.busy(r, secs, "compute", f"stage {ins.stage}", sum(x[2] for x in blocks), hw.overlap_slowdown)  # type: ignore[attr-defined]
+                b.compute(r, secs, hw, f"stage {ins.stage}", sum(x[2] for x in blocks))  # type: ignore[arg-type]
                 b.elementwise(r, sum(_item_merge_bytes(it, widths, cov) for it in items), hw, "merge local")  # type: ignore[arg-type]
         elif isinstance(ins, Merge):
             b.elementwise(r, len(ins.tokens) * shape.token_elements(Wire.O) * merge_bytes("hsap", Phase.FWD), hw, "merge o")  # type: ignore[arg-type]

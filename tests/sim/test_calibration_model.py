@@ -9,6 +9,7 @@ import pytest
 
 from megatron_hsap.sim.builder import Blocks, Builder
 from megatron_hsap.sim.cluster import Cluster
+from megatron_hsap.sim.engine import Busy
 from megatron_hsap.sim.methods import run_method
 from tests.sim.test_schedules import ONE, TIGHT, TOY
 
@@ -49,11 +50,34 @@ def test_overlap_slowdown_applies_only_while_a_transfer_is_in_flight() -> None:
     blk = Blocks.of([2], [2], [4])  # 4 pairs = 4 s
     b.post(0, tag)
     b.post(1, tag)
-    t_in = b.kernel(0, blk, hw, ONE, "fwd")
+    b.kernel(0, blk, hw, ONE, "fwd")
     b.wait(0, tag)
-    t_out = b.kernel(0, blk, hw, ONE, "fwd")
-    assert t_in == pytest.approx(6.0, **TIGHT) and t_out == pytest.approx(4.0, **TIGHT)
+    b.kernel(0, blk, hw, ONE, "fwd")
     b.wait(1, tag)
+    busy = [ins.seconds for ins in b.build().programs[0] if isinstance(ins, Busy)]
+    assert busy == pytest.approx([6.0, 4.0], **TIGHT)
+
+
+def test_overlap_slowdown_reaches_a_rank_that_only_receives_from_a_later_sender() -> None:
+    """Programs are written rank by rank: rank 0 posts and computes before rank 1's send of the
+    same round is registered; its kernel still runs beside the transfer it receives (slowed), and a
+    kernel beside a posted round that moves nothing for the rank is not."""
+    hw = replace(TOY, overlap_slowdown=0.5)
+    blk = Blocks.of([2], [2], [4])  # 4 s
+    b = Builder(3)
+    moving, idle = b.new_tag(), b.new_tag()
+    b.post(0, moving)
+    b.kernel(0, blk, hw, ONE, "fwd")  # receives from rank 1, registered below
+    b.wait(0, moving)
+    b.post(2, idle)  # rank 2 takes part in no transfer of ``idle``
+    b.kernel(2, blk, hw, ONE, "fwd")
+    b.wait(2, idle)
+    b.send(moving, 1, 0, 100.0)
+    b.post(1, moving)
+    b.wait(1, moving)
+    progs = b.build().programs
+    assert [ins.seconds for ins in progs[0] if isinstance(ins, Busy)] == pytest.approx([6.0], **TIGHT)
+    assert [ins.seconds for ins in progs[2] if isinstance(ins, Busy)] == pytest.approx([4.0], **TIGHT)
 
 
 def test_te_ring_pays_one_fixed_cost_per_communicating_step() -> None:

@@ -24,17 +24,12 @@ SAME = 1e-9
 # port drain), so it no longer overprices transfer-bound backward passes by charging every
 # transfer the busier end's whole round bytes from the later post (owner-computes' backward on
 # "slimpajama SP8 32K s0" 13.6% and on "slimpajama 32K 1x8 s0" 14.7% over before, ~1% after; the
-# fused merge then tipped both to a slower rebalanced plan). Known losses, each with its measured
-# cause (checked against a stated bound, so a regression still fails):
-# ultrachat 32K 1x8 s1 (Table 4, slow part): the chosen min-traffic plan (1.772 ms estimated,
-# 1.775 simulated) is 0.7% slower than owner-computes (1.763 simulated, 1.791 estimated). The
-# estimate is right about the ports here (no rank waits); the gap is rank 0's backward stage 0
-# (0.257 ms estimated, 0.234 simulated): it receives 5.2 MB in round 0 from a higher rank, and the
-# simulator's builder (sim/hsap.py → Builder.post) slows a kernel beside a round only when the
-# round's sends were built before the rank's post, i.e. by a lower-numbered sender, while the
-# estimate slows every rank whose round moves bytes. With the builder told every round's moves
-# first, owner-computes simulates 1.795 ms and the chosen plan (1.775) is 1.1% faster.
-KNOWN = {"ultrachat 32K 1x8 s1": 1.01}
+# fused merge then tipped both to a slower rebalanced plan). A kernel beside a round a rank only
+# receives from a higher-numbered sender is slowed like any other (sim/builder.Builder.build; before,
+# "ultrachat 32K 1x8 s1" simulated its chosen plan 0.7% slower than owner-computes through that
+# artefact alone: 1.775 vs 1.763 ms, 1.795 once fixed). No known losses are left; KNOWN pins one
+# with its measured cause and a bound, so a regression still fails.
+KNOWN: dict[str, float] = {}
 
 
 def _quick() -> list[Case]:
