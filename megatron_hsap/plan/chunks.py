@@ -119,8 +119,8 @@ def chunk_phase_times(plan: "Plan", chunks: int) -> tuple[PhaseTime, PhaseTime]:
     ranks run ahead into the next chunk as the runtime's do). ``total`` covers all chunks."""
     part = chunk_shape(plan.shape, chunks)
     hw, link = plan.hardware, plan.link
-    rates = CostRates.of(part, hw, hw.bandwidth(link), inter_rank_nodes(plan.options, link),
-                         plan.layout.segment_starts())  # the plan's rates at the chunk's shape, as compile_plan built them
+    rates = CostRates.of(part, hw, hw.bandwidth(link), inter_rank_nodes(plan.options, link), plan.layout.segment_starts(),
+                         hw.flow_bandwidth(link, plan.inter_size))  # the plan's rates at the chunk's shape, as compile_plan built them
     units = list(plan.chosen.units)
     times = []
     for ph, code, sec in ((Phase.FWD, plan.chosen.fwd, rates.sec_fwd), (Phase.BWD, plan.chosen.bwd, rates.sec_bwd)):

@@ -63,18 +63,18 @@ _PY_CELLS = 96
 
 
 def _total(comp: np.ndarray, tr: Traffic, bw: float, latency: float, nvl_bw: float,
-           after: np.ndarray | None = None, exposed: bool = False) -> tuple[float, float]:
+           after: np.ndarray | None = None, exposed: bool = False, flow_bw: float = float("inf")) -> tuple[float, float]:
     """(phase seconds, exposed latency seconds) from ``[P, rounds]`` compute seconds, merges after
     each wait and the phase's ``Traffic`` (its sends per round and link: network, NVLink ports in
     parallel): the longest path over the ranks' own programs (``plan/rank_path.py``). The exposed
     latency (with ``exposed``; else 0) is what the path loses to round latencies (what every head
-    chunk pays again, ``pipelined_time``)."""
+    chunk pays again, ``pipelined_time``); ``flow_bw``: one network transfer's cap (``CostRates.flow_bw``)."""
     bws = (bw, nvl_bw)
     if comp.size <= _PY_CELLS:  # a few dozen cells: the loop form (the same numbers, ``rank_path``)
         args = (comp.tolist(), None if after is None else after.tolist(), tr.flows.tolist(), tr.nbytes.tolist(), bws)
-        path = lambda lat: path_seconds_py(*args, lat)  # noqa: E731
+        path = lambda lat: path_seconds_py(*args, lat, flow_bw)  # noqa: E731
     else:
-        path = lambda lat: path_seconds(comp, after, tr.flows, tr.nbytes, bws, lat)  # noqa: E731
+        path = lambda lat: path_seconds(comp, after, tr.flows, tr.nbytes, bws, lat, flow_bw)  # noqa: E731
     total = path(latency)
     if latency <= 0 or not exposed:
         return total, 0.0
@@ -85,7 +85,7 @@ def _two_phases(fwd: tuple, bwd: tuple, rates: CostRates, latency: float) -> tup
     """``_total`` of forward and backward ``(comp, traffic, after)`` in one pass over the rounds
     (``rank_path.stack``: the two phases are independent problems on disjoint rank sets)."""
     parts = [(comp, after, tr.flows, tr.nbytes) for comp, tr, after in (fwd, bwd)]
-    t = path_finish(*stack(parts), (rates.bw, rates.nvl_bw), latency)
+    t = path_finish(*stack(parts), (rates.bw, rates.nvl_bw), latency, rates.flow_bw)
     size = fwd[0].shape[0]
     return float(t[:size].max(initial=0.0)), float(t[size:].max(initial=0.0))
 
@@ -121,6 +121,7 @@ def phase_time(units: list[Unit], msgs: list[Message] | tuple[Message, ...], siz
     tr = message_traffic(msgs, size, stages + 1, same)
     sent, recv = tr.sent, tr.recv
     nvl = rates.nvl_bw if rates is not None else 0.0
+    cap = rates.flow_bw if rates is not None else float("inf")
     after = None
     if rates is not None and rates.kernel is not None:
         comp, after, launch = _compute(units, grid, size, stages + 1, rates, phase, _both(sent), _both(recv), a,
@@ -131,9 +132,9 @@ def phase_time(units: list[Unit], msgs: list[Message] | tuple[Message, ...], siz
         n = stages + 1
         flows = np.concatenate([tr.flows + np.array([c * n, 0, 0, 0], dtype=tr.flows.dtype) for c in range(repeat)])
         total, lat = _total(np.tile(comp, repeat), replace(tr, flows=flows, nbytes=np.tile(tr.nbytes, repeat)), bw, latency, nvl,
-                            None if after is None else np.tile(after, repeat), exposed=True)  # fmt: skip
+                            None if after is None else np.tile(after, repeat), exposed=True, flow_bw=cap)  # fmt: skip
     else:
-        total, lat = _total(comp, tr, bw, latency, nvl, after, exposed=True)
+        total, lat = _total(comp, tr, bw, latency, nvl, after, exposed=True, flow_bw=cap)
     xfer = np.maximum(sent, recv) / (np.array([bw, nvl])[:, None, None] if sent.ndim == 3 else bw)
     return PhaseTime(
         total=total,
@@ -264,7 +265,8 @@ def _price_small(st: StagedBlocks, size: int, n: int, rates: CostRates, latency:
                     for kr, fr, br in zip(kern, fixed, busy)]
         else:
             comp = [[kv + fv for kv, fv in zip(kr, fr)] for kr, fr in zip(kern, fixed)]
-        totals.append(path_seconds_py(comp, bc.after.tolist(), tr.flows.tolist(), tr.nbytes.tolist(), (rates.bw, rates.nvl_bw), latency))
+        totals.append(path_seconds_py(comp, bc.after.tolist(), tr.flows.tolist(), tr.nbytes.tolist(), (rates.bw, rates.nvl_bw), latency,
+                                      rates.flow_bw))
     return sum(totals)
 
 

@@ -204,6 +204,36 @@ MERGE_FWD_BYTES = 10.0
 MERGE_FWD_BYTES_EAGER = 18.0
 MERGE_BWD_BYTES = 12.0
 
+# NCCL's point-to-point model over the network, read from its source (NVIDIA/nccl
+# src/graph/paths.cc, 2.20-2.28): ``NCCL_P2P_PER_CHANNEL_NET_BW`` = 14 GB/s is what one p2p channel
+# is assumed to drive to a network peer; p2pnChannels = the communicator's channel count, 16 on
+# multi-node H100/A100 (one ring per NIC, 8, doubled on sm90: src/graph/connect.cc). The same for
+# every GPU type here; ``Hardware.p2p_channel_net_bw`` / ``p2p_channels`` carry them, the
+# simulator reads them from there (sim/constants.py).
+P2P_CHANNEL_NET_BW = 14e9
+P2P_CHANNELS = 16
+
+
+def net_channels_per_peer(comm_size: int, p2p_channels: int) -> int:
+    """NCCL channels a point-to-point stream to a *network* peer runs on in a communicator of
+    ``comm_size`` ranks: 2, halved while ``2 · nRanks > 4 · p2pnChannels`` (NVIDIA/nccl
+    ``src/graph/paths.cc`` ``ncclTopoGetNchannels``, 2.20–2.28: "start from 2 channels per NIC and
+    reduce with scale"; one NIC per GPU keeps the floor at 1). Send/recv is tuned for all-to-all,
+    where many peers share the NIC, so a lone ring send gets few channels (NVIDIA/nccl#1272): with
+    16 channels, 2 up to 32 ranks, 1 from 33."""
+    c = 2
+    while c * comm_size > 4 * p2p_channels and c > 1:
+        c //= 2
+    return c
+
+
+def net_flow_bw(comm_size: int, ib_bw: float, p2p_channel_net_bw: float, p2p_channels: int) -> float:
+    """Bytes/s one point-to-point transfer to a network peer reaches on its own: its channels times
+    what one channel drives, at most the NIC (H100, NDR 48 GB/s: 28 GB/s up to 32 ranks, 14 GB/s
+    from 33). The planner's estimate (``CostRates.flow_bw``) and the simulator (``Cluster.p2p_cap``)
+    both call this."""
+    return min(ib_bw, net_channels_per_peer(comm_size, p2p_channels) * p2p_channel_net_bw)
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Hardware:
@@ -228,6 +258,9 @@ class Hardware:
     # NCCL's all-to-all over NVLink reaches this share of the NVLink figure (an all-gather bus
     # bandwidth): fitted on MagiAttention's 8-GPU figures (sim/calibrate.py; sim/constants.CALIBRATED)
     a2a_efficiency: float = 0.45
+    # NCCL's per-channel p2p rate over the network and the channels of a communicator (above)
+    p2p_channel_net_bw: float = P2P_CHANNEL_NET_BW
+    p2p_channels: int = P2P_CHANNELS
 
     def a2a_bandwidth(self, link: LinkClass) -> float:
         """Bytes/s one rank sends in an all-to-all over ``link`` (the NIC figure is already NDR's
@@ -248,6 +281,17 @@ class Hardware:
 
     def latency(self, link: LinkClass) -> float:
         return self.nvlink_latency if link is LinkClass.NVLINK else self.ib_latency
+
+    def net_flow_bw(self, comm_size: int) -> float:
+        """Bytes/s one point-to-point transfer to a network peer reaches in a communicator of
+        ``comm_size`` ranks (``net_flow_bw``: NCCL's channels per peer, at most the NIC)."""
+        return net_flow_bw(comm_size, self.ib_bw, self.p2p_channel_net_bw, self.p2p_channels)
+
+    def flow_bandwidth(self, link: LinkClass, comm_size: int) -> float:
+        """Ceiling of one point-to-point transfer of a plan over ``link`` whose P2P runs on a
+        communicator of ``comm_size`` ranks (HSAP: the inter group, ``P_inter``): ``net_flow_bw``
+        over InfiniBand, none (inf) over NVLink, where NCCL's p2p is not channel-bound."""
+        return self.net_flow_bw(comm_size) if link is LinkClass.INFINIBAND else float("inf")
 
 
 # --- the kernel model's constants ---------------------------------------------------------

@@ -69,6 +69,9 @@ class CostRates:
     # every pair at ``bw``.
     node: tuple[int, ...] = ()
     nvl_bw: float = 0.0
+    # the most one network (link 0) transfer reaches on its own: NCCL's channels to one network peer
+    # (``Hardware.flow_bandwidth`` of the plan's link and P_inter; inf: no cap, NVLink plans)
+    flow_bw: float = float("inf")
     # the layout's (global token start, local row start) per segment, per inter rank: which local
     # items' rows run on in local rows (one varlen call, plan/calls.py); () counts global contiguity
     segments: tuple[tuple[tuple[int, int], ...], ...] = ()
@@ -82,7 +85,7 @@ class CostRates:
 
     @classmethod
     def of(cls, shape: HeadShape, hw: Hardware, bw: float, node: tuple[int, ...] = (),
-           segments: tuple[tuple[tuple[int, int], ...], ...] = ()) -> "CostRates":
+           segments: tuple[tuple[tuple[int, int], ...], ...] = (), flow_bw: float = float("inf")) -> "CostRates":
         b = shape.token_bytes
         h, hkv, d, dv = shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.head_dim_v
         return cls(
@@ -108,6 +111,7 @@ class CostRates:
             overlap_slowdown=hw.overlap_slowdown,
             node=node if len(set(node)) > 1 else (),
             nvl_bw=hw.nvlink_bw,
+            flow_bw=flow_bw,
             segments=segments,
         )
 

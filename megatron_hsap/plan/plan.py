@@ -436,7 +436,8 @@ def _price_on(layout: Layout, batch: Batch, shape: HeadShape, opts: PlanOptions,
     hw = HARDWARE[opts.hardware]
     link = _link_of(opts)
     capacity = opts.pool_bytes or max(DEFAULT_POOL_CHUNKS * layout.chunk_tokens * shape.chunk_token_bytes, DEFAULT_POOL_MIN)
-    rates = CostRates.of(shape, hw, hw.bandwidth(link), inter_rank_nodes(opts, link), layout.segment_starts())
+    rates = CostRates.of(shape, hw, hw.bandwidth(link), inter_rank_nodes(opts, link), layout.segment_starts(),
+                         hw.flow_bandwidth(link, size))  # P2P runs on the inter group: P_inter ranks
     latency = hw.latency(link)
     pieces, units = build_units(batch, layout, opts.window)
     placements = _placements(units, size, rates, opts.allow_helpers)
@@ -490,7 +491,7 @@ def _with_clipped(plan: Plan, full: Plan) -> Plan:
     units = [c for u in full.chosen.units if (c := clip_unit(replace(u, window=left), left)) is not None]
     hw, link = full.hardware, full.link
     rates = CostRates.of(full.shape, hw, hw.bandwidth(link), inter_rank_nodes(full.options, link),
-                         full.layout.segment_starts())
+                         full.layout.segment_starts(), hw.flow_bandwidth(link, full.inter_size))
     try:
         cand = _build(full.chosen.name, units, full.inter_size, full.shape, full.pool_capacity,
                       rates, hw.latency(link), full.chosen.budget)

@@ -17,7 +17,12 @@ port), so it has carried all of them by its drain time
 
     drain(port) = max over its transfers j of [a_j + Σ bytes of its transfers starting at or after a_j / bandwidth]
 
-and ``end_f = max(drain(send port of s), drain(receive port of d))``. Rounds never share a port:
+and ``end_f = max(drain(send port of s), drain(receive port of d), a_f + v_f / cap)``: a transfer
+over the network (link 0 of a network plan) also runs at most at ``cap``, what NCCL's channels to
+one network peer drive (``flow_bw``: ``Hardware.net_flow_bw`` of the inter group's size, 28 GB/s
+on an NDR H100 up to 32 ranks, 14 GB/s from 33, against the NIC's 48; the simulator's
+``Cluster.p2p_cap`` is the same rule), so a rank talking to one network peer is channel-bound and
+one talking to several is port-bound. Rounds never share a port:
 a rank posts round ``k + 1`` only after its round ``k`` transfers are done. The start times
 matter: a port that carries a late peer's bytes after an early peer's is not charged both from
 the later post (measured: owner-computes' backward on slimpajama SP8 32K s0 was priced 13.6%
@@ -25,7 +30,10 @@ over the simulator when every transfer was charged the busier end's whole round 
 later post; within 3% with the drain). What is left out (``sim/engine.py`` does it, event by
 event, and is the independent check: ``sim/estimate_accuracy.py``): a short transfer at a busy
 port ends before the port drains (processor sharing), and a transfer slowed at one end leaves
-bandwidth to the others at its other end — both make the drain an upper bound.
+bandwidth to the others at its other end — both make the drain an upper bound; under the cap a
+port whose transfers differ in size idles below its bandwidth once fewer than ``bw / cap`` are
+left (the largest one's tail runs alone at ``cap``), which the max of the two terms does not
+charge — there the estimate is below the simulator.
 
 Transfers are ``[m, 4]`` int64 rows ``(round, src, dst, link)`` (link 0: the plan's link, 1:
 NVLink between inter ranks on one node) with their bytes ``[m]``, sorted (``flows_of``);
@@ -38,6 +46,8 @@ from __future__ import annotations
 import numpy as np
 
 __all__ = ["round_seconds", "pairs_of", "flows_of", "stack", "path_finish", "path_seconds", "path_seconds_py"]
+
+INF = float("inf")
 
 
 def round_seconds(sent: np.ndarray, recv: np.ndarray, bw: float, nvl_bw: float = 0.0) -> np.ndarray:
@@ -112,13 +122,15 @@ def _drain(port: np.ndarray, start: np.ndarray, bw: np.ndarray, nbytes: np.ndarr
 
 
 def path_finish(comp: np.ndarray, after: np.ndarray | None, flows: np.ndarray, nbytes: np.ndarray,
-                bws: tuple[float, float], latency: float) -> np.ndarray:
+                bws: tuple[float, float], latency: float, flow_bw: float = INF) -> np.ndarray:
     """[P] seconds at which each rank ends the phase (the module docstring's recurrence).
 
     ``comp`` / ``after``: ``[P, rounds]`` seconds of stage ``k``'s compute (kernels slowed beside
     the round, launches, local merges) and of the merges of round ``k``'s received results (after
-    its wait; None: none); ``flows`` / ``nbytes``: ``flows_of``; ``bws``: bandwidth of link 0 and 1."""
+    its wait; None: none); ``flows`` / ``nbytes``: ``flows_of``; ``bws``: bandwidth of link 0 and 1;
+    ``flow_bw``: the most one link-0 transfer reaches alone (inf: no cap; link 1 never has one)."""
     size, n = comp.shape
+    capped = flow_bw < INF
     t = np.zeros(size)
     kk, s, d, c = flows[:, 0], flows[:, 1], flows[:, 2], flows[:, 3]
     bounds = np.searchsorted(kk, np.arange(n + 1))
@@ -131,6 +143,8 @@ def path_finish(comp: np.ndarray, after: np.ndarray | None, flows: np.ndarray, n
             sl = slice(lo, hi)
             a = np.maximum(t[s[sl]], t[d[sl]]) + latency
             fin = np.maximum(_drain(out_port[sl], a, bw[sl], nbytes[sl]), _drain(in_port[sl], a, bw[sl], nbytes[sl]))
+            if capped:  # a link-1 transfer's own term is a + v / inf = a, below its drain
+                fin = np.maximum(fin, a + nbytes[sl] / np.where(c[sl] == 0, flow_bw, INF))
             np.maximum.at(end, s[sl], fin)
             np.maximum.at(end, d[sl], fin)
         t = end if after is None else end + after[:, k]
@@ -138,13 +152,13 @@ def path_finish(comp: np.ndarray, after: np.ndarray | None, flows: np.ndarray, n
 
 
 def path_seconds(comp: np.ndarray, after: np.ndarray | None, flows: np.ndarray, nbytes: np.ndarray,
-                 bws: tuple[float, float], latency: float) -> float:
+                 bws: tuple[float, float], latency: float, flow_bw: float = INF) -> float:
     """Seconds until the last rank ends the phase (``path_finish``)."""
-    return float(path_finish(comp, after, flows, nbytes, bws, latency).max(initial=0.0))
+    return float(path_finish(comp, after, flows, nbytes, bws, latency, flow_bw).max(initial=0.0))
 
 
 def path_seconds_py(comp: list[list[float]], after: list[list[float]] | None, flows: list[list[int]], nbytes: list[float],
-                    bws: tuple[float, float], latency: float) -> float:
+                    bws: tuple[float, float], latency: float, flow_bw: float = INF) -> float:
     """``path_seconds`` as a loop over ranks and rounds, for problems of a few hundred cells
     (where numpy's per-round calls cost more than the arithmetic): the same operations on the
     same values (byte sums of whole numbers are exact in any order; maxima are order-free), so
@@ -152,6 +166,7 @@ def path_seconds_py(comp: list[list[float]], after: list[list[float]] | None, fl
     size = len(comp)
     n = len(comp[0]) if size else 0
     bw = (bws[0], bws[1] if bws[1] > 0 else bws[0])
+    capped = flow_bw < INF
     t = [0.0] * size
     j, m = 0, len(flows)
     for k in range(n):
@@ -164,11 +179,13 @@ def path_seconds_py(comp: list[list[float]], after: list[list[float]] | None, fl
         if j > i:
             # per port (rank, link, direction): its transfers' (start, bytes)
             ports: dict[tuple[int, int, int], list[tuple[float, float]]] = {}
+            own = []  # per transfer: its start plus its bytes at the cap (link 0), else -inf
             for (_, src, dst, c), v in zip(flows[i:j], nbytes[i:j]):
                 ts, td = t[src], t[dst]
                 x = ((ts if ts > td else td) + latency, v)
                 ports.setdefault((src, c, 0), []).append(x)
                 ports.setdefault((dst, c, 1), []).append(x)
+                own.append(x[0] + v / flow_bw if capped and c == 0 else -INF)
             drain = {}
             for key, fs in ports.items():
                 if len(fs) == 1:
@@ -182,10 +199,12 @@ def path_seconds_py(comp: list[list[float]], after: list[list[float]] | None, fl
                     if x > best:
                         best = x
                 drain[key] = best
-            for _, src, dst, c in flows[i:j]:
+            for (_, src, dst, c), o in zip(flows[i:j], own):
                 f, g = drain[(src, c, 0)], drain[(dst, c, 1)]
                 if g > f:
                     f = g
+                if o > f:
+                    f = o
                 if f > end[src]:
                     end[src] = f
                 if f > end[dst]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_hsap.errors import ConfigError
-from megatron_hsap.plan.hardware import LinkClass
+from megatron_hsap.plan.hardware import LinkClass, net_channels_per_peer, net_flow_bw
 from megatron_hsap.sim.config import SimHardware
 
 __all__ = ["Cluster"]
@@ -75,24 +75,18 @@ class Cluster:
 
     # ------------------------------------------------------------------ NCCL's channel and latency model
     def net_channels_per_peer(self, comm_size: int) -> int:
-        """NCCL channels a point-to-point stream to a *network* peer runs on: 2, halved while
-        ``2 · nRanks > 4 · p2pnChannels`` (NVIDIA/nccl ``src/graph/paths.cc``
-        ``ncclTopoGetNchannels``, 2.20–2.28: "start from 2 channels per NIC and reduce with
-        scale"; one NIC per GPU keeps the floor at 1). Send/recv is tuned for all-to-all, where
-        many peers share the NIC, so a lone ring send gets few channels (NVIDIA/nccl#1272)."""
-        c = 2
-        while c * comm_size > 4 * self.hw.p2p_channels and c > 1:
-            c //= 2
-        return c
+        """NCCL channels a point-to-point stream to a *network* peer runs on in a communicator of
+        ``comm_size`` ranks (the rule and its source: ``plan/hardware.net_channels_per_peer``)."""
+        return net_channels_per_peer(comm_size, self.hw.p2p_channels)
 
     def p2p_cap(self, a: int, b: int, comm_size: int) -> float:
         """Ceiling of one point-to-point transfer between CP ranks ``a`` and ``b`` in a
         communicator of ``comm_size`` ranks: none over NVLink; across nodes, its channels times
         what one channel drives (``p2p_channel_net_bw``: NCCL's ``P2P_PER_CHANNEL_NET_BW``,
-        14 GB/s), at most the NIC."""
+        14 GB/s), at most the NIC — ``plan/hardware.net_flow_bw``, the planner's cap too."""
         if self.link(a, b) is LinkClass.NVLINK:
             return float("inf")
-        return min(self.hw.ib_bw, self.net_channels_per_peer(comm_size) * self.hw.p2p_channel_net_bw)
+        return net_flow_bw(comm_size, self.hw.ib_bw, self.hw.p2p_channel_net_bw, self.hw.p2p_channels)
 
     def ring_latency(self, members: list[int]) -> float:
         """NCCL's ring all-gather / reduce-scatter latency (``src/graph/tuning.cc``, Simple

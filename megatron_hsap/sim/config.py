@@ -47,14 +47,15 @@ class SimHardware:
     collective_efficiency: float = 1.0  # NCCL ring all-gather / reduce-scatter: achieved / link bandwidth
     te_step_s: float = 0.0  # host + launch overhead of one step of TE's THD p2p ring (seconds)
     overlap_slowdown: float = 0.0  # kernel slowdown while NCCL transfers run beside it (SM/HBM contention)
-    # NCCL's own cost model (constants.NCCL; docs/design.md §2.4): point-to-point channels to a network
-    # peer and what one drives, ring latencies per step by link, all-to-all peers per round
     # MagiAttention's FA3 baselines call the kernel through exps/dist_attn/baselines/utils_cp.py
     # ``_fa3_varlen_forward`` / ``_backward``: every call first gathers its inputs to real tokens
     # (``fa_varlen_thd_unpad`` of q, k, v; backward also out, dout, lse) and scatters its outputs
     # back into zero-filled padded tensors (``fa_varlen_thd_pad``): HBM copies priced by
     # ``Builder.fa3_wrapper``. True for ``h100-fa3`` (that harness); HSAP never pays them.
     fa3_wrapper_copies: bool = False
+    # NCCL's own cost model (docs/design.md §2.4): point-to-point channels to a network peer and what
+    # one drives (plan/hardware.py P2P_*, read through constants._from_plan; these defaults, no cap,
+    # serve hand-made sets only), ring latencies per step by link (constants.NCCL)
     p2p_channel_net_bw: float = float("inf")  # bytes/s one p2p channel drives over the network
     p2p_channels: int = 32  # p2p channels of a communicator (p2pnChannels)
     nccl_base_latency: float = 0.0  # ring collective base latency (Simple protocol)

@@ -34,7 +34,8 @@ def _from_plan(name: str) -> dict[str, Any]:
     k = h.kernel
     return {"attn_fwd_peak": k.fwd_peak, "attn_bwd_peak": k.bwd_peak, "half_rate_tokens": k.curve.half_rate_tokens,
             "launch_s": k.curve.launch_s, "nvlink_bw": h.nvlink_bw, "ib_bw": h.ib_bw, "nvlink_latency": h.nvlink_latency,
-            "ib_latency": h.ib_latency, "dense_peak_flops": h.dense_peak_flops, "hbm_bw": h.hbm_bw, "gpus_per_node": h.gpus_per_node}
+            "ib_latency": h.ib_latency, "dense_peak_flops": h.dense_peak_flops, "hbm_bw": h.hbm_bw, "gpus_per_node": h.gpus_per_node,
+            "p2p_channel_net_bw": h.p2p_channel_net_bw, "p2p_channels": h.p2p_channels}
 
 
 HARDWARE: dict[str, dict[str, Any]] = {
@@ -54,14 +55,12 @@ HARDWARE: dict[str, dict[str, Any]] = {
 #   src/graph/tuning.cc (2.19-2.28): ring Simple protocol baseLat 8.4 µs, hwLat per step 3.4 µs on
 #     NVLink and 14 µs on the network; ring all-gather / reduce-scatter latency
 #     = baseLat + (nRanks−1−(nNodes−1))·NVLink step + (nNodes−1)·network step (Cluster.ring_latency).
-#   src/graph/paths.cc: NCCL_P2P_PER_CHANNEL_NET_BW = 14 GB/s, what one p2p channel is assumed to
-#     drive over the network; channels per network peer start at 2 and halve while
-#     2·nRanks > 4·p2pnChannels (2.20-2.28 ncclTopoGetNchannels; NVIDIA/nccl#1272 measures the drop
-#     of a lone send/recv at 8 nodes); p2pnChannels = the communicator's channel count, 16 on
-#     multi-node H100/A100 (one ring per NIC, 8, doubled on sm90: src/graph/connect.cc), so a
-#     64-rank communicator drives each network peer with ONE channel, an 8-rank one with two.
-NCCL: dict[str, float] = {"p2p_channel_net_bw": 14e9, "p2p_channels": 16, "nccl_base_latency": 8.4e-6,
-                          "nccl_nvlink_step_latency": 3.4e-6, "nccl_net_step_latency": 14e-6}
+#   src/graph/paths.cc: the point-to-point channels to a network peer and what one drives
+#     (p2p_channel_net_bw 14 GB/s, p2p_channels 16, 2 channels per peer halved with the rank
+#     count: a 64-rank communicator drives each network peer with ONE channel, an 8-rank one with
+#     two) live in plan/hardware.py (P2P_CHANNEL_NET_BW, net_channels_per_peer) with their
+#     citation, shared with the planner's estimate; _from_plan above reads them.
+NCCL: dict[str, float] = {"nccl_base_latency": 8.4e-6, "nccl_nvlink_step_latency": 3.4e-6, "nccl_net_step_latency": 14e-6}
 for _hw in HARDWARE.values():
     _hw.update(NCCL)
 # Kernel time by block shape: the tile model of sim/config.py KernelModel (128 × 128 tiles, FA2

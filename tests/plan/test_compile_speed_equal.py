@@ -39,7 +39,7 @@ def _plan_and_rates(workload: str, T: int, inter: int, seed: int, **kw):
     plan = compile_plan(cu, inter, **SMALL, **kw)
     hw, link = plan.hardware, plan.link
     rates = CostRates.of(plan.shape, hw, hw.bandwidth(link), inter_rank_nodes(plan.options, link),
-                         plan.layout.segment_starts())
+                         plan.layout.segment_starts(), hw.flow_bandwidth(link, inter))  # as compile_plan builds them
     return plan, rates
 
 
@@ -269,9 +269,10 @@ def test_small_staging_loops_equal_the_numpy_forms(workload, T, inter, seed, kw,
             comp = np.arange(inter * n, dtype=np.float64).reshape(inter, n) * 1e-5 + 3e-4
             after = np.full((inter, n), 2e-6)
             bws = (rates.bw, rates.nvl_bw)
-            for aft in (None, after):
-                assert path_seconds(comp, aft, ref.flows, ref.nbytes, bws, latency) == path_seconds_py(
-                    comp.tolist(), None if aft is None else aft.tolist(), ref.flows.tolist(), ref.nbytes.tolist(), bws, latency)
+            for aft in (None, after):  # over InfiniBand with the per-flow cap (rates.flow_bw; inf under NVLink)
+                assert path_seconds(comp, aft, ref.flows, ref.nbytes, bws, latency, rates.flow_bw) == path_seconds_py(
+                    comp.tolist(), None if aft is None else aft.tolist(), ref.flows.tolist(), ref.nbytes.tolist(), bws, latency,
+                    rates.flow_bw)
         fast.append(price_staging(replace(st, memo=None, memo_key=None), inter, rates, latency))
     with monkeypatch.context() as m:
         _numpy_paths(m)

@@ -86,15 +86,18 @@ def _necessary_per_unit(plan):
 
 @settings(max_examples=10, deadline=None)
 @given(st.lists(st.integers(1, 90), min_size=1, max_size=5), st.integers(2, 4),
-       st.sampled_from(["contiguous", "balanced"]), st.sampled_from([4096, None]))
-def test_bounds_below_estimate_and_quick_price_equals_phase_time(lengths, inter, layout, pool) -> None:
+       st.sampled_from(["contiguous", "balanced"]), st.sampled_from([4096, None]),
+       st.sampled_from([{}, {"link": "ib", "hardware": "h100"}]))  # NVLink; InfiniBand with NCCL's per-flow cap (28 of 48 GB/s)
+def test_bounds_below_estimate_and_quick_price_equals_phase_time(lengths, inter, layout, pool, net) -> None:
     cu = list(np.concatenate([[0], np.cumsum(lengths)]).astype(int))
-    plan = compile_plan(cu, inter, num_heads=4, num_kv_heads=2, head_dim=16, layout=layout, pool_bytes=pool)
+    plan = compile_plan(cu, inter, num_heads=4, num_kv_heads=2, head_dim=16, layout=layout, pool_bytes=pool, **net)
     c = plan.chosen
     # the layout's segments, as the planner prices with them: local items fuse into one varlen call
     # where their local rows run on (plan/calls.py)
     segments = tuple(tuple((s.tokens.start, s.local_start) for s in segs) for segs in plan.layout.segments)
-    rates = CostRates.of(plan.shape, plan.hardware, plan.hardware.bandwidth(plan.link), segments=segments)
+    rates = CostRates.of(plan.shape, plan.hardware, plan.hardware.bandwidth(plan.link), segments=segments,
+                         flow_bw=plan.hardware.flow_bandwidth(plan.link, inter))
+    assert (rates.flow_bw < rates.bw) == bool(net)
     latency = plan.hardware.latency(plan.link)
     f = phase_time(list(c.units), plan.raw_messages("fwd"), inter, rates.sec_fwd, rates.bw, latency, rates=rates, phase="fwd")
     b = phase_time(list(c.units), plan.raw_messages("bwd"), inter, rates.sec_bwd, rates.bw, latency, rates=rates, phase="bwd")

@@ -79,3 +79,48 @@ def test_stacked_phases_price_like_each_alone() -> None:
 def test_pairs_are_both_directions_once_without_self_pairs() -> None:
     p = pairs_of(np.array([0, 0, 1, 1]), np.array([2, 2, 1, 0]), np.array([0, 0, 1, 1]), 3)
     assert p.tolist() == [[0, 0, 2], [0, 2, 0], [1, 0, 1], [1, 1, 0]]
+
+
+def test_a_lone_network_transfer_runs_at_nccls_per_peer_channels() -> None:
+    # NDR H100 (NIC 48 GB/s): NCCL drives one network peer with 2 channels of 14 GB/s up to 32
+    # ranks (plan/hardware.net_flow_bw), 1 from 33. Round 0, latency 0, nothing computes.
+    from megatron_hsap.plan.hardware import H100, LinkClass
+
+    assert H100.net_flow_bw(8) == 28e9 and H100.net_flow_bw(64) == 14e9  # why: 2 × 14e9 and 14e9, exact
+    assert H100.flow_bandwidth(LinkClass.NVLINK, 64) == float("inf") and H100.flow_bandwidth(LinkClass.INFINIBAND, 8) == 28e9
+    comp = np.zeros((3, 1))
+    bws = (48e9, 370e9)
+    # one flow 0 → 1 of 28 GB at P_inter 8: 28e9 / 28e9 = 1 s (the port alone would say 0.583 s)
+    one = _flows(3, [(0, 0, 1, 28e9)])
+    assert path_finish(comp, None, *one, bws, 0.0, H100.net_flow_bw(8)).tolist() == [1.0, 1.0, 0.0]  # why: exact quotients
+    assert path_finish(comp, None, *one, bws, 0.0).tolist() == [28 / 48, 28 / 48, 0.0]  # why: the same division, uncapped
+    # P_inter 64: one channel, 14 GB in 1 s
+    half = _flows(3, [(0, 0, 1, 14e9)])
+    assert path_finish(comp, None, *half, bws, 0.0, H100.net_flow_bw(64)).tolist() == [1.0, 1.0, 0.0]  # why: as above
+    # two flows from rank 0 to two peers, 24 GB each: each alone would take 24/28 s, but rank 0's
+    # send port carries 48 GB at 48 GB/s: port-bound, 1 s for both
+    two = _flows(3, [(0, 0, 1, 24e9), (0, 0, 2, 24e9)])
+    assert path_finish(comp, None, *two, bws, 0.0, 28e9).tolist() == [1.0, 1.0, 1.0]  # why: 48e9 / 48e9, exact
+    # link 1 (NVLink between inter ranks on one node) is never capped: 37 GB at 370 GB/s
+    nvl = flows_of(np.array([0]), np.array([0]), np.array([1]), np.array([1]), np.array([37e9]), 3)
+    assert path_finish(comp, None, *nvl, bws, 0.0, 28e9).tolist() == [0.1, 0.1, 0.0]  # why: one division, as uncapped
+    for flows in (one, half, two, nvl):  # the loop form: the same float operations
+        for cap in (28e9, 14e9, float("inf")):
+            assert path_seconds_py(comp.tolist(), None, flows[0].tolist(), flows[1].tolist(), bws, 1e-5, cap) == path_seconds(
+                comp, None, *flows, bws, 1e-5, cap)
+
+
+def test_capped_paths_equal_their_loop_form_and_never_undercut_the_uncapped() -> None:
+    # random problems on both link classes, latencies and merges: path_finish and path_seconds_py
+    # agree bit for bit with a cap, and a cap only lengthens a path
+    rng = np.random.default_rng(11)
+    for trial in range(40):
+        size, n, m = int(rng.integers(2, 7)), int(rng.integers(1, 5)), int(rng.integers(1, 30))
+        comp, after = rng.random((size, n)), (rng.random((size, n)) if trial % 2 else None)
+        flows = flows_of(rng.integers(0, n, m), rng.integers(0, size, m), rng.integers(0, size, m), rng.integers(0, 2, m),
+                         rng.integers(1, 9, m) * 1.0, size)
+        bws, cap = (3.0, 7.0), float(rng.choice([1.0, 2.0, 2.5, 3.0]))
+        t = path_finish(comp, after, *flows, bws, 0.1, cap)
+        py = path_seconds_py(comp.tolist(), None if after is None else after.tolist(), flows[0].tolist(), flows[1].tolist(), bws, 0.1, cap)
+        assert py == float(t.max(initial=0.0))  # why: the same operations on the same values
+        assert (t >= path_finish(comp, after, *flows, bws, 0.1)).all()

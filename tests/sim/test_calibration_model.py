@@ -114,6 +114,23 @@ def test_p2p_channels_per_network_peer_halve_with_the_communicator() -> None:
     assert replace(c, hw=replace(hw, p2p_channel_net_bw=1.0)).p2p_cap(3, 4, 64) == pytest.approx(0.25, **TIGHT)  # the NIC
 
 
+def test_planner_and_simulator_cap_a_network_transfer_alike() -> None:
+    # one rule (plan/hardware.net_flow_bw) for the planner's estimate and the simulator's
+    # Cluster.p2p_cap: every hardware set, every communicator size 2..256, bit for bit
+    from megatron_hsap.plan.hardware import HARDWARE, LinkClass
+    from megatron_hsap.sim.config import HARDWARE_NAMES, sim_hardware
+
+    for name in HARDWARE_NAMES:
+        plan_hw, sim_hw = HARDWARE[name], sim_hardware(name)
+        assert (sim_hw.p2p_channel_net_bw, sim_hw.p2p_channels) == (plan_hw.p2p_channel_net_bw, plan_hw.p2p_channels) == (14e9, 16)
+        c = Cluster(hw=sim_hw, intra_size=1, inter_size=2 * sim_hw.gpus_per_node)
+        far = sim_hw.gpus_per_node  # CP rank 0 and the first rank of the next node
+        for n in range(2, 257):
+            assert c.p2p_cap(0, far, n) == plan_hw.net_flow_bw(n) == plan_hw.flow_bandwidth(LinkClass.INFINIBAND, n), (name, n)
+        # H100 NDR (48 GB/s): 28 GB/s up to 32 ranks, 14 GB/s from 33; A100 HDR: the NIC's 23, then 14
+        assert [plan_hw.net_flow_bw(n) for n in (32, 33)] == ([23e9, 14e9] if name == "a100" else [28e9, 14e9])
+
+
 def test_a_capped_cross_node_transfer_runs_at_its_channels_rate() -> None:
     from megatron_hsap.sim.engine import simulate_on
 

@@ -93,9 +93,11 @@ def test_call_time_adds_one_launch() -> None:
 
 def test_yaml_overrides(tmp_path) -> None:
     f = tmp_path / "sim.yaml"
-    f.write_text("hardware:\n  a100:\n    ib_bw: 50.0e9\nmerge_bytes:\n  hsap:\n    fwd: 18\n")
+    f.write_text("hardware:\n  a100:\n    ib_bw: 50.0e9\n    p2p_channels: 8\nmerge_bytes:\n  hsap:\n    fwd: 18\n")
     load_overrides(f)
     assert sim_hardware("a100").ib_bw == 50e9
+    # NCCL's p2p constants live in plan/hardware.py and are overridable like any other field
+    assert (sim_hardware("a100").p2p_channels, sim_hardware("a100").p2p_channel_net_bw) == (8, 14e9)
     assert config.merge_bytes("hsap", "fwd") == 18.0  # the eager merge's bytes, over the fused 10
     bad = tmp_path / "bad.yaml"
     bad.write_text("hardware:\n  a100:\n    nic_speed: 1\n")
