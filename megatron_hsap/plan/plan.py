@@ -374,9 +374,9 @@ def _layer_time(plan: Plan) -> float:
     with it at the plan's head-chunk count (``plan/chunks.py``) when ``P_intra > 1``."""
     if plan.intra_size == 1:
         return plan.chosen.time
-    from megatron_hsap.plan.chunks import head_chunk_estimates
+    from megatron_hsap.plan.chunks import head_chunk_estimate
 
-    return head_chunk_estimates(plan)[plan.head_chunks]
+    return head_chunk_estimate(plan, plan.head_chunks)
 
 
 def _link_of(opts: PlanOptions) -> LinkClass:
