@@ -7,7 +7,7 @@ turns these into phase times; split from it as its own concept (and to keep modu
 Blocks are ``_arrays`` rows (int64, one per block); the functions here are numpy over them (they
 run per staging the planner prices), except ``_block_costs_py``: the same sums as a Python loop
 for the tens of remote blocks of a small staging (``block_costs_pair`` picks it; tested equal bit
-for bit in ``tests/plan/test_compile_speed_equal.py``)."""
+for bit in ``tests/plan/test_compile_speed_equal_pricing.py``)."""
 
 from __future__ import annotations
 

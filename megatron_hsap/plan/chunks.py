@@ -29,6 +29,8 @@ The all-to-all bytes do not depend on ``C``.
 ``P_intra = 1`` (no all-to-all); else the valid count of least ``estimate.pipelined_time`` summed
 over forward and backward (ties: fewer chunks). ``P_inter = 1`` (pure Ulysses) is priced the same
 way: the local attention of chunk ``k`` hides the all-to-alls of its neighbours just as SAP does.
+A shared-kv count is re-priced only when a lower bound of its estimate does not already lose
+(:func:`choose_head_chunks`, :func:`chunk_sap_floor`): the same count as pricing every one.
 """
 
 from __future__ import annotations
@@ -41,11 +43,14 @@ import numpy as np
 from megatron_hsap.errors import ConfigError
 from megatron_hsap.plan.calls import call_counts
 from megatron_hsap.plan.costs import HeadShape
-from megatron_hsap.plan.estimate import PhaseTime, PipelinePhase, phase_time, pipelined_time
+from megatron_hsap.plan.block_costs import block_costs
+from megatron_hsap.plan.codegen import _new_message, wire_bytes
+from megatron_hsap.plan.estimate import PhaseTime, PipelinePhase, _rows_of, phase_time, pipelined_time
 from megatron_hsap.plan.hardware import LinkClass, link_class_for
 from megatron_hsap.plan.ir import Phase, Post, Recv, Send, Wire
 from megatron_hsap.plan.options import check_head_chunks, inter_rank_nodes, kv_head_chunks, valid_head_chunks  # rule: defined there; re-exported
 from megatron_hsap.plan.placement import CostRates
+from megatron_hsap.plan.traffic import same_node
 
 if TYPE_CHECKING:
     from megatron_hsap.plan.options import PlanOptions
@@ -64,6 +69,9 @@ __all__ = [
     "a2a_bytes_sent",
     "pipeline_phases",
     "head_chunk_estimates",
+    "head_chunk_estimate",
+    "chunk_sap_floor",
+    "choose_head_chunks",
     "resolve_head_chunks",
 ]
 
@@ -119,15 +127,70 @@ def chunk_phase_times(plan: "Plan", chunks: int) -> tuple[PhaseTime, PhaseTime]:
     ranks run ahead into the next chunk as the runtime's do). ``total`` covers all chunks."""
     part = chunk_shape(plan.shape, chunks)
     hw, link = plan.hardware, plan.link
-    rates = CostRates.of(part, hw, hw.bandwidth(link), inter_rank_nodes(plan.options, link), plan.layout.segment_starts(),
-                         hw.flow_bandwidth(link, plan.inter_size))  # the plan's rates at the chunk's shape, as compile_plan built them
+    rates = _chunk_rates(plan, part)
     units = list(plan.chosen.units)
+    full, sub = wire_bytes(plan.shape), wire_bytes(part)  # one chunk's bytes: rows × the chunk's row bytes
     times = []
     for ph, code, sec in ((Phase.FWD, plan.chosen.fwd, rates.sec_fwd), (Phase.BWD, plan.chosen.bwd, rates.sec_bwd)):
-        msgs = [replace(m, nbytes=_chunk_nbytes(m.nbytes, m.wire, plan.shape, part)) for m in code.messages]
+        msgs = [_new_message(m.round, m.src, m.dst, m.wire, m.tokens, m.nbytes // full[m.wire] * sub[m.wire], m.part)
+                for m in code.messages]
         times.append(phase_time(units, msgs, plan.inter_size, sec, rates.bw, hw.latency(link), rates=rates, phase=ph,
                                 repeat=chunks))
     return times[0], times[1]
+
+
+def _chunk_rates(plan: "Plan", part: HeadShape) -> CostRates:
+    """The plan's rates at the chunk's shape ``part``, as ``compile_plan`` built them."""
+    hw, link = plan.hardware, plan.link
+    return CostRates.of(part, hw, hw.bandwidth(link), inter_rank_nodes(plan.options, link), plan.layout.segment_starts(),
+                        hw.flow_bandwidth(link, plan.inter_size))
+
+
+def chunk_sap_floor(plan: "Plan", chunks: int) -> tuple[float, float]:
+    """Lower bounds of ``PipelinePhase.chunk_sap_s`` (forward, backward) at ``chunks`` head chunks,
+    without pricing the ``C`` passes' longest path (:func:`chunk_phase_times`, most of its cost).
+
+    Why it is a bound: ``rank_path``'s recurrence gives each rank ``r`` and round ``k``
+    ``t_r(k+1) ≥ t_r(k) + max(compute_r(k), x_r(k)) + after_r(k)``, where ``x_r(k)`` is 0 if ``r``
+    has no transfer in round ``k``, else ``latency + max over r's ports of their bytes / bandwidth``
+    (every transfer of ``r`` starts at ``max(t_s, t_d) + latency ≥ t_r(k) + latency``, and a port's
+    drain is at least its earliest start plus all its bytes over its bandwidth). Summed over the
+    ``C`` identical passes, ``total ≥ C · max_r S_r`` with ``S_r = Σ_k max(compute, x) + after``,
+    so ``chunk_sap_s = total/C − launch ≥ max_r S_r − launch``. Compute, merges, launches and bytes
+    are ``phase_time``'s own at the chunk's shape (``block_costs``, the chunk's message bytes), so
+    nothing about the kernel model is assumed; shaved by 1e-9 for summation order."""
+    part = chunk_shape(plan.shape, chunks)
+    rates = _chunk_rates(plan, part)
+    if rates.kernel is None:
+        return 0.0, 0.0
+    size, lat = plan.inter_size, plan.hardware.latency(plan.link)
+    a, groups = _rows_of(list(plan.chosen.units), size, rates)
+    n = 2 + int(a[:, 1].max(initial=0))
+    same = same_node(rates, size)
+    bws = np.array([rates.bw, rates.nvl_bw if rates.nvl_bw > 0 else rates.bw])[:, None, None]
+    full, sub = wire_bytes(plan.shape), wire_bytes(part)
+    out = []
+    for ph, code in ((Phase.FWD, plan.chosen.fwd), (Phase.BWD, plan.chosen.bwd)):
+        m = code.messages
+        rnd, src, dst = (np.fromiter((getattr(x, f) for x in m), dtype=np.int64, count=len(m)) for f in ("round", "src", "dst"))
+        nb = np.fromiter((x.nbytes // full[x.wire] * sub[x.wire] for x in m), dtype=np.float64, count=len(m))
+        link = same[src, dst].astype(np.int64) if same is not None else np.zeros(len(m), dtype=np.int64)
+
+        def per_port(end: np.ndarray, keep: np.ndarray) -> np.ndarray:
+            idx = ((link * size + end) * n + rnd)[keep]
+            return np.bincount(idx, weights=nb[keep], minlength=2 * size * n).reshape(2, size, n)
+
+        every = np.ones(len(m), dtype=bool)
+        sent, recv = per_port(src, every), per_port(dst, every)  # as message_traffic counts them (the slowdown)
+        bc = block_costs(a, size, n, rates, ph, groups(n) if len(a) else None)
+        comp = bc.seconds(sent.sum(axis=0), recv.sum(axis=0), rates.overlap_slowdown)
+        flows = (src != dst) & (nb > 0)  # the transfers the path prices (rank_path.flows_of)
+        fs, fr = per_port(src, flows), per_port(dst, flows)
+        port = np.maximum(fs / bws, fr / bws).max(axis=0)
+        x = np.where((fs + fr).sum(axis=0) > 0, lat + port, 0.0)
+        s_r = (np.maximum(comp, x) + bc.after).sum(axis=1)
+        out.append(float(s_r.max(initial=0.0)) * (1 - 1e-9) - float(bc.launch.max(initial=0.0)))
+    return out[0], out[1]
 
 
 # all_to_all_single calls per chunk before / after SAP (runtime/hsap.py): q, k, v in and o out
@@ -168,12 +231,38 @@ def pipeline_phases(plan: "Plan", chunks: int = 1) -> dict[Phase, PipelinePhase]
     all-to-all bytes and calls (those of k, v forward and dk, dv backward marked as the kv
     side), and — where q chunks share a kv chunk (``Ckv < C``) — the mean chunk's SAP re-priced at its
     shape (:func:`chunk_phase_times`: its kv-side traffic does not shrink with ``C``)."""
+    return _phases_at(plan, _base_phases(plan), chunks)
+
+
+def _phases_at(plan: "Plan", base: dict[Phase, PipelinePhase], chunks: int) -> dict[Phase, PipelinePhase]:
+    """``pipeline_phases`` from its count-free part ``base`` (:func:`_base_phases`)."""
+    if not _shared(plan, chunks):
+        return base
+    parts = chunk_phase_times(plan, chunks)
+    return _with_chunk_sap(base, {Phase.FWD: _chunk_sap(parts[0], chunks), Phase.BWD: _chunk_sap(parts[1], chunks)})
+
+
+def _shared(plan: "Plan", chunks: int) -> bool:
+    """Whether q chunks share a kv chunk at ``chunks`` (then each chunk's SAP is re-priced)."""
+    return plan.intra_size > 1 and kv_head_chunks(chunks, plan.shape.num_kv_heads) < chunks
+
+
+def _chunk_sap(part: PhaseTime, chunks: int) -> float:
+    """One chunk's SAP seconds without launches, from the ``C`` passes priced together."""
+    return (part.total - chunks * part.launch) / chunks
+
+
+def _with_chunk_sap(base: dict[Phase, PipelinePhase], sap: dict[Phase, float]) -> dict[Phase, PipelinePhase]:
+    return {ph: replace(p, chunk_sap_s=sap[ph]) for ph, p in base.items()}
+
+
+def _base_phases(plan: "Plan") -> dict[Phase, PipelinePhase]:
+    """``pipeline_phases`` without a chunk's own SAP price: every field but ``chunk_sap_s`` is the
+    same at every chunk count (so the choice builds them once)."""
     hw, b = plan.hardware, a2a_call_bytes(plan)
-    shared = plan.intra_size > 1 and kv_head_chunks(chunks, plan.shape.num_kv_heads) < chunks
-    parts = chunk_phase_times(plan, chunks) if shared else (None, None)
     out = {}
     p = plan.intra_size  # copies: 4 × each whole tensor, P/(P−1) × the bytes sent (Hardware.a2a_copy_time)
-    for ph, pt, part in ((Phase.FWD, plan.chosen.fwd_time, parts[0]), (Phase.BWD, plan.chosen.bwd_time, parts[1])):
+    for ph, pt in ((Phase.FWD, plan.chosen.fwd_time), (Phase.BWD, plan.chosen.bwd_time)):
         before, after = _CALLS[ph]
         kv_in = sum(b[n] for n in before if n in ("k", "v"))
         kv_out = sum(b[n] for n in after if n in ("k", "v"))
@@ -183,24 +272,68 @@ def pipeline_phases(plan: "Plan", chunks: int = 1) -> dict[Phase, PipelinePhase]
                                 in_copy_s=hw.a2a_copy_time(sum(b[n] for n in before) * p / max(1, p - 1)),
                                 out_copy_s=hw.a2a_copy_time(sum(b[n] for n in after) * p / max(1, p - 1)),
                                 kv_in_bytes=kv_in, kv_out_bytes=kv_out,
-                                kv_in_calls=sum(n in ("k", "v") for n in before), kv_out_calls=sum(n in ("k", "v") for n in after),
-                                chunk_sap_s=None if part is None else (part.total - chunks * part.launch) / chunks)  # fmt: skip
+                                kv_in_calls=sum(n in ("k", "v") for n in before), kv_out_calls=sum(n in ("k", "v") for n in after))  # fmt: skip
     return out
+
+
+def _a2a_link(plan: "Plan") -> tuple[float, float]:
+    """(bandwidth, latency) of the intra all-to-all."""
+    link = intra_link(plan.options)
+    return plan.hardware.a2a_bandwidth(link), plan.hardware.latency(link)
+
+
+def _pipelined(plan: "Plan", phases: dict[Phase, PipelinePhase], chunks: int) -> float:
+    bw, lat = _a2a_link(plan)
+    kv = kv_head_chunks(chunks, plan.shape.num_kv_heads)
+    return sum(pipelined_time(ph, chunks, bw, lat, kv) for ph in phases.values())
 
 
 def head_chunk_estimates(plan: "Plan") -> dict[int, float]:
     """Estimated forward + backward seconds of the intra all-to-all pipelined with SAP, per valid
-    chunk count (``C = 1``: the all-to-alls before and after SAP fully exposed)."""
+    chunk count (``C = 1``: the all-to-alls before and after SAP fully exposed); every count
+    priced in full (the choice, :func:`choose_head_chunks`, skips hopeless ones)."""
     if plan.intra_size == 1:
         return {1: plan.chosen.time}
-    link = intra_link(plan.options)
-    bw, lat = plan.hardware.a2a_bandwidth(link), plan.hardware.latency(link)
-    hkv = plan.shape.num_kv_heads
-    out = {}
-    for c in valid_head_chunks(plan.shape.num_heads, hkv):
-        phases = pipeline_phases(plan, c)
-        out[c] = sum(pipelined_time(ph, c, bw, lat, kv_head_chunks(c, hkv)) for ph in phases.values())
-    return out
+    base = _base_phases(plan)
+    return {c: _pipelined(plan, _phases_at(plan, base, c), c) for c in valid_head_chunks(plan.shape.num_heads, plan.shape.num_kv_heads)}
+
+
+def head_chunk_estimate(plan: "Plan", chunks: int) -> float:
+    """``head_chunk_estimates(plan)[chunks]``, pricing that count only."""
+    if plan.intra_size == 1:
+        return plan.chosen.time
+    return _pipelined(plan, pipeline_phases(plan, chunks), chunks)
+
+
+def choose_head_chunks(plan: "Plan") -> int:
+    """The valid count of least :func:`head_chunk_estimates` (ties: fewer chunks; a count must beat
+    the best so far by more than 1e-9 relative, in ascending order), without pricing every count
+    in full: a count whose lower bound already fails that test cannot be chosen, so it is skipped.
+    Counts whose kv is not shared cost only the closed form. A shared-kv count's bound is the
+    closed form (``pipelined_time``, non-decreasing in ``chunk_sap_s``) at a ``chunk_sap_s`` no
+    larger than the true one: first 0 (a chunk's SAP takes no negative time: its path runs
+    through every stage of a rank, launches included), then :func:`chunk_sap_floor`; shaved by
+    1e-9. Only a count that survives both is re-priced (:func:`chunk_phase_times`). At 1,024 GPUs
+    (8 × 128, slimpajama, GQA 64:8: one kv head per rank, C = 2, 4, 8 all share it and all lose)
+    the zero bound skips C = 4 and 8 at 1M and 2M, the floor (5–22% below the price) the rest
+    but C = 2 at 4M (floor 6.77 ms, C = 1 7.10 ms, C = 2 7.15 ms), which is re-priced."""
+    base = _base_phases(plan)
+    best, best_t = 1, _pipelined(plan, base, 1)
+    for c in sorted(valid_head_chunks(plan.shape.num_heads, plan.shape.num_kv_heads)):
+        if c == 1:
+            continue
+        bar = best_t * (1 - 1e-9)
+        if _shared(plan, c):
+            zero = {Phase.FWD: 0.0, Phase.BWD: 0.0}
+            if _pipelined(plan, _with_chunk_sap(base, zero), c) * (1 - 1e-9) >= bar:
+                continue
+            f, b = chunk_sap_floor(plan, c)
+            if _pipelined(plan, _with_chunk_sap(base, {Phase.FWD: f, Phase.BWD: b}), c) * (1 - 1e-9) >= bar:
+                continue
+        t = _pipelined(plan, _phases_at(plan, base, c), c)
+        if t < bar:
+            best, best_t = c, t
+    return best
 
 
 def resolve_head_chunks(plan: "Plan") -> int:
@@ -210,9 +343,4 @@ def resolve_head_chunks(plan: "Plan") -> int:
         return int(forced)
     if plan.intra_size == 1:  # pure SAP: no all-to-all to pipeline
         return 1
-    est = head_chunk_estimates(plan)
-    best = 1
-    for c in sorted(est):
-        if est[c] < est[best] * (1 - 1e-9):
-            best = c
-    return best
+    return choose_head_chunks(plan)

@@ -5,7 +5,8 @@ estimated time among several placements; cached by every input."""
 from __future__ import annotations
 
 import gc
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -14,7 +15,7 @@ from megatron_hsap.errors import BatchError, ConfigError
 from megatron_hsap.plan.cache import PLAN_CACHE, clear_plan_cache, fast_key
 from megatron_hsap.plan.codegen import PoolOverflow, generate
 from megatron_hsap.plan.costs import HeadShape
-from megatron_hsap.plan.estimate import compute_bound, ideal_compute, phase_time, price_floor, price_staging
+from megatron_hsap.plan.estimate import compute_bound, ideal_compute, phase_time, price_staging
 from megatron_hsap.plan.hardware import HARDWARE, LinkClass, link_class_for
 from megatron_hsap.plan.ir import Phase, Unit
 from megatron_hsap.plan.layout import Batch, Layout, contiguous_layout, normalize_cu_seqlens, validate_layout
@@ -22,6 +23,7 @@ from megatron_hsap.plan.balanced import balanced_layout, kept_layout
 from megatron_hsap.plan.options import DEFAULT_POOL_CHUNKS, DEFAULT_POOL_MIN, PlanOptions, inter_rank_nodes, kv_heads_per_rank, validated_options
 from megatron_hsap.plan.placement import Placement, CostRates, min_traffic, owner_computes, region_distflash
 from megatron_hsap.plan.plan_type import ChosenCandidate, Plan
+from megatron_hsap.plan.priced import PricedLayout
 from megatron_hsap.plan.rebalance import balance
 from megatron_hsap.plan.schedule import BlocksByRank, StageShape, StagedBlocks, StagingError, default_shape, stage, stage_shapes
 from megatron_hsap.plan.units import WorkUnit, build_units, clip_unit
@@ -372,9 +374,9 @@ def _layer_time(plan: Plan) -> float:
     with it at the plan's head-chunk count (``plan/chunks.py``) when ``P_intra > 1``."""
     if plan.intra_size == 1:
         return plan.chosen.time
-    from megatron_hsap.plan.chunks import head_chunk_estimates
+    from megatron_hsap.plan.chunks import head_chunk_estimate
 
-    return head_chunk_estimates(plan)[plan.head_chunks]
+    return head_chunk_estimate(plan, plan.head_chunks)
 
 
 def _link_of(opts: PlanOptions) -> LinkClass:
@@ -384,53 +386,9 @@ def _link_of(opts: PlanOptions) -> LinkClass:
     return link_class_for(opts.tp_size * opts.intra_size * opts.inter_size, opts.gpus_per_node)
 
 
-@dataclass(frozen=True)
-class _Priced:
-    """One layout's candidates staged and priced, before any code is generated (``_price_on``);
-    ``price``: the lowest staged price (seconds, within ~1% of the built plan's time)."""
-
-    layout: Layout
-    batch: Batch
-    shape: HeadShape
-    opts: PlanOptions
-    link: LinkClass
-    capacity: int
-    rates: CostRates
-    latency: float
-    pieces: tuple
-    units: tuple[WorkUnit, ...]
-    priced: dict[str, tuple[float, BlocksByRank, StagedBlocks]]
-    # the staging and pricing still to run (``exact``): a layout whose ``floor`` already decides
-    # the layout choice is never staged (1M at P_inter 64: the contiguous layout, whose floor is
-    # twice the balanced plan's time)
-    pending: list = field(default_factory=list, compare=False, repr=False)
-
-    def exact(self) -> "_Priced":
-        """This layout's candidates staged and priced (once): ``_price``, then ``_explore``."""
-        if self.pending:
-            placements, size, forced = self.pending.pop()
-            budget = self.capacity * _BUDGET_FRACTION
-            self.priced.update(_price(placements, size, self.rates, self.latency, budget, forced))
-            _explore(self.priced, self.rates, self.latency, budget)
-        return self
-
-    @property
-    def price(self) -> float:
-        assert not self.pending, "price of a layout not staged yet (call exact())"
-        return min(v[0] for v in self.priced.values())
-
-    @property
-    def floor(self) -> float:
-        """A lower bound of ``exact().price``: before staging, the least ``estimate.price_floor``
-        of the placements (the price is one placement's staged price); after, the price."""
-        if not self.pending:
-            return self.price
-        return min(price_floor(np.asarray(pl.work, dtype=np.float64), self.rates) for pl in self.pending[0][0].values())
-
-
-def _price_on(layout: Layout, batch: Batch, shape: HeadShape, opts: PlanOptions, *, lazy: bool = False) -> _Priced:
+def _price_on(layout: Layout, batch: Batch, shape: HeadShape, opts: PlanOptions, *, lazy: bool = False) -> PricedLayout:
     """Units, placements and staged prices of ``batch`` on ``layout`` (no code yet); ``lazy``:
-    staging and pricing wait for ``_Priced.exact``."""
+    staging and pricing wait for ``PricedLayout.exact``."""
     size = opts.inter_size
     validate_layout(layout, batch.padded_tokens)
     hw = HARDWARE[opts.hardware]
@@ -445,12 +403,22 @@ def _price_on(layout: Layout, batch: Batch, shape: HeadShape, opts: PlanOptions,
         placements = {n: pl for n, pl in placements.items() if n in (opts.placement, "owner-computes")}
         if opts.placement not in placements:  # min-traffic equals owner-computes on this batch
             placements[opts.placement] = placements["owner-computes"]
-    p = _Priced(layout, batch, shape, opts, link, capacity, rates, latency, tuple(pieces), tuple(units), {},
-                [(placements, size, opts.placement)])
+    stager = partial(_stage_all, size=size, rates=rates, latency=latency, budget=capacity * _BUDGET_FRACTION,
+                     forced=opts.placement)
+    p = PricedLayout(layout, batch, shape, opts, link, capacity, rates, latency, tuple(pieces), tuple(units),
+                     placements, stager)
     return p if lazy else p.exact()
 
 
-def _build_on(p: _Priced) -> Plan:
+def _stage_all(placements: dict[str, Placement], *, size: int, rates: CostRates, latency: float, budget: float,
+               forced: str) -> dict[str, tuple[float, BlocksByRank, StagedBlocks]]:
+    """A layout's placements staged and priced (``PricedLayout.exact``): ``_price``, then ``_explore``."""
+    priced = _price(placements, size, rates, latency, budget, forced)
+    _explore(priced, rates, latency, budget)
+    return priced
+
+
+def _build_on(p: PricedLayout) -> Plan:
     """Generate the code of ``p``'s lowest price (``_choose``: pool-overflow retries, the
     owner-computes recheck) and assemble the ``Plan``."""
     p.exact()

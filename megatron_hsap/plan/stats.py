@@ -11,7 +11,7 @@ from megatron_hsap.plan.estimate import ideal_compute, lower_bounds, necessary_t
 from megatron_hsap.plan.placement import CostRates
 from megatron_hsap.plan.costs import FP32_BYTES, HeadShape
 from megatron_hsap.plan.ir import Compute, Wire
-from megatron_hsap.plan.options import inter_rank_nodes, kv_heads_per_rank
+from megatron_hsap.plan.options import inter_rank_nodes, kv_head_chunks, kv_heads_per_rank
 
 if TYPE_CHECKING:
     from megatron_hsap.plan.plan_type import Plan
@@ -23,6 +23,8 @@ __all__ = ["PlanStats", "plan_stats", "peak_bytes"]
 class PlanStats:
     """Quality figures of one plan (docs/design.md §4 defines each). Times in seconds, bytes forward
     + backward unless named ``_fwd``/``_bwd``, work in (q, k) pairs; ``*_per_rank`` per inter rank.
+    ``bytes_*`` are one SAP pass at full heads: with head chunks that share a kv chunk the kv side
+    travels ``C/Ckv`` times (``chunks.chunked_p2p_bytes`` counts what the executors send).
     ``as_dict()`` is the JSON form (lists for the per-rank tuples), in this field order."""
 
     num_tokens: int
@@ -160,7 +162,13 @@ def peak_bytes(plan: "Plan", *, num_heads: int | None = None, num_kv_heads: int 
                head_dim_v: int | None = None, dtype_bytes: int | None = None) -> dict[str, int]:
     """Bytes HSAP holds per CP rank beyond the layer's own q/k/v/o: the receive pool, the
     all-to-all outputs (the whole inter chunk for H/P_intra heads) and fp32 accumulators.
-    Head counts default to the plan's (global per-TP-rank counts; divided by P_intra here)."""
+    Head counts default to the plan's (global per-TP-rank counts; divided by P_intra here).
+
+    The accumulators are one SAP pass at full heads, plus, where the plan's head chunks share a
+    kv chunk (``Ckv < C``, ``plan/chunks.py``), the backward's running fp32 sum of the current kv
+    chunk's dk, dv (``runtime/hsap.py``): held beside the next q chunk's own gradients until the
+    kv chunk's last q chunk returns it — the whole inter chunk's rows × ``hkv/Ckv`` kv heads ×
+    ``(d_qk + d_v)`` × 4 bytes."""
     o = plan.options
     heads, d = num_heads or o.num_heads, head_dim or o.head_dim
     act = HeadShape(num_heads=heads // o.intra_size,
@@ -173,5 +181,9 @@ def peak_bytes(plan: "Plan", *, num_heads: int | None = None, num_kv_heads: int 
     a2a = chunk * (act.token_bytes(Wire.Q) + act.token_bytes(Wire.KV) + act.token_bytes(Wire.O)) if o.intra_size > 1 else 0
     acc = chunk * (fp32.token_bytes(Wire.O) + fp32.token_bytes(Wire.LSE))  # fp32 output + lse accumulators (forward)
     grads = chunk * (fp32.token_bytes(Wire.DQ) + fp32.token_bytes(Wire.DKV))  # fp32 dq, dk, dv accumulators (backward)
+    c = plan.head_chunks
+    kv_chunks = kv_head_chunks(c, act.num_kv_heads)
+    if kv_chunks < c:  # shared kv: one kv chunk's fp32 dk, dv summed over its q chunks
+        grads += chunk * replace(fp32, num_kv_heads=act.num_kv_heads // kv_chunks).token_bytes(Wire.DKV)
     return {"pool": pool, "all_to_all": a2a, "accumulators": max(acc, grads), "total": pool + a2a + max(acc, grads)}
 

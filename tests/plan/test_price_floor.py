@@ -1,5 +1,5 @@
 """``estimate.price_floor`` bounds every staged price from below, and the layout choice that uses it
-to skip staging the contiguous layout (``plan._Priced.floor`` / ``exact``) ships the plan the
+to skip staging the contiguous layout (``priced.PricedLayout.floor`` / ``exact``) ships the plan the
 eager search ships (issue 14 item 5: compile time, plans identical).
 
 References: ``price_staging`` itself over every stage shape of every placement (the floor must
@@ -25,7 +25,7 @@ GQA = dict(num_heads=32, num_kv_heads=8, head_dim=128)
 
 def _stagings(cu, inter: int, hardware: str, layout: str):
     """Every placement's split and every staging the planner could price on ``layout``, with the
-    layout's ``_Priced`` (rates, latency)."""
+    layout's ``PricedLayout`` (rates, latency)."""
     plan = compile_plan(cu, inter, **GQA, hardware=hardware, layout=layout, layout_fallback=False)
     p = plan_mod._price_on(plan.layout, plan.batch, plan.shape, plan.options)
     budget = p.capacity * plan_mod._BUDGET_FRACTION
@@ -64,16 +64,18 @@ def test_no_staging_is_priced_below_the_floor(workload, inter, seed, hardware, l
 @given(workload=st.sampled_from(["fineweb", "slimpajama", "sharegpt"]), inter=st.sampled_from([4, 8, 16]),
        seed=st.integers(0, 3), window=st.sampled_from([None, (512, 0)]))
 def test_floor_before_staging_is_at_most_the_price(workload, inter, seed, window) -> None:
-    """``_Priced.floor`` before staging (from each placement's tracked per-rank work, which
+    """``PricedLayout.floor`` before staging (from each placement's tracked per-rank work, which
     equals its placed blocks' pairs) ≤ the price once staged; after, the price itself."""
     clear_plan_cache()
     cu = pack_batches(workload, 32768, seed + 1, 2)[seed]
     plan = compile_plan(cu, inter, **GQA, layout="contiguous", window_size=window)
     lazy = plan_mod._price_on(plan.layout, plan.batch, plan.shape, plan.options, lazy=True)
-    assert lazy.pending and not lazy.priced
+    assert lazy.pending
     with pytest.raises(AssertionError):
         _ = lazy.price  # not staged yet: no price to read
-    for pl in lazy.pending[0][0].values():
+    with pytest.raises(AssertionError):
+        _ = lazy.priced
+    for pl in lazy.placements.values():
         pairs = np.zeros(inter)
         for u in pl.placed():
             pairs[u.rank] += u.work
@@ -81,6 +83,8 @@ def test_floor_before_staging_is_at_most_the_price(workload, inter, seed, window
     floor = lazy.floor
     price = lazy.exact().price
     assert not lazy.pending and 0 < floor <= price == lazy.floor
+    priced = lazy.priced
+    assert lazy.exact().priced is priced  # memoised: staged once
 
 
 # (workload, T, P_inter, seed, options): the first two skip staging the contiguous layout (its

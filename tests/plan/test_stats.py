@@ -89,3 +89,27 @@ def test_random_packings(lengths, inter, layout, pool) -> None:
     for n in lengths:
         cu.append(cu[-1] + n)
     check(compile_plan(cu, inter, num_heads=4, num_kv_heads=2, head_dim=16, layout=layout, pool_bytes=pool), lengths)
+
+
+def test_peak_bytes_count_the_shared_kv_gradient_sum_by_hand():
+    """Head chunks sharing a kv chunk: the backward keeps the current kv chunk's fp32 dk, dv sum
+    (runtime/hsap.py) beside the next q chunk's gradients, so ``accumulators`` grows by the inter
+    chunk's rows × hkv/Ckv kv heads × (d + dv) × 4 bytes; nothing else changes. By hand, 1,024
+    tokens on 2 × 2 ranks (512 rows per inter rank after the all-to-all), d 16, dv 8:
+    H 8 / Hkv 2 → 4 q, 1 kv head per rank: fp32 dq 4·16·4 = 256 + dk, dv 1·24·4 = 96 per row
+    (o + lse 4·8·4 + 4·4 = 144 is less): 512 · 352 = 180,224; C = 2 or 4 share the one kv head
+    (Ckv 1): + 512 · 96 = 49,152. H 16 / Hkv 4 → 8 q, 2 kv heads: 512 · (512 + 192) = 360,448;
+    C = 2 (Ckv 2) shares nothing; C = 4, 8 (Ckv 2, one kv head each): + 512 · 1·24·4 = 49,152."""
+    cu = [0, 300, 1024]
+    for heads, kv_heads, want in ((8, 2, {1: 180_224, 2: 229_376, 4: 229_376}),
+                                  (16, 4, {1: 360_448, 2: 360_448, 4: 409_600, 8: 409_600})):
+        base = None
+        for c, acc in want.items():
+            plan = compile_plan(cu, 2, 2, num_heads=heads, num_kv_heads=kv_heads, head_dim=16, head_dim_v=8, head_chunks=c)
+            assert plan.chunk_tokens == 512
+            got = plan.peak_bytes()
+            assert got["accumulators"] == acc, (heads, c)
+            assert got["total"] == got["pool"] + got["all_to_all"] + got["accumulators"]
+            if base is None:
+                base = got
+            assert (got["pool"], got["all_to_all"]) == (base["pool"], base["all_to_all"])
