@@ -39,7 +39,7 @@ _EXPLORE_RETRY_BLOCKS = 2000  # pool-overflow retries price every stage shape up
 # built time: found by hypothesis, 4,096 tokens over P_inter 16, a first staging that overflows the
 # pool and restages to a plan 11% faster); its pool-overflow restaging stops once its price is this
 # far above the chosen plan's time
-_OWNER_RECHECK = 0.05
+_OWNER_RESTAGE_STOP = 0.05
 _MIN_GAIN = 0.01  # a candidate whose lower bound is within 1% of the best estimate is not staged
 # moving work must beat owner-computes' exact estimate by more than this to be kept: the per-rank
 # estimate tracks the simulator within ~1-3% per batch (sim/estimate_accuracy.py: median 0.99-1.00
@@ -237,8 +237,8 @@ def _choose(priced: dict[str, tuple[float, BlocksByRank, StagedBlocks]], size: i
                 if oc.time <= best.time * (1 + _OWNER_MARGIN):
                     best = oc
                 break
-            if t >= best.time * (1 + _OWNER_RECHECK):
-                # restaged under a shrunk budget, owner-computes is no longer within the recheck's
+            if t >= best.time * (1 + _OWNER_RESTAGE_STOP):
+                # restaged under a shrunk budget, owner-computes is no longer within the stop's
                 # 5%: stop (each shrink cuts more blocks; one 1M document spent ~40 s here)
                 owner_time = t
                 break
