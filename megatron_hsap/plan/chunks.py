@@ -44,12 +44,12 @@ from megatron_hsap.errors import ConfigError
 from megatron_hsap.plan.calls import call_counts
 from megatron_hsap.plan.costs import HeadShape
 from megatron_hsap.plan.block_costs import block_costs
-from megatron_hsap.plan.codegen import _new_message, wire_bytes
-from megatron_hsap.plan.estimate import PhaseTime, PipelinePhase, _rows_of, phase_time, pipelined_time
+from megatron_hsap.plan.codegen import new_message, wire_bytes
+from megatron_hsap.plan.estimate import PhaseTime, PipelinePhase, rows_of, phase_time, pipelined_time
 from megatron_hsap.plan.hardware import LinkClass, link_class_for
 from megatron_hsap.plan.ir import Phase, Post, Recv, Send, Wire
-from megatron_hsap.plan.options import check_head_chunks, inter_rank_nodes, kv_head_chunks, valid_head_chunks  # rule: defined there; re-exported
-from megatron_hsap.plan.placement import CostRates
+from megatron_hsap.plan.options import check_head_chunks, kv_head_chunks, valid_head_chunks  # rule: defined there; re-exported
+from megatron_hsap.plan.placement import CostRates, plan_rates
 from megatron_hsap.plan.traffic import same_node
 
 if TYPE_CHECKING:
@@ -132,7 +132,7 @@ def chunk_phase_times(plan: "Plan", chunks: int) -> tuple[PhaseTime, PhaseTime]:
     full, sub = wire_bytes(plan.shape), wire_bytes(part)  # one chunk's bytes: rows × the chunk's row bytes
     times = []
     for ph, code, sec in ((Phase.FWD, plan.chosen.fwd, rates.sec_fwd), (Phase.BWD, plan.chosen.bwd, rates.sec_bwd)):
-        msgs = [_new_message(m.round, m.src, m.dst, m.wire, m.tokens, m.nbytes // full[m.wire] * sub[m.wire], m.part)
+        msgs = [new_message(m.round, m.src, m.dst, m.wire, m.tokens, m.nbytes // full[m.wire] * sub[m.wire], m.part)
                 for m in code.messages]
         times.append(phase_time(units, msgs, plan.inter_size, sec, rates.bw, hw.latency(link), rates=rates, phase=ph,
                                 repeat=chunks))
@@ -141,9 +141,7 @@ def chunk_phase_times(plan: "Plan", chunks: int) -> tuple[PhaseTime, PhaseTime]:
 
 def _chunk_rates(plan: "Plan", part: HeadShape) -> CostRates:
     """The plan's rates at the chunk's shape ``part``, as ``compile_plan`` built them."""
-    hw, link = plan.hardware, plan.link
-    return CostRates.of(part, hw, hw.bandwidth(link), inter_rank_nodes(plan.options, link), plan.layout.segment_starts(),
-                        hw.flow_bandwidth(link, plan.inter_size))
+    return plan_rates(part, plan.hardware, plan.link, plan.options, plan.layout.segment_starts())
 
 
 def chunk_sap_floor(plan: "Plan", chunks: int) -> tuple[float, float]:
@@ -164,7 +162,7 @@ def chunk_sap_floor(plan: "Plan", chunks: int) -> tuple[float, float]:
     if rates.kernel is None:
         return 0.0, 0.0
     size, lat = plan.inter_size, plan.hardware.latency(plan.link)
-    a, groups = _rows_of(list(plan.chosen.units), size, rates)
+    a, groups = rows_of(list(plan.chosen.units), size, rates)
     n = 2 + int(a[:, 1].max(initial=0))
     same = same_node(rates, size)
     bws = np.array([rates.bw, rates.nvl_bw if rates.nvl_bw > 0 else rates.bw])[:, None, None]

@@ -44,7 +44,7 @@ from megatron_hsap.plan.ir import (
     positional_builder,
 )
 
-__all__ = ["Message", "PoolOverflow", "generate", "ALIGN"]
+__all__ = ["Message", "new_message", "PoolOverflow", "generate", "ALIGN"]
 
 ALIGN = 256  # byte alignment of slots: any dtype view and vectorised kernel loads stay aligned
 
@@ -66,7 +66,7 @@ class Message:
     part: int = 0  # tells apart results of several blocks with the same rows (never merged in flight)
 
 
-_new_message = positional_builder(Message)  # ``Message(*fields)``, ~2x faster (``ir.positional_builder``)
+new_message = positional_builder(Message)  # ``Message(*fields)``, ~2x faster (``ir.positional_builder``)
 
 
 def wire_bytes(shape: HeadShape) -> dict[Wire, int]:
@@ -130,7 +130,7 @@ def _messages(units: list[Unit], phase: Phase, shape: HeadShape) -> tuple[list[M
         j = key[7]
         pos[j] = new
         w, toks = recs[j]
-        msgs.append(_new_message(key[0], key[1], key[2], w, toks, row_bytes[w] * (key[5] - key[4]), key[6]))
+        msgs.append(new_message(key[0], key[1], key[2], w, toks, row_bytes[w] * (key[5] - key[4]), key[6]))
     inputs_of = [None if got is None else [-1 if j < 0 else pos[j] for j in got] for got in inputs_of]
     result_at = {key: pos[j] for key, j in result_rec}
     return msgs, inputs_of, result_at

@@ -38,7 +38,7 @@ from megatron_hsap.plan.schedule import StagedBlocks
 from megatron_hsap.plan.traffic import Traffic, both_links as _both, message_traffic, same_node as _same_node, staged_traffic
 from megatron_hsap.plan.units import WorkUnit
 
-__all__ = ["PhaseTime", "BlockCosts", "BlockGroups", "block_costs", "phase_time", "quick_price", "price_staging", "necessary_traffic",
+__all__ = ["PhaseTime", "rows_of", "BlockCosts", "BlockGroups", "block_costs", "phase_time", "quick_price", "price_staging", "necessary_traffic",
            "lower_bounds", "ideal_compute", "price_floor",
            "PipelinePhase", "pipelined_time"]
 
@@ -110,7 +110,7 @@ def phase_time(units: list[Unit], msgs: list[Message] | tuple[Message, ...], siz
     rounds — a rank starts its next pass when its own last round is done, not when every rank's
     is; ``total`` and ``latency`` cover every pass, the per-stage arrays one pass."""
     phase = Phase(phase)
-    a, groups = _rows_of(units, size, rates)
+    a, groups = rows_of(units, size, rates)
     stages = 1 + int(a[:, 1].max(initial=0))
     # pairs per [rank, stage]: ``np.bincount`` adds the blocks' (int) pairs to a float64 zero in
     # block order, the same additions as a loop of ``grid[rank, stage] += work``
@@ -151,7 +151,7 @@ def phase_time(units: list[Unit], msgs: list[Message] | tuple[Message, ...], siz
 _ROWS_MEMO: list = []  # [(units as a tuple, rows, {n: BlockGroups})]: the last blocks ``phase_time`` priced
 
 
-def _rows_of(units, size: int, rates: CostRates | None):
+def rows_of(units, size: int, rates: CostRates | None):
     """``(_arrays(units), groups(n))`` with ``groups(n) = BlockGroups.of(rows, size, n, rates)``,
     memoised for the last blocks seen: the planner prices forward and backward of one block list
     in turn (``phase_time`` twice), and both phases share rows and groups. The memo compares the

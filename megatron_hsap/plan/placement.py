@@ -24,12 +24,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from megatron_hsap.plan.costs import HeadShape
-from megatron_hsap.plan.hardware import Hardware, KernelModel
+from megatron_hsap.plan.hardware import Hardware, KernelModel, LinkClass
 from megatron_hsap.plan.ir import TokenRange, Unit, Wire, new_unit
+from megatron_hsap.plan.options import PlanOptions, inter_rank_nodes
 from megatron_hsap.plan.units import WorkUnit, causal_work, clip_unit
 from megatron_hsap.plan.window import banded_pairs, staircase_pairs
 
-__all__ = ["CostRates", "Placement", "owner_computes", "min_traffic", "region_distflash", "rows_for_work", "tail_rows_for_work"]
+__all__ = ["CostRates", "plan_rates", "Placement", "owner_computes", "min_traffic", "region_distflash", "rows_for_work", "tail_rows_for_work"]
 
 # per-rank traffic vector: bytes sent / received, forward and backward
 SF, RF, SB, RB = range(4)
@@ -132,6 +133,16 @@ class CostRates:
     def kv_side(self, n: float) -> Vec:
         """Traffic of the *owner* of ``n`` kv rows used elsewhere: (SF, RF, SB, RB)."""
         return (n * self.kv, 0.0, n * self.kv, n * self.dkv)
+
+
+def plan_rates(shape: HeadShape, hw: Hardware, link: LinkClass, opts: PlanOptions,
+               segments: tuple[tuple[tuple[int, int], ...], ...] = ()) -> CostRates:
+    """THE rates a plan is priced with (``compile_plan``, the windowed clip, head chunks): the
+    link's rate, which inter ranks share a node, the layout's ``segments`` (``Layout.segment_starts``)
+    and the per-flow cap of a P2P stream over ``link`` in a communicator of P_inter ranks
+    (``Hardware.flow_bandwidth``: SAP's P2P runs on the inter group)."""
+    return CostRates.of(shape, hw, hw.bandwidth(link), inter_rank_nodes(opts, link), segments,
+                        hw.flow_bandwidth(link, opts.inter_size))
 
 
 Vec = tuple[float, float, float, float]

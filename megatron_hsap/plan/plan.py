@@ -20,8 +20,8 @@ from megatron_hsap.plan.hardware import HARDWARE, LinkClass, link_class_for
 from megatron_hsap.plan.ir import Phase, Unit
 from megatron_hsap.plan.layout import Batch, Layout, contiguous_layout, normalize_cu_seqlens, validate_layout
 from megatron_hsap.plan.balanced import balanced_layout, kept_layout
-from megatron_hsap.plan.options import DEFAULT_POOL_CHUNKS, DEFAULT_POOL_MIN, PlanOptions, inter_rank_nodes, kv_heads_per_rank, validated_options
-from megatron_hsap.plan.placement import Placement, CostRates, min_traffic, owner_computes, region_distflash
+from megatron_hsap.plan.options import DEFAULT_POOL_CHUNKS, DEFAULT_POOL_MIN, PlanOptions, kv_heads_per_rank, validated_options
+from megatron_hsap.plan.placement import Placement, CostRates, min_traffic, owner_computes, plan_rates, region_distflash
 from megatron_hsap.plan.plan_type import ChosenCandidate, Plan
 from megatron_hsap.plan.priced import PricedLayout
 from megatron_hsap.plan.rebalance import balance
@@ -398,8 +398,7 @@ def _price_on(layout: Layout, batch: Batch, shape: HeadShape, opts: PlanOptions,
     hw = HARDWARE[opts.hardware]
     link = _link_of(opts)
     capacity = opts.pool_bytes or max(DEFAULT_POOL_CHUNKS * layout.chunk_tokens * shape.chunk_token_bytes, DEFAULT_POOL_MIN)
-    rates = CostRates.of(shape, hw, hw.bandwidth(link), inter_rank_nodes(opts, link), layout.segment_starts(),
-                         hw.flow_bandwidth(link, size))  # P2P runs on the inter group: P_inter ranks
+    rates = plan_rates(shape, hw, link, opts, layout.segment_starts())
     latency = hw.latency(link)
     pieces, units = build_units(batch, layout, opts.window)
     placements = _placements(units, size, rates, opts.allow_helpers)
@@ -462,8 +461,7 @@ def _with_clipped(plan: Plan, full: Plan) -> Plan:
     left = plan.options.window
     units = [c for u in full.chosen.units if (c := clip_unit(replace(u, window=left), left)) is not None]
     hw, link = full.hardware, full.link
-    rates = CostRates.of(full.shape, hw, hw.bandwidth(link), inter_rank_nodes(full.options, link),
-                         full.layout.segment_starts(), hw.flow_bandwidth(link, full.inter_size))
+    rates = plan_rates(full.shape, hw, link, full.options, full.layout.segment_starts())
     try:
         cand = _build(full.chosen.name, units, full.inter_size, full.shape, full.pool_capacity,
                       rates, hw.latency(link), full.chosen.budget)
