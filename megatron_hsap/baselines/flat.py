@@ -11,7 +11,10 @@ the implementation makes (each docstring cites how many per step), each document
 own shape, ``launch_s`` per call, FA3's backward grid and GQA atomics, and the implementation's
 LSE merges / gradient accumulations at HBM bandwidth with the implementation's own bytes per
 element (``_MERGE_IMPL``; ``sim/constants.MERGE_BYTES``), like ``plan/estimate.py`` prices HSAP's. A rank's transfer time in a round
-= max(bytes sent, bytes received) / ``hardware.bandwidth(link)`` (full duplex); a round or
+= max(bytes sent, bytes received) / the rate of one point-to-point stream (full duplex; over
+InfiniBand NCCL's channels per network peer in the ring's communicator, ``Hardware.flow_bandwidth``:
+28 GB/s up to 32 ranks, 14 GB/s from 33, as the simulator and HSAP's estimate charge; collectives
+at ``hardware.bandwidth(link)``); a round or
 collective costs one ``hardware.latency(link)``. Pipelined schedules price a step as the
 slowest rank's max(compute, transfer of the round it overlaps) plus the round's latency, the
 kernel part slowed by ``overlap_slowdown`` beside an in-flight transfer (as the estimate does);
@@ -79,8 +82,9 @@ def _rounds_time(env, compute: np.ndarray, sent: np.ndarray, recv: np.ndarray, f
     whose compute overlaps its round; a step costs max over ranks of max(compute, transfer), plus
     one latency if any byte moves in its round. ``fixed`` (launches, merges) adds to compute
     unslowed; ``compute`` runs ``1 + slowdown`` slower on a rank whose round moves bytes
-    (``plan/estimate.py`` ``BlockCosts.seconds``). Returns (seconds, rounds that moved bytes)."""
-    xfer = np.maximum(sent, recv) / env.bw
+    (``plan/estimate.py`` ``BlockCosts.seconds``). Rounds are point-to-point: a transfer runs at
+    ``env.p2p_bw`` (across nodes, NCCL's per-peer channels). Returns (seconds, rounds that moved bytes)."""
+    xfer = np.maximum(sent, recv) / env.p2p_bw
     busy_rank = compute * (1.0 + slowdown * ((sent > 0) | (recv > 0)))
     if fixed is not None:
         busy_rank = busy_rank + fixed

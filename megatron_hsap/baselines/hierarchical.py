@@ -182,21 +182,23 @@ def _ring(env: _PricingInputs, r: int, link: LinkClass, *, pad_compute: bool,
         bwd_round[0] = kv
         bwd_round[1 : r - 1] = 2 * kv
         bwd_round[r - 1] = kv
-    lk, slow = _Link(env.hw, link), env.hw.overlap_slowdown
+    lk, slow = _Link(env.hw, link, r), env.hw.overlap_slowdown
     tf, nf = _rounds_time(lk, steps.fwd.kernel, fwd_round, fwd_round, steps.fwd.fixed, slow)  # type: ignore[arg-type]
     tb, nb = _rounds_time(lk, steps.bwd.kernel, bwd_round, bwd_round, steps.bwd.fixed, slow)  # type: ignore[arg-type]
     if r > 1:  # the last step's dKV leaves after its compute: one more round, nothing to hide it
-        tb += kv / lk.bw + lk.lat
+        tb += kv / lk.p2p_bw + lk.lat
         nb += 1
     sent = float(fwd_round.sum() + bwd_round.sum() + (kv if r > 1 else 0.0))
     return tf, tb, sent, steps.pairs.sum(axis=0), nf + nb
 
 
 class _Link:
-    """The two fields ``flat._rounds_time`` reads (bandwidth and latency of one link class)."""
+    """The fields ``flat._rounds_time`` reads: the rate of one point-to-point stream over ``link``
+    in a ring of ``comm_size`` ranks (``Hardware.flow_bandwidth``: NCCL's channels per network
+    peer) and the link's latency."""
 
-    def __init__(self, hw: Hardware, link: LinkClass) -> None:
-        self.bw = hw.bandwidth(link)
+    def __init__(self, hw: Hardware, link: LinkClass, comm_size: int) -> None:
+        self.p2p_bw = min(hw.bandwidth(link), hw.flow_bandwidth(link, comm_size))
         self.lat = hw.latency(link)
 
 
@@ -265,6 +267,8 @@ def _double_ring(env: _PricingInputs, r: int, u: int, link: LinkClass,
     steps = zigzag_ring_steps(env, r, c, pad_compute=False, merge_every_fwd_step=True)
     kv = 2 * float(c.sum()) * env.row_bytes(Wire.KV)
     inner = LinkClass.NVLINK if w * u <= gpus_per_node else link
+    # point-to-point streams of the ring's communicator (r ranks, as the simulator's double ring)
+    inner_bw, outer_bw = (min(hw.bandwidth(lc), hw.flow_bandwidth(lc, r)) for lc in (inner, link))
     total = {}
     rounds = 0
     for ph, moved, cost in ((Phase.FWD, kv, steps.fwd), (Phase.BWD, 2 * kv, steps.bwd)):
@@ -276,12 +280,12 @@ def _double_ring(env: _PricingInputs, r: int, u: int, link: LinkClass,
                 busy = cost.kernel[s] * (1.0 + hw.overlap_slowdown * (i + 1 < w or k + 1 < nw)) + cost.fixed[s]
                 comp = float(busy.max())
                 if i + 1 < w:
-                    win += max(comp, moved / hw.bandwidth(inner)) + hw.latency(inner)
+                    win += max(comp, moved / inner_bw) + hw.latency(inner)
                     rounds += 1
                 else:
                     win += comp
             if k + 1 < nw:
-                win = max(win, moved / hw.bandwidth(link) + hw.latency(link))
+                win = max(win, moved / outer_bw + hw.latency(link))
                 rounds += 1
             t += win
         total[ph] = t

@@ -112,6 +112,13 @@ class _PricingInputs:
         return self.hw.bandwidth(self.link)
 
     @property
+    def p2p_bw(self) -> float:
+        """Bytes/s of one point-to-point stream of a ring over the ``P`` ranks: the link's rate,
+        across nodes at most NCCL's channels per network peer in a communicator of ``P`` ranks
+        (``Hardware.flow_bandwidth``; the simulator's ``Cluster.p2p_cap``, HSAP's estimate too)."""
+        return min(self.bw, self.hw.flow_bandwidth(self.link, self.P))
+
+    @property
     def lat(self) -> float:
         return self.hw.latency(self.link)
 

@@ -451,3 +451,28 @@ def test_baselines_merge_with_their_own_bytes_not_hsaps() -> None:
     m = MergeRates.of(MHA, hw, "ring_flash_attn")
     assert m.o == pytest.approx(32 * 128 * 18.0 / hw.hbm_bw) and m.dq == pytest.approx(32 * 128 * 10.0 / hw.hbm_bw)
     assert MergeRates.of(MHA, eager, "te").o == pytest.approx(32 * 128 * 10.0 / hw.hbm_bw)
+
+
+def test_rings_over_the_network_run_at_nccls_channels_per_peer() -> None:
+    """A ring's point-to-point stream to a network peer gets NCCL's channels per peer, not the
+    NIC (NVIDIA/nccl ``src/graph/paths.cc``: 2 channels, 1 from 33 ranks with 16 p2p channels;
+    ``plan/hardware.net_channels_per_peer``), as the simulator and HSAP's estimate charge it."""
+    from dataclasses import replace
+
+    ib = LinkClass.INFINIBAND
+    capped = replace(TOY, p2p_channel_net_bw=0.1, p2p_channels=16)
+    c = price_baseline("te_thd_ring", [0, 16], world=2, shape=ONE, hardware=capped, link=ib)
+    assert c is not None  # 2 channels × 0.1 B/s = 0.2 B/s under the NIC's 0.25: 16 B per round, 80 s
+    assert c.fwd_time == pytest.approx(80 + 1 + 32)
+    assert c.bwd_time == pytest.approx(2 * (80 + 1))
+    # 64 ranks: one channel, so the ring runs as on a NIC of 0.1 B/s; slower than at the NIC's
+    # rate (kernels 10^4 x faster than TOY's: the rounds' transfers set the time)
+    fast = replace(TOY, attn_fwd_flops=4e4, attn_bwd_flops=1e5, kernel=KernelModel(fwd_peak=4e4, bwd_peak=1e5, curve=TOY.kernel.curve))
+    cu = [0, 64 * 64 * 2]
+    for method in ("te_thd_ring", "te_thd_ring_nopad", "distflashattn"):
+        got = price_baseline(method, cu, world=64, shape=ONE, hardware=replace(fast, p2p_channel_net_bw=0.1, p2p_channels=16), link=ib)
+        nic = price_baseline(method, cu, world=64, shape=ONE, hardware=replace(fast, ib_bw=0.1), link=ib)
+        free = price_baseline(method, cu, world=64, shape=ONE, hardware=fast, link=ib)
+        assert got is not None and nic is not None and free is not None
+        assert (got.fwd_time, got.bwd_time) == pytest.approx((nic.fwd_time, nic.bwd_time)), method
+        assert got.time > free.time * 1.2, method

@@ -277,3 +277,22 @@ def test_te_a2a_all_to_alls_are_priced_like_ulysses():
     assert c.fwd_time - f.fwd_time == pytest.approx(r1.fwd.seconds - r0.fwd.seconds, rel=1e-6)
     assert c.bwd_time - f.bwd_time == pytest.approx(r1.bwd.seconds - r0.bwd.seconds, rel=1e-6)
     assert c.fwd_time > f.fwd_time  # the copies are charged, not hidden entirely
+
+
+def test_inter_rings_run_at_nccls_channels_per_peer() -> None:
+    """USP's ring and LoongTrain's double ring over 64 inter ranks across nodes: one NCCL channel
+    per network peer (``plan/hardware.net_channels_per_peer``), so they price as on a NIC of one
+    channel's rate, and slower than at the NIC's."""
+    from dataclasses import replace
+
+    one = HeadShape(num_heads=2, num_kv_heads=2, head_dim=1, head_dim_v=1, dtype_bytes=1)
+    # kernels 10^4 x faster than TOY's: the rounds' transfers set the time
+    fast = replace(TOY, attn_fwd_flops=4e4, attn_bwd_flops=1e5, kernel=KernelModel(fwd_peak=4e4, bwd_peak=1e5, curve=TOY.kernel.curve))
+    cu = [0, 2 * 64 * 64 * 4]
+    for method in ("usp", "loongtrain"):
+        got = price(method, cu, intra=2, inter=64, shape=one, hardware=replace(fast, p2p_channel_net_bw=0.1, p2p_channels=16), link=IB)
+        nic = price(method, cu, intra=2, inter=64, shape=one, hardware=replace(fast, ib_bw=0.1), link=IB)
+        free = price(method, cu, intra=2, inter=64, shape=one, hardware=fast, link=IB)
+        assert got is not None and nic is not None and free is not None, method
+        assert (got.fwd_time, got.bwd_time) == pytest.approx((nic.fwd_time, nic.bwd_time)), method
+        assert got.time > free.time * 1.2, method
