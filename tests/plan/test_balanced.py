@@ -117,3 +117,34 @@ def test_split_search_bound_only_skips_losers(monkeypatch, token_cost: float, pr
             assert cost.tobytes() == cost_all.tobytes()
     if token_cost > 1000:
         assert any(fired), "the bound never stopped a search: the test checks nothing"
+
+
+def test_small_documents_are_not_shredded_head_tail_over_many_ranks() -> None:
+    """``_SLIVER_RANKS``: a small document whose split had to be widened for want of room, past 8
+    ranks, is cut contiguously over the largest rooms (one piece per rank), not head–tail into
+    1–2-token slivers (each a kernel call per earlier piece on its rank). The 1,024-GPU scale batch
+    (slimpajama 1M over 8 x 128, GQA 64:8 over InfiniBand) had three 26–37-token documents head–tail
+    over 12–13 ranks in 23–25 pieces before the rule."""
+    from megatron_hsap.plan.balanced import _MIN_PIECE, _SLIVER_RANKS
+    from megatron_hsap.plan.costs import HeadShape
+    from megatron_hsap.plan.hardware import HARDWARE, LinkClass
+    from megatron_hsap.plan.placement import CostRates
+
+    cu = pack_batches("slimpajama", 1 << 20, 1, 0)[0]
+    shape = HeadShape(num_heads=8, num_kv_heads=1, head_dim=128, head_dim_v=128, dtype_bytes=2)
+    hw = HARDWARE["h100"]
+    rates = CostRates.of(shape, hw, hw.bandwidth(LinkClass.INFINIBAND))
+    token_cost = (2 * rates.kv + rates.dkv) / rates.bw / (rates.sec_fwd + rates.sec_bwd)  # as compile_plan
+    batch = Batch.build(tuple(int(x) for x in cu), 128 * 8)
+    layout = balanced_layout(batch, 128, 8, token_cost)
+    validate_layout(layout, batch.padded_tokens)
+    pieces: dict[int, list[int]] = {}
+    for r, segs in enumerate(layout.segments):
+        for s in segs:
+            pieces.setdefault(int(np.searchsorted(cu, s.tokens.start, side="right") - 1), []).append(r)
+    lengths = np.diff(cu)
+    widened = {d: ranks for d, ranks in pieces.items()
+               if len(set(ranks)) > max(_SLIVER_RANKS, int(lengths[d]) // (2 * _MIN_PIECE))}
+    assert widened  # the batch still has documents over many ranks (small rooms at the end)...
+    for d, ranks in widened.items():  # ...but each as one contiguous piece per rank
+        assert len(ranks) == len(set(ranks)), (d, int(lengths[d]), len(set(ranks)), len(ranks))
