@@ -101,9 +101,11 @@ _MIN_PIECE = 64  # tokens: balance alone never cuts a document into head/tail pi
 # block, plan/calls.py), 5 us each. Measured at 1,024 GPUs (8 x 128, slimpajama 1M, GQA 64:8):
 # 20-89-token documents were spread head-tail over up to 26 ranks in 1-2-token pieces, 43 of the
 # critical rank's 109 remote calls per phase; with this rule the estimate went 3.05 -> 2.80 ms,
-# simulated fwd / bwd 1.35 / 2.40 -> 1.22 / 2.26 ms (pair imbalance 1.50 both). 8, not 1: the rule never fires at P_inter <= 8 and left every Table 2 / Table 4 /
-# MagiAttention benchmark layout as it was (threshold 1 -- any widened split of a small document --
-# gave 2.65 ms, 1.08 / 2.11 ms but changed 47 of those 159 layouts and 18 of 29 plan fixtures).
+# simulated fwd / bwd 1.35 / 2.40 -> 1.22 / 2.26 ms (pair imbalance 1.50 both). 8, not 1: the rule
+# never fires at P_inter <= 8 and left every Table 2 / Table 4 / MagiAttention result as it was (one
+# of 20 Table 2 SP 16 layouts moved, its plan did not); threshold 1 -- any widened split of a small
+# document -- gave 2.65 ms, 1.08 / 2.11 ms but changed 47 of 159 benchmark layouts and 18 of 29 plan
+# fixtures.
 _SLIVER_RANKS = 8
 
 
