@@ -12,7 +12,7 @@ own shape, ``launch_s`` per call, FA3's backward grid and GQA atomics, and the i
 LSE merges / gradient accumulations at HBM bandwidth with the implementation's own bytes per
 element (``_MERGE_IMPL``; ``sim/constants.MERGE_BYTES``), like ``plan/estimate.py`` prices HSAP's. A rank's transfer time in a round
 = max(bytes sent, bytes received) / the rate of one point-to-point stream (full duplex; over
-InfiniBand NCCL's channels per network peer in the ring's communicator, ``Hardware.flow_bandwidth``:
+InfiniBand NCCL's channels per network peer in the ring's communicator, ``Hardware.p2p_bandwidth``:
 28 GB/s up to 32 ranks, 14 GB/s from 33, as the simulator and HSAP's estimate charge; collectives
 at ``hardware.bandwidth(link)``); a round or
 collective costs one ``hardware.latency(link)``. Pipelined schedules price a step as the

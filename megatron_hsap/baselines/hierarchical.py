@@ -194,11 +194,11 @@ def _ring(env: _PricingInputs, r: int, link: LinkClass, *, pad_compute: bool,
 
 class _Link:
     """The fields ``flat._rounds_time`` reads: the rate of one point-to-point stream over ``link``
-    in a ring of ``comm_size`` ranks (``Hardware.flow_bandwidth``: NCCL's channels per network
+    in a ring of ``comm_size`` ranks (``Hardware.p2p_bandwidth``: NCCL's channels per network
     peer) and the link's latency."""
 
     def __init__(self, hw: Hardware, link: LinkClass, comm_size: int) -> None:
-        self.p2p_bw = min(hw.bandwidth(link), hw.flow_bandwidth(link, comm_size))
+        self.p2p_bw = hw.p2p_bandwidth(link, comm_size)
         self.lat = hw.latency(link)
 
 
@@ -268,7 +268,7 @@ def _double_ring(env: _PricingInputs, r: int, u: int, link: LinkClass,
     kv = 2 * float(c.sum()) * env.row_bytes(Wire.KV)
     inner = LinkClass.NVLINK if w * u <= gpus_per_node else link
     # point-to-point streams of the ring's communicator (r ranks, as the simulator's double ring)
-    inner_bw, outer_bw = (min(hw.bandwidth(lc), hw.flow_bandwidth(lc, r)) for lc in (inner, link))
+    inner_bw, outer_bw = hw.p2p_bandwidth(inner, r), hw.p2p_bandwidth(link, r)
     total = {}
     rounds = 0
     for ph, moved, cost in ((Phase.FWD, kv, steps.fwd), (Phase.BWD, 2 * kv, steps.bwd)):

@@ -115,8 +115,8 @@ class _PricingInputs:
     def p2p_bw(self) -> float:
         """Bytes/s of one point-to-point stream of a ring over the ``P`` ranks: the link's rate,
         across nodes at most NCCL's channels per network peer in a communicator of ``P`` ranks
-        (``Hardware.flow_bandwidth``; the simulator's ``Cluster.p2p_cap``, HSAP's estimate too)."""
-        return min(self.bw, self.hw.flow_bandwidth(self.link, self.P))
+        (``Hardware.p2p_bandwidth``; the simulator's ``Cluster.p2p_cap``, HSAP's estimate too)."""
+        return self.hw.p2p_bandwidth(self.link, self.P)
 
     @property
     def lat(self) -> float:

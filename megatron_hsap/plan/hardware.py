@@ -293,6 +293,12 @@ class Hardware:
         over InfiniBand, none (inf) over NVLink, where NCCL's p2p is not channel-bound."""
         return self.net_flow_bw(comm_size) if link is LinkClass.INFINIBAND else float("inf")
 
+    def p2p_bandwidth(self, link: LinkClass, comm_size: int) -> float:
+        """Bytes/s one point-to-point stream over ``link`` reaches on its own in a communicator of
+        ``comm_size`` ranks: the link's rate, capped by ``flow_bandwidth`` (a ring's send to its
+        neighbour; the closed-form baselines price their rings' rounds at it)."""
+        return min(self.bandwidth(link), self.flow_bandwidth(link, comm_size))
+
 
 # --- the kernel model's constants ---------------------------------------------------------
 TILE = 128  # FA2/FA3 causal hdim-128 tile edge (flash-attention flash_fwd_launch_template.h, hopper/tile_size.h)
