@@ -30,6 +30,8 @@ Deterministic: ties break by rank index and document order.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -37,7 +39,10 @@ from megatron_hsap.plan.ir import Segment, TokenRange, positional_builder
 from megatron_hsap.plan.layout import Batch, Layout
 from megatron_hsap.plan.window import banded_pairs, staircase_pairs
 
-__all__ = ["balanced_layout", "piece_work", "kept_layout"]
+if TYPE_CHECKING:
+    from megatron_hsap.plan.placement import CostRates
+
+__all__ = ["balanced_layout", "kv_token_cost", "piece_work", "kept_layout"]
 
 _new_segment, _new_range = positional_builder(Segment), positional_builder(TokenRange)  # ~2x the dataclass __init__
 
@@ -152,6 +157,18 @@ def _assign(starts: np.ndarray, lengths: np.ndarray, work: np.ndarray, k_of: np.
             raise _Abandoned
         bisect.insort(by_cost, (c, r))
 
+    def cut_contiguously(s: int, n: int, rank_key: Callable[[int], tuple]) -> int:
+        """Give document ``[s, s + n)`` in consecutive pieces to the ranks with room, in
+        ``rank_key`` order, each piece filling its rank's room; returns where the pieces stopped."""
+        a = s
+        for r in sorted((r for r in range(size) if room_l[r] > 0), key=rank_key):
+            if a >= s + n:
+                break
+            b = min(s + n, a + room_l[r])
+            give(r, a, b, s, a - s)  # its kv rows before this piece are held elsewhere
+            a = b
+        return a
+
     order = np.lexsort((np.arange(len(lengths)), -work))
     rest_work, rest_tokens = float(work.sum()), float(lengths.sum())
     cap = float(work.sum()) / size * (1 + _SLACK)
@@ -207,7 +224,7 @@ def _assign(starts: np.ndarray, lengths: np.ndarray, work: np.ndarray, k_of: np.
         else:
             k_max = min(size, max(1, n // (2 * _MIN_PIECE)))
             bound: _WiderBound | None = None  # built at the first k that needs it (fixed for this document)
-            for k in range(max(1, -(-n // chunk)), size + 1):
+            for k in range(k_asked, size + 1):
                 chosen = best_ranks(k)
                 if chosen is None:
                     continue
@@ -238,27 +255,15 @@ def _assign(starts: np.ndarray, lengths: np.ndarray, work: np.ndarray, k_of: np.
             give(int(chosen[0]), s, s + n, s, 0.0)
             continue
         if k > max(k_asked, _SLIVER_RANKS, n // (2 * _MIN_PIECE)):  # widened into slivers (_SLIVER_RANKS)
-            a = s
-            for r in sorted((r for r in range(size) if room_l[r] > 0), key=lambda r: (-room_l[r], r)):
-                b = min(s + n, a + room_l[r])
-                give(r, a, b, s, a - s)
-                a = b
-                if a >= s + n:
-                    break
+            cut_contiguously(s, n, lambda r: (-room_l[r], r))  # the largest rooms: the fewest pieces
             continue
         for r, parts in zip(sorted(chosen.tolist()), _zigzag(s, n, k)):
             for a, b in parts:
                 give(r, a, b, s, n * (k - 1) / k / len(parts))
     for d in sorted(leftovers, key=lambda d: starts[d]):
         s, n = int(starts[d]), int(lengths[d])
-        a = s
-        for r in sorted((r for r in range(size) if room[r] > 0), key=lambda r: (load[r] + traffic[r], r)):
-            if a >= s + n:
-                break
-            b = min(s + n, a + int(room[r]))
-            give(r, a, b, s, a - s)
-            a = b
-        assert a == s + n, "token rooms must absorb every leftover document"
+        placed = cut_contiguously(s, n, lambda r: (load[r] + traffic[r], r))
+        assert placed == s + n, "token rooms must absorb every leftover document"
     return held, _cost(load, traffic)
 
 
@@ -306,6 +311,13 @@ def _cost(load: np.ndarray, traffic: np.ndarray) -> np.ndarray:
     """A rank's time in pairs: the staged plan overlaps receiving with computing, except for
     about ``_EXPOSED`` of the smaller of the two (the first stage's transfer, uneven stages)."""
     return np.maximum(load, traffic) + _EXPOSED * np.minimum(load, traffic)
+
+
+def kv_token_cost(rates: CostRates) -> float:
+    """``balanced_layout``'s ``token_cost`` from a plan's ``CostRates``: the seconds of moving one
+    token's kv (forward kv, backward kv and dkv back, at the link's rate) over the seconds of one
+    (q, k) pair of attention, forward and backward."""
+    return (2 * rates.kv + rates.dkv) / rates.bw / (rates.sec_fwd + rates.sec_bwd)
 
 
 def balanced_layout(batch: Batch, inter_size: int, intra_size: int, token_cost: float = 0.0, window: int = -1) -> Layout:

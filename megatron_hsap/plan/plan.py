@@ -19,7 +19,7 @@ from megatron_hsap.plan.estimate import compute_bound, ideal_compute, phase_time
 from megatron_hsap.plan.hardware import HARDWARE, LinkClass, link_class_for
 from megatron_hsap.plan.ir import Phase, Unit
 from megatron_hsap.plan.layout import Batch, Layout, contiguous_layout, normalize_cu_seqlens, validate_layout
-from megatron_hsap.plan.balanced import balanced_layout, kept_layout
+from megatron_hsap.plan.balanced import balanced_layout, kept_layout, kv_token_cost
 from megatron_hsap.plan.options import DEFAULT_POOL_CHUNKS, DEFAULT_POOL_MIN, PlanOptions, kv_heads_per_rank, validated_options
 from megatron_hsap.plan.placement import Placement, CostRates, min_traffic, owner_computes, plan_rates, region_distflash
 from megatron_hsap.plan.plan_type import ChosenCandidate, Plan
@@ -335,9 +335,7 @@ def _compile_uncached(cu: tuple[int, ...], opts: PlanOptions) -> Plan:
             contiguous = _build_on(con)
             if kept_layout(contiguous.chosen.time, None, bound) == "contiguous":
                 return contiguous  # already within 1% of the compute bound: no layout can gain more
-    # pairs of attention one token's kv costs to move (forward kv, backward kv and dkv back)
-    token_cost = (2 * rates.kv + rates.dkv) / rates.bw / (rates.sec_fwd + rates.sec_bwd)
-    bal = _price_on(balanced_layout(batch, size, opts.intra_size, token_cost, opts.window), batch, shape, opts)
+    bal = _price_on(balanced_layout(batch, size, opts.intra_size, kv_token_cost(rates), opts.window), batch, shape, opts)
     if con is None:
         return _build_on(bal)
     if contiguous is None and bal.price > con.floor * (1 + _LAYOUT_PRUNE) and bal.price > con.exact().price * (1 + _LAYOUT_PRUNE):

@@ -125,7 +125,7 @@ def test_small_documents_are_not_shredded_head_tail_over_many_ranks() -> None:
     1–2-token slivers (each a kernel call per earlier piece on its rank). The 1,024-GPU scale batch
     (slimpajama 1M over 8 x 128, GQA 64:8 over InfiniBand) had three 26–37-token documents head–tail
     over 12–13 ranks in 23–25 pieces before the rule."""
-    from megatron_hsap.plan.balanced import _MIN_PIECE, _SLIVER_RANKS
+    from megatron_hsap.plan.balanced import _MIN_PIECE, _SLIVER_RANKS, kv_token_cost
     from megatron_hsap.plan.costs import HeadShape
     from megatron_hsap.plan.hardware import HARDWARE, LinkClass
     from megatron_hsap.plan.placement import CostRates
@@ -134,9 +134,8 @@ def test_small_documents_are_not_shredded_head_tail_over_many_ranks() -> None:
     shape = HeadShape(num_heads=8, num_kv_heads=1, head_dim=128, head_dim_v=128, dtype_bytes=2)
     hw = HARDWARE["h100"]
     rates = CostRates.of(shape, hw, hw.bandwidth(LinkClass.INFINIBAND))
-    token_cost = (2 * rates.kv + rates.dkv) / rates.bw / (rates.sec_fwd + rates.sec_bwd)  # as compile_plan
     batch = Batch.build(tuple(int(x) for x in cu), 128 * 8)
-    layout = balanced_layout(batch, 128, 8, token_cost)
+    layout = balanced_layout(batch, 128, 8, kv_token_cost(rates))  # as compile_plan
     validate_layout(layout, batch.padded_tokens)
     pieces: dict[int, list[int]] = {}
     for r, segs in enumerate(layout.segments):
