@@ -15,7 +15,7 @@ from megatron_hsap.errors import BatchError, ConfigError
 from megatron_hsap.plan.cache import PLAN_CACHE, clear_plan_cache, fast_key
 from megatron_hsap.plan.codegen import PoolOverflow, generate
 from megatron_hsap.plan.costs import HeadShape
-from megatron_hsap.plan.estimate import compute_bound, ideal_compute, phase_time, price_staging
+from megatron_hsap.plan.estimate import compute_bound, ideal_compute, phase_time, price_floor, price_staging
 from megatron_hsap.plan.hardware import HARDWARE, LinkClass, link_class_for
 from megatron_hsap.plan.ir import Phase, Unit
 from megatron_hsap.plan.layout import Batch, Layout, contiguous_layout, normalize_cu_seqlens, validate_layout
@@ -152,21 +152,34 @@ def _price(placements: dict[str, Placement], size: int, rates: CostRates, latenc
     return priced
 
 
-def _explore(priced: dict[str, tuple[float, BlocksByRank, StagedBlocks]], rates: CostRates, latency: float, budget: float) -> None:
-    """Price every stage shape of the best quick price and of owner-computes (always: the
-    guarantee's reference is owner-computes compiled alone, which prices every shape), in place."""
+def _explore(priced: dict[str, tuple[float, BlocksByRank, StagedBlocks]], rates: CostRates, latency: float, budget: float,
+             owner_floor: float = 0.0) -> float | None:
+    """Price every stage shape of the best quick price and of owner-computes, in place. Returns
+    ``owner_floor`` when owner-computes' search is deferred to ``_choose`` (its floor, a lower
+    bound of any staging and any built plan of it, is above the best price: then it is searched
+    only if a pool overflow lifts the other prices to its floor, or to check the chosen plan), else None."""
     # ties (placements whose stagings price the same) go to owner-computes, explored anyway below
     top = sorted(priced, key=lambda n: (priced[n][0], n != "owner-computes"))[:_EXPLORE]
-    if "owner-computes" in priced:
-        # always: the chosen plan is never estimated slower than owner-computes compiled alone (which
-        # prices every shape); flat_time_bound is no bound on the hardware-priced estimate (node-local
-        # pairs at NVLink rate under InfiniBand, kernel peak above the flat rate), so it cannot skip this
-        top.append("owner-computes")
-    for name in dict.fromkeys(top):
-        t0, split, _ = priced[name]
-        t, st = _best_staging(split, rates, latency, budget)
-        if t < t0:
-            priced[name] = (t, split, st)
+    for name in top:
+        _explore_one(priced, name, rates, latency, budget)
+    if "owner-computes" in priced and "owner-computes" not in top:
+        # the chosen plan is never estimated slower than owner-computes compiled alone (which prices
+        # every shape); flat_time_bound is no bound on the hardware-priced estimate (node-local pairs
+        # at NVLink rate under InfiniBand, kernel peak above the flat rate), but ``price_floor`` is
+        if owner_floor > min(v[0] for v in priced.values()):
+            return owner_floor
+        _explore_one(priced, "owner-computes", rates, latency, budget)
+    return None
+
+
+def _explore_one(priced: dict[str, tuple[float, BlocksByRank, StagedBlocks]], name: str, rates: CostRates, latency: float,
+                 budget: float) -> float:
+    """Every stage shape of ``name``'s split: its entry becomes the best (in place); returns its price."""
+    t0, split, _ = priced[name]
+    t, st = _best_staging(split, rates, latency, budget)
+    if t < t0:
+        priced[name] = (t, split, st)
+    return priced[name][0]
 
 
 def _restage(split: BlocksByRank, rates: CostRates, latency: float, budget: float) -> tuple[float, StagedBlocks]:
@@ -204,15 +217,27 @@ def _build_or_halve(name: str, split: BlocksByRank, st: StagedBlocks, budget: fl
 
 
 def _choose(priced: dict[str, tuple[float, BlocksByRank, StagedBlocks]], size: int, shape: HeadShape, capacity: int, rates: CostRates,
-            latency: float, budget: float) -> tuple[ChosenCandidate | None, dict[str, float], float]:
+            latency: float, budget: float, owner_floor: float | None = None) -> tuple[ChosenCandidate | None, dict[str, float], float]:
     """Generate code for the lowest price; if its slots do not fit the pool, shrink its per-stage
     budget (``_OVERFLOW_STEP``) and let it compete again. Returns (chosen, prices, owner-computes time); the chosen
-    plan's exact time never exceeds owner-computes'."""
+    plan's exact time never exceeds owner-computes'. ``owner_floor``: owner-computes' every-shape
+    search was deferred (``_explore``) and this floor bounds its staged and built times from below;
+    the search runs here once the floor no longer rules owner-computes out."""
     alternatives = {n: v[0] for n, v in priced.items()}
     budgets = {n: budget for n in priced}
+    deferred = owner_floor if "owner-computes" in priced else None
+
+    def search_owner() -> None:
+        nonlocal deferred
+        alternatives["owner-computes"] = _explore_one(priced, "owner-computes", rates, latency, budget)  # never built yet: the full budget
+        deferred = None
+
     best: ChosenCandidate | None = None
     while priced:
         name = min(priced, key=lambda n: (priced[n][0], n != "owner-computes"))
+        if deferred is not None and (name == "owner-computes" or deferred <= priced[name][0]):
+            search_owner()  # its searched price could come first (ties go to owner-computes)
+            continue
         _, split, st = priced[name]
         best, t, st, budgets[name] = _build_or_halve(name, split, st, budgets[name], size, shape, capacity, rates, latency)
         if best is not None:
@@ -222,10 +247,12 @@ def _choose(priced: dict[str, tuple[float, BlocksByRank, StagedBlocks]], size: i
             continue
         priced[name] = (t, split, st)
         alternatives[name] = t
+    if best is not None and best.name != "owner-computes" and deferred is not None and deferred <= best.time * (1 + _OWNER_MARGIN):
+        search_owner()  # the check below needs its searched staging; else its built time > best's margin
     owner_time = alternatives.get("owner-computes", float("nan"))
     if best is not None and best.name == "owner-computes":
         owner_time = best.time
-    elif best is not None and "owner-computes" in priced:
+    elif best is not None and "owner-computes" in priced and deferred is None:
         # compare exact times: a quick price counts local blocks by budget and stages under the full
         # pool budget (owner-computes compiled alone may overflow, restage and come out faster)
         _, split, st = priced["owner-computes"]
@@ -303,6 +330,18 @@ def compile_plan(cu_seqlens: object, inter_size: int, intra_size: int = 1, *, nu
 
 
 def _compile_uncached(cu: tuple[int, ...], opts: PlanOptions) -> Plan:
+    """The plan of ``cu`` under ``opts`` (no cache); every layout staged on the way is released
+    (``PricedLayout.release``) before it returns."""
+    staged: list[PricedLayout] = []
+    try:
+        return _search(cu, opts, staged)
+    finally:
+        for p in staged:
+            p.release()
+
+
+def _search(cu: tuple[int, ...], opts: PlanOptions, staged: list[PricedLayout]) -> Plan:
+    """``_compile_uncached``'s layout search; each ``PricedLayout`` it makes is appended to ``staged``."""
     hkv_total = opts.num_kv_heads or opts.num_heads
     hkv = kv_heads_per_rank(opts.num_heads, hkv_total, opts.intra_size)
     shape = HeadShape(
@@ -315,7 +354,7 @@ def _compile_uncached(cu: tuple[int, ...], opts: PlanOptions) -> Plan:
     size = opts.inter_size
     batch = Batch.build(cu, size * opts.intra_size * opts.pad_multiple)
     if opts.layout == "contiguous":
-        return _compile_on(contiguous_layout(batch, size, opts.intra_size), batch, shape, opts)
+        return _build_on(_price_on(contiguous_layout(batch, size, opts.intra_size), batch, shape, opts, staged=staged))
 
     hw = HARDWARE[opts.hardware]
     rates = CostRates.of(shape, hw, hw.bandwidth(_link_of(opts)))
@@ -329,13 +368,14 @@ def _compile_uncached(cu: tuple[int, ...], opts: PlanOptions) -> Plan:
     # ``con.floor`` (≤ that price) settles each comparison below whenever it falls on the far side.
     contiguous = con = None
     if opts.layout_fallback:
-        con = _price_on(contiguous_layout(batch, size, opts.intra_size), batch, shape, opts, lazy=True)
+        con = _price_on(contiguous_layout(batch, size, opts.intra_size), batch, shape, opts, lazy=True, staged=staged)
         if (kept_layout(con.floor / (1 + _LAYOUT_PRUNE), None, bound) == "contiguous"
                 and kept_layout(con.exact().price / (1 + _LAYOUT_PRUNE), None, bound) == "contiguous"):
             contiguous = _build_on(con)
             if kept_layout(contiguous.chosen.time, None, bound) == "contiguous":
                 return contiguous  # already within 1% of the compute bound: no layout can gain more
-    bal = _price_on(balanced_layout(batch, size, opts.intra_size, kv_token_cost(rates), opts.window), batch, shape, opts)
+    bal = _price_on(balanced_layout(batch, size, opts.intra_size, kv_token_cost(rates), opts.window), batch, shape, opts,
+                    staged=staged)
     if con is None:
         return _build_on(bal)
     if contiguous is None and bal.price > con.floor * (1 + _LAYOUT_PRUNE) and bal.price > con.exact().price * (1 + _LAYOUT_PRUNE):
@@ -388,9 +428,11 @@ def _link_of(opts: PlanOptions) -> LinkClass:
     return link_class_for(opts.tp_size * opts.intra_size * opts.inter_size, opts.gpus_per_node)
 
 
-def _price_on(layout: Layout, batch: Batch, shape: HeadShape, opts: PlanOptions, *, lazy: bool = False) -> PricedLayout:
+def _price_on(layout: Layout, batch: Batch, shape: HeadShape, opts: PlanOptions, *, lazy: bool = False,
+              staged: list[PricedLayout] | None = None) -> PricedLayout:
     """Units, placements and staged prices of ``batch`` on ``layout`` (no code yet); ``lazy``:
-    staging and pricing wait for ``PricedLayout.exact``."""
+    staging and pricing wait for ``PricedLayout.exact``. Appended to ``staged`` (the caller
+    releases it when the compile is done), if given."""
     size = opts.inter_size
     validate_layout(layout, batch.padded_tokens)
     hw = HARDWARE[opts.hardware]
@@ -408,15 +450,19 @@ def _price_on(layout: Layout, batch: Batch, shape: HeadShape, opts: PlanOptions,
                      forced=opts.placement)
     p = PricedLayout(layout, batch, shape, opts, link, capacity, rates, latency, tuple(pieces), tuple(units),
                      placements, stager)
+    if staged is not None:
+        staged.append(p)
     return p if lazy else p.exact()
 
 
 def _stage_all(placements: dict[str, Placement], *, size: int, rates: CostRates, latency: float, budget: float,
-               forced: str) -> dict[str, tuple[float, BlocksByRank, StagedBlocks]]:
-    """A layout's placements staged and priced (``PricedLayout.exact``): ``_price``, then ``_explore``."""
+               forced: str) -> tuple[dict[str, tuple[float, BlocksByRank, StagedBlocks]], float | None]:
+    """A layout's placements staged and priced (``PricedLayout.exact``): ``_price``, then
+    ``_explore``; with owner-computes' floor when its search was deferred (else None)."""
     priced = _price(placements, size, rates, latency, budget, forced)
-    _explore(priced, rates, latency, budget)
-    return priced
+    owner = placements.get("owner-computes")
+    floor = price_floor(np.asarray(owner.work, dtype=np.float64), rates) if owner is not None else 0.0
+    return priced, _explore(priced, rates, latency, budget, floor)
 
 
 def _build_on(p: PricedLayout) -> Plan:
@@ -425,7 +471,7 @@ def _build_on(p: PricedLayout) -> Plan:
     p.exact()
     # a copy: _choose drops and re-prices candidates as it retries, and ``p.price`` must not move
     best, alternatives, owner_time = _choose(dict(p.priced), p.opts.inter_size, p.shape, p.capacity, p.rates, p.latency,
-                                             p.capacity * _BUDGET_FRACTION)
+                                             p.capacity * _BUDGET_FRACTION, p.owner_deferred)
     if best is None:
         raise ConfigError(
             f"pool_bytes={p.capacity} cannot hold the slots of even one token row per stage; raise pool_bytes "
@@ -449,7 +495,11 @@ def _build_on(p: PricedLayout) -> Plan:
 
 def _compile_on(layout: Layout, batch: Batch, shape: HeadShape, opts: PlanOptions) -> Plan:
     """The plan of ``batch`` on ``layout``."""
-    return _build_on(_price_on(layout, batch, shape, opts))
+    p = _price_on(layout, batch, shape, opts)
+    try:
+        return _build_on(p)
+    finally:
+        p.release()
 
 
 def _with_clipped(plan: Plan, full: Plan) -> Plan:

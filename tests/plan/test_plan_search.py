@@ -1,8 +1,8 @@
 """The candidate search's bounds on work (plan/plan.py): what it skips must not change the plan.
 
 Counts and plan hashes only (no timing): the layout prune generates no code for a layout that
-cannot win (balanced or contiguous), and the owner-computes recheck stops rebuilding once its restaged price leaves
-the recheck's window."""
+cannot win (balanced or contiguous), the owner-computes recheck stops rebuilding once its restaged price leaves
+the recheck's window, and owner-computes' every-shape search waits until its floor can no longer rule it out."""
 
 from __future__ import annotations
 
@@ -109,3 +109,88 @@ def test_owner_recheck_still_keeps_owner_computes_when_it_fits_and_ties(monkeypa
     assert n == 2
     assert best.name == "owner-computes"  # within _OWNER_MARGIN of the mover: leaving work home wins
     assert owner_time == 1.005
+
+
+def test_deferred_owner_search_ships_the_plan_of_the_eager_search(monkeypatch: pytest.MonkeyPatch) -> None:
+    # fineweb 64K over 8 ranks: on the contiguous layout owner-computes' floor (its busiest rank's
+    # pairs at the kernel's peak) lies above the rebalanced plan's price on some batches, so its
+    # every-shape search is deferred, then never run; a floor of 0 restores the eager search
+    from megatron_hsap.plan.workloads import pack_batches
+
+    real = search._best_staging
+    counts: list[int] = []
+
+    def counting(*args, **kwargs):
+        counts[-1] += kwargs.get("explore", True)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(search, "_best_staging", counting)
+    deferred = 0
+    for cu in pack_batches("fineweb", 65536, 5, 12345):
+        got = []
+        for floor in (search.price_floor, lambda *a: 0.0):
+            monkeypatch.setattr(search, "price_floor", floor)
+            counts.append(0)
+            clear_plan_cache()
+            got.append(compile_plan([int(x) for x in cu], 8, **GQA))
+        lazy, eager = got
+        assert plan_hash(lazy) == plan_hash(eager) and lazy.chosen.time == eager.chosen.time
+        assert lazy.chosen.name == eager.chosen.name and lazy.stats().layout == eager.stats().layout
+        # the guarantee still holds against owner-computes compiled alone on the kept layout
+        clear_plan_cache()
+        alone = compile_plan([int(x) for x in cu], 8, **GQA, placement="owner-computes",
+                             layout=lazy.stats().layout, layout_fallback=False)
+        assert lazy.chosen.time <= alone.chosen.time * (1 + 1e-12)
+        assert counts[-2] <= counts[-1]
+        deferred += counts[-2] < counts[-1]
+    assert deferred >= 2, counts  # the shortcut was taken (else this tests nothing new)
+
+
+def _deferred_choose(monkeypatch: pytest.MonkeyPatch, mover: list[tuple[float | None, float]],
+                     searched: float) -> tuple[object, float, dict[str, int]]:
+    """``_choose`` with min-traffic priced 1.0, owner-computes quick-priced 1.5 with its search
+    deferred at floor 1.2 (it prices ``searched`` once searched, and builds at that); min-traffic's
+    builds answer ``mover`` in turn: (built time or None for a pool overflow, restaged price)."""
+    calls = {"min-traffic": 0, "owner-computes": 0, "search": 0}
+
+    def fake_build(name, split, st, budget, *rest):
+        calls[name] += 1
+        if name == "owner-computes":
+            return SimpleNamespace(name=name, time=searched), float("nan"), st, budget
+        built, price = mover[calls[name] - 1]
+        if built is not None:
+            return SimpleNamespace(name=name, time=built), float("nan"), st, budget
+        return None, price, st, budget * search._OVERFLOW_STEP
+
+    def fake_search(priced, name, *rest):
+        calls["search"] += 1
+        priced[name] = (min(priced[name][0], searched), *priced[name][1:])
+        return priced[name][0]
+
+    monkeypatch.setattr(search, "_build_or_halve", fake_build)
+    monkeypatch.setattr(search, "_explore_one", fake_search)
+    priced = {"min-traffic": (1.0, None, None), "owner-computes": (1.5, None, None)}
+    best, alternatives, owner_time = search._choose(priced, 4, None, 1 << 30, None, 0.0, float(1 << 28), 1.2)
+    return best, owner_time, calls
+
+
+def test_a_deferred_owner_search_never_runs_while_its_floor_rules_it_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    best, owner_time, calls = _deferred_choose(monkeypatch, [(1.0, float("nan"))], searched=1.3)
+    assert best.name == "min-traffic" and calls == {"min-traffic": 1, "owner-computes": 0, "search": 0}
+    assert owner_time == 1.5  # its last staged price (the quick one)
+
+
+def test_a_deferred_owner_search_runs_once_an_overflow_lifts_the_mover_to_its_floor(monkeypatch: pytest.MonkeyPatch) -> None:
+    # min-traffic overflows and restages at 1.25 (above the floor 1.2): owner-computes is searched
+    # (1.22) and comes first, as it would have after an eager search
+    best, owner_time, calls = _deferred_choose(monkeypatch, [(None, 1.25), (1.25, float("nan"))], searched=1.22)
+    assert calls["search"] == 1 and best.name == "owner-computes" and owner_time == 1.22
+    assert calls["min-traffic"] == 1 and calls["owner-computes"] == 1
+
+
+def test_a_deferred_owner_search_runs_for_the_recheck_when_the_built_mover_nears_its_floor(monkeypatch: pytest.MonkeyPatch) -> None:
+    # min-traffic priced 1.0 but built at 1.19: the floor (1.2) is within the 1% margin, so the
+    # recheck needs owner-computes' searched plan: built at 1.195, within 1% of 1.19, it is kept
+    best, owner_time, calls = _deferred_choose(monkeypatch, [(1.19, float("nan"))], searched=1.195)
+    assert calls == {"min-traffic": 1, "owner-computes": 1, "search": 1}
+    assert best.name == "owner-computes" and owner_time == 1.195
