@@ -399,7 +399,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     ap.add_argument("--no-compile-times", action="store_true", help="skip the compile-time table")
     ap.add_argument("--compile-times-only", action="store_true",
-                    help="only the compile-time table (fineweb 64K/P 8 and 1M/P 64, GQA 32/8, median of 5 fresh batches)")
+                    help="only the compile-time table (fineweb 64K/P 8 and 1M/P 64, GQA 32/8, median of 5 fresh batches), "
+                         "written as compile_times.csv / .md (the README's compile region: `megatron-hsap report`)")
     args = ap.parse_args(argv)
     if args.compile_times_only and args.no_compile_times:
         ap.error("--compile-times-only and --no-compile-times exclude each other")
@@ -412,8 +413,10 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     work = [(p, args.hardware, tuple(args.layouts)) for p in pts]
     args.out.mkdir(parents=True, exist_ok=True)
+    # the compile table alone has files of its own: it must not overwrite a grid's plan_quality.*
+    stem = "compile_times" if args.compile_times_only else "plan_quality"
     # Rows are written as each point completes, so an interrupted run keeps what it measured.
-    with (args.out / "plan_quality.csv").open("w", newline="") as f:
+    with (args.out / f"{stem}.csv").open("w", newline="") as f:
         out = csv.writer(f)
         out.writerow(COLUMNS)
 
@@ -443,11 +446,11 @@ def main(argv: list[str] | None = None) -> int:
             from megatron_hsap.bench.layout_table import layout_markdown
 
             table += "\n\n" + layout_markdown(_summary(rows), WORKLOADS)
-    (args.out / "plan_quality.md").write_text(table + "\n")
+    (args.out / f"{stem}.md").write_text(table + "\n")
     made = [] if (args.no_plots or args.compile_times_only) else plots(rows, args.out)
     print(table)
     print(f"\n{len(pts)} points, {sum(len(p.seeds) for p in pts)} batches in {elapsed:.0f} s; wrote "
-          f"{args.out / 'plan_quality.csv'}, {args.out / 'plan_quality.md'}" + "".join(f", {p}" for p in made))
+          f"{args.out / (stem + '.csv')}, {args.out / (stem + '.md')}" + "".join(f", {p}" for p in made))
     return 0
 
 

@@ -273,6 +273,16 @@ def _layout_measures(rows: list[dict[str, str]]) -> str:
     return markdown_table(head, tab)
 
 
+def _compile_times(rows: list[dict[str, str]]) -> str:
+    """The compiler's timing table (``plan-quality --compile-times-only``: ``results/compile_times.csv``),
+    laid out and judged against the budgets by ``bench/plan_quality.compile_markdown``."""
+    from megatron_hsap.bench.plan_quality import compile_markdown
+
+    typed = [(r["source"], r["workload"], int(r["T"]), int(r["P_intra"]), int(r["P_inter"]), r["link"], r["heads"],
+              r["seed"], r["method"], r["metric"], _f(r["value"]), r["unit"]) for r in rows]
+    return "\n".join(compile_markdown(typed))
+
+
 REGIONS: dict[str, tuple[str, Callable[[list[dict[str, str]]], str]]] = {
     "calibration": ("calibrate.csv", _calibration),
     "magi": ("magi.csv", _magi),
@@ -281,6 +291,7 @@ REGIONS: dict[str, tuple[str, Callable[[list[dict[str, str]]], str]]] = {
     "validate": ("validate.csv", _validate),
     "table4": ("table4.csv", _table4),
     "layout_measures": ("plan_layouts.csv", _layout_measures),
+    "compile_times": ("compile_times.csv", _compile_times),
 }
 
 

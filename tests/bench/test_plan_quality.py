@@ -103,3 +103,26 @@ def test_sample_is_figure3_like() -> None:
         spans.setdefault(u.doc, set()).update((u.q_owner, u.kv_owner))
     assert len(cu) - 1 == 6
     assert spans[0] == {0, 1, 2, 3} and spans[1] == {3, 4, 5}
+
+
+def test_compile_times_only_writes_its_own_files_and_the_readme_region(tmp_path: Path, monkeypatch) -> None:
+    """``--compile-times-only`` writes ``compile_times.csv`` / ``.md`` (never a grid's
+    ``plan_quality.*``, which its default ``--out results`` would have overwritten), and the
+    README region renders that CSV with each budget's verdict from the measured median."""
+    from megatron_hsap.sim.report import render
+
+    rows = []
+    for (T, P), med in zip(plan_quality.COMPILE_BUDGETS, (0.0404, 0.257)):
+        base = (plan_quality.SOURCE + "_compile", "fineweb", T, 1, P, "nvlink", "32/8", -1, "hsap-kept")
+        rows += [base + (m, v, "s") for m, v in (("compile_time_median", med), ("compile_time_max", 2 * med),
+                                                 ("compile_cpu_time_median", med), ("cache_hit_time_median", 1e-5))]
+    monkeypatch.setattr(plan_quality, "compile_times", lambda *a, **k: rows)
+    (tmp_path / "plan_quality.md").write_text("a grid's table\n")
+    assert plan_quality.main(["--compile-times-only", "--out", str(tmp_path)]) == 0
+    assert (tmp_path / "plan_quality.md").read_text() == "a grid's table\n" and not (tmp_path / "plan_quality.csv").exists()
+    got = list(csv.DictReader((tmp_path / "compile_times.csv").open()))
+    assert len(got) == len(rows) and tuple(got[0]) == plan_quality.COLUMNS
+    table = render("compile_times", tmp_path)
+    assert table + "\n" == (tmp_path / "compile_times.md").read_text()
+    assert "| 64K | 8 | 40.4 | 80.8 | 40.4 | 0.010 | 20 (MISSED) |" in table
+    assert "| 1M | 64 | 257.0 | 514.0 | 257.0 | 0.010 | 200 (MISSED) |" in table
