@@ -354,7 +354,7 @@ def _search(cu: tuple[int, ...], opts: PlanOptions, staged: list[PricedLayout]) 
     size = opts.inter_size
     batch = Batch.build(cu, size * opts.intra_size * opts.pad_multiple)
     if opts.layout == "contiguous":
-        return _build_on(_price_on(contiguous_layout(batch, size, opts.intra_size), batch, shape, opts, staged=staged))
+        return _compile_on(contiguous_layout(batch, size, opts.intra_size), batch, shape, opts)
 
     hw = HARDWARE[opts.hardware]
     rates = CostRates.of(shape, hw, hw.bandwidth(_link_of(opts)))
