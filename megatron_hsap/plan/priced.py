@@ -66,7 +66,7 @@ class PricedLayout:
     @property
     def owner_deferred(self) -> float | None:
         """Owner-computes' floor when its every-shape search was left to code generation
-        (``plan._explore``; its entry in ``priced`` is then its quick price), else None."""
+        (``candidates._explore``; its entry in ``priced`` is then its quick price), else None."""
         assert self._priced is not None, "a layout not staged yet (call exact())"
         return self._deferred
 

@@ -1,4 +1,4 @@
-"""The candidate search's bounds on work (plan/plan.py): what it skips must not change the plan.
+"""The candidate search's bounds on work (plan/plan.py, plan/candidates.py): what it skips must not change the plan.
 
 Counts and plan hashes only (no timing): the layout prune generates no code for a layout that
 cannot win (balanced or contiguous), the owner-computes recheck stops rebuilding once its restaged price leaves
@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
+import megatron_hsap.plan.candidates as candidates
 import megatron_hsap.plan.plan as search
 from megatron_hsap.plan import compile_plan
 from megatron_hsap.plan.cache import clear_plan_cache
@@ -20,16 +21,16 @@ GQA = dict(num_heads=32, num_kv_heads=8, head_dim=128, hardware="a100")
 
 def _compile_counting(monkeypatch: pytest.MonkeyPatch, cu: list[int], size: int) -> tuple[object, int]:
     calls = [0]
-    real = search.generate
+    real = candidates.generate
 
     def counting(*args, **kwargs):
         calls[0] += 1
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(search, "generate", counting)
+    monkeypatch.setattr(candidates, "generate", counting)
     clear_plan_cache()
     plan = compile_plan(cu, size, **GQA)
-    monkeypatch.setattr(search, "generate", real)
+    monkeypatch.setattr(candidates, "generate", real)
     return plan, calls[0]
 
 
@@ -87,11 +88,11 @@ def _fake_choose(monkeypatch: pytest.MonkeyPatch, owner_results: list[tuple[floa
         calls[name] += 1
         if built is not None:
             return SimpleNamespace(name=name, time=built), float("nan"), st, budget
-        return None, price, st, budget * search._OVERFLOW_STEP
+        return None, price, st, budget * candidates._OVERFLOW_STEP
 
-    monkeypatch.setattr(search, "_build_or_halve", fake_build)
+    monkeypatch.setattr(candidates, "_build_or_halve", fake_build)
     priced = {"min-traffic": (1.0, None, None), "owner-computes": (1.02, None, None)}
-    best, _, owner_time = search._choose(priced, 4, None, 1 << 30, None, 0.0, float(1 << 28))
+    best, _, owner_time = candidates._choose(priced, 4, None, 1 << 30, None, 0.0, float(1 << 28))
     return best, owner_time, calls["owner-computes"]
 
 
@@ -117,19 +118,19 @@ def test_deferred_owner_search_ships_the_plan_of_the_eager_search(monkeypatch: p
     # every-shape search is deferred, then never run; a floor of 0 restores the eager search
     from megatron_hsap.plan.workloads import pack_batches
 
-    real = search._best_staging
+    real = candidates._best_staging
     counts: list[int] = []
 
     def counting(*args, **kwargs):
         counts[-1] += kwargs.get("explore", True)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(search, "_best_staging", counting)
+    monkeypatch.setattr(candidates, "_best_staging", counting)
     deferred = 0
     for cu in pack_batches("fineweb", 65536, 5, 12345):
         got = []
-        for floor in (search.price_floor, lambda *a: 0.0):
-            monkeypatch.setattr(search, "price_floor", floor)
+        for floor in (candidates.price_floor, lambda *a: 0.0):
+            monkeypatch.setattr(candidates, "price_floor", floor)
             counts.append(0)
             clear_plan_cache()
             got.append(compile_plan([int(x) for x in cu], 8, **GQA))
@@ -160,17 +161,17 @@ def _deferred_choose(monkeypatch: pytest.MonkeyPatch, mover: list[tuple[float | 
         built, price = mover[calls[name] - 1]
         if built is not None:
             return SimpleNamespace(name=name, time=built), float("nan"), st, budget
-        return None, price, st, budget * search._OVERFLOW_STEP
+        return None, price, st, budget * candidates._OVERFLOW_STEP
 
     def fake_search(priced, name, *rest):
         calls["search"] += 1
         priced[name] = (min(priced[name][0], searched), *priced[name][1:])
         return priced[name][0]
 
-    monkeypatch.setattr(search, "_build_or_halve", fake_build)
-    monkeypatch.setattr(search, "_explore_one", fake_search)
+    monkeypatch.setattr(candidates, "_build_or_halve", fake_build)
+    monkeypatch.setattr(candidates, "_explore_one", fake_search)
     priced = {"min-traffic": (1.0, None, None), "owner-computes": (1.5, None, None)}
-    best, alternatives, owner_time = search._choose(priced, 4, None, 1 << 30, None, 0.0, float(1 << 28), 1.2)
+    best, alternatives, owner_time = candidates._choose(priced, 4, None, 1 << 30, None, 0.0, float(1 << 28), 1.2)
     return best, owner_time, calls
 
 

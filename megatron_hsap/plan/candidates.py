@@ -1,0 +1,262 @@
+"""One layout's candidate search (docs/design.md §2.1, §3), called by ``plan.py``'s layout search:
+placements (owner-computes, min-traffic, DistFlashAttn per document region, each rebalanced by
+exact work under a few traffic budgets), staged under stage shapes and priced (a quick price for
+each; every shape for the best and for owner-computes, the never-slower rule's reference), then
+code generated for the cheapest, with pool-overflow retries and the owner-computes check
+(``_choose``)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from megatron_hsap.plan.codegen import PoolOverflow, generate
+from megatron_hsap.plan.costs import HeadShape
+from megatron_hsap.plan.estimate import compute_bound, phase_time, price_floor, price_staging
+from megatron_hsap.plan.ir import Phase, Unit
+from megatron_hsap.plan.placement import CostRates, Placement, min_traffic, owner_computes, region_distflash
+from megatron_hsap.plan.plan_type import ChosenCandidate
+from megatron_hsap.plan.rebalance import balance
+from megatron_hsap.plan.schedule import BlocksByRank, StageShape, StagedBlocks, StagingError, default_shape, stage, stage_shapes
+from megatron_hsap.plan.units import WorkUnit
+
+_TRAFFIC_BUDGETS = (0.3, 0.6, 1.2)  # balanced candidates: traffic per phase vs compute time
+_EXPLORE = 1  # placements whose every stage shape is priced (the rest: the default shape only)
+_EXPLORE_RETRY_BLOCKS = 2000  # pool-overflow retries price every stage shape up to this many remote blocks
+# owner-computes is built whenever another placement wins (its quick price can sit 10%+ above its
+# built time: found by hypothesis, 4,096 tokens over P_inter 16, a first staging that overflows the
+# pool and restages to a plan 11% faster); its pool-overflow restaging stops once its price is this
+# far above the chosen plan's time
+_OWNER_RESTAGE_STOP = 0.05
+_MIN_GAIN = 0.01  # a candidate whose lower bound is within 1% of the best estimate is not staged
+# moving work must beat owner-computes' exact estimate by more than this to be kept: the per-rank
+# estimate tracks the simulator within ~1-3% per batch (sim/estimate_accuracy.py: median 0.99-1.00
+# per table), so a smaller gain may be noise. Measured on the 167 Table 2 / Table 4 / MagiAttention
+# batches: 1% keeps every chosen plan no slower than owner-computes in simulation; 0 loses three
+# Table 4 batches by 0.1-0.3% (docs/design.md §4)
+_OWNER_MARGIN = 0.01
+
+
+def _best_staging(split: BlocksByRank, rates: CostRates, latency: float, budget: float, *, explore: bool = True) -> tuple[float, StagedBlocks]:
+    """Stage ``split`` and keep the lowest price: the default shape only (a quick first price to
+    rank placements), or with ``explore`` every end-stage weight at the fewest stages, then twice
+    as many stages at the best weight."""
+    shapes = stage_shapes(split, rates, budget)
+    fewest = min(s.stages for s in shapes)
+    first = [default_shape(shapes)] if not explore else [s for s in shapes if s.stages == fewest]
+    best: tuple[float, StagedBlocks, StageShape] | None = None
+
+    def consider(shp: StageShape) -> None:
+        nonlocal best
+        try:
+            st = stage(split, rates, shp, budget)
+        except StagingError:
+            return
+        t = price_staging(st, split.size, rates, latency)
+        if best is None or t < best[0] * (1 - 1e-12):
+            best = (t, st, shp)
+
+    for shp in first:
+        consider(shp)
+    if explore and best is not None:
+        for shp in shapes:
+            if shp.stages > fewest:
+                consider(shp)
+    assert best is not None
+    return best[0], best[1]
+
+
+def _build(name: str, units: list[Unit], size: int, shape: HeadShape, capacity: int, rates: CostRates, latency: float, budget: float) -> ChosenCandidate:
+    """Messages, programs, slots and exact prices of one staged placement (``PoolOverflow`` if the
+    slots do not fit)."""
+    units = sorted(units, key=lambda u: (u.rank, u.stage, u.rank == u.q_owner, u.q.start, u.kv.start))
+    fwd = generate(units, Phase.FWD, size, shape, capacity, 0)
+    bwd = generate(units, Phase.BWD, size, shape, capacity, fwd.rounds)
+    ft = phase_time(units, fwd.messages, size, rates.sec_fwd, rates.bw, latency, rates=rates, phase=Phase.FWD)
+    bt = phase_time(units, bwd.messages, size, rates.sec_bwd, rates.bw, latency, rates=rates, phase=Phase.BWD)
+    return ChosenCandidate(name, tuple(units), fwd, bwd, ft, bt, budget)
+
+
+def _placements(units: list[WorkUnit], size: int, rates: CostRates, allow_helpers: bool) -> dict[str, Placement]:
+    owner = owner_computes(units, size, rates)
+    out = {"owner-computes": owner}
+    if size == 1 or not units:
+        return out
+    mt = min_traffic(units, size, rates, owner.base)
+    starts = [owner]
+    if mt.home != owner.home:
+        out["min-traffic"] = mt
+        starts.append(mt)
+    chunks: dict[int, set[int]] = {}
+    for u in units:
+        chunks.setdefault(u.doc, set()).update((u.q_owner, u.kv_owner))
+    rd = region_distflash(units, size, rates, owner.base) if max(map(len, chunks.values()), default=0) >= 3 else owner
+    if (rd.home, rd.bands) != (owner.home, owner.bands) and (rd.home, rd.bands) != (mt.home, mt.bands):
+        out["region-distflash"] = rd
+        starts.append(rd)
+    ideal = compute_bound(sum(u.work for u in units), size, rates.sec_fwd, rates.sec_bwd)
+    for start in starts:
+        base = start.flat_time_bound()
+        if base <= ideal * (1 + _MIN_GAIN):
+            continue  # already within 1% of perfect balance (a balanced layout): moving cannot pay
+        for beta in sorted(_TRAFFIC_BUDGETS, reverse=True):
+            pl = balance(start, traffic_budget=beta, allow_helpers=allow_helpers, name=f"{start.name}+rebalanced@{beta:g}")
+            if pl.flat_time_bound() >= base * (1 - _MIN_GAIN):
+                break  # the most permissive budget barely helps: stricter ones help even less
+            out[pl.name] = pl
+    return out
+
+
+def _price(placements: dict[str, Placement], size: int, rates: CostRates, latency: float, budget: float,
+           forced: str) -> dict[str, tuple[float, BlocksByRank, StagedBlocks]]:
+    """Stage and price the placements: each under its default shape, in order of ``Placement.flat_time_bound``
+    (a lower bound of the staged estimate), skipping those whose bound cannot beat the best price
+    by 1%; then (``_explore``) every shape for the best one and for owner-computes."""
+    order = sorted(placements, key=lambda n: (placements[n].flat_time_bound(), n != forced, n != "owner-computes", n))
+    priced: dict[str, tuple[float, BlocksByRank, StagedBlocks]] = {}
+    seen: set[tuple] = set()
+    best_t = float("inf")
+    for name in order:
+        pl = placements[name]
+        if name != "owner-computes" and pl.flat_time_bound() >= best_t * (1 - _MIN_GAIN):
+            continue
+        if forced != "auto" and name != forced:
+            continue
+        key = (tuple(pl.home), tuple(map(tuple, pl.bands)))
+        if key in seen:
+            continue
+        seen.add(key)
+        split = BlocksByRank.of(pl.placed(), size)
+        t, st = _best_staging(split, rates, latency, budget, explore=False)
+        priced[name] = (t, split, st)
+        best_t = min(best_t, t)
+    return priced
+
+
+def _explore(priced: dict[str, tuple[float, BlocksByRank, StagedBlocks]], rates: CostRates, latency: float, budget: float,
+             owner_floor: float = 0.0) -> float | None:
+    """Price every stage shape of the best quick price and of owner-computes, in place. Returns
+    ``owner_floor`` when owner-computes' search is deferred to ``_choose`` (its floor, a lower
+    bound of any staging and any built plan of it, is above the best price: then it is searched
+    only if a pool overflow lifts the other prices to its floor, or to check the chosen plan), else None."""
+    # ties (placements whose stagings price the same) go to owner-computes, explored anyway below
+    top = sorted(priced, key=lambda n: (priced[n][0], n != "owner-computes"))[:_EXPLORE]
+    for name in top:
+        _explore_one(priced, name, rates, latency, budget)
+    if "owner-computes" in priced and "owner-computes" not in top:
+        # the chosen plan is never estimated slower than owner-computes compiled alone (which prices
+        # every shape); flat_time_bound is no bound on the hardware-priced estimate (node-local pairs
+        # at NVLink rate under InfiniBand, kernel peak above the flat rate), but ``price_floor`` is
+        if owner_floor > min(v[0] for v in priced.values()):
+            return owner_floor
+        _explore_one(priced, "owner-computes", rates, latency, budget)
+    return None
+
+
+def _explore_one(priced: dict[str, tuple[float, BlocksByRank, StagedBlocks]], name: str, rates: CostRates, latency: float,
+                 budget: float) -> float:
+    """Every stage shape of ``name``'s split: its entry becomes the best (in place); returns its price."""
+    t0, split, _ = priced[name]
+    t, st = _best_staging(split, rates, latency, budget)
+    if t < t0:
+        priced[name] = (t, split, st)
+    return priced[name][0]
+
+
+def _restage(split: BlocksByRank, rates: CostRates, latency: float, budget: float) -> tuple[float, StagedBlocks]:
+    """Stage again under a shrunk pool budget (a pool-overflow retry). Every shape is explored only
+    for moderate plans: with thousands of small remote blocks (≤ 1K tokens per rank) each retry
+    re-staged them all (tens of seconds)."""
+    return _best_staging(split, rates, latency, budget, explore=sum(map(len, split.remote)) <= _EXPLORE_RETRY_BLOCKS)
+
+
+_MIN_STAGE_BUDGET = 64  # bytes: below this per-stage pool budget a pool-overflow retry gives up
+# a pool-overflow retry shrinks the per-stage budget by a quarter, not a half: a staging overflows
+# by tens of % (first-fit fragmentation, received results beside two stages' slots), and halving
+# doubled the stages of whole-block plans (one document, Table 2 SP 4 16K: 1.08x DistFlashAttn
+# instead of 0.98x; SP 8 64K 1.00x instead of 0.97x). Measured: halving after a first 0.75 step
+# lost more (SP 8 32K 0.78x)
+_OVERFLOW_STEP = 0.75
+
+
+def _build_or_halve(name: str, split: BlocksByRank, st: StagedBlocks, budget: float, size: int, shape: HeadShape, capacity: int,
+                    rates: CostRates, latency: float) -> tuple[ChosenCandidate | None, float, StagedBlocks, float]:
+    """One pool-overflow step (both searches of ``_choose`` use it): build ``st``'s code; if its
+    slots overflow the pool, shrink the per-stage ``budget`` by ``_OVERFLOW_STEP`` and restage
+    ``split`` under it.
+    Returns ``(candidate, price, staging, budget)``: the built candidate, or ``None`` with the
+    restaged price and staging under the shrunk budget (nothing restaged, price ``inf``, once the
+    budget falls below ``_MIN_STAGE_BUDGET``)."""
+    try:
+        return _build(name, st.units(), size, shape, capacity, rates, latency, budget), float("nan"), st, budget
+    except PoolOverflow:
+        budget *= _OVERFLOW_STEP
+        if budget < _MIN_STAGE_BUDGET:
+            return None, float("inf"), st, budget
+        t, st = _restage(split, rates, latency, budget)
+        return None, t, st, budget
+
+
+def _choose(priced: dict[str, tuple[float, BlocksByRank, StagedBlocks]], size: int, shape: HeadShape, capacity: int, rates: CostRates,
+            latency: float, budget: float, owner_floor: float | None = None) -> tuple[ChosenCandidate | None, dict[str, float], float]:
+    """Generate code for the lowest price; if its slots do not fit the pool, shrink its per-stage
+    budget (``_OVERFLOW_STEP``) and let it compete again. Returns (chosen, prices, owner-computes time); the chosen
+    plan's exact time never exceeds owner-computes'. ``owner_floor``: owner-computes' every-shape
+    search was deferred (``_explore``) and this floor bounds its staged and built times from below;
+    the search runs here once the floor no longer rules owner-computes out."""
+    alternatives = {n: v[0] for n, v in priced.items()}
+    budgets = {n: budget for n in priced}
+    deferred = owner_floor if "owner-computes" in priced else None
+
+    def search_owner() -> None:
+        nonlocal deferred
+        alternatives["owner-computes"] = _explore_one(priced, "owner-computes", rates, latency, budget)  # never built yet: the full budget
+        deferred = None
+
+    best: ChosenCandidate | None = None
+    while priced:
+        name = min(priced, key=lambda n: (priced[n][0], n != "owner-computes"))
+        if deferred is not None and (name == "owner-computes" or deferred <= priced[name][0]):
+            search_owner()  # its searched price could come first (ties go to owner-computes)
+            continue
+        _, split, st = priced[name]
+        best, t, st, budgets[name] = _build_or_halve(name, split, st, budgets[name], size, shape, capacity, rates, latency)
+        if best is not None:
+            break
+        if budgets[name] < _MIN_STAGE_BUDGET:
+            del priced[name]
+            continue
+        priced[name] = (t, split, st)
+        alternatives[name] = t
+    if best is not None and best.name != "owner-computes" and deferred is not None and deferred <= best.time * (1 + _OWNER_MARGIN):
+        search_owner()  # the check below needs its searched staging; else its built time > best's margin
+    owner_time = alternatives.get("owner-computes", float("nan"))
+    if best is not None and best.name == "owner-computes":
+        owner_time = best.time
+    elif best is not None and "owner-computes" in priced and deferred is None:
+        # compare exact times: a quick price counts local blocks by budget and stages under the full
+        # pool budget (owner-computes compiled alone may overflow, restage and come out faster)
+        _, split, st = priced["owner-computes"]
+        oc_budget = budgets["owner-computes"]
+        while oc_budget >= _MIN_STAGE_BUDGET:  # as above, until its slots fit the pool
+            oc, t, st, oc_budget = _build_or_halve("owner-computes", split, st, oc_budget, size, shape, capacity, rates, latency)
+            if oc is not None:
+                owner_time = oc.time
+                if oc.time <= best.time * (1 + _OWNER_MARGIN):
+                    best = oc
+                break
+            if t >= best.time * (1 + _OWNER_RESTAGE_STOP):
+                # restaged under a shrunk budget, owner-computes is no longer within the stop's
+                # 5%: stop (each shrink cuts more blocks; one 1M document spent ~40 s here)
+                owner_time = t
+                break
+    return best, alternatives, owner_time
+
+
+def _stage_all(placements: dict[str, Placement], *, size: int, rates: CostRates, latency: float, budget: float,
+               forced: str) -> tuple[dict[str, tuple[float, BlocksByRank, StagedBlocks]], float | None]:
+    """A layout's placements staged and priced (``PricedLayout.exact``): ``_price``, then
+    ``_explore``; with owner-computes' floor when its search was deferred (else None)."""
+    priced = _price(placements, size, rates, latency, budget, forced)
+    owner = placements.get("owner-computes")
+    floor = price_floor(np.asarray(owner.work, dtype=np.float64), rates) if owner is not None else 0.0
+    return priced, _explore(priced, rates, latency, budget, floor)
