@@ -49,7 +49,6 @@ import json
 import math
 import os
 import platform
-import socket
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -273,15 +272,17 @@ def check_merges(ctx: _Ctx) -> None:
 _MR_CU = [0, 1, 50, 51, 200, 333, 512]
 
 
-def _rank_main(rank: int, world: int, backend: str, port: int, out_file: str, dtype_name: str) -> None:
+def _rank_main(rank: int, world: int, backend: str, store_path: str, out_file: str, dtype_name: str) -> None:
     """One process of the multi-rank check (module level: spawned by reference)."""
     import torch.distributed as dist
 
     from megatron_hsap.plan import compile_plan
     from megatron_hsap.runtime import hsap_attn_func
+    from megatron_hsap.runtime.rendezvous import init_local_process_group
 
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))  # fmt: skip
+    # a file store, not a probed free TCP port: another process could take the port between the
+    # probe and rank 0's bind (a CI run saw rank 1 abort in gloo), and nothing listens beyond loopback
+    init_local_process_group(rank, world, store_path, timeout_s=120, backend=backend)
     try:
         torch.set_num_threads(1)
         device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
@@ -318,12 +319,6 @@ def _rank_main(rank: int, world: int, backend: str, port: int, out_file: str, dt
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def check_multirank(ctx: _Ctx) -> None:
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if ctx.dry:
@@ -335,10 +330,13 @@ def check_multirank(ctx: _Ctx) -> None:
         return
     name = f"1x{world} plan over {backend} {str(dtype).removeprefix('torch.')}"
     out_file = ctx.out / "multirank.json"
+    from megatron_hsap.runtime.rendezvous import new_local_store, remove_local_store
+
+    store_path = new_local_store("hsap-gpu-check-")
     try:
         import torch.multiprocessing as mp
 
-        procs = mp.start_processes(_rank_main, args=(world, backend, _free_port(), str(out_file),
+        procs = mp.start_processes(_rank_main, args=(world, backend, store_path, str(out_file),
                                    str(dtype).removeprefix("torch.")), nprocs=world, join=False,
                                    start_method="spawn")  # fmt: skip
         deadline = time.monotonic() + 300  # a hang guard (NCCL or gloo stuck), not a speed check
@@ -351,6 +349,8 @@ def check_multirank(ctx: _Ctx) -> None:
         ctx.add("multirank", name, max(errors.values()), TOL[dtype], " ".join(f"{k} {v:.1e}" for k, v in errors.items()))
     except Exception as exc:
         ctx.fail("multirank", name, exc)
+    finally:
+        remove_local_store(store_path)
 
 
 # ----------------------------------------------------------------------------- driver
