@@ -138,7 +138,7 @@ def _explore(priced: dict[str, tuple[float, BlocksByRank, StagedBlocks]], rates:
     ``owner_floor`` when owner-computes' search is deferred to ``_choose`` (its floor, a lower
     bound of any staging and any built plan of it, is above the best price: then it is searched
     only if a pool overflow lifts the other prices to its floor, or to check the chosen plan), else None."""
-    # ties (placements whose stagings price the same) go to owner-computes, explored anyway below
+    # ties (placements whose stagings price the same) go to owner-computes
     top = sorted(priced, key=lambda n: (priced[n][0], n != "owner-computes"))[:_EXPLORE]
     for name in top:
         _explore_one(priced, name, rates, latency, budget)

@@ -136,14 +136,17 @@ def _search(cu: tuple[int, ...], opts: PlanOptions, staged: list[PricedLayout]) 
     # ``con.floor`` (≤ that price) settles each comparison below whenever it falls on the far side.
     contiguous = con = None
     if opts.layout_fallback:
-        con = _price_on(contiguous_layout(batch, size, opts.intra_size), batch, shape, opts, lazy=True, staged=staged)
+        con = _price_on(contiguous_layout(batch, size, opts.intra_size), batch, shape, opts, lazy=True)
+        staged.append(con)
         if (kept_layout(con.floor / (1 + _LAYOUT_PRUNE), None, bound) == "contiguous"
                 and kept_layout(con.exact().price / (1 + _LAYOUT_PRUNE), None, bound) == "contiguous"):
             contiguous = _build_on(con)
             if kept_layout(contiguous.chosen.time, None, bound) == "contiguous":
                 return contiguous  # already within 1% of the compute bound: no layout can gain more
     bal = _price_on(balanced_layout(batch, size, opts.intra_size, kv_token_cost(rates), opts.window), batch, shape, opts,
-                    staged=staged)
+                    lazy=True)
+    staged.append(bal)
+    bal.exact()
     if con is None:
         return _build_on(bal)
     if contiguous is None and bal.price > con.floor * (1 + _LAYOUT_PRUNE) and bal.price > con.exact().price * (1 + _LAYOUT_PRUNE):
@@ -196,11 +199,9 @@ def _link_of(opts: PlanOptions) -> LinkClass:
     return link_class_for(opts.tp_size * opts.intra_size * opts.inter_size, opts.gpus_per_node)
 
 
-def _price_on(layout: Layout, batch: Batch, shape: HeadShape, opts: PlanOptions, *, lazy: bool = False,
-              staged: list[PricedLayout] | None = None) -> PricedLayout:
+def _price_on(layout: Layout, batch: Batch, shape: HeadShape, opts: PlanOptions, *, lazy: bool = False) -> PricedLayout:
     """Units, placements and staged prices of ``batch`` on ``layout`` (no code yet); ``lazy``:
-    staging and pricing wait for ``PricedLayout.exact``. Appended to ``staged`` (the caller
-    releases it when the compile is done), if given."""
+    staging and pricing wait for ``PricedLayout.exact``."""
     size = opts.inter_size
     validate_layout(layout, batch.padded_tokens)
     hw = HARDWARE[opts.hardware]
@@ -218,8 +219,6 @@ def _price_on(layout: Layout, batch: Batch, shape: HeadShape, opts: PlanOptions,
                      forced=opts.placement)
     p = PricedLayout(layout, batch, shape, opts, link, capacity, rates, latency, tuple(pieces), tuple(units),
                      placements, stager)
-    if staged is not None:
-        staged.append(p)
     return p if lazy else p.exact()
 
 
