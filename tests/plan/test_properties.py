@@ -128,6 +128,10 @@ def test_never_worse_than_owner_computes(case, layout: str) -> None:
 
 @settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(realistic())
+# found by hypothesis: the balanced layout was pruned on its staged price (49.8 ms, over the
+# contiguous plan's 46.3 ms by more than plan._LAYOUT_PRUNE), but that staging overflows the pool
+# and restages to a plan built at 44.2 ms (plan._prune_price now prices the first restage)
+@example(([0, 15548, 55509, 65536], 16, (32, 8), None))
 def test_balanced_never_worse_than_contiguous(case) -> None:
     cu, P, (h, hkv), link = case
     kw = dict(num_heads=h, num_kv_heads=hkv, head_dim=128, link=link)
