@@ -216,13 +216,12 @@ def _choose(priced: dict[str, tuple[float, BlocksByRank, StagedBlocks]], size: i
     deferred = owner_floor if "owner-computes" in priced else None
     built: set[str] = set()  # candidates whose entry in ``priced`` is their built price
 
-    def reprice(name: str, st: StagedBlocks) -> float:
-        """``name``'s entry becomes ``st`` at its built price (returned)."""
+    def reprice(name: str, st: StagedBlocks) -> None:
+        """``name``'s entry becomes ``st`` at its built price."""
         t = built_price(st, size, rates, latency)
         priced[name] = (t, priced[name][1], st)
         alternatives[name] = t
         built.add(name)
-        return t
 
     def search_owner() -> None:
         nonlocal deferred

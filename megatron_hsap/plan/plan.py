@@ -156,17 +156,23 @@ def _search(cu: tuple[int, ...], opts: PlanOptions, staged: list[PricedLayout]) 
         # prune the balanced layout against the contiguous plan's built time only: a staged
         # price can sit below it (25% where a pool overflow restages: table4 fineweb 16K 1x8 s1)
         contiguous = _build_on(con)
-    if contiguous is not None and bal.price > contiguous.chosen.time * (1 + _LAYOUT_PRUNE) \
-            and _prune_price(bal) > contiguous.chosen.time * (1 + _LAYOUT_PRUNE):
+    if contiguous is not None and _loses(bal, contiguous.chosen.time):
         return contiguous
     balanced = _build_on(bal)
     if contiguous is None:
-        if con.floor > balanced.chosen.time * (1 + _LAYOUT_PRUNE) or (
-                con.exact().price > balanced.chosen.time * (1 + _LAYOUT_PRUNE)
-                and _prune_price(con) > balanced.chosen.time * (1 + _LAYOUT_PRUNE)):
+        if con.floor > balanced.chosen.time * (1 + _LAYOUT_PRUNE) or _loses(con.exact(), balanced.chosen.time):
             return balanced
         contiguous = _build_on(con)
     return choose_layout(contiguous, balanced, bound)
+
+
+def _loses(p: PricedLayout, other: float) -> bool:
+    """The layout prune: whether staged layout ``p`` cannot come within ``_LAYOUT_PRUNE`` of the
+    other layout's built time ``other`` (seconds), so its code need not be generated. Its least
+    staged price decides first; only above the threshold are its candidates restaged
+    (``_prune_price``, a staging each)."""
+    limit = other * (1 + _LAYOUT_PRUNE)
+    return p.price > limit and _prune_price(p) > limit
 
 
 def _prune_price(p: PricedLayout) -> float:
