@@ -1,4 +1,4 @@
-"""The estimated time of a staged plan and its lower bounds (docs/design.md §4).
+"""The estimated time of a staged plan (docs/design.md §4; its lower bounds: ``plan/bounds.py``).
 
 Per phase: the longest path over the ranks' own programs (``plan/rank_path.py``): round ``k``
 overlaps stage ``k`` on each rank's clock, a transfer starts when both ends have posted, and each
@@ -29,18 +29,13 @@ import numpy as np
 
 from megatron_hsap.plan.block_costs import BlockCosts, BlockGroups, _arrays, block_costs, block_costs_pair
 from megatron_hsap.plan.codegen import Message
-from megatron_hsap.plan.costs import HeadShape
-from megatron_hsap.plan.hardware import Hardware, LinkClass
-from megatron_hsap.plan.ir import Phase, Unit, Wire
+from megatron_hsap.plan.ir import Phase, Unit
 from megatron_hsap.plan.placement import CostRates
 from megatron_hsap.plan.rank_path import path_finish, path_seconds, path_seconds_py, stack
 from megatron_hsap.plan.schedule import StagedBlocks
 from megatron_hsap.plan.traffic import Traffic, both_links as _both, message_traffic, same_node as _same_node, staged_traffic
-from megatron_hsap.plan.units import WorkUnit
 
 __all__ = ["PhaseTime", "rows_of", "BlockCosts", "BlockGroups", "block_costs", "phase_time", "quick_price", "price_staging", "built_price",
-           "necessary_traffic",
-           "lower_bounds", "ideal_compute", "price_floor",
            "PipelinePhase", "pipelined_time"]
 
 
@@ -365,83 +360,6 @@ def _local_rates_batch(locs: list[Unit], size: int, rates: CostRates) -> dict[Ph
         spp[has] = bc.kernel[has, 0] / w[has]
         out[phase] = spp, bc.fixed[:, 0] - bc.launch
     return out
-
-
-def necessary_traffic(units: list[WorkUnit], shape: HeadShape, node: tuple[int, ...] = ()) -> tuple[int, int, int]:
-    """Forward and backward bytes that must move with no balancing at all (docs/design.md §4), and
-    how many of them (both phases) join ranks on different nodes (``node``: each inter rank's node,
-    ``CostRates.node``; ``()``: all of them)."""
-    b = shape.token_bytes
-    fwd = bwd = cross = 0
-    kv_f, q_f = b(Wire.KV), b(Wire.Q) + b(Wire.O) + b(Wire.LSE)
-    kv_b = b(Wire.KV) + b(Wire.DKV)
-    q_b = b(Wire.Q) + b(Wire.DO) + b(Wire.LSE) + b(Wire.DELTA) + b(Wire.DQ)
-    for u in units:
-        if u.q_owner == u.kv_owner:
-            continue
-        nq, nk = len(u.q), len(u.kv)
-        f, g = min(nk * kv_f, nq * q_f), min(nk * kv_b, nq * q_b)
-        fwd, bwd = fwd + f, bwd + g
-        if not node or node[u.q_owner] != node[u.kv_owner]:
-            cross += f + g
-    return fwd, bwd, cross
-
-
-def compute_bound(total_work: int, size: int, sec_fwd: float, sec_bwd: float) -> float:
-    """Seconds of forward + backward attention with the work spread perfectly and no traffic
-    (the compute lower bound of every plan, whatever its layout)."""
-    return total_work * (sec_fwd + sec_bwd) / size
-
-
-def price_floor(rank_work: np.ndarray, rates: CostRates) -> float:
-    """Seconds no staging of a placement with ``rank_work`` pairs per rank is priced below by
-    ``price_staging`` (so no plan built from it): each phase's path runs through every stage of a
-    rank (``rank_path``: ``t(k + 1) ≥ t(k) + compute(k)``), whose compute is at least its kernel
-    seconds (launches, merges and the slowdown beside transfers only add), and a kernel runs at
-    most at its peak rate (efficiency ≤ 1); flat prices without a kernel. Shaved by 1e-9 for
-    the summation order of the stages' sums."""
-    k = rates.kernel
-    if k is None:
-        per = rates.sec_fwd + rates.sec_bwd
-    else:
-        assert rates.overlap_slowdown >= 0, rates.overlap_slowdown
-        per = rates.fpp_fwd / k.fwd_peak + rates.fpp_bwd / k.bwd_peak
-    return float(np.max(rank_work, initial=0.0)) * per * (1 - 1e-9)
-
-
-def ideal_compute(doc_lengths: np.ndarray, doc_work: np.ndarray, size: int, rates: CostRates) -> float:
-    """Seconds of forward + backward attention with every document whole at the kernel's rate for
-    its own shape and the work spread perfectly over ``size`` ranks, no traffic, no launches
-    (the compute bound the layout rule compares with; flat rates when ``rates`` has no kernel)."""
-    work = np.asarray(doc_work, dtype=np.float64)
-    if rates.kernel is None:
-        return compute_bound(int(work.sum()), size, rates.sec_fwd, rates.sec_bwd)
-    n = np.asarray(doc_lengths, dtype=np.float64)
-    keep = work > 0
-    n, work = n[keep], work[keep]
-    k = rates.kernel
-    t = (work * rates.fpp_fwd / k.rate(n, n, Phase.FWD, rates.group, work)).sum() + (work * rates.fpp_bwd / k.rate(n, n, Phase.BWD, rates.group, work)).sum()
-    return float(t) / size
-
-
-def lower_bounds(total_work: int, nec_fwd: int, nec_bwd: int, size: int, shape: HeadShape, hw: Hardware, link: LinkClass,
-                 nec_cross: int | None = None) -> dict[str, float]:
-    """Compute and traffic lower bounds, forward + backward, in seconds (compute at the kernel
-    model's peak rate, traffic at the plan's link bandwidth).
-
-    ``nec_cross`` (``necessary_traffic``'s third figure, given when the inter ranks span nodes):
-    pairs sharing a node move at NVLink rate beside the NIC (the estimate prices them so), so the
-    bound is the larger of the cross-node bytes over the NICs and all bytes over both ports."""
-    # at the kernel's asymptotic peak (efficiency 1): no block shape runs faster, so no estimate is below it
-    compute = compute_bound(total_work, size, shape.fwd_flops_per_pair / hw.kernel.fwd_peak, shape.bwd_flops_per_pair / hw.kernel.bwd_peak)
-    # a rank's round takes at least its bytes sent over its port(s): summed over ranks and rounds,
-    # at least the bytes over every rank's bandwidth together
-    bw = hw.bandwidth(link)
-    if nec_cross is None:
-        traffic = (nec_fwd + nec_bwd) / (size * bw)
-    else:
-        traffic = max(nec_cross / (size * bw), (nec_fwd + nec_bwd) / (size * (bw + hw.nvlink_bw)))
-    return {"compute_s": compute, "traffic_s": traffic, "bound_s": max(compute, traffic)}
 
 
 @dataclass(frozen=True, slots=True)

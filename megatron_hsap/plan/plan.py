@@ -18,7 +18,7 @@ from megatron_hsap.plan.cache import PLAN_CACHE, clear_plan_cache, fast_key
 from megatron_hsap.plan.candidates import _OVERFLOW_STEP, _OWNER_MARGIN, _build, _choose, _placements, _restage, _stage_all
 from megatron_hsap.plan.codegen import PoolOverflow
 from megatron_hsap.plan.costs import HeadShape
-from megatron_hsap.plan.estimate import ideal_compute
+from megatron_hsap.plan.bounds import ideal_compute
 from megatron_hsap.plan.hardware import HARDWARE, LinkClass, link_class_for
 from megatron_hsap.plan.layout import Batch, Layout, contiguous_layout, normalize_cu_seqlens, validate_layout
 from megatron_hsap.plan.options import DEFAULT_POOL_CHUNKS, DEFAULT_POOL_MIN, PlanOptions, kv_heads_per_rank, validated_options
@@ -190,7 +190,7 @@ def _prune_price(p: PricedLayout) -> float:
 
 def choose_layout(contiguous: Plan, balanced: Plan, bound: float) -> Plan:
     """The plan ``layout="balanced"`` with its fallback ships, of the two layouts' plans of one
-    batch (``bound``: ``estimate.ideal_compute`` of the batch, ``PlanStats.kernel_ideal_s``)."""
+    batch (``bound``: ``bounds.ideal_compute`` of the batch, ``PlanStats.kernel_ideal_s``)."""
     # The balanced layout must never lose to the paper's: on the batch where its split documents
     # cost more traffic than the balance saves, keep the contiguous layout (the plan carries its
     # layout, so batch sharding follows whichever was kept; stats().layout says which).

@@ -1,7 +1,7 @@
 """One layout's candidates, staged and priced on demand (``plan.py``'s layout search).
 
 Staging and pricing a layout's placements is most of a compile, and the layout choice often
-needs only a lower bound of a layout's price (``estimate.price_floor``) to decide: at 1M tokens on
+needs only a lower bound of a layout's price (``bounds.price_floor``) to decide: at 1M tokens on
 P_inter 64 the contiguous layout's floor is twice the balanced plan's time, so it is never staged.
 ``PricedLayout`` therefore holds the inputs and a staging function, and runs the staging the first
 time an exact price is asked for, then keeps the result."""
@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from megatron_hsap.plan.estimate import price_floor
+from megatron_hsap.plan.bounds import price_floor
 
 if TYPE_CHECKING:
     from megatron_hsap.plan.costs import HeadShape
@@ -91,7 +91,7 @@ class PricedLayout:
 
     @property
     def floor(self) -> float:
-        """A lower bound of ``exact().price``: before staging, the least ``estimate.price_floor``
+        """A lower bound of ``exact().price``: before staging, the least ``bounds.price_floor``
         of the placements (the price is one placement's staged price); after, the price."""
         if self._priced is not None:
             return self.price

@@ -17,7 +17,7 @@ from __future__ import annotations
 import heapq
 
 from megatron_hsap.plan.ir import TokenRange
-from megatron_hsap.plan.placement import _ZERO, Band, Placement, Vec, _band_keys, _normalise, rows_for_work, tail_rows_for_work
+from megatron_hsap.plan.placement import Band, Placement, Vec, _band_keys, _normalise, rows_for_work, tail_rows_for_work
 
 __all__ = ["balance"]
 

@@ -168,7 +168,6 @@ def stage(split: BlocksByRank, rates: CostRates, shape: StageShape, budget: floa
 
     ``budget``: pool bytes one rank may use for the remote blocks of one stage. When a rank's
     remote blocks need more middle stages than ``shape`` has, every rank gets the extra stages."""
-    size = split.size
     if shape.stages == 1 and any(split.remote):
         raise StagingError("one stage cannot hold blocks whose inputs travel")
     # the planner stages a split's default shape twice (its quick price, then again among every

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from megatron_hsap.plan.estimate import ideal_compute, lower_bounds, necessary_traffic
+from megatron_hsap.plan.bounds import ideal_compute, lower_bounds, necessary_traffic
 from megatron_hsap.plan.placement import CostRates
 from megatron_hsap.plan.costs import FP32_BYTES, HeadShape
 from megatron_hsap.plan.ir import Compute, Wire
@@ -72,7 +72,7 @@ class PlanStats:
     efficiency: float  # lower_bound_s / estimated_time_s
     compute_efficiency: float  # compute_bound_s / estimated_time_s
     # every document whole at its own shape's kernel rate, perfectly spread, no traffic, no
-    # launches (estimate.ideal_compute: the layout rule's bound and issue 14's "ideal")
+    # launches (bounds.ideal_compute: the layout rule's bound and issue 14's "ideal")
     kernel_ideal_s: float
     kernel_efficiency: float  # kernel_ideal_s / estimated_time_s
     compute_dominated: bool  # traffic bound at most half the compute bound

@@ -75,7 +75,7 @@ def staged_traffic(a: np.ndarray, size: int, n: int, rates: CostRates) -> tuple[
     wts: list[np.ndarray] = []  # received fwd, sent bwd, received bwd
     pairs: tuple[list[np.ndarray], list[np.ndarray]] = ([], [])  # fwd, bwd: (round, src, dst) columns
     sends: tuple[list[np.ndarray], list[np.ndarray]] = ([], [])  # fwd, bwd: (round, src, dst, link, bytes) columns
-    rank, stg = a[:, 0], a[:, 1]
+    rank = a[:, 0]
     # per side: (columns of the range and owner, input bytes fwd, input bytes bwd, result bytes fwd,
     # result bytes bwd) per token; q travels with do/lse/delta in backward and returns o+lse / dq;
     # kv returns dkv in backward

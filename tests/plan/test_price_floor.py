@@ -1,4 +1,4 @@
-"""``estimate.price_floor`` bounds every staged price from below, and the layout choice that uses it
+"""``bounds.price_floor`` bounds every staged price from below, and the layout choice that uses it
 to skip staging the contiguous layout (``priced.PricedLayout.floor`` / ``exact``) ships the plan the
 eager search ships (issue 14 item 5: compile time, plans identical).
 
@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 
 import megatron_hsap.plan.plan as plan_mod
 from megatron_hsap.plan import clear_plan_cache, compile_plan
-from megatron_hsap.plan.estimate import price_floor, price_staging
+from megatron_hsap.plan.bounds import price_floor
+from megatron_hsap.plan.estimate import price_staging
 from megatron_hsap.plan.fingerprint import plan_hash
 from megatron_hsap.plan.schedule import BlocksByRank, StagingError, stage, stage_shapes
 from megatron_hsap.plan.workloads import pack_batches

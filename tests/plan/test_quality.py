@@ -52,7 +52,7 @@ EFF_MISSES = {(64 * K, 2, "mha"): 0.875, (64 * K, 4, "mha"): 0.78, (64 * K, 4, "
 # bound used to price every necessary byte at the NIC's rate, which is no bound when inter ranks
 # share a node (the estimate, like the hardware, moves node-local pairs over NVLink beside the NIC;
 # a 4.82 ms estimate sat below a 4.94 ms "bound"). Now cross-node bytes over the NICs and all bytes
-# over both ports (estimate.lower_bounds): these plans did not change, their bound fell; at 64K/16
+# over both ports (bounds.lower_bounds): these plans did not change, their bound fell; at 64K/16
 # GQA the plan is now compute-dominated by the rule below (0.9 target) and reaches its kernel
 # efficiency, 0.717 (one document over two nodes: LSE merges of the cut blocks).
 # (64K, 64, GQA) is traffic-bound over InfiniBand: rank 0 must ship its kv to every rank that keeps
