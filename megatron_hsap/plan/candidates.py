@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from megatron_hsap.plan.bounds import compute_bound, price_floor
 from megatron_hsap.plan.codegen import PoolOverflow, generate
 from megatron_hsap.plan.costs import HeadShape
-from megatron_hsap.plan.bounds import compute_bound, price_floor
 from megatron_hsap.plan.estimate import built_price, phase_time, price_staging
 from megatron_hsap.plan.ir import Phase, Unit
 from megatron_hsap.plan.placement import CostRates, Placement, min_traffic, owner_computes, region_distflash

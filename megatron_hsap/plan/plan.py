@@ -14,11 +14,11 @@ import numpy as np
 
 from megatron_hsap.errors import BatchError, ConfigError
 from megatron_hsap.plan.balanced import balanced_layout, kept_layout, kv_token_cost
+from megatron_hsap.plan.bounds import ideal_compute
 from megatron_hsap.plan.cache import PLAN_CACHE, clear_plan_cache, fast_key
 from megatron_hsap.plan.candidates import _OVERFLOW_STEP, _OWNER_MARGIN, _build, _choose, _placements, _restage, _stage_all
 from megatron_hsap.plan.codegen import PoolOverflow
 from megatron_hsap.plan.costs import HeadShape
-from megatron_hsap.plan.bounds import ideal_compute
 from megatron_hsap.plan.hardware import HARDWARE, LinkClass, link_class_for
 from megatron_hsap.plan.layout import Batch, Layout, contiguous_layout, normalize_cu_seqlens, validate_layout
 from megatron_hsap.plan.options import DEFAULT_POOL_CHUNKS, DEFAULT_POOL_MIN, PlanOptions, kv_heads_per_rank, validated_options

@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from megatron_hsap.plan import compile_plan
-from megatron_hsap.plan.codegen import Message
 from megatron_hsap.plan.bounds import compute_bound, lower_bounds, necessary_traffic
+from megatron_hsap.plan.codegen import Message
 from megatron_hsap.plan.estimate import phase_time, quick_price
 from megatron_hsap.plan.ir import TokenRange, Unit, Wire
 from megatron_hsap.plan.placement import CostRates
