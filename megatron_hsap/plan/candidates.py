@@ -1,9 +1,9 @@
 """One layout's candidate search (docs/design.md §2.1, §3), called by ``plan.py``'s layout search:
 placements (owner-computes, min-traffic, DistFlashAttn per document region, each rebalanced by
-exact work under a few traffic budgets), staged under stage shapes and priced (a quick price for
-each; every shape for the best and for owner-computes, the never-slower rule's reference), then
-code generated for the cheapest, with pool-overflow retries and the owner-computes check
-(``_choose``)."""
+exact work under a few traffic budgets), staged under stage shapes and priced (a quick staged
+price for each; every shape for the best and for owner-computes, the never-slower rule's
+reference, of which the one whose code is fastest is kept), then code generated for the cheapest
+at built price, with pool-overflow retries and the owner-computes check (``_choose``)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from megatron_hsap.plan.ir import Phase, Unit
 from megatron_hsap.plan.placement import CostRates, Placement, min_traffic, owner_computes, region_distflash
 from megatron_hsap.plan.plan_type import ChosenCandidate
 from megatron_hsap.plan.rebalance import balance
-from megatron_hsap.plan.schedule import BlocksByRank, StageShape, StagedBlocks, StagingError, default_shape, stage, stage_shapes
+from megatron_hsap.plan.schedule import BlocksByRank, StagedBlocks, StagingError, default_shape, stage, stage_shapes
 from megatron_hsap.plan.units import WorkUnit
 
 _TRAFFIC_BUDGETS = (0.3, 0.6, 1.2)  # balanced candidates: traffic per phase vs compute time
@@ -37,39 +37,62 @@ _MIN_GAIN = 0.01  # a candidate whose lower bound is within 1% of the best estim
 _OWNER_MARGIN = 0.01
 
 
-def _best_staging(split: BlocksByRank, rates: CostRates, latency: float, budget: float, *, explore: bool = True) -> tuple[float, StagedBlocks]:
-    """Stage ``split`` and keep the lowest price: the default shape only (a quick first price to
-    rank placements), or with ``explore`` every end-stage weight at the fewest stages, then twice
-    as many stages at the best weight."""
+def _stagings(split: BlocksByRank, rates: CostRates, latency: float, budget: float, *, explore: bool = True) -> list[tuple[float, StagedBlocks]]:
+    """``split`` staged under the default shape only, or with ``explore`` under every end-stage
+    weight at the fewest stages, then twice as many stages: ``(staged price, staging)`` pairs,
+    cheapest first (ties: in that order). ``schedule.stage`` and ``price_staging`` memoise on the
+    split, so asking again under the same budget stages nothing twice."""
     shapes = stage_shapes(split, rates, budget)
     fewest = min(s.stages for s in shapes)
     first = [default_shape(shapes)] if not explore else [s for s in shapes if s.stages == fewest]
-    best: tuple[float, StagedBlocks, StageShape] | None = None
-
-    def consider(shp: StageShape) -> None:
-        nonlocal best
+    out: list[tuple[float, StagedBlocks]] = []
+    for shp in first + ([s for s in shapes if s.stages > fewest] if explore else []):
+        if shp.stages > fewest and not out:
+            break  # (no shape at the fewest stages staged: more stages cannot either)
         try:
             st = stage(split, rates, shp, budget)
         except StagingError:
-            return
-        t = price_staging(st, split.size, rates, latency)
-        if best is None or t < best[0] * (1 - 1e-12):
-            best = (t, st, shp)
+            continue
+        out.append((price_staging(st, split.size, rates, latency), st))
+    assert out
+    best = out[0]  # the first tried wins ties within 1e-12 (summation order)
+    for x in out:
+        if x[0] < best[0] * (1 - 1e-12):
+            best = x
+    return [best, *sorted((x for x in out if x is not best), key=lambda x: x[0])]
 
-    for shp in first:
-        consider(shp)
-    if explore and best is not None:
-        for shp in shapes:
-            if shp.stages > fewest:
-                consider(shp)
+
+def _best_staging(split: BlocksByRank, rates: CostRates, latency: float, budget: float, *, explore: bool = True) -> tuple[float, StagedBlocks]:
+    """The staging of ``split`` to build and its price: with ``explore``, the stage shape whose
+    code is fastest (``estimate.built_price``: the local blocks poured, as code generation will),
+    found lazily — the shapes in staged-price order, each built-priced while its staged price is
+    under the best built price so far (a staged price sits 0-17% under the built one, never
+    under 0.98 of it). Else the default shape at its staged price (the quick price that ranks
+    the placements). The staged price alone picked shapes whose code ran up to 12% slower than
+    another shape's: with the built price, 33 of the 167 Table 2 / Table 4 / MagiAttention
+    batches simulate 1-11% faster, 10 slower by 0.1-1.0% (docs/design.md §2.1)."""
+    got = _stagings(split, rates, latency, budget, explore=explore)
+    return _fastest(got, split.size, rates, latency) if explore else got[0]
+
+
+def _fastest(got: list[tuple[float, StagedBlocks]], size: int, rates: CostRates, latency: float) -> tuple[float, StagedBlocks]:
+    """Of stagings ``got`` (``(staged price, staging)``, cheapest first), the one of least built
+    price and that price, built-pricing them in order while a staged price is under the best."""
+    best: tuple[float, StagedBlocks] | None = None
+    for t, st in got:
+        if best is not None and t >= best[0]:
+            break
+        b = built_price(st, size, rates, latency)
+        if best is None or b < best[0] * (1 - 1e-12):
+            best = (b, st)
     assert best is not None
-    return best[0], best[1]
+    return best
 
 
 def _build(name: str, units: list[Unit], size: int, shape: HeadShape, capacity: int, rates: CostRates, latency: float, budget: float) -> ChosenCandidate:
     """Messages, programs, slots and exact prices of one staged placement (``PoolOverflow`` if the
     slots do not fit)."""
-    units = sorted(units, key=lambda u: (u.rank, u.stage, u.rank == u.q_owner, u.q.start, u.kv.start))
+    units = sorted(units, key=Unit.program_key)
     fwd = generate(units, Phase.FWD, size, shape, capacity, 0)
     bwd = generate(units, Phase.BWD, size, shape, capacity, fwd.rounds)
     ft = phase_time(units, fwd.messages, size, rates.sec_fwd, rates.bw, latency, rates=rates, phase=Phase.FWD)
@@ -155,19 +178,25 @@ def _explore(priced: dict[str, tuple[float, BlocksByRank, StagedBlocks]], rates:
 
 def _explore_one(priced: dict[str, tuple[float, BlocksByRank, StagedBlocks]], name: str, rates: CostRates, latency: float,
                  budget: float) -> float:
-    """Every stage shape of ``name``'s split: its entry becomes the best (in place); returns its price."""
-    t0, split, _ = priced[name]
+    """Every stage shape of ``name``'s split: its entry becomes the one whose code is fastest, at
+    its built price (in place; the shapes include the default one its quick price staged, so
+    the entry's code is never slower); returns that price."""
+    _, split, _ = priced[name]
     t, st = _best_staging(split, rates, latency, budget)
-    if t < t0:
-        priced[name] = (t, split, st)
-    return priced[name][0]
+    priced[name] = (t, split, st)
+    return t
+
+
+def _explores(split: BlocksByRank) -> bool:
+    """Whether a pool-overflow retry stages ``split`` under every shape: only for moderate plans;
+    with thousands of small remote blocks (≤ 1K tokens per rank) each retry re-staged them all
+    (tens of seconds)."""
+    return sum(map(len, split.remote)) <= _EXPLORE_RETRY_BLOCKS
 
 
 def _restage(split: BlocksByRank, rates: CostRates, latency: float, budget: float) -> tuple[float, StagedBlocks]:
-    """Stage again under a shrunk pool budget (a pool-overflow retry). Every shape is explored only
-    for moderate plans: with thousands of small remote blocks (≤ 1K tokens per rank) each retry
-    re-staged them all (tens of seconds)."""
-    return _best_staging(split, rates, latency, budget, explore=sum(map(len, split.remote)) <= _EXPLORE_RETRY_BLOCKS)
+    """Stage again under a shrunk pool budget (a pool-overflow retry; ``_explores``)."""
+    return _best_staging(split, rates, latency, budget, explore=_explores(split))
 
 
 _MIN_STAGE_BUDGET = 64  # bytes: below this per-stage pool budget a pool-overflow retry gives up
@@ -182,25 +211,42 @@ _OVERFLOW_STEP = 0.75
 def _build_or_halve(name: str, split: BlocksByRank, st: StagedBlocks, budget: float, size: int, shape: HeadShape, capacity: int,
                     rates: CostRates, latency: float) -> tuple[ChosenCandidate | None, float, StagedBlocks, float]:
     """One pool-overflow step (both searches of ``_choose`` use it): build ``st``'s code; if its
-    slots overflow the pool, shrink the per-stage ``budget`` by ``_OVERFLOW_STEP`` and restage
-    ``split`` under it.
+    slots overflow the pool, the next staging is the faster (built price) of the fastest other
+    stage shape under the same per-stage ``budget`` that has not overflowed, and ``split``
+    restaged under the budget shrunk by ``_OVERFLOW_STEP``. Shrinking first lost plans: the shape
+    that overflowed was one of several at that budget, and another may fit with fewer stages than
+    any restage (Table 4 slimpajama 32K 1x8 s0 simulates 12.33 ms instead of 12.65; full 16K 1x8
+    s0 9.62 instead of 9.91). A staging that overflowed is marked on its split's memo, so it is
+    never offered again.
     Returns ``(candidate, price, staging, budget)``: the built candidate, or ``None`` with the
-    restaged price and staging under the shrunk budget (nothing restaged, price ``inf``, once the
-    budget falls below ``_MIN_STAGE_BUDGET``)."""
+    next staging, its built price and its budget (nothing left, price ``inf``, once the budget
+    falls below ``_MIN_STAGE_BUDGET``)."""
     try:
         return _build(name, st.units(), size, shape, capacity, rates, latency, budget), float("nan"), st, budget
     except PoolOverflow:
-        budget *= _OVERFLOW_STEP
-        if budget < _MIN_STAGE_BUDGET:
-            return None, float("inf"), st, budget
-        _, st = _restage(split, rates, latency, budget)
-        return None, built_price(st, size, rates, latency), st, budget
+        pass
+    overflowed = ("overflow", capacity)  # a staging's slots either fit the pool or not: a fact about it
+    if st.memo is not None:
+        st.memo.setdefault(overflowed, set()).add(id(st))
+    gone = st.memo.get(overflowed, ()) if st.memo is not None else ()
+    # (ids stay unique: each staging is held alive by the stage memo of its split)
+    rest = [(t, o) for t, o in _stagings(split, rates, latency, budget, explore=_explores(split)) if o is not st and id(o) not in gone]
+    same = _fastest(rest, size, rates, latency) if rest else None
+    smaller = budget * _OVERFLOW_STEP
+    if smaller < _MIN_STAGE_BUDGET:
+        return (None, same[0], same[1], budget) if same is not None else (None, float("inf"), st, smaller)
+    _, restaged = _restage(split, rates, latency, smaller)
+    t = built_price(restaged, size, rates, latency)
+    if same is not None and same[0] < t:
+        return None, same[0], same[1], budget
+    return None, t, restaged, smaller
 
 
 def _choose(priced: dict[str, tuple[float, BlocksByRank, StagedBlocks]], size: int, shape: HeadShape, capacity: int, rates: CostRates,
             latency: float, budget: float, owner_floor: float | None = None) -> tuple[ChosenCandidate | None, dict[str, float], float]:
-    """Generate code for the lowest price; if its slots do not fit the pool, shrink its per-stage
-    budget (``_OVERFLOW_STEP``) and let it compete again. Returns (chosen, prices, owner-computes time); the chosen
+    """Generate code for the lowest price; if its slots do not fit the pool, stage it again
+    (``_build_or_halve``: another shape under the same per-stage budget or the budget shrunk by
+    ``_OVERFLOW_STEP``) and let it compete again. Returns (chosen, prices, owner-computes time); the chosen
     plan's exact time never exceeds owner-computes'. ``owner_floor``: owner-computes' every-shape
     search was deferred (``_explore``) and this floor bounds its staged and built times from below;
     the search runs here once the floor no longer rules owner-computes out.
@@ -226,8 +272,7 @@ def _choose(priced: dict[str, tuple[float, BlocksByRank, StagedBlocks]], size: i
 
     def search_owner() -> None:
         nonlocal deferred
-        # still at its quick price (a deferred search runs before owner-computes is repriced), so
-        # the search compares staged prices; never built yet: the full budget
+        # never built yet: the full budget; the search leaves its fastest shape at its built price
         _explore_one(priced, "owner-computes", rates, latency, budget)
         reprice("owner-computes", priced["owner-computes"][2])
         deferred = None

@@ -320,6 +320,13 @@ class Unit:
         """Computed where both its q and its kv rows live: no message moves for it."""
         return self.rank == self.q_owner == self.kv_owner
 
+    def program_key(self) -> tuple[int, int, bool, int, int]:
+        """Where this block runs in its rank's program (``codegen`` emits blocks in this order):
+        by stage; within one, blocks computed for another rank before the rank's own q rows; then
+        by q and kv start (``candidates._build`` sorts a staging's blocks by it before
+        ``codegen.generate``)."""
+        return (self.rank, self.stage, self.rank == self.q_owner, self.q.start, self.kv.start)
+
     def at_stage(self, stage: int) -> "Unit":
         """This block at ``stage`` (its cached ``work`` carried over). Built through the slots'
         setters: a frozen dataclass' ``__init__`` calls ``object.__setattr__`` per field, ~3x the

@@ -16,7 +16,7 @@ from megatron_hsap.errors import BatchError, ConfigError
 from megatron_hsap.plan.balanced import balanced_layout, kept_layout, kv_token_cost
 from megatron_hsap.plan.bounds import ideal_compute
 from megatron_hsap.plan.cache import PLAN_CACHE, clear_plan_cache, fast_key
-from megatron_hsap.plan.candidates import _OVERFLOW_STEP, _OWNER_MARGIN, _build, _choose, _placements, _restage, _stage_all
+from megatron_hsap.plan.candidates import _OVERFLOW_STEP, _OWNER_MARGIN, _build, _choose, _explores, _placements, _stage_all, _stagings
 from megatron_hsap.plan.codegen import PoolOverflow
 from megatron_hsap.plan.costs import HeadShape
 from megatron_hsap.plan.hardware import HARDWARE, LinkClass, link_class_for
@@ -34,9 +34,10 @@ _BUDGET_FRACTION = 0.45  # per-stage remote pool use: two stages' inputs and res
 # a layout's code is not generated when its prune price (``_prune_price``) exceeds the other
 # layout's built time by more than this: a staged price sits at or below the built plan's time
 # (the 404 builds of the 167 benchmark batches: built / staged 1.00-1.17, median 1.07, never under
-# 0.98 -- the price pours local blocks at their pre-pour kernel rate), so such a layout would lose
-# the comparison anyway, unless a pool-overflow restage finds a cheaper staging, which the prune
-# price includes (its first step). The one document filling
+# 0.98 -- the price pours local blocks at their pre-pour kernel rate; the explored candidates'
+# entries are built prices already), so such a layout would lose the comparison anyway, unless
+# another stage shape or a pool-overflow restage finds a cheaper staging, which the prune price
+# includes (at the staged price, under the full budget and the first overflow step). The one document filling
 # the batch at P_inter >= 16 loses by 1.02-3.4x on the balanced layout and was where a compile took
 # minutes (pool-overflow rebuilds of a plan that was then dropped); packed batches at 1M/P_inter 64
 # lose by 2-3x on the contiguous one, whose code was built and dropped (~15% of the compile)
@@ -176,16 +177,19 @@ def _loses(p: PricedLayout, other: float) -> bool:
 
 
 def _prune_price(p: PricedLayout) -> float:
-    """The price the layout prune compares: ``p``'s least staged price, or lower when one of its
-    candidates restaged under the first pool-overflow budget (``candidates._choose``'s retry) is
-    cheaper. Staging again under a smaller budget changes the stage counts tried, and the price
+    """The price the layout prune compares: ``p``'s least price, or lower when one of its
+    candidates' stagings (every shape, at the staged price, under the full budget and under the
+    first pool-overflow budget of ``candidates._choose``'s retry) is cheaper. Staging again under a smaller budget changes the stage counts tried, and the price
     is not monotone in them. Found by hypothesis (cu [0, 15548, 55509, 65536], P_inter 16, GQA
     32/8): the balanced layout's min-traffic staged at 49.8 ms (7 stages) overflows the pool and
     restages to 43.8 ms (8 stages), built 44.2 ms, under the contiguous plan's 46.3 ms; priced
-    without the restage, the balanced layout was pruned. Only the first overflow step is priced:
+    without the restage, the balanced layout was pruned. A staging that overflows is followed by
+    the next stage shape under the same budget when that is cheaper (``candidates._build_or_halve``),
+    so every shape under the full budget is priced too. Only the first overflow step is priced:
     each further step cuts more blocks, and the prune exists to skip code generation that loses."""
-    budget = p.capacity * _BUDGET_FRACTION * _OVERFLOW_STEP
-    return min(p.price, *(_restage(split, p.rates, p.latency, budget)[0] for _, split, _ in p.priced.values()))
+    full = p.capacity * _BUDGET_FRACTION
+    return min(p.price, *(_stagings(split, p.rates, p.latency, b, explore=_explores(split))[0][0]
+                          for _, split, _ in p.priced.values() for b in (full, full * _OVERFLOW_STEP)))
 
 
 def choose_layout(contiguous: Plan, balanced: Plan, bound: float) -> Plan:

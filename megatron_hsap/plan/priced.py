@@ -33,8 +33,9 @@ class PricedLayout:
 
     Before: ``pending`` is true, ``floor`` is the least ``price_floor`` of the placements, and
     ``priced`` / ``price`` may not be read. After: ``priced`` maps each staged placement to
-    ``(price, split, staging)``, ``price`` is its least price (seconds; at or below the
-    built time of the same staging, by up to ~17%: ``plan._LAYOUT_PRUNE``) and ``floor`` equals it. Readers must copy ``priced`` before changing it
+    ``(price, split, staging)``, ``price`` is its least price (seconds; the explored candidates'
+    built prices, the others' staged prices, at or below the built time of the same staging by
+    up to ~17%: ``plan._LAYOUT_PRUNE``) and ``floor`` equals it. Readers must copy ``priced`` before changing it
     (``plan._build_on``: ``price`` must not move)."""
 
     __slots__ = ("layout", "batch", "shape", "opts", "link", "capacity", "rates", "latency", "pieces", "units",

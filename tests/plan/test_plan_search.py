@@ -214,7 +214,9 @@ def _every_candidate_built(priced, size, shape, capacity, rates, latency, budget
     return out
 
 
-@pytest.mark.parametrize("tokens, seed", [(16384, 0), (65536, 2)])
+# (a second batch, fineweb 64K s2, stopped showing the staged order losing once the stage shapes
+# too were picked by built price: its candidates' entries are built prices from the start)
+@pytest.mark.parametrize("tokens, seed", [(16384, 0)])
 def test_candidates_compete_on_the_time_of_their_code(monkeypatch: pytest.MonkeyPatch, tokens: int, seed: int) -> None:
     # two of Table 4's fineweb batches at 2x4 (Llama-2 7B heads, A100; sim/estimate_accuracy): the
     # staged price ranks the candidates with their local blocks unpoured (0-17% under the built
@@ -263,3 +265,109 @@ def test_built_prices_are_computed_best_first_and_only_while_a_staged_price_can_
     assert best.name == "b" and best.time == 1.1
     assert repriced == ["a", "b"]
     assert alternatives == {"a": 1.2, "b": 1.1, "c": 1.5}
+
+
+def _shrink_only(priced, size, shape, capacity, rates, latency, budget) -> dict[str, float]:
+    """The reference for the overflow policy: every candidate built from its staging, restaged
+    under a budget shrunk by ``_OVERFLOW_STEP`` after each overflow (the policy before another
+    shape under the same budget was tried), with ``_build`` and ``_restage`` directly."""
+    out = {}
+    for name, (_, split, st) in priced.items():
+        b = budget
+        while b >= candidates._MIN_STAGE_BUDGET:
+            try:
+                out[name] = candidates._build(name, st.units(), size, shape, capacity, rates, latency, b).time
+                break
+            except candidates.PoolOverflow:
+                b *= candidates._OVERFLOW_STEP
+                _, st = candidates._restage(split, rates, latency, b)
+    return out
+
+
+def test_an_overflow_tries_another_shape_under_the_same_budget_before_shrinking_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    # one 16K document of Table 4 at 1x8 (Llama-2 7B heads, A100; sim/estimate_accuracy): the
+    # fastest staging of the kept candidate overflows the pool; restaged under shrinking budgets
+    # its best code is slower than another shape under the first budget, which fits
+    from megatron_hsap.plan.workloads import pack_batches
+
+    seen = []
+    real = candidates._choose
+
+    def recording(priced, *args):
+        seen.append((dict(priced), args))
+        return real(priced, *args)
+
+    monkeypatch.setattr(search, "_choose", recording)
+    cu = [int(x) for x in pack_batches("full", 16384, 1, 0)[0]]
+    clear_plan_cache()
+    plan = compile_plan(cu, 8, 1, num_heads=32, num_kv_heads=32, head_dim=128, hardware="a100", layout="contiguous",
+                        layout_fallback=False)  # the layout the default keeps on this batch
+    (priced, (size, shape, capacity, rates, latency, budget, _)), = seen
+    old = _shrink_only(priced, size, shape, capacity, rates, latency, budget)
+    assert plan.chosen.time < min(old.values()) * (1 - 0.005), (plan.chosen.time, old)
+    # the chosen candidate's first staging overflowed, and its code came from under the full budget
+    _, split, st = priced[plan.chosen.name]
+    with pytest.raises(candidates.PoolOverflow):
+        candidates._build(plan.chosen.name, st.units(), size, shape, capacity, rates, latency, budget)
+    assert plan.chosen.budget == budget
+    plan.verify()  # the code proves correct by symbolic execution (raises PlanError otherwise)
+
+
+def test_an_overflowed_staging_is_never_offered_again_and_the_cheaper_next_one_is_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    # stagings stand in as names: "a" (cheapest) and "b" under the budget, "r" restaged under the
+    # shrunk budget; every build overflows; built prices: b 1.1, r 1.2 -> b; then r (a and b spent)
+    built_at = {"a": 1.0, "b": 1.1, "r": 1.2, "c": 0.9}
+    memo: dict = {}
+    st = {n: SimpleNamespace(name=n, memo=memo, units=lambda: []) for n in built_at}
+
+    def overflow(*args):
+        raise candidates.PoolOverflow("full")
+
+    monkeypatch.setattr(candidates, "_build", overflow)
+    monkeypatch.setattr(candidates, "_stagings", lambda split, rates, latency, budget, **kw: [(1.0, st["a"]), (1.05, st["b"])])
+    monkeypatch.setattr(candidates, "_restage", lambda split, rates, latency, budget: (1.15, st["r"]))
+    monkeypatch.setattr(candidates, "built_price", lambda s, *rest: built_at[s.name])
+    split = SimpleNamespace(remote=[[]])
+    got, t, nxt, b = candidates._build_or_halve("x", split, st["a"], 1000.0, 1, None, 1, None, 0.0)
+    assert (got, t, nxt.name, b) == (None, 1.1, "b", 1000.0)  # the same budget: b is cheaper than the restage
+    got, t, nxt, b = candidates._build_or_halve("x", split, st["b"], 1000.0, 1, None, 1, None, 0.0)
+    assert (got, t, nxt.name, b) == (None, 1.2, "r", 1000.0 * candidates._OVERFLOW_STEP)  # a and b overflowed
+    # a third staging under that budget overflows: a and b, cheaper than the restage, overflowed before
+    built_at["r"] = 1.3
+    got, t, nxt, b = candidates._build_or_halve("x", split, st["c"], 1000.0, 1, None, 1, None, 0.0)
+    assert (t, nxt.name) == (1.3, "r")
+
+
+def test_the_stage_shape_kept_is_the_one_whose_code_is_fastest(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Table 4 ultrachat 16K 1x8 s0 (Llama-2 7B heads, A100; sim/estimate_accuracy): the stage
+    # shape of least staged price builds code 12% slower than another shape of the same candidate
+    from megatron_hsap.plan.schedule import StagingError, stage, stage_shapes
+    from megatron_hsap.plan.workloads import pack_batches
+
+    seen = []
+    real = candidates._choose
+
+    def recording(priced, *args):
+        seen.append((dict(priced), args))
+        return real(priced, *args)
+
+    monkeypatch.setattr(search, "_choose", recording)
+    cu = [int(x) for x in pack_batches("ultrachat", 16384, 1, 0)[0]]
+    clear_plan_cache()
+    plan = compile_plan(cu, 8, 1, num_heads=32, num_kv_heads=32, head_dim=128, hardware="a100", layout="contiguous",
+                        layout_fallback=False)  # the layout the default keeps on this batch
+    (priced, (size, shape, capacity, rates, latency, budget, _)), = seen
+    assert plan.chosen.budget == budget
+    split = priced[plan.chosen.name][1]
+    code: dict[object, float] = {}  # the reference: every stage shape of the chosen candidate built
+    staged: dict[object, float] = {}
+    for shp in stage_shapes(split, rates, budget):
+        try:
+            st = stage(split, rates, shp, budget)
+            code[shp] = candidates._build(plan.chosen.name, st.units(), size, shape, capacity, rates, latency, budget).time
+        except (StagingError, candidates.PoolOverflow):
+            continue
+        staged[shp] = candidates.price_staging(st, size, rates, latency)
+    assert plan.chosen.time <= min(code.values()) * (1 + 1e-9)
+    by_staged = min(staged, key=staged.get)
+    assert code[by_staged] > plan.chosen.time * 1.05  # not vacuous: the staged price picks a slower shape
