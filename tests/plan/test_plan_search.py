@@ -223,18 +223,8 @@ def test_candidates_compete_on_the_time_of_their_code(monkeypatch: pytest.Monkey
     # time), which put owner-computes first on both though another candidate's code runs faster
     from megatron_hsap.plan.workloads import pack_batches
 
-    seen = []
-    real = candidates._choose
-
-    def recording(priced, *args):
-        seen.append((dict(priced), args))
-        return real(priced, *args)
-
-    monkeypatch.setattr(search, "_choose", recording)
     cu = [int(x) for x in pack_batches("fineweb", tokens, 1, seed)[0]]
-    clear_plan_cache()
-    plan = compile_plan(cu, 4, 2, num_heads=32, num_kv_heads=32, head_dim=128, hardware="a100", layout_fallback=False)
-    (priced, (size, shape, capacity, rates, latency, budget, _)), = seen
+    plan, priced, (size, shape, capacity, rates, latency, budget) = _compiled_recording(monkeypatch, cu, 4, 2, layout_fallback=False)
     built = _every_candidate_built(priced, size, shape, capacity, rates, latency, budget)
     best = min(built.values())
     # the chosen plan is the fastest code of any candidate, but for the owner-computes margin
@@ -284,12 +274,10 @@ def _shrink_only(priced, size, shape, capacity, rates, latency, budget) -> dict[
     return out
 
 
-def test_an_overflow_tries_another_shape_under_the_same_budget_before_shrinking_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    # one 16K document of Table 4 at 1x8 (Llama-2 7B heads, A100; sim/estimate_accuracy): the
-    # fastest staging of the kept candidate overflows the pool; restaged under shrinking budgets
-    # its best code is slower than another shape under the first budget, which fits
-    from megatron_hsap.plan.workloads import pack_batches
-
+def _compiled_recording(monkeypatch: pytest.MonkeyPatch, cu: list[int], inter: int, intra: int, **options):
+    """``cu`` compiled at ``inter × intra`` with Llama-2 7B heads on A100 (``options`` added) while
+    recording what the search hands ``_choose``: the plan, the priced candidates and
+    ``(size, shape, capacity, rates, latency, budget)``."""
     seen = []
     real = candidates._choose
 
@@ -298,11 +286,24 @@ def test_an_overflow_tries_another_shape_under_the_same_budget_before_shrinking_
         return real(priced, *args)
 
     monkeypatch.setattr(search, "_choose", recording)
-    cu = [int(x) for x in pack_batches("full", 16384, 1, 0)[0]]
     clear_plan_cache()
-    plan = compile_plan(cu, 8, 1, num_heads=32, num_kv_heads=32, head_dim=128, hardware="a100", layout="contiguous",
-                        layout_fallback=False)  # the layout the default keeps on this batch
-    (priced, (size, shape, capacity, rates, latency, budget, _)), = seen
+    plan = compile_plan(cu, inter, intra, num_heads=32, num_kv_heads=32, head_dim=128, hardware="a100", **options)
+    (priced, args), = seen
+    return plan, priced, args[:6]
+
+
+def _table4_16k(workload: str) -> list[int]:
+    from megatron_hsap.plan.workloads import pack_batches
+
+    return [int(x) for x in pack_batches(workload, 16384, 1, 0)[0]]
+
+
+def test_an_overflow_tries_another_shape_under_the_same_budget_before_shrinking_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    # one 16K document of Table 4 at 1x8 (Llama-2 7B heads, A100; sim/estimate_accuracy): the
+    # fastest staging of the kept candidate overflows the pool; restaged under shrinking budgets
+    # its best code is slower than another shape under the first budget, which fits
+    plan, priced, (size, shape, capacity, rates, latency, budget) = _compiled_recording(
+        monkeypatch, _table4_16k("full"), 8, 1, layout="contiguous", layout_fallback=False)  # the layout the default keeps
     old = _shrink_only(priced, size, shape, capacity, rates, latency, budget)
     assert plan.chosen.time < min(old.values()) * (1 - 0.005), (plan.chosen.time, old)
     # the chosen candidate's first staging overflowed, and its code came from under the full budget
@@ -342,21 +343,9 @@ def test_the_stage_shape_kept_is_the_one_whose_code_is_fastest(monkeypatch: pyte
     # Table 4 ultrachat 16K 1x8 s0 (Llama-2 7B heads, A100; sim/estimate_accuracy): the stage
     # shape of least staged price builds code 12% slower than another shape of the same candidate
     from megatron_hsap.plan.schedule import StagingError, stage, stage_shapes
-    from megatron_hsap.plan.workloads import pack_batches
 
-    seen = []
-    real = candidates._choose
-
-    def recording(priced, *args):
-        seen.append((dict(priced), args))
-        return real(priced, *args)
-
-    monkeypatch.setattr(search, "_choose", recording)
-    cu = [int(x) for x in pack_batches("ultrachat", 16384, 1, 0)[0]]
-    clear_plan_cache()
-    plan = compile_plan(cu, 8, 1, num_heads=32, num_kv_heads=32, head_dim=128, hardware="a100", layout="contiguous",
-                        layout_fallback=False)  # the layout the default keeps on this batch
-    (priced, (size, shape, capacity, rates, latency, budget, _)), = seen
+    plan, priced, (size, shape, capacity, rates, latency, budget) = _compiled_recording(
+        monkeypatch, _table4_16k("ultrachat"), 8, 1, layout="contiguous", layout_fallback=False)  # the layout the default keeps
     assert plan.chosen.budget == budget
     split = priced[plan.chosen.name][1]
     code: dict[object, float] = {}  # the reference: every stage shape of the chosen candidate built
