@@ -225,12 +225,11 @@ def _build_or_halve(name: str, split: BlocksByRank, st: StagedBlocks, budget: fl
         return _build(name, st.units(), size, shape, capacity, rates, latency, budget), float("nan"), st, budget
     except PoolOverflow:
         pass
-    overflowed = ("overflow", capacity)  # a staging's slots either fit the pool or not: a fact about it
-    if st.memo is not None:
-        st.memo.setdefault(overflowed, set()).add(id(st))
-    gone = st.memo.get(overflowed, ()) if st.memo is not None else ()
-    # (ids stay unique: each staging is held alive by the stage memo of its split)
-    rest = [(t, o) for t, o in _stagings(split, rates, latency, budget, explore=_explores(split)) if o is not st and id(o) not in gone]
+    # a staging's slots either fit the pool or not: a fact about it, kept on its split's memo (ids
+    # stay unique: each staging is held alive by that memo)
+    gone: set[int] = set() if st.memo is None else st.memo.setdefault(("overflow", capacity), set())
+    gone.add(id(st))
+    rest = [(t, o) for t, o in _stagings(split, rates, latency, budget, explore=_explores(split)) if id(o) not in gone]
     same = _fastest(rest, size, rates, latency) if rest else None
     smaller = budget * _OVERFLOW_STEP
     if smaller < _MIN_STAGE_BUDGET:

@@ -37,8 +37,8 @@ _BUDGET_FRACTION = 0.45  # per-stage remote pool use: two stages' inputs and res
 # 0.98 -- the price pours local blocks at their pre-pour kernel rate; the explored candidates'
 # entries are built prices already), so such a layout would lose the comparison anyway, unless
 # another stage shape or a pool-overflow restage finds a cheaper staging, which the prune price
-# includes (at the staged price, under the full budget and the first overflow step). The one document filling
-# the batch at P_inter >= 16 loses by 1.02-3.4x on the balanced layout and was where a compile took
+# includes (at the staged price, under the full budget and the first overflow step). The one
+# document filling the batch at P_inter >= 16 loses by 1.02-3.4x on the balanced layout and was where a compile took
 # minutes (pool-overflow rebuilds of a plan that was then dropped); packed batches at 1M/P_inter 64
 # lose by 2-3x on the contiguous one, whose code was built and dropped (~15% of the compile)
 _LAYOUT_PRUNE = 0.05
@@ -179,8 +179,8 @@ def _loses(p: PricedLayout, other: float) -> bool:
 def _prune_price(p: PricedLayout) -> float:
     """The price the layout prune compares: ``p``'s least price, or lower when one of its
     candidates' stagings (every shape, at the staged price, under the full budget and under the
-    first pool-overflow budget of ``candidates._choose``'s retry) is cheaper. Staging again under a smaller budget changes the stage counts tried, and the price
-    is not monotone in them. Found by hypothesis (cu [0, 15548, 55509, 65536], P_inter 16, GQA
+    first pool-overflow budget of ``candidates._choose``'s retry) is cheaper. Staging again under
+    a smaller budget changes the stage counts tried, and the price is not monotone in them. Found by hypothesis (cu [0, 15548, 55509, 65536], P_inter 16, GQA
     32/8): the balanced layout's min-traffic staged at 49.8 ms (7 stages) overflows the pool and
     restages to 43.8 ms (8 stages), built 44.2 ms, under the contiguous plan's 46.3 ms; priced
     without the restage, the balanced layout was pruned. A staging that overflows is followed by

@@ -218,9 +218,9 @@ def _every_candidate_built(priced, size, shape, capacity, rates, latency, budget
 # too were picked by built price: its candidates' entries are built prices from the start)
 @pytest.mark.parametrize("tokens, seed", [(16384, 0)])
 def test_candidates_compete_on_the_time_of_their_code(monkeypatch: pytest.MonkeyPatch, tokens: int, seed: int) -> None:
-    # two of Table 4's fineweb batches at 2x4 (Llama-2 7B heads, A100; sim/estimate_accuracy): the
+    # one of Table 4's fineweb batches at 2x4 (Llama-2 7B heads, A100; sim/estimate_accuracy): the
     # staged price ranks the candidates with their local blocks unpoured (0-17% under the built
-    # time), which put owner-computes first on both though another candidate's code runs faster
+    # time), which put owner-computes first though another candidate's code runs faster
     from megatron_hsap.plan.workloads import pack_batches
 
     cu = [int(x) for x in pack_batches("fineweb", tokens, 1, seed)[0]]
