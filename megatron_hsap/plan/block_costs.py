@@ -1,7 +1,8 @@
 """What a staged block costs to compute, per ``[rank, stage]`` (docs/design.md §4): the kernel at
 its rate for the block's shape (``KernelModel``, ``plan/hardware.py``), a launch per varlen call
-(``plan/calls.py``'s grouping, in closed form), FA3's backward grid, GQA dK/dV atomics, and the
-LSE merges / fp32 accumulations of rows with more than one contribution. ``plan/estimate.py``
+(``plan/calls.py``'s grouping, in closed form, gathered calls as one block plus their kv copy),
+FA3's backward grid, GQA dK/dV atomics, and the LSE merges / fp32 accumulations of rows with more
+than one contribution. ``plan/estimate.py``
 turns these into phase times; split from it as its own concept (and to keep modules short).
 
 Blocks are ``_arrays`` rows (int64, one per block); the functions here are numpy over them (they
@@ -98,26 +99,34 @@ def _acc(grid: np.ndarray, idx: np.ndarray, vals) -> None:
 class BlockGroups:
     """What ``block_costs`` needs of blocks ``a`` that does not depend on the phase (forward and
     backward price the same blocks: ``price_staging`` and ``quick_price`` group them once):
-    each block's ``[rank, stage]`` cell, its varlen call (``inv`` into the calls, ``gcell`` each
-    call's cell), each call's longest kv block and block count, and the rows merged into an
-    accumulator already holding an earlier contribution (q rows on the q owner, kv rows on the kv
-    owner)."""
+    each block's ``[rank, stage]`` cell, its varlen call (``gcell`` each call's cell), each call's
+    longest kv sequence and sequence count, and the rows merged into an accumulator already
+    holding an earlier contribution (q rows on the q owner — ``merge_q`` of the blocks there, a
+    gathered call's q rows once — and kv rows on the kv owner). A gathered call (``plan/calls.py``)
+    prices each member at the call's shape: ``knk`` / ``kw`` the kv rows / pairs of the block's
+    sequence (its own outside a gathered call); ``acc_nk`` / ``gather_nk`` the kv rows of its GQA
+    dK/dV accumulation / kv gather (the call's on its first member, 0 on the others)."""
 
     cell: np.ndarray
     gcell: np.ndarray
     maxk: np.ndarray
     count: np.ndarray
     home_q: np.ndarray
+    merge_q: np.ndarray
     again_q: np.ndarray
     home_k: np.ndarray
     again_k: np.ndarray
+    knk: np.ndarray
+    kw: np.ndarray
+    acc_nk: np.ndarray
+    gather_nk: np.ndarray
     # what ``block_costs`` derives from these alone, the same in both phases (launch grids, index
     # arrays): computed by the first phase priced, reused by the second
     shared: dict = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def of(cls, a: np.ndarray, size: int, n: int, rates: CostRates | None = None) -> "BlockGroups":
-        rank, stg, qa, qb, ka, kb, _work, causal, qo, ko = a.T
+        rank, stg, qa, qb, ka, kb, work, causal, qo, ko = a.T
         cell = rank * n + stg
         home_q = rank == qo
         home_k = rank == ko
@@ -135,12 +144,61 @@ class BlockGroups:
         inv = np.empty(len(order), dtype=np.int64)
         inv[order] = np.cumsum(brk) - 1
         gcell = c_o[brk]
+        nk = kb - ka
+        knk, kw, acc_nk, seq = nk, work, nk, np.ones(len(a), dtype=np.int64)
+        merge_q, gather_nk = home_q, np.zeros(len(a), dtype=np.int64)
+        gat = _gatherable(a)
+        if np.count_nonzero(gat) > 1:  # gathered calls: same cell and q range, two or more members
+            gi = np.nonzero(gat)[0]
+            gi = gi[np.lexsort((inv[gi], qb[gi], qa[gi], cell[gi]))]  # runs in walk order
+            new = np.ones(len(gi), dtype=bool)
+            new[1:] = (cell[gi][1:] != cell[gi][:-1]) | (qa[gi][1:] != qa[gi][:-1]) | (qb[gi][1:] != qb[gi][:-1])
+            run = np.cumsum(new) - 1
+            multi = np.bincount(run)[run] > 1
+            mem, lead = gi[multi], gi[new][run][multi]
+            if len(mem):
+                tot_nk = np.bincount(run, weights=nk[gi])[run][multi].astype(np.int64)
+                tot_w = np.bincount(run, weights=work[gi])[run][multi].astype(np.int64)
+                first = mem == lead
+                knk, kw, acc_nk = nk.copy(), work.copy(), nk.copy()
+                knk[mem], kw[mem] = tot_nk, tot_w
+                acc_nk[mem] = np.where(first, tot_nk, 0)
+                seq = seq.copy()
+                seq[mem] = first
+                merge_q = home_q.copy()
+                merge_q[mem] = first
+                inv[mem] = inv[lead]  # one call, where its first member was; drop the others' calls
+                keep = np.zeros(len(gcell), dtype=bool)
+                keep[inv] = True
+                inv = (np.cumsum(keep) - 1)[inv]
+                gcell = gcell[keep]
+                gather_nk[lead[first]] = tot_nk[first]
         maxk = np.zeros(len(gcell))
-        np.maximum.at(maxk, inv, kb - ka)
+        np.maximum.at(maxk, inv, knk)
         span = int(max(qb.max(), kb.max())) + 1
-        return cls(cell, gcell, maxk, np.bincount(inv, minlength=len(gcell)),
-                   home_q, _rows_again(rank[home_q], qa[home_q], qb[home_q], span),
-                   home_k, _rows_again(rank[home_k], ka[home_k], kb[home_k], span))
+        return cls(cell, gcell, maxk, np.bincount(inv, weights=seq, minlength=len(gcell)),
+                   home_q, merge_q, _rows_again(rank[merge_q], qa[merge_q], qb[merge_q], span),
+                   home_k, _rows_again(rank[home_k], ka[home_k], kb[home_k], span), knk, kw, acc_nk, gather_nk)
+
+
+def _gatherable(a: np.ndarray) -> np.ndarray:
+    """Blocks that may join a gathered call (``plan/calls.gatherable``): rectangles seeing every
+    pair (not causal, work = nq·nk: no window cut), computed by their q owner with remote kv."""
+    return ((a[:, 7] == 0) & (a[:, 0] == a[:, 8]) & (a[:, 0] != a[:, 9])
+            & (a[:, 6] == (a[:, 3] - a[:, 2]) * (a[:, 5] - a[:, 4])))  # fmt: skip
+
+
+def _may_gather(a: np.ndarray) -> bool:
+    """Whether two blocks of ``a`` form a gathered call (same rank, stage and q range)."""
+    g = _gatherable(a)
+    if np.count_nonzero(g) < 2:
+        return False
+    seen: set[tuple[int, ...]] = set()
+    for key in map(tuple, a[g][:, :4].tolist()):
+        if key in seen:
+            return True
+        seen.add(key)
+    return False
 
 
 _SEG_MEMO: dict[int, tuple[object, np.ndarray, np.ndarray, np.ndarray, int]] = {}
@@ -188,23 +246,25 @@ def block_costs(a: np.ndarray, size: int, n: int, rates: CostRates, phase: Phase
         fixed0, launch0 = np.zeros((size, n)), np.zeros(size)
         _acc(fixed0, g.gcell, k.launch_s)
         _acc(launch0, g.gcell // n, k.launch_s)
+        if g.gather_nk.any():  # a gathered call's kv copy (read and write), both phases
+            _acc(fixed0, g.cell, g.gather_nk * (2.0 * rates.kv / rates.hbm_bw))
         away_q, away_k = ~g.home_q, ~g.home_k
         nq, nk = qb - qa, kb - ka
         got = g.shared[(size, n, k.launch_s)] = (
-            fixed0, launch0, nq, nk, work, np.maximum(work, 1).astype(np.float64),
-            g.cell[g.home_q], qo[away_q] * n + np.minimum(stg[away_q] + 1, n - 1), nq[away_q],
+            fixed0, launch0, nq, g.knk, work, np.maximum(g.kw, 1).astype(np.float64),
+            g.cell[g.merge_q], qo[away_q] * n + np.minimum(stg[away_q] + 1, n - 1), nq[away_q],
             g.cell[g.home_k], ko[away_k] * n + np.minimum(stg[away_k] + 1, n - 1), nk[away_k])
-    fixed0, launch0, nq, nk, work, w, cell_hq, after_q, nq_away, cell_hk, after_k, nk_away = got
+    fixed0, launch0, nq, knk, work, w, cell_hq, after_q, nq_away, cell_hk, after_k, nk_away = got
     fixed, launch = fixed0.copy(), launch0.copy()
     fpp = rates.fpp_fwd if phase == Phase.FWD else rates.fpp_bwd
-    secs = work * fpp / k.rate(nq, nk, phase, rates.group, w)
+    secs = work * fpp / k.rate(nq, knk, phase, rates.group, w)  # a gathered call's members at its shape
     cell = g.cell
     _acc(kern, cell, secs)
     if phase != Phase.FWD and k.cta_s > 0:  # FA3's backward grid: ⌈max kv / 128⌉ × heads CTAs per block
         _acc(fixed, g.gcell, k.cta_s * np.ceil(g.maxk / 128.0) * rates.heads * g.count)
     if phase != Phase.FWD and k.gqa_dkv_accum and rates.group > 1:
         T = float(k.tile or 128)
-        _acc(fixed, cell, np.ceil(nk / T) * rates.heads * T * rates.accum_row / rates.hbm_bw)
+        _acc(fixed, cell, np.ceil(g.acc_nk / T) * rates.heads * T * rates.accum_row / rates.hbm_bw)
     if phase == Phase.FWD:  # o rows merged into the q owner's accumulator
         _acc(fixed, cell_hq, g.again_q * rates.merge_o)
         _acc(after, after_q, nq_away * rates.merge_o)
@@ -224,8 +284,9 @@ _PY_ROWS = 96
 
 def block_costs_pair(a: np.ndarray, size: int, n: int, rates: CostRates) -> tuple[BlockCosts, BlockCosts]:
     """``block_costs`` of ``a`` in both phases (forward, backward) over one ``BlockGroups``; for up
-    to ``_PY_ROWS`` blocks none of which is local, the same numbers from ``_block_costs_py``."""
-    if 0 < len(a) <= _PY_ROWS and not ((a[:, 0] == a[:, 8]) & (a[:, 0] == a[:, 9])).any():
+    to ``_PY_ROWS`` blocks none of which is local and no two of which gather into one call, the
+    same numbers from ``_block_costs_py``."""
+    if 0 < len(a) <= _PY_ROWS and not ((a[:, 0] == a[:, 8]) & (a[:, 0] == a[:, 9])).any() and not _may_gather(a):
         return _block_costs_py(a, size, n, rates)
     g = BlockGroups.of(a, size, n, rates) if len(a) else None
     return block_costs(a, size, n, rates, Phase.FWD, g), block_costs(a, size, n, rates, Phase.BWD, g)
@@ -233,7 +294,7 @@ def block_costs_pair(a: np.ndarray, size: int, n: int, rates: CostRates) -> tupl
 
 def _block_costs_py(a: np.ndarray, size: int, n: int, rates: CostRates) -> tuple[BlockCosts, BlockCosts]:
     """``BlockGroups.of`` + ``block_costs`` per phase as a loop over blocks none of which is local
-    (so every block is a varlen call of its own: ``maxk`` its kv length, ``count`` 1): every cell
+    and none gathered (so every block is a varlen call of its own: ``maxk`` its kv length, ``count`` 1): every cell
     receives the same terms in the same order as ``np.bincount`` adds them (input order: blocks
     in ``a``'s order, calls in ``BlockGroups``' (cell, q home, q start, kv start) order), each
     ``_acc`` summed from zero before it is added to the grid. Kernel rates come from the kernel

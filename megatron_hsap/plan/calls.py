@@ -15,6 +15,13 @@ The rule, per ``Compute`` instruction (one stage of one rank's program), walking
   previous item's stopped. The fused call reads the contiguous row ranges ``q_rows``/``kv_rows``
   with ``cu_seqlens`` built from the items' lengths; a varlen kernel treats every sequence on its
   own, so fusing changes no number.
+* Items that bring remote kv to local q rows and see every pair (:func:`gatherable`: a rectangle
+  without a window cut, q side local, kv from a pool slot) and share one q range form ONE
+  *gathered* call when there are two or more of them: the runtime concatenates their kv slots
+  (one copy of ``Σnk`` kv rows) and runs one sequence ``q`` against ``[Σnk]`` keys; a rectangle's
+  keys all precede its queries, so their order does not matter. The call sits where its first
+  member was; its other members' places break local fusion as before. One launch, one grid, and
+  the q rows merged once instead of once per part (docs/coalesced_calls.md).
 
 Calls keep the items' order and never cross a stage (a ``Compute``), so they respect every ``Post``
 / ``Wait`` dependency of the program. Pure Python: the local row of a global token comes from the
@@ -35,7 +42,7 @@ from megatron_hsap.plan.ir import Compute, ComputeItem, Phase, Program, Segment,
 if TYPE_CHECKING:
     from megatron_hsap.plan.plan_type import Plan
 
-__all__ = ["LocalRows", "KernelCall", "all_local", "stage_calls", "program_calls", "call_counts"]
+__all__ = ["LocalRows", "KernelCall", "all_local", "gatherable", "stage_calls", "program_calls", "call_counts"]
 
 
 class LocalRows:
@@ -65,12 +72,15 @@ class KernelCall:
     """One varlen attention call of stage ``stage``: ``items`` (one, or several fused local ones).
 
     ``q_rows`` / ``kv_rows``: the local rows the call reads (the items' rows back to back), or None
-    when the operand is a pool slot (then ``items`` is that one item)."""
+    when the operand is a pool slot (then ``items`` is that one item). ``gathered``: the items
+    share local q rows ``q_rows`` and their kv slots are concatenated in item order — one
+    sequence of ``len(q)`` queries against ``Σ len(kv)`` keys (``kv_parts``)."""
 
     stage: int
     items: tuple[ComputeItem, ...]
     q_rows: slice | None
     kv_rows: slice | None
+    gathered: bool = False
 
     @property
     def causal(self) -> bool:
@@ -83,10 +93,21 @@ class KernelCall:
 
     @property
     def q_lengths(self) -> tuple[int, ...]:
+        """Rows of each varlen sequence's queries (``cu_seqlens_q``)."""
+        if self.gathered:
+            return (len(self.items[0].q),)
         return tuple(len(it.q) for it in self.items)
 
     @property
     def kv_lengths(self) -> tuple[int, ...]:
+        """Rows of each varlen sequence's keys (``cu_seqlens_k``)."""
+        if self.gathered:
+            return (sum(self.kv_parts),)
+        return tuple(len(it.kv) for it in self.items)
+
+    @property
+    def kv_parts(self) -> tuple[int, ...]:
+        """Each item's kv rows, in order: a gathered call's kv is their concatenation."""
         return tuple(len(it.kv) for it in self.items)
 
     @property
@@ -97,6 +118,18 @@ class KernelCall:
 def all_local(item: ComputeItem) -> bool:
     """Every operand in the rank's local tensors and every result into its local accumulators."""
     return all(s is None for _, s in item.srcs) and all(s is None for _, s in item.dsts)
+
+
+def gatherable(item: ComputeItem) -> bool:
+    """May join a gathered call: a rectangle whose every pair is visible (not causal, no window
+    cut: ``kernel_window`` plain), every q-side operand local and every q-side result into the
+    local accumulators, kv read from a pool slot (and, backward, dk/dv written to one)."""
+    if item.causal or item.kernel_window != (-1, -1):
+        return False
+    for wire, slot in item.srcs:
+        if (slot is None) is (wire is Wire.KV):
+            return False
+    return all((slot is None) is (wire is not Wire.DKV) for wire, slot in item.dsts)
 
 
 def _fusable(prev: ComputeItem, item: ComputeItem, rows: LocalRows) -> bool:
@@ -110,6 +143,12 @@ def stage_calls(compute: Compute, rows: LocalRows) -> tuple[KernelCall, ...]:
     """The kernel calls of one ``Compute`` instruction, in the items' order (the module's rule)."""
     calls: list[KernelCall] = []
     batch: list[ComputeItem] = []
+    groups: dict[tuple[int, int], list[int]] = {}  # q range -> indices of its gatherable items
+    for i, it in enumerate(compute.items):
+        if gatherable(it):
+            groups.setdefault((it.q.start, it.q.stop), []).append(i)
+    first = {g[0]: g for g in groups.values() if len(g) > 1}
+    member = {i for g in first.values() for i in g}
 
     def flush() -> None:
         if batch:
@@ -119,7 +158,13 @@ def stage_calls(compute: Compute, rows: LocalRows) -> tuple[KernelCall, ...]:
             calls.append(KernelCall(compute.stage, tuple(batch), q_rows, kv_rows))
             batch.clear()
 
-    for it in compute.items:
+    for i, it in enumerate(compute.items):
+        if i in member:  # a gathered call's member: the call at the first one, a break at every one
+            flush()
+            if i in first:
+                calls.append(KernelCall(compute.stage, tuple(compute.items[j] for j in first[i]), rows(it.q), None,
+                                        gathered=True))  # fmt: skip
+            continue
         if batch and not _fusable(batch[-1], it, rows):
             flush()
         batch.append(it)

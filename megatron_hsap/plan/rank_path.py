@@ -17,7 +17,17 @@ port), so it has carried all of them by its drain time
 
     drain(port) = max over its transfers j of [a_j + Σ bytes of its transfers starting at or after a_j / bandwidth]
 
-and ``end_f = max(drain(send port of s), drain(receive port of d), a_f + v_f / cap)``: a transfer
+A port shares its bandwidth among the transfers it carries (max-min fair, as NCCL's channels
+do), so a short transfer at a busy port ends before the port drains: under processor sharing it
+has carried, when it ends, at most ``min(v_j, v_f)`` of every other transfer ``j`` of the port
+(all of a shorter one, as much of a longer one as of itself; a ``j`` started earlier or later
+has taken less while ``f`` ran), so it ends by
+
+    shared(port, f) = a_f + Σ over the port's transfers j of min(v_j, v_f) / bandwidth
+
+(exact when the port's transfers start together). At each end the transfer is done by
+``min(drain, shared)``, and ``end_f = max(that at the send port of s, that at the receive port
+of d, a_f + v_f / cap)``: a transfer
 over the network (link 0 of a network plan) also runs at most at ``cap``, what NCCL's channels to
 one network peer drive (``flow_bw``: ``Hardware.net_flow_bw`` of the inter group's size, 28 GB/s
 on an NDR H100 up to 32 ranks, 14 GB/s from 33, against the NIC's 48; the simulator's
@@ -27,10 +37,13 @@ a rank posts round ``k + 1`` only after its round ``k`` transfers are done. The 
 matter: a port that carries a late peer's bytes after an early peer's is not charged both from
 the later post (measured: owner-computes' backward on slimpajama SP8 32K s0 was priced 13.6%
 over the simulator when every transfer was charged the busier end's whole round bytes from the
-later post; within 3% with the drain). What is left out (``sim/engine.py`` does it, event by
-event, and is the independent check: ``sim/estimate_accuracy.py``): a short transfer at a busy
-port ends before the port drains (processor sharing), and a transfer slowed at one end leaves
-bandwidth to the others at its other end — both make the drain an upper bound; under the cap a
+later post; within 3% with the drain). The shared term matters once stages are transfer-bound:
+with gathered kernel calls (``plan/calls.py``) owner-computes' compute fell and the drain alone
+priced its plan on the same batch 5.4% over the simulator, enough to keep a plan that simulates
+2.4% slower; 1.0% over with the shared term. What is left out (``sim/engine.py`` does it, event by
+event, and is the independent check: ``sim/estimate_accuracy.py``): a transfer slowed at one end
+leaves bandwidth to the others at its other end, and the two ends' shares are taken one at a
+time rather than jointly (max-min fairness over both ports); under the cap a
 port whose transfers differ in size idles below its bandwidth once fewer than ``bw / cap`` are
 left (the largest one's tail runs alone at ``cap``), which the max of the two terms does not
 charge — there the estimate is below the simulator.
@@ -121,6 +134,30 @@ def _drain(port: np.ndarray, start: np.ndarray, bw: np.ndarray, nbytes: np.ndarr
     return out
 
 
+def _shared(port: np.ndarray, start: np.ndarray, bw: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
+    """Per transfer, its processor-sharing bound at its ``port`` (the module docstring): the
+    port's transfers sorted by bytes, the ``i``-th of ``m`` has ``Σ_{j ≤ i} v_j + (m − 1 − i)·v_i``
+    bytes of the port to share (ties give equal sums; exact: whole numbers)."""
+    order = np.lexsort((nbytes, port))
+    p, v = port[order], nbytes[order]
+    new = np.ones(len(p), dtype=bool)
+    new[1:] = p[1:] != p[:-1]
+    heads = np.flatnonzero(new)
+    group = np.cumsum(new) - 1
+    ends = np.append(heads[1:], len(p))
+    upto = np.cumsum(v)
+    upto -= np.append(0.0, upto)[heads[group]]  # bytes of the port's transfers up to this one, itself included
+    val = start[order] + (upto + (ends[group] - np.arange(len(p)) - 1) * v) / bw[order]
+    out = np.empty(len(p))
+    out[order] = val
+    return out
+
+
+def _port_end(port: np.ndarray, start: np.ndarray, bw: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
+    """Per transfer, when its ``port`` has carried it: ``min(drain, shared)``."""
+    return np.minimum(_drain(port, start, bw, nbytes), _shared(port, start, bw, nbytes))
+
+
 def path_finish(comp: np.ndarray, after: np.ndarray | None, flows: np.ndarray, nbytes: np.ndarray,
                 bws: tuple[float, float], latency: float, flow_bw: float = INF) -> np.ndarray:
     """[P] seconds at which each rank ends the phase (the module docstring's recurrence).
@@ -142,7 +179,7 @@ def path_finish(comp: np.ndarray, after: np.ndarray | None, flows: np.ndarray, n
         if hi > lo:
             sl = slice(lo, hi)
             a = np.maximum(t[s[sl]], t[d[sl]]) + latency
-            fin = np.maximum(_drain(out_port[sl], a, bw[sl], nbytes[sl]), _drain(in_port[sl], a, bw[sl], nbytes[sl]))
+            fin = np.maximum(_port_end(out_port[sl], a, bw[sl], nbytes[sl]), _port_end(in_port[sl], a, bw[sl], nbytes[sl]))
             if capped:  # a link-1 transfer's own term is a + v / inf = a, below its drain
                 fin = np.maximum(fin, a + nbytes[sl] / np.where(c[sl] == 0, flow_bw, INF))
             np.maximum.at(end, s[sl], fin)
@@ -177,30 +214,36 @@ def path_seconds_py(comp: list[list[float]], after: list[list[float]] | None, fl
         while j < m and flows[j][0] == k:
             j += 1
         if j > i:
-            # per port (rank, link, direction): its transfers' (start, bytes)
-            ports: dict[tuple[int, int, int], list[tuple[float, float]]] = {}
+            # per port (rank, link, direction): its transfers' (start, bytes, index in the round)
+            ports: dict[tuple[int, int, int], list[tuple[float, float, int]]] = {}
             own = []  # per transfer: its start plus its bytes at the cap (link 0), else -inf
-            for (_, src, dst, c), v in zip(flows[i:j], nbytes[i:j]):
+            for x_i, ((_, src, dst, c), v) in enumerate(zip(flows[i:j], nbytes[i:j])):
                 ts, td = t[src], t[dst]
-                x = ((ts if ts > td else td) + latency, v)
+                x = ((ts if ts > td else td) + latency, v, x_i)
                 ports.setdefault((src, c, 0), []).append(x)
                 ports.setdefault((dst, c, 1), []).append(x)
                 own.append(x[0] + v / flow_bw if capped and c == 0 else -INF)
-            drain = {}
+            done: dict[tuple[int, int, int, int], float] = {}  # (port, transfer): min(drain, shared)
             for key, fs in ports.items():
+                b = bw[key[1]]
                 if len(fs) == 1:
-                    drain[key] = fs[0][0] + fs[0][1] / bw[key[1]]
+                    a, v, x_i = fs[0]
+                    done[(*key, x_i)] = a + v / b
                     continue
                 fs.sort()
                 tail, best = 0.0, float("-inf")
-                for a, v in reversed(fs):
+                for a, v, _ in reversed(fs):
                     tail += v
-                    x = a + tail / bw[key[1]]
+                    x = a + tail / b
                     if x > best:
                         best = x
-                drain[key] = best
-            for (_, src, dst, c), o in zip(flows[i:j], own):
-                f, g = drain[(src, c, 0)], drain[(dst, c, 1)]
+                last, upto = len(fs) - 1, 0.0
+                for n_i, (v, a, x_i) in enumerate(sorted((v, a, x_i) for a, v, x_i in fs)):
+                    upto += v
+                    sh = a + (upto + (last - n_i) * v) / b
+                    done[(*key, x_i)] = sh if sh < best else best
+            for x_i, ((_, src, dst, c), o) in enumerate(zip(flows[i:j], own)):
+                f, g = done[(src, c, 0, x_i)], done[(dst, c, 1, x_i)]
                 if g > f:
                     f = g
                 if o > f:

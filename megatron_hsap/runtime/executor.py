@@ -10,7 +10,9 @@ Per phase the program is a flat list ``Post(r) · Compute(s) · Wait(r) · Merge
   segments) or a pool slot (results computed here for another rank); receives land in pool slots.
 * ``Compute`` — the stage's varlen kernel calls (:mod:`~megatron_hsap.runtime.kernels`), exactly
   those ``plan/calls.py`` decides (consecutive local items on adjacent rows fused into one call;
-  same numbers: the calls are per sequence), the calls the simulator prices too.
+  same numbers: the calls are per sequence; a *gathered* call concatenates its parts' kv slots
+  into one sequence and splits dk/dv back into their result slots), the calls the simulator
+  prices too.
 * ``Wait`` — the round with a deadline (``HSAP_P2P_TIMEOUT_S``), raising ``CommunicationError``;
   on CUDA waited on the device (stream order), the deadline kept by the watchdog (``runtime/p2p.py``).
 * ``Merge`` / ``Accumulate`` — received partials into the fp32 accumulators (overflow-safe LSE merge).
@@ -312,6 +314,15 @@ class Executor:
             return tuple(x[rows] for x in buf.local[wire])
         return self._view(buf, slot, wire, len(item.kv if wire is Wire.KV else item.q))
 
+    def _kv(self, buf: _Buffers, call: PreparedCall) -> tuple[Tensor, Tensor]:
+        """The call's ``k [Σnk, hkv, d]`` and ``v [Σnk, hkv, dv]``: local rows, one slot's views, or
+        a gathered call's slots concatenated in item order (one copy of its kv rows)."""
+        if not call.gathered:
+            k, v = self._operand(buf, call.items[0], Wire.KV, call.kv_rows)
+            return k, v
+        parts = [self._view(buf, it.src(Wire.KV), Wire.KV, len(it.kv)) for it in call.items]
+        return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
     def _transfers(self, ops, buf: _Buffers) -> list[Transfer]:
         out = []
         for op in ops:
@@ -329,7 +340,7 @@ class Executor:
     def _fwd_call(self, call: PreparedCall, buf: _Buffers, acc: dict, scale: float) -> None:
         item = call.items[0]
         q, = self._operand(buf, item, Wire.Q, call.q_rows)
-        k, v = self._operand(buf, item, Wire.KV, call.kv_rows)
+        k, v = self._kv(buf, call)
         o, lse = attn_forward(q, k, v, cu_seqlens_q=call.cu_q, cu_seqlens_k=call.cu_k, max_seqlen_q=call.max_q,
                               max_seqlen_k=call.max_k, causal=call.causal, softmax_scale=scale, backend=self.backend,
                               window=call.window)
@@ -348,7 +359,7 @@ class Executor:
         do, = self._operand(buf, item, Wire.DO, call.q_rows)
         lse, = self._operand(buf, item, Wire.LSE, call.q_rows)
         delta, = self._operand(buf, item, Wire.DELTA, call.q_rows)
-        k, v = self._operand(buf, item, Wire.KV, call.kv_rows)
+        k, v = self._kv(buf, call)
         if call.q_rows is not None:
             out = buf.local[Wire.O][0][call.q_rows]
         else:
@@ -365,10 +376,12 @@ class Executor:
         if dkv_dst is None:
             acc[Wire.DKV][0][call.kv_rows] += dk
             acc[Wire.DKV][1][call.kv_rows] += dv
-        else:
-            dk_slot, dv_slot = self._view(buf, dkv_dst, Wire.DKV, len(item.kv))
-            dk_slot.copy_(dk)
-            dv_slot.copy_(dv)
+            return
+        parts = call.call.kv_parts
+        for it, dk_part, dv_part in zip(call.items, dk.split(parts), dv.split(parts)):  # each part's rows to its slot
+            dk_slot, dv_slot = self._view(buf, it.dst(Wire.DKV), Wire.DKV, len(it.kv))
+            dk_slot.copy_(dk_part)
+            dv_slot.copy_(dv_part)
 
 
 def _out_for_delta(do: Tensor, delta: Tensor, backend: str) -> Tensor:

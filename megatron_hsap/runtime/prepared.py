@@ -64,6 +64,10 @@ class PreparedCall:
         return self.call.causal
 
     @property
+    def gathered(self) -> bool:
+        return self.call.gathered
+
+    @property
     def window(self) -> tuple[int, int]:
         return self.call.window
 

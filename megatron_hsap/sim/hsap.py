@@ -12,7 +12,8 @@ Translation of one rank's plan program (``megatron_hsap.plan.ir``):
 * ``Compute``: exactly the runtime's kernel calls (``plan/calls.py``, the one definition of which
   items share one varlen call), each priced with its launch; each item's rows are merged into the
   local fp32 accumulators (forward: o/lse; backward: dq and dk/dv) unless the item writes a result
-  slot for another rank.
+  slot for another rank. A gathered call first copies its parts' kv (an elementwise kernel of
+  ``2·Σnk`` kv rows, read and written), runs as one block ``(nq, Σnk)`` and merges its q rows once.
 * ``Merge`` / ``Accumulate``: memory-bound kernels over the received rows.
 * Forward: all-to-all of q, k, v before (three calls), of o after; backward: of dO before, of
   dq, dk, dv after (``runtime/ulysses.py``). With one head chunk they are not overlapped; with
@@ -177,7 +178,13 @@ def _sap(b: Builder, r: int, prog: object, rows: LocalRows, shape: HeadShape, sc
         elif isinstance(ins, Compute):
             for call in stage_calls(ins, rows):  # the runtime's kernel calls, one launch each
                 items = call.items
-                blocks = [(len(it.q), len(it.kv), it.work * fpp, it.work) for it in items]
+                if call.gathered:  # the parts' kv concatenated (a memory-bound copy), one sequence
+                    nk, work = sum(call.kv_parts), sum(it.work for it in items)
+                    b.elementwise(r, 2 * nk * shape.token_bytes(Wire.KV), hw, "gather kv")  # type: ignore[arg-type]
+                    blocks = [(len(items[0].q), nk, work * fpp, work)]
+                    items = items[:1]  # their q rows, merged once
+                else:
+                    blocks = [(len(it.q), len(it.kv), it.work * fpp, it.work) for it in items]
                 secs = hw.kernel.curve.launch_s + hw.kernel.blocks_time_py(blocks, phase, h // max(1, hkv)) + hw.kernel.grid_time(  # type: ignore[attr-defined]
                     max(x[0] for x in blocks), max(x[1] for x in blocks), len(blocks), h, phase) + hw.kernel.gqa_accum_time(  # type: ignore[attr-defined]
                     [x[1] for x in blocks], shape, phase, hw.hbm_bw)  # type: ignore[attr-defined]

@@ -6,8 +6,10 @@ Properties, on compiled plans of several packings, layouts, windows and rank cou
   crosses a stage (so the program's Post/Wait dependencies hold for calls as for items);
 * a call is one item that touches a pool slot, or a run of local items on the same causality and
   kernel window whose rows are consecutive — checked against an independent reference: the local
-  row of a token is its index in the rank's ``Layout.local_token_indices`` (numpy);
-* the grouping is maximal: two neighbouring calls of a stage could not have been one;
+  row of a token is its index in the rank's ``Layout.local_token_indices`` (numpy) — or a gathered
+  call: the items with remote kv, local q rows and every pair visible that share one q range;
+* the grouping is maximal: two neighbouring calls of a stage could not have been one, and no two
+  calls hold gatherable items of one q range;
 * ``call_counts`` is the per-rank number of calls (counted from the staged blocks when the plan
   has no window: equal to the walk over the programs on random plans).
 
@@ -57,10 +59,18 @@ def _local(item: ComputeItem) -> bool:  # the reference's own reading of the ite
     return all(s is None for _, s in item.srcs + item.dsts)
 
 
+def _gathers(item: ComputeItem) -> bool:  # the reference's reading of a gatherable item
+    ins = dict(item.srcs)
+    outs = dict(item.dsts)
+    return (not item.causal and item.work == len(item.q) * len(item.kv) and ins.pop(Wire.KV) is not None
+            and all(s is None for s in ins.values()) and outs.pop(Wire.DKV, Slot(0, 1)) is not None
+            and all(s is None for s in outs.values()))  # fmt: skip
+
+
 @pytest.mark.parametrize("case", range(len(PLANS)), ids=lambda i: f"plan{i}")
 def test_calls_partition_the_items_and_read_their_rows(case: int) -> None:
     plan = _plan(*PLANS[case])
-    seen_fused = False
+    seen_fused = seen_gathered = False
     for phase in (Phase.FWD, Phase.BWD):
         counts = call_counts(plan, phase)
         assert len(counts) == plan.inter_size
@@ -72,10 +82,25 @@ def test_calls_partition_the_items_and_read_their_rows(case: int) -> None:
             assert len(per_stage) == len(computes)
             assert sum(len(c) for c in per_stage) == counts[rank]
             for ins, calls in zip(computes, per_stage):
-                # every item in exactly one call, in order; no call crosses the stage
-                assert [it for c in calls for it in c.items] == list(ins.items)
+                # every item in exactly one call; each call's items and the calls (by their first
+                # item) in program order; no call crosses the stage
+                pos = {id(it): i for i, it in enumerate(ins.items)}
+                assert sorted(pos[id(it)] for c in calls for it in c.items) == list(range(len(ins.items)))
+                firsts = [pos[id(c.items[0])] for c in calls]
+                assert firsts == sorted(firsts)
+                assert all([pos[id(it)] for it in c.items] == sorted(pos[id(it)] for it in c.items) for c in calls)
                 assert all(c.stage == ins.stage for c in calls)
                 for c in calls:
+                    if c.gathered:  # one q range, every part gatherable, kv from slots, one sequence
+                        seen_gathered = True
+                        assert len(c.items) > 1 and all(_gathers(it) for it in c.items)
+                        assert len({it.q for it in c.items}) == 1
+                        assert list(range(c.q_rows.start, c.q_rows.stop)) == _rows_of([c.items[0].q], where)
+                        assert c.kv_rows is None and c.q_lengths == (len(c.items[0].q),)
+                        assert c.kv_lengths == (sum(len(it.kv) for it in c.items),)
+                        assert c.kv_parts == tuple(len(it.kv) for it in c.items)
+                        assert c.work == len(c.items[0].q) * c.kv_lengths[0]
+                        continue
                     if len(c.items) > 1:
                         seen_fused = True
                         assert all(_local(it) for it in c.items)
@@ -90,15 +115,25 @@ def test_calls_partition_the_items_and_read_their_rows(case: int) -> None:
                         assert len(c.items) == 1 and c.items[0].src(Wire.KV) is not None
                     assert c.q_lengths == tuple(len(it.q) for it in c.items)
                     assert c.work == sum(it.work for it in c.items)
-                # maximal: neighbours could not have been fused
+                # maximal: gatherable items of one q range share a call; neighbours could not have been fused
+                by_q: dict = {}
+                for i, c in enumerate(calls):
+                    for it in c.items:
+                        if _gathers(it):
+                            by_q.setdefault(it.q, set()).add(i)
+                assert all(len(v) == 1 for v in by_q.values()), by_q
                 for a, b in zip(calls, calls[1:]):
                     x, y = a.items[-1], b.items[0]
-                    joinable = (_local(x) and _local(y) and x.causal == y.causal and x.kernel_window == y.kernel_window
+                    adjacent = pos[id(y)] == pos[id(x)] + 1  # a gathered member's place breaks a run
+                    joinable = (adjacent and _local(x) and _local(y) and x.causal == y.causal
+                                and x.kernel_window == y.kernel_window
                                 and where[y.q.start] == where[x.q.stop - 1] + 1
                                 and where[y.kv.start] == where[x.kv.stop - 1] + 1)  # fmt: skip
                     assert not joinable, (a, b)
     if case in (0, 2):
         assert seen_fused  # the property is not vacuous: these packings do fuse local blocks
+    if case in (2, 4):
+        assert seen_gathered  # ... and these gather remote kv for one q range
 
 
 def test_one_rank_plan_is_one_call_per_stage() -> None:
@@ -126,6 +161,29 @@ def test_rule_by_hand() -> None:
     assert calls[0] == KernelCall(3, (a, b), slice(0, 20), slice(0, 20))
     assert calls[2].q_rows == slice(30, 35) and calls[2].kv_rows is None and not calls[2].causal
     assert all_local(a) and not all_local(remote)
+
+
+def test_gathered_by_hand() -> None:
+    """Rectangles with remote kv for one local q range form one gathered call at the first one's
+    place; a causal block, another q range, a window-cut rectangle and a lone one do not."""
+    rows = LocalRows((Segment(TokenRange(0, 100), 0),))
+    r1 = _item((60, 70), (0, 10), slot=True, causal=False)
+    loc = _item((60, 70), (60, 70))
+    r2 = _item((60, 70), (20, 30), slot=True, causal=False)
+    other = _item((80, 90), (0, 10), slot=True, causal=False)  # alone in its q range
+    cut = ComputeItem(TokenRange(60, 70), TokenRange(50, 60), False, r1.srcs, r1.dsts, window=12)  # banded
+    r3 = _item((60, 70), (30, 35), slot=True, causal=False)
+    assert cut.kernel_window != (-1, -1)
+    calls = stage_calls(Compute(0, (r1, loc, r2, other, cut, r3)), rows)
+    assert [cl.items for cl in calls] == [(r1, r2, r3), (loc,), (other,), (cut,)]
+    g = calls[0]
+    assert g.gathered and g.q_rows == slice(60, 70) and g.kv_rows is None
+    assert (g.q_lengths, g.kv_lengths, g.kv_parts, g.work) == ((10,), (25,), (10, 10, 5), 250)
+    assert not any(c.gathered for c in calls[1:])
+    # a q slot (work for another rank) never gathers, nor does a local kv
+    away = ComputeItem(TokenRange(60, 70), TokenRange(0, 10), False, ((Wire.Q, Slot(0, 64)), (Wire.KV, Slot(64, 64))),
+                       ((Wire.O, None), (Wire.LSE, None)))  # fmt: skip
+    assert [len(c.items) for c in stage_calls(Compute(0, (away, away)), rows)] == [1, 1]
 
 
 def test_local_rows_follow_segments() -> None:

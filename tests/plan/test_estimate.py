@@ -136,3 +136,38 @@ def test_block_costs_by_hand() -> None:
     assert bc.launch.tolist() == [2 * k.launch_s, k.launch_s]  # causal and rectangle calls on rank 0, one on rank 1
     assert bc.fixed[0, 0] == pytest.approx(2 * k.launch_s + 4 * rates.merge_o, rel=1e-12)  # why: as above
     assert bc.fixed[0, 1] == 0.0 and bc.after[0, 1] == pytest.approx(4 * rates.merge_o, rel=1e-12)  # the remote result merged after the next wait
+
+
+def test_gathered_call_by_hand() -> None:
+    # rank 0 holds q rows [20, 24): a causal local block at stage 0, then two rectangles at stage 1
+    # with kv from ranks 1 and 2 — one gathered call (plan/calls.py): one block (4, 8) of 32
+    # pairs, one launch, its 4 q rows merged once, plus the copy of 8 kv rows (read and write);
+    # backward: one grid of ⌈8/128⌉ tiles and one GQA dK/dV accumulation over 8 kv rows. A third
+    # rectangle of another q range stays a call of its own.
+    from megatron_hsap.plan.costs import HeadShape
+    from megatron_hsap.plan.estimate import _arrays, block_costs
+    from megatron_hsap.plan.hardware import HARDWARE
+
+    r = TokenRange
+    units = [
+        Unit(0, r(20, 24), r(20, 24), True, 0, 0, 0, stage=0),
+        Unit(0, r(20, 24), r(0, 4), False, 0, 1, 0, stage=1),
+        Unit(0, r(20, 24), r(8, 12), False, 0, 2, 0, stage=1),
+        Unit(0, r(16, 18), r(0, 4), False, 0, 1, 0, stage=1),
+    ]
+    hw = HARDWARE["h100"]
+    shape = HeadShape(num_heads=8, num_kv_heads=2, head_dim=16, head_dim_v=16)
+    rates = CostRates.of(shape, hw, hw.nvlink_bw)
+    k = hw.kernel
+    fwd, bwd = (block_costs(_arrays(units), 3, 2, rates, ph) for ph in ("fwd", "bwd"))
+    gather = 2 * 8 * shape.token_bytes(Wire.KV) / hw.hbm_bw
+    for bc, ph, fpp in ((fwd, "fwd", rates.fpp_fwd), (bwd, "bwd", rates.fpp_bwd)):
+        want = 32 * fpp / float(k.rate(4, 8, ph, 4, 32)) + 8 * fpp / float(k.rate(2, 4, ph, 4, 8))
+        assert bc.kernel[0, 1] == pytest.approx(want, rel=1e-12)  # why: the same terms, summed in another order
+        assert bc.launch.tolist() == [3 * k.launch_s, 0.0, 0.0]  # stage 0; stage 1: gathered + the other
+    merge = 4 * rates.merge_o
+    assert fwd.fixed[0, 1] == pytest.approx(2 * k.launch_s + merge + gather, rel=1e-12)
+    grid = k.cta_s * 1 * 8 * 2  # two calls of ⌈kv/128⌉ = 1 tile × 8 heads
+    acc = 2 * 128 * 8 * rates.accum_row / hw.hbm_bw if k.gqa_dkv_accum else 0.0  # ⌈8/128⌉ + ⌈4/128⌉ tiles
+    assert bwd.fixed[0, 1] == pytest.approx(2 * k.launch_s + 4 * rates.merge_dq + gather + grid + acc, rel=1e-12)
+    assert bwd.after[1, 1] == pytest.approx((4 + 4) * rates.merge_dkv, rel=1e-12)  # each part's dk/dv back to its owner

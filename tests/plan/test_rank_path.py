@@ -3,8 +3,8 @@
 Reference: the timelines below, worked by hand from the program order every rank runs
 (``Post(k) · Compute(k) · Wait(k) · Merge(k)``, plan/codegen.py): a rank that exchanges nothing
 with a slow rank runs ahead of it (a per-stage max over ranks would not), a transfer starts when
-both ends have posted, a port carries its transfers as they start, and the merges of received
-results come after the wait. (The same case against the simulator: tests/sim/test_estimate_accuracy.py.)"""
+both ends have posted, a port carries its transfers as they start and shares itself among them
+(a short one ends first), and the merges of received results come after the wait. (The same case against the simulator: tests/sim/test_estimate_accuracy.py.)"""
 
 from __future__ import annotations
 
@@ -44,6 +44,18 @@ def test_transfer_starts_at_the_later_post_and_a_port_drains_its_transfers_as_th
     after[1, 1] = 0.5
     assert path_seconds(comp, after, *flows, (1.0, 0.0), 0.25) == 3.75  # why: as above
     assert path_seconds_py(comp.tolist(), after.tolist(), flows[0].tolist(), flows[1].tolist(), (1.0, 0.0), 0.25) == 3.75
+
+
+def test_a_short_transfer_at_a_busy_port_ends_before_the_port_drains() -> None:
+    # rank 0 sends 1 byte to rank 1 and 9 bytes to rank 2 at once (1 byte/s, no latency): its send
+    # port drains at 10 s, but the two share it (max-min fair, sim/engine.py) and the short one is
+    # done at 2 s (1 byte at 1/2 byte/s). So rank 1 ends at 2 s, not 10; ranks 0 and 2 at 10 s.
+    # Rank 3 then receives 4 bytes from rank 1 in round 1: from 2 s to 6 s.
+    comp = np.zeros((4, 2))
+    flows = _flows(4, [(0, 0, 1, 1.0), (0, 0, 2, 9.0), (1, 1, 3, 4.0)])
+    t = path_finish(comp, None, *flows, (1.0, 0.0), 0.0)
+    assert t.tolist() == [10.0, 6.0, 10.0, 6.0]  # why: sums of small integers, exact
+    assert path_seconds_py(comp.tolist(), None, flows[0].tolist(), flows[1].tolist(), (1.0, 0.0), 0.0) == 10.0
 
 
 def test_flows_sum_a_rounds_sends_per_pair_and_link() -> None:
