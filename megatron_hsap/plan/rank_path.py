@@ -116,20 +116,27 @@ def stack(parts: list[tuple[np.ndarray, np.ndarray | None, np.ndarray, np.ndarra
     return comp, after, flows[order], nbytes[order]
 
 
-def _drain(port: np.ndarray, start: np.ndarray, bw: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
-    """Per transfer, the drain time of its ``port`` (the module docstring): the port's transfers
-    sorted by start, each one's start plus the bytes starting at or after it over the bandwidth
-    (of equal starts the first in order carries the most bytes: the maximum is the same)."""
-    order = np.lexsort((start, port))
-    p, v = port[order], nbytes[order]
+def _by_port(port: np.ndarray, key: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The transfers sorted by ``port`` then ``key``: ``(order, heads, group, ends)`` — each port's
+    first row, each row's port index, and where each row's port stops."""
+    order = np.lexsort((key, port))
+    p = port[order]
     new = np.ones(len(p), dtype=bool)
     new[1:] = p[1:] != p[:-1]
     heads = np.flatnonzero(new)
     group = np.cumsum(new) - 1
+    return order, heads, group, np.append(heads[1:], len(p))[group]
+
+
+def _drain(port: np.ndarray, start: np.ndarray, bw: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
+    """Per transfer, the drain time of its ``port`` (the module docstring): the port's transfers
+    sorted by start, each one's start plus the bytes starting at or after it over the bandwidth
+    (of equal starts the first in order carries the most bytes: the maximum is the same)."""
+    order, heads, group, ends = _by_port(port, start)
+    v = nbytes[order]
     tail = np.append(np.cumsum(v[::-1])[::-1], 0.0)  # bytes from here to the end (exact: whole numbers)
-    ends = np.append(heads[1:], len(p))  # where each port's rows stop
-    val = start[order] + (tail[:-1] - tail[ends[group]]) / bw[order]
-    out = np.empty(len(p))
+    val = start[order] + (tail[:-1] - tail[ends]) / bw[order]
+    out = np.empty(len(order))
     out[order] = np.maximum.reduceat(val, heads)[group]
     return out
 
@@ -138,18 +145,12 @@ def _shared(port: np.ndarray, start: np.ndarray, bw: np.ndarray, nbytes: np.ndar
     """Per transfer, its processor-sharing bound at its ``port`` (the module docstring): the
     port's transfers sorted by bytes, the ``i``-th of ``m`` has ``Σ_{j ≤ i} v_j + (m − 1 − i)·v_i``
     bytes of the port to share (ties give equal sums; exact: whole numbers)."""
-    order = np.lexsort((nbytes, port))
-    p, v = port[order], nbytes[order]
-    new = np.ones(len(p), dtype=bool)
-    new[1:] = p[1:] != p[:-1]
-    heads = np.flatnonzero(new)
-    group = np.cumsum(new) - 1
-    ends = np.append(heads[1:], len(p))
+    order, heads, group, ends = _by_port(port, nbytes)
+    v = nbytes[order]
     upto = np.cumsum(v)
     upto -= np.append(0.0, upto)[heads[group]]  # bytes of the port's transfers up to this one, itself included
-    val = start[order] + (upto + (ends[group] - np.arange(len(p)) - 1) * v) / bw[order]
-    out = np.empty(len(p))
-    out[order] = val
+    out = np.empty(len(order))
+    out[order] = start[order] + (upto + (ends - np.arange(len(order)) - 1) * v) / bw[order]
     return out
 
 

@@ -28,7 +28,7 @@ CASES = [
     ("fineweb", 256 * K, 1, 8, 32, 8, "h100", {}),  # 4 / 1, pure Ulysses: a shared-kv count is chosen
     ("ultrachat", 64 * K, 2, 8, 64, 8, "h100-fa3", {}),  # 8 / 1: C = 8 (shared) is chosen
     ("slimpajama", 128 * K, 4, 4, 32, 1, "h100-fa3", {}),  # MQA, kv replicated: 8 / 1
-    ("slimpajama", 256 * K, 16, 8, 64, 8, "h100-fa3", {}),  # 8 / 1 at 128 GPUs: C > 1 loses
+    ("slimpajama", 256 * K, 16, 8, 64, 8, "h100-fa3", {}),  # 8 / 1 at 128 GPUs: C = 2 (shared) is chosen
     ("fineweb", 64 * K, 4, 4, 32, 32, "a100", {}),  # MHA: no shared kv
     ("sharegpt", 128 * K, 8, 2, 32, 8, "h100-fa3", {"window_size": (2048, 0)}),  # 16 / 4, windowed
     ("sharegpt", 64 * K, 8, 2, 32, 8, "a100", {"layout": "contiguous", "link": "ib"}),
@@ -71,9 +71,11 @@ def test_bounded_choice_equals_the_exhaustive_one(workload, T, inter, intra, hea
 
 
 def test_hopeless_counts_are_skipped_at_one_kv_head_per_rank(monkeypatch):
-    """128 GPUs (8 × 16), GQA 64:8 (one kv head per rank), slimpajama 256K: every C > 1 loses,
-    and the bounds show it without re-pricing any of C = 2, 4, 8 (so the skip is exercised)."""
-    plan = _plan("slimpajama", 256 * K, 16, 8, 64, 8, "h100-fa3", {})
+    """128 GPUs (8 × 16), GQA 64:8 (one kv head per rank), slimpajama 512K: every C > 1 loses
+    (estimated 5.76 ms at C = 1, 5.95 / 8.13 / 12.92 at C = 2 / 4 / 8), and the bounds show it
+    without re-pricing any of C = 2, 4, 8 (so the skip is exercised). (At 256K, C = 2 wins since
+    gathered calls cut SAP's compute.)"""
+    plan = _plan("slimpajama", 512 * K, 16, 8, 64, 8, "h100-fa3", {})
     repriced = []
     full = ch.chunk_phase_times
     monkeypatch.setattr(ch, "chunk_phase_times", lambda p, c: repriced.append(c) or full(p, c))

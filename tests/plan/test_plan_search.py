@@ -341,7 +341,8 @@ def test_an_overflowed_staging_is_never_offered_again_and_the_cheaper_next_one_i
 
 def test_the_stage_shape_kept_is_the_one_whose_code_is_fastest(monkeypatch: pytest.MonkeyPatch) -> None:
     # Table 4 ultrachat 16K 1x8 s0 (Llama-2 7B heads, A100; sim/estimate_accuracy): the stage
-    # shape of least staged price builds code 12% slower than another shape of the same candidate
+    # shape of least staged price builds code 1.7% slower than another shape of the same candidate
+    # (12% before gathered kernel calls, plan/calls.py, made the remote blocks' calls cheaper)
     from megatron_hsap.plan.schedule import StagingError, stage, stage_shapes
 
     plan, priced, (size, shape, capacity, rates, latency, budget) = _compiled_recording(
@@ -359,4 +360,4 @@ def test_the_stage_shape_kept_is_the_one_whose_code_is_fastest(monkeypatch: pyte
         staged[shp] = candidates.price_staging(st, size, rates, latency)
     assert plan.chosen.time <= min(code.values()) * (1 + 1e-9)
     by_staged = min(staged, key=staged.get)
-    assert code[by_staged] > plan.chosen.time * 1.05  # not vacuous: the staged price picks a slower shape
+    assert code[by_staged] > plan.chosen.time * 1.01  # not vacuous: the staged price picks a slower shape

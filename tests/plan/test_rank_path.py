@@ -9,7 +9,6 @@ both ends have posted, a port carries its transfers as they start and shares its
 from __future__ import annotations
 
 import numpy as np
-import pytest
 
 from megatron_hsap.plan.rank_path import flows_of, pairs_of, path_finish, path_seconds, path_seconds_py, round_seconds, stack
 

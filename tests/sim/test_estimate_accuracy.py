@@ -27,8 +27,13 @@ SAME = 1e-9
 # fused merge then tipped both to a slower rebalanced plan). A kernel beside a round a rank only
 # receives from a higher-numbered sender is slowed like any other (sim/builder.Builder.build; before,
 # "ultrachat 32K 1x8 s1" simulated its chosen plan 0.7% slower than owner-computes through that
-# artefact alone: 1.775 vs 1.763 ms, 1.795 once fixed). No known losses are left; KNOWN pins one
-# with its measured cause and a bound, so a regression still fails.
+# artefact alone: 1.775 vs 1.763 ms, 1.795 once fixed). A port shares itself among its transfers,
+# so a short one ends before the port drains (rank_path's shared term): once gathered kernel calls
+# (plan/calls.py) made owner-computes' stages transfer-bound, the drain alone priced its plan on
+# "slimpajama SP8 32K s0" 5.4% over the simulator and the planner kept a region-distflash plan
+# simulating 2.4% slower (6.304 vs 6.156 ms; "slimpajama 32K 1x8 s0" 0.5%), 1.0% over with it.
+# No known losses are left; KNOWN pins one with its measured cause and a bound, so a regression
+# still fails.
 KNOWN: dict[str, float] = {}
 
 
