@@ -142,7 +142,8 @@ def _windows(total, parts):
     return [0, 1, 5, chunk - 1, chunk, chunk + 3, total]
 
 
-@pytest.mark.parametrize("inter", [2, 3, 4, 8])
+# inter 8 (the slowest: ~15 s) runs with the slow suite, which CI runs too (.ci/run)
+@pytest.mark.parametrize("inter", [2, 3, 4, pytest.param(8, marks=pytest.mark.slow)])
 def test_units_are_exactly_the_banded_blocks(inter):
     total = 16 * inter
     for (name, cu), left, layout in itertools.product(special_packings(total, inter).items(), _windows(total, inter),
@@ -255,7 +256,8 @@ def test_phase_items_carry_the_window_in_both_phases():
         check_coverage(plan, items, phase)
 
 
-@pytest.mark.parametrize("seed", range(3))
+# seeds 1 and 2 (~20 s) run with the slow suite, which CI runs too (.ci/run)
+@pytest.mark.parametrize("seed", [0, pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow)])
 def test_random_windowed_packings_compile_and_verify(seed, monkeypatch):
     """Random packings (tests/plan/test_properties.py's generator) under random windows, small
     pools (blocks cut across stages) and both layouts: every plan verifies, its work is the
