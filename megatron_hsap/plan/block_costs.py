@@ -163,7 +163,6 @@ class BlockGroups:
                 knk, kw, acc_nk = nk.copy(), work.copy(), nk.copy()
                 knk[mem], kw[mem] = tot_nk, tot_w
                 acc_nk[mem] = np.where(first, tot_nk, 0)
-                seq = seq.copy()
                 seq[mem] = first
                 merge_q = home_q.copy()
                 merge_q[mem] = first

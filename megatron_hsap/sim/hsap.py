@@ -179,7 +179,7 @@ def _sap(b: Builder, r: int, prog: object, rows: LocalRows, shape: HeadShape, sc
             for call in stage_calls(ins, rows):  # the runtime's kernel calls, one launch each
                 items = call.items
                 if call.gathered:  # the parts' kv concatenated (a memory-bound copy), one sequence
-                    nk, work = sum(call.kv_parts), sum(it.work for it in items)
+                    (nk,), work = call.kv_lengths, call.work
                     b.elementwise(r, 2 * nk * shape.token_bytes(Wire.KV), hw, "gather kv")  # type: ignore[arg-type]
                     blocks = [(len(items[0].q), nk, work * fpp, work)]
                     items = items[:1]  # their q rows, merged once
