@@ -3,7 +3,7 @@
 * which compute items form one kernel call: ``plan/calls.py``; the executor's prepared steps, the
   simulator and the head-chunk estimate import it and group nothing themselves;
 * per-wire row shapes and element sizes: ``plan/costs.py`` (``HeadShape.row_shapes``,
-  ``element_bytes``, ``FP32_WIRES``); the executor's slot views and the simulator's merge widths
+  ``element_bytes``, ``fp32_wire``, ``FP32_WIRES``); the executor's slot views and the simulator's merge widths
   read them instead of tables of their own;
 * the kv heads per intra rank: ``plan/options.kv_heads_per_rank``; Ulysses and the simulator
   import it;
@@ -84,9 +84,8 @@ def test_wire_formats_have_one_home() -> None:
         tables = [n for n in ast.walk(SOURCES[path]) if isinstance(n, ast.Dict) and _wire_members(n)
                   and any(_sizes(v) for v in n.values)]  # fmt: skip
         assert not tables, f"{path} has its own per-wire table: {[ast.unparse(t)[:60] for t in tables]}"
-    assert ("megatron_hsap.plan.costs", "FP32_WIRES") in _imports("runtime/executor.py")
-    text = ast.unparse(SOURCES["runtime/executor.py"])
-    assert ".row_shapes(" in text and ".element_bytes(" in text
+    text = ast.unparse(SOURCES["runtime/executor.py"])  # the slot dtype from the shape's one rule
+    assert ".row_shapes(" in text and ".element_bytes(" in text and ".fp32_wire(" in text
     assert ".token_elements(" in ast.unparse(SOURCES["sim/hsap.py"])
 
 

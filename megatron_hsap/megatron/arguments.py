@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron_hsap.errors import ConfigError
+from megatron_hsap.plan.costs import GRAD_WIRE_DTYPES
 from megatron_hsap.plan.hardware import HARDWARE
 
 __all__ = ["HSAPArgs", "add_hsap_args", "validate_hsap_args", "IMPLS"]
@@ -99,6 +100,12 @@ def add_hsap_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="Head chunks the intra all-to-all is pipelined over (the all-to-all of chunk k+1 runs while "
         "SAP computes chunk k; default: the planner chooses per batch by its estimate). Must divide the q "
         "and kv heads each intra rank holds.",
+    )
+    group.add_argument(
+        "--hsap-grad-wire-dtype", choices=GRAD_WIRE_DTYPES, default="fp32",
+        help="Dtype the partial gradients dq, dk, dv travel in between inter ranks: fp32 (default) or "
+        "activation (bf16/fp16: half the backward's result bytes; the GPU kernels return them in that "
+        "dtype, so the sum is the same; accumulation stays fp32).",
     )
     group.add_argument(
         "--hsap-hardware", choices=sorted(HARDWARE), default=None,

@@ -113,18 +113,27 @@ def _read_direct(data_iterator: Iterator[dict[str, Any]] | None) -> Any:
     return _broadcast_host_batch(packed)
 
 
-def _plan_kwargs(args: Any) -> dict[str, Any]:
-    from megatron_hsap.megatron.batch import plan_kwargs_from_config
-    from megatron_hsap.megatron.hardware import run_hardware
-
-    kwargs = plan_kwargs_from_config(_core_config())
-    kwargs["layout"] = getattr(args, "hsap_layout", "balanced")
+def plan_flags(args: Any) -> dict[str, Any]:
+    """``compile_plan`` options the ``--hsap-*`` flags set (the model's shape, hardware and link
+    come from elsewhere): layout and fallback, pool, head chunks, the gradients' wire dtype
+    (left out at its default, so default runs compile the plans they always did)."""
+    kwargs: dict[str, Any] = {"layout": getattr(args, "hsap_layout", "balanced")}
     if kwargs["layout"] == "balanced":
         kwargs["layout_fallback"] = getattr(args, "hsap_layout_fallback", True)
     if getattr(args, "hsap_pool_bytes", None):
         kwargs["pool_bytes"] = args.hsap_pool_bytes
     if getattr(args, "hsap_head_chunks", None) is not None:
         kwargs["head_chunks"] = args.hsap_head_chunks
+    if getattr(args, "hsap_grad_wire_dtype", "fp32") != "fp32":
+        kwargs["grad_wire_dtype"] = args.hsap_grad_wire_dtype
+    return kwargs
+
+
+def _plan_kwargs(args: Any) -> dict[str, Any]:
+    from megatron_hsap.megatron.batch import plan_kwargs_from_config
+    from megatron_hsap.megatron.hardware import run_hardware
+
+    kwargs = {**plan_kwargs_from_config(_core_config()), **plan_flags(args)}
     hardware = run_hardware(args)
     kwargs.update(hardware=hardware.name, gpus_per_node=hardware.gpus_per_node)
     link = _measured_link()

@@ -133,15 +133,21 @@ def _placements(units: list[WorkUnit], size: int, rates: CostRates, allow_helper
 def _price(placements: dict[str, Placement], size: int, rates: CostRates, latency: float, budget: float,
            forced: str) -> dict[str, tuple[float, BlocksByRank, StagedBlocks]]:
     """Stage and price the placements: each under its default shape, in order of ``Placement.flat_time_bound``
-    (a lower bound of the staged estimate), skipping those whose bound cannot beat the best price
-    by 1%; then (``_explore``) every shape for the best one and for owner-computes."""
+    (flat rates: the likely order), skipping those whose ``bounds.price_floor`` (a lower bound of
+    every staging's price) cannot beat the best price by 1%; then (``_explore``) every shape for
+    the best one and for owner-computes.
+
+    The flat bound once pruned here too, but it is no bound of the kernel-priced estimate: a whole
+    4K × 4K block runs above the flat rate. On one 64K document over 16 ranks (Table 2, InfiniBand)
+    it put region-distflash (flat 51.7 ms) above owner-computes rebalanced's staged 46.5 ms, so the
+    DistFlashAttn-like placement was never staged."""
     order = sorted(placements, key=lambda n: (placements[n].flat_time_bound(), n != forced, n != "owner-computes", n))
     priced: dict[str, tuple[float, BlocksByRank, StagedBlocks]] = {}
     seen: set[tuple] = set()
     best_t = float("inf")
     for name in order:
         pl = placements[name]
-        if name != "owner-computes" and pl.flat_time_bound() >= best_t * (1 - _MIN_GAIN):
+        if name != "owner-computes" and price_floor(np.asarray(pl.work, dtype=np.float64), rates) >= best_t * (1 - _MIN_GAIN):
             continue
         if forced != "auto" and name != forced:
             continue

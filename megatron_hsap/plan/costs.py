@@ -9,10 +9,16 @@ from megatron_hsap.errors import ConfigError
 from megatron_hsap.plan.checks import positive_int
 from megatron_hsap.plan.ir import Wire
 
-__all__ = ["HeadShape", "FP32_BYTES", "FP32_WIRES", "BWD_FLOP_FACTOR"]
+__all__ = ["HeadShape", "FP32_BYTES", "FP32_WIRES", "GRAD_WIRES", "GRAD_WIRE_DTYPES", "BWD_FLOP_FACTOR"]
 
 FP32_BYTES = 4
 FP32_WIRES = frozenset({Wire.LSE, Wire.DELTA, Wire.DQ, Wire.DKV})  # the wires sent in fp32 (docs/design.md §4)
+# the partial gradients: fp32 by default, or in the activation dtype (``HeadShape.fp32_grads``
+# False, ``PlanOptions.grad_wire_dtype="activation"``): the GPU kernels return them in the
+# activation dtype (``runtime/kernels.py``: flash-attn, aten and TE allocate dq, dk, dv like q),
+# so on a GPU the fp32 wire carries those very values at twice the bytes
+GRAD_WIRES = frozenset({Wire.DQ, Wire.DKV})
+GRAD_WIRE_DTYPES = ("fp32", "activation")
 BWD_FLOP_FACTOR = 2.5  # backward FLOPs = 2.5 × forward (docs/design.md §4)
 
 
@@ -26,10 +32,13 @@ class HeadShape:
     head_dim: int
     head_dim_v: int
     dtype_bytes: int = 2
+    fp32_grads: bool = True  # dq / dkv partials sent in fp32 (else in the activation dtype; ``GRAD_WIRES``)
 
     def __post_init__(self) -> None:
         for name in ("num_heads", "num_kv_heads", "head_dim", "head_dim_v", "dtype_bytes"):
             positive_int(name, getattr(self, name))
+        if not isinstance(self.fp32_grads, bool):
+            raise ConfigError(f"fp32_grads={self.fp32_grads!r} must be True or False")
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(
                 f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}; "
@@ -50,9 +59,14 @@ class HeadShape:
             return ((h,),)
         raise ConfigError(f"unknown wire {wire!r}; use a plan.ir.Wire member")
 
+    def fp32_wire(self, wire: Wire) -> bool:
+        """Whether ``wire`` travels (and sits in the pool) in fp32: lse and delta always, the
+        partial gradients unless ``fp32_grads`` is off; the rest in the activation dtype."""
+        return wire in FP32_WIRES and (self.fp32_grads or wire not in GRAD_WIRES)
+
     def element_bytes(self, wire: Wire) -> int:
-        """Bytes of one element of ``wire``: fp32 for lse, delta and gradients, else the activations'."""
-        return FP32_BYTES if wire in FP32_WIRES else self.dtype_bytes
+        """Bytes of one element of ``wire`` (``fp32_wire``: fp32, else the activations')."""
+        return FP32_BYTES if self.fp32_wire(wire) else self.dtype_bytes
 
     def token_elements(self, wire: Wire) -> int:
         """Elements one token row of ``wire`` holds (k and v together for KV / DKV)."""

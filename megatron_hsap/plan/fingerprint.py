@@ -132,6 +132,8 @@ def plan_hash(plan: "Plan") -> int:
     for name in _OPTION_NAMES:
         if name == "window_size" and plan.options.window_size is None:
             continue  # plans without a window keep the hashes they had before windows existed
+        if name == "grad_wire_dtype" and plan.options.grad_wire_dtype == "fp32":
+            continue  # the default keeps the hashes from before the option existed
         if name == "head_chunks":
             continue  # the resolved count below: None and a forced 2 that run alike hash alike
         h.update(f"\n{name}={getattr(plan.options, name)!r}".encode())

@@ -122,6 +122,7 @@ def _search(cu: tuple[int, ...], opts: PlanOptions, staged: list[PricedLayout]) 
         head_dim=opts.head_dim,
         head_dim_v=opts.head_dim_v or opts.head_dim,
         dtype_bytes=opts.dtype_bytes,
+        fp32_grads=opts.grad_wire_dtype == "fp32",
     )
     size = opts.inter_size
     batch = Batch.build(cu, size * opts.intra_size * opts.pad_multiple)
@@ -147,8 +148,12 @@ def _search(cu: tuple[int, ...], opts: PlanOptions, staged: list[PricedLayout]) 
             contiguous = _build_on(con)
             if kept_layout(contiguous.chosen.time, None, bound) == "contiguous":
                 return contiguous  # already within 1% of the compute bound: no layout can gain more
-    bal = _price_on(balanced_layout(batch, size, opts.intra_size, kv_token_cost(rates), opts.window), batch, shape, opts,
-                    lazy=True)
+    # the layout's kv price is calibrated on fp32 gradient rows (balanced.py's flat model): priced
+    # with the cheaper rows of grad_wire_dtype="activation" it split more documents and its plans
+    # were estimated up to 13% slower (slimpajama 32K, 1x8 s2); the wires alone change below
+    layout_rates = rates if shape.fp32_grads else CostRates.of(replace(shape, fp32_grads=True), hw, rates.bw)
+    bal = _price_on(balanced_layout(batch, size, opts.intra_size, kv_token_cost(layout_rates), opts.window), batch, shape,
+                    opts, lazy=True)
     staged.append(bal)
     bal.exact()
     if con is None:

@@ -26,7 +26,8 @@ Slots are typed views of ONE byte tensor per device, :func:`receive_pool`, alloc
 largest capacity asked for and reused by every layer, step and plan that fits: every slot is dead
 when a phase ends (all its rounds were waited), so layers can share it.
 
-Wire formats (docs/design.md §4): q, kv, o, do in the activation dtype; lse, delta, dq, dkv in fp32. KV
+Wire formats (docs/design.md §4; ``HeadShape.fp32_wire``): q, kv, o, do in the activation dtype; lse, delta in
+fp32; dq, dkv in fp32 unless the plan sends them in the activation dtype (``grad_wire_dtype``). KV
 and DKV are two P2P operations, k rows then v rows, packed back to back in one slot.
 """
 
@@ -44,7 +45,7 @@ from torch import Tensor
 from megatron_hsap.errors import ConfigError, RuntimeMismatchError
 from megatron_hsap.plan.calls import LocalRows
 from megatron_hsap.plan.chunks import chunk_shape
-from megatron_hsap.plan.costs import FP32_WIRES, HeadShape
+from megatron_hsap.plan.costs import HeadShape
 from megatron_hsap.plan.ir import ComputeItem, Phase, Send, Slot, Wire
 from megatron_hsap.plan.lru import LRUCache
 from megatron_hsap.runtime.env import MAX_TIMEOUT_S, read_env
@@ -292,7 +293,7 @@ class Executor:
     def _view(self, buf: _Buffers, slot: Slot, wire: Wire, n: int) -> tuple[Tensor, ...]:
         """Typed views of ``slot`` holding ``n`` rows of ``wire`` (two for KV / DKV)."""
         s = buf.shape  # the wire's row shapes and element size: plan/costs.py (one home)
-        dtype = _F32 if wire in FP32_WIRES else buf.act
+        dtype = _F32 if s.fp32_wire(wire) else buf.act
         out, off = [], slot.offset
         for row in s.row_shapes(wire):
             shape = (n, *row)

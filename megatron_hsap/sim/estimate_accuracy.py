@@ -15,7 +15,9 @@ P_intra 1, SP 2–16, ``slimpajama`` seeds and one ``full`` document), Table 4
 (``sim/magi.magi``: H100 FA3, 64/8 heads, 8K tokens per GPU; at fixed topologies here instead of
 the tuned one, so every topology the tuner may pick is covered).
 
-``python -m megatron_hsap.sim.estimate_accuracy [--set table2|table4|magi|all] [--seeds N] [--gpus 8]``
+``python -m megatron_hsap.sim.estimate_accuracy [--set table2|table4|magi|all] [--seeds N] [--gpus 8]
+[--grad-wire-dtype activation]`` (the last: every plan with its gradients on the wire in the
+activation dtype; compare with a default run batch by batch).
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from dataclasses import dataclass
 from typing import Iterator
 
 import numpy as np
+
+from megatron_hsap.plan.costs import GRAD_WIRE_DTYPES
 
 __all__ = ["Case", "cases", "measure", "Measured", "layouts", "main"]
 
@@ -110,8 +114,9 @@ class Measured:
         return self.simulated_s / self.owner_s
 
 
-def measure(case: Case) -> Measured:
-    """Estimate, simulate and compare one batch (see the module docstring)."""
+def measure(case: Case, plan_options: dict | None = None) -> Measured:
+    """Estimate, simulate and compare one batch (see the module docstring); ``plan_options``: extra
+    ``compile_plan`` options for all three (e.g. ``{"grad_wire_dtype": "activation"}``)."""
     from megatron_hsap.plan.chunks import head_chunk_estimates
     from megatron_hsap.plan.plan import compile_plan
     from megatron_hsap.sim.config import sim_hardware
@@ -120,11 +125,13 @@ def measure(case: Case) -> Measured:
     hw = sim_hardware(case.hardware)
     shape = full_shape(*case.heads)
     cu = np.asarray(case.cu, dtype=np.int64)
-    run = run_method("hsap", cu, hw=hw, intra=case.intra, inter=case.inter, shape=shape)
-    own = run_method("hsap", cu, hw=hw, intra=case.intra, inter=case.inter, shape=shape, plan_options={"placement": "owner-computes"})
+    extra = dict(plan_options or {})
+    run = run_method("hsap", cu, hw=hw, intra=case.intra, inter=case.inter, shape=shape, plan_options=extra or None)
+    own = run_method("hsap", cu, hw=hw, intra=case.intra, inter=case.inter, shape=shape,
+                     plan_options={**extra, "placement": "owner-computes"})
     assert run is not None and own is not None
     plan = compile_plan(cu, case.inter, case.intra, num_heads=shape.num_heads, num_kv_heads=shape.num_kv_heads,
-                        head_dim=shape.head_dim, dtype_bytes=shape.dtype_bytes, hardware=case.hardware)
+                        head_dim=shape.head_dim, dtype_bytes=shape.dtype_bytes, hardware=case.hardware, **extra)
     est = head_chunk_estimates(plan)[plan.head_chunks]
     return Measured(case, est, run.seconds, own.seconds, plan.chosen.name, plan.layout.name)
 
@@ -157,7 +164,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", type=int, default=3, help="seeded batches per packed point (one for 'full')")
     p.add_argument("--gpus", type=int, default=64, help="skip points with more GPUs than this")
     p.add_argument("--layouts", action="store_true", help="also simulate both layouts: is the kept one the faster?")
+    p.add_argument("--grad-wire-dtype", choices=GRAD_WIRE_DTYPES, default="fp32",
+                   help="the plans' gradient wire dtype (compile_plan's grad_wire_dtype)")
     args = p.parse_args(argv)
+    opts = {} if args.grad_wire_dtype == "fp32" else {"grad_wire_dtype": args.grad_wire_dtype}
     if args.layouts:
         wrong = 0
         for c in cases(args.set, args.seeds, args.gpus):
@@ -172,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     print(f"{'batch':34} {'placement':28} {'layout':10} {'est ms':>9} {'sim ms':>9} {'owner ms':>9} {'est/sim':>7} {'sim/own':>7}")
     for c in cases(args.set, args.seeds, args.gpus):
-        m = measure(c)
+        m = measure(c, opts)
         rows.append(m)
         flag = "  SLOWER" if m.vs_owner > 1 + 1e-9 else ""
         print(f"{c.label:34} {m.placement[:28]:28} {m.layout:10} {m.estimate_s * 1e3:9.3f} {m.simulated_s * 1e3:9.3f} "

@@ -59,6 +59,20 @@ def test_head_chunks_flag_reaches_the_plan_options() -> None:
     assert validate_hsap_args(gqa) == HSAPArgs(intra_size=4, inter_size=2)  # 2 q chunks sharing the kv head
 
 
+def test_grad_wire_dtype_flag_reaches_the_plan_options() -> None:
+    from megatron_hsap.megatron.pretrain_hooks import plan_flags
+    from megatron_hsap.plan import compile_plan
+
+    default = plan_flags(_parse(GOOD))
+    assert "grad_wire_dtype" not in default  # default runs compile the plans they always did
+    flags = plan_flags(_parse(GOOD + ["--hsap-grad-wire-dtype", "activation", "--hsap-head-chunks", "2"]))
+    assert flags["grad_wire_dtype"] == "activation" and flags["head_chunks"] == 2
+    plan = compile_plan([0, 300, 1024], 2, 4, num_heads=8, num_kv_heads=4, **flags)
+    assert not plan.shape.fp32_grads
+    with pytest.raises(SystemExit):  # argparse names the choices
+        _parse(GOOD + ["--hsap-grad-wire-dtype", "bf16"])
+
+
 def test_ring_is_the_default_and_untouched() -> None:
     args = _parse(["--context-parallel-size", "2"])
     assert args.context_parallel_impl == "ring"

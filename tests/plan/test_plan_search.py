@@ -361,3 +361,40 @@ def test_the_stage_shape_kept_is_the_one_whose_code_is_fastest(monkeypatch: pyte
     assert plan.chosen.time <= min(code.values()) * (1 + 1e-9)
     by_staged = min(staged, key=staged.get)
     assert code[by_staged] > plan.chosen.time * 1.01  # not vacuous: the staged price picks a slower shape
+
+
+def _staged_splits(monkeypatch: pytest.MonkeyPatch, cu: list[int], size: int, floor, **kw) -> tuple[object, list[str]]:
+    """The plan of ``cu`` and every split ``candidates._best_staging`` staged, with ``floor`` as
+    the placement prune's bound."""
+    staged: list[str] = []
+    real = candidates._best_staging
+
+    def recording(split, *args, **kwargs):
+        staged.append(split)
+        return real(split, *args, **kwargs)
+
+    monkeypatch.setattr(candidates, "price_floor", floor)
+    monkeypatch.setattr(candidates, "_best_staging", recording)
+    clear_plan_cache()
+    plan = compile_plan(cu, size, **kw)
+    monkeypatch.undo()
+    return plan, staged
+
+
+@pytest.mark.parametrize("cu, size, kw", [
+    # one 64K document over 16 ranks on InfiniBand (Table 2's point): region-distflash's flat-rate
+    # "bound" (51.7 ms) sat above owner-computes rebalanced's staged 46.5 ms, so it was never staged
+    ([0, 65536], 16, dict(num_heads=16, num_kv_heads=16, head_dim=128, hardware="a100", link="ib", layout="contiguous")),
+    ([0, 9000, 30000, 31000, 65536], 8, GQA),
+])
+def test_a_placement_is_skipped_only_when_its_floor_cannot_win(monkeypatch: pytest.MonkeyPatch, cu, size, kw) -> None:
+    # the placement prune uses bounds.price_floor (a lower bound of every staging's price): with no
+    # prune at all (a floor of 0) every placement is staged, and the same plan comes out
+    from megatron_hsap.plan.bounds import price_floor
+
+    pruned, staged = _staged_splits(monkeypatch, cu, size, price_floor, **kw)
+    full, staged_all = _staged_splits(monkeypatch, cu, size, lambda work, rates: 0.0, **kw)
+    assert plan_hash(pruned) == plan_hash(full) and pruned.chosen.time == full.chosen.time
+    assert len(staged) <= len(staged_all)
+    if size == 16:  # the DistFlashAttn-like placement is priced now (it does not win: fp32 gradient returns)
+        assert "region-distflash" in pruned.alternatives and "region-distflash" in full.alternatives

@@ -1,8 +1,8 @@
 """Module-level cases the gloo pool runs on every rank (pickled by reference), and their helpers.
 
 A *spec* is a plain dict (pickled to the ranks): ``cu`` (global cu_seqlens), ``intra``, ``inter``,
-``heads``, ``kv_heads``, ``dim``, ``dim_v``, ``dtype`` ("float32" | "bfloat16"), ``pool_bytes``
-(None: the plan's default), ``groups`` ("explicit" | "initialize" | "default") and the global
+``heads``, ``kv_heads``, ``dim``, ``dim_v``, ``dtype`` ("float32" | "bfloat16"), ``grad_wire``
+(None or the plan's ``grad_wire_dtype``), ``pool_bytes`` (None: the plan's default), ``groups`` ("explicit" | "initialize" | "default") and the global
 tensors ``q``, ``k``, ``v``, ``do`` as float32 numpy arrays over the padded batch ``[T', ...]``
 (bf16 values are exact in float32). Results go back as numpy too: a tensor pickled in a rank
 where Megatron was imported by an earlier case would make the test process import Megatron.
@@ -49,6 +49,7 @@ def compile_for(spec: dict) -> Any:
         **({"pool_bytes": spec["pool_bytes"]} if spec.get("pool_bytes") else {}),
         **({"window_size": tuple(spec["window"])} if spec.get("window") else {}),
         **({"head_chunks": spec["head_chunks"]} if spec.get("head_chunks") else {}),  # runtime/hsap.py pipelining
+        **({"grad_wire_dtype": spec["grad_wire"]} if spec.get("grad_wire") else {}),
         # "balanced" is forced (no fallback to contiguous), so the permuted layout is what runs
         layout=spec.get("layout", "contiguous"), **({"layout_fallback": False} if spec.get("layout") == "balanced" else {}),
     )  # fmt: skip
@@ -113,7 +114,7 @@ def run_cases(specs: list[dict]) -> list[dict]:
 def build_spec(cu: list[int], *, intra: int = 1, inter: int, heads: int = 8, kv_heads: int = 8, dim: int = 8,
                dim_v: int | None = None, dtype: str = "float32", seed: int = 0, pool_bytes: int | None = None,
                groups: str = "explicit", large_logits: bool = False, layout: str = "contiguous",
-               window: tuple[int, int] | None = None) -> dict:  # fmt: skip
+               window: tuple[int, int] | None = None, grad_wire: str | None = None) -> dict:  # fmt: skip
     """A spec with seeded global tensors over the padded batch (see the module docstring).
 
     ``large_logits``: small integers in q and k except a first component of 2500 in q and 4 in k,
@@ -121,6 +122,7 @@ def build_spec(cu: list[int], *, intra: int = 1, inter: int, heads: int = 8, kv_
     overflows even in float64)."""
     spec = dict(cu=[int(x) for x in cu], intra=intra, inter=inter, heads=heads, kv_heads=kv_heads, dim=dim,
                 dim_v=dim_v or dim, dtype=dtype, pool_bytes=pool_bytes, groups=groups, layout=layout, window=window,
+                grad_wire=grad_wire,
                 scale=1.0 if large_logits else None,
                 # fp32 LSE near 1e4 resolves 2^-10 ≈ 1e-3: merge weights exp(lse_a - lse) and the
                 # backward's P = exp(s - lse) inherit it (a single GPU kernel has the same error)
