@@ -58,6 +58,12 @@ def price_floor(rank_work: np.ndarray, rates: CostRates) -> float:
     return float(np.max(rank_work, initial=0.0)) * per * (1 - 1e-9)
 
 
+def placement_floor(placement: object, rates: CostRates) -> float:
+    """``price_floor`` of a placement's per-rank work (``Placement.work``): below every staging of
+    it, so the candidate search skips it and the layout search settles on it without staging."""
+    return price_floor(np.asarray(placement.work, dtype=np.float64), rates)  # type: ignore[attr-defined]
+
+
 def ideal_compute(doc_lengths: np.ndarray, doc_work: np.ndarray, size: int, rates: CostRates) -> float:
     """Seconds of forward + backward attention with every document whole at the kernel's rate for
     its own shape and the work spread perfectly over ``size`` ranks, no traffic, no launches

@@ -7,9 +7,8 @@ at built price, with pool-overflow retries and the owner-computes check (``_choo
 
 from __future__ import annotations
 
-import numpy as np
 
-from megatron_hsap.plan.bounds import compute_bound, price_floor
+from megatron_hsap.plan.bounds import compute_bound, placement_floor
 from megatron_hsap.plan.codegen import PoolOverflow, generate
 from megatron_hsap.plan.costs import HeadShape
 from megatron_hsap.plan.estimate import built_price, phase_time, price_staging
@@ -133,7 +132,7 @@ def _placements(units: list[WorkUnit], size: int, rates: CostRates, allow_helper
 def _price(placements: dict[str, Placement], size: int, rates: CostRates, latency: float, budget: float,
            forced: str) -> dict[str, tuple[float, BlocksByRank, StagedBlocks]]:
     """Stage and price the placements: each under its default shape, in order of ``Placement.flat_time_bound``
-    (flat rates: the likely order), skipping those whose ``bounds.price_floor`` (a lower bound of
+    (flat rates: the likely order), skipping those whose ``bounds.placement_floor`` (a lower bound of
     every staging's price) cannot beat the best price by 1%; then (``_explore``) every shape for
     the best one and for owner-computes.
 
@@ -147,7 +146,7 @@ def _price(placements: dict[str, Placement], size: int, rates: CostRates, latenc
     best_t = float("inf")
     for name in order:
         pl = placements[name]
-        if name != "owner-computes" and price_floor(np.asarray(pl.work, dtype=np.float64), rates) >= best_t * (1 - _MIN_GAIN):
+        if name != "owner-computes" and placement_floor(pl, rates) >= best_t * (1 - _MIN_GAIN):
             continue
         if forced != "auto" and name != forced:
             continue
@@ -331,5 +330,5 @@ def _stage_all(placements: dict[str, Placement], *, size: int, rates: CostRates,
     ``_explore``; with owner-computes' floor when its search was deferred (else None)."""
     priced = _price(placements, size, rates, latency, budget, forced)
     owner = placements.get("owner-computes")
-    floor = price_floor(np.asarray(owner.work, dtype=np.float64), rates) if owner is not None else 0.0
+    floor = placement_floor(owner, rates) if owner is not None else 0.0
     return priced, _explore(priced, rates, latency, budget, floor)

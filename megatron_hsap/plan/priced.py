@@ -11,9 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-import numpy as np
 
-from megatron_hsap.plan.bounds import price_floor
+from megatron_hsap.plan.bounds import placement_floor
 
 if TYPE_CHECKING:
     from megatron_hsap.plan.costs import HeadShape
@@ -96,4 +95,4 @@ class PricedLayout:
         of the placements (the price is one placement's staged price); after, the price."""
         if self._priced is not None:
             return self.price
-        return min(price_floor(np.asarray(pl.work, dtype=np.float64), self.rates) for pl in self.placements.values())
+        return min(placement_floor(pl, self.rates) for pl in self.placements.values())

@@ -131,8 +131,8 @@ def test_deferred_owner_search_ships_the_plan_of_the_eager_search(monkeypatch: p
     deferred = 0
     for cu in pack_batches("fineweb", 65536, 5, 12345):
         got = []
-        for floor in (candidates.price_floor, lambda *a: 0.0):
-            monkeypatch.setattr(candidates, "price_floor", floor)
+        for floor in (candidates.placement_floor, lambda *a: 0.0):
+            monkeypatch.setattr(candidates, "placement_floor", floor)
             counts.append(0)
             clear_plan_cache()
             got.append(compile_plan([int(x) for x in cu], 8, **GQA))
@@ -363,17 +363,17 @@ def test_the_stage_shape_kept_is_the_one_whose_code_is_fastest(monkeypatch: pyte
     assert code[by_staged] > plan.chosen.time * 1.01  # not vacuous: the staged price picks a slower shape
 
 
-def _staged_splits(monkeypatch: pytest.MonkeyPatch, cu: list[int], size: int, floor, **kw) -> tuple[object, list[str]]:
+def _staged_splits(monkeypatch: pytest.MonkeyPatch, cu: list[int], size: int, floor, **kw) -> tuple[object, list[object]]:
     """The plan of ``cu`` and every split ``candidates._best_staging`` staged, with ``floor`` as
     the placement prune's bound."""
-    staged: list[str] = []
+    staged: list[object] = []
     real = candidates._best_staging
 
     def recording(split, *args, **kwargs):
         staged.append(split)
         return real(split, *args, **kwargs)
 
-    monkeypatch.setattr(candidates, "price_floor", floor)
+    monkeypatch.setattr(candidates, "placement_floor", floor)
     monkeypatch.setattr(candidates, "_best_staging", recording)
     clear_plan_cache()
     plan = compile_plan(cu, size, **kw)
@@ -388,12 +388,12 @@ def _staged_splits(monkeypatch: pytest.MonkeyPatch, cu: list[int], size: int, fl
     ([0, 9000, 30000, 31000, 65536], 8, GQA),
 ])
 def test_a_placement_is_skipped_only_when_its_floor_cannot_win(monkeypatch: pytest.MonkeyPatch, cu, size, kw) -> None:
-    # the placement prune uses bounds.price_floor (a lower bound of every staging's price): with no
-    # prune at all (a floor of 0) every placement is staged, and the same plan comes out
-    from megatron_hsap.plan.bounds import price_floor
+    # the placement prune uses bounds.placement_floor (a lower bound of every staging's price): with
+    # no prune at all (a floor of 0) every placement is staged, and the same plan comes out
+    from megatron_hsap.plan.bounds import placement_floor
 
-    pruned, staged = _staged_splits(monkeypatch, cu, size, price_floor, **kw)
-    full, staged_all = _staged_splits(monkeypatch, cu, size, lambda work, rates: 0.0, **kw)
+    pruned, staged = _staged_splits(monkeypatch, cu, size, placement_floor, **kw)
+    full, staged_all = _staged_splits(monkeypatch, cu, size, lambda placement, rates: 0.0, **kw)
     assert plan_hash(pruned) == plan_hash(full) and pruned.chosen.time == full.chosen.time
     assert len(staged) <= len(staged_all)
     if size == 16:  # the DistFlashAttn-like placement is priced now (it does not win: fp32 gradient returns)

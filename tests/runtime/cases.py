@@ -2,7 +2,8 @@
 
 A *spec* is a plain dict (pickled to the ranks): ``cu`` (global cu_seqlens), ``intra``, ``inter``,
 ``heads``, ``kv_heads``, ``dim``, ``dim_v``, ``dtype`` ("float32" | "bfloat16"), ``grad_wire``
-(None or the plan's ``grad_wire_dtype``), ``pool_bytes`` (None: the plan's default), ``groups`` ("explicit" | "initialize" | "default") and the global
+(None or the plan's ``grad_wire_dtype``), ``pool_bytes`` (None: the plan's default), ``groups``
+("explicit" | "initialize" | "default") and the global
 tensors ``q``, ``k``, ``v``, ``do`` as float32 numpy arrays over the padded batch ``[T', ...]``
 (bf16 values are exact in float32). Results go back as numpy too: a tensor pickled in a rank
 where Megatron was imported by an earlier case would make the test process import Megatron.
