@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron_hsap.errors import ConfigError
-from megatron_hsap.plan.costs import GRAD_WIRE_DTYPES
+from megatron_hsap.plan.costs import DEFAULT_GRAD_WIRE_DTYPE, GRAD_WIRE_DTYPES
 from megatron_hsap.plan.hardware import HARDWARE
 
 __all__ = ["HSAPArgs", "add_hsap_args", "validate_hsap_args", "IMPLS"]
@@ -102,10 +102,10 @@ def add_hsap_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "and kv heads each intra rank holds.",
     )
     group.add_argument(
-        "--hsap-grad-wire-dtype", choices=GRAD_WIRE_DTYPES, default="fp32",
-        help="Dtype the partial gradients dq, dk, dv travel in between inter ranks: fp32 (default) or "
-        "activation (bf16/fp16: half the backward's result bytes; the GPU kernels return them in that "
-        "dtype, so the sum is the same; accumulation stays fp32).",
+        "--hsap-grad-wire-dtype", choices=GRAD_WIRE_DTYPES, default=DEFAULT_GRAD_WIRE_DTYPE,
+        help="Dtype the partial gradients dq, dk, dv travel in between inter ranks: activation (default; "
+        "bf16/fp16: the GPU kernels return them in that dtype, so the values are the same at half the "
+        "bytes of fp32) or fp32. Accumulation stays fp32 either way.",
     )
     group.add_argument(
         "--hsap-hardware", choices=sorted(HARDWARE), default=None,

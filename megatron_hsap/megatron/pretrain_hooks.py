@@ -124,7 +124,9 @@ def plan_flags(args: Any) -> dict[str, Any]:
         kwargs["pool_bytes"] = args.hsap_pool_bytes
     if getattr(args, "hsap_head_chunks", None) is not None:
         kwargs["head_chunks"] = args.hsap_head_chunks
-    if getattr(args, "hsap_grad_wire_dtype", "fp32") != "fp32":
+    from megatron_hsap.plan.costs import DEFAULT_GRAD_WIRE_DTYPE
+
+    if getattr(args, "hsap_grad_wire_dtype", DEFAULT_GRAD_WIRE_DTYPE) != DEFAULT_GRAD_WIRE_DTYPE:
         kwargs["grad_wire_dtype"] = args.hsap_grad_wire_dtype
     return kwargs
 

@@ -20,7 +20,12 @@ from megatron_hsap.plan.schedule import BlocksByRank, StagedBlocks, StagingError
 from megatron_hsap.plan.units import WorkUnit
 
 _TRAFFIC_BUDGETS = (0.3, 0.6, 1.2)  # balanced candidates: traffic per phase vs compute time
-_EXPLORE = 1  # placements whose every stage shape is priced (the rest: the default shape only)
+# placements whose every stage shape is priced (the rest: the default shape only): the best quick
+# price and those within _EXPLORE_MARGIN of it, at most _EXPLORE. Quick (default-shape) prices
+# order placements only roughly: MagiAttention 8 GPUs 1x8 s1 put min-traffic+rebalanced@0.6 at
+# 9.07 ms and region-distflash+rebalanced@0.6 at 9.15 (0.9% above), which explored to 9.12 and 8.75
+_EXPLORE = 3
+_EXPLORE_MARGIN = 0.03
 _EXPLORE_RETRY_BLOCKS = 2000  # pool-overflow retries price every stage shape up to this many remote blocks
 # owner-computes is built whenever another placement wins (its quick price can sit 10%+ above its
 # built time: found by hypothesis, 4,096 tokens over P_inter 16, a first staging that overflows the
@@ -169,6 +174,7 @@ def _explore(priced: dict[str, tuple[float, BlocksByRank, StagedBlocks]], rates:
     only if a pool overflow lifts the other prices to its floor, or to check the chosen plan), else None."""
     # ties (placements whose stagings price the same) go to owner-computes
     top = sorted(priced, key=lambda n: (priced[n][0], n != "owner-computes"))[:_EXPLORE]
+    top = [n for n in top if priced[n][0] <= priced[top[0]][0] * (1 + _EXPLORE_MARGIN)]
     for name in top:
         _explore_one(priced, name, rates, latency, budget)
     if "owner-computes" in priced and "owner-computes" not in top:

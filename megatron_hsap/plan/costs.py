@@ -9,16 +9,20 @@ from megatron_hsap.errors import ConfigError
 from megatron_hsap.plan.checks import positive_int
 from megatron_hsap.plan.ir import Wire
 
-__all__ = ["HeadShape", "FP32_BYTES", "FP32_WIRES", "GRAD_WIRES", "GRAD_WIRE_DTYPES", "BWD_FLOP_FACTOR"]
+__all__ = ["HeadShape", "FP32_BYTES", "FP32_WIRES", "GRAD_WIRES", "GRAD_WIRE_DTYPES", "DEFAULT_GRAD_WIRE_DTYPE",
+           "BWD_FLOP_FACTOR"]
 
 FP32_BYTES = 4
 FP32_WIRES = frozenset({Wire.LSE, Wire.DELTA, Wire.DQ, Wire.DKV})  # the wires sent in fp32 (docs/design.md §4)
-# the partial gradients: fp32 by default, or in the activation dtype (``HeadShape.fp32_grads``
-# False, ``PlanOptions.grad_wire_dtype="activation"``): the GPU kernels return them in the
-# activation dtype (``runtime/kernels.py``: flash-attn, aten and TE allocate dq, dk, dv like q),
-# so on a GPU the fp32 wire carries those very values at twice the bytes
+# the partial gradients: HSAP plans send them in the activation dtype by default
+# (``PlanOptions.grad_wire_dtype="activation"``, ``HeadShape.fp32_grads`` False), or in fp32. The
+# GPU kernels return them in the activation dtype (``runtime/kernels.py``: flash-attn, aten and TE
+# allocate dq, dk, dv like q), so an fp32 wire would carry those very values at twice the bytes;
+# TE's P2P ring sends its dkv in kv.dtype too. Accumulation stays fp32 either way. A bare
+# ``HeadShape`` keeps fp32 partials: the baselines that send them so (MagiAttention) price with it.
 GRAD_WIRES = frozenset({Wire.DQ, Wire.DKV})
 GRAD_WIRE_DTYPES = ("fp32", "activation")
+DEFAULT_GRAD_WIRE_DTYPE = "activation"
 BWD_FLOP_FACTOR = 2.5  # backward FLOPs = 2.5 × forward (docs/design.md §4)
 
 

@@ -22,6 +22,7 @@ import hashlib
 from dataclasses import fields
 from typing import TYPE_CHECKING
 
+from megatron_hsap.plan.costs import DEFAULT_GRAD_WIRE_DTYPE
 from megatron_hsap.plan.ir import Phase, Recv, Send
 from megatron_hsap.plan.options import PlanOptions
 
@@ -132,8 +133,8 @@ def plan_hash(plan: "Plan") -> int:
     for name in _OPTION_NAMES:
         if name == "window_size" and plan.options.window_size is None:
             continue  # plans without a window keep the hashes they had before windows existed
-        if name == "grad_wire_dtype" and plan.options.grad_wire_dtype == "fp32":
-            continue  # the default keeps the hashes from before the option existed
+        if name == "grad_wire_dtype" and plan.options.grad_wire_dtype == DEFAULT_GRAD_WIRE_DTYPE:
+            continue  # the default is left out: plans whose wires it does not change keep their hashes
         if name == "head_chunks":
             continue  # the resolved count below: None and a forced 2 that run alike hash alike
         h.update(f"\n{name}={getattr(plan.options, name)!r}".encode())

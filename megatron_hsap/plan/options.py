@@ -11,7 +11,7 @@ from numbers import Integral
 from megatron_hsap.errors import ConfigError
 from megatron_hsap.plan.hardware import HARDWARE, LinkClass
 from megatron_hsap.plan.checks import positive_int
-from megatron_hsap.plan.costs import GRAD_WIRE_DTYPES
+from megatron_hsap.plan.costs import DEFAULT_GRAD_WIRE_DTYPE, GRAD_WIRE_DTYPES
 from megatron_hsap.plan.window import normalize_window, window_left
 
 __all__ = ["PlanOptions", "kv_heads_per_rank", "valid_head_chunks", "kv_head_chunks", "check_head_chunks", "validated_options", "DEFAULT_POOL_CHUNKS", "DEFAULT_POOL_MIN", "LAYOUTS", "inter_rank_nodes"]
@@ -63,9 +63,9 @@ class PlanOptions:
     placement: str = "auto"  # "auto" (lowest estimated time), "owner-computes" or "min-traffic"
     window_size: tuple[int, int] | None = None  # sliding window (left, 0), flash-attn's convention; None: full causal
     head_chunks: int | None = None  # intra all-to-all pipelined in this many head chunks; None: the estimate's choice (plan/chunks.py)
-    # "fp32" (default) or "activation": the dtype partial dq / dk / dv travel in (plan/costs.py
+    # "activation" (default) or "fp32": the dtype partial dq / dk / dv travel in (plan/costs.py
     # GRAD_WIRES); accumulation stays fp32 either way
-    grad_wire_dtype: str = "fp32"
+    grad_wire_dtype: str = DEFAULT_GRAD_WIRE_DTYPE
 
     @property
     def window(self) -> int:

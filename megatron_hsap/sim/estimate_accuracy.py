@@ -16,8 +16,8 @@ P_intra 1, SP 2–16, ``slimpajama`` seeds and one ``full`` document), Table 4
 the tuned one, so every topology the tuner may pick is covered).
 
 ``python -m megatron_hsap.sim.estimate_accuracy [--set table2|table4|magi|all] [--seeds N] [--gpus 8]
-[--grad-wire-dtype activation]`` (the last: every plan with its gradients on the wire in the
-activation dtype; compare with a default run batch by batch).
+[--grad-wire-dtype fp32]`` (the last: every plan with its gradients on the wire in fp32 instead of
+the activation dtype; compare with a default run batch by batch).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import Iterator
 
 import numpy as np
 
-from megatron_hsap.plan.costs import GRAD_WIRE_DTYPES
+from megatron_hsap.plan.costs import DEFAULT_GRAD_WIRE_DTYPE, GRAD_WIRE_DTYPES
 
 __all__ = ["Case", "cases", "measure", "Measured", "layouts", "main"]
 
@@ -164,10 +164,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", type=int, default=3, help="seeded batches per packed point (one for 'full')")
     p.add_argument("--gpus", type=int, default=64, help="skip points with more GPUs than this")
     p.add_argument("--layouts", action="store_true", help="also simulate both layouts: is the kept one the faster?")
-    p.add_argument("--grad-wire-dtype", choices=GRAD_WIRE_DTYPES, default="fp32",
+    p.add_argument("--grad-wire-dtype", choices=GRAD_WIRE_DTYPES, default=DEFAULT_GRAD_WIRE_DTYPE,
                    help="the plans' gradient wire dtype (compile_plan's grad_wire_dtype)")
     args = p.parse_args(argv)
-    opts = {} if args.grad_wire_dtype == "fp32" else {"grad_wire_dtype": args.grad_wire_dtype}
+    opts = {} if args.grad_wire_dtype == DEFAULT_GRAD_WIRE_DTYPE else {"grad_wire_dtype": args.grad_wire_dtype}
     if args.layouts:
         wrong = 0
         for c in cases(args.set, args.seeds, args.gpus):

@@ -64,11 +64,12 @@ def test_grad_wire_dtype_flag_reaches_the_plan_options() -> None:
     from megatron_hsap.plan import compile_plan
 
     default = plan_flags(_parse(GOOD))
-    assert "grad_wire_dtype" not in default  # default runs compile the plans they always did
-    flags = plan_flags(_parse(GOOD + ["--hsap-grad-wire-dtype", "activation", "--hsap-head-chunks", "2"]))
-    assert flags["grad_wire_dtype"] == "activation" and flags["head_chunks"] == 2
+    assert "grad_wire_dtype" not in default  # the plan's own default: partial gradients in the activation dtype
+    assert not compile_plan([0, 300, 1024], 2, 4, num_heads=8, num_kv_heads=4, **default).shape.fp32_grads
+    flags = plan_flags(_parse(GOOD + ["--hsap-grad-wire-dtype", "fp32", "--hsap-head-chunks", "2"]))
+    assert flags["grad_wire_dtype"] == "fp32" and flags["head_chunks"] == 2
     plan = compile_plan([0, 300, 1024], 2, 4, num_heads=8, num_kv_heads=4, **flags)
-    assert not plan.shape.fp32_grads
+    assert plan.shape.fp32_grads and plan.options.grad_wire_dtype == "fp32"
     with pytest.raises(SystemExit):  # argparse names the choices
         _parse(GOOD + ["--hsap-grad-wire-dtype", "bf16"])
 

@@ -18,8 +18,9 @@ from megatron_hsap.plan.ir import Accumulate, Compute, Merge, Phase, Post, Recv,
 
 H, HKV, D, DV, B = 4, 2, 16, 8, 2  # small heads; d_v != d_qk so q/kv/o byte sizes all differ
 ROW_BYTES = {  # bytes per token row of each wire, from the wire formats of docs/design.md §4
+    # (partial gradients in the activation dtype: the default grad_wire_dtype)
     Wire.Q: H * D * B, Wire.KV: HKV * (D + DV) * B, Wire.O: H * DV * B, Wire.LSE: H * 4,
-    Wire.DO: H * DV * B, Wire.DELTA: H * 4, Wire.DQ: H * D * 4, Wire.DKV: HKV * (D + DV) * 4,
+    Wire.DO: H * DV * B, Wire.DELTA: H * 4, Wire.DQ: H * D * B, Wire.DKV: HKV * (D + DV) * B,
 }
 
 

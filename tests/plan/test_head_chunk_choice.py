@@ -71,11 +71,11 @@ def test_bounded_choice_equals_the_exhaustive_one(workload, T, inter, intra, hea
 
 
 def test_hopeless_counts_are_skipped_at_one_kv_head_per_rank(monkeypatch):
-    """128 GPUs (8 × 16), GQA 64:8 (one kv head per rank), slimpajama 512K: every C > 1 loses
-    (estimated 5.76 ms at C = 1, 5.95 / 8.13 / 12.92 at C = 2 / 4 / 8), and the bounds show it
-    without re-pricing any of C = 2, 4, 8 (so the skip is exercised). (At 256K, C = 2 wins since
-    gathered calls cut SAP's compute.)"""
-    plan = _plan("slimpajama", 512 * K, 16, 8, 64, 8, "h100-fa3", {})
+    """128 GPUs (8 × 16), GQA 64:8 (one kv head per rank), slimpajama 128K: every C > 1 loses
+    (estimated 1.93 ms at C = 1, 2.15 / 3.12 / 5.81 at C = 2 / 4 / 8), and the bounds show it
+    without re-pricing any of C = 2, 4, 8 (so the skip is exercised). (At 512K, C = 2 wins since
+    the partial gradients travel in bf16: 5.38 against 5.73 ms.)"""
+    plan = _plan("slimpajama", 128 * K, 16, 8, 64, 8, "h100-fa3", {})
     repriced = []
     full = ch.chunk_phase_times
     monkeypatch.setattr(ch, "chunk_phase_times", lambda p, c: repriced.append(c) or full(p, c))

@@ -148,8 +148,9 @@ def test_gqa_and_mla_bytes() -> None:
                     continue
                 for op in ins.round.ops:
                     n = len(op.tokens)
-                    per = {Wire.KV: hkv * (d + dv) * 2, Wire.DKV: hkv * (d + dv) * 4, Wire.Q: 8 * d * 2,
-                           Wire.O: 8 * dv * 2, Wire.DO: 8 * dv * 2, Wire.LSE: 8 * 4, Wire.DELTA: 8 * 4, Wire.DQ: 8 * d * 4}[op.wire]
+                    # bf16 rows; lse / delta fp32; partial gradients in bf16 (the default grad_wire_dtype)
+                    per = {Wire.KV: hkv * (d + dv) * 2, Wire.DKV: hkv * (d + dv) * 2, Wire.Q: 8 * d * 2,
+                           Wire.O: 8 * dv * 2, Wire.DO: 8 * dv * 2, Wire.LSE: 8 * 4, Wire.DELTA: 8 * 4, Wire.DQ: 8 * d * 2}[op.wire]
                     assert op.nbytes == n * per, (op.wire, op.nbytes, n, per)
 
 

@@ -1,6 +1,6 @@
-"""Partial gradients on the wire in the activation dtype (``grad_wire_dtype="activation"``,
-``plan/costs.py`` ``GRAD_WIRES``): the plan's dq / dkv messages and slots shrink to the activation
-element size, the executor sends them so, and the sums it accumulates in fp32 still match the
+"""Partial gradients on the wire in the activation dtype (``grad_wire_dtype="activation"``, the
+default; ``plan/costs.py`` ``GRAD_WIRES``) or in fp32: the plan's dq / dkv messages and slots take
+that element size, the executor sends them so, and the sums it accumulates in fp32 still match the
 float64 reference within the bf16 tolerance; bytes sent equal the plan's, per rank and phase.
 
 On a GPU the kernels return dq, dk, dv in the activation dtype already (``runtime/kernels.py``),
@@ -29,7 +29,8 @@ def _check(gloo_pool, world: int, specs: list[dict]) -> None:
     for i, spec in enumerate(specs):
         per_rank = [r[i] for r in results]
         plan = cases.compile_for(spec)
-        assert plan.options.grad_wire_dtype == "activation" and not plan.shape.fp32_grads
+        wire = spec.get("grad_wire") or "activation"
+        assert plan.options.grad_wire_dtype == wire and plan.shape.fp32_grads == (wire == "fp32")
         plan.verify()
         cases.check_against_reference(spec, per_rank)
         cases.check_bytes(spec, per_rank)
@@ -48,6 +49,10 @@ def test_sap_with_activation_dtype_gradients_matches_the_reference(gloo_pool, la
                          pool_bytes=4096, grad_wire="activation", **GQA),
         # fp32 activations: the option changes nothing on the wire (4-byte elements either way)
         cases.build_spec([0, 40, total], inter=4, seed=4, layout=layout, grad_wire="activation", **GQA),
+        # the fp32 wire, asked for: bf16 activations with fp32 partial gradients
+        cases.build_spec(cases.random_packing(total, rng), inter=4, dtype="bfloat16", seed=6, layout=layout,
+                         grad_wire="fp32", **GQA),
+        cases.build_spec([0, total], inter=4, dtype="bfloat16", seed=8, layout=layout, grad_wire="fp32", **MLA),
     ]
     _check(gloo_pool, 4, specs)
 
@@ -97,16 +102,18 @@ def test_unknown_gradient_wire_dtype_is_refused_by_name() -> None:
         compile_plan([0, 64], 2, grad_wire_dtype="bf16")
 
 
-def test_default_plans_keep_their_hash() -> None:
-    # the default ("fp32") is left out of the plan hash, as before the option existed; the other
-    # value names a different plan
+def test_the_default_wire_is_left_out_of_the_hash() -> None:
+    # the default ("activation") is left out of the plan hash, so plans it does not change (fp32
+    # activations) keep the hashes they had when fp32 was the default; the other value names a
+    # different plan
     from megatron_hsap.plan.fingerprint import plan_hash
 
     cu = [0, 500, 2048]
     a = compile_plan(cu, 4, hardware="h100")
     b = compile_plan(cu, 4, hardware="h100", grad_wire_dtype="fp32")
     c = compile_plan(cu, 4, hardware="h100", grad_wire_dtype="activation")
-    assert plan_hash(a) == plan_hash(b) != plan_hash(c)
+    assert plan_hash(a) == plan_hash(c) != plan_hash(b)
+    assert not a.shape.fp32_grads and b.shape.fp32_grads
 
 
 def test_the_balanced_layout_does_not_depend_on_the_gradient_wire() -> None:
