@@ -17,7 +17,7 @@ __all__ = ["footprint", "split_rows", "split_cols", "with_stage", "cut_by_cols",
 
 def footprint(u: Unit, rates: CostRates) -> float:
     """Pool bytes ``u`` needs on its rank in backward (the larger phase): received inputs plus
-    fp32 partial results it sends home."""
+    the partial results it sends home (in the gradient wire dtype: ``rates.dq``, ``rates.dkv``)."""
     total = 0.0
     if u.rank != u.q_owner:
         total += len(u.q) * (rates.q_bwd + rates.dq)

@@ -11,7 +11,7 @@ Mapping from the IR (``megatron_hsap.plan.ir``) to Table 1, with token ranges an
   accumulators; ``$comp`` → ``$comm`` parks a partial result for its owner);
 * ``Wait(r)``      → ``wait round r``;
 * ``Merge``        → ``copy-o $comm $local`` (the LSE merge of a received partial output);
-* ``Accumulate``   → ``copy-dq|dkv $comm $local`` (adds a received fp32 partial gradient).
+* ``Accumulate``   → ``copy-dq|dkv $comm $local`` (adds a received partial gradient into the fp32 accumulators).
 """
 
 from __future__ import annotations

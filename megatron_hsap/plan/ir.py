@@ -269,7 +269,7 @@ class Merge:
 
 @dataclass(frozen=True, slots=True)
 class Accumulate:
-    """``copy-dq|dkv $comm $local``: add a received fp32 partial gradient into local grads."""
+    """``copy-dq|dkv $comm $local``: add a received partial gradient into the local fp32 gradients."""
 
     wire: Wire  # DQ or DKV
     tokens: TokenRange

@@ -108,7 +108,8 @@ class MergePartial:
 
 @dataclass(frozen=True, slots=True)
 class AccumulatePartial:
-    """Add a received fp32 partial gradient of ``wire`` (DQ or DKV) from ``src`` into local ``rows``."""
+    """Add a received partial gradient of ``wire`` (DQ or DKV, in the plan's gradient wire dtype)
+    from ``src`` into the fp32 accumulators' local ``rows``."""
 
     wire: Wire
     rows: slice
