@@ -1,12 +1,11 @@
 """One layout's candidate search (docs/design.md §2.1, §3), called by ``plan.py``'s layout search:
 placements (owner-computes, min-traffic, DistFlashAttn per document region, each rebalanced by
 exact work under a few traffic budgets), staged under stage shapes and priced (a quick staged
-price for each; every shape for the best and for owner-computes, the never-slower rule's
-reference, of which the one whose code is fastest is kept), then code generated for the cheapest
+price for each; every shape for the best, for those within ``_EXPLORE_MARGIN`` of it and for
+owner-computes, the never-slower rule's reference, of which the one whose code is fastest is kept), then code generated for the cheapest
 at built price, with pool-overflow retries and the owner-computes check (``_choose``)."""
 
 from __future__ import annotations
-
 
 from megatron_hsap.plan.bounds import compute_bound, placement_floor
 from megatron_hsap.plan.codegen import PoolOverflow, generate
@@ -139,7 +138,7 @@ def _price(placements: dict[str, Placement], size: int, rates: CostRates, latenc
     """Stage and price the placements: each under its default shape, in order of ``Placement.flat_time_bound``
     (flat rates: the likely order), skipping those whose ``bounds.placement_floor`` (a lower bound of
     every staging's price) cannot beat the best price by 1%; then (``_explore``) every shape for
-    the best one and for owner-computes.
+    the best one, those within ``_EXPLORE_MARGIN`` of it and owner-computes.
 
     The flat bound once pruned here too, but it is no bound of the kernel-priced estimate: a whole
     4K × 4K block runs above the flat rate. On one 64K document over 16 ranks (Table 2, InfiniBand)
@@ -168,7 +167,8 @@ def _price(placements: dict[str, Placement], size: int, rates: CostRates, latenc
 
 def _explore(priced: dict[str, tuple[float, BlocksByRank, StagedBlocks]], rates: CostRates, latency: float, budget: float,
              owner_floor: float = 0.0) -> float | None:
-    """Price every stage shape of the best quick price and of owner-computes, in place. Returns
+    """Price every stage shape of the best quick price, of the next ones within ``_EXPLORE_MARGIN``
+    of it (``_EXPLORE`` in all) and of owner-computes, in place. Returns
     ``owner_floor`` when owner-computes' search is deferred to ``_choose`` (its floor, a lower
     bound of any staging and any built plan of it, is above the best price: then it is searched
     only if a pool overflow lifts the other prices to its floor, or to check the chosen plan), else None."""

@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-
 from megatron_hsap.plan.bounds import placement_floor
 
 if TYPE_CHECKING:
