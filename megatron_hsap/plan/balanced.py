@@ -16,7 +16,9 @@ one such permutation). This layout chooses the permutation per batch:
 
 Splitting is traffic: the split document's later pieces need the kv of its pieces elsewhere.
 ``token_cost`` (pairs of attention per kv token moved, from the link and the head shape) makes
-the layout weigh that against the balance it buys, so over a slow link it splits less; a rank's
+the layout weigh that against the balance it buys, so over a slow link it splits less — except
+among inter ranks that share a node (``_Nodes``: kv between them at NVLink's price), where it
+splits a long document inside one node, as Megatron's dynamic CP rings a long sample; a rank's
 time is modelled as ``max(work, traffic) + ½·min(work, traffic)`` (the staged plan hides most of
 the smaller behind the larger). Several
 greedy variants (how many ranks each document is split over: only when longer than a rank, by
@@ -116,7 +118,7 @@ _SLIVER_RANKS = 8
 
 def _assign(starts: np.ndarray, lengths: np.ndarray, work: np.ndarray, k_of: np.ndarray | None, size: int,
             chunk: int, projected: bool, token_cost: float, window: int = -1,
-            abandon_above: float = float("inf")) -> tuple[list[list[tuple[int, int]]], np.ndarray]:
+            abandon_above: float = float("inf"), nodes: "_Nodes | None" = None) -> tuple[list[list[tuple[int, int]]], np.ndarray]:
     """One greedy assignment: ``(pieces held per rank, estimated cost per rank)``.
 
     ``abandon_above``: raise ``_Abandoned`` as soon as one rank's cost exceeds it (costs only grow
@@ -146,11 +148,11 @@ def _assign(starts: np.ndarray, lengths: np.ndarray, work: np.ndarray, k_of: np.
     room_l, load_l, traffic_l, cost_l = room.tolist(), load.tolist(), traffic.tolist(), cost.tolist()
     by_cost = sorted((c, r) for r, c in enumerate(cost_l))  # every rank by (cost, rank), kept sorted by give
 
-    def give(r: int, a: int, b: int, doc_start: int, remote: float) -> None:
+    def give(r: int, a: int, b: int, doc_start: int, remote: float, price: float = token_cost) -> None:
         held[r].append((a, b))
         room[r] = room_l[r] = room_l[r] - (b - a)
         load[r] = lr = load_l[r] = load_l[r] + piece_work(doc_start, a, b, window)
-        traffic[r] = tr = traffic_l[r] = traffic_l[r] + token_cost * remote
+        traffic[r] = tr = traffic_l[r] = traffic_l[r] + price * remote
         del by_cost[bisect.bisect_left(by_cost, (cost_l[r], r))]
         cost[r] = cost_l[r] = c = (lr if lr >= tr else tr) + _EXPOSED * (tr if lr >= tr else lr)
         if c > abandon_above:
@@ -212,13 +214,39 @@ def _assign(starts: np.ndarray, lengths: np.ndarray, work: np.ndarray, k_of: np.
                 by_key.extend((order, room[order]))
             order, rooms = by_key
             fit = order[rooms >= -(-n // k)]  # the ranks with room, still by (key, rank)
-            return fit[:k] if len(fit) >= k else None
+            if len(fit) < k:
+                return None
+            if nodes is not None:
+                fits.append(fit)
+            return fit[:k]
+
+        fits: list[np.ndarray] = []  # (nodes) best_ranks' last ranks with room, for the one-node sets
+
+        def split_peak(k: int, chosen: np.ndarray) -> tuple[float, np.ndarray, np.ndarray | None]:
+            """The busiest chosen rank's cost with a ``k``-way share of this document, and the
+            chosen ranks; with ``nodes``, also the lowest-key ranks of each node that can take the
+            whole split alone, kv priced per pair of pieces (``_Nodes.traffic``): the cheaper set wins."""
+            share = wd / k - rho * n / k
+            if nodes is None or wd <= cap:  # (a document within a rank's share: _Nodes)
+                return float(_cost(projected_load[chosen] + share, traffic[chosen] + token_cost * n * (k - 1) / k).max()), chosen, None
+            best_set: tuple[float, np.ndarray, np.ndarray | None] | None = None
+            fit = fits[-1]
+            for ranks in (chosen, *nodes.within(fit, k)):
+                tr = nodes.traffic(ranks, n / k)
+                peak = float(_cost(projected_load[ranks] + share, traffic[ranks] + tr).max())
+                if best_set is None or peak < best_set[0]:
+                    best_set = (peak, ranks, tr)
+            assert best_set is not None
+            return best_set
 
         k_asked = int(k_of_l[d]) if k_of_l is not None else max(1, -(-n // chunk))
+        best_tr: np.ndarray | None = None  # (nodes) the kept split's kv traffic per chosen rank, in pairs
         if k_of_l is not None:  # fixed split count (widened only when rooms are short)
             for k in range(k_asked, size + 1):
                 chosen = best_ranks(k)
                 if chosen is not None:
+                    if k > 1 and nodes is not None:
+                        _, chosen, best_tr = split_peak(k, chosen)
                     best = (0.0, k, chosen)
                     break
         else:
@@ -237,14 +265,15 @@ def _assign(starts: np.ndarray, lengths: np.ndarray, work: np.ndarray, k_of: np.
                 else:
                     floor = float(key[chosen[-1]])  # chosen runs by (key, rank): its last key is its largest
                     # the share displaces n/k tokens of filler (projected) and pays its kv traffic
-                    peak = float(_cost(projected_load[chosen] + wd / k - rho * n / k,
-                                       traffic[chosen] + token_cost * n * (k - 1) / k).max())
+                    peak, chosen, tr_k = split_peak(k, chosen)
                 if best is None or peak < best[0]:
                     best = (peak, k, chosen)
+                    best_tr = tr_k if k > 1 else None
                 if peak <= cap or k >= k_max or floor >= best[0]:
                     break
                 if bound is None:
-                    bound = _WiderBound(n, wd, rho, token_cost, projected_load, traffic, room)
+                    near = nodes is not None and wd > cap  # split_peak prices kv inside a node cheaper
+                    bound = _WiderBound(n, wd, rho, nodes.local_cost if near else token_cost, projected_load, traffic, room)
                 if bound.cannot_win(best[0], k):
                     break
         if best is None:
@@ -256,6 +285,12 @@ def _assign(starts: np.ndarray, lengths: np.ndarray, work: np.ndarray, k_of: np.
             continue
         if k > max(k_asked, _SLIVER_RANKS, n // (2 * _MIN_PIECE)):  # widened into slivers (_SLIVER_RANKS)
             cut_contiguously(s, n, lambda r: (-room_l[r], r))  # the largest rooms: the fewest pieces
+            continue
+        if best_tr is not None:  # (nodes) each rank's kv priced by where its peers' pieces are
+            tr_of = dict(zip(chosen.tolist(), best_tr.tolist()))
+            for r, parts in zip(sorted(chosen.tolist()), _zigzag(s, n, k)):
+                for a, b in parts:
+                    give(r, a, b, s, tr_of[r] / len(parts), 1.0)
             continue
         for r, parts in zip(sorted(chosen.tolist()), _zigzag(s, n, k)):
             for a, b in parts:
@@ -307,6 +342,55 @@ class _WiderBound:
         return low - 1e-9 * (low + self.top + self.wd) >= best
 
 
+class _Nodes:
+    """Which inter ranks share a node (``CostRates.node``) and the kv price between two of them:
+    ``local_cost`` pairs per kv token over NVLink, ``token_cost`` over the network. A document
+    split over ranks of one node moves its kv over NVLink, several times cheaper than the NIC —
+    as Megatron's dynamic CP keeps a long sample's ring inside a node (Table 2 SP 16 128K).
+
+    Only documents heavier than a rank's share (``wd > cap`` in ``_assign``) are priced so: the
+    layout's cost has no term for the kernel calls and merges of many small pieces, and priced at
+    NVLink the lighter documents were split over 5-8 ranks of a node to fill rooms (plan_layouts
+    grid, 74 IB batches at P_inter 16 / 64, 2026-12-03: with every document 12 batches slower by
+    2-14%, geomean 0.955 of the node-blind layout's estimate; heavy documents only: 8 slower by
+    3-9%, geomean 0.925)."""
+
+    __slots__ = ("node", "groups", "local_cost", "token_cost", "most")
+
+    def __init__(self, node: tuple[int, ...], local_cost: float, token_cost: float) -> None:
+        self.node = np.asarray(node, dtype=np.int64)
+        self.groups = sorted(set(node))
+        self.local_cost, self.token_cost = local_cost, token_cost
+        self.most = max(node.count(g) for g in self.groups)  # the most inter ranks on one node
+
+    def within(self, fit: np.ndarray, k: int) -> list[np.ndarray]:
+        """Per node, its first ``k`` ranks of ``fit`` (ranks with room, by key) when it has ``k``."""
+        if k > self.most:
+            return []
+        on = self.node[fit]
+        out = []
+        for g in self.groups:
+            sel = fit[on == g]
+            if len(sel) >= k:
+                out.append(sel[:k])
+        return out
+
+    def traffic(self, ranks: np.ndarray, share: float) -> np.ndarray:
+        """[k] pairs each of ``ranks`` pays to receive the kv of the other ranks' ``share``-token
+        pieces of one document: NVLink price from its own node, network price from the others."""
+        on = self.node[ranks]
+        same = (on[:, None] == on[None, :]).sum(axis=1) - 1
+        other = len(ranks) - 1 - same
+        return share * (same * self.local_cost + other * self.token_cost)
+
+    @classmethod
+    def of(cls, node: tuple[int, ...], local_cost: float | None, token_cost: float) -> "_Nodes | None":
+        """None (one price for every pair) unless some node holds two or more inter ranks."""
+        if local_cost is None or not node or len(set(node)) == len(node):
+            return None
+        return cls(node, local_cost, token_cost)
+
+
 def _cost(load: np.ndarray, traffic: np.ndarray) -> np.ndarray:
     """A rank's time in pairs: the staged plan overlaps receiving with computing, except for
     about ``_EXPOSED`` of the smaller of the two (the first stage's transfer, uneven stages)."""
@@ -320,7 +404,8 @@ def kv_token_cost(rates: CostRates) -> float:
     return (2 * rates.kv + rates.dkv) / rates.bw / (rates.sec_fwd + rates.sec_bwd)
 
 
-def balanced_layout(batch: Batch, inter_size: int, intra_size: int, token_cost: float = 0.0, window: int = -1) -> Layout:
+def balanced_layout(batch: Batch, inter_size: int, intra_size: int, token_cost: float = 0.0, window: int = -1,
+                    node: tuple[int, ...] = (), local_token_cost: float | None = None) -> Layout:
     """Document-aware layout of ``batch`` over ``inter_size`` ranks (see the module docstring).
 
     ``token_cost``: the time of moving one token's kv (forward and backward) in units of the time
@@ -333,6 +418,7 @@ def balanced_layout(batch: Batch, inter_size: int, intra_size: int, token_cost: 
     count is the banded one (a windowed document's work grows linearly with its length)."""
     size = inter_size
     chunk = batch.padded_tokens // size
+    nodes = _Nodes.of(node, local_token_cost, token_cost)
     starts = batch.doc_starts
     lengths = np.diff(starts)
     work = batch.doc_work(window).astype(float)
@@ -359,7 +445,7 @@ def balanced_layout(batch: Batch, inter_size: int, intra_size: int, token_cost: 
         k_of, projected = candidates[i]
         bar = min(v[1] for v in variants) * _KEEP_WITHIN if variants and token_cost >= 0 else float("inf")
         try:
-            held, cost = _assign(starts, lengths, work, k_of, size, chunk, projected, token_cost, window, bar)
+            held, cost = _assign(starts, lengths, work, k_of, size, chunk, projected, token_cost, window, bar, nodes)
         except _Abandoned:
             continue
         variants.append((i, float(cost.max()), sum(map(len, held)), held))

@@ -21,7 +21,7 @@ from megatron_hsap.plan.codegen import PoolOverflow
 from megatron_hsap.plan.costs import HeadShape
 from megatron_hsap.plan.hardware import HARDWARE, LinkClass, link_class_for
 from megatron_hsap.plan.layout import Batch, Layout, contiguous_layout, normalize_cu_seqlens, validate_layout
-from megatron_hsap.plan.options import DEFAULT_POOL_CHUNKS, DEFAULT_POOL_MIN, PlanOptions, kv_heads_per_rank, validated_options
+from megatron_hsap.plan.options import DEFAULT_POOL_CHUNKS, DEFAULT_POOL_MIN, PlanOptions, inter_rank_nodes, kv_heads_per_rank, validated_options
 from megatron_hsap.plan.placement import CostRates, plan_rates
 from megatron_hsap.plan.plan_type import Plan
 from megatron_hsap.plan.priced import PricedLayout
@@ -152,7 +152,10 @@ def _search(cu: tuple[int, ...], opts: PlanOptions, staged: list[PricedLayout]) 
     # with the cheaper rows of grad_wire_dtype="activation" it split more documents and its plans
     # were estimated up to 13% slower (slimpajama 32K, 1x8 s2); the wires alone change below
     layout_rates = rates if shape.fp32_grads else CostRates.of(replace(shape, fp32_grads=True), hw, rates.bw)
-    bal = _price_on(balanced_layout(batch, size, opts.intra_size, kv_token_cost(layout_rates), opts.window), batch, shape,
+    # inter ranks sharing a node split documents among themselves over NVLink (balanced._Nodes)
+    local = kv_token_cost(replace(layout_rates, bw=hw.nvlink_bw))
+    bal = _price_on(balanced_layout(batch, size, opts.intra_size, kv_token_cost(layout_rates), opts.window,
+                                    inter_rank_nodes(opts, _link_of(opts)), local), batch, shape,
                     opts, lazy=True)
     staged.append(bal)
     bal.exact()
