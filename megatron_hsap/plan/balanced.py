@@ -227,7 +227,7 @@ def _assign(starts: np.ndarray, lengths: np.ndarray, work: np.ndarray, k_of: np.
             chosen ranks; with ``nodes``, also the lowest-key ranks of each node that can take the
             whole split alone, kv priced per pair of pieces (``_Nodes.traffic``): the cheaper set wins."""
             share = wd / k - rho * n / k
-            if nodes is None or wd <= cap:  # (a document within a rank's share: _Nodes)
+            if nodes is None or not nodes.prices(wd, cap):
                 return float(_cost(projected_load[chosen] + share, traffic[chosen] + token_cost * n * (k - 1) / k).max()), chosen, None
             best_set: tuple[float, np.ndarray, np.ndarray | None] | None = None
             fit = fits[-1]
@@ -272,7 +272,7 @@ def _assign(starts: np.ndarray, lengths: np.ndarray, work: np.ndarray, k_of: np.
                 if peak <= cap or k >= k_max or floor >= best[0]:
                     break
                 if bound is None:
-                    near = nodes is not None and wd > cap  # split_peak prices kv inside a node cheaper
+                    near = nodes is not None and nodes.prices(wd, cap)  # split_peak prices kv inside a node cheaper
                     bound = _WiderBound(n, wd, rho, nodes.local_cost if near else token_cost, projected_load, traffic, room)
                 if bound.cannot_win(best[0], k):
                     break
@@ -342,18 +342,24 @@ class _WiderBound:
         return low - 1e-9 * (low + self.top + self.wd) >= best
 
 
+_NODE_SPLIT_MAX = 2  # _Nodes prices documents of up to this many nodes' ranks' worth of work per node
+
+
 class _Nodes:
     """Which inter ranks share a node (``CostRates.node``) and the kv price between two of them:
     ``local_cost`` pairs per kv token over NVLink, ``token_cost`` over the network. A document
     split over ranks of one node moves its kv over NVLink, several times cheaper than the NIC —
     as Megatron's dynamic CP keeps a long sample's ring inside a node (Table 2 SP 16 128K).
 
-    Only documents heavier than a rank's share (``wd > cap`` in ``_assign``) are priced so: the
-    layout's cost has no term for the kernel calls and merges of many small pieces, and priced at
-    NVLink the lighter documents were split over 5-8 ranks of a node to fill rooms (plan_layouts
-    grid, 74 IB batches at P_inter 16 / 64, 2026-12-03: with every document 12 batches slower by
-    2-14%, geomean 0.955 of the node-blind layout's estimate; heavy documents only: 8 slower by
-    3-9%, geomean 0.925)."""
+    Only documents heavier than a rank's share and no heavier than a node's ranks can take
+    (``prices``) are priced so. Lighter ones: the layout's cost has no term for the kernel calls and
+    merges of many small pieces, and priced at NVLink they were split over 5-8 ranks of a node to
+    fill rooms (plan_layouts grid, 74 IB batches at P_inter 16 / 64, 2026-12-03: 12 batches slower
+    by 2-14%, geomean 0.955 of the node-blind layout's estimate; heavy documents only: 8 slower by
+    3-9%, geomean 0.925). Heavier ones: spread over several nodes, a share's kv comes from more
+    nodes the more ranks take it, so the flat network price (above the estimate's at this size,
+    README "Why 1.50") kept a 126K-token document (50 ranks' worth of work, slimpajama 1M over 64
+    ranks) on 16 ranks instead of 50: estimated 154.6 -> 196.9 ms."""
 
     __slots__ = ("node", "groups", "local_cost", "token_cost", "most")
 
@@ -362,6 +368,11 @@ class _Nodes:
         self.groups = sorted(set(node))
         self.local_cost, self.token_cost = local_cost, token_cost
         self.most = max(node.count(g) for g in self.groups)  # the most inter ranks on one node
+
+    def prices(self, work: float, cap: float) -> bool:
+        """Whether a document of ``work`` pairs is priced per node: heavier than one rank's share
+        ``cap`` and no heavier than one node's ranks can take (the class docstring)."""
+        return cap < work <= cap * self.most * _NODE_SPLIT_MAX
 
     def within(self, fit: np.ndarray, k: int) -> list[np.ndarray]:
         """Per node, its first ``k`` ranks of ``fit`` (ranks with room, by key) when it has ``k``."""

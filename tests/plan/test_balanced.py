@@ -44,6 +44,30 @@ def test_every_token_once_and_equal_tokens(lengths: list[int], inter: int, intra
     assert {len(layout.local_token_indices(r)) for r in range(inter * intra)} == {batch.padded_tokens // (inter * intra)}
 
 
+@settings(max_examples=150, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 3000), min_size=1, max_size=40),
+    nodes=st.integers(2, 4),
+    per_node=st.sampled_from([2, 4, 8]),
+    token_cost=st.sampled_from([0.0, 50.0, 5e3, 1e6]),
+    local_share=st.sampled_from([0.0, 0.1, 1.0]),
+)
+def test_node_aware_layout_keeps_every_token_once(lengths: list[int], nodes: int, per_node: int, token_cost: float,
+                                                  local_share: float) -> None:
+    """With inter ranks sharing nodes (``balanced._Nodes``: per-node rank sets, mixed kv prices)
+    the layout is still a permutation of the batch with equal tokens per rank, whatever the two
+    prices (kv free inside a node, or as dear as across)."""
+    inter = nodes * per_node
+    cu = np.concatenate([[0], np.cumsum(lengths)])
+    batch = Batch.build(cu, inter)
+    node = tuple(r // per_node for r in range(inter))
+    layout = balanced_layout(batch, inter, 1, token_cost, -1, node, token_cost * local_share)
+    validate_layout(layout, batch.padded_tokens)
+    ids = np.concatenate([layout.local_token_indices(r) for r in range(inter)])
+    assert np.array_equal(np.sort(ids), np.arange(batch.padded_tokens))
+    assert {len(layout.local_token_indices(r)) for r in range(inter)} == {batch.padded_tokens // inter}
+
+
 def test_deterministic() -> None:
     cu = pack_batches("fineweb", 1 << 16, 1, 3)[0]
     batch = Batch.build(cu, 8)
