@@ -351,12 +351,12 @@ class _Nodes:
     split over ranks of one node moves its kv over NVLink, several times cheaper than the NIC —
     as Megatron's dynamic CP keeps a long sample's ring inside a node (Table 2 SP 16 128K).
 
-    Only documents heavier than a rank's share and no heavier than a node's ranks can take
-    (``prices``) are priced so. Lighter ones: the layout's cost has no term for the kernel calls and
-    merges of many small pieces, and priced at NVLink they were split over 5-8 ranks of a node to
-    fill rooms (plan_layouts grid, 74 IB batches at P_inter 16 / 64, 2026-12-03: 12 batches slower
-    by 2-14%, geomean 0.955 of the node-blind layout's estimate; heavy documents only: 8 slower by
-    3-9%, geomean 0.925). Heavier ones: spread over several nodes, a share's kv comes from more
+    Only documents heavier than a rank's share and at most ``_NODE_SPLIT_MAX`` nodes' ranks' worth
+    of work (``prices``) are priced so. Lighter ones: the layout's cost has no term for the kernel
+    calls and merges of many small pieces, and priced at NVLink they were split over 5-8 ranks of a
+    node to fill rooms (plan_layouts grid, 74 IB batches at P_inter 16 / 64, 2026-12-03, against the
+    node-blind layout's estimate: every document priced so, 12 batches slower by 2-14%, geomean
+    0.955; as shipped, 9 slower by 3-9%, 32 faster by 1-47%, geomean 0.931). Heavier ones: spread over several nodes, a share's kv comes from more
     nodes the more ranks take it, so the flat network price (above the estimate's at this size,
     README "Why 1.50") kept a 126K-token document (50 ranks' worth of work, slimpajama 1M over 64
     ranks) on 16 ranks instead of 50: estimated 154.6 -> 196.9 ms."""
@@ -371,7 +371,7 @@ class _Nodes:
 
     def prices(self, work: float, cap: float) -> bool:
         """Whether a document of ``work`` pairs is priced per node: heavier than one rank's share
-        ``cap`` and no heavier than one node's ranks can take (the class docstring)."""
+        ``cap``, at most ``_NODE_SPLIT_MAX`` nodes' ranks' worth (the class docstring)."""
         return cap < work <= cap * self.most * _NODE_SPLIT_MAX
 
     def within(self, fit: np.ndarray, k: int) -> list[np.ndarray]:

@@ -99,7 +99,8 @@ DEFAULT_SEEDS = {"table2": 10, "table3": 5}
 
 # Table 3 tunes HSAP's topology on the mean of this many packed sample batches. One was too few:
 # slimpajama 16K x 64 GPUs, the one sample put 1x64 at 8.08 ms against 4x16's 9.03, while on the
-# five evaluated seeds 1x64's median is 42.2 ms and 4x16's 13.3; over 3 samples 8x8 leads (13.7 ms mean against 14.7 / 17.8 / 32.9), 2026-12-03
+# five evaluated seeds 1x64's median is 42.2 ms and 4x16's 13.3; over 3 samples 8x8 leads (13.7 ms
+# mean against 4x16's 14.7, 2x32's 17.8 and 1x64's 32.9), 2026-12-03
 _TABLE3_TUNE_SAMPLES = 3
 
 
