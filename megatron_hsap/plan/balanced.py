@@ -214,13 +214,7 @@ def _assign(starts: np.ndarray, lengths: np.ndarray, work: np.ndarray, k_of: np.
                 by_key.extend((order, room[order]))
             order, rooms = by_key
             fit = order[rooms >= -(-n // k)]  # the ranks with room, still by (key, rank)
-            if len(fit) < k:
-                return None
-            if nodes is not None:
-                fits.append(fit)
-            return fit[:k]
-
-        fits: list[np.ndarray] = []  # (nodes) best_ranks' last ranks with room, for the one-node sets
+            return fit[:k] if len(fit) >= k else None
 
         def split_peak(k: int, chosen: np.ndarray) -> tuple[float, np.ndarray, np.ndarray | None]:
             """The busiest chosen rank's cost with a ``k``-way share of this document, and the
@@ -230,7 +224,8 @@ def _assign(starts: np.ndarray, lengths: np.ndarray, work: np.ndarray, k_of: np.
             if nodes is None or not nodes.prices(wd, cap):
                 return float(_cost(projected_load[chosen] + share, traffic[chosen] + token_cost * n * (k - 1) / k).max()), chosen, None
             best_set: tuple[float, np.ndarray, np.ndarray | None] | None = None
-            fit = fits[-1]
+            order, rooms = by_key  # (built by best_ranks(k) for k > 1)
+            fit = order[rooms >= -(-n // k)]
             for ranks in (chosen, *nodes.within(fit, k)):
                 tr = nodes.traffic(ranks, n / k)
                 peak = float(_cost(projected_load[ranks] + share, traffic[ranks] + tr).max())
@@ -262,13 +257,14 @@ def _assign(starts: np.ndarray, lengths: np.ndarray, work: np.ndarray, k_of: np.
                     lw = float(projected_load[r0]) + wd / k - rho * n / k
                     tw = float(traffic[r0]) + token_cost * n * (k - 1) / k
                     peak = (lw if lw >= tw else tw) + _EXPOSED * (tw if lw >= tw else lw)
+                    tr_k = None
                 else:
                     floor = float(key[chosen[-1]])  # chosen runs by (key, rank): its last key is its largest
                     # the share displaces n/k tokens of filler (projected) and pays its kv traffic
                     peak, chosen, tr_k = split_peak(k, chosen)
                 if best is None or peak < best[0]:
                     best = (peak, k, chosen)
-                    best_tr = tr_k if k > 1 else None
+                    best_tr = tr_k
                 if peak <= cap or k >= k_max or floor >= best[0]:
                     break
                 if bound is None:
@@ -286,15 +282,14 @@ def _assign(starts: np.ndarray, lengths: np.ndarray, work: np.ndarray, k_of: np.
         if k > max(k_asked, _SLIVER_RANKS, n // (2 * _MIN_PIECE)):  # widened into slivers (_SLIVER_RANKS)
             cut_contiguously(s, n, lambda r: (-room_l[r], r))  # the largest rooms: the fewest pieces
             continue
-        if best_tr is not None:  # (nodes) each rank's kv priced by where its peers' pieces are
-            tr_of = dict(zip(chosen.tolist(), best_tr.tolist()))
-            for r, parts in zip(sorted(chosen.tolist()), _zigzag(s, n, k)):
-                for a, b in parts:
-                    give(r, a, b, s, tr_of[r] / len(parts), 1.0)
-            continue
+        # (nodes) each rank's kv priced by where its peers' pieces are, else every token at token_cost
+        tr_of = None if best_tr is None else dict(zip(chosen.tolist(), best_tr.tolist()))
         for r, parts in zip(sorted(chosen.tolist()), _zigzag(s, n, k)):
             for a, b in parts:
-                give(r, a, b, s, n * (k - 1) / k / len(parts))
+                if tr_of is None:
+                    give(r, a, b, s, n * (k - 1) / k / len(parts))
+                else:
+                    give(r, a, b, s, tr_of[r] / len(parts), 1.0)
     for d in sorted(leftovers, key=lambda d: starts[d]):
         s, n = int(starts[d]), int(lengths[d])
         placed = cut_contiguously(s, n, lambda r: (load[r] + traffic[r], r))
