@@ -17,7 +17,7 @@ one such permutation). This layout chooses the permutation per batch:
 Splitting is traffic: the split document's later pieces need the kv of its pieces elsewhere.
 ``token_cost`` (pairs of attention per kv token moved, from the link and the head shape) makes
 the layout weigh that against the balance it buys, so over a slow link it splits less — except
-among inter ranks that share a node (``_Nodes``: kv between them at NVLink's price), where it
+among inter ranks that share a node (``node_prices.NodePrices``: kv between them at NVLink's price), where it
 splits a long document inside one node, as Megatron's dynamic CP rings a long sample; a rank's
 time is modelled as ``max(work, traffic) + ½·min(work, traffic)`` (the staged plan hides most of
 the smaller behind the larger). Several
@@ -39,6 +39,7 @@ import numpy as np
 
 from megatron_hsap.plan.ir import Segment, TokenRange, positional_builder
 from megatron_hsap.plan.layout import Batch, Layout
+from megatron_hsap.plan.node_prices import NodePrices
 from megatron_hsap.plan.window import banded_pairs, staircase_pairs
 
 if TYPE_CHECKING:
@@ -118,7 +119,7 @@ _SLIVER_RANKS = 8
 
 def _assign(starts: np.ndarray, lengths: np.ndarray, work: np.ndarray, k_of: np.ndarray | None, size: int,
             chunk: int, projected: bool, token_cost: float, window: int = -1,
-            abandon_above: float = float("inf"), nodes: "_Nodes | None" = None) -> tuple[list[list[tuple[int, int]]], np.ndarray]:
+            abandon_above: float = float("inf"), nodes: NodePrices | None = None) -> tuple[list[list[tuple[int, int]]], np.ndarray]:
     """One greedy assignment: ``(pieces held per rank, estimated cost per rank)``.
 
     ``abandon_above``: raise ``_Abandoned`` as soon as one rank's cost exceeds it (costs only grow
@@ -219,7 +220,7 @@ def _assign(starts: np.ndarray, lengths: np.ndarray, work: np.ndarray, k_of: np.
         def split_peak(k: int, chosen: np.ndarray) -> tuple[float, np.ndarray, np.ndarray | None]:
             """The busiest chosen rank's cost with a ``k``-way share of this document, and the
             chosen ranks; with ``nodes``, also the lowest-key ranks of each node that can take the
-            whole split alone, kv priced per pair of pieces (``_Nodes.traffic``): the cheaper set wins."""
+            whole split alone, kv priced per pair of pieces (``NodePrices.traffic``): the cheaper set wins."""
             share = wd / k - rho * n / k
             if nodes is None or not nodes.prices(wd, cap):
                 return float(_cost(projected_load[chosen] + share, traffic[chosen] + token_cost * n * (k - 1) / k).max()), chosen, None
@@ -337,66 +338,6 @@ class _WiderBound:
         return low - 1e-9 * (low + self.top + self.wd) >= best
 
 
-_NODE_SPLIT_MAX = 2  # _Nodes prices documents of up to this many nodes' ranks' worth of work per node
-
-
-class _Nodes:
-    """Which inter ranks share a node (``CostRates.node``) and the kv price between two of them:
-    ``local_cost`` pairs per kv token over NVLink, ``token_cost`` over the network. A document
-    split over ranks of one node moves its kv over NVLink, several times cheaper than the NIC —
-    as Megatron's dynamic CP keeps a long sample's ring inside a node (Table 2 SP 16 128K).
-
-    Only documents heavier than a rank's share and at most ``_NODE_SPLIT_MAX`` nodes' ranks' worth
-    of work (``prices``) are priced so. Lighter ones: the layout's cost has no term for the kernel
-    calls and merges of many small pieces, and priced at NVLink they were split over 5-8 ranks of a
-    node to fill rooms (plan_layouts grid, 74 IB batches at P_inter 16 / 64, 2026-12-03, against the
-    node-blind layout's estimate: every document priced so, 12 batches slower by 2-14%, geomean
-    0.955; as shipped, 9 slower by 3-9%, 32 faster by 1-47%, geomean 0.931). Heavier ones: spread over several nodes, a share's kv comes from more
-    nodes the more ranks take it, so the flat network price (above the estimate's at this size,
-    README "Why 1.50") kept a 126K-token document (50 ranks' worth of work, slimpajama 1M over 64
-    ranks) on 16 ranks instead of 50: estimated 154.6 -> 196.9 ms."""
-
-    __slots__ = ("node", "groups", "local_cost", "token_cost", "most")
-
-    def __init__(self, node: tuple[int, ...], local_cost: float, token_cost: float) -> None:
-        self.node = np.asarray(node, dtype=np.int64)
-        self.groups = sorted(set(node))
-        self.local_cost, self.token_cost = local_cost, token_cost
-        self.most = max(node.count(g) for g in self.groups)  # the most inter ranks on one node
-
-    def prices(self, work: float, cap: float) -> bool:
-        """Whether a document of ``work`` pairs is priced per node: heavier than one rank's share
-        ``cap``, at most ``_NODE_SPLIT_MAX`` nodes' ranks' worth (the class docstring)."""
-        return cap < work <= cap * self.most * _NODE_SPLIT_MAX
-
-    def within(self, fit: np.ndarray, k: int) -> list[np.ndarray]:
-        """Per node, its first ``k`` ranks of ``fit`` (ranks with room, by key) when it has ``k``."""
-        if k > self.most:
-            return []
-        on = self.node[fit]
-        out = []
-        for g in self.groups:
-            sel = fit[on == g]
-            if len(sel) >= k:
-                out.append(sel[:k])
-        return out
-
-    def traffic(self, ranks: np.ndarray, share: float) -> np.ndarray:
-        """[k] pairs each of ``ranks`` pays to receive the kv of the other ranks' ``share``-token
-        pieces of one document: NVLink price from its own node, network price from the others."""
-        on = self.node[ranks]
-        same = (on[:, None] == on[None, :]).sum(axis=1) - 1
-        other = len(ranks) - 1 - same
-        return share * (same * self.local_cost + other * self.token_cost)
-
-    @classmethod
-    def of(cls, node: tuple[int, ...], local_cost: float | None, token_cost: float) -> "_Nodes | None":
-        """None (one price for every pair) unless some node holds two or more inter ranks."""
-        if local_cost is None or not node or len(set(node)) == len(node):
-            return None
-        return cls(node, local_cost, token_cost)
-
-
 def _cost(load: np.ndarray, traffic: np.ndarray) -> np.ndarray:
     """A rank's time in pairs: the staged plan overlaps receiving with computing, except for
     about ``_EXPOSED`` of the smaller of the two (the first stage's transfer, uneven stages)."""
@@ -424,7 +365,7 @@ def balanced_layout(batch: Batch, inter_size: int, intra_size: int, token_cost: 
     count is the banded one (a windowed document's work grows linearly with its length)."""
     size = inter_size
     chunk = batch.padded_tokens // size
-    nodes = _Nodes.of(node, local_token_cost, token_cost)
+    nodes = NodePrices.of(node, local_token_cost, token_cost)
     starts = batch.doc_starts
     lengths = np.diff(starts)
     work = batch.doc_work(window).astype(float)

@@ -152,7 +152,7 @@ def _search(cu: tuple[int, ...], opts: PlanOptions, staged: list[PricedLayout]) 
     # with the cheaper rows of grad_wire_dtype="activation" it split more documents and its plans
     # were estimated up to 13% slower (slimpajama 32K, 1x8 s2); the wires alone change below
     layout_rates = rates if shape.fp32_grads else CostRates.of(replace(shape, fp32_grads=True), hw, rates.bw)
-    # inter ranks sharing a node split documents among themselves over NVLink (balanced._Nodes)
+    # inter ranks sharing a node split documents among themselves over NVLink (node_prices.NodePrices)
     local = kv_token_cost(replace(layout_rates, bw=hw.nvlink_bw))
     bal = _price_on(balanced_layout(batch, size, opts.intra_size, kv_token_cost(layout_rates), opts.window,
                                     inter_rank_nodes(opts, _link_of(opts)), local), batch, shape,

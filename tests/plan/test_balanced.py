@@ -54,7 +54,7 @@ def test_every_token_once_and_equal_tokens(lengths: list[int], inter: int, intra
 )
 def test_node_aware_layout_keeps_every_token_once(lengths: list[int], nodes: int, per_node: int, token_cost: float,
                                                   local_share: float) -> None:
-    """With inter ranks sharing nodes (``balanced._Nodes``: per-node rank sets, mixed kv prices)
+    """With inter ranks sharing nodes (``node_prices.NodePrices``: per-node rank sets, mixed kv prices)
     the layout is still a permutation of the batch with equal tokens per rank, whatever the two
     prices (kv free inside a node, or as dear as across)."""
     inter = nodes * per_node
@@ -174,7 +174,7 @@ def test_small_documents_are_not_shredded_head_tail_over_many_ranks() -> None:
 
 
 def test_inter_ranks_sharing_a_node_split_documents_among_themselves() -> None:
-    """``balanced._Nodes``: with 16 inter ranks on two 8-GPU nodes over InfiniBand (Table 2's SP 16),
+    """``node_prices.NodePrices``: with 16 inter ranks on two 8-GPU nodes over InfiniBand (Table 2's SP 16),
     a split document's kv between ranks of one node is priced at NVLink rate, so the layout splits
     the long documents inside one node instead of leaving them whole (priced at the NIC, a split
     cost more than the imbalance: pair imbalance 2.28 on this batch, every rank's kv at 25 GB/s).
