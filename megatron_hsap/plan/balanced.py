@@ -192,6 +192,7 @@ def _assign(starts: np.ndarray, lengths: np.ndarray, work: np.ndarray, k_of: np.
         else:  # load + room·0 is load, bit for bit: the maintained cost is the key
             projected_load, key = load, cost
         keys_l: list[float] = []  # (projected) the key as Python floats, listed when first needed
+        pl_l: list[float] = []  # (projected) projected_load as Python floats, listed when first needed
         best: tuple[float, int, np.ndarray | list[int]] | None = None
         by_key: list[np.ndarray] = []  # every rank by (key, rank), sorted once per document
 
@@ -223,20 +224,41 @@ def _assign(starts: np.ndarray, lengths: np.ndarray, work: np.ndarray, k_of: np.
             whole split alone, kv priced per pair of pieces (``NodePrices.traffic``): the cheaper set wins."""
             share = wd / k - rho * n / k
             if nodes is None or not nodes.prices(wd, cap):
-                return float(_cost(projected_load[chosen] + share, traffic[chosen] + token_cost * n * (k - 1) / k).max()), chosen, None
-            best_set: tuple[float, np.ndarray, np.ndarray | None] | None = None
+                # ``_cost(projected_load[chosen] + share, traffic[chosen] + ahead).max()`` rank by rank:
+                # the same float operations on Python floats (k is small: numpy's calls cost more)
+                if rho and not pl_l:
+                    pl_l.extend(projected_load.tolist())
+                pl = pl_l if rho else load_l  # (load_l mirrors load; no piece is given during the search)
+                ahead = token_cost * n * (k - 1) / k
+                peak = -np.inf
+                for r in chosen.tolist():
+                    lw, tw = pl[r] + share, traffic_l[r] + ahead
+                    c = (lw if lw >= tw else tw) + _EXPOSED * (tw if lw >= tw else lw)
+                    if c > peak:
+                        peak = c
+                return peak, chosen, None
+            best_set: tuple[float, np.ndarray, list[float] | None] | None = None
             order, rooms = by_key  # (built by best_ranks(k) for k > 1)
             fit = order[rooms >= -(-n // k)]
+            if rho and not pl_l:
+                pl_l.extend(projected_load.tolist())
+            pl = pl_l if rho else load_l
             for ranks in (chosen, *nodes.within(fit, k)):
-                tr = nodes.traffic(ranks, n / k)
-                peak = float(_cost(projected_load[ranks] + share, traffic[ranks] + tr).max())
+                rl = ranks.tolist()
+                tr = nodes.traffic(rl, n / k)
+                peak = -np.inf  # _cost(projected_load[ranks] + share, traffic[ranks] + tr).max(), rank by rank
+                for r, t in zip(rl, tr):
+                    lw, tw = pl[r] + share, traffic_l[r] + t
+                    c = (lw if lw >= tw else tw) + _EXPOSED * (tw if lw >= tw else lw)
+                    if c > peak:
+                        peak = c
                 if best_set is None or peak < best_set[0]:
                     best_set = (peak, ranks, tr)
             assert best_set is not None
             return best_set
 
         k_asked = int(k_of_l[d]) if k_of_l is not None else max(1, -(-n // chunk))
-        best_tr: np.ndarray | None = None  # (nodes) the kept split's kv traffic per chosen rank, in pairs
+        best_tr: list[float] | None = None  # (nodes) the kept split's kv traffic per chosen rank, in pairs
         if k_of_l is not None:  # fixed split count (widened only when rooms are short)
             for k in range(k_asked, size + 1):
                 chosen = best_ranks(k)
@@ -284,7 +306,7 @@ def _assign(starts: np.ndarray, lengths: np.ndarray, work: np.ndarray, k_of: np.
             cut_contiguously(s, n, lambda r: (-room_l[r], r))  # the largest rooms: the fewest pieces
             continue
         # (nodes) each rank's kv priced by where its peers' pieces are, else every token at token_cost
-        tr_of = None if best_tr is None else dict(zip(chosen.tolist(), best_tr.tolist()))
+        tr_of = None if best_tr is None else dict(zip(chosen.tolist(), best_tr))
         for r, parts in zip(sorted(chosen.tolist()), _zigzag(s, n, k)):
             for a, b in parts:
                 if tr_of is None:

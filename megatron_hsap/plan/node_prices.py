@@ -9,6 +9,8 @@ prices each piece's kv by where its peers' pieces are (``traffic``). docs/design
 
 from __future__ import annotations
 
+from collections import Counter
+
 import numpy as np
 
 __all__ = ["NodePrices"]
@@ -32,10 +34,11 @@ class NodePrices:
     README "Why 1.50") kept a 126K-token document (50 ranks' worth of work, slimpajama 1M over 64
     ranks) on 16 ranks instead of 50: estimated 154.6 -> 196.9 ms."""
 
-    __slots__ = ("node", "groups", "local_cost", "token_cost", "most")
+    __slots__ = ("node", "node_l", "groups", "local_cost", "token_cost", "most")
 
     def __init__(self, node: tuple[int, ...], local_cost: float, token_cost: float) -> None:
         self.node = np.asarray(node, dtype=np.int64)
+        self.node_l = list(node)
         self.groups = sorted(set(node))
         self.local_cost, self.token_cost = local_cost, token_cost
         self.most = max(node.count(g) for g in self.groups)  # the most inter ranks on one node
@@ -57,13 +60,14 @@ class NodePrices:
                 out.append(sel[:k])
         return out
 
-    def traffic(self, ranks: np.ndarray, share: float) -> np.ndarray:
+    def traffic(self, ranks: list[int], share: float) -> list[float]:
         """[k] pairs each of ``ranks`` pays to receive the kv of the other ranks' ``share``-token
-        pieces of one document: NVLink price from its own node, network price from the others."""
-        on = self.node[ranks]
-        same = (on[:, None] == on[None, :]).sum(axis=1) - 1
-        other = len(ranks) - 1 - same
-        return share * (same * self.local_cost + other * self.token_cost)
+        pieces of one document: NVLink price from its own node, network price from the others.
+        (Python floats: k is small, and the layout's inner loop reads them one by one.)"""
+        on = [self.node_l[r] for r in ranks]
+        count = Counter(on)
+        k = len(ranks)
+        return [share * ((count[g] - 1) * self.local_cost + (k - count[g]) * self.token_cost) for g in on]
 
     @classmethod
     def of(cls, node: tuple[int, ...], local_cost: float | None, token_cost: float) -> "NodePrices | None":
