@@ -270,8 +270,17 @@ def _base_phases(plan: "Plan") -> dict[Phase, PipelinePhase]:
                                 in_copy_s=hw.a2a_copy_time(sum(b[n] for n in before) * p / max(1, p - 1)),
                                 out_copy_s=hw.a2a_copy_time(sum(b[n] for n in after) * p / max(1, p - 1)),
                                 kv_in_bytes=kv_in, kv_out_bytes=kv_out,
-                                kv_in_calls=sum(n in ("k", "v") for n in before), kv_out_calls=sum(n in ("k", "v") for n in after))  # fmt: skip
+                                kv_in_calls=sum(n in ("k", "v") for n in before), kv_out_calls=sum(n in ("k", "v") for n in after),
+                                overlap_slowdown=hw.overlap_slowdown,
+                                kernel_share=_kernel_share(pt))  # fmt: skip
     return out
+
+
+def _kernel_share(pt: PhaseTime) -> float:
+    """Of a SAP phase's estimated seconds, the share its kernels run (the slowest rank's compute
+    per stage, summed: the rest is waiting on transfers, which NCCL's contention does not stretch)."""
+    total = pt.total - pt.launch
+    return min(1.0, float(pt.compute.sum()) / total) if total > 0 else 1.0
 
 
 def _a2a_link(plan: "Plan") -> tuple[float, float]:

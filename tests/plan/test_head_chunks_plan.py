@@ -8,10 +8,12 @@ and the plan hash covering the count. The pipelined runtime is tested in
 
 from __future__ import annotations
 
-import heapq
+from dataclasses import replace
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from megatron_hsap.errors import ConfigError
 from megatron_hsap.plan import compile_plan
@@ -181,53 +183,86 @@ def test_a2a_bytes_equal_ulysses_volume():
 # --------------------------------------------------------------------------- the closed form
 
 
-def _replay(ph: PipelinePhase, chunks: int, bw: float, lat: float) -> float:
-    """The runtime's schedule event by event: one intra link serving all-to-alls in issue order,
-    one compute stream. At the start of chunk k's SAP the host has issued chunk k+1's all-to-all,
-    then chunk k−1's return; SAP k starts when its all-to-all landed and SAP k−1 finished."""
+def _engine(ph: PipelinePhase, chunks: int, bw: float, lat: float) -> float:
+    """The runtime's schedule run by the simulator's event engine (``sim/engine.py``, the
+    independent reference): one side stream serving the all-to-alls in issue order, one compute
+    stream. Chunk 1's all-to-all is issued first; at the start of chunk k's SAP the host issues
+    chunk k+1's all-to-all, then chunk k−1's return; SAP k waits for its own all-to-all and runs
+    ``1 + overlap_slowdown`` times slower where it overlaps side-stream work; the last return
+    follows the last SAP (``sim/hsap.hsap_workload``'s program, one rank)."""
+    from megatron_hsap.plan.hardware import LinkClass
+    from megatron_hsap.sim.builder import Builder
+    from megatron_hsap.sim.engine import simulate
+
     a = ph.in_bytes / chunks / bw + ph.in_calls * lat
     r = ph.out_bytes / chunks / bw + ph.out_calls * lat
     s = (ph.sap_s - ph.latency_s) / chunks + ph.latency_s + ph.launch_s
-    link_free = 0.0
-    arrived: dict[int, float] = {}
-
-    def issue(t: float, dur: float) -> float:
-        nonlocal link_free
-        link_free = max(link_free, t) + dur
-        return link_free
-
-    arrived[1] = issue(0.0, a)
-    sap_end = 0.0
-    done_out = []
-    for k in range(1, chunks + 1):
-        start = max(sap_end, arrived[k])
-        if k < chunks:
-            arrived[k + 1] = issue(start, a)
-        if k > 1:
-            heapq.heappush(done_out, issue(start, r))
-        sap_end = start + s
-    done_out.append(issue(sap_end, r))
-    return max(done_out)
+    b = Builder(1)
+    tags = iter(range(10**6))
+    arriving = next(tags)
+    b.launch(0, arriving, a)
+    for k in range(chunks):
+        b.join(0, arriving)
+        if k + 1 < chunks:
+            arriving = next(tags)
+            b.launch(0, arriving, a)
+        if k:
+            b.launch(0, next(tags), r)
+        b.busy(0, s, "compute", overlap_slowdown=ph.overlap_slowdown)
+    last = next(tags)
+    b.launch(0, last, r)
+    b.join(0, last)
+    tl = simulate(b.build(), link=lambda i, j: LinkClass.NVLINK, bandwidth=lambda c: bw, latency=lambda c: lat)
+    return tl.makespan
 
 
 @pytest.mark.parametrize("chunks", [1, 2, 3, 4, 8])
 @pytest.mark.parametrize(("sap", "in_b", "out_b"), [(1e-3, 1e6, 3e5), (1e-4, 5e7, 5e7), (2e-3, 2e7, 6e7), (5e-4, 3e6, 1e6)])
-def test_closed_form_against_an_event_replay(chunks, sap, in_b, out_b):
-    ph = PipelinePhase(sap_s=sap, latency_s=sap / 10, launch_s=2e-5, in_bytes=int(in_b), out_bytes=int(out_b), in_calls=3, out_calls=1)
+@pytest.mark.parametrize("slowdown", [0.0, 0.1, 0.5])
+def test_pipelined_time_is_the_simulators_schedule(chunks, sap, in_b, out_b, slowdown):
+    """``pipelined_time`` prices the runtime's issue order and the SM contention beside the side
+    stream exactly as the simulator's engine runs them: compute-bound, link-bound and mixed, one
+    chunk to eight (one chunk: nothing overlaps, ``A + S + R``)."""
+    ph = PipelinePhase(sap_s=sap, latency_s=sap / 10, launch_s=2e-5, in_bytes=int(in_b), out_bytes=int(out_b), in_calls=3, out_calls=1,
+                       overlap_slowdown=slowdown)
     bw, lat = 1e11, 1e-5
-    closed, replay = pipelined_time(ph, chunks, bw, lat), _replay(ph, chunks, bw, lat)
-    if chunks == 1:
-        assert closed == pytest.approx(replay, rel=1e-12)
-        return
+    got, want = pipelined_time(ph, chunks, bw, lat), _engine(ph, chunks, bw, lat)
+    assert got == pytest.approx(want, rel=1e-12)
     a = ph.in_bytes / chunks / bw + 3 * lat
     r = ph.out_bytes / chunks / bw + lat
     s = (sap - sap / 10) / chunks + sap / 10 + 2e-5
-    if s >= a + r:  # compute-bound: every step is one SAP chunk, the replay agrees exactly
-        assert closed == pytest.approx(replay, rel=1e-12)
-        assert closed == pytest.approx(a + chunks * s + r, rel=1e-12)
-    else:  # link-bound: the closed form waits for both transfers each step, never less than the replay
-        assert replay <= closed * (1 + 1e-12)
-        assert closed <= replay + (chunks - 1) * r  # ... and by at most the overlap of returns
+    if chunks == 1:
+        assert got == pytest.approx(a + s + r, rel=1e-12)
+    elif slowdown == 0 and s >= a + r:  # compute-bound: every step is one SAP chunk
+        assert got == pytest.approx(a + chunks * s + r, rel=1e-12)
+    # never below either stream's own work: the link's transfers, or the first transfer, every SAP and the last return
+    assert got >= max(chunks * (a + r), a + chunks * s + r) * (1 - 1e-12)
+
+
+def test_the_slowdown_only_costs_where_sap_overlaps_the_side_stream():
+    """Beside the side stream SAP is slower (compute-bound: each chunk but the first overlaps
+    transfers), so the phase takes longer than without contention — by at most the slowdown of
+    every SAP chunk."""
+    ph0 = PipelinePhase(sap_s=4e-3, latency_s=0.0, launch_s=0.0, in_bytes=10**7, out_bytes=10**7, in_calls=1, out_calls=1)
+    ph1 = PipelinePhase(**{**{f: getattr(ph0, f) for f in ph0.__dataclass_fields__}, "overlap_slowdown": 0.1})
+    bw, lat = 1e11, 0.0
+    t0, t1 = pipelined_time(ph0, 4, bw, lat), pipelined_time(ph1, 4, bw, lat)
+    assert t0 < t1 <= t0 + 0.1 * 4e-3 * (1 + 1e-12)
+
+
+@settings(deadline=None, max_examples=300, derandomize=True)
+@given(chunks=st.sampled_from([2, 3, 4, 8, 16]), kv_div=st.sampled_from([1, 2, 4, 8, 16]), slowdown=st.sampled_from([0.0, 0.1, 0.5, 0.9]),
+       in_b=st.integers(1, 10**8), out_b=st.integers(1, 10**8), s1=st.floats(0, 1e-3), ds=st.floats(0, 1e-3))
+def test_pipelined_time_never_falls_as_sap_grows(chunks, kv_div, slowdown, in_b, out_b, s1, ds):
+    """``choose_head_chunks`` skips a count whose price at a lower bound of its chunk SAP already
+    loses: sound only if the price is non-decreasing in the chunk's SAP seconds (overlap slowdowns
+    below 1 included: a later start loses at most that much overlap)."""
+    kv = kv_div if chunks % kv_div == 0 else 1
+    ph = PipelinePhase(sap_s=1e-3, latency_s=0.0, launch_s=1e-5, in_bytes=in_b, out_bytes=out_b, in_calls=3, out_calls=1,
+                       kv_in_bytes=in_b // 3, kv_in_calls=2, overlap_slowdown=slowdown)
+    lo = pipelined_time(replace(ph, chunk_sap_s=s1), chunks, 1e11, 1e-5, kv)
+    hi = pipelined_time(replace(ph, chunk_sap_s=s1 + ds), chunks, 1e11, 1e-5, kv)
+    assert hi >= lo * (1 - 1e-12)
 
 
 def test_chunk_count_enters_the_hash_only_above_one():

@@ -72,6 +72,28 @@ def test_kept_layout_is_faster_in_simulation_8_gpus() -> None:
     assert not wrong, "kept the layout that simulates slower:\n" + "\n".join(wrong)
 
 
+# Kept the layout that simulates slower, measured 2026-12-03 on every Table 2 / Table 4 /
+# MagiAttention batch (``python -m megatron_hsap.sim.estimate_accuracy --layouts``): 4 of 167, each
+# at P_intra 2-4 where the balanced plan is owner-computes and the contiguous one moves work, and the
+# estimate prices the mover's backward 0.4-4.7% above the simulator (the SM contention beside the
+# intra all-to-all charged over the whole SAP chunk, at its mean kernel share; the simulator charges
+# only the kernels that overlap it). Bound: the measured ratio, rounded up. 12 before the
+# all-to-all replay and the 0.1% layout margin (plan._LAYOUT_OWNER_MARGIN).
+KNOWN_LAYOUT: dict[str, float] = {"fineweb 16K 4x2 s0": 1.002, "fineweb 64K 2x4 s2": 1.02, "slimpajama 32K 2x4 s1": 1.01,
+                                  "slimpajama 32K 4x2 s2": 1.003}
+
+
+@pytest.mark.slow
+def test_kept_layout_is_faster_in_simulation_every_benchmark_batch() -> None:
+    wrong = []
+    for c in cases("table2", 3) + cases("table4", 3) + cases("magi", 2):
+        kept, con, bal = layouts(c)
+        mine, other = (con, bal) if kept == "contiguous" else (bal, con)
+        if mine > other * KNOWN_LAYOUT.get(c.label, 1 + SAME):
+            wrong.append(f"{c.label}: kept {kept} {mine * 1e3:.3f} ms, the other {other * 1e3:.3f} ms")
+    assert not wrong, "kept the layout that simulates slower:\n" + "\n".join(wrong)
+
+
 @pytest.mark.slow
 def test_never_slower_than_owner_computes_every_benchmark_batch() -> None:
     _check(cases("table2", 3) + cases("table4", 1) + cases("magi", 2))
