@@ -421,8 +421,9 @@ def pipelined_time(ph: PipelinePhase, chunks: int, bw: float, call_latency: floa
     overlap_slowdown`` times slower (NCCL's kernels hold SMs and HBM): the simulator's schedule
     (``sim/hsap.py``, ``sim/engine.py``), replayed here in O(C²). It used to be the lockstep
     ``A_1 + Σ_k max(S, A_{k+1} + R_{k−1}) + R_C`` without contention: on the 167 benchmark batches
-    est/sim 0.961–1.016 (MagiAttention median 0.980) → 0.982–1.027 (0.999), and 8 plans simulate
-    0.3–1.9% faster (head-chunk counts). ``C = 1`` is ``A + S + R`` (nothing overlaps). A rank
+    est/sim 0.961–1.016 (MagiAttention median 0.980) → 0.982–1.027 (0.999) with this alone, 8
+    plans simulating 0.3–1.9% faster (head-chunk counts); docs/design.md §2.2 for the rest of that
+    change. ``C = 1`` is ``A + S + R`` (nothing overlaps). A rank
     sends ``(P−1)/P`` of its tensor and receives as much (full-duplex links), so its bytes sent
     over ``bw`` is the transfer time.
     """

@@ -1,10 +1,10 @@
-"""The head-chunk choice skips hopeless shared-kv counts by a lower bound (``chunks.choose_head_chunks``,
+"""The head-chunk choice skips hopeless counts by a lower bound (``chunks.choose_head_chunks``,
 ``chunks.chunk_sap_floor``) and still picks exactly the count the exhaustive choice picks.
 
 References: the exhaustive choice — every valid count priced in full (``head_chunk_estimates``,
-the shared-kv ones re-priced at their shape by ``chunk_phase_times``) and the rule the planner
+every count above 1 re-priced at its shape by ``chunk_phase_times``) and the rule the planner
 had before the bound (ascending, a count must beat the best so far by more than 1e-9 relative);
-for the bound, each shared-kv count's ``chunk_sap_s`` from that full pricing.
+for the bound, each re-priced count's ``chunk_sap_s`` from that full pricing.
 
 Why it can fail: a bound above the true price would skip a count that wins (the cases include
 ones where a shared-kv count is chosen: MQA and GQA with one kv head per rank), and the rule must
@@ -54,7 +54,7 @@ def _plan(workload, T, inter, intra, heads, kv_heads, hardware, kw):
 def test_bounded_choice_equals_the_exhaustive_one(workload, T, inter, intra, heads, kv_heads, hardware, kw, monkeypatch):
     plan = _plan(workload, T, inter, intra, heads, kv_heads, hardware, kw)
     est = ch.head_chunk_estimates(plan)
-    shared = [c for c in est if ch._shared(plan, c)]
+    shared = [c for c in est if ch._repriced(plan, c)]
     for c in shared:  # the bound never exceeds the price it stands in for
         floor = ch.chunk_sap_floor(plan, c)
         exact = ch.pipeline_phases(plan, c)
