@@ -171,11 +171,19 @@ def _search(cu: tuple[int, ...], opts: PlanOptions, staged: list[PricedLayout]) 
     if con is None:
         return _build_on(bal)
     if opts.intra_size > 1:
-        # the prunes below compare SAP prices, but with an intra all-to-all the layouts are chosen
-        # on whole layers (choose_layout), where the all-to-all can swamp a SAP gap: Table 4
-        # slimpajama 16K 4x2 s0's contiguous SAP is 8% above the balanced one (pruned), its layer
-        # 0.4% below it — and 1.4% below in simulation. Both are built
-        return choose_layout(contiguous or _build_on(con), _build_on(bal), bound)
+        # with an intra all-to-all the layouts are chosen on whole layers (choose_layout), where the
+        # all-to-all can swamp a SAP gap (Table 4 slimpajama 16K 4x2 s0: the contiguous SAP 8% above
+        # the balanced one, its layer 0.4% below, 1.4% below in simulation), so a layout is pruned
+        # only against the other's built *layer* time: a layer takes at least its SAP
+        if contiguous is not None:
+            if _loses(bal, _layer_time(contiguous)):
+                return contiguous
+            return choose_layout(contiguous, _build_on(bal), bound)
+        balanced = _build_on(bal)
+        layer = _layer_time(balanced)
+        if con.floor > layer * (1 + _LAYOUT_PRUNE) or _loses(con.exact(), layer):
+            return balanced
+        return choose_layout(_build_on(con), balanced, bound)
     if contiguous is None and bal.price > con.floor * (1 + _LAYOUT_PRUNE) and bal.price > con.exact().price * (1 + _LAYOUT_PRUNE):
         # prune the balanced layout against the contiguous plan's built time only: a staged
         # price can sit below it (25% where a pool overflow restages: table4 fineweb 16K 1x8 s1)
