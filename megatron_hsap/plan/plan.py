@@ -44,10 +44,11 @@ _BUDGET_FRACTION = 0.45  # per-stage remote pool use: two stages' inputs and res
 _LAYOUT_PRUNE = 0.05
 # choose_layout: a plan that moves work must beat the other layout's owner-computes plan by this.
 # Not candidates._OWNER_MARGIN (1%, one layout's candidates): with the intra all-to-all replayed
-# with its SM contention (estimate.pipelined_time) the two layouts' layer estimates order them as
-# the simulator does within ~0.2% on the 167 benchmark batches (four exceptions, docs/design.md
-# §4), and a 1% margin kept the owner-computes layout on 9 batches whose other layout simulated
-# 0.3-1.4% faster. Swept 2026-12-03 on those batches, kept layout slower in simulation: 0 -> 5,
+# with its SM contention (estimate.pipelined_time) and each head chunk's SAP priced at its shape,
+# the two layouts' layer estimates order them as the simulator does on all 167 benchmark batches,
+# and a 1% margin kept the owner-computes layout on 9 batches whose other layout simulated
+# 0.3-1.4% faster. Swept 2026-12-03 on those batches before the per-chunk pricing, kept layout
+# slower in simulation: 0 -> 5,
 # 0.05-0.1% -> 4, 0.2% -> 6, 0.5% -> 9, 1% -> 13; with 0, fineweb 32K 4x2 s2 kept a plan 0.16%
 # slower than the other layout's owner-computes (estimated 0.04% faster)
 _LAYOUT_OWNER_MARGIN = 0.001
