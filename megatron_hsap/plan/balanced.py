@@ -32,7 +32,8 @@ Deterministic: ties break by rank index and document order.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from itertools import repeat
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -223,35 +224,30 @@ def _assign(starts: np.ndarray, lengths: np.ndarray, work: np.ndarray, k_of: np.
             chosen ranks; with ``nodes``, also the lowest-key ranks of each node that can take the
             whole split alone, kv priced per pair of pieces (``NodePrices.traffic``): the cheaper set wins."""
             share = wd / k - rho * n / k
-            if nodes is None or not nodes.prices(wd, cap):
-                # ``_cost(projected_load[chosen] + share, traffic[chosen] + ahead).max()`` rank by rank:
-                # the same float operations on Python floats (k is small: numpy's calls cost more)
-                if rho and not pl_l:
-                    pl_l.extend(projected_load.tolist())
-                pl = pl_l if rho else load_l  # (load_l mirrors load; no piece is given during the search)
-                ahead = token_cost * n * (k - 1) / k
-                peak = -np.inf
-                for r in chosen.tolist():
-                    lw, tw = pl[r] + share, traffic_l[r] + ahead
-                    c = (lw if lw >= tw else tw) + _EXPOSED * (tw if lw >= tw else lw)
-                    if c > peak:
-                        peak = c
-                return peak, chosen, None
-            best_set: tuple[float, np.ndarray, list[float] | None] | None = None
-            order, rooms = by_key  # (built by best_ranks(k) for k > 1)
-            fit = order[rooms >= -(-n // k)]
+            # ``_cost(projected_load[ranks] + share, traffic[ranks] + extra).max()`` rank by rank: the
+            # same float operations on Python floats (k is small: numpy's calls cost more)
             if rho and not pl_l:
                 pl_l.extend(projected_load.tolist())
-            pl = pl_l if rho else load_l
-            for ranks in (chosen, *nodes.within(fit, k)):
-                rl = ranks.tolist()
-                tr = nodes.traffic(rl, n / k)
-                peak = -np.inf  # _cost(projected_load[ranks] + share, traffic[ranks] + tr).max(), rank by rank
-                for r, t in zip(rl, tr):
+            pl = pl_l if rho else load_l  # (load_l mirrors load; no piece is given during the search)
+
+            def peak_of(ranks: list[int], extra: Iterable[float]) -> float:
+                peak = -np.inf
+                for r, t in zip(ranks, extra):
                     lw, tw = pl[r] + share, traffic_l[r] + t
                     c = (lw if lw >= tw else tw) + _EXPOSED * (tw if lw >= tw else lw)
                     if c > peak:
                         peak = c
+                return peak
+
+            if nodes is None or not nodes.prices(wd, cap):
+                return peak_of(chosen.tolist(), repeat(token_cost * n * (k - 1) / k)), chosen, None
+            best_set: tuple[float, np.ndarray, list[float] | None] | None = None
+            order, rooms = by_key  # (built by best_ranks(k) for k > 1)
+            fit = order[rooms >= -(-n // k)]
+            for ranks in (chosen, *nodes.within(fit, k)):
+                rl = ranks.tolist()
+                tr = nodes.traffic(rl, n / k)
+                peak = peak_of(rl, tr)
                 if best_set is None or peak < best_set[0]:
                     best_set = (peak, ranks, tr)
             assert best_set is not None

@@ -48,9 +48,8 @@ _LAYOUT_PRUNE = 0.05
 # the two layouts' layer estimates order them as the simulator does on all 167 benchmark batches,
 # and a 1% margin kept the owner-computes layout on 9 batches whose other layout simulated
 # 0.3-1.4% faster. Swept 2026-12-03 on those batches before the per-chunk pricing, kept layout
-# slower in simulation: 0 -> 5,
-# 0.05-0.1% -> 4, 0.2% -> 6, 0.5% -> 9, 1% -> 13; with 0, fineweb 32K 4x2 s2 kept a plan 0.16%
-# slower than the other layout's owner-computes (estimated 0.04% faster)
+# slower in simulation: 0 -> 5, 0.05-0.1% -> 4, 0.2% -> 6, 0.5% -> 9, 1% -> 13; with 0, fineweb
+# 32K 4x2 s2 kept a plan 0.16% slower than the other layout's owner-computes (estimated 0.04% faster)
 _LAYOUT_OWNER_MARGIN = 0.001
 
 
@@ -171,29 +170,20 @@ def _search(cu: tuple[int, ...], opts: PlanOptions, staged: list[PricedLayout]) 
     bal.exact()
     if con is None:
         return _build_on(bal)
-    if opts.intra_size > 1:
-        # with an intra all-to-all the layouts are chosen on whole layers (choose_layout), where the
-        # all-to-all can swamp a SAP gap (Table 4 slimpajama 16K 4x2 s0: the contiguous SAP 8% above
-        # the balanced one, its layer 0.4% below, 1.4% below in simulation), so a layout is pruned
-        # only against the other's built *layer* time: a layer takes at least its SAP
-        if contiguous is not None:
-            if _loses(bal, _layer_time(contiguous)):
-                return contiguous
-            return choose_layout(contiguous, _build_on(bal), bound)
-        balanced = _build_on(bal)
-        layer = _layer_time(balanced)
-        if con.floor > layer * (1 + _LAYOUT_PRUNE) or _loses(con.exact(), layer):
-            return balanced
-        return choose_layout(_build_on(con), balanced, bound)
     if contiguous is None and bal.price > con.floor * (1 + _LAYOUT_PRUNE) and bal.price > con.exact().price * (1 + _LAYOUT_PRUNE):
         # prune the balanced layout against the contiguous plan's built time only: a staged
         # price can sit below it (25% where a pool overflow restages: table4 fineweb 16K 1x8 s1)
         contiguous = _build_on(con)
-    if contiguous is not None and _loses(bal, contiguous.chosen.time):
+    # a layout is pruned against the other's built *layer* time (choose_layout compares whole
+    # layers; with an intra all-to-all it can swamp a SAP gap: Table 4 slimpajama 16K 4x2 s0's
+    # contiguous SAP is 8% above the balanced one, its layer 0.4% below, 1.4% below in
+    # simulation); a layer takes at least its SAP, and at P_intra = 1 it is its SAP
+    if contiguous is not None and _loses(bal, _layer_time(contiguous)):
         return contiguous
     balanced = _build_on(bal)
     if contiguous is None:
-        if con.floor > balanced.chosen.time * (1 + _LAYOUT_PRUNE) or _loses(con.exact(), balanced.chosen.time):
+        layer = _layer_time(balanced)
+        if con.floor > layer * (1 + _LAYOUT_PRUNE) or _loses(con.exact(), layer):
             return balanced
         contiguous = _build_on(con)
     return choose_layout(contiguous, balanced, bound)
