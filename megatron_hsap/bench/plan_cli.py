@@ -117,6 +117,7 @@ def _stats_lines(s: PlanStats) -> list[str]:
         ("necessary_bytes", "{:,} B"), ("bytes_over_necessary", "{:.3f}"), ("stages", "{}"), ("rounds_fwd", "{}"),
         ("rounds_bwd", "{}"), ("pool_capacity_bytes", "{:,} B"), ("pool_peak_bytes", "{:,} B"), ("pool_use", "{:.2f}"),
         ("compute_items", "{}"), ("messages_fwd", "{}"), ("messages_bwd", "{}"), ("head_chunks", "{}"),
+        ("flattened_from", "{}"),
     ]
     return [f"  {k:<24} {fmt.format(getattr(s, k))}" for k, fmt in keys]
 
@@ -146,6 +147,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="receive-pool capacity (default: the planner's, 4 inter chunks)")
     ap.add_argument("--head-chunks", type=positive_int, default=None,
                     help="head chunks the intra all-to-all is pipelined over (default: the planner's choice)")
+    ap.add_argument("--flatten", choices=("never", "auto", "always"), default=None,
+                    help="at --intra-size > 1: plan the batch as pure SAP over all CP ranks when estimated faster "
+                         "(auto) or always (default: never; plan/flatten.py)")
     ap.add_argument("--layout", choices=("contiguous", "balanced"), default=None,
                     help="token layout (default: compile_plan's, balanced; the --sample batch: contiguous, as in Figure 3)")
     ap.add_argument("--rank", type=nonnegative_int, default=None, help="inter rank whose program to print (default: the busiest)")
@@ -189,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
         options["pool_bytes"] = args.pool_bytes
     if args.head_chunks:
         options["head_chunks"] = args.head_chunks
+    if args.flatten:
+        options["flatten"] = args.flatten
     layout = args.layout or ("contiguous" if cu == sample_cu_seqlens() else None)
     if layout:
         options["layout"] = layout

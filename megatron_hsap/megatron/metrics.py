@@ -181,8 +181,10 @@ def dump_plan(plan: "Plan", out_dir: str | os.PathLike[str], *, iteration: int,
            "stats": stats, "verified": _verified(plan)}
     (out / "plan.json").write_text(json.dumps(doc, indent=1, default=str) + "\n")
     o = plan.options
-    command = (f"{shlex.quote(sys.executable)} -m megatron_hsap plan --cu-seqlens {','.join(map(str, cu))} --inter-size {plan.inter_size} "
-               f"--intra-size {plan.intra_size} --heads {o.num_heads} --kv-heads {o.num_kv_heads or o.num_heads} "
+    # a flattened plan (plan/flatten.py) is reproduced from its groups' topology
+    intra, inter = o.flattened_from or (plan.intra_size, plan.inter_size)
+    command = (f"{shlex.quote(sys.executable)} -m megatron_hsap plan --cu-seqlens {','.join(map(str, cu))} --inter-size {inter} "
+               f"--intra-size {intra} {'--flatten always ' if o.flattened_from else ''}--heads {o.num_heads} --kv-heads {o.num_kv_heads or o.num_heads} "
                f"--head-dim {o.head_dim} --dtype-bytes {o.dtype_bytes} --layout {plan.layout.name} "
                f"--tp {o.tp_size} --gpus-per-node {o.gpus_per_node} "
                f"--plot {shlex.quote(str(out / 'plan.png'))}")

@@ -142,6 +142,8 @@ def initialize_hsap(
             f"rank {rank}: group ranks (intra {dist.get_rank(intra)}, inter {dist.get_rank(inter)}) "
             f"differ from the layout's ({intra_rank}, {inter_rank})"
         )
+    cp, made = _cp_group(cp_group, ranks, world, all_cp, rank)
+    owned += made
     groups = HSAPGroups(
         intra=intra,
         inter=inter,
@@ -152,6 +154,7 @@ def initialize_hsap(
         inter_rank=inter_rank,
         cp_ranks=tuple(ranks),
         cp_link=cp_link,
+        cp=cp,
     )
     register_groups(groups, owned=owned)  # the runtime reads them there (runtime/groups.py)
     return groups
@@ -333,6 +336,27 @@ def _megatron_hierarchical_groups(
             f"rank {rank}: Megatron's hierarchical CP groups {got} differ from the HSAP layout {want}"
         )
     return levels[0], levels[1]
+
+
+def _cp_group(cp_group: dist.ProcessGroup | None, ranks: list[int], world: int, all_cp: list[tuple[int, ...]],
+              rank: int) -> tuple[dist.ProcessGroup | None, tuple[dist.ProcessGroup, ...]]:
+    """The whole CP group a flattened ``1 × P`` plan runs on (``HSAPGroups.cp``, plan/flatten.py) and
+    the groups created for it: the given (or Megatron's) CP group, the world when it is the CP
+    group, else one ``new_group`` per CP group (collective: the same branch and order on every
+    rank). None when its group ranks are not the CP ranks (a CP rank list out of global order):
+    flattened plans are then refused by name (``check_plan_groups``)."""
+    made: tuple[dist.ProcessGroup, ...] = ()
+    if cp_group is None and ranks == list(range(world)):
+        cp_group = dist.group.WORLD
+    if cp_group is None:
+        timeout = job_timeout()
+        for members in all_cp:
+            group = dist.new_group(list(members), timeout=timeout, group_desc="HSAP_CP")
+            if rank in members:
+                cp_group, made = group, (group,)
+        dist.barrier()  # as after _create_groups: gloo pairs up before any rank may destroy them
+    assert cp_group is not None  # rank is in its own CP group (checked)
+    return (cp_group if dist.get_rank(cp_group) == ranks.index(rank) else None), made
 
 
 def _create_groups(

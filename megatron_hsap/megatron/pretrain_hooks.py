@@ -115,8 +115,8 @@ def _read_direct(data_iterator: Iterator[dict[str, Any]] | None) -> Any:
 
 def plan_flags(args: Any) -> dict[str, Any]:
     """``compile_plan`` options the ``--hsap-*`` flags set (the model's shape, hardware and link
-    come from elsewhere): layout and fallback, pool, head chunks, the gradients' wire dtype
-    (left out at its default, so default runs compile the plans they always did)."""
+    come from elsewhere): layout and fallback, pool, head chunks, flattening, the gradients' wire
+    dtype (left out at their defaults, so default runs compile the plans they always did)."""
     kwargs: dict[str, Any] = {"layout": getattr(args, "hsap_layout", "balanced")}
     if kwargs["layout"] == "balanced":
         kwargs["layout_fallback"] = getattr(args, "hsap_layout_fallback", True)
@@ -124,6 +124,8 @@ def plan_flags(args: Any) -> dict[str, Any]:
         kwargs["pool_bytes"] = args.hsap_pool_bytes
     if getattr(args, "hsap_head_chunks", None) is not None:
         kwargs["head_chunks"] = args.hsap_head_chunks
+    if getattr(args, "hsap_flatten", "never") != "never":
+        kwargs["flatten"] = args.hsap_flatten
     from megatron_hsap.plan.costs import DEFAULT_GRAD_WIRE_DTYPE
 
     if getattr(args, "hsap_grad_wire_dtype", DEFAULT_GRAD_WIRE_DTYPE) != DEFAULT_GRAD_WIRE_DTYPE:

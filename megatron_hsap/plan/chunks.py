@@ -78,6 +78,8 @@ __all__ = [
     "head_chunk_estimate",
     "chunk_sap_floor",
     "choose_head_chunks",
+    "choose_head_chunks_timed",
+    "layer_estimate",
     "resolve_head_chunks",
 ]
 
@@ -319,9 +321,10 @@ def head_chunk_estimate(plan: "Plan", chunks: int) -> float:
     return _pipelined(plan, pipeline_phases(plan, chunks), chunks)
 
 
-def choose_head_chunks(plan: "Plan") -> int:
+def choose_head_chunks_timed(plan: "Plan") -> tuple[int, float]:
     """The valid count of least :func:`head_chunk_estimates` (ties: fewer chunks; a count must beat
-    the best so far by more than 1e-9 relative, in ascending order), without pricing every count
+    the best so far by more than 1e-9 relative, in ascending order) and its estimate (the
+    layout choice's layer time, ``Plan.layer_time``), without pricing every count
     in full: a count whose lower bound already fails that test cannot be chosen, so it is skipped.
     A count's bound is the pipeline price (``pipelined_time``, non-decreasing in ``chunk_sap_s``) at a ``chunk_sap_s`` no
     larger than the true one: first 0 (a chunk's SAP takes no negative time: its path runs
@@ -346,7 +349,12 @@ def choose_head_chunks(plan: "Plan") -> int:
         t = _pipelined(plan, _phases_at(plan, base, c), c)
         if t < bar:
             best, best_t = c, t
-    return best
+    return best, best_t
+
+
+def choose_head_chunks(plan: "Plan") -> int:
+    """The count of :func:`choose_head_chunks_timed`."""
+    return choose_head_chunks_timed(plan)[0]
 
 
 def resolve_head_chunks(plan: "Plan") -> int:
@@ -356,4 +364,16 @@ def resolve_head_chunks(plan: "Plan") -> int:
         return int(forced)
     if plan.intra_size == 1:  # pure SAP: no all-to-all to pipeline
         return 1
-    return choose_head_chunks(plan)
+    return plan.head_chunk_choice[0]
+
+
+def layer_estimate(plan: "Plan") -> float:
+    """Estimated seconds of the whole HSAP layer of ``plan`` at the count it runs with
+    (``plan.head_chunks``): SAP alone at ``P_intra = 1``; else the intra all-to-all pipelined with
+    SAP (:func:`head_chunk_estimate`), read from the choice when it chose the count (the same
+    computation: ``Plan.layer_time`` keeps it, so the layout search never prices a count twice)."""
+    if plan.intra_size == 1:
+        return plan.chosen.time
+    if plan.options.head_chunks is not None:
+        return head_chunk_estimate(plan, plan.head_chunks)
+    return plan.head_chunk_choice[1]

@@ -137,6 +137,8 @@ def plan_hash(plan: "Plan") -> int:
             continue  # the default is left out: plans whose wires it does not change keep their hashes
         if name == "head_chunks":
             continue  # the resolved count below: None and a forced 2 that run alike hash alike
+        if name == "flatten" or (name == "flattened_from" and plan.options.flattened_from is None):
+            continue  # a search knob (plan/flatten.py): the plan it kept is hashed, flattened_from when set
         h.update(f"\n{name}={getattr(plan.options, name)!r}".encode())
     if plan.head_chunks != 1:  # one chunk (the default) keeps the hashes from before chunks existed
         h.update(f"\nhead_chunks={plan.head_chunks}".encode())

@@ -9,14 +9,15 @@ from dataclasses import dataclass
 from numbers import Integral
 
 from megatron_hsap.errors import ConfigError
-from megatron_hsap.plan.hardware import HARDWARE, LinkClass
+from megatron_hsap.plan.hardware import HARDWARE, LinkClass, link_class_for
 from megatron_hsap.plan.checks import positive_int
 from megatron_hsap.plan.costs import DEFAULT_GRAD_WIRE_DTYPE, GRAD_WIRE_DTYPES
 from megatron_hsap.plan.window import normalize_window, window_left
 
-__all__ = ["PlanOptions", "kv_heads_per_rank", "valid_head_chunks", "kv_head_chunks", "check_head_chunks", "validated_options", "DEFAULT_POOL_CHUNKS", "DEFAULT_POOL_MIN", "LAYOUTS", "inter_rank_nodes"]
+__all__ = ["PlanOptions", "kv_heads_per_rank", "valid_head_chunks", "kv_head_chunks", "check_head_chunks", "validated_options", "DEFAULT_POOL_CHUNKS", "DEFAULT_POOL_MIN", "LAYOUTS", "FLATTEN", "inter_rank_nodes", "link_of"]
 
 LAYOUTS = ("contiguous", "balanced")
+FLATTEN = ("never", "auto", "always")  # PlanOptions.flatten (plan/flatten.py)
 
 DEFAULT_POOL_CHUNKS = 4  # pool = 4 × one inter chunk × local heads × (d_qk + d_v) × bytes (docs/design.md §2.1)
 DEFAULT_POOL_MIN = 1 << 20  # ... and at least 1 MiB: tiny chunks still need a few 256-byte-aligned slots
@@ -66,6 +67,13 @@ class PlanOptions:
     # "activation" (default) or "fp32": the dtype partial dq / dk / dv travel in (plan/costs.py
     # GRAD_WIRES); accumulation stays fp32 either way
     grad_wire_dtype: str = DEFAULT_GRAD_WIRE_DTYPE
+    # P_intra > 1: also plan the batch as pure SAP over all P_intra·P_inter CP ranks (no intra
+    # all-to-all) and keep that plan when it is estimated faster (plan/flatten.py): "never",
+    # "auto" (when the CP group sits inside one node) or "always"
+    flatten: str = "never"
+    # set on a flattened plan's options (compile_plan fills it): the (P_intra, P_inter) of the HSAP
+    # groups the 1 x P plan runs on, over their CP group
+    flattened_from: tuple[int, int] | None = None
 
     @property
     def window(self) -> int:
@@ -94,8 +102,25 @@ class PlanOptions:
             raise ConfigError(f"grad_wire_dtype={self.grad_wire_dtype!r} is unknown; use one of {list(GRAD_WIRE_DTYPES)}")
         if self.hardware not in HARDWARE:
             raise ConfigError(f"hardware={self.hardware!r} is unknown; choose one of {sorted(HARDWARE)}")
+        if self.flatten not in FLATTEN:
+            raise ConfigError(f"flatten={self.flatten!r} is unknown; use one of {list(FLATTEN)}")
+        if self.flattened_from is not None:
+            f = self.flattened_from
+            if (not isinstance(f, tuple) or len(f) != 2 or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in f)
+                    or self.intra_size != 1 or f[0] < 2 or f[0] * f[1] != self.inter_size):
+                raise ConfigError(
+                    f"flattened_from={f!r} with intra_size={self.intra_size}, inter_size={self.inter_size}: it names the "
+                    "(P_intra > 1, P_inter) groups a 1 x P_intra·P_inter plan runs on; compile_plan sets it (flatten=...)"
+                )
         check_head_chunks(self)
         return self
+
+
+def link_of(opts: PlanOptions) -> LinkClass:
+    """The inter group's link class: given, or derived from the CP world size (docs/design.md §4)."""
+    if opts.link:
+        return LinkClass(opts.link)
+    return link_class_for(opts.tp_size * opts.intra_size * opts.inter_size, opts.gpus_per_node)
 
 
 def inter_rank_nodes(opts: PlanOptions, link: LinkClass) -> tuple[int, ...]:

@@ -18,10 +18,12 @@ from megatron_hsap.plan.bounds import ideal_compute
 from megatron_hsap.plan.cache import PLAN_CACHE, clear_plan_cache, fast_key
 from megatron_hsap.plan.candidates import _OVERFLOW_STEP, _build, _choose, _explores, _placements, _stage_all, _stagings
 from megatron_hsap.plan.codegen import PoolOverflow
+from megatron_hsap.plan.flatten import choose_topology, flat_options, flattens
 from megatron_hsap.plan.costs import HeadShape
-from megatron_hsap.plan.hardware import HARDWARE, LinkClass, link_class_for
+from megatron_hsap.plan.hardware import HARDWARE
 from megatron_hsap.plan.layout import Batch, Layout, contiguous_layout, normalize_cu_seqlens, validate_layout
 from megatron_hsap.plan.options import DEFAULT_POOL_CHUNKS, DEFAULT_POOL_MIN, PlanOptions, inter_rank_nodes, kv_heads_per_rank, validated_options
+from megatron_hsap.plan.options import link_of as _link_of
 from megatron_hsap.plan.placement import CostRates, plan_rates
 from megatron_hsap.plan.plan_type import Plan
 from megatron_hsap.plan.priced import PricedLayout
@@ -71,7 +73,10 @@ def compile_plan(cu_seqlens: object, inter_size: int, intra_size: int = 1, *, nu
             ``gpus_per_node``, ``hardware``, ``allow_helpers``, ``placement`` ("auto" or a fixed
             start, e.g. "owner-computes" for reference), ``head_chunks`` (None: the estimate picks
             how many head chunks pipeline the intra all-to-all, ``Plan.head_chunks``; an int forces
-            it) — see ``PlanOptions``.
+            it), ``flatten`` ("never", "auto", "always": at ``P_intra > 1`` plan the batch as pure
+            SAP over all ``P`` CP ranks when estimated faster, ``plan/flatten.py``; the returned
+            plan is then ``1 × P`` with ``options.flattened_from = (P_intra, P_inter)``) — see
+            ``PlanOptions``.
 
     How (docs/design.md §2.1): work units (A1 diagonals, A2–A5 rectangles) → several placements
     (owner-computes, min-traffic, DistFlashAttn per document region, each balanced by exact work
@@ -93,9 +98,13 @@ def compile_plan(cu_seqlens: object, inter_size: int, intra_size: int = 1, *, nu
     enabled = gc.isenabled()
     gc.disable()  # compiling allocates ~10^5 small objects; cyclic collections would dominate
     try:
-        plan = _compile_uncached(cu, opts)
-        if opts.window_size is not None:  # never estimated slower than the full plan clipped to the window
-            plan = no_slower_than_full(plan)
+        flat = _compile_windowed(cu, flat_options(opts)) if flattens(opts) else None
+        if flat is not None and opts.flatten == "always":
+            plan = flat
+        else:
+            plan = _compile_windowed(cu, opts)
+            if flat is not None:  # the 1 x P plan when its layer is estimated faster (plan/flatten.py)
+                plan = choose_topology(plan, flat)
     except MemoryError:
         raise BatchError(
             f"planning a batch of T={cu[-1]} tokens ({len(cu) - 1} documents) at inter_size={opts.inter_size} ran "
@@ -108,6 +117,13 @@ def compile_plan(cu_seqlens: object, inter_size: int, intra_size: int = 1, *, nu
     PLAN_CACHE.put((cu, opts), plan)  # thread-safe: plans may be compiled on a prefetch thread
     return plan
 
+
+
+def _compile_windowed(cu: tuple[int, ...], opts: PlanOptions) -> Plan:
+    """``_compile_uncached``, and under a window never estimated slower than the full plan clipped
+    to it (``no_slower_than_full``)."""
+    plan = _compile_uncached(cu, opts)
+    return no_slower_than_full(plan) if opts.window_size is not None else plan
 
 
 def _compile_uncached(cu: tuple[int, ...], opts: PlanOptions) -> Plan:
@@ -234,20 +250,10 @@ def choose_layout(contiguous: Plan, balanced: Plan, bound: float) -> Plan:
 
 
 def _layer_time(plan: Plan) -> float:
-    """Estimated seconds of the whole HSAP layer of ``plan``: SAP, plus the intra all-to-all pipelined
-    with it at the plan's head-chunk count (``plan/chunks.py``) when ``P_intra > 1``."""
-    if plan.intra_size == 1:
-        return plan.chosen.time
-    from megatron_hsap.plan.chunks import head_chunk_estimate
-
-    return head_chunk_estimate(plan, plan.head_chunks)
-
-
-def _link_of(opts: PlanOptions) -> LinkClass:
-    """The inter group's link class: given, or derived from the CP world size (docs/design.md §4)."""
-    if opts.link:
-        return LinkClass(opts.link)
-    return link_class_for(opts.tp_size * opts.intra_size * opts.inter_size, opts.gpus_per_node)
+    """Estimated seconds of the whole HSAP layer of ``plan`` (``Plan.layer_time``): SAP, plus the
+    intra all-to-all pipelined with it at the plan's head-chunk count (``plan/chunks.py``) when
+    ``P_intra > 1``; computed once per plan, with its head-chunk choice."""
+    return plan.layer_time
 
 
 def _price_on(layout: Layout, batch: Batch, shape: HeadShape, opts: PlanOptions, *, lazy: bool = False) -> PricedLayout:

@@ -149,6 +149,22 @@ class Plan:
         return resolve_head_chunks(self)
 
     @functools.cached_property
+    def head_chunk_choice(self) -> tuple[int, float]:
+        """The estimate's head-chunk count and its layer estimate (``chunks.choose_head_chunks_timed``),
+        computed once per plan: ``head_chunks`` and ``layer_time`` both read it."""
+        from megatron_hsap.plan.chunks import choose_head_chunks_timed
+
+        return choose_head_chunks_timed(self)
+
+    @functools.cached_property
+    def layer_time(self) -> float:
+        """Estimated seconds of the whole HSAP layer at ``head_chunks`` (``chunks.layer_estimate``:
+        SAP, plus the intra all-to-all pipelined with it when ``P_intra > 1``)."""
+        from megatron_hsap.plan.chunks import layer_estimate
+
+        return layer_estimate(self)
+
+    @functools.cached_property
     def hash(self) -> int:
         """128-bit identity of the programs (``plan/fingerprint.py``): equal on every node that
         compiled the same inputs; the runtime's pre-round handshake compares it."""

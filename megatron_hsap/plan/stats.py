@@ -76,6 +76,8 @@ class PlanStats:
     kernel_ideal_s: float
     kernel_efficiency: float  # kernel_ideal_s / estimated_time_s
     compute_dominated: bool  # traffic bound at most half the compute bound
+    # (P_intra, P_inter) of the groups a flattened 1 x P plan runs on (plan/flatten.py), else None
+    flattened_from: tuple[int, int] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """A fresh dict of every field (per-rank tuples as lists, ``candidates`` copied)."""
@@ -113,6 +115,7 @@ def plan_stats(plan: "Plan") -> PlanStats:
         num_docs=plan.batch.num_docs,
         inter_size=size,
         intra_size=plan.intra_size,
+        flattened_from=plan.options.flattened_from,
         link=plan.link.value,
         hardware=plan.hardware.name,
         layout=plan.layout.name,

@@ -104,6 +104,9 @@ class HSAPGroups:
     # "nvlink" when every rank of the CP group runs on one host, "ib" when it spans hosts, from the
     # hostnames initialize_hsap exchanged; None when nobody looked (node_check off, hand-built groups).
     cp_link: str | None = None
+    # the whole CP group (group rank = CP rank), on which a flattened 1 x P plan runs
+    # (plan/flatten.py); None: not built (hand-made groups), and such plans are refused by name
+    cp: dist.ProcessGroup | None = None
 
     def __post_init__(self) -> None:
         validate_hsap_sizes(self.intra_size, self.inter_size)
@@ -147,17 +150,26 @@ class HSAPGroups:
 
 
 def check_plan_groups(plan: object, groups: "HSAPGroups", *, cp_rank: int | None = None) -> None:
-    """The one rule for running ``plan`` on ``groups``: the same topology, and — when the caller
+    """The one rule for running ``plan`` on ``groups``: the same topology (a flattened ``1 × P``
+    plan: the groups it was flattened from, and their CP group built), and — when the caller
     knows which CP rank a batch was sharded for — this rank. Host-only, no collective.
 
     Raises :class:`ConfigError` for a topology mismatch (compile with the initialised sizes) and
     :class:`RuntimeMismatchError` for a batch sharded for another CP rank.
     """
     p_intra, p_inter = plan.intra_size, plan.inter_size  # type: ignore[attr-defined]
-    if (groups.intra_size, groups.inter_size) != (p_intra, p_inter):
+    flat = plan.options.flattened_from  # type: ignore[attr-defined]
+    if (groups.intra_size, groups.inter_size) != (flat or (p_intra, p_inter)):
+        what = f"flattened from {flat[0]}x{flat[1]}" if flat else f"{p_intra}x{p_inter} (intra×inter)"
         raise ConfigError(
-            f"the plan is {p_intra}x{p_inter} (intra×inter) but the HSAP groups are {groups.topology}; "
+            f"the plan is {what} but the HSAP groups are {groups.topology}; "
             f"compile the plan with intra_size={groups.intra_size}, inter_size={groups.inter_size}"
+        )
+    if flat and groups.cp is None:
+        raise ConfigError(
+            f"the plan runs as pure SAP over all {plan.cp_size} CP ranks (flattened from {flat[0]}x{flat[1]}, "  # type: ignore[attr-defined]
+            "plan/flatten.py) but these HSAP groups carry no CP group (HSAPGroups.cp); build them with "
+            "initialize_hsap, or compile with flatten='never'"
         )
     if cp_rank is not None and groups.cp_rank != cp_rank:
         raise RuntimeMismatchError(f"the batch was sharded for CP rank {cp_rank} but this is CP rank {groups.cp_rank}")

@@ -149,10 +149,11 @@ def _runner(plan: "Plan", intra: dist.ProcessGroup | None, inter: dist.ProcessGr
 
 
 def runner_for(plan: "Plan", *, intra_group: dist.ProcessGroup | None = None,
-               inter_group: dist.ProcessGroup | None = None, device: torch.device | str = "cpu") -> HSAPRunner:  # fmt: skip
+               inter_group: dist.ProcessGroup | None = None, device: torch.device | str = "cpu",
+               cp_group: dist.ProcessGroup | None = None) -> HSAPRunner:  # fmt: skip
     """The cached :class:`HSAPRunner` :func:`hsap_attn_func` uses for these arguments (same group
     defaults): its ``executor.stats`` and ``a2a_bytes_sent`` say what the calls moved."""
-    intra, inter = _resolve_groups(plan, intra_group, inter_group)
+    intra, inter = _resolve_groups(plan, intra_group, inter_group, cp_group)
     return _runner(plan, intra, inter, device)
 
 
@@ -315,9 +316,13 @@ def _size(group: dist.ProcessGroup | None) -> int:
     return dist.get_world_size(group)
 
 
-def _resolve_groups(plan: "Plan", intra: dist.ProcessGroup | None,
-                    inter: dist.ProcessGroup | None) -> tuple[Any, Any]:  # fmt: skip
-    """Explicit groups, else HSAP's initialised groups, else the world for a 1×P or P×1 plan."""
+def _resolve_groups(plan: "Plan", intra: dist.ProcessGroup | None, inter: dist.ProcessGroup | None,
+                    cp: dist.ProcessGroup | None = None) -> tuple[Any, Any]:  # fmt: skip
+    """Explicit groups, else HSAP's initialised groups, else the world for a 1×P or P×1 plan. A
+    flattened plan (``plan/flatten.py``) runs as ``(None, CP group)``: ``cp``, else the registered
+    groups' ``cp``, else the world when it is the CP group."""
+    if plan.options.flattened_from is not None:
+        return None, _flat_group(plan, intra, inter, cp)
     p_intra, p_inter = plan.intra_size, plan.inter_size
     if intra is None and inter is None:
         if p_intra * p_inter == 1:
@@ -343,6 +348,27 @@ def _resolve_groups(plan: "Plan", intra: dist.ProcessGroup | None,
         if group is None and size > 1:
             raise ConfigError(f"{name} is None but the plan has {name[:5]}_size={size}; pass both groups")
     return intra, inter
+
+
+def _flat_group(plan: "Plan", intra: Any, inter: Any, cp: Any) -> Any:
+    """The CP group a flattened ``1 × P`` plan runs on (``_resolve_groups``); no collective."""
+    a, b = plan.options.flattened_from  # type: ignore[misc]
+    what = (f"the plan runs as pure SAP over all {plan.cp_size} CP ranks (flattened from {a}x{b}: estimated "
+            "faster for this batch, plan/flatten.py)")
+    if cp is not None:
+        return cp
+    if intra is not None or inter is not None:
+        raise ConfigError(f"{what}; pass cp_group= (the CP group, group rank = CP rank) with the HSAP groups, "
+                          "or compile with flatten='never'")
+    if not dist.is_available() or not dist.is_initialized():
+        raise ConfigError(f"{what} but torch.distributed is not initialised")
+    groups = registered_groups()
+    if groups is not None:
+        check_plan_groups(plan, groups)  # the groups it was flattened from, with their CP group
+        return groups.cp
+    if dist.get_world_size() == plan.cp_size:
+        return dist.group.WORLD
+    raise ConfigError(f"{what}; call initialize_hsap({a}, {b}) beforehand or pass cp_group=")
 
 
 def _validate(q: Tensor, k: Tensor, v: Tensor, plan: "Plan", intra: Any, inter: Any,
@@ -412,7 +438,7 @@ def _validate_sinks(sinks: Any, q: Tensor) -> None:
 
 def hsap_attn_func(q: Tensor, k: Tensor, v: Tensor, plan: "Plan", *, intra_group: dist.ProcessGroup | None = None,
                    inter_group: dist.ProcessGroup | None = None, softmax_scale: float | None = None,
-                   sinks: Tensor | None = None) -> Tensor:  # fmt: skip
+                   sinks: Tensor | None = None, cp_group: dist.ProcessGroup | None = None) -> Tensor:  # fmt: skip
     """Document-causal attention of a packed batch over the ``P_intra × P_inter`` CP group.
 
     Args:
@@ -429,13 +455,16 @@ def hsap_attn_func(q: Tensor, k: Tensor, v: Tensor, plan: "Plan", *, intra_group
             ``softmax_offset``). Merged once per row after all partials; its gradient (through
             autograd) holds only this CP rank's rows' contribution — sum it over the CP group
             (Megatron's DP×CP gradient all-reduce does).
+        cp_group: the whole CP group (group rank = CP rank), for a plan ``compile_plan`` flattened
+            to ``1 × P`` (``flatten="auto"``/``"always"``, ``plan/flatten.py``); defaults to
+            ``initialize_hsap``'s, else the world when it is the CP group.
     Returns:
         ``out [t_local, H, d_v]`` in ``q.dtype``; differentiable w.r.t. q, k, v and sinks.
 
     Raises ``RuntimeMismatchError`` / ``ConfigError`` before any collective when tensors, groups
     or the plan do not match.
     """
-    intra, inter = _resolve_groups(plan, intra_group, inter_group)
+    intra, inter = _resolve_groups(plan, intra_group, inter_group, cp_group)
     scale = _validate(q, k, v, plan, intra, inter, softmax_scale)
     _validate_sinks(sinks, q)
     runner = _runner(plan, intra, inter, q.device)

@@ -147,6 +147,23 @@ def test_hsap_metrics_and_plan_dump_in_megatrons_log(root: Path) -> None:
     assert (dump / "plan.png").stat().st_size > 1000
 
 
+@pytest.mark.slow
+def test_flattened_plans_in_megatrons_loop_equal_the_reference(root: Path) -> None:
+    # --hsap-flatten always: every batch of the 2x2 job runs as pure SAP over the 4 CP ranks
+    # (plan/flatten.py) on initialize_hsap's CP group; the losses are the CP=1 reference's
+    dump = root / "dump-flat"
+    hsap = _run(root, world_size=4, intra_size=2, inter_size=2, **BASE,
+                extra=("--hsap-flatten", "always", "--hsap-dump-plan", str(DUMP_ITER), str(dump)))
+    ref = _reference(root)
+    _same_losses(hsap.losses, ref.losses)
+    _same_losses(hsap.validation, ref.validation)
+    doc = json.loads((dump / "plan.json").read_text())
+    assert doc["verified"] == "ok" and doc["stats"]["flattened_from"] == "(2, 2)"
+    assert (doc["stats"]["intra_size"], doc["stats"]["inter_size"]) == (1, 4)
+    assert sorted(p.name for p in dump.glob("rank*-fwd.txt")) == [f"rank{r}-fwd.txt" for r in range(4)]
+    assert "--intra-size 2 --flatten always" in (dump / "plot.sh").read_text()  # reproduced from the groups
+
+
 def test_metrics_reach_megatrons_writers() -> None:
     from megatron_hsap.megatron.metrics import HSAPMetrics
     from megatron_hsap.plan import compile_plan

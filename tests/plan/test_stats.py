@@ -22,7 +22,7 @@ KEYS = {  # the documented fields (PlanStats; as_dict() keys for JSON and metric
     "pool_peak_per_rank", "pool_tokens", "pool_use", "stages", "compute_items", "remote_items", "messages_fwd",
     "messages_bwd", "estimated_time_s", "fwd_time_s", "bwd_time_s", "owner_computes_time_s", "candidates",
     "compute_bound_s", "traffic_bound_s", "lower_bound_s", "efficiency", "compute_efficiency", "kernel_ideal_s",
-    "kernel_efficiency", "compute_dominated",
+    "kernel_efficiency", "compute_dominated", "flattened_from",
 }
 
 

@@ -3,7 +3,7 @@
 A *spec* is a plain dict (pickled to the ranks): ``cu`` (global cu_seqlens), ``intra``, ``inter``,
 ``heads``, ``kv_heads``, ``dim``, ``dim_v``, ``dtype`` ("float32" | "bfloat16"), ``grad_wire``
 (None or the plan's ``grad_wire_dtype``), ``pool_bytes`` (None: the plan's default), ``groups``
-("explicit" | "initialize" | "default") and the global
+("explicit" | "initialize" | "default"), ``flatten`` (None or the plan's ``flatten``) and the global
 tensors ``q``, ``k``, ``v``, ``do`` as float32 numpy arrays over the padded batch ``[T', ...]``
 (bf16 values are exact in float32). Results go back as numpy too: a tensor pickled in a rank
 where Megatron was imported by an earlier case would make the test process import Megatron.
@@ -53,6 +53,7 @@ def compile_for(spec: dict) -> Any:
         **({"grad_wire_dtype": spec["grad_wire"]} if spec.get("grad_wire") else {}),
         # "balanced" is forced (no fallback to contiguous), so the permuted layout is what runs
         layout=spec.get("layout", "contiguous"), **({"layout_fallback": False} if spec.get("layout") == "balanced" else {}),
+        **({"flatten": spec["flatten"]} if spec.get("flatten") else {}),  # plan/flatten.py
     )  # fmt: skip
 
 
@@ -73,6 +74,10 @@ def _run_one(spec: dict) -> dict:
     if mode == "explicit":
         intra, inter = make_groups(spec["intra"], spec["inter"])
         kwargs = {"intra_group": intra, "inter_group": inter}
+        if plan.options.flattened_from is not None:  # a 1 x P plan runs on the whole CP group
+            from tests.distributed import cached_group
+
+            kwargs["cp_group"] = cached_group(tuple(range(plan.cp_size)))
     else:  # "initialize": initialize_hsap's groups; "default": the world for a 1×P / P×1 plan
         kwargs = {}
     if mode == "initialize":
@@ -115,7 +120,7 @@ def run_cases(specs: list[dict]) -> list[dict]:
 def build_spec(cu: list[int], *, intra: int = 1, inter: int, heads: int = 8, kv_heads: int = 8, dim: int = 8,
                dim_v: int | None = None, dtype: str = "float32", seed: int = 0, pool_bytes: int | None = None,
                groups: str = "explicit", large_logits: bool = False, layout: str = "contiguous",
-               window: tuple[int, int] | None = None, grad_wire: str | None = None) -> dict:  # fmt: skip
+               window: tuple[int, int] | None = None, grad_wire: str | None = None, flatten: str | None = None) -> dict:  # fmt: skip
     """A spec with seeded global tensors over the padded batch (see the module docstring).
 
     ``large_logits``: small integers in q and k except a first component of 2500 in q and 4 in k,
@@ -123,7 +128,7 @@ def build_spec(cu: list[int], *, intra: int = 1, inter: int, heads: int = 8, kv_
     overflows even in float64)."""
     spec = dict(cu=[int(x) for x in cu], intra=intra, inter=inter, heads=heads, kv_heads=kv_heads, dim=dim,
                 dim_v=dim_v or dim, dtype=dtype, pool_bytes=pool_bytes, groups=groups, layout=layout, window=window,
-                grad_wire=grad_wire,
+                grad_wire=grad_wire, flatten=flatten,
                 scale=1.0 if large_logits else None,
                 # fp32 LSE near 1e4 resolves 2^-10 ≈ 1e-3: merge weights exp(lse_a - lse) and the
                 # backward's P = exp(s - lse) inherit it (a single GPU kernel has the same error)
@@ -211,7 +216,7 @@ def check_bytes(spec: dict, results: list[dict]) -> None:
         total = r["stats"]["fwd"]["bytes_sent"] + r["stats"]["bwd"]["bytes_sent"]
         if not shared:
             assert total == per_rank[r["inter_rank"]], (total, per_rank, r["inter_rank"])
-        if spec["intra"] > 1:
+        if plan.intra_size > 1:  # (a flattened plan has no all-to-all: plan/flatten.py)
             want = ulysses_bytes(plan.local_tokens, spec["heads"], spec["kv_heads"], spec["dim"], spec["intra"],
                                  head_dim_v=spec["dim_v"], dtype_bytes=plan.options.dtype_bytes)  # fmt: skip
             assert r["a2a"] == {"fwd": want["fwd"], "bwd": want["bwd"]}, (r["a2a"], want)

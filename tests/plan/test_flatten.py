@@ -1,0 +1,98 @@
+"""Flattening (``plan/flatten.py``): at ``P_intra > 1`` ``compile_plan`` may plan a batch as pure SAP
+over all ``P`` CP ranks. Checked against the simulator (an independent, event-by-event
+execution): the plan ``flatten="auto"`` keeps simulates no slower than the configured topology's,
+on a batch where flattening wins and on one where it loses; and the option's rules (never across
+nodes under "auto", the flattened options, validation, caching)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from megatron_hsap.errors import ConfigError
+from megatron_hsap.plan import compile_plan
+from megatron_hsap.plan.workloads import pack_batches
+
+MHA = dict(num_heads=32, num_kv_heads=32, head_dim=128, hardware="a100")  # LLaMA-2-7B, Table 4
+
+
+def _simulated(cu, intra: int, inter: int, flatten: str) -> tuple[float, bool]:
+    """(fwd + bwd simulated seconds, flattened) of HSAP's plan on 8 A100s of one node."""
+    from megatron_hsap.sim.config import sim_hardware
+    from megatron_hsap.sim.methods import full_shape, run_method
+
+    run = run_method("hsap", cu, hw=sim_hardware("a100"), intra=intra, inter=inter, shape=full_shape(32, 32),
+                     plan_options={"flatten": flatten})
+    return run.seconds, run.extra["flattened"]
+
+
+@pytest.mark.parametrize(("workload", "flattens"), [("fineweb", True), ("slimpajama", False)])
+def test_auto_keeps_the_topology_that_simulates_faster(workload, flattens):
+    # fineweb 64K: documents of at most ~3K tokens, each whole on one of 8 ranks, no all-to-all;
+    # slimpajama 64K: 19K-token documents, which Ulysses at 8x1 serves better than P2P
+    cu = pack_batches(workload, 65536, 1, 0)[0]
+    auto = compile_plan(cu, 1, 8, flatten="auto", **MHA)
+    hsap = compile_plan(cu, 1, 8, **MHA)
+    assert hsap.intra_size == 8 and hsap.options.flattened_from is None, "flatten defaults to never"
+    assert (auto.options.flattened_from is not None) is flattens
+    t_auto, flat = _simulated(cu, 8, 1, "auto")
+    t_hsap, _ = _simulated(cu, 8, 1, "never")
+    t_flat, _ = _simulated(cu, 8, 1, "always")
+    assert flat is flattens
+    assert t_auto == min(t_hsap, t_flat), (t_auto, t_hsap, t_flat)
+    if flattens:
+        assert t_flat < 0.6 * t_hsap, "short documents stay whole: most of the all-to-all's time is saved"
+
+
+def test_flattened_plan_options_and_layout():
+    cu = pack_batches("ultrachat", 32768, 1, 1)[0]
+    for intra, inter in ((2, 4), (4, 2), (8, 1)):
+        plan = compile_plan(cu, inter, intra, flatten="always", head_chunks=2, **MHA)
+        o = plan.options
+        assert (o.intra_size, o.inter_size, o.flattened_from, o.head_chunks, o.flatten) == (1, 8, (intra, inter), None, "never")
+        assert plan.head_chunks == 1 and plan.stats().flattened_from == (intra, inter)
+        plan.verify()
+        ids = np.concatenate([plan.local_token_indices(c) for c in range(8)])
+        assert np.array_equal(np.sort(ids), np.arange(plan.padded_tokens)), "every token on exactly one CP rank"
+
+
+def test_auto_never_flattens_across_nodes():
+    cu = pack_batches("fineweb", 65536, 1, 0)[0]
+    # the same batch that flattens inside one node: with an InfiniBand inter group, or 16 CP ranks
+    # on 8-GPU nodes, the configured topology stays
+    assert compile_plan(cu, 1, 8, flatten="auto", **MHA).options.flattened_from == (8, 1)
+    assert compile_plan(cu, 4, 2, flatten="auto", link="ib", **MHA).options.flattened_from is None
+    assert compile_plan(cu, 2, 8, flatten="auto", **MHA).options.flattened_from is None
+    assert compile_plan(cu, 2, 8, flatten="always", **MHA).options.flattened_from == (8, 2)  # asked for
+    assert compile_plan(cu, 8, 1, flatten="always", **MHA).options.flattened_from is None  # P_intra 1: nothing to flatten
+
+
+def test_windowed_flattened_plan_keeps_its_window():
+    cu = pack_batches("fineweb", 65536, 1, 2)[0]
+    plan = compile_plan(cu, 1, 8, flatten="always", window_size=(1024, 0), **MHA)
+    assert plan.options.window_size == (1024, 0) and plan.options.flattened_from == (8, 1)
+    full = compile_plan(cu, 1, 8, flatten="always", **MHA)
+    assert plan.chosen.time <= full.chosen.time  # the window only removes work
+
+
+def test_flatten_cache_and_validation():
+    cu = [0, 100, 900, 1024]
+    a = compile_plan(cu, 2, 2, num_heads=8, head_dim=16, flatten="always")
+    assert compile_plan(cu, 2, 2, num_heads=8, head_dim=16, flatten="always") is a
+    assert compile_plan(cu, 2, 2, num_heads=8, head_dim=16).options.flattened_from is None
+    with pytest.raises(ConfigError, match="flatten='sometimes' is unknown"):
+        compile_plan(cu, 2, 2, num_heads=8, head_dim=16, flatten="sometimes")
+    with pytest.raises(ConfigError, match="flattened_from"):
+        compile_plan(cu, 4, 1, num_heads=8, head_dim=16, flattened_from=(2, 3))
+
+
+def test_flattened_plan_hash_names_its_groups():
+    # the same 1 x 4 programs compiled directly and flattened from 2x2 run on different groups
+    cu = [0, 100, 900, 1024]
+    flat = compile_plan(cu, 2, 2, num_heads=8, head_dim=16, flatten="always")
+    plain = compile_plan(cu, 4, 1, num_heads=8, head_dim=16)
+    assert flat.chosen.fwd.programs == plain.chosen.fwd.programs
+    assert flat.hash != plain.hash
+    # the knob itself is not hashed: a plan "auto" kept as configured hashes as "never"'s
+    kept = compile_plan(cu, 2, 2, num_heads=8, head_dim=16, flatten="auto", link="ib")
+    assert kept.options.flattened_from is None and kept.hash == compile_plan(cu, 2, 2, num_heads=8, head_dim=16, link="ib").hash

@@ -1,0 +1,64 @@
+"""A flattened plan (``plan/flatten.py``: a ``P_intra × P_inter`` batch planned as pure SAP over all
+``P`` CP ranks) runs on the whole CP group, against the float64 reference, on CPU gloo.
+
+Every configured topology with ``P_intra > 1`` at world 4 and 8, the three ways a caller names
+its groups (explicit intra/inter plus ``cp_group``, ``initialize_hsap``'s, the world by default),
+MHA and GQA: out, dq, dk, dv equal ``tests/reference.py``, the executor's P2P bytes equal the
+plan's, and no all-to-all byte moves. A flattened plan handed explicit HSAP groups without the
+CP group is refused by name on every rank before any collective.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.runtime import cases
+
+TOPOLOGIES = {4: [(2, 2), (4, 1)], 8: [(2, 4), (4, 2), (8, 1)]}
+TOKENS = {4: 128, 8: 256}
+
+
+@pytest.mark.parametrize("world", [4, 8])
+def test_flattened_plans_equal_the_reference(gloo_pool, world):
+    total = TOKENS[world]
+    specs = []
+    for n, (intra, inter) in enumerate(TOPOLOGIES[world]):
+        for groups, kv in (("explicit", 8), ("initialize", 2), ("default", 1)):
+            cu = [0, 5, total // 2 + 1, total - 2] if groups == "explicit" else [0, 17, 40, 41, total // 2, total]
+            specs.append(cases.build_spec(cu, intra=intra, inter=inter, heads=8, kv_heads=kv, dim=8, seed=n,
+                                          groups=groups, flatten="always", layout="balanced"))
+    results = gloo_pool(world).run(cases.run_cases, specs, timeout=900)
+    for i, spec in enumerate(specs):
+        plan = cases.compile_for(spec)
+        assert plan.options.flattened_from == (spec["intra"], spec["inter"]), "the plan under test must be the flattened one"
+        assert (plan.intra_size, plan.inter_size) == (1, world)
+        plan.verify()
+        per_rank = [r[i] for r in results]
+        assert [r["inter_rank"] for r in per_rank] == list(range(world)), "CP rank = the flat plan's inter rank"
+        cases.check_against_reference(spec, per_rank)
+        cases.check_bytes(spec, per_rank)  # P2P bytes = the plan's; the all-to-all moved nothing
+
+
+def _refused(spec: dict) -> dict:
+    """Run a flattened plan with explicit HSAP groups and no CP group: the error, per rank."""
+    import torch
+
+    from megatron_hsap.errors import ConfigError
+    from megatron_hsap.runtime import hsap_attn_func
+
+    plan = cases.compile_for(spec)
+    intra, inter = cases.make_groups(spec["intra"], spec["inter"])
+    t = plan.local_tokens
+    q = torch.zeros(t, spec["heads"], spec["dim"])
+    k = torch.zeros(t, spec["kv_heads"], spec["dim"])
+    try:
+        hsap_attn_func(q, k, k, plan, intra_group=intra, inter_group=inter)
+    except ConfigError as e:
+        return {"error": str(e)}
+    return {"error": None}
+
+
+def test_flattened_plan_without_the_cp_group_is_refused_by_name(gloo_pool):
+    spec = cases.build_spec([0, 30, 128], intra=2, inter=2, heads=8, kv_heads=8, dim=8, flatten="always")
+    for r in gloo_pool(4).run(_refused, spec, timeout=300):
+        assert r["error"] and "cp_group=" in r["error"] and "flattened from 2x2" in r["error"], r
