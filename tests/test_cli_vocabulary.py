@@ -9,6 +9,8 @@ hand the parser back), so the tests see exactly what the commands parse with.
 
 from __future__ import annotations
 
+from functools import partial
+
 import argparse
 import csv
 import json
@@ -18,9 +20,13 @@ from pathlib import Path
 import pytest
 
 from megatron_hsap import cli
-from megatron_hsap.plan import compile_plan
+from megatron_hsap.plan import compile_plan as _compile_plan
 from megatron_hsap.plan.hardware import link_class_for
 from megatron_hsap.plan.workloads import pack_batches
+
+# these tests exercise the configured P_intra x P_inter topology (its all-to-all, head chunks);
+# compile_plan may plan a batch as 1 x P instead (plan/flatten.py: tests/plan/test_flatten.py)
+compile_plan = partial(_compile_plan, flatten="never")
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -305,7 +311,7 @@ def test_plan_forces_or_reports_the_head_chunks(capsys: pytest.CaptureFixture[st
     from megatron_hsap.bench import plan_cli
 
     base = ["--workload", "fineweb", "--tokens", "16384", "--heads", "16", "--intra-size", "2", "--inter-size", "2",
-            "--no-verify", "--json"]
+            "--flatten", "never", "--no-verify", "--json"]
     assert plan_cli.main(base + ["--head-chunks", "4"]) == 0
     assert json.loads(capsys.readouterr().out)["stats"]["head_chunks"] == 4
     chosen = compile_plan(pack_batches("fineweb", 16384, 1, 0)[0], 2, 2, num_heads=16, head_dim=128).head_chunks

@@ -139,7 +139,8 @@ def _methods(cu: Any, world: int, args: argparse.Namespace, groups: dict, sweep:
     heads = (args.heads, args.kv_heads, args.head_dim, 4)
     out = []
     for intra, inter in _topologies(world, sweep, args.heads):
-        kw = dict(num_heads=args.heads, num_kv_heads=args.kv_heads, head_dim=args.head_dim, dtype_bytes=4)
+        # each row measures its topology (plan/flatten.py would run a batch as 1 x P: the "sap" row)
+        kw = dict(num_heads=args.heads, num_kv_heads=args.kv_heads, head_dim=args.head_dim, dtype_bytes=4, flatten="never")
         plan = compile_plan(cu, inter, intra, **kw)
         if args.pool_chunks is not None:  # the default pool is 4 inter chunks × heads × (d + dv) × bytes
             plan = compile_plan(cu, inter, intra, pool_bytes=int(plan.pool_capacity * args.pool_chunks / 4), **kw)

@@ -246,7 +246,7 @@ def _calibrate(cfg: LaunchConfig, lay: Layout) -> tuple[float | None, str] | Non
                             num_kv_heads=m.num_kv_heads // lay.tensor, head_dim=m.head_dim,
                             dtype_bytes=BF16, pad_multiple=lay.tensor if lay.sequence_parallel else 1,
                             tp_size=lay.tensor, gpus_per_node=cfg.cluster.gpus_per_node,
-                            hardware=cfg.cluster.hardware)
+                            hardware=cfg.cluster.hardware, flatten="never")  # the configured topology's pool
         capacity = int(plan.stats().pool_capacity_bytes)
     except ImportError:
         return None

@@ -102,11 +102,11 @@ def add_hsap_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "and kv heads each intra rank holds.",
     )
     group.add_argument(
-        "--hsap-flatten", choices=("never", "auto", "always"), default="never",
+        "--hsap-flatten", choices=("never", "auto", "always"), default="auto",
         help="With P_intra > 1: also plan each batch as pure SAP over all CP ranks (no all-to-all) and keep "
-        "that plan when it is estimated faster: auto (only when the CP group sits inside one node), always, "
-        "or never (default). Packed short documents then stay whole on one GPU instead of crossing the "
-        "all-to-all (plan/flatten.py); about twice the compile time at P_intra > 1.",
+        "that plan when it is estimated faster: auto (default; only when the CP group sits inside one node), "
+        "always, or never. Packed short documents then stay whole on one GPU instead of crossing the "
+        "all-to-all (plan/flatten.py); about twice the compile time at P_intra > 1 inside one node.",
     )
     group.add_argument(
         "--hsap-grad-wire-dtype", choices=GRAD_WIRE_DTYPES, default=DEFAULT_GRAD_WIRE_DTYPE,

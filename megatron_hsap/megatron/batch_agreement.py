@@ -67,7 +67,8 @@ def _check_over_intra_and_inter(cu: np.ndarray, groups: Any) -> None:
 
 def agree_before_sharding(plan: "Plan", groups: Any, check_group: Any) -> None:
     """The plan handshake (``runtime/handshake.py``) here, in the batch function, on HSAP's inter
-    then intra group: the attention's first round finds the plan agreed (cached by hash) and waits
+    then intra group (a flattened plan, plan/flatten.py: on the CP group it runs on): the
+    attention's first round finds the plan agreed (cached by hash and group) and waits
     on no exchange. Skipped with ``check_group=False`` or without HSAP groups (the executor then
     runs it before its first round)."""
     if groups is None or check_group is False or plan.cp_size == 1:
@@ -78,7 +79,10 @@ def agree_before_sharding(plan: "Plan", groups: Any, check_group: Any) -> None:
     from megatron_hsap.runtime.handshake import agree
 
     timeout_s = read_env().p2p_timeout_s
-    for kind, group, size in (("inter", groups.inter, groups.inter_size), ("intra", groups.intra, groups.intra_size)):
+    levels = (("inter", groups.inter, groups.inter_size), ("intra", groups.intra, groups.intra_size))
+    if plan.options.flattened_from is not None and groups.cp is not None:
+        levels = (("inter", groups.cp, groups.cp_size),)  # a flattened plan's executor runs on the CP group
+    for kind, group, size in levels:
         if size > 1:
             agree(plan, group, kind, Phase.FWD, timeout_s=timeout_s, device=exchange_device(group))
 

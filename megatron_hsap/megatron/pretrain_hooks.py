@@ -124,7 +124,7 @@ def plan_flags(args: Any) -> dict[str, Any]:
         kwargs["pool_bytes"] = args.hsap_pool_bytes
     if getattr(args, "hsap_head_chunks", None) is not None:
         kwargs["head_chunks"] = args.hsap_head_chunks
-    if getattr(args, "hsap_flatten", "never") != "never":
+    if getattr(args, "hsap_flatten", "auto") != "auto":
         kwargs["flatten"] = args.hsap_flatten
     from megatron_hsap.plan.costs import DEFAULT_GRAD_WIRE_DTYPE
 
@@ -366,8 +366,8 @@ def _pool_text(args: Any) -> str:
     kwargs = _plan_kwargs(args)
     tokens = int(args.seq_length) * int(args.micro_batch_size)
     hsap = args.hsap
-    plan = compile_plan([0, tokens], hsap.inter_size, intra_size=hsap.intra_size,
-                        **{k: v for k, v in kwargs.items() if k not in ("layout", "layout_fallback")})
+    plan = compile_plan([0, tokens], hsap.inter_size, intra_size=hsap.intra_size,  # the configured topology's pool
+                        **{**{k: v for k, v in kwargs.items() if k not in ("layout", "layout_fallback")}, "flatten": "never"})
     return (f"{plan.stats().pool_capacity_bytes / 2**20:.1f} MiB per rank (default: 4 inter chunks of q/k/v "
             f"rows at {tokens} tokens per micro-batch; --hsap-pool-bytes to set)")
 

@@ -7,12 +7,13 @@ rank and moves almost nothing. Measured in simulation (Table 4, LLaMA-2-7B on 8 
 64K, mean of 10 batches): 6.64 ms of attention at 8x1, 3.80 at 1x8. A user picks ``P_intra`` for
 the long documents of the job, not for every batch.
 
-``flatten`` (``PlanOptions``): "never" keeps the configured topology; "auto" also compiles the
+``flatten`` (``PlanOptions``): "never" keeps the configured topology; "auto" (the default) also compiles the
 ``1 × P`` plan when the CP group sits inside one node (its P2P then runs over the same NVLink as
 the all-to-all: ``options.link_of`` of the configured plan is NVLink) and keeps whichever has the
 lower estimated layer time (``Plan.layer_time``: SAP plus the all-to-all pipelined with it,
 ``plan/chunks.py``), compared in integer picoseconds like the layout choice (``balanced._ps``) so
-every rank keeps the same plan; "always" keeps the ``1 × P`` plan.
+every rank keeps the same plan (not when ``head_chunks`` is forced: that pins the all-to-all);
+"always" keeps the ``1 × P`` plan.
 
 A flattened plan's options say ``intra_size = 1``, ``inter_size = P`` and ``flattened_from =
 (P_intra, P_inter)``: it runs on the CP group (``runtime/groups.HSAPGroups.cp``, group rank = CP
@@ -38,7 +39,10 @@ def flattens(opts: PlanOptions) -> bool:
     """Whether ``compile_plan`` compiles the ``1 × P`` plan of a batch under ``opts`` too (or only)."""
     if opts.intra_size == 1 or opts.flatten == "never":
         return False
-    return opts.flatten == "always" or link_of(opts) is LinkClass.NVLINK
+    if opts.flatten == "always":
+        return True
+    # "auto": inside one node, and not when the caller pinned the all-to-all's head chunks
+    return opts.head_chunks is None and link_of(opts) is LinkClass.NVLINK
 
 
 def flat_options(opts: PlanOptions) -> PlanOptions:

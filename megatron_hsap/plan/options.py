@@ -68,9 +68,9 @@ class PlanOptions:
     # GRAD_WIRES); accumulation stays fp32 either way
     grad_wire_dtype: str = DEFAULT_GRAD_WIRE_DTYPE
     # P_intra > 1: also plan the batch as pure SAP over all P_intra·P_inter CP ranks (no intra
-    # all-to-all) and keep that plan when it is estimated faster (plan/flatten.py): "never",
-    # "auto" (when the CP group sits inside one node) or "always"
-    flatten: str = "never"
+    # all-to-all) and keep that plan when it is estimated faster (plan/flatten.py): "auto" (when
+    # the CP group sits inside one node), "always" or "never"
+    flatten: str = "auto"
     # set on a flattened plan's options (compile_plan fills it): the (P_intra, P_inter) of the HSAP
     # groups the 1 x P plan runs on, over their CP group
     flattened_from: tuple[int, int] | None = None

@@ -26,6 +26,7 @@ from __future__ import annotations
 import bisect
 
 from megatron_hsap.plan.calls import LocalRows, stage_calls
+from megatron_hsap.errors import ConfigError
 from megatron_hsap.plan.chunks import chunk_shape
 from megatron_hsap.plan.costs import HeadShape
 from megatron_hsap.plan.options import kv_head_chunks, kv_heads_per_rank
@@ -113,6 +114,9 @@ def hsap_workload(plan: object, cluster: Cluster, phase: Phase | str) -> tuple[W
     them run ``1 + overlap_slowdown`` times slower (docs/design.md §2.4)."""
     hw = cluster.hw
     shape = plan.shape  # type: ignore[attr-defined]
+    if plan.options.flattened_from is not None and cluster.intra_size != 1:  # type: ignore[attr-defined]
+        raise ConfigError(f"a flattened plan (plan/flatten.py) runs as 1 x {plan.cp_size}: simulate it on "  # type: ignore[attr-defined]
+                          f"Cluster(intra_size=1, inter_size={plan.cp_size}), not {cluster.topology}")  # type: ignore[attr-defined]
     phase = Phase(phase)
     progs = plan.fwd_programs if phase == Phase.FWD else plan.bwd_programs  # type: ignore[attr-defined]
     chunks = int(getattr(plan, "head_chunks", 1) or 1) if cluster.intra_size > 1 else 1

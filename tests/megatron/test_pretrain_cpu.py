@@ -89,8 +89,9 @@ def _iteration_seqlen_stats(result: CPUResult, gbs: int, steps: int, seq_length:
 
 
 def _hsap_2x2(root: Path) -> CPUResult:
+    # the 2x2 topology with its all-to-all (--hsap-flatten never); flattened plans: the test below
     return _run(root, world_size=4, intra_size=2, inter_size=2, **BASE,
-                extra=("--hsap-dump-plan", str(DUMP_ITER), str(root / "dump")))
+                extra=("--hsap-flatten", "never", "--hsap-dump-plan", str(DUMP_ITER), str(root / "dump")))
 
 
 def test_hsap_2x2_in_megatrons_loop_equals_cp1_local_attention(root: Path) -> None:
@@ -147,7 +148,6 @@ def test_hsap_metrics_and_plan_dump_in_megatrons_log(root: Path) -> None:
     assert (dump / "plan.png").stat().st_size > 1000
 
 
-@pytest.mark.slow
 def test_flattened_plans_in_megatrons_loop_equal_the_reference(root: Path) -> None:
     # --hsap-flatten always: every batch of the 2x2 job runs as pure SAP over the 4 CP ranks
     # (plan/flatten.py) on initialize_hsap's CP group; the losses are the CP=1 reference's

@@ -31,9 +31,9 @@ def test_auto_keeps_the_topology_that_simulates_faster(workload, flattens):
     # fineweb 64K: documents of at most ~3K tokens, each whole on one of 8 ranks, no all-to-all;
     # slimpajama 64K: 19K-token documents, which Ulysses at 8x1 serves better than P2P
     cu = pack_batches(workload, 65536, 1, 0)[0]
-    auto = compile_plan(cu, 1, 8, flatten="auto", **MHA)
-    hsap = compile_plan(cu, 1, 8, **MHA)
-    assert hsap.intra_size == 8 and hsap.options.flattened_from is None, "flatten defaults to never"
+    auto = compile_plan(cu, 1, 8, **MHA)  # flatten="auto", the default
+    hsap = compile_plan(cu, 1, 8, flatten="never", **MHA)
+    assert hsap.intra_size == 8 and hsap.options.flattened_from is None
     assert (auto.options.flattened_from is not None) is flattens
     t_auto, flat = _simulated(cu, 8, 1, "auto")
     t_hsap, _ = _simulated(cu, 8, 1, "never")
@@ -65,6 +65,8 @@ def test_auto_never_flattens_across_nodes():
     assert compile_plan(cu, 2, 8, flatten="auto", **MHA).options.flattened_from is None
     assert compile_plan(cu, 2, 8, flatten="always", **MHA).options.flattened_from == (8, 2)  # asked for
     assert compile_plan(cu, 8, 1, flatten="always", **MHA).options.flattened_from is None  # P_intra 1: nothing to flatten
+    # a forced head-chunk count pins the all-to-all: "auto" keeps the configured topology
+    assert compile_plan(cu, 1, 8, head_chunks=2, **MHA).options.flattened_from is None
 
 
 def test_windowed_flattened_plan_keeps_its_window():
@@ -79,7 +81,7 @@ def test_flatten_cache_and_validation():
     cu = [0, 100, 900, 1024]
     a = compile_plan(cu, 2, 2, num_heads=8, head_dim=16, flatten="always")
     assert compile_plan(cu, 2, 2, num_heads=8, head_dim=16, flatten="always") is a
-    assert compile_plan(cu, 2, 2, num_heads=8, head_dim=16).options.flattened_from is None
+    assert compile_plan(cu, 2, 2, num_heads=8, head_dim=16, flatten="never").options.flattened_from is None
     with pytest.raises(ConfigError, match="flatten='sometimes' is unknown"):
         compile_plan(cu, 2, 2, num_heads=8, head_dim=16, flatten="sometimes")
     with pytest.raises(ConfigError, match="flattened_from"):
@@ -95,4 +97,17 @@ def test_flattened_plan_hash_names_its_groups():
     assert flat.hash != plain.hash
     # the knob itself is not hashed: a plan "auto" kept as configured hashes as "never"'s
     kept = compile_plan(cu, 2, 2, num_heads=8, head_dim=16, flatten="auto", link="ib")
-    assert kept.options.flattened_from is None and kept.hash == compile_plan(cu, 2, 2, num_heads=8, head_dim=16, link="ib").hash
+    never = compile_plan(cu, 2, 2, num_heads=8, head_dim=16, flatten="never", link="ib")
+    assert kept.options.flattened_from is None and kept.hash == never.hash
+
+
+def test_simulator_runs_a_flattened_plan_only_as_1xP():
+    from megatron_hsap.sim.cluster import Cluster
+    from megatron_hsap.sim.config import sim_hardware
+    from megatron_hsap.sim.hsap import hsap_workload
+
+    plan = compile_plan([0, 100, 900, 1024], 2, 2, num_heads=8, head_dim=16, flatten="always")
+    with pytest.raises(ConfigError, match=r"Cluster\(intra_size=1, inter_size=4\)"):
+        hsap_workload(plan, Cluster(hw=sim_hardware("a100"), intra_size=2, inter_size=2), "fwd")
+    _, ranks = hsap_workload(plan, Cluster(hw=sim_hardware("a100"), intra_size=1, inter_size=4), "fwd")
+    assert list(ranks) == [0, 1, 2, 3]

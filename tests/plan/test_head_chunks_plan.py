@@ -8,6 +8,8 @@ and the plan hash covering the count. The pipelined runtime is tested in
 
 from __future__ import annotations
 
+from functools import partial
+
 from dataclasses import replace
 
 import numpy as np
@@ -16,12 +18,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_hsap.errors import ConfigError
-from megatron_hsap.plan import compile_plan
+from megatron_hsap.plan import compile_plan as _compile_plan
 from megatron_hsap.plan.chunks import a2a_bytes_sent, chunk_shape, head_chunk_estimates, pipeline_phases, valid_head_chunks
 from megatron_hsap.plan.costs import HeadShape
 from megatron_hsap.plan.ir import Wire
 from megatron_hsap.plan.estimate import PipelinePhase, pipelined_time
 from megatron_hsap.plan.workloads import pack_batches
+
+# these tests exercise the configured P_intra x P_inter topology (its all-to-all, head chunks);
+# compile_plan may plan a batch as 1 x P instead (plan/flatten.py: tests/plan/test_flatten.py)
+compile_plan = partial(_compile_plan, flatten="never")
 
 K = 1024
 
@@ -167,7 +173,7 @@ def test_tiny_batches_keep_one_chunk():
     plan = compile_plan(cu, 4, 2, layout="contiguous")
     assert plan.head_chunks == 1
     sim = {c: run_method("hsap", np.asarray(cu), hw=sim_hardware("a100"), intra=2, inter=4, shape=full_shape(32, 32),
-                         plan_options={"layout": "contiguous", "head_chunks": c}).seconds for c in (1, 2, 4)}
+                         plan_options={"layout": "contiguous", "head_chunks": c, "flatten": "never"}).seconds for c in (1, 2, 4)}
     assert min(sim, key=sim.get) == 1, sim
 
 
@@ -285,7 +291,7 @@ def _estimates_and_sim(cu, inter: int, intra: int, heads: int, kv_heads: int, hw
     plan = compile_plan(cu, inter, intra, num_heads=heads, num_kv_heads=kv_heads, hardware=hw)
     est = head_chunk_estimates(plan)
     sim = {c: run_method("hsap", np.asarray(cu), hw=sim_hardware(hw), intra=intra, inter=inter, shape=full_shape(heads, kv_heads),
-                         plan_options={"head_chunks": c}).seconds for c in est}  # fmt: skip
+                         plan_options={"head_chunks": c, "flatten": "never"}).seconds for c in est}  # fmt: skip
     for c in est:  # the two computations agree on every count, shared kv included, on the plan
         # the simulator runs: compiled with that count (its staging may differ from the default
         # plan's, whose every count ``est`` prices: the stage shape is picked by the time of its

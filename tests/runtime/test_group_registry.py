@@ -105,7 +105,7 @@ def test_runtime_resolves_registered_groups(empty_registry, monkeypatch):
     from megatron_hsap.runtime import hsap
 
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
-    plan = compile_plan([0, 64], 2, intra_size=2, num_heads=4, head_dim=8)
+    plan = compile_plan([0, 64], 2, intra_size=2, num_heads=4, head_dim=8, flatten="never")  # the 2x2 topology
     groups = _groups()
     G.register_groups(groups)
     assert hsap._resolve_groups(plan, None, None) == (groups.intra, groups.inter)

@@ -16,6 +16,8 @@ and what is checked are counts, orders and messages.
 
 from __future__ import annotations
 
+from functools import partial
+
 import time
 from typing import Any
 
@@ -24,11 +26,15 @@ import pytest
 import torch
 
 from megatron_hsap.errors import CommunicationError
-from megatron_hsap.plan import compile_plan
+from megatron_hsap.plan import compile_plan as _compile_plan
 from megatron_hsap.plan.balanced import kept_layout
 from megatron_hsap.plan.ir import Phase
 from megatron_hsap.runtime import watchdog as watchdog_mod
 from megatron_hsap.runtime.watchdog import Watchdog
+
+# these tests exercise the configured P_intra x P_inter topology (its all-to-all, head chunks);
+# compile_plan may plan a batch as 1 x P instead (plan/flatten.py: tests/plan/test_flatten.py)
+compile_plan = partial(_compile_plan, flatten="never")
 
 CASE_TIMEOUT = 30.0
 
@@ -115,8 +121,10 @@ def case_handshake_then_rounds(cu: list[int]) -> dict:
             "control": list(p2p.CONTROL_ROUNDS), "rounds": ex.stats[Phase.FWD].rounds + ex.stats[Phase.BWD].rounds}  # fmt: skip
 
 
-def case_batch_function_agrees(cu: list[int]) -> dict:
-    """Handshake exchanges made by batch sharding under HSAP groups (2×2), then by the attention."""
+def case_batch_function_agrees(args: tuple[list[int], str]) -> dict:
+    """Handshake exchanges made by batch sharding under HSAP groups (2×2), then by the attention
+    (``flatten``: the 2x2 topology's plan, or one flattened to 1 x 4 on the CP group)."""
+    cu, flatten = args
     import torch.distributed as dist
 
     from megatron_hsap.megatron.batch import get_batch_on_this_cp_rank
@@ -129,7 +137,8 @@ def case_batch_function_agrees(cu: list[int]) -> dict:
     try:
         n0 = handshake_count()
         got = get_batch_on_this_cp_rank({"tokens": torch.arange(cu[-1]).unsqueeze(0), "cu_seqlens": torch.tensor(cu)},
-                                        plan_kwargs=dict(num_heads=4, num_kv_heads=2, head_dim=8, dtype_bytes=4))  # fmt: skip
+                                        plan_kwargs=dict(num_heads=4, num_kv_heads=2, head_dim=8, dtype_bytes=4, flatten=flatten))  # fmt: skip
+        assert (got["plan"].options.flattened_from is not None) is (flatten == "always")
         n1 = handshake_count()
         t = got["tokens"].shape[1]
         gen = torch.Generator().manual_seed(dist.get_rank())
@@ -270,10 +279,12 @@ def test_handshake_runs_once_per_plan_before_its_first_round(gloo_pool):
         assert got["rounds"] > 0 and len(posted) - 1 == got["rounds"]  # then exactly the plan's rounds
 
 
-def test_batch_sharding_runs_the_handshake_so_the_attention_waits_on_none(gloo_pool):
-    results = gloo_pool(4).run(case_batch_function_agrees, [0, 9, 30, 41], timeout=120)
-    # one exchange per group (inter, then intra) in the batch function; none left for the layer
-    assert results == [{"in_batch_function": 2, "in_attention": 0}] * 4, results
+@pytest.mark.parametrize(("flatten", "exchanges"), [("never", 2), ("always", 1)])
+def test_batch_sharding_runs_the_handshake_so_the_attention_waits_on_none(gloo_pool, flatten, exchanges):
+    results = gloo_pool(4).run(case_batch_function_agrees, ([0, 9, 30, 41], flatten), timeout=120)
+    # one exchange per group (inter, then intra; a flattened plan: the CP group it runs on) in the
+    # batch function; none left for the layer
+    assert results == [{"in_batch_function": exchanges, "in_attention": 0}] * 4, results
 
 
 # --------------------------------------------------------------------------- batch sharding

@@ -219,7 +219,7 @@ def _chunked(chunks: int, slowdown: float = 0.0):
     # every chunk pays the launches of the runtime's kernel calls (plan/calls.py: 15 on a rank
     # here); 32K tokens keep the all-to-all it hides larger than those (16K did not, by 5%)
     cu = [0, 6000, 14000, 24000, 32768]
-    return run_method("hsap", cu, hw=hw, intra=2, inter=2, shape=full_shape(8, 4), plan_options={"head_chunks": chunks})
+    return run_method("hsap", cu, hw=hw, intra=2, inter=2, shape=full_shape(8, 4), plan_options={"head_chunks": chunks, "flatten": "never"})
 
 
 def test_head_chunks_pipeline_the_intra_all_to_all_with_the_same_bytes() -> None:

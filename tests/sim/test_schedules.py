@@ -134,7 +134,7 @@ def test_hsap_workload_matches_the_plan() -> None:
     from megatron_hsap.sim.hsap import a2a_calls, hsap_workload
 
     cu = [0, 900, 1000, 3100, 3200, 4096]
-    plan = compile_plan(cu, 4, 2, num_heads=4, num_kv_heads=2, head_dim=8)
+    plan = compile_plan(cu, 4, 2, num_heads=4, num_kv_heads=2, head_dim=8, flatten="never")  # the 2x4 topology
     cluster = Cluster(hw=TOY, intra_size=2, inter_size=4)
     for phase in ("fwd", "bwd"):
         work, gpus = hsap_workload(plan, cluster, phase)
@@ -168,7 +168,7 @@ def test_hsap_workload_shares_kv_chunks_like_the_runtime(chunks) -> None:
     from megatron_hsap.sim.hsap import a2a_calls, hsap_workload
 
     cu = [0, 900, 1000, 3100, 3200, 4096]
-    plan = compile_plan(cu, 4, 2, num_heads=8, num_kv_heads=2, head_dim=8, head_chunks=chunks)
+    plan = compile_plan(cu, 4, 2, num_heads=8, num_kv_heads=2, head_dim=8, head_chunks=chunks, flatten="never")
     assert (plan.shape.num_heads, plan.shape.num_kv_heads) == (4, 1)
     cluster = Cluster(hw=TOY, intra_size=2, inter_size=4)
     predicted = chunked_p2p_bytes(plan)
