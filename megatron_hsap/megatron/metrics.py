@@ -43,6 +43,7 @@ class IterationMetrics:
     bytes_sent_max: int = 0  # per rank, summed over micro-batches
     documents: int = 0
     tokens: int = 0
+    flattened: int = 0  # micro-batches whose plan ran as pure SAP over the CP group (plan/flatten.py)
 
     def add(self, plan: "Plan", *, compile_s: float, prefetched: bool | None) -> None:
         stats = plan.stats()
@@ -60,6 +61,7 @@ class IterationMetrics:
         self.bytes_sent_max += int(max(stats.bytes_sent_per_rank))
         self.documents += int(stats.num_docs)
         self.tokens += int(stats.num_tokens)
+        self.flattened += int(stats.flattened_from is not None)
 
     def scalars(self) -> dict[str, float]:
         """The figures written to TensorBoard / W&B (``hsap/<name>``)."""
@@ -74,6 +76,7 @@ class IterationMetrics:
             "bytes_sent_per_rank_max_mb": self.bytes_sent_max / 2**20,
             "balanced_layout_fraction": self.layouts.get("balanced", 0) / n,
             "documents": float(self.documents),
+            "flattened_fraction": self.flattened / n,
         }
 
     def line(self, iteration: int) -> str:
@@ -85,7 +88,8 @@ class IterationMetrics:
             f"estimated attention fwd+bwd {_duration(self.estimated_fwd_s + self.estimated_bwd_s)} | "
             f"compile {s['compile_ms']:.1f} ms | prefetch hits {self.prefetch_hits}/"
             f"{self.prefetch_hits + self.prefetch_misses} | pool use max {s['pool_use_max']:.2f} | "
-            f"sent per rank max {_size(self.bytes_sent_max)} | documents {self.documents}"
+            f"sent per rank max {_size(self.bytes_sent_max)} | documents {self.documents} | "
+            f"flattened {self.flattened}/{self.micro_batches}"
         )
 
 

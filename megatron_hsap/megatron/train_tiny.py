@@ -46,6 +46,7 @@ class TinyRun:
     lr: float = 3e-3
     seed: int = 1234
     layout: str = "balanced"
+    flatten: str = "auto"  # plan/flatten.py: "never" keeps the P_intra x P_inter topology on every batch
     plan_prefetch: bool = True
     data_dir: str | None = None
     progress: bool = True
@@ -213,7 +214,7 @@ def _rank_main(rank: int, run: TinyRun, store: str, corpus: Any, queue: Any) -> 
         dp_rank = mpu.get_data_parallel_rank()
         dp_group = mpu.get_data_parallel_group()
         grad_group = mpu.get_data_parallel_group(with_context_parallel=True)
-        plan_kwargs = {**plan_kwargs_from_config(config), "layout": run.layout}
+        plan_kwargs = {**plan_kwargs_from_config(config), "layout": run.layout, "flatten": run.flatten}
         results: list[StepResult] = []
         bar = _progress(run, rank)
         steps = iter(range(run.steps))
@@ -233,7 +234,9 @@ def _rank_main(rank: int, run: TinyRun, store: str, corpus: Any, queue: Any) -> 
             results.append(result)
             if rank == 0:
                 rate = result.real_tokens / result.seconds
-                line = (f"[{run.intra_size}x{run.inter_size}] step {step + 1:3d}/{run.steps}  loss {result.loss:.6f}  "
+                # a plan flattened to pure SAP over the CP group (plan/flatten.py) says so
+                flat = f" as 1x{plan.cp_size}" if plan.options.flattened_from is not None else ""
+                line = (f"[{run.intra_size}x{run.inter_size}{flat}] step {step + 1:3d}/{run.steps}  loss {result.loss:.6f}  "
                         f"grad-norm {result.grad_norm:.4f}  tokens/s {rate:,.0f}")
                 if bar is None:
                     print(line, flush=True)
@@ -364,6 +367,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=nonnegative_int, default=1234, help="initial weights and data order")
     p.add_argument("--layout", choices=("contiguous", "balanced"), default="balanced",
                    help="HSAP token layout (balanced: document-aware, kept only where estimated faster)")
+    p.add_argument("--flatten", choices=("never", "auto", "always"), default="auto",
+                   help="at --intra-size > 1: run a batch as pure SAP over all CP ranks when estimated faster (auto), "
+                        "always, or never (the all-to-all topology on every batch); plan/flatten.py")
     p.add_argument("--no-plan-prefetch", action="store_true", help="compile each plan when its batch is taken")
     p.add_argument("--data-dir", default=None, help="where the indexed dataset is written (default: ~/.cache/megatron-hsap/data)")
     p.add_argument("--no-compare", action="store_true", help="skip the CP=1 comparison run")
@@ -398,7 +404,7 @@ def _parse(argv: list[str] | None) -> tuple[TinyRun, bool]:
         world_size=a.world_size, intra_size=a.intra_size, inter_size=a.inter_size, steps=a.steps,
         seq_length=a.seq_length, micro_batch_size=a.micro_batch_size, num_layers=a.num_layers,
         hidden_size=a.hidden_size, num_heads=a.num_attention_heads, num_kv_heads=a.num_query_groups,
-        lr=a.lr, seed=a.seed, layout=a.layout, plan_prefetch=not a.no_plan_prefetch, data_dir=a.data_dir,
+        lr=a.lr, seed=a.seed, layout=a.layout, flatten=a.flatten, plan_prefetch=not a.no_plan_prefetch, data_dir=a.data_dir,
         progress=not a.no_progress,
     )
     check_run(run)

@@ -130,6 +130,7 @@ def test_hsap_metrics_and_plan_dump_in_megatrons_log(root: Path) -> None:
                        r"imbalance max ([0-9.]+) mean [0-9.]+ \| estimated attention fwd\+bwd ([0-9.e+-]+) (?:s|ms|us|ns) \| "
                        r"compile ([0-9.]+) ms \| prefetch hits (\d+)/(\d+) \|", log)
     assert [int(m[0]) for m in lines] == [1, 2, 3, 4]  # every iteration, the last one flushed at exit
+    assert log.count("| flattened 0/1\n") == 4  # --hsap-flatten never
     assert all(int(m[1]) == 1 and float(m[3]) >= 1.0 and float(m[4]) > 0 for m in lines)
     # Every training micro-batch came through the prefetcher (whether its plan was ready in time is
     # a matter of thread timing: counted, not asserted).
@@ -162,6 +163,8 @@ def test_flattened_plans_in_megatrons_loop_equal_the_reference(root: Path) -> No
     assert (doc["stats"]["intra_size"], doc["stats"]["inter_size"]) == (1, 4)
     assert sorted(p.name for p in dump.glob("rank*-fwd.txt")) == [f"rank{r}-fwd.txt" for r in range(4)]
     assert "--intra-size 2 --flatten always" in (dump / "plot.sh").read_text()  # reproduced from the groups
+    log = (Path(hsap.log_dir) / "rank0.log").read_text()
+    assert re.findall(r"\[megatron-hsap\] iteration \d+ .*\| flattened (\d+)/(\d+)\n", log) == [("1", "1")] * 4
 
 
 def test_metrics_reach_megatrons_writers() -> None:
