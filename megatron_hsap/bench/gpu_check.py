@@ -315,6 +315,10 @@ def _rank_main(rank: int, world: int, backend: str, store_path: str, out_file: s
                     got[torch.from_numpy(r["idx"])] = torch.from_numpy(r[name]).double()
                 errors[name] = _err(got, w) if not torch.isnan(got).any() else math.inf
             Path(out_file).write_text(json.dumps(errors))
+        # no rank closes its pairs before every gather landed: a gloo rank that destroys the group
+        # with its gather_object send still in flight aborts (SIGABRT, rank 1, in a CI run beside
+        # other jobs: rank 0 was still receiving)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
