@@ -7,13 +7,15 @@ rank and moves almost nothing. Measured in simulation (Table 4, LLaMA-2-7B on 8 
 64K, mean of 10 batches): 6.64 ms of attention at 8x1, 3.80 at 1x8. A user picks ``P_intra`` for
 the long documents of the job, not for every batch.
 
-``flatten`` (``PlanOptions``): "never" keeps the configured topology; "auto" (the default) also compiles the
-``1 × P`` plan when the CP group sits inside one node (its P2P then runs over the same NVLink as
-the all-to-all: ``options.link_of`` of the configured plan is NVLink) and keeps whichever has the
-lower estimated layer time (``Plan.layer_time``: SAP plus the all-to-all pipelined with it,
+``flatten`` (``PlanOptions``): "never" keeps the configured topology; "auto" (the default) also
+compiles the ``1 × P`` plan when the CP group sits inside one node (its P2P then runs over the
+same NVLink as the all-to-all: ``options.link_of`` of the configured plan is NVLink) and keeps
+whichever has the lower estimated layer time (``Plan.layer_time``: SAP plus the all-to-all pipelined with it,
 ``plan/chunks.py``), compared in integer picoseconds like the layout choice (``balanced._ps``) so
 every rank keeps the same plan (not when ``head_chunks`` is forced: that pins the all-to-all);
-"always" keeps the ``1 × P`` plan.
+"always" keeps the ``1 × P`` plan. On Table 4 it runs 3–10 of 10 packed batches per
+``P_intra > 1`` point flattened, and every such point then leads the best document-aware
+baseline (``results/table4.md``).
 
 A flattened plan's options say ``intra_size = 1``, ``inter_size = P`` and ``flattened_from =
 (P_intra, P_inter)``: it runs on the CP group (``runtime/groups.HSAPGroups.cp``, group rank = CP
