@@ -215,12 +215,15 @@ def test_distributed_optimizer_with_overlapped_grad_reduce_equals_reference(root
 def test_checkpoint_save_stop_resume_continues_with_the_same_losses(root: Path, tmp_path: Path) -> None:
     full = _hsap_2x2(root)
     ckpt = str(tmp_path / "ckpt")
+    # the per-rank sums below compare the same token layouts: the 2x2 topology on every batch, as
+    # _hsap_2x2 runs it (a flattened plan puts other tokens on each rank)
+    same = ("--hsap-flatten", "never")
     first = _run(root, world_size=4, intra_size=2, inter_size=2, **BASE,
-                 extra=("--save", ckpt, "--save-interval", "2", "--exit-interval", "2", "--ckpt-format", "torch_dist"))
+                 extra=(*same, "--save", ckpt, "--save-interval", "2", "--exit-interval", "2", "--ckpt-format", "torch_dist"))
     assert sorted(first.losses) == [1, 2]
     assert (Path(ckpt) / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
     resumed = _run(root, world_size=4, intra_size=2, inter_size=2, **BASE,
-                   extra=("--load", ckpt, "--save", ckpt, "--save-interval", "100", "--ckpt-format", "torch_dist"))
+                   extra=(*same, "--load", ckpt, "--save", ckpt, "--save-interval", "100", "--ckpt-format", "torch_dist"))
     assert sorted(resumed.losses) == [3, 4]
     # Per step and rank, the loss function's Σ loss·mask (one micro-batch per step): what was computed,
     # not what was printed — after a resume Megatron's first log line at iteration 4 averages
