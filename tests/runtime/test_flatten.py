@@ -62,3 +62,29 @@ def test_flattened_plan_without_the_cp_group_is_refused_by_name(gloo_pool):
     spec = cases.build_spec([0, 30, 128], intra=2, inter=2, heads=8, kv_heads=8, dim=8, flatten="always")
     for r in gloo_pool(4).run(_refused, spec, timeout=300):
         assert r["error"] and "cp_group=" in r["error"] and "flattened from 2x2" in r["error"], r
+
+
+def _cp_groups_of_a_split_world(_: object) -> dict:
+    """World 8 as two CP groups of 4 (2x2 each): the CP group initialize_hsap builds for flattened plans."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron_hsap.megatron.parallel_state import destroy_hsap, initialize_hsap
+
+    rank = dist.get_rank()
+    mine = list(range(0, 4)) if rank < 4 else list(range(4, 8))
+    groups = initialize_hsap(2, 2, cp_ranks=mine, node_check="off")
+    try:
+        x = torch.tensor([float(rank)])
+        dist.all_reduce(x, group=groups.cp)
+        return {"cp_rank": groups.cp_rank, "group_rank": dist.get_rank(groups.cp), "size": dist.get_world_size(groups.cp),
+                "sum": float(x.item())}
+    finally:
+        destroy_hsap()
+
+
+def test_initialize_hsap_builds_each_cp_group_for_flattened_plans(gloo_pool):
+    results = gloo_pool(8).run(_cp_groups_of_a_split_world, None, timeout=300)
+    for rank, r in enumerate(results):
+        assert r["group_rank"] == r["cp_rank"] == rank % 4 and r["size"] == 4, r
+        assert r["sum"] == (6.0 if rank < 4 else 22.0), r  # only its own CP group's members
