@@ -9,8 +9,6 @@ hand the parser back), so the tests see exactly what the commands parse with.
 
 from __future__ import annotations
 
-from functools import partial
-
 import argparse
 import csv
 import json
@@ -20,13 +18,9 @@ from pathlib import Path
 import pytest
 
 from megatron_hsap import cli
-from megatron_hsap.plan import compile_plan as _compile_plan
 from megatron_hsap.plan.hardware import link_class_for
 from megatron_hsap.plan.workloads import pack_batches
-
-# these tests exercise the configured P_intra x P_inter topology (its all-to-all, head chunks);
-# compile_plan may plan a batch as 1 x P instead (plan/flatten.py: tests/plan/test_flatten.py)
-compile_plan = partial(_compile_plan, flatten="never")
+from tests.configured import compile_plan  # the configured topology (flatten="never")
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -34,7 +34,7 @@ from megatron_hsap.plan.options import PlanOptions, link_of
 if TYPE_CHECKING:
     from megatron_hsap.plan.plan_type import Plan
 
-__all__ = ["flattens", "flat_options", "choose_topology"]
+__all__ = ["flattens", "flat_options", "choose_topology", "flattened_what"]
 
 
 def flattens(opts: PlanOptions) -> bool:
@@ -58,3 +58,10 @@ def choose_topology(hsap: "Plan", flat: "Plan") -> "Plan":
     """The plan ``flatten="auto"`` keeps: ``flat`` when its estimated layer time is below the
     configured plan's (ties: the configured one)."""
     return flat if _ps(flat.layer_time) < _ps(hsap.layer_time) else hsap
+
+
+def flattened_what(plan: "Plan") -> str:
+    """How error messages name a flattened plan: ``"the plan runs as pure SAP over all P CP ranks
+    (flattened from AxB, plan/flatten.py)"``."""
+    a, b = plan.options.flattened_from  # type: ignore[misc]
+    return f"the plan runs as pure SAP over all {plan.cp_size} CP ranks (flattened from {a}x{b}, plan/flatten.py)"

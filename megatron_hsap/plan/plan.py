@@ -194,11 +194,11 @@ def _search(cu: tuple[int, ...], opts: PlanOptions, staged: list[PricedLayout]) 
     # layers; with an intra all-to-all it can swamp a SAP gap: Table 4 slimpajama 16K 4x2 s0's
     # contiguous SAP is 8% above the balanced one, its layer 0.4% below, 1.4% below in
     # simulation); a layer takes at least its SAP, and at P_intra = 1 it is its SAP
-    if contiguous is not None and _loses(bal, _layer_time(contiguous)):
+    if contiguous is not None and _loses(bal, contiguous.layer_time):
         return contiguous
     balanced = _build_on(bal)
     if contiguous is None:
-        layer = _layer_time(balanced)
+        layer = balanced.layer_time
         if con.floor > layer * (1 + _LAYOUT_PRUNE) or _loses(con.exact(), layer):
             return balanced
         contiguous = _build_on(con)
@@ -240,20 +240,13 @@ def choose_layout(contiguous: Plan, balanced: Plan, bound: float) -> Plan:
     # plan's head-chunk count (SAP alone kept a balanced plan 2.7% slower in simulation than
     # owner-computes on the contiguous layout, ultrachat 16K 4x2 s2); and a plan that moves work
     # must beat the other layout's owner-computes plan by _LAYOUT_OWNER_MARGIN
-    c_s, b_s = _layer_time(contiguous), _layer_time(balanced)
+    c_s, b_s = contiguous.layer_time, balanced.layer_time  # SAP plus the pipelined all-to-all (Plan.layer_time)
     c_own, b_own = (p.chosen.name == "owner-computes" for p in (contiguous, balanced))
     if c_own and not b_own:
         b_s *= 1 + _LAYOUT_OWNER_MARGIN
     elif b_own and not c_own:
         c_s *= 1 + _LAYOUT_OWNER_MARGIN
     return balanced if kept_layout(c_s, b_s, bound) == "balanced" else contiguous
-
-
-def _layer_time(plan: Plan) -> float:
-    """Estimated seconds of the whole HSAP layer of ``plan`` (``Plan.layer_time``): SAP, plus the
-    intra all-to-all pipelined with it at the plan's head-chunk count (``plan/chunks.py``) when
-    ``P_intra > 1``; computed once per plan, with its head-chunk choice."""
-    return plan.layer_time
 
 
 def _price_on(layout: Layout, batch: Batch, shape: HeadShape, opts: PlanOptions, *, lazy: bool = False) -> PricedLayout:

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from megatron_hsap.errors import ConfigError, RuntimeMismatchError
 from megatron_hsap.plan.checks import positive_int
+from megatron_hsap.plan.flatten import flattened_what
 
 __all__ = ["HSAPGroups", "hierarchical_rank_lists", "validate_hsap_sizes", "job_timeout",
            "check_plan_groups", "register_groups", "registered_groups", "clear_groups"]
@@ -167,8 +168,7 @@ def check_plan_groups(plan: object, groups: "HSAPGroups", *, cp_rank: int | None
         )
     if flat and groups.cp is None:
         raise ConfigError(
-            f"the plan runs as pure SAP over all {plan.cp_size} CP ranks (flattened from {flat[0]}x{flat[1]}, "  # type: ignore[attr-defined]
-            "plan/flatten.py) but these HSAP groups carry no CP group (HSAPGroups.cp); build them with "
+            f"{flattened_what(plan)} but these HSAP groups carry no CP group (HSAPGroups.cp); build them with "
             "initialize_hsap, or compile with flatten='never'"
         )
     if cp_rank is not None and groups.cp_rank != cp_rank:

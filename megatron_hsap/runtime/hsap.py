@@ -43,6 +43,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from megatron_hsap.errors import BatchError, ConfigError, RuntimeMismatchError
+from megatron_hsap.plan.flatten import flattened_what
 from megatron_hsap.plan.ir import Phase
 from megatron_hsap.plan.lru import LRUCache
 from megatron_hsap.plan.options import kv_head_chunks
@@ -353,8 +354,7 @@ def _resolve_groups(plan: "Plan", intra: dist.ProcessGroup | None, inter: dist.P
 def _flat_group(plan: "Plan", intra: Any, inter: Any, cp: Any) -> Any:
     """The CP group a flattened ``1 × P`` plan runs on (``_resolve_groups``); no collective."""
     a, b = plan.options.flattened_from  # type: ignore[misc]
-    what = (f"the plan runs as pure SAP over all {plan.cp_size} CP ranks (flattened from {a}x{b}: estimated "
-            "faster for this batch, plan/flatten.py)")
+    what = flattened_what(plan)
     if cp is not None:
         return cp
     if intra is not None or inter is not None:

@@ -12,18 +12,13 @@ not drift from ``min`` with ties to fewer chunks."""
 
 from __future__ import annotations
 
-from functools import partial
-
 import pytest
 
 from megatron_hsap.plan import chunks as ch
-from megatron_hsap.plan import clear_plan_cache, compile_plan as _compile_plan
+from megatron_hsap.plan import clear_plan_cache
 from megatron_hsap.plan.ir import Phase
 from megatron_hsap.plan.workloads import pack_batches
-
-# these tests exercise the configured P_intra x P_inter topology (its all-to-all, head chunks);
-# compile_plan may plan a batch as 1 x P instead (plan/flatten.py: tests/plan/test_flatten.py)
-compile_plan = partial(_compile_plan, flatten="never")
+from tests.configured import compile_plan  # the configured topology (flatten="never")
 
 K = 1024
 

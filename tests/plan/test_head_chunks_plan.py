@@ -8,8 +8,6 @@ and the plan hash covering the count. The pipelined runtime is tested in
 
 from __future__ import annotations
 
-from functools import partial
-
 from dataclasses import replace
 
 import numpy as np
@@ -18,16 +16,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_hsap.errors import ConfigError
-from megatron_hsap.plan import compile_plan as _compile_plan
 from megatron_hsap.plan.chunks import a2a_bytes_sent, chunk_shape, head_chunk_estimates, pipeline_phases, valid_head_chunks
 from megatron_hsap.plan.costs import HeadShape
 from megatron_hsap.plan.ir import Wire
 from megatron_hsap.plan.estimate import PipelinePhase, pipelined_time
 from megatron_hsap.plan.workloads import pack_batches
-
-# these tests exercise the configured P_intra x P_inter topology (its all-to-all, head chunks);
-# compile_plan may plan a batch as 1 x P instead (plan/flatten.py: tests/plan/test_flatten.py)
-compile_plan = partial(_compile_plan, flatten="never")
+from tests.configured import compile_plan  # the configured topology (flatten="never")
 
 K = 1024
 

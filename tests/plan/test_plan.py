@@ -6,8 +6,6 @@ balanced layout (the default) has its own tests in ``test_balanced.py`` and ``te
 
 from __future__ import annotations
 
-from functools import partial
-
 import subprocess
 import sys
 
@@ -15,12 +13,9 @@ import numpy as np
 import pytest
 
 from megatron_hsap.errors import BatchError, ConfigError, HSAPError
-from megatron_hsap.plan import clear_plan_cache, compile_plan as _compile_plan
+from megatron_hsap.plan import clear_plan_cache
 from megatron_hsap.plan.ir import Compute, Phase, Post, Recv, Send, TokenRange, Wire
-
-# these tests exercise the configured P_intra x P_inter topology (its all-to-all, head chunks);
-# compile_plan may plan a batch as 1 x P instead (plan/flatten.py: tests/plan/test_flatten.py)
-compile_plan = partial(_compile_plan, flatten="never")
+from tests.configured import compile_plan  # the configured topology (flatten="never")
 
 # Small heads keep byte counts readable; the planner's decisions do not depend on them here.
 SMALL = dict(num_heads=4, num_kv_heads=2, head_dim=16, layout="contiguous")

@@ -6,21 +6,15 @@ the recheck's window, and owner-computes' every-shape search waits until its flo
 
 from __future__ import annotations
 
-from functools import partial
-
 from types import SimpleNamespace
 
 import pytest
 
 import megatron_hsap.plan.candidates as candidates
 import megatron_hsap.plan.plan as search
-from megatron_hsap.plan import compile_plan as _compile_plan
 from megatron_hsap.plan.cache import clear_plan_cache
 from megatron_hsap.plan.fingerprint import plan_hash
-
-# these tests exercise the configured P_intra x P_inter topology (its all-to-all, head chunks);
-# compile_plan may plan a batch as 1 x P instead (plan/flatten.py: tests/plan/test_flatten.py)
-compile_plan = partial(_compile_plan, flatten="never")
+from tests.configured import compile_plan  # the configured topology (flatten="never")
 
 GQA = dict(num_heads=32, num_kv_heads=8, head_dim=128, hardware="a100")
 

@@ -7,18 +7,12 @@ Reference: the programs (IR) walked here, and ``cu_seqlens`` for the total work.
 
 from __future__ import annotations
 
-from functools import partial
-
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from megatron_hsap.plan import compile_plan as _compile_plan
 from megatron_hsap.plan.ir import Compute, Phase, Post, Recv, Send
-
-# these tests exercise the configured P_intra x P_inter topology (its all-to-all, head chunks);
-# compile_plan may plan a batch as 1 x P instead (plan/flatten.py: tests/plan/test_flatten.py)
-compile_plan = partial(_compile_plan, flatten="never")
+from tests.configured import compile_plan  # the configured topology (flatten="never")
 
 KEYS = {  # the documented fields (PlanStats; as_dict() keys for JSON and metrics): a rename must be deliberate
     "num_tokens", "padded_tokens", "num_docs", "inter_size", "intra_size", "link", "hardware", "layout",

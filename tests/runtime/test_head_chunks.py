@@ -14,8 +14,6 @@ deadline. The full matrix (random packings, balanced layout, bf16) is in
 
 from __future__ import annotations
 
-from functools import partial
-
 import os
 import re
 
@@ -23,14 +21,10 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_hsap.plan import compile_plan as _compile_plan
 from megatron_hsap.plan.chunks import a2a_bytes_sent, valid_head_chunks
 from megatron_hsap.plan.options import kv_heads_per_rank
 from tests.runtime import cases
-
-# these tests exercise the configured P_intra x P_inter topology (its all-to-all, head chunks);
-# compile_plan may plan a batch as 1 x P instead (plan/flatten.py: tests/plan/test_flatten.py)
-compile_plan = partial(_compile_plan, flatten="never")
+from tests.configured import compile_plan  # the configured topology (flatten="never")
 
 
 

@@ -16,8 +16,6 @@ and what is checked are counts, orders and messages.
 
 from __future__ import annotations
 
-from functools import partial
-
 import time
 from typing import Any
 
@@ -26,15 +24,11 @@ import pytest
 import torch
 
 from megatron_hsap.errors import CommunicationError
-from megatron_hsap.plan import compile_plan as _compile_plan
 from megatron_hsap.plan.balanced import kept_layout
 from megatron_hsap.plan.ir import Phase
 from megatron_hsap.runtime import watchdog as watchdog_mod
 from megatron_hsap.runtime.watchdog import Watchdog
-
-# these tests exercise the configured P_intra x P_inter topology (its all-to-all, head chunks);
-# compile_plan may plan a batch as 1 x P instead (plan/flatten.py: tests/plan/test_flatten.py)
-compile_plan = partial(_compile_plan, flatten="never")
+from tests.configured import compile_plan  # the configured topology (flatten="never")
 
 CASE_TIMEOUT = 30.0
 

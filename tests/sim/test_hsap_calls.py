@@ -7,23 +7,17 @@ The runtime side of the same count is tests/runtime/test_executor.py."""
 
 from __future__ import annotations
 
-from functools import partial
-
 import dataclasses
 
 import pytest
 
-from megatron_hsap.plan import compile_plan as _compile_plan
 from megatron_hsap.plan.calls import call_counts
 from megatron_hsap.plan.hardware import KernelCurve
 from megatron_hsap.sim.cluster import Cluster
 from megatron_hsap.sim.config import KernelModel, SimHardware
 from megatron_hsap.sim.engine import Busy
 from megatron_hsap.sim.hsap import hsap_workload
-
-# these tests exercise the configured P_intra x P_inter topology (its all-to-all, head chunks);
-# compile_plan may plan a batch as 1 x P instead (plan/flatten.py: tests/plan/test_flatten.py)
-compile_plan = partial(_compile_plan, flatten="never")
+from tests.configured import compile_plan  # the configured topology (flatten="never")
 
 
 def _toy(launch_s: float) -> SimHardware:
