@@ -1,6 +1,7 @@
 """``compile_plan`` pinned to the configured ``P_intra × P_inter`` topology (``flatten="never"``), for the
-tests that exercise its all-to-all and head chunks: by default ``compile_plan`` may plan a batch as
-``1 × P`` instead (``plan/flatten.py``; those plans: ``tests/plan/test_flatten.py``)."""
+tests that exercise its SAP programs, its all-to-all and head chunks: by default ``compile_plan``
+may plan a batch inside one node as ``1 × P`` or ``P × 1`` instead (``plan/flatten.py``; those
+plans: ``tests/plan/test_flatten.py``)."""
 
 from __future__ import annotations
 

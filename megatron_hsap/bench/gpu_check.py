@@ -290,7 +290,7 @@ def _rank_main(rank: int, world: int, backend: str, store_path: str, out_file: s
             torch.cuda.set_device(device)
         dtype = getattr(torch, dtype_name)
         h, hkv, d = 8, 2, 64
-        plan = compile_plan(_MR_CU, world, 1, num_heads=h, num_kv_heads=hkv, head_dim=d,
+        plan = compile_plan(_MR_CU, world, 1, num_heads=h, num_kv_heads=hkv, head_dim=d, flatten="never",  # SAP's P2P
                             dtype_bytes=torch.tensor([], dtype=dtype).element_size())  # fmt: skip
         gen = torch.Generator().manual_seed(7)  # the same global tensors on every rank
         t = plan.padded_tokens

@@ -146,8 +146,8 @@ def _check_yaml_loads(ctx: Any, path: Path, cal: gc.Calibration, hardware: str) 
     registered = gc.register_planner_hardware(path)
     try:
         hw = HARDWARE[registered]
-        stats = compile_plan([0, 1000, 4096], 2, 1, num_heads=8, head_dim=64, hardware=registered).stats()
-        base = compile_plan([0, 1000, 4096], 2, 1, num_heads=8, head_dim=64, hardware=hardware).stats()
+        stats = compile_plan([0, 1000, 4096], 2, 1, num_heads=8, head_dim=64, hardware=registered, flatten="never").stats()
+        base = compile_plan([0, 1000, 4096], 2, 1, num_heads=8, head_dim=64, hardware=hardware, flatten="never").stats()
         # compute bound = work · (c/rate_fwd + 2.5c/rate_bwd): priced with the calibrated rates
         ref = HARDWARE[hardware]
         want = (1 / hw.attn_fwd_flops + 2.5 / hw.attn_bwd_flops) / (1 / ref.attn_fwd_flops + 2.5 / ref.attn_bwd_flops)
@@ -171,6 +171,7 @@ def check_ranks(ctx: Any, cal: gc.Calibration, backend: str, hardware: str) -> N
         inter, heads, d, dtype = 8, (32, 8), 128, torch.bfloat16
     clock = _Clock(ctx, backend, reps=3)
     plan = compile_plan(cu, inter, 1, num_heads=heads[0], num_kv_heads=heads[1], head_dim=d, hardware=hardware,
+                        flatten="never",  # the SAP programs' per-rank kernel times
                         dtype_bytes=torch.tensor([], dtype=dtype).element_size())  # fmt: skip
     rows = gc.compare_ranks(plan, cal, heads[0], d, d, lambda ph, items: clock.time(ph, items, heads, d, d, dtype))
     with open(ctx.out / "ranks.csv", "w", newline="") as f:

@@ -21,6 +21,7 @@ from megatron_hsap.argtypes import (HelpFormatter, add_topology_args, link_line,
                                    writable_file)
 from megatron_hsap.errors import HSAPError
 from megatron_hsap.plan import compile_plan
+from megatron_hsap.plan.options import FLATTEN
 from megatron_hsap.plan.ir import Phase
 from megatron_hsap.plan.stats import PlanStats
 
@@ -147,9 +148,10 @@ def _parser() -> argparse.ArgumentParser:
                     help="receive-pool capacity (default: the planner's, 4 inter chunks)")
     ap.add_argument("--head-chunks", type=positive_int, default=None,
                     help="head chunks the intra all-to-all is pipelined over (default: the planner's choice)")
-    ap.add_argument("--flatten", choices=("never", "auto", "always"), default=None,
-                    help="at --intra-size > 1: plan the batch as pure SAP over all CP ranks when estimated faster "
-                         "(auto) or always (default: never; plan/flatten.py)")
+    ap.add_argument("--flatten", choices=FLATTEN, default=None,
+                    help="plan the batch as pure SAP over all CP ranks (1 x P) or one all-to-all over them (P x 1) "
+                         "when estimated faster (auto), always 1 x P, always P x 1 (all-to-all) "
+                         "(default: never; plan/flatten.py)")
     ap.add_argument("--layout", choices=("contiguous", "balanced"), default=None,
                     help="token layout (default: compile_plan's, balanced; the --sample batch: contiguous, as in Figure 3)")
     ap.add_argument("--rank", type=nonnegative_int, default=None, help="inter rank whose program to print (default: the busiest)")
@@ -193,8 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         options["pool_bytes"] = args.pool_bytes
     if args.head_chunks:
         options["head_chunks"] = args.head_chunks
-    if args.flatten:
-        options["flatten"] = args.flatten
+    options["flatten"] = args.flatten or "never"  # the CLI shows the topology it was asked for unless told
     layout = args.layout or ("contiguous" if cu == sample_cu_seqlens() else None)
     if layout:
         options["layout"] = layout

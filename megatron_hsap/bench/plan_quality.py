@@ -109,7 +109,7 @@ def measure_point(pt: Point, hardware: str = "a100", layouts: tuple[str, ...] = 
         clear_plan_cache()
         t0 = time.perf_counter()
         plan = compile_plan(cu, pt.P, num_heads=hq, num_kv_heads=hkv, head_dim=HEAD_DIM, hardware=hardware,
-                            link=link.value, layout="contiguous")  # "hsap": the paper's layout
+                            link=link.value, layout="contiguous", flatten="never")  # "hsap": the paper's layout, SAP alone
         dt = time.perf_counter() - t0
         s = plan.stats()
 
@@ -148,7 +148,7 @@ def measure_point(pt: Point, hardware: str = "a100", layouts: tuple[str, ...] = 
             clear_plan_cache()
             t0 = time.perf_counter()
             bal = compile_plan(cu, pt.P, num_heads=hq, num_kv_heads=hkv, head_dim=HEAD_DIM, hardware=hardware,
-                               link=link.value, layout="balanced", layout_fallback=False)
+                               link=link.value, layout="balanced", layout_fallback=False, flatten="never")
             bt = time.perf_counter() - t0
             b = bal.stats()
             for metric in ("imbalance", "owner_imbalance", "efficiency", "compute_efficiency", "kernel_efficiency"):

@@ -52,7 +52,7 @@ def measure(window: int, seeds: int, points=POINTS, workloads=WORKLOADS, shared_
             link = link_class_for(P).value
             for name, (hq, hkv) in HEADS.items():
                 for seed, cu in enumerate(batches):
-                    kw = dict(num_heads=hq, num_kv_heads=hkv, head_dim=128, link=link)
+                    kw = dict(num_heads=hq, num_kv_heads=hkv, head_dim=128, link=link, flatten="never")  # SAP's windowed plans
                     full = compile_plan(cu, P, **kw)
                     win = compile_on_layout(full, (window, 0)) if shared_layout else compile_plan(cu, P, window_size=(window, 0), **kw)
                     for method, plan in (("hsap-full", full), (f"hsap-window{window}", win)):
@@ -120,7 +120,7 @@ def measure_peers(window: int, seeds: int, points=POINTS, workloads=WORKLOADS, s
                         rows.extend([base + (method, "bytes_per_rank", float(nbytes), "B"),
                                      base + (method, "estimated_time", float(seconds), "s")])  # fmt: skip
 
-                    kw = dict(num_heads=hq, num_kv_heads=hkv, head_dim=128, link=link)
+                    kw = dict(num_heads=hq, num_kv_heads=hkv, head_dim=128, link=link, flatten="never")
                     for method, opts in (("hsap-full", {}), ("hsap-window", {"window_size": (window, 0)})):
                         st = compile_plan(cu, P, **kw, **opts).stats()
                         sent, recv = np.asarray(st.bytes_sent_per_rank), np.asarray(st.bytes_recv_per_rank)

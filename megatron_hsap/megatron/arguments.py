@@ -21,6 +21,7 @@ from typing import Any
 from megatron_hsap.errors import ConfigError
 from megatron_hsap.plan.costs import DEFAULT_GRAD_WIRE_DTYPE, GRAD_WIRE_DTYPES
 from megatron_hsap.plan.hardware import HARDWARE
+from megatron_hsap.plan.options import FLATTEN
 
 __all__ = ["HSAPArgs", "add_hsap_args", "validate_hsap_args", "IMPLS"]
 
@@ -102,11 +103,12 @@ def add_hsap_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "and kv heads each intra rank holds.",
     )
     group.add_argument(
-        "--hsap-flatten", choices=("never", "auto", "always"), default="auto",
-        help="With P_intra > 1: also plan each batch as pure SAP over all CP ranks (no all-to-all) and keep "
-        "that plan when it is estimated faster: auto (default; only when the CP group sits inside one node), "
-        "always, or never. Packed short documents then stay whole on one GPU instead of crossing the "
-        "all-to-all (plan/flatten.py); about twice the compile time at P_intra > 1 inside one node.",
+        "--hsap-flatten", choices=FLATTEN, default="auto",
+        help="Also plan each batch on a one-level topology of the same CP ranks, pure SAP (1 x P, no "
+        "all-to-all) or one all-to-all (P x 1, Ulysses), and keep the plan estimated fastest: auto (default; "
+        "only when the CP group sits inside one node), always (1 x P), all-to-all (P x 1), or never. Packed "
+        "short documents then stay whole on one GPU instead of crossing the all-to-all, and a long document "
+        "skips SAP's merges (plan/flatten.py); about twice the compile time at P_intra > 1 inside one node.",
     )
     group.add_argument(
         "--hsap-grad-wire-dtype", choices=GRAD_WIRE_DTYPES, default=DEFAULT_GRAD_WIRE_DTYPE,

@@ -81,7 +81,8 @@ def agree_before_sharding(plan: "Plan", groups: Any, check_group: Any) -> None:
     timeout_s = read_env().p2p_timeout_s
     levels = (("inter", groups.inter, groups.inter_size), ("intra", groups.intra, groups.intra_size))
     if plan.options.flattened_from is not None and groups.cp is not None:
-        levels = (("inter", groups.cp, groups.cp_size),)  # a flattened plan's executor runs on the CP group
+        # a flattened plan (plan/flatten.py) runs on the CP group: SAP's executor at 1 x P, the all-to-all at P x 1
+        levels = (("inter" if plan.intra_size == 1 else "intra", groups.cp, groups.cp_size),)
     for kind, group, size in levels:
         if size > 1:
             agree(plan, group, kind, Phase.FWD, timeout_s=timeout_s, device=exchange_device(group))

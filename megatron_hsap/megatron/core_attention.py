@@ -216,7 +216,7 @@ class HSAPCoreAttention(MegatronModule):
 
     def _groups(self, plan: "Plan", cp_rank: int) -> tuple[Any, Any, Any]:
         """(intra, inter, cp) groups for ``hsap_attn_func``: HSAP's, checked against the plan; a
-        flattened ``1 × P`` plan (plan/flatten.py) runs on their CP group alone."""
+        flattened ``1 × P`` or ``P × 1`` plan (plan/flatten.py) runs on their CP group alone."""
         from megatron_hsap.megatron import parallel_state as hsap_ps
 
         cp_group = getattr(self.pg_collection, "cp", None) if self.pg_collection is not None else None

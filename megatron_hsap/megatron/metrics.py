@@ -43,7 +43,7 @@ class IterationMetrics:
     bytes_sent_max: int = 0  # per rank, summed over micro-batches
     documents: int = 0
     tokens: int = 0
-    flattened: int = 0  # micro-batches whose plan ran as pure SAP over the CP group (plan/flatten.py)
+    flattened: int = 0  # micro-batches whose plan ran on a one-level topology of the CP group (plan/flatten.py)
 
     def add(self, plan: "Plan", *, compile_s: float, prefetched: bool | None) -> None:
         stats = plan.stats()
@@ -188,12 +188,19 @@ def dump_plan(plan: "Plan", out_dir: str | os.PathLike[str], *, iteration: int,
     # a flattened plan (plan/flatten.py) is reproduced from its groups' topology
     intra, inter = o.flattened_from or (plan.intra_size, plan.inter_size)
     command = (f"{shlex.quote(sys.executable)} -m megatron_hsap plan --cu-seqlens {','.join(map(str, cu))} --inter-size {inter} "
-               f"--intra-size {intra} {'--flatten always ' if o.flattened_from else ''}--heads {o.num_heads} --kv-heads {o.num_kv_heads or o.num_heads} "
+               f"--intra-size {intra} {_flatten_flag(plan)}--heads {o.num_heads} --kv-heads {o.num_kv_heads or o.num_heads} "
                f"--head-dim {o.head_dim} --dtype-bytes {o.dtype_bytes} --layout {plan.layout.name} "
                f"--tp {o.tp_size} --gpus-per-node {o.gpus_per_node} "
                f"--plot {shlex.quote(str(out / 'plan.png'))}")
     (out / "plot.sh").write_text("#!/usr/bin/env bash\n# the Figure-3 picture of this plan\n" + command + "\n")
     return out
+
+
+def _flatten_flag(plan: "Plan") -> str:
+    """The plan CLI's ``--flatten`` that reproduces a flattened plan (plan/flatten.py) from its groups."""
+    if plan.options.flattened_from is None:
+        return ""
+    return "--flatten always " if plan.intra_size == 1 else "--flatten all-to-all "
 
 
 def _verified(plan: "Plan") -> str:

@@ -234,8 +234,8 @@ def _rank_main(rank: int, run: TinyRun, store: str, corpus: Any, queue: Any) -> 
             results.append(result)
             if rank == 0:
                 rate = result.real_tokens / result.seconds
-                # a plan flattened to pure SAP over the CP group (plan/flatten.py) says so
-                flat = f" as 1x{plan.cp_size}" if plan.options.flattened_from is not None else ""
+                # a plan flattened to one level over the CP group (plan/flatten.py) says so
+                flat = f" as {plan.intra_size}x{plan.inter_size}" if plan.options.flattened_from is not None else ""
                 line = (f"[{run.intra_size}x{run.inter_size}{flat}] step {step + 1:3d}/{run.steps}  loss {result.loss:.6f}  "
                         f"grad-norm {result.grad_norm:.4f}  tokens/s {rate:,.0f}")
                 if bar is None:
@@ -348,6 +348,7 @@ def _impl(text: str) -> str:
 
 def _parser() -> argparse.ArgumentParser:
     from megatron_hsap.argtypes import HelpFormatter, add_topology_args, nonnegative_int, positive_float, positive_int
+    from megatron_hsap.plan.options import FLATTEN
 
     p = argparse.ArgumentParser(prog="megatron-hsap train-tiny", description=__doc__.split("\n\n")[0] +
                                 " About a minute for 4 ranks and 20 steps, plus the CP=1 comparison.",
@@ -367,9 +368,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=nonnegative_int, default=1234, help="initial weights and data order")
     p.add_argument("--layout", choices=("contiguous", "balanced"), default="balanced",
                    help="HSAP token layout (balanced: document-aware, kept only where estimated faster)")
-    p.add_argument("--flatten", choices=("never", "auto", "always"), default="auto",
-                   help="at --intra-size > 1: run a batch as pure SAP over all CP ranks when estimated faster (auto), "
-                        "always, or never (the all-to-all topology on every batch); plan/flatten.py")
+    p.add_argument("--flatten", choices=FLATTEN, default="auto",
+                   help="inside one node: run a batch as pure SAP over all CP ranks (1 x P) or as one all-to-all over "
+                        "them (P x 1) when estimated faster (auto), always 1 x P, always P x 1 (all-to-all), or never "
+                        "(the configured topology on every batch); plan/flatten.py")
     p.add_argument("--no-plan-prefetch", action="store_true", help="compile each plan when its batch is taken")
     p.add_argument("--data-dir", default=None, help="where the indexed dataset is written (default: ~/.cache/megatron-hsap/data)")
     p.add_argument("--no-compare", action="store_true", help="skip the CP=1 comparison run")

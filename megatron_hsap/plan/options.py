@@ -17,7 +17,7 @@ from megatron_hsap.plan.window import normalize_window, window_left
 __all__ = ["PlanOptions", "kv_heads_per_rank", "valid_head_chunks", "kv_head_chunks", "check_head_chunks", "validated_options", "DEFAULT_POOL_CHUNKS", "DEFAULT_POOL_MIN", "LAYOUTS", "FLATTEN", "inter_rank_nodes", "link_of"]
 
 LAYOUTS = ("contiguous", "balanced")
-FLATTEN = ("never", "auto", "always")  # PlanOptions.flatten (plan/flatten.py)
+FLATTEN = ("never", "auto", "always", "all-to-all")  # PlanOptions.flatten (plan/flatten.py)
 
 DEFAULT_POOL_CHUNKS = 4  # pool = 4 × one inter chunk × local heads × (d_qk + d_v) × bytes (docs/design.md §2.1)
 DEFAULT_POOL_MIN = 1 << 20  # ... and at least 1 MiB: tiny chunks still need a few 256-byte-aligned slots
@@ -67,12 +67,12 @@ class PlanOptions:
     # "activation" (default) or "fp32": the dtype partial dq / dk / dv travel in (plan/costs.py
     # GRAD_WIRES); accumulation stays fp32 either way
     grad_wire_dtype: str = DEFAULT_GRAD_WIRE_DTYPE
-    # P_intra > 1: also plan the batch as pure SAP over all P_intra·P_inter CP ranks (no intra
-    # all-to-all) and keep that plan when it is estimated faster (plan/flatten.py): "auto" (when
-    # the CP group sits inside one node), "always" or "never"
+    # also plan the batch on a one-level topology of the same CP ranks, pure SAP (1 x P) or one
+    # all-to-all (P x 1), and keep the plan estimated fastest (plan/flatten.py): "auto" (when the CP
+    # group sits inside one node), "always" (1 x P), "all-to-all" (P x 1) or "never"
     flatten: str = "auto"
     # set on a flattened plan's options (compile_plan fills it): the (P_intra, P_inter) of the HSAP
-    # groups the 1 x P plan runs on, over their CP group
+    # groups the one-level plan runs on, over their CP group
     flattened_from: tuple[int, int] | None = None
 
     @property
@@ -106,11 +106,13 @@ class PlanOptions:
             raise ConfigError(f"flatten={self.flatten!r} is unknown; use one of {list(FLATTEN)}")
         if self.flattened_from is not None:
             f = self.flattened_from
+            p = self.intra_size * self.inter_size
             if (not isinstance(f, tuple) or len(f) != 2 or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in f)
-                    or self.intra_size != 1 or f[0] < 2 or f[0] * f[1] != self.inter_size):
+                    or 1 not in (self.intra_size, self.inter_size) or f[0] * f[1] != p or f == (self.intra_size, self.inter_size)):
                 raise ConfigError(
                     f"flattened_from={f!r} with intra_size={self.intra_size}, inter_size={self.inter_size}: it names the "
-                    "(P_intra > 1, P_inter) groups a 1 x P_intra·P_inter plan runs on; compile_plan sets it (flatten=...)"
+                    "(P_intra, P_inter) groups a one-level 1 x P or P x 1 plan of the same P ranks runs on; "
+                    "compile_plan sets it (flatten=...)"
                 )
         check_head_chunks(self)
         return self

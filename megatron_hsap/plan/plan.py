@@ -18,7 +18,7 @@ from megatron_hsap.plan.bounds import ideal_compute
 from megatron_hsap.plan.cache import PLAN_CACHE, clear_plan_cache, fast_key
 from megatron_hsap.plan.candidates import _OVERFLOW_STEP, _build, _choose, _explores, _placements, _stage_all, _stagings
 from megatron_hsap.plan.codegen import PoolOverflow
-from megatron_hsap.plan.flatten import choose_topology, flat_options, flattens
+from megatron_hsap.plan.flatten import choose_topology, flat_options, flat_topologies
 from megatron_hsap.plan.costs import HeadShape
 from megatron_hsap.plan.hardware import HARDWARE
 from megatron_hsap.plan.layout import Batch, Layout, contiguous_layout, normalize_cu_seqlens, validate_layout
@@ -73,9 +73,10 @@ def compile_plan(cu_seqlens: object, inter_size: int, intra_size: int = 1, *, nu
             ``gpus_per_node``, ``hardware``, ``allow_helpers``, ``placement`` ("auto" or a fixed
             start, e.g. "owner-computes" for reference), ``head_chunks`` (None: the estimate picks
             how many head chunks pipeline the intra all-to-all, ``Plan.head_chunks``; an int forces
-            it), ``flatten`` ("never", "auto", "always": at ``P_intra > 1`` plan the batch as pure
-            SAP over all ``P`` CP ranks when estimated faster, ``plan/flatten.py``; the returned
-            plan is then ``1 × P`` with ``options.flattened_from = (P_intra, P_inter)``) — see
+            it), ``flatten`` ("never", "auto", "always", "all-to-all": inside one node plan the batch
+            as pure SAP over all ``P`` CP ranks, or as one all-to-all over them, when estimated
+            faster, ``plan/flatten.py``; the returned plan is then ``1 × P`` or ``P × 1`` with
+            ``options.flattened_from = (P_intra, P_inter)``) — see
             ``PlanOptions``.
 
     How (docs/design.md §2.1): work units (A1 diagonals, A2–A5 rectangles) → several placements
@@ -98,13 +99,11 @@ def compile_plan(cu_seqlens: object, inter_size: int, intra_size: int = 1, *, nu
     enabled = gc.isenabled()
     gc.disable()  # compiling allocates ~10^5 small objects; cyclic collections would dominate
     try:
-        flat = _compile_windowed(cu, flat_options(opts)) if flattens(opts) else None
-        if flat is not None and opts.flatten == "always":
-            plan = flat
-        else:
-            plan = _compile_windowed(cu, opts)
-            if flat is not None:  # the 1 x P plan when its layer is estimated faster (plan/flatten.py)
-                plan = choose_topology(plan, flat)
+        flat = [_compile_windowed(cu, flat_options(opts, t)) for t in flat_topologies(opts)]
+        if opts.flatten in ("always", "all-to-all") and flat:
+            plan = flat[0]
+        else:  # the configured plan, or a one-level one when its layer is estimated faster (plan/flatten.py)
+            plan = choose_topology(_compile_windowed(cu, opts), *flat)
     except MemoryError:
         raise BatchError(
             f"planning a batch of T={cu[-1]} tokens ({len(cu) - 1} documents) at inter_size={opts.inter_size} ran "

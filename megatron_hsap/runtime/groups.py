@@ -151,8 +151,8 @@ class HSAPGroups:
 
 
 def check_plan_groups(plan: object, groups: "HSAPGroups", *, cp_rank: int | None = None) -> None:
-    """The one rule for running ``plan`` on ``groups``: the same topology (a flattened ``1 × P``
-    plan: the groups it was flattened from, and their CP group built), and — when the caller
+    """The one rule for running ``plan`` on ``groups``: the same topology (a flattened ``1 × P`` or
+    ``P × 1`` plan: the groups it was flattened from, and their CP group built), and — when the caller
     knows which CP rank a batch was sharded for — this rank. Host-only, no collective.
 
     Raises :class:`ConfigError` for a topology mismatch (compile with the initialised sizes) and

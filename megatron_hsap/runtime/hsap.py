@@ -320,10 +320,11 @@ def _size(group: dist.ProcessGroup | None) -> int:
 def _resolve_groups(plan: "Plan", intra: dist.ProcessGroup | None, inter: dist.ProcessGroup | None,
                     cp: dist.ProcessGroup | None = None) -> tuple[Any, Any]:  # fmt: skip
     """Explicit groups, else HSAP's initialised groups, else the world for a 1×P or P×1 plan. A
-    flattened plan (``plan/flatten.py``) runs as ``(None, CP group)``: ``cp``, else the registered
-    groups' ``cp``, else the world when it is the CP group."""
+    flattened plan (``plan/flatten.py``) runs on its CP group: ``(None, CP group)`` as ``1 × P``,
+    ``(CP group, None)`` as ``P × 1`` (``_flat_group``)."""
     if plan.options.flattened_from is not None:
-        return None, _flat_group(plan, intra, inter, cp)
+        cp_group = _flat_group(plan, intra, inter, cp)
+        return (None, cp_group) if plan.intra_size == 1 else (cp_group, None)
     p_intra, p_inter = plan.intra_size, plan.inter_size
     if intra is None and inter is None:
         if p_intra * p_inter == 1:
@@ -352,12 +353,18 @@ def _resolve_groups(plan: "Plan", intra: dist.ProcessGroup | None, inter: dist.P
 
 
 def _flat_group(plan: "Plan", intra: Any, inter: Any, cp: Any) -> Any:
-    """The CP group a flattened ``1 × P`` plan runs on (``_resolve_groups``); no collective."""
+    """The CP group a flattened plan runs on (``_resolve_groups``): ``cp``; else, flattened from a
+    one-level topology, its one group (``1 × P``: the inter group, ``P × 1``: the intra group, group
+    rank = CP rank); else the registered groups' CP group, or the world when it is the CP group.
+    No collective."""
     a, b = plan.options.flattened_from  # type: ignore[misc]
     what = flattened_what(plan)
     if cp is not None:
         return cp
     if intra is not None or inter is not None:
+        single = inter if a == 1 and intra is None else intra if b == 1 and inter is None else None
+        if single is not None:
+            return single
         raise ConfigError(f"{what}; pass cp_group= (the CP group, group rank = CP rank) with the HSAP groups, "
                           "or compile with flatten='never'")
     if not dist.is_available() or not dist.is_initialized():
@@ -456,8 +463,10 @@ def hsap_attn_func(q: Tensor, k: Tensor, v: Tensor, plan: "Plan", *, intra_group
             autograd) holds only this CP rank's rows' contribution — sum it over the CP group
             (Megatron's DP×CP gradient all-reduce does).
         cp_group: the whole CP group (group rank = CP rank), for a plan ``compile_plan`` flattened
-            to ``1 × P`` (``flatten="auto"``/``"always"``, ``plan/flatten.py``); defaults to
-            ``initialize_hsap``'s, else the world when it is the CP group.
+            to ``1 × P`` or ``P × 1`` (``flatten="auto"``/``"always"``/``"all-to-all"``,
+            ``plan/flatten.py``); defaults to the one group of a one-level configured topology
+            (``1 × P``: ``inter_group``, ``P × 1``: ``intra_group``), else ``initialize_hsap``'s,
+            else the world when it is the CP group.
     Returns:
         ``out [t_local, H, d_v]`` in ``q.dtype``; differentiable w.r.t. q, k, v and sinks.
 

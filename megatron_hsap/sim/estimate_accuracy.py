@@ -44,6 +44,7 @@ class Case:
     intra: int
     inter: int
     cu: tuple[int, ...]
+    options: tuple[tuple[str, object], ...] = ()  # the reproduction's own compile_plan options
 
 
 def _table2(seeds: int, max_gpus: int) -> Iterator[Case]:
@@ -56,7 +57,8 @@ def _table2(seeds: int, max_gpus: int) -> Iterator[Case]:
                 continue
             for seed in range(1 if wl == "full" else seeds):
                 cu = pack_batches(wl, T, 1, seed)[0]
-                yield Case("table2", f"{wl} SP{sp} {T // 1024}K s{seed}", "a100", (16, 16), 1, sp, tuple(int(x) for x in cu))
+                yield Case("table2", f"{wl} SP{sp} {T // 1024}K s{seed}", "a100", (16, 16), 1, sp, tuple(int(x) for x in cu),
+                           (("flatten", "never"),))  # SAP alone, as sim/reproduce.table2
 
 
 def _table4(seeds: int, max_gpus: int) -> Iterator[Case]:
@@ -125,7 +127,7 @@ def measure(case: Case, plan_options: dict | None = None) -> Measured:
     hw = sim_hardware(case.hardware)
     shape = full_shape(*case.heads)
     cu = np.asarray(case.cu, dtype=np.int64)
-    extra = dict(plan_options or {})
+    extra = {**dict(case.options), **(plan_options or {})}
     run = run_method("hsap", cu, hw=hw, intra=case.intra, inter=case.inter, shape=shape, plan_options=extra or None)
     own = run_method("hsap", cu, hw=hw, intra=case.intra, inter=case.inter, shape=shape,
                      plan_options={**extra, "placement": "owner-computes"})
@@ -146,9 +148,10 @@ def layouts(case: Case) -> tuple[str, float, float]:
     shape = full_shape(*case.heads)
     cu = np.asarray(case.cu, dtype=np.int64)
     kw = dict(hw=hw, intra=case.intra, inter=case.inter, shape=shape)
-    kept = run_method("hsap", cu, **kw)
-    con = run_method("hsap", cu, plan_options={"layout": "contiguous"}, **kw)
-    bal = run_method("hsap", cu, plan_options={"layout": "balanced", "layout_fallback": False}, **kw)
+    own = dict(case.options)
+    kept = run_method("hsap", cu, plan_options=own or None, **kw)
+    con = run_method("hsap", cu, plan_options={**own, "layout": "contiguous"}, **kw)
+    bal = run_method("hsap", cu, plan_options={**own, "layout": "balanced", "layout_fallback": False}, **kw)
     assert kept is not None and con is not None and bal is not None
     return str(kept.extra["plan"]["layout"]), con.seconds, bal.seconds
 

@@ -114,9 +114,9 @@ def hsap_workload(plan: object, cluster: Cluster, phase: Phase | str) -> tuple[W
     them run ``1 + overlap_slowdown`` times slower (docs/design.md §2.4)."""
     hw = cluster.hw
     shape = plan.shape  # type: ignore[attr-defined]
-    if plan.options.flattened_from is not None and cluster.intra_size != 1:  # type: ignore[attr-defined]
-        raise ConfigError(f"a flattened plan (plan/flatten.py) runs as 1 x {plan.cp_size}: simulate it on "  # type: ignore[attr-defined]
-                          f"Cluster(intra_size=1, inter_size={plan.cp_size}), not {cluster.topology}")  # type: ignore[attr-defined]
+    if plan.options.flattened_from is not None and (cluster.intra_size, cluster.inter_size) != (plan.intra_size, plan.inter_size):  # type: ignore[attr-defined]
+        raise ConfigError(f"a flattened plan (plan/flatten.py) runs as {plan.intra_size} x {plan.inter_size}: simulate it on "  # type: ignore[attr-defined]
+                          f"Cluster(intra_size={plan.intra_size}, inter_size={plan.inter_size}), not {cluster.topology}")  # type: ignore[attr-defined]
     phase = Phase(phase)
     progs = plan.fwd_programs if phase == Phase.FWD else plan.bwd_programs  # type: ignore[attr-defined]
     chunks = int(getattr(plan, "head_chunks", 1) or 1) if cluster.intra_size > 1 else 1

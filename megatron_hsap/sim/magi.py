@@ -32,7 +32,7 @@ from megatron_hsap.sim.config import sim_hardware
 from megatron_hsap.sim.methods import full_shape, ideal_seconds, run_method, useful_flops
 from megatron_hsap.sim.protocols import MAGI_TOKENS_PER_GPU, magi_batches
 from megatron_hsap.sim.reproduce import Point, _plot, method_rows, progress
-from megatron_hsap.sim.results import Report, Row, markdown_table
+from megatron_hsap.sim.results import Report, Row, flattened_cell, markdown_table
 from megatron_hsap.sim.tune import sample_batches, tune_topology
 
 __all__ = ["magi", "BASELINES", "TOKENS_PER_GPU", "best_document_aware"]
@@ -74,6 +74,7 @@ def magi(out_dir: str | Path, *, quick: bool = False, seeds: int | None = None, 
         topo["hsap_contiguous"] = tune_topology("hsap", sample, hw=hw, P=P, shape=shape, plan_options={"layout": "contiguous"})
         tf: dict[str, dict[str, list[float]]] = {}
         used: dict[str, str] = {}  # topology each method actually ran (USP picks its own a2a degree)
+        ran_as: dict[str, list[str]] = {}  # HSAP: per batch, the topology its plan ran on (plan/flatten.py)
         ideal = {Phase.FWD: [], Phase.BWD: []}
         shares: dict[Phase, list[list[float]]] = {Phase.FWD: [], Phase.BWD: []}  # HSAP's breakdown per batch, % of the phase
         for seed, cu in enumerate(_batches(workload, T, n_seeds)):
@@ -92,6 +93,8 @@ def magi(out_dir: str | Path, *, quick: bool = False, seeds: int | None = None, 
                 pt = Point(workload, T, *(int(x) for x in run.topology.split("x")), link, "64/8", seed)
                 rows += [replace(r, method=m) for r in method_rows(pt, run)]
                 used[m] = run.topology
+                if m.startswith("hsap"):
+                    ran_as.setdefault(m, []).append(run.extra["ran_as"])
                 for ph in Phase:
                     tf.setdefault(m, {Phase.FWD: [], Phase.BWD: []})[ph].append(run.tflops_per_gpu(ph))
                     if m == "hsap":  # where the shipped plan's time goes (the critical rank; sim/breakdown.py)
@@ -123,7 +126,10 @@ def magi(out_dir: str | Path, *, quick: bool = False, seeds: int | None = None, 
         worst = f"±{100 * max(errs):.0f}%" if errs else "n/a"
         for m, label in (("hsap", "HSAP (balanced, shipped)"), ("hsap_contiguous", "HSAP contiguous (paper's variant)")):
             if m in med:
-                table.append([P, label, topo[m].topology, med[m][Phase.FWD], med[m][Phase.BWD], "", f"calibration error at {P} GPUs up to {worst}"])
+                flat = [t for t in ran_as.get(m, []) if t != topo[m].topology]
+                note = f"; ran flattened {flattened_cell(flat, len(ran_as.get(m, [])))} (plan/flatten.py)" if flat else ""
+                table.append([P, label, topo[m].topology, med[m][Phase.FWD], med[m][Phase.BWD], "",
+                              f"calibration error at {P} GPUs up to {worst}{note}"])
         magi_f, magi_b = paper.MAGI_SELF.get(P, (float("nan"), float("nan")))
         table.append([P, "MagiAttention (its published figure)", "-", magi_f, magi_b, "published", ""])
         table.append([P, "ideal (FA3 per document / P)", "-", ide[Phase.FWD], ide[Phase.BWD], "", ""])

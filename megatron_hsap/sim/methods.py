@@ -303,9 +303,10 @@ def run_method(method: str, cu_seqlens: object, *, hw: Any, intra: int, inter: i
         # plan_options={"layout": "contiguous"}
         plan = hsap_plan(cu, hw=hw, intra=intra, inter=inter, shape=shape, plan_options=plan_options)
         extra["compile_s"] = time.perf_counter() - t0
-        if plan.options.flattened_from is not None:  # pure SAP over the same P GPUs (plan/flatten.py)
-            cluster = Cluster(hw=hw, intra_size=1, inter_size=P)
+        if plan.options.flattened_from is not None:  # one level over the same P GPUs (plan/flatten.py)
+            cluster = Cluster(hw=hw, intra_size=plan.intra_size, inter_size=plan.inter_size)
         extra["flattened"] = plan.options.flattened_from is not None
+        extra["ran_as"] = f"{plan.intra_size}x{plan.inter_size}"  # the topology the plan runs on
         stats = plan.stats()
         keys = ("layout", "placement", "imbalance", "owner_imbalance", "bytes_total", "necessary_bytes", "rounds_fwd",
                 "rounds_bwd", "estimated_time_s", "compute_efficiency", "compute_bound_s", "traffic_bound_s")

@@ -19,7 +19,7 @@ from typing import Callable
 import numpy as np
 
 from megatron_hsap.plan.ir import Phase
-from megatron_hsap.sim.results import markdown_table, read_csv
+from megatron_hsap.sim.results import flattened_cell, markdown_table, read_csv
 
 __all__ = ["REGIONS", "render", "update_readme", "main"]
 
@@ -172,10 +172,10 @@ def _table4(rows: list[dict[str, str]]) -> str:
             key = (r["workload"], r["T"], f"{r['P_intra']}x{r['P_inter']}")
             if r["metric"] == "best_baseline_tokens_per_s_per_gpu" or r["method"] == "hsap":
                 ratio[key][r["seed"]]["best" if r["metric"].startswith("best") else "hsap"] = _f(r["value"])
-    flat: dict[tuple[str, str, str], list[int]] = defaultdict(list)  # plan/flatten.py, per seed
+    ran_as: dict[tuple[str, str, str], list[str]] = defaultdict(list)  # plan/flatten.py: the topology each seed ran as
     for r in rows:
-        if r["source"] == "sim" and r["seed"].isdigit() and r["method"] == "hsap" and r["metric"] == "flattened":
-            flat[(r["workload"], r["T"], f"{r['P_intra']}x{r['P_inter']}")].append(int(_f(r["value"])))
+        if r["source"] == "sim" and r["seed"].isdigit() and r["method"] == "hsap" and r["metric"] == "ran_as":
+            ran_as[(r["workload"], r["T"], f"{r['P_intra']}x{r['P_inter']}")].append(r["value"])
     tab, loses = [], []
     for key in sorted(acc, key=lambda k: (k[0] == "full", k[0], int(k[1]), k[2])):
         d = {m: float(np.median(v)) for m, v in acc[key].items()}
@@ -184,7 +184,7 @@ def _table4(rows: list[dict[str, str]]) -> str:
         bname = max(bests, key=lambda kv: len(acc[key]["best:" + kv[0]]))[0]
         bb = float(np.median([v for m, vs in acc[key].items() if m.startswith("best:") for v in vs]))
         h = d["hsap"]
-        fl = f"{sum(flat[key])}/{len(flat[key])}" if flat.get(key) and not key[2].startswith("1x") else "–"
+        fl = flattened_cell([t for t in ran_as[key] if t != key[2]], len(ran_as[key])) if ran_as.get(key) else "–"
         tab.append([key[0], f"{int(key[1]) // 1024}K", key[2], f"{h:.0f}", fl, f"{REGISTRY[bname].label}: {bb:.0f}", f"{h / bb:.2f}×",
                     spread, f"{d['packing']:.0f}", f"{d['batching']:.0f}", f"{h / d['packing']:.2f}×"])
         if h < bb:
@@ -198,6 +198,7 @@ def _table4(rows: list[dict[str, str]]) -> str:
 def _table3(rows: list[dict[str, str]]) -> str:
     from megatron_hsap.baselines.registry import REGISTRY
     from megatron_hsap.sim import paper
+    from megatron_hsap.sim.reproduce import topology_cell
 
     acc: dict[tuple[str, int, int], dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     topo: dict[tuple[str, int, int], str] = {}
@@ -208,6 +209,11 @@ def _table3(rows: list[dict[str, str]]) -> str:
             acc[key][r["method"]].append(_f(r["value"]))
             if r["method"] == "hsap":
                 topo[key] = f"{r['P_intra']}x{r['P_inter']}"
+    ran_as: dict[tuple[str, int, int], list[str]] = defaultdict(list)  # plan/flatten.py: the topology each seed ran on
+    for r in rows:
+        if r["source"] == "sim" and r["method"] == "hsap" and r["metric"] == "ran_as" and r["seed"].isdigit():
+            P = int(r["P_intra"]) * int(r["P_inter"])
+            ran_as[(r["workload"], int(r["T"]) // P, P)].append(r["value"])
     tab, loses = [], []
     by_seed: dict[tuple[str, int, int], dict[str, dict[str, float]]] = defaultdict(lambda: defaultdict(dict))
     for r in rows:
@@ -219,7 +225,7 @@ def _table3(rows: list[dict[str, str]]) -> str:
         name, best = _best(d, lower_is_better=True)
         h = d.get("hsap", float("nan"))
         pub = paper.TABLE3[(key[1], key[2])]
-        tab.append([key[0], f"{key[1] // 1024}K", key[2], f"{h:.1f}", topo.get(key, "-"), f"{REGISTRY[name].label}: {best:.1f}",
+        tab.append([key[0], f"{key[1] // 1024}K", key[2], f"{h:.1f}", topology_cell(topo[key], ran_as[key]) if key in topo else "-", f"{REGISTRY[name].label}: {best:.1f}",
                     f"{best / h:.2f}×", _ratio_spread(by_seed[key], True),
                     f"{d['ulysses']:.1f}" if "ulysses" in d else "n/a (P > H)", f"{d['distflashattn']:.1f}", f"{pub[2]:.1f}"])
         if h > best:

@@ -23,7 +23,7 @@ from megatron_hsap.sim import paper
 from megatron_hsap.sim.breakdown import LossTable, run_terms
 from megatron_hsap.sim.config import sim_hardware
 from megatron_hsap.sim.methods import MethodRun, full_shape, run_method
-from megatron_hsap.sim.results import Report, Row, markdown_table
+from megatron_hsap.sim.results import Report, Row, flattened_cell, markdown_table
 
 __all__ = ["table2", "table3", "best_baseline", "method_rows", "Point", "progress"]
 
@@ -151,8 +151,8 @@ def best_baseline(runs: dict[str, MethodRun | None]) -> tuple[str, MethodRun] | 
 
 
 def table2(out_dir: str | Path, *, quick: bool = False, seeds: int | None = None, workload: str = "slimpajama") -> Report:
-    """Table 2: SAP (P_intra 1; the shipped balanced layout, the paper's contiguous one beside
-    it) vs DistFlashAttn (document-blind, the paper's comparison) and vs the best document-aware
+    """Table 2: SAP (P_intra 1, never flattened to one all-to-all, ``plan/flatten.py``; the shipped
+    balanced layout, the paper's contiguous one beside it) vs DistFlashAttn (document-blind, the paper's comparison) and vs the best document-aware
     baseline (named), attention forward + backward, A100, 16 heads of 128, SP 2–16. Two
     workloads: ``workload`` (packed; the paper does not give its packing) and ``full`` (one
     document filling the batch: no cross-document pairs for DistFlashAttn to waste)."""
@@ -178,7 +178,9 @@ def table2(out_dir: str | Path, *, quick: bool = False, seeds: int | None = None
                 pt = Point(wl, T, 1, sp, _link(sp), "16/16", seed)
                 runs: dict[str, MethodRun | None] = {m: run_method(m, cu, hw=hw, intra=1, inter=sp, shape=shape) for m in TABLE2_BASELINES}
                 runs["distflashattn"] = run_method("distflashattn", cu, hw=hw, intra=1, inter=sp, shape=shape)
-                for name, opts in (("hsap", None), ("hsap_contiguous", {"layout": "contiguous"})):
+                # SAP alone, as the paper's Table 2: inside one node the shipped planner could run a
+                # batch as one all-to-all instead (plan/flatten.py; Table 4 and MagiAttention's protocol measure that)
+                for name, opts in (("hsap", {"flatten": "never"}), ("hsap_contiguous", {"layout": "contiguous", "flatten": "never"})):
                     run, err = attempt(run_method, "hsap", cu, hw=hw, intra=1, inter=sp, shape=shape, plan_options=opts)
                     runs[name] = run
                     if run is None:
@@ -267,6 +269,7 @@ def table3(out_dir: str | Path, *, quick: bool = False, seeds: int | None = None
                                   shape=shape)
             times: dict[str, list[float]] = {}
             kept: list[tuple[np.ndarray, dict[str, MethodRun | None]]] = []
+            ran_as: list[str] = []  # per batch, the topology HSAP's plan ran on (plan/flatten.py)
             for seed in range(n_seeds):
                 cu = pack_batches(wl, T, 1, seed)[0]
                 runs: dict[str, MethodRun | None] = {m: run_method(m, cu, hw=hw, intra=1, inter=P, shape=shape)
@@ -278,6 +281,9 @@ def table3(out_dir: str | Path, *, quick: bool = False, seeds: int | None = None
                         continue
                     intra, inter = (int(x) for x in run.topology.split("x"))
                     rows += method_rows(Point(wl, T, intra, inter, _link(P), "16/16", seed), run)
+                    if name == "hsap":
+                        ran_as.append(run.extra["ran_as"])
+                        rows.append(Point(wl, T, intra, inter, _link(P), "16/16", seed).row("hsap", "ran_as", run.extra["ran_as"], "topology"))
                     times.setdefault(name, []).append(run.seconds * 1e3)
             pub = paper.TABLE3[(per_gpu, P)]
             pt = Point("unknown", T, 1, P, _link(P), "16/16", "paper")
@@ -298,7 +304,7 @@ def table3(out_dir: str | Path, *, quick: bool = False, seeds: int | None = None
                                    run_terms(runs_s[bname], cu_s, shape, hw, P, lat))
                 losses.close((f"{per_gpu // 1024}K", P), bname, REGISTRY[bname].label, aware[bname] / h)
             uly = med.get("ulysses", "n/a (P > H)")
-            table.append([f"{per_gpu // 1024}K", P, uly, med["distflashattn"], h, tuned.topology,
+            table.append([f"{per_gpu // 1024}K", P, uly, med["distflashattn"], h, topology_cell(tuned.topology, ran_as),
                           f"{REGISTRY[bname].label}: {aware[bname]:.1f}", f"{aware[bname] / h:.2f}×",
                           "OOM" if pub[0] is None else pub[0], pub[1], pub[2]])
             labels.append(f"{wl[:4]} {per_gpu // 1024}K×{P}")
@@ -312,6 +318,14 @@ def table3(out_dir: str | Path, *, quick: bool = False, seeds: int | None = None
                               table), "", *losses.markdown(["per GPU", "GPUs"])]
     png = _plot(Path(out_dir) / "table3.png", labels, series, "ms (fwd+bwd)", "Table 3 (simulated)", log=True)
     return Report("table3", rows, "\n".join(md), [png]).write(out_dir)
+
+
+def topology_cell(tuned: str, ran_as: list[str]) -> str:
+    """The tuned topology, and how many batches ran flattened on which (plan/flatten.py): ``"1x8
+    (ran 5/5: 5 as 8x1)"``; ties among topologies whose batches all run the same plans go to the
+    tuner's first, so the cell says what ran."""
+    flat = [t for t in ran_as if t != tuned]
+    return f"{tuned} (ran {flattened_cell(flat, len(ran_as))})" if flat else tuned
 
 
 REPRODUCTIONS: dict[str, Callable[..., Report]] = {"table2": table2, "table3": table3}

@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
 
-__all__ = ["COLUMNS", "Row", "write_csv", "read_csv", "markdown_table", "Report"]
+__all__ = ["COLUMNS", "Row", "write_csv", "read_csv", "markdown_table", "Report", "flattened_cell"]
 
 COLUMNS = ("source", "workload", "T", "P_intra", "P_inter", "link", "heads", "seed", "method", "metric", "value", "unit")
 
@@ -75,3 +75,11 @@ class Report:
         md.write_text(self.markdown + "\n")
         self.files.insert(1, md)
         return self
+
+
+def flattened_cell(ran_as: list[str], n_seeds: int) -> str:
+    """The "HSAP flattened" cell: how many of the point's batches ran flattened, and as which
+    one-level topology (plan/flatten.py), e.g. ``"10/10: 3 as 1x8, 7 as 8x1"``."""
+    if not ran_as:
+        return f"0/{n_seeds}"
+    return f"{len(ran_as)}/{n_seeds}: " + ", ".join(f"{ran_as.count(t)} as {t}" for t in sorted(set(ran_as)))

@@ -36,7 +36,7 @@ from megatron_hsap.sim.config import SimHardware, sim_hardware
 from megatron_hsap.sim.breakdown import LossTable, run_terms
 from megatron_hsap.sim.methods import full_shape, run_method
 from megatron_hsap.sim.reproduce import Point, _plot, attempt, best_baseline, progress
-from megatron_hsap.sim.results import Report, Row, markdown_table
+from megatron_hsap.sim.results import Report, Row, flattened_cell, markdown_table
 
 __all__ = ["nonattention_flops_per_token", "table4", "step_seconds"]
 
@@ -78,7 +78,7 @@ def table4(out_dir: str | Path, *, quick: bool = False, seeds: int | None = None
             docs = sample_lengths(ds, 20000, rng) if ds != "full" else np.array([T])
             real_frac[(ds, T)] = float(np.minimum(docs, T).mean()) / T
         hsap_tps, pack_tps, best_tps, best_names = [], [], [], []
-        flat = 0  # batches HSAP's plan ran as pure SAP over the 8 GPUs (plan/flatten.py)
+        flat: list[str] = []  # per batch HSAP's plan ran flattened: the one-level topology it ran as (plan/flatten.py)
         kept = []  # (batch, HSAP's run, every document-aware baseline's run): the loss breakdown
         for seed in range(n_seeds):
             cu = pack_batches(ds, T, 1, seed)[0]
@@ -106,8 +106,10 @@ def table4(out_dir: str | Path, *, quick: bool = False, seeds: int | None = None
             hsap_tps.append(h_tps)
             kept.append((cu, hsap, cands))
             rows += [pt.row("hsap", "tokens_per_s_per_gpu", h_tps, "tokens/s"), pt.row("hsap", "attention_time", hsap.seconds * 1e3, "ms"),
-                     pt.row("hsap", "flattened", int(hsap.extra["flattened"]), "bool")]
-            flat += int(hsap.extra["flattened"])
+                     pt.row("hsap", "flattened", int(hsap.extra["flattened"]), "bool"),
+                     pt.row("hsap", "ran_as", hsap.extra["ran_as"], "topology")]
+            if hsap.extra["flattened"]:
+                flat.append(hsap.extra["ran_as"])
         h, p, bb = float(np.median(hsap_tps)), float(np.median(pack_tps)), float(np.median(best_tps))
         bn = max(sorted(set(best_names)), key=best_names.count)  # ties: by name, not by set order (hash seed)
         b = p * real_frac[(ds, T)]
@@ -130,7 +132,7 @@ def table4(out_dir: str | Path, *, quick: bool = False, seeds: int | None = None
             paper_cells = ["-", "-"]
         from megatron_hsap.baselines.registry import REGISTRY
 
-        table.append([ds, f"{T // 1024}K", topo, h, f"{flat}/{n_seeds}" if intra > 1 else "–", f"{REGISTRY[bn].label}: {bb:.0f}", f"{h / bb:.2f}×", p, b, f"{h / p:.2f}×", *paper_cells])
+        table.append([ds, f"{T // 1024}K", topo, h, flattened_cell(flat, n_seeds), f"{REGISTRY[bn].label}: {bb:.0f}", f"{h / bb:.2f}×", p, b, f"{h / p:.2f}×", *paper_cells])
     md = [f"### Table 4 — LLaMA-2-7B end to end, 8 simulated A100s, tokens/s per GPU (median of {n_seeds} seed(s); "
           f"non-attention at {hw.dense_mfu:.0%} of {hw.dense_peak_flops / 1e12:.0f} TFLOP/s)", "",
           markdown_table(["dataset", "T", "topology", "HSAP", "HSAP flattened", "best document-aware baseline", "HSAP / best", "packing (document-blind)",

@@ -149,20 +149,23 @@ def test_hsap_metrics_and_plan_dump_in_megatrons_log(root: Path) -> None:
     assert (dump / "plan.png").stat().st_size > 1000
 
 
-def test_flattened_plans_in_megatrons_loop_equal_the_reference(root: Path) -> None:
-    # --hsap-flatten always: every batch of the 2x2 job runs as pure SAP over the 4 CP ranks
-    # (plan/flatten.py) on initialize_hsap's CP group; the losses are the CP=1 reference's
-    dump = root / "dump-flat"
+@pytest.mark.parametrize(("flatten", "topology"), [("always", (1, 4)), ("all-to-all", (4, 1))])
+def test_flattened_plans_in_megatrons_loop_equal_the_reference(root: Path, flatten: str, topology: tuple[int, int]) -> None:
+    # --hsap-flatten always / all-to-all: every batch of the 2x2 job runs as pure SAP over the 4 CP
+    # ranks, or as one all-to-all over them (plan/flatten.py), on initialize_hsap's CP group; the
+    # losses are the CP=1 reference's
+    dump = root / f"dump-flat-{flatten}"
     hsap = _run(root, world_size=4, intra_size=2, inter_size=2, **BASE,
-                extra=("--hsap-flatten", "always", "--hsap-dump-plan", str(DUMP_ITER), str(dump)))
+                extra=("--hsap-flatten", flatten, "--hsap-dump-plan", str(DUMP_ITER), str(dump)))
     ref = _reference(root)
     _same_losses(hsap.losses, ref.losses)
     _same_losses(hsap.validation, ref.validation)
     doc = json.loads((dump / "plan.json").read_text())
     assert doc["verified"] == "ok" and doc["stats"]["flattened_from"] == "(2, 2)"
-    assert (doc["stats"]["intra_size"], doc["stats"]["inter_size"]) == (1, 4)
-    assert sorted(p.name for p in dump.glob("rank*-fwd.txt")) == [f"rank{r}-fwd.txt" for r in range(4)]
-    assert "--intra-size 2 --flatten always" in (dump / "plot.sh").read_text()  # reproduced from the groups
+    assert (doc["stats"]["intra_size"], doc["stats"]["inter_size"]) == topology
+    # one SAP program per inter rank (one, all blocks local, at P x 1)
+    assert sorted(p.name for p in dump.glob("rank*-fwd.txt")) == [f"rank{r}-fwd.txt" for r in range(topology[1])]
+    assert f"--intra-size 2 --flatten {flatten}" in (dump / "plot.sh").read_text()  # reproduced from the groups
     log = (Path(hsap.log_dir) / "rank0.log").read_text()
     assert re.findall(r"\[megatron-hsap\] iteration \d+ .*\| flattened (\d+)/(\d+)\n", log) == [("1", "1")] * 4
 

@@ -41,7 +41,7 @@ M = 1024 * 1024
 @dataclass(frozen=True, slots=True)
 class Case:
     """One fixed batch (``pack_batches(workload, T, seed + 1, 0)[seed]``, or ``[0, T]`` for
-    ``full``) compiled with ``compile_plan(cu, inter, intra, **options)``."""
+    ``full``) compiled with ``compile_plan(cu, inter, intra, **compile_options)``."""
 
     name: str
     workload: str
@@ -51,6 +51,13 @@ class Case:
     intra: int = 1
     options: dict = field(default_factory=dict)
     slow: bool = False
+
+    @property
+    def compile_options(self) -> dict:
+        """``options`` on the configured topology (``flatten="never"``): the fixtures pin the
+        planner's plans for the topology they name; flattening's choice among topologies
+        (``plan/flatten.py``) has its own tests (tests/plan/test_flatten.py)."""
+        return {"flatten": "never", **self.options}
 
     def cu_seqlens(self) -> np.ndarray:
         if self.workload == "full":
@@ -94,8 +101,8 @@ CASES: tuple[Case, ...] = (
          options={**GQA, "window_size": (4096, 0), "layout": "contiguous"}),
     # intra groups: GQA 32/8 over P_intra 2 (4 kv heads per rank); 32/2 over P_intra 4 (kv replicated)
     # the configured topologies with their all-to-all (plan/flatten.py would run these as 1 x 8)
-    Case("fineweb-64K-2x4-gqa", "fineweb", 64 * K, 0, 4, intra=2, options={**GQA, "flatten": "never"}),
-    Case("fineweb-64K-4x2-kvrep", "fineweb", 64 * K, 0, 2, intra=4, options={**GQA, "num_kv_heads": 2, "flatten": "never"}),
+    Case("fineweb-64K-2x4-gqa", "fineweb", 64 * K, 0, 4, intra=2, options=GQA),
+    Case("fineweb-64K-4x2-kvrep", "fineweb", 64 * K, 0, 2, intra=4, options={**GQA, "num_kv_heads": 2}),
     # fixed placements, small heads, a small pool (pool-overflow re-staging), padding
     Case("fineweb-64K-P8-owner", "fineweb", 64 * K, 0, 8, options={**GQA, "placement": "owner-computes"}),
     Case("fineweb-64K-P8-mintraffic", "fineweb", 64 * K, 0, 8, options={**GQA, "placement": "min-traffic"}),
@@ -176,7 +183,7 @@ def cu_digest(cu: np.ndarray) -> str:
 def compute(case: Case) -> dict[str, str]:
     cu = case.cu_seqlens()
     clear_plan_cache()
-    plan = compile_plan(cu, case.inter, case.intra, **case.options)
+    plan = compile_plan(cu, case.inter, case.intra, **case.compile_options)
     return {"cu_seqlens": cu_digest(cu), "ir": ir_hash(plan)}
 
 

@@ -25,7 +25,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_hsap.errors import RuntimeMismatchError
-from megatron_hsap.plan import compile_plan
+from tests.configured import compile_plan  # the configured topology (flatten="never")
 from megatron_hsap.plan.calls import KernelCall, LocalRows, call_counts, all_local, program_calls, stage_calls
 from megatron_hsap.plan.ir import Compute, ComputeItem, Phase, Segment, Slot, TokenRange, Wire
 

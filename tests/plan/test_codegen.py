@@ -12,7 +12,7 @@ from collections import Counter
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from megatron_hsap.plan import compile_plan
+from tests.configured import compile_plan  # the configured topology (flatten="never")
 from megatron_hsap.plan.codegen import ALIGN
 from megatron_hsap.plan.ir import Accumulate, Compute, Merge, Phase, Post, Recv, Send, Wire
 

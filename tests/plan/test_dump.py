@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 
-from megatron_hsap.plan import compile_plan
+from tests.configured import compile_plan  # the configured topology (flatten="never")
 from megatron_hsap.plan.ir import Accumulate, Compute, Merge, Phase, Post, Recv, Send, Wait
 
 PLAN = compile_plan([0, 50, 130, 131, 250, 256], 4, num_heads=4, num_kv_heads=2, head_dim=16,

@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from megatron_hsap.plan import clear_plan_cache, compile_plan
+from megatron_hsap.plan import clear_plan_cache
+from tests.configured import compile_plan  # the configured topology (flatten="never")
 from megatron_hsap.plan.fingerprint import (INPUT_NAMES, differing_inputs, input_vector, join_hash,
                                             pair_round_bytes, plan_hash, split_hash)
 from megatron_hsap.plan.ir import Phase, Post, Recv, Send

@@ -46,10 +46,10 @@ def test_ir_hash_sees_every_instruction_kind() -> None:
     cu = case.cu_seqlens()
     assert cu_digest(cu) == FIXED[case.name]["cu_seqlens"]
     clear_plan_cache()
-    plan = compile_plan(cu, case.inter, case.intra, **case.options)
+    plan = compile_plan(cu, case.inter, case.intra, **case.compile_options)
     base = ir_hash(plan)
-    assert base == ir_hash(compile_plan(cu, case.inter, case.intra, **case.options))  # deterministic
-    other = compile_plan(cu, case.inter, case.intra, **{**case.options, "pool_bytes": plan.pool_capacity * 2})
+    assert base == ir_hash(compile_plan(cu, case.inter, case.intra, **case.compile_options))  # deterministic
+    other = compile_plan(cu, case.inter, case.intra, **{**case.compile_options, "pool_bytes": plan.pool_capacity * 2})
     assert ir_hash(other) != base  # same programs, other pool: capacity enters the hash
-    shifted = compile_plan(cu[:-1].tolist() + [int(cu[-2]) + 8, int(cu[-1])], case.inter, case.intra, **case.options)
+    shifted = compile_plan(cu[:-1].tolist() + [int(cu[-2]) + 8, int(cu[-1])], case.inter, case.intra, **case.compile_options)
     assert ir_hash(shifted) != base  # one document boundary moved

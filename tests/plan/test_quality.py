@@ -20,7 +20,7 @@ import statistics
 import numpy as np
 import pytest
 
-from megatron_hsap.plan import compile_plan
+from tests.configured import compile_plan  # the configured topology (flatten="never")
 from megatron_hsap.baselines.flat import BASELINES, price_baseline
 from megatron_hsap.plan.costs import HeadShape
 from megatron_hsap.plan.hardware import A100, link_class_for

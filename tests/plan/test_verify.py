@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_hsap.errors import PlanError
-from megatron_hsap.plan import compile_plan
+from tests.configured import compile_plan  # the configured topology (flatten="never")
 from megatron_hsap.plan.ir import Accumulate, Compute, Merge, Phase, Post, Recv, Round, Send, Slot, TokenRange, Wait
 from megatron_hsap.plan.verify import check_coverage
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from megatron_hsap.errors import ConfigError, PlanError
-from megatron_hsap.plan import compile_plan
+from tests.configured import compile_plan  # the configured topology (flatten="never")
 from megatron_hsap.plan.balanced import piece_work
 from megatron_hsap.plan.ir import Compute, Phase, Wire
 from megatron_hsap.plan.layout import Batch

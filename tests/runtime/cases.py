@@ -75,7 +75,7 @@ def _run_one(spec: dict) -> dict:
     if mode == "explicit":
         intra, inter = make_groups(spec["intra"], spec["inter"])
         kwargs = {"intra_group": intra, "inter_group": inter}
-        if plan.options.flattened_from is not None:  # a 1 x P plan runs on the whole CP group
+        if plan.options.flattened_from is not None and not spec.get("one_group"):  # a one-level plan runs on the CP group
             from tests.distributed import cached_group
 
             kwargs["cp_group"] = cached_group(tuple(range(plan.cp_size)))
@@ -121,7 +121,8 @@ def run_cases(specs: list[dict]) -> list[dict]:
 def build_spec(cu: list[int], *, intra: int = 1, inter: int, heads: int = 8, kv_heads: int = 8, dim: int = 8,
                dim_v: int | None = None, dtype: str = "float32", seed: int = 0, pool_bytes: int | None = None,
                groups: str = "explicit", large_logits: bool = False, layout: str = "contiguous",
-               window: tuple[int, int] | None = None, grad_wire: str | None = None, flatten: str | None = None) -> dict:  # fmt: skip
+               window: tuple[int, int] | None = None, grad_wire: str | None = None, flatten: str | None = None,
+               one_group: bool = False) -> dict:  # fmt: skip
     """A spec with seeded global tensors over the padded batch (see the module docstring).
 
     ``large_logits``: small integers in q and k except a first component of 2500 in q and 4 in k,
@@ -129,7 +130,7 @@ def build_spec(cu: list[int], *, intra: int = 1, inter: int, heads: int = 8, kv_
     overflows even in float64)."""
     spec = dict(cu=[int(x) for x in cu], intra=intra, inter=inter, heads=heads, kv_heads=kv_heads, dim=dim,
                 dim_v=dim_v or dim, dtype=dtype, pool_bytes=pool_bytes, groups=groups, layout=layout, window=window,
-                grad_wire=grad_wire, flatten=flatten,
+                grad_wire=grad_wire, flatten=flatten, one_group=one_group,
                 scale=1.0 if large_logits else None,
                 # fp32 LSE near 1e4 resolves 2^-10 ≈ 1e-3: merge weights exp(lse_a - lse) and the
                 # backward's P = exp(s - lse) inherit it (a single GPU kernel has the same error)
@@ -217,8 +218,8 @@ def check_bytes(spec: dict, results: list[dict]) -> None:
         total = r["stats"]["fwd"]["bytes_sent"] + r["stats"]["bwd"]["bytes_sent"]
         if not shared:
             assert total == per_rank[r["inter_rank"]], (total, per_rank, r["inter_rank"])
-        if plan.intra_size > 1:  # (a flattened plan has no all-to-all: plan/flatten.py)
-            want = ulysses_bytes(plan.local_tokens, spec["heads"], spec["kv_heads"], spec["dim"], spec["intra"],
+        if plan.intra_size > 1:  # (a 1 x P flattened plan has no all-to-all, a P x 1 one spans the CP group: plan/flatten.py)
+            want = ulysses_bytes(plan.local_tokens, spec["heads"], spec["kv_heads"], spec["dim"], plan.intra_size,
                                  head_dim_v=spec["dim_v"], dtype_bytes=plan.options.dtype_bytes)  # fmt: skip
             assert r["a2a"] == {"fwd": want["fwd"], "bwd": want["bwd"]}, (r["a2a"], want)
         else:

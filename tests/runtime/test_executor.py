@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from megatron_hsap.errors import RuntimeMismatchError
-from megatron_hsap.plan import compile_plan
+from tests.configured import compile_plan  # the configured topology (flatten="never")
 from megatron_hsap.plan.ir import Compute, Phase, Segment, TokenRange
 from megatron_hsap.runtime import hsap_attn_func
 from megatron_hsap.plan.calls import LocalRows, call_counts

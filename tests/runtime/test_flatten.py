@@ -1,11 +1,14 @@
 """A flattened plan (``plan/flatten.py``: a ``P_intra × P_inter`` batch planned as pure SAP over all
-``P`` CP ranks) runs on the whole CP group, against the float64 reference, on CPU gloo.
+``P`` CP ranks, ``1 × P``, or as one all-to-all over them, ``P × 1``) runs on the whole CP group,
+against the float64 reference, on CPU gloo.
 
-Every configured topology with ``P_intra > 1`` at world 4 and 8, the three ways a caller names
-its groups (explicit intra/inter plus ``cp_group``, ``initialize_hsap``'s, the world by default),
-MHA and GQA: out, dq, dk, dv equal ``tests/reference.py``, the executor's P2P bytes equal the
-plan's, and no all-to-all byte moves. A flattened plan handed explicit HSAP groups without the
-CP group is refused by name on every rank before any collective.
+Every configured topology other than the flattened one at world 4 and 8, the three ways a caller
+names its groups (explicit intra/inter plus ``cp_group``, ``initialize_hsap``'s, the world by
+default), MHA, GQA and kv heads replicated by the all-to-all: out, dq, dk, dv equal
+``tests/reference.py``, the executor's P2P bytes equal the plan's, and the all-to-all moves
+nothing (``1 × P``) or Ulysses' volume over the CP group (``P × 1``). A one-level configured
+topology's one group serves as the CP group. A flattened plan handed explicit two-level HSAP
+groups without the CP group is refused by name on every rank before any collective.
 """
 
 from __future__ import annotations
@@ -39,6 +42,32 @@ def test_flattened_plans_equal_the_reference(gloo_pool, world):
         cases.check_bytes(spec, per_rank)  # P2P bytes = the plan's; the all-to-all moved nothing
 
 
+A2A_TOPOLOGIES = {4: [(1, 4), (2, 2)], 8: [(1, 8), (2, 4), (4, 2)]}
+
+
+@pytest.mark.parametrize("world", [4, 8])
+def test_all_to_all_flattened_plans_equal_the_reference(gloo_pool, world):
+    total = TOKENS[world]
+    specs = []
+    for n, (intra, inter) in enumerate(A2A_TOPOLOGIES[world]):
+        for groups, kv in (("explicit", 8), ("initialize", 2), ("default", 1)):
+            cu = [0, 5, total // 2 + 1, total - 2] if groups == "explicit" else [0, 17, 40, 41, total // 2, total]
+            specs.append(cases.build_spec(cu, intra=intra, inter=inter, heads=8, kv_heads=kv, dim=8, seed=n,
+                                          groups=groups, flatten="all-to-all", layout="balanced"))
+        if intra == 1:  # the configured 1 x P's inter group is its CP group: no cp_group= needed
+            specs.append(cases.build_spec([0, 9, total], intra=1, inter=inter, heads=8, kv_heads=4, dim=8, seed=n,
+                                          flatten="all-to-all", one_group=True))
+    results = gloo_pool(world).run(cases.run_cases, specs, timeout=900)
+    for i, spec in enumerate(specs):
+        plan = cases.compile_for(spec)
+        assert plan.options.flattened_from == (spec["intra"], spec["inter"]), "the plan under test must be the flattened one"
+        assert (plan.intra_size, plan.inter_size, plan.chosen.fwd.messages, plan.chosen.bwd.messages) == (world, 1, (), ())
+        plan.verify()
+        per_rank = [r[i] for r in results]
+        cases.check_against_reference(spec, per_rank)
+        cases.check_bytes(spec, per_rank)  # no P2P byte; the all-to-all moved Ulysses' volume over the CP group
+
+
 def _refused(spec: dict) -> dict:
     """Run a flattened plan with explicit HSAP groups and no CP group: the error, per rank."""
     import torch
@@ -58,10 +87,12 @@ def _refused(spec: dict) -> dict:
     return {"error": None}
 
 
-def test_flattened_plan_without_the_cp_group_is_refused_by_name(gloo_pool):
-    spec = cases.build_spec([0, 30, 128], intra=2, inter=2, heads=8, kv_heads=8, dim=8, flatten="always")
+@pytest.mark.parametrize(("flatten", "how"), [("always", "pure SAP"), ("all-to-all", "one all-to-all (Ulysses)")])
+def test_flattened_plan_without_the_cp_group_is_refused_by_name(gloo_pool, flatten, how):
+    spec = cases.build_spec([0, 30, 128], intra=2, inter=2, heads=8, kv_heads=8, dim=8, flatten=flatten)
     for r in gloo_pool(4).run(_refused, spec, timeout=300):
-        assert r["error"] and "cp_group=" in r["error"] and "flattened from 2x2" in r["error"], r
+        assert r["error"] and "cp_group=" in r["error"] and f"runs as {how} over all 4" in r["error"], r
+        assert "flattened from 2x2" in r["error"], r
 
 
 def _cp_groups_of_a_split_world(_: object) -> dict:
