@@ -71,7 +71,7 @@ def markdown(rows: list[tuple], window: int) -> str:
     for r in rows:
         key = (r[1], r[2], r[4], r[6])
         table.setdefault(key, {}).setdefault(f"{r[8]}:{r[9]}", {})[r[7]] = r[10]
-    out = [f"| workload | T | P_inter | heads | bytes window/full | est. time window/full | work window/full |",
+    out = ["| workload | T | P_inter | heads | bytes window/full | est. time window/full | work window/full |",
            "|---|---|---|---|---|---|---|"]
     for (wl, T, P, heads), d in table.items():
         cells = []

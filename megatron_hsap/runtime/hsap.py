@@ -53,7 +53,7 @@ from megatron_hsap.runtime.executor import ACTIVATION_DTYPES, Executor, executor
 from megatron_hsap.runtime.groups import check_plan_groups, registered_groups
 from megatron_hsap.runtime.handshake import agree
 from megatron_hsap.runtime.merge import sink_grad
-from megatron_hsap.runtime.sap import SAPAttention, sap_backward, sap_forward
+from megatron_hsap.runtime.sap import SAPAttention, sap_forward
 from megatron_hsap.runtime.ulysses import (Exchange, chunked_send, expand_kv_for_intra, issue_exchange, sum_kv_grad_for_intra,
                                            unchunk_returned)  # fmt: skip
 

@@ -145,7 +145,6 @@ class Watchdog:
     # ---------------------------------------------------------------- watchdog thread
     def _step(self) -> bool:
         """Sleep until the earliest deadline, check the rounds that are due; False to stop."""
-        due: list[_Entry] = []
         with self._cond:
             if not self._heap:
                 self._cond.wait(timeout=60.0)  # idle: nothing filed (the thread exits when unused)

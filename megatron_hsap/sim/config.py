@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_hsap.errors import ConfigError
-from megatron_hsap.plan.hardware import HeadShapeLike, KernelCurve, KernelModel, LinkClass
+from megatron_hsap.plan.hardware import KernelCurve, KernelModel, LinkClass
 from megatron_hsap.plan.ir import Phase
 from megatron_hsap.sim import constants
 

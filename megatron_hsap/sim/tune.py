@@ -53,10 +53,13 @@ def sample_batches(workload: str, T: int, n: int, seed: int = 1000) -> list[np.n
 
 def tune_topology(method: str, batches: list[np.ndarray], *, hw: Any, P: int, shape: HeadShape,
                   plan_options: dict[str, Any] | None = None, intras: tuple[int, ...] = (1, 2, 4, 8)) -> Tuned:
-    """The fastest valid topology of ``method`` on average over ``batches``."""
+    """The fastest valid topology of ``method`` on average over ``batches``. Ties (HSAP plans every
+    batch inside one node on the fastest of its topology, ``1 × P`` and ``P × 1``: plan/flatten.py,
+    so several topologies can run the very same plans) go to the topology the batches ran on."""
     from megatron_hsap.sim.methods import run_method, unavailable
 
     means: dict[str, float] = {}
+    native: dict[str, int] = {}  # batches whose plan ran on the topology it was configured with
     for intra in intras:
         if P % intra or intra > hw.gpus_per_node or unavailable(method, intra=intra, inter=P // intra, shape=shape):
             continue
@@ -68,11 +71,13 @@ def tune_topology(method: str, batches: list[np.ndarray], *, hw: Any, P: int, sh
             except HSAPError:
                 run = None
             secs.append(run.seconds if run is not None else float("nan"))
+            topo = f"{intra}x{P // intra}"
+            native[topo] = native.get(topo, 0) + int(run is not None and getattr(run, "extra", {}).get("ran_as", topo) == topo)
         means[f"{intra}x{P // intra}"] = float(np.mean(secs))
     ok = {k: v for k, v in means.items() if v == v}
     if not ok:
         raise HSAPError(f"{method}: no valid topology for P={P} with {shape.num_heads}/{shape.num_kv_heads} heads")
-    best = min(ok, key=ok.__getitem__)
+    best = min(ok, key=lambda k: (ok[k], -native.get(k, 0)))
     intra, inter = (int(x) for x in best.split("x"))
     return Tuned(method, intra, inter, means)
 

@@ -93,6 +93,26 @@ def test_tuner_picks_one_topology_by_mean_not_per_batch(monkeypatch: pytest.Monk
     assert t.flag == "--hierarchical-context-parallel-sizes 8 1"
 
 
+def test_tuner_ties_go_to_the_topology_the_batches_ran_on(monkeypatch) -> None:  # noqa: ANN001
+    # plan/flatten.py: every configured topology of one node runs the same plans, here all as 4x2:
+    # the times tie, and the tuner names the topology they ran on, not the first tried
+    import megatron_hsap.sim.methods as methods
+    import megatron_hsap.sim.tune as tune_mod
+    from megatron_hsap.sim.config import sim_hardware
+    from megatron_hsap.sim.methods import full_shape
+
+    class Fake:
+        def __init__(self, ran_as: str) -> None:
+            self.seconds, self.extra = 2.0, {"ran_as": ran_as}
+
+    def fake(method, cu, *, hw, intra, inter, shape, **_):  # noqa: ANN001, ANN202
+        return Fake("4x2")
+
+    monkeypatch.setattr(methods, "run_method", fake)
+    t = tune_mod.tune_topology("hsap", [np.array([0, 1]), np.array([0, 2])], hw=sim_hardware("h100"), P=8, shape=full_shape(32, 8))
+    assert t.topology == "4x2" and set(t.mean_s.values()) == {2.0}, t
+
+
 @pytest.mark.parametrize("intra,inter", [(1, 16), (2, 8), (4, 4), (8, 2)])
 def test_double_ring_computes_what_the_single_ring_computes(intra: int, inter: int) -> None:
     """LoongTrain's double ring visits every KV owner once: per-rank kernel FLOPs equal the
