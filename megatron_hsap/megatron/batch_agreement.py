@@ -79,11 +79,8 @@ def agree_before_sharding(plan: "Plan", groups: Any, check_group: Any) -> None:
     from megatron_hsap.runtime.handshake import agree
 
     timeout_s = read_env().p2p_timeout_s
-    levels = (("inter", groups.inter, groups.inter_size), ("intra", groups.intra, groups.intra_size))
-    if plan.options.flattened_from is not None and groups.cp is not None:
-        # a flattened plan (plan/flatten.py) runs on the CP group: SAP's executor at 1 x P, the all-to-all at P x 1
-        levels = (("inter" if plan.intra_size == 1 else "intra", groups.cp, groups.cp_size),)
-    for kind, group, size in levels:
+    intra, inter = groups.levels_for(plan)  # a flattened plan (plan/flatten.py): the CP group, its one level
+    for kind, group, size in (("inter", inter, plan.inter_size), ("intra", intra, plan.intra_size)):
         if size > 1:
             agree(plan, group, kind, Phase.FWD, timeout_s=timeout_s, device=exchange_device(group))
 

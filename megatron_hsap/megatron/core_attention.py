@@ -214,9 +214,10 @@ class HSAPCoreAttention(MegatronModule):
                 "--attention-dropout 0 (TransformerConfig.attention_dropout=0.0)"
             )
 
-    def _groups(self, plan: "Plan", cp_rank: int) -> tuple[Any, Any, Any]:
-        """(intra, inter, cp) groups for ``hsap_attn_func``: HSAP's, checked against the plan; a
-        flattened ``1 × P`` or ``P × 1`` plan (plan/flatten.py) runs on their CP group alone."""
+    def _groups(self, plan: "Plan", cp_rank: int) -> tuple[Any, Any]:
+        """(intra, inter) groups for ``hsap_attn_func``: HSAP's, checked against the plan; a
+        flattened ``1 × P`` or ``P × 1`` plan (plan/flatten.py) runs on their CP group alone
+        (``HSAPGroups.levels_for``)."""
         from megatron_hsap.megatron import parallel_state as hsap_ps
 
         cp_group = getattr(self.pg_collection, "cp", None) if self.pg_collection is not None else None
@@ -230,16 +231,11 @@ class HSAPCoreAttention(MegatronModule):
                 f"group has {cp_group.size()}; compile the plan with the model's CP size"
             )
         if plan.cp_size == 1:
-            return None, None, None
+            return None, None
         if not hsap_ps.is_hsap_initialized():
             raise ConfigError("HSAP groups are not initialised: call initialize_hsap(intra_size, inter_size) after initialize_model_parallel")
         groups = hsap_ps.get_hsap_groups()
-        from megatron_hsap.runtime.groups import check_plan_groups
-
-        check_plan_groups(plan, groups, cp_rank=cp_rank)
-        if plan.options.flattened_from is not None:
-            return None, None, groups.cp
-        return groups.intra, groups.inter, None
+        return groups.levels_for(plan, cp_rank=cp_rank)
 
     def _check_heads(self, plan: "Plan", t: int, heads: int, kv_heads: int, what: str) -> None:
         opts = plan.options
@@ -284,8 +280,8 @@ class HSAPCoreAttention(MegatronModule):
             if query.dim() != 3:
                 raise RuntimeMismatchError(f"THD query must be [t, np, hn], got {tuple(query.shape)}")
             self._check_heads(plan, query.shape[0], query.shape[1], key.shape[1], "this THD batch")
-            intra, inter, cp = self._groups(plan, cp_rank)
-            out = _hsap_attn_func()(query, key, value, plan, intra_group=intra, inter_group=inter, cp_group=cp,
+            intra, inter = self._groups(plan, cp_rank)
+            out = _hsap_attn_func()(query, key, value, plan, intra_group=intra, inter_group=inter,
                                  softmax_scale=self.softmax_scale, sinks=self._sinks(query, 1))  # [t, np, dv]
             return out.reshape(out.shape[0], -1)
         if fmt == "sbhd":
@@ -293,11 +289,11 @@ class HSAPCoreAttention(MegatronModule):
                 raise RuntimeMismatchError(f"SBHD query must be [s, b, np, hn], got {tuple(query.shape)}")
             s, b, heads, _ = query.shape
             self._check_heads(plan, s, b * heads, b * key.shape[2], "this SBHD batch (batch folded into heads)")
-            intra, inter, cp = self._groups(plan, cp_rank)
+            intra, inter = self._groups(plan, cp_rank)
             # [s, b, n, d] -> [s, b·n, d]: a view; sample b_i's heads stay contiguous.
             out = _hsap_attn_func()(query.reshape(s, b * heads, -1), key.reshape(s, b * key.shape[2], -1),
                                  value.reshape(s, b * value.shape[2], -1), plan, intra_group=intra,
-                                 inter_group=inter, cp_group=cp, softmax_scale=self.softmax_scale,
+                                 inter_group=inter, softmax_scale=self.softmax_scale,
                                  sinks=self._sinks(query, b))  # [s, b·np, dv]
             return out.reshape(s, b, -1)
         raise ConfigError(f"qkv_format={fmt!r} is not supported by HSAP; use 'thd' (packed) or 'sbhd'")

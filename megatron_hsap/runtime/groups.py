@@ -134,6 +134,16 @@ class HSAPGroups:
         """``"intra×inter"`` as the paper's Table 4 writes it, e.g. ``"2x4"``."""
         return f"{self.intra_size}x{self.inter_size}"
 
+    def levels_for(self, plan: object, *, cp_rank: int | None = None) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
+        """``(intra, inter)``: the groups ``plan`` runs on with these groups, after
+        :func:`check_plan_groups` (no collective). A plan of their topology runs on theirs; a
+        flattened one (``plan/flatten.py``) on the CP group as its one level: ``(None, cp)`` at
+        ``1 × P`` (SAP alone), ``(cp, None)`` at ``P × 1`` (one all-to-all)."""
+        check_plan_groups(plan, self, cp_rank=cp_rank)
+        if plan.options.flattened_from is None:  # type: ignore[attr-defined]
+            return self.intra, self.inter
+        return (None, self.cp) if plan.intra_size == 1 else (self.cp, None)  # type: ignore[attr-defined]
+
     def intra_global_ranks(self) -> tuple[int, ...]:
         """Global ranks of this rank's intra group, in intra-rank order (needs ``cp_ranks``)."""
         self._need_cp_ranks()

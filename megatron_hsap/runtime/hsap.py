@@ -50,7 +50,7 @@ from megatron_hsap.plan.options import kv_head_chunks
 from megatron_hsap.runtime.consistency import fingerprint_mismatch
 from megatron_hsap.runtime.env import read_env
 from megatron_hsap.runtime.executor import ACTIVATION_DTYPES, Executor, executor_for
-from megatron_hsap.runtime.groups import check_plan_groups, registered_groups
+from megatron_hsap.runtime.groups import registered_groups
 from megatron_hsap.runtime.handshake import agree
 from megatron_hsap.runtime.merge import sink_grad
 from megatron_hsap.runtime.sap import SAPAttention, sap_forward
@@ -319,12 +319,11 @@ def _size(group: dist.ProcessGroup | None) -> int:
 
 def _resolve_groups(plan: "Plan", intra: dist.ProcessGroup | None, inter: dist.ProcessGroup | None,
                     cp: dist.ProcessGroup | None = None) -> tuple[Any, Any]:  # fmt: skip
-    """Explicit groups, else HSAP's initialised groups, else the world for a 1×P or P×1 plan. A
-    flattened plan (``plan/flatten.py``) runs on its CP group: ``(None, CP group)`` as ``1 × P``,
-    ``(CP group, None)`` as ``P × 1`` (``_flat_group``)."""
+    """Explicit groups, else HSAP's initialised groups (``HSAPGroups.levels_for``), else the world
+    for a 1×P or P×1 plan. A flattened plan (``plan/flatten.py``) runs on its CP group:
+    ``(None, CP group)`` as ``1 × P``, ``(CP group, None)`` as ``P × 1`` (``_flat_levels``)."""
     if plan.options.flattened_from is not None:
-        cp_group = _flat_group(plan, intra, inter, cp)
-        return (None, cp_group) if plan.intra_size == 1 else (cp_group, None)
+        return _flat_levels(plan, intra, inter, cp)
     p_intra, p_inter = plan.intra_size, plan.inter_size
     if intra is None and inter is None:
         if p_intra * p_inter == 1:
@@ -336,8 +335,7 @@ def _resolve_groups(plan: "Plan", intra: dist.ProcessGroup | None, inter: dist.P
             )
         groups = registered_groups()  # what initialize_hsap registered (runtime/groups.py)
         if groups is not None:
-            check_plan_groups(plan, groups)
-            return groups.intra, groups.inter
+            return groups.levels_for(plan)
         if p_intra == 1:
             return None, dist.group.WORLD
         if p_inter == 1:
@@ -352,29 +350,33 @@ def _resolve_groups(plan: "Plan", intra: dist.ProcessGroup | None, inter: dist.P
     return intra, inter
 
 
-def _flat_group(plan: "Plan", intra: Any, inter: Any, cp: Any) -> Any:
-    """The CP group a flattened plan runs on (``_resolve_groups``): ``cp``; else, flattened from a
-    one-level topology, its one group (``1 × P``: the inter group, ``P × 1``: the intra group, group
-    rank = CP rank); else the registered groups' CP group, or the world when it is the CP group.
-    No collective."""
+def _flat_levels(plan: "Plan", intra: Any, inter: Any, cp: Any) -> tuple[Any, Any]:
+    """``(intra, inter)`` of a flattened plan (``_resolve_groups``): its one level is the CP group,
+    ``(None, CP)`` at ``1 × P``, ``(CP, None)`` at ``P × 1``. The CP group: ``cp``; else the one group given
+    that spans all P CP ranks (the levels ``HSAPGroups.levels_for`` gives, or a one-level configured
+    topology's group; group rank = CP rank), size-1 groups aside; else the registered groups'
+    levels, or the world when it is the CP group. No collective."""
     a, b = plan.options.flattened_from  # type: ignore[misc]
     what = flattened_what(plan)
+
+    def one_level(group: Any) -> tuple[Any, Any]:
+        return (None, group) if plan.intra_size == 1 else (group, None)
+
     if cp is not None:
-        return cp
+        return one_level(cp)
     if intra is not None or inter is not None:
-        single = inter if a == 1 and intra is None else intra if b == 1 and inter is None else None
-        if single is not None:
-            return single
+        given = [g for g in (intra, inter) if g is not None and dist.get_world_size(g) > 1]
+        if len(given) == 1 and dist.get_world_size(given[0]) == plan.cp_size:
+            return one_level(given[0])
         raise ConfigError(f"{what}; pass cp_group= (the CP group, group rank = CP rank) with the HSAP groups, "
                           "or compile with flatten='never'")
     if not dist.is_available() or not dist.is_initialized():
         raise ConfigError(f"{what} but torch.distributed is not initialised")
     groups = registered_groups()
     if groups is not None:
-        check_plan_groups(plan, groups)  # the groups it was flattened from, with their CP group
-        return groups.cp
+        return groups.levels_for(plan)  # checked: the groups it was flattened from, with their CP group
     if dist.get_world_size() == plan.cp_size:
-        return dist.group.WORLD
+        return one_level(dist.group.WORLD)
     raise ConfigError(f"{what}; call initialize_hsap({a}, {b}) beforehand or pass cp_group=")
 
 

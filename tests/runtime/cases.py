@@ -3,7 +3,7 @@
 A *spec* is a plain dict (pickled to the ranks): ``cu`` (global cu_seqlens), ``intra``, ``inter``,
 ``heads``, ``kv_heads``, ``dim``, ``dim_v``, ``dtype`` ("float32" | "bfloat16"), ``grad_wire``
 (None or the plan's ``grad_wire_dtype``), ``pool_bytes`` (None: the plan's default), ``groups``
-("explicit" | "initialize" | "default"), ``flatten`` (None or the plan's ``flatten``) and the global
+("explicit" | "initialize" | "default" | "levels": the plan's own one-level groups), ``flatten`` (None or the plan's ``flatten``) and the global
 tensors ``q``, ``k``, ``v``, ``do`` as float32 numpy arrays over the padded batch ``[T', ...]``
 (bf16 values are exact in float32). Results go back as numpy too: a tensor pickled in a rank
 where Megatron was imported by an earlier case would make the test process import Megatron.
@@ -79,6 +79,12 @@ def _run_one(spec: dict) -> dict:
             from tests.distributed import cached_group
 
             kwargs["cp_group"] = cached_group(tuple(range(plan.cp_size)))
+    elif mode == "levels":  # the groups the plan runs on, as HSAPGroups.levels_for names them: a
+        # flattened plan's one level is the CP group (intra at P x 1, inter at 1 x P), no cp_group=
+        from tests.distributed import cached_group
+
+        cp = cached_group(tuple(range(plan.cp_size)))
+        kwargs = {"intra_group": cp, "inter_group": None} if plan.inter_size == 1 else {"intra_group": None, "inter_group": cp}
     else:  # "initialize": initialize_hsap's groups; "default": the world for a 1×P / P×1 plan
         kwargs = {}
     if mode == "initialize":

@@ -7,7 +7,8 @@ names its groups (explicit intra/inter plus ``cp_group``, ``initialize_hsap``'s,
 default), MHA, GQA and kv heads replicated by the all-to-all: out, dq, dk, dv equal
 ``tests/reference.py``, the executor's P2P bytes equal the plan's, and the all-to-all moves
 nothing (``1 × P``) or Ulysses' volume over the CP group (``P × 1``). A one-level configured
-topology's one group serves as the CP group. A flattened plan handed explicit two-level HSAP
+topology's one group serves as the CP group, and so does the CP group handed in the one level the
+plan runs on (what ``HSAPGroups.levels_for`` gives, without ``cp_group=``). A flattened plan handed explicit two-level HSAP
 groups without the CP group is refused by name on every rank before any collective.
 """
 
@@ -30,6 +31,8 @@ def test_flattened_plans_equal_the_reference(gloo_pool, world):
             cu = [0, 5, total // 2 + 1, total - 2] if groups == "explicit" else [0, 17, 40, 41, total // 2, total]
             specs.append(cases.build_spec(cu, intra=intra, inter=inter, heads=8, kv_heads=kv, dim=8, seed=n,
                                           groups=groups, flatten="always", layout="balanced"))
+        specs.append(cases.build_spec([0, 11, total - 7, total], intra=intra, inter=inter, heads=8, kv_heads=4, dim=8,
+                                      seed=n, groups="levels", flatten="always"))
     results = gloo_pool(world).run(cases.run_cases, specs, timeout=900)
     for i, spec in enumerate(specs):
         plan = cases.compile_for(spec)
@@ -54,6 +57,8 @@ def test_all_to_all_flattened_plans_equal_the_reference(gloo_pool, world):
             cu = [0, 5, total // 2 + 1, total - 2] if groups == "explicit" else [0, 17, 40, 41, total // 2, total]
             specs.append(cases.build_spec(cu, intra=intra, inter=inter, heads=8, kv_heads=kv, dim=8, seed=n,
                                           groups=groups, flatten="all-to-all", layout="balanced"))
+        specs.append(cases.build_spec([0, 11, total - 7, total], intra=intra, inter=inter, heads=8, kv_heads=4, dim=8,
+                                      seed=n, groups="levels", flatten="all-to-all"))
         if intra == 1:  # the configured 1 x P's inter group is its CP group: no cp_group= needed
             specs.append(cases.build_spec([0, 9, total], intra=1, inter=inter, heads=8, kv_heads=4, dim=8, seed=n,
                                           flatten="all-to-all", one_group=True))
@@ -119,3 +124,32 @@ def test_initialize_hsap_builds_each_cp_group_for_flattened_plans(gloo_pool):
     for rank, r in enumerate(results):
         assert r["group_rank"] == r["cp_rank"] == rank % 4 and r["size"] == 4, r
         assert r["sum"] == (6.0 if rank < 4 else 22.0), r  # only its own CP group's members
+
+
+def test_levels_for_names_the_groups_each_plan_runs_on() -> None:
+    """``HSAPGroups.levels_for``: the configured groups for a plan of their topology, the CP group as
+    the one level of a flattened plan (``1 × P``: inter, ``P × 1``: intra), refused by name when the
+    groups carry no CP group, are of another topology, or the batch was sharded for another rank.
+    Host-only: the groups are stand-ins, nothing is exchanged."""
+    from dataclasses import replace
+
+    from megatron_hsap.errors import ConfigError, RuntimeMismatchError
+    from megatron_hsap.plan import compile_plan
+    from megatron_hsap.runtime.groups import HSAPGroups
+
+    intra, inter, cp = object(), object(), object()
+    groups = HSAPGroups(intra=intra, inter=inter, intra_size=2, inter_size=2, cp_rank=3, intra_rank=1, inter_rank=1, cp=cp)
+    cu = [0, 40, 100, 128]
+    plans = {f: compile_plan(cu, 2, intra_size=2, num_heads=8, num_kv_heads=4, head_dim=8, flatten=f)
+             for f in ("never", "always", "all-to-all")}
+    assert [p.options.flattened_from for p in plans.values()] == [None, (2, 2), (2, 2)]
+    assert groups.levels_for(plans["never"]) == (intra, inter)
+    assert groups.levels_for(plans["always"]) == (None, cp)
+    assert groups.levels_for(plans["all-to-all"], cp_rank=3) == (cp, None)
+    with pytest.raises(ConfigError, match=r"runs as one all-to-all \(Ulysses\) over all 4 CP ranks.*no CP group"):
+        replace(groups, cp=None).levels_for(plans["all-to-all"])
+    other = HSAPGroups(intra=intra, inter=inter, intra_size=1, inter_size=4, cp_rank=3, intra_rank=0, inter_rank=3, cp=cp)
+    with pytest.raises(ConfigError, match="flattened from 2x2 but the HSAP groups are 1x4"):
+        other.levels_for(plans["always"])
+    with pytest.raises(RuntimeMismatchError, match="sharded for CP rank 0 but this is CP rank 3"):
+        groups.levels_for(plans["never"], cp_rank=0)
