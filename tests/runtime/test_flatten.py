@@ -22,17 +22,28 @@ TOPOLOGIES = {4: [(2, 2), (4, 1)], 8: [(2, 4), (4, 2), (8, 1)]}
 TOKENS = {4: 128, 8: 256}
 
 
-@pytest.mark.parametrize("world", [4, 8])
-def test_flattened_plans_equal_the_reference(gloo_pool, world):
+def _specs(world: int, topologies: list[tuple[int, int]], flatten: str) -> list[dict]:
+    """Per configured topology: the three ways of naming groups (MHA, GQA, kv replicated by the
+    all-to-all) and the CP group handed as the plan's one level (``groups="levels"``); and, at a
+    configured ``1 × P``, its one inter group alone (no ``cp_group=``)."""
     total = TOKENS[world]
     specs = []
-    for n, (intra, inter) in enumerate(TOPOLOGIES[world]):
+    for n, (intra, inter) in enumerate(topologies):
         for groups, kv in (("explicit", 8), ("initialize", 2), ("default", 1)):
             cu = [0, 5, total // 2 + 1, total - 2] if groups == "explicit" else [0, 17, 40, 41, total // 2, total]
             specs.append(cases.build_spec(cu, intra=intra, inter=inter, heads=8, kv_heads=kv, dim=8, seed=n,
-                                          groups=groups, flatten="always", layout="balanced"))
+                                          groups=groups, flatten=flatten, layout="balanced"))
         specs.append(cases.build_spec([0, 11, total - 7, total], intra=intra, inter=inter, heads=8, kv_heads=4, dim=8,
-                                      seed=n, groups="levels", flatten="always"))
+                                      seed=n, groups="levels", flatten=flatten))
+        if intra == 1:  # the configured 1 x P's inter group is its CP group: no cp_group= needed
+            specs.append(cases.build_spec([0, 9, total], intra=1, inter=inter, heads=8, kv_heads=4, dim=8, seed=n,
+                                          flatten=flatten, one_group=True))
+    return specs
+
+
+@pytest.mark.parametrize("world", [4, 8])
+def test_flattened_plans_equal_the_reference(gloo_pool, world):
+    specs = _specs(world, TOPOLOGIES[world], "always")
     results = gloo_pool(world).run(cases.run_cases, specs, timeout=900)
     for i, spec in enumerate(specs):
         plan = cases.compile_for(spec)
@@ -50,18 +61,7 @@ A2A_TOPOLOGIES = {4: [(1, 4), (2, 2)], 8: [(1, 8), (2, 4), (4, 2)]}
 
 @pytest.mark.parametrize("world", [4, 8])
 def test_all_to_all_flattened_plans_equal_the_reference(gloo_pool, world):
-    total = TOKENS[world]
-    specs = []
-    for n, (intra, inter) in enumerate(A2A_TOPOLOGIES[world]):
-        for groups, kv in (("explicit", 8), ("initialize", 2), ("default", 1)):
-            cu = [0, 5, total // 2 + 1, total - 2] if groups == "explicit" else [0, 17, 40, 41, total // 2, total]
-            specs.append(cases.build_spec(cu, intra=intra, inter=inter, heads=8, kv_heads=kv, dim=8, seed=n,
-                                          groups=groups, flatten="all-to-all", layout="balanced"))
-        specs.append(cases.build_spec([0, 11, total - 7, total], intra=intra, inter=inter, heads=8, kv_heads=4, dim=8,
-                                      seed=n, groups="levels", flatten="all-to-all"))
-        if intra == 1:  # the configured 1 x P's inter group is its CP group: no cp_group= needed
-            specs.append(cases.build_spec([0, 9, total], intra=1, inter=inter, heads=8, kv_heads=4, dim=8, seed=n,
-                                          flatten="all-to-all", one_group=True))
+    specs = _specs(world, A2A_TOPOLOGIES[world], "all-to-all")
     results = gloo_pool(world).run(cases.run_cases, specs, timeout=900)
     for i, spec in enumerate(specs):
         plan = cases.compile_for(spec)
