@@ -41,36 +41,29 @@ def _specs(world: int, topologies: list[tuple[int, int]], flatten: str) -> list[
     return specs
 
 
-@pytest.mark.parametrize("world", [4, 8])
-def test_flattened_plans_equal_the_reference(gloo_pool, world):
-    specs = _specs(world, TOPOLOGIES[world], "always")
-    results = gloo_pool(world).run(cases.run_cases, specs, timeout=900)
-    for i, spec in enumerate(specs):
-        plan = cases.compile_for(spec)
-        assert plan.options.flattened_from == (spec["intra"], spec["inter"]), "the plan under test must be the flattened one"
-        assert (plan.intra_size, plan.inter_size) == (1, world)
-        plan.verify()
-        per_rank = [r[i] for r in results]
-        assert [r["inter_rank"] for r in per_rank] == list(range(world)), "CP rank = the flat plan's inter rank"
-        cases.check_against_reference(spec, per_rank)
-        cases.check_bytes(spec, per_rank)  # P2P bytes = the plan's; the all-to-all moved nothing
-
-
 A2A_TOPOLOGIES = {4: [(1, 4), (2, 2)], 8: [(1, 8), (2, 4), (4, 2)]}
 
 
 @pytest.mark.parametrize("world", [4, 8])
-def test_all_to_all_flattened_plans_equal_the_reference(gloo_pool, world):
-    specs = _specs(world, A2A_TOPOLOGIES[world], "all-to-all")
+@pytest.mark.parametrize("flatten", ["always", "all-to-all"])
+def test_flattened_plans_equal_the_reference(gloo_pool, flatten, world):
+    """1 x P ("always", from every other topology) and P x 1 ("all-to-all") against the reference."""
+    specs = _specs(world, (TOPOLOGIES if flatten == "always" else A2A_TOPOLOGIES)[world], flatten)
     results = gloo_pool(world).run(cases.run_cases, specs, timeout=900)
     for i, spec in enumerate(specs):
         plan = cases.compile_for(spec)
         assert plan.options.flattened_from == (spec["intra"], spec["inter"]), "the plan under test must be the flattened one"
-        assert (plan.intra_size, plan.inter_size, plan.chosen.fwd.messages, plan.chosen.bwd.messages) == (world, 1, (), ())
         plan.verify()
         per_rank = [r[i] for r in results]
+        if flatten == "always":
+            assert (plan.intra_size, plan.inter_size) == (1, world)
+            assert [r["inter_rank"] for r in per_rank] == list(range(world)), "CP rank = the flat plan's inter rank"
+        else:
+            assert (plan.intra_size, plan.inter_size, plan.chosen.fwd.messages, plan.chosen.bwd.messages) == (world, 1, (), ())
         cases.check_against_reference(spec, per_rank)
-        cases.check_bytes(spec, per_rank)  # no P2P byte; the all-to-all moved Ulysses' volume over the CP group
+        # 1 x P: P2P bytes = the plan's, the all-to-all moved nothing; P x 1: no P2P byte, the
+        # all-to-all moved Ulysses' volume over the CP group
+        cases.check_bytes(spec, per_rank)
 
 
 def _refused(spec: dict) -> dict:
