@@ -236,8 +236,10 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(out, indent=2, default=lambda o: o.tolist() if hasattr(o, "tolist") else str(o)))
         return 0
     n_docs = plan.batch.num_docs
+    flat = plan.options.flattened_from
+    flat_note = f", flattened from {flat[0]}x{flat[1]}: plan/flatten.py" if flat else ""
     print(f"batch: T={plan.num_tokens} (padded {plan.padded_tokens}), {n_docs} documents, "
-          f"topology {plan.intra_size}x{plan.inter_size} (intra×inter), chunk {plan.chunk_tokens} tokens, "
+          f"topology {plan.intra_size}x{plan.inter_size} (intra×inter{flat_note}), chunk {plan.chunk_tokens} tokens, "
           f"heads {plan.shape.num_heads}/{plan.shape.num_kv_heads} per rank")
     print(links)
     print(layout_line(plan))

@@ -128,3 +128,13 @@ def test_compile_times_only_writes_its_own_files_and_the_readme_region(tmp_path:
     assert table + "\n" == (tmp_path / "compile_times.md").read_text()
     assert "| 64K | 8 | 40.4 | 80.8 | 40.4 | 0.010 | 20 (MISSED) |" in table
     assert "| 1M | 64 | 257.0 | 514.0 | 257.0 | 0.010 | 200 (MISSED) |" in table
+
+
+@pytest.mark.parametrize(("flatten", "topology"), [("all-to-all", "8x1"), ("always", "1x8")])
+def test_plan_cli_names_a_flattened_plan(capsys, flatten, topology) -> None:
+    assert plan_cli.main(["--sample", "--intra-size", "2", "--inter-size", "4", "--flatten", flatten, "--max-lines", "1"]) == 0
+    head = capsys.readouterr().out.splitlines()
+    line = next(x for x in head if x.startswith("batch:"))
+    assert f"topology {topology} (intra×inter, flattened from 2x4: plan/flatten.py)" in line
+    assert plan_cli.main(["--sample", "--intra-size", "2", "--inter-size", "4", "--flatten", "never", "--max-lines", "1"]) == 0
+    assert "topology 2x4 (intra×inter), chunk" in capsys.readouterr().out
