@@ -365,8 +365,8 @@ def _flat_levels(plan: "Plan", intra: Any, inter: Any, cp: Any) -> tuple[Any, An
     if cp is not None:
         return one_level(cp)
     if intra is not None or inter is not None:
-        given = [g for g in (intra, inter) if g is not None and dist.get_world_size(g) > 1]
-        if len(given) == 1 and dist.get_world_size(given[0]) == plan.cp_size:
+        given = [g for g in (intra, inter) if g is not None and _size(g) > 1]
+        if len(given) == 1 and _size(given[0]) == plan.cp_size:
             return one_level(given[0])
         raise ConfigError(f"{what}; pass cp_group= (the CP group, group rank = CP rank) with the HSAP groups, "
                           "or compile with flatten='never'")

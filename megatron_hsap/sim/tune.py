@@ -64,6 +64,8 @@ def tune_topology(method: str, batches: list[np.ndarray], *, hw: Any, P: int, sh
         if P % intra or intra > hw.gpus_per_node or unavailable(method, intra=intra, inter=P // intra, shape=shape):
             continue
         secs = []
+        topo = f"{intra}x{P // intra}"
+        native[topo] = 0
         for cu in batches:
             try:
                 run = run_method(method, cu, hw=hw, intra=intra, inter=P // intra, shape=shape,
@@ -71,13 +73,12 @@ def tune_topology(method: str, batches: list[np.ndarray], *, hw: Any, P: int, sh
             except HSAPError:
                 run = None
             secs.append(run.seconds if run is not None else float("nan"))
-            topo = f"{intra}x{P // intra}"
-            native[topo] = native.get(topo, 0) + int(run is not None and getattr(run, "extra", {}).get("ran_as", topo) == topo)
-        means[f"{intra}x{P // intra}"] = float(np.mean(secs))
+            native[topo] += int(run is not None and getattr(run, "extra", {}).get("ran_as", topo) == topo)
+        means[topo] = float(np.mean(secs))
     ok = {k: v for k, v in means.items() if v == v}
     if not ok:
         raise HSAPError(f"{method}: no valid topology for P={P} with {shape.num_heads}/{shape.num_kv_heads} heads")
-    best = min(ok, key=lambda k: (ok[k], -native.get(k, 0)))
+    best = min(ok, key=lambda k: (ok[k], -native[k]))
     intra, inter = (int(x) for x in best.split("x"))
     return Tuned(method, intra, inter, means)
 

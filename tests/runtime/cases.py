@@ -72,17 +72,15 @@ def _run_one(spec: dict) -> dict:
     q, k, v, do = (torch.from_numpy(spec[n])[idx].to(dtype) for n in ("q", "k", "v", "do"))
     q, k, v = (x.requires_grad_(True) for x in (q, k, v))
     mode = spec.get("groups", "explicit")
+    from tests.distributed import cached_group
+
     if mode == "explicit":
         intra, inter = make_groups(spec["intra"], spec["inter"])
         kwargs = {"intra_group": intra, "inter_group": inter}
         if plan.options.flattened_from is not None and not spec.get("one_group"):  # a one-level plan runs on the CP group
-            from tests.distributed import cached_group
-
             kwargs["cp_group"] = cached_group(tuple(range(plan.cp_size)))
     elif mode == "levels":  # the groups the plan runs on, as HSAPGroups.levels_for names them: a
         # flattened plan's one level is the CP group (intra at P x 1, inter at 1 x P), no cp_group=
-        from tests.distributed import cached_group
-
         cp = cached_group(tuple(range(plan.cp_size)))
         kwargs = {"intra_group": cp, "inter_group": None} if plan.inter_size == 1 else {"intra_group": None, "inter_group": cp}
     else:  # "initialize": initialize_hsap's groups; "default": the world for a 1×P / P×1 plan
