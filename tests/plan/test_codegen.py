@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from collections import Counter
 
-import pytest
 from hypothesis import given, settings, strategies as st
 
 from tests.configured import compile_plan  # the configured topology (flatten="never")

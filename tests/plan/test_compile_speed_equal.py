@@ -188,7 +188,6 @@ def test_start_sums_equal_the_per_block_form() -> None:
     a fresh copy each call (a start's updates never reach the next one)."""
     from megatron_hsap.plan import placement as PL
     from megatron_hsap.plan.balanced import balanced_layout
-    from megatron_hsap.plan.layout import Batch
     from megatron_hsap.plan.units import build_units
 
     plan, rates = _plan_and_rates("sharegpt", 1 << 17, 16, 0)

@@ -10,7 +10,6 @@ Reference: boolean masks of each block's pairs; owner-computes' traffic re-deriv
 from __future__ import annotations
 
 import numpy as np
-import pytest
 from hypothesis import given, settings, strategies as st
 
 from megatron_hsap.plan.balanced import balanced_layout

@@ -18,7 +18,7 @@ from megatron_hsap.plan.calls import LocalRows, call_counts
 from megatron_hsap.runtime.executor import Executor, _out_for_delta
 from megatron_hsap.runtime.hsap import runner_for
 from tests.reference import reference_packed
-from tests.runtime import cases
+from tests.runtime import cases, reliability_cases
 
 
 def test_rows_follow_segments():
@@ -94,7 +94,7 @@ def test_pool_allocated_once_and_reused(gloo_pool):
     small = cases.build_spec([0, 20, 64], inter=2, seed=1, pool_bytes=8192)
     default = cases.build_spec([0, 5, 40, 64], inter=2, seed=2)  # 4 × chunk × heads × (d + dv) × 4 B
     bigger = cases.build_spec([0, 64], inter=2, seed=3, pool_bytes=1 << 20)
-    seen = gloo_pool(2).run(cases.case_pool_reuse, [default, small, default, bigger, small], 3)
+    seen = gloo_pool(2).run(reliability_cases.case_pool_reuse, [default, small, default, bigger, small], 3)
     cap_default = cases.compile_for(default).pool_capacity
     for per_rank in seen:
         first = per_rank[:9]  # default ×3, small ×3, default ×3: one allocation, never resized

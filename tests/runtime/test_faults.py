@@ -24,7 +24,7 @@ from megatron_hsap.errors import BatchError, CommunicationError, ConfigError
 from megatron_hsap.plan import compile_plan
 from megatron_hsap.plan.fingerprint import INPUT_NAMES, differing_inputs, input_vector, join_hash, split_hash
 from megatron_hsap.runtime.env import read_env
-from tests.runtime import cases
+from tests.runtime import cases, reliability_cases
 
 CASE_TIMEOUT = 30.0  # the pool's per-case clock: no test waits longer
 DEADLINE = "2"  # HSAP_P2P_TIMEOUT_S inside the cases
@@ -194,7 +194,7 @@ def case_bad_call(kind: str) -> str:
         scale = math.nan
     elif kind == "meta":
         q = k = v = x.to("meta")
-    with cases._CountCollectives() as calls:
+    with reliability_cases._CountCollectives() as calls:
         try:
             hsap_attn_func(q, k, v, plan, inter_group=inter, softmax_scale=scale)
             result = "no error"

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from megatron_hsap.plan import compile_plan
-from megatron_hsap.plan.ir import Post, Recv, Send
+from megatron_hsap.plan.ir import Post, Recv
 from megatron_hsap.runtime.consistency import cu_seqlens_fingerprint
-from tests.runtime import cases
+from tests.runtime import cases, reliability_cases
 
 
 def test_fingerprint_tells_batches_apart():
@@ -26,21 +26,21 @@ def test_fingerprint_tells_batches_apart():
 def test_mismatched_cu_seqlens_raise_on_every_rank(gloo_pool):
     pool = gloo_pool(4)
     same = [0, 7, 7, 30, 64]
-    assert pool.run(cases.case_consistency, [same] * 4) == ["ok | after: 4"] * 4
+    assert pool.run(reliability_cases.case_consistency, [same] * 4) == ["ok | after: 4"] * 4
     other = [same, same, [0, 8, 30, 64], same]
-    for message in pool.run(cases.case_consistency, other):
+    for message in pool.run(reliability_cases.case_consistency, other):
         assert message.startswith("BatchError: ranks of one context-parallel group hold different cu_seqlens")
         assert "group ranks [0, 1, 3] (global [0, 1, 3]): 5 entries, T=64" in message
         assert "group ranks [2] (global [2]): 4 entries, T=64" in message
         assert message.endswith("| after: 4")  # every rank got past the check: nobody hangs
     broken = [same, [0.0, 64.0], same, same]
-    for message in pool.run(cases.case_consistency, broken):
+    for message in pool.run(reliability_cases.case_consistency, broken):
         assert "group ranks [1] (global [1]): cu_seqlens is not a 1-D integer sequence" in message
 
 
 def test_debug_mode_checks_the_batch_inside_the_layer(gloo_pool):
     cu = [[0, 10, 64]] * 3 + [[0, 11, 64]]
-    for message in gloo_pool(4).run(cases.case_debug_layer, cu, 2, 2):
+    for message in gloo_pool(4).run(reliability_cases.case_debug_layer, cu, 2, 2):
         assert message.startswith("BatchError: HSAP_DEBUG"), message
         assert message.endswith("data calls: []")  # raised before any all-to-all or P2P
 
@@ -66,7 +66,7 @@ def test_p2p_timeout_names_round_peer_and_tensor(gloo_pool):
                 if ops:
                     waiting[r] = ops[0]
     assert waiting, "the plan must make some rank depend on rank 0 in its first round"
-    results = gloo_pool(world).run(cases.case_timeout, cu, skip_rank, rnd, 2.0, timeout=120)
+    results = gloo_pool(world).run(reliability_cases.case_timeout, cu, skip_rank, rnd, 2.0, timeout=120)
     for r, op in waiting.items():
         msg = results[r]
         assert msg.startswith(f"CommunicationError: P2P round {rnd} (fwd stage {rnd})"), msg
@@ -90,14 +90,14 @@ def test_p2p_timeout_names_round_peer_and_tensor(gloo_pool):
     ],
 )
 def test_wrong_inputs_raise_before_any_collective(gloo_pool, kind, error, says):
-    for message in gloo_pool(4).run(cases.case_bad_input, kind):
+    for message in gloo_pool(4).run(reliability_cases.case_bad_input, kind):
         assert message.startswith(f"{error}: "), message
         assert says in message, message
         assert message.endswith("| collectives: 0"), message
 
 
 def test_p2p_channel_refuses_misuse(gloo_pool):
-    for rank, out in enumerate(gloo_pool(2).run(cases.case_p2p_misuse)):
+    for rank, out in enumerate(gloo_pool(2).run(reliability_cases.case_p2p_misuse)):
         assert out[0].startswith("P2P misuse: round 1 posted while round 0 is still in flight")
         assert out[1] == "P2P misuse: wait for round 1 but round 0 is in flight"
         assert out[2] == "P2P misuse: round 0 was posted but never waited"

@@ -7,7 +7,6 @@ The runtime side of the same count is tests/runtime/test_executor.py."""
 
 from __future__ import annotations
 
-import dataclasses
 
 import pytest
 
