@@ -294,6 +294,14 @@ def _compile_times(rows: list[dict[str, str]]) -> str:
     return "\n".join(compile_markdown(typed))
 
 
+def _scale(rows: list[dict[str, str]]) -> str:
+    """The 1,024-GPU scale run (``megatron-hsap simulate scale``: ``results/scale.csv``), laid out and
+    judged against issue 14's targets by ``sim/scale.scale_markdown`` (which writes scale.md too)."""
+    from megatron_hsap.sim.scale import scale_markdown
+
+    return scale_markdown(rows)
+
+
 REGIONS: dict[str, tuple[str, Callable[[list[dict[str, str]]], str]]] = {
     "calibration": ("calibrate.csv", _calibration),
     "magi": ("magi.csv", _magi),
@@ -303,6 +311,7 @@ REGIONS: dict[str, tuple[str, Callable[[list[dict[str, str]]], str]]] = {
     "table4": ("table4.csv", _table4),
     "layout_measures": ("plan_layouts.csv", _layout_measures),
     "compile_times": ("compile_times.csv", _compile_times),
+    "scale": ("scale.csv", _scale),
 }
 
 
