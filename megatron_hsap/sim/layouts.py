@@ -42,7 +42,7 @@ from megatron_hsap.sim.methods import full_shape, hsap_plan, ideal_seconds, run_
 from megatron_hsap.sim.reproduce import Point, attempt, method_rows, progress
 from megatron_hsap.sim.results import Report, Row, markdown_table
 
-__all__ = ["layouts", "compare_layouts", "LayoutRun", "LayoutPair", "plan_options", "ib_hardware"]
+__all__ = ["kept_table", "layouts", "compare_layouts", "LayoutRun", "LayoutPair", "plan_options", "ib_hardware"]
 
 K = 1024
 WORKLOADS = ("fineweb", "slimpajama", "ultrachat", "sharegpt", "full")
@@ -255,3 +255,52 @@ def layouts(out_dir: str | Path, *, quick: bool = False, seeds: int | None = Non
                + "; ".join(wrong) + "."]
     md += [f"- error: {e}" for s in summary.values() for e in s.errors]
     return Report("layouts", rows, "\n".join(md), []).write(out_dir)
+
+
+def kept_table(rows: list[dict[str, str]]) -> str:
+    """The README's layouts region (``megatron-hsap report``) from the rows of ``results/layouts.csv``
+    (strings, as read): kept / contiguous simulated time per model, workload and (T, P_inter),
+    median over seeds, and the target ``TARGET_RATIO`` where the contiguous owner imbalance is at
+    least ``TARGET_IMBALANCE`` (the same rule as ``layouts.md``), packed and one-document points apart."""
+    acc: dict[tuple[str, str, int, int], dict[str, list[float]]] = {}
+    for r in rows:
+        if r["source"] != "sim" or r["metric"] not in ("kept_over_contiguous", "owner_imbalance"):
+            continue
+        if r["metric"] == "owner_imbalance" and r["method"] != "hsap-contiguous":
+            continue
+        key = (r["link"].removeprefix("ib-"), r["workload"], int(r["T"]), int(r["P_inter"]))
+        acc.setdefault(key, {}).setdefault(r["metric"], []).append(float(r["value"]))
+    models = sorted({k[0] for k in acc})
+    wls = [w for w in WORKLOADS if any(k[1] == w for k in acc)]
+    sizes = sorted({k[2] for k in acc})
+    ps = sorted({k[3] for k in acc})
+    tab = []
+    met: dict[tuple[str, bool], list[bool]] = {}
+    for h in models:
+        for w in wls:
+            cells = []
+            for T in sizes:
+                vals = []
+                for P in ps:
+                    d = acc.get((h, w, T, P), {})
+                    kept, own = d.get("kept_over_contiguous", []), d.get("owner_imbalance", [])
+                    if not kept:
+                        vals.append("-")
+                        continue
+                    k = float(np.median(kept))
+                    vals.append(f"{k:.2f}")
+                    if own and float(np.median(own)) >= TARGET_IMBALANCE:
+                        met.setdefault((h, w == "full"), []).append(k <= TARGET_RATIO)
+                cells.append(" / ".join(vals))
+            tab.append([h.upper(), w, *cells])
+    head = ["model", "workload", *(f"{_size(T)} P={' / '.join(map(str, ps))}" for T in sizes)]
+
+    def count(one_doc: bool) -> str:
+        by = {h: met.get((h, one_doc), []) for h in models}
+        n, m = sum(map(sum, by.values())), sum(map(len, by.values()))
+        return f"{n} of {m} ({', '.join(f'{h.upper()} {sum(v)}/{len(v)}' for h, v in by.items())})"
+
+    return "\n".join([markdown_table(head, tab), "",
+                      f"Target kept / contiguous ≤ {TARGET_RATIO}× where the contiguous owner imbalance is ≥ {TARGET_IMBALANCE} "
+                      f"(median over seeds): met at {count(False)} packed points and {count(True)} one-document (`full`) points."])
+

@@ -294,6 +294,14 @@ def _compile_times(rows: list[dict[str, str]]) -> str:
     return "\n".join(compile_markdown(typed))
 
 
+def _layouts(rows: list[dict[str, str]]) -> str:
+    """Kept / contiguous simulated time over InfiniBand (``megatron-hsap simulate layouts``:
+    ``results/layouts.csv``), by ``sim/layouts.kept_table``."""
+    from megatron_hsap.sim.layouts import kept_table
+
+    return kept_table(rows)
+
+
 def _scale(rows: list[dict[str, str]]) -> str:
     """The 1,024-GPU scale run (``megatron-hsap simulate scale``: ``results/scale.csv``), laid out and
     judged against issue 14's targets by ``sim/scale.scale_markdown`` (which writes scale.md too)."""
@@ -312,6 +320,7 @@ REGIONS: dict[str, tuple[str, Callable[[list[dict[str, str]]], str]]] = {
     "layout_measures": ("plan_layouts.csv", _layout_measures),
     "compile_times": ("compile_times.csv", _compile_times),
     "scale": ("scale.csv", _scale),
+    "layouts": ("layouts.csv", _layouts),
 }
 
 

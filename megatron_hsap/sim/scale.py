@@ -80,7 +80,8 @@ def scale(out_dir: str | Path, *, quick: bool = False, seeds: int | None = None,
                 b = phase_breakdown(r, ph, ideal[ph], hw.latency(LinkClass.INFINIBAND))
                 rows += [pt.row(r.method, f"{ph}_term_{k}", 1e3 * v, "ms") for k, v in b.items()]
     as_read = [{c: str(getattr(r, c)) for c in COLUMNS} for r in rows]  # the strings the CSV holds
-    return Report("scale", rows, scale_markdown(as_read), []).write(out_dir)
+    title = f"### Scale — HSAP on {P:,} simulated H100s ({intra} × {inter}), `{workload}`, contiguous vs balanced layout"
+    return Report("scale", rows, title + "\n\n" + scale_markdown(as_read), []).write(out_dir)
 
 
 # issue 14 item 4, with the default layout (the kept one): plan imbalance and the fraction of the

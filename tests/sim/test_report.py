@@ -69,3 +69,27 @@ def test_scale_region_judges_the_kept_layout_against_the_issue_targets() -> None
     assert "1M 85% / 75%, 2M 90% / 95% (MISSED)" in md
     assert "1M 0.50 s, 2M 1.50 s (MISSED)" in md
     assert "(1M 7, 2M 7 documents)" in md
+
+
+def test_layouts_region_takes_the_median_kept_ratio_and_counts_the_target() -> None:
+    """kept / contiguous per (model, workload, T, P) is the median over seeds; the ≤ 0.8× target
+    counts only where the contiguous owner imbalance (median) is ≥ 1.3, packed and one document apart."""
+    from megatron_hsap.sim.layouts import kept_table
+
+    def rows(wl: str, T: int, P: int, kept: list[float], owner: list[float], model: str = "a100") -> list[dict[str, str]]:
+        base = dict(source="sim", workload=wl, T=str(T), P_intra="1", P_inter=str(P), link=f"ib-{model}", heads="32/8", unit="")
+        out = [dict(base, seed=str(s), method="hsap-kept", metric="kept_over_contiguous", value=str(k)) for s, k in enumerate(kept)]
+        out += [dict(base, seed=str(s), method="hsap-contiguous", metric="owner_imbalance", value=str(o)) for s, o in enumerate(owner)]
+        # the balanced layout's own owner imbalance is not the contiguous one's: ignored
+        return out + [dict(base, seed="0", method="hsap-balanced", metric="owner_imbalance", value="9.0")]
+
+    K = 1024
+    md = kept_table(rows("fineweb", 64 * K, 8, [0.7, 0.9, 0.8], [1.5, 1.4, 1.6])  # median 0.80: met
+                    + rows("fineweb", 64 * K, 16, [0.85], [2.0])  # missed
+                    + rows("fineweb", 256 * K, 8, [0.5], [1.2])  # 1.2 < 1.3: the target does not apply
+                    + rows("full", 64 * K, 8, [0.99], [1.9])  # one document: counted apart, missed
+                    + rows("fineweb", 64 * K, 8, [0.6], [1.5], model="h100"))
+    assert "| A100 | fineweb | 0.80 / 0.85 | 0.50 / - |" in md
+    assert "| A100 | full | 0.99 / - | - / - |" in md
+    assert "| H100 | fineweb | 0.60 / - | - / - |" in md
+    assert "met at 2 of 3 (A100 1/2, H100 1/1) packed points and 0 of 1 (A100 0/1, H100 0/0) one-document" in md
