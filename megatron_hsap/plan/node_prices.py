@@ -31,7 +31,7 @@ class NodePrices:
     node-blind layout's estimate: every document priced so, 12 batches slower by 2-14%, geomean
     0.955; as shipped, 9 slower by 3-9%, 32 faster by 1-47%, geomean 0.931). Heavier ones: spread
     over several nodes, a share's kv comes from more nodes the more ranks take it, so the flat
-    network price (above the estimate's at this size, README "Why 1.50") kept a 126K-token document
+    network price (above the estimate's at this size, README "Why the imbalance stays above 1.05") kept a 126K-token document
     (50 ranks' worth of work, slimpajama 1M over 64 ranks) on 16 ranks instead of 50: estimated
     154.6 -> 196.9 ms."""
 
