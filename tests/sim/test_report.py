@@ -93,3 +93,15 @@ def test_layouts_region_takes_the_median_kept_ratio_and_counts_the_target() -> N
     assert "| A100 | full | 0.99 / - | - / - |" in md
     assert "| H100 | fineweb | 0.60 / - | - / - |" in md
     assert "met at 2 of 3 (A100 1/2, H100 1/1) packed points and 0 of 1 (A100 0/1, H100 0/0) one-document" in md
+
+
+def test_scale_region_shows_a_failed_balanced_layout_in_its_cell() -> None:
+    """A balanced plan that failed is reported in its row, not hidden, and the verdict is taken
+    on the layout that was kept."""
+    from megatron_hsap.sim.scale import scale_markdown
+
+    rows = _scale_rows(1 << 20, "contiguous", {"hsap-contiguous": _layout(1.2, 1.0, 2.0, 0.9, 1.8)}, 0.4)
+    rows.append(dict(rows[0], method="hsap-balanced", metric="error", value="PoolOverflow: no room", unit="text"))
+    md = scale_markdown(rows)
+    assert "| 1M | balanced | failed: PoolOverflow: no room | - | - | - | - | - | - |" in md
+    assert "imbalance ≤ 1.05: 1M 1.20 (MISSED)" in md and "1M 90% / 90% (met)" in md
