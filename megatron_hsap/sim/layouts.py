@@ -303,4 +303,3 @@ def kept_table(rows: list[dict[str, str]]) -> str:
     return "\n".join([markdown_table(head, tab), "",
                       f"Target kept / contiguous ≤ {TARGET_RATIO}× where the contiguous owner imbalance is ≥ {TARGET_IMBALANCE} "
                       f"(median over seeds): met at {count(False)} packed points and {count(True)} one-document (`full`) points."])
-

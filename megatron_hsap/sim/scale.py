@@ -18,6 +18,7 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Any, Callable
 
 from megatron_hsap.plan.hardware import LinkClass
 from megatron_hsap.plan.ir import Phase
@@ -80,7 +81,8 @@ def scale(out_dir: str | Path, *, quick: bool = False, seeds: int | None = None,
                 b = phase_breakdown(r, ph, ideal[ph], hw.latency(LinkClass.INFINIBAND))
                 rows += [pt.row(r.method, f"{ph}_term_{k}", 1e3 * v, "ms") for k, v in b.items()]
     as_read = [{c: str(getattr(r, c)) for c in COLUMNS} for r in rows]  # the strings the CSV holds
-    title = f"### Scale — HSAP on {P:,} simulated H100s ({intra} × {inter}), `{workload}`, contiguous vs balanced layout"
+    intra, inter, _ = configs[0]  # one topology per run
+    title = f"### Scale — HSAP on {intra * inter:,} simulated H100s ({intra} × {inter}), `{workload}`, contiguous vs balanced layout"
     return Report("scale", rows, title + "\n\n" + scale_markdown(as_read), []).write(out_dir)
 
 
@@ -115,7 +117,8 @@ def scale_markdown(rows: list[dict[str, str]]) -> str:
     def label(T: str) -> str:
         return f"{int(T) / M:g}M"
 
-    table, terms, verdict = [], [], {"imbalance": [], "ideal": [], "compile": []}
+    table, terms = [], []
+    verdict: dict[str, list[tuple[str, Any]]] = {"imbalance": [], "ideal": [], "compile": []}  # (size, value) of the kept layout
     for T in sizes:
         kept = by.get((T, "hsap-kept"), {}).get("layout", "")
         con = by.get((T, "hsap-contiguous"), {})
@@ -145,13 +148,13 @@ def scale_markdown(rows: list[dict[str, str]]) -> str:
         verdict["compile"].append((label(T), f(by.get((T, "hsap-kept"), {}), "compile_cpu_time")))
     docs = ", ".join(f"{label(T)} {by.get((T, 'hsap-contiguous'), {}).get('documents', '?')}" for T in sizes)
 
-    def judged(values: list[str], met: bool) -> str:
-        if not values or any("nan" in v for v in values):
+    def judged(pairs: list, fmt: Callable[[Any], str], ok: Callable[[Any], bool]) -> str:
+        """``pairs`` of (size label, value) as ``1M value, 2M value (met|MISSED)``."""
+        cells = [f"{t} {fmt(v)}" for t, v in pairs]
+        if not cells or any("nan" in c for c in cells):
             return "not recorded (rerun `megatron-hsap simulate scale`)"
-        return ", ".join(values) + (" (met)" if met else " (MISSED)")
+        return ", ".join(cells) + (" (met)" if all(ok(v) for _, v in pairs) else " (MISSED)")
 
-    imb, ideal, comp = ([v for _, v in verdict[k]] for k in ("imbalance", "ideal", "compile"))
-    at = {k: [t for t, _ in verdict[k]] for k in verdict}
     lines = [
         f"{P_intra * P_inter:,} simulated H100s ({P_intra} × {P_inter}, FA3-class kernels), GQA 64:8, d 128, "
         f"`{first['workload']}` batches ({docs} documents); the contiguous layout and the balanced one "
@@ -160,12 +163,11 @@ def scale_markdown(rows: list[dict[str, str]]) -> str:
         markdown_table(["T", "layout", "placement", "imbalance", "bytes / necessary", "fwd / bwd ms", "TFLOP/s per GPU fwd / bwd",
                         "% of ideal fwd / bwd", "time / contiguous"], table), "",
         f"Issue 14 item 4 on the kept layout: imbalance ≤ {SCALE_IMBALANCE_TARGET}: "
-        + judged([f"{t} {x:.2f}" for t, x in zip(at["imbalance"], imb)], all(x <= SCALE_IMBALANCE_TARGET for x in imb))
+        + judged(verdict["imbalance"], "{:.2f}".format, lambda x: x <= SCALE_IMBALANCE_TARGET)
         + f"; ≥ {100 * SCALE_IDEAL_TARGET:.0f}% of the ideal (fwd / bwd): "
-        + judged([f"{t} {100 * a:.0f}% / {100 * b:.0f}%" for t, (a, b) in zip(at["ideal"], ideal)],
-                 all(min(p) >= SCALE_IDEAL_TARGET for p in ideal))
+        + judged(verdict["ideal"], lambda p: f"{100 * p[0]:.0f}% / {100 * p[1]:.0f}%", lambda p: min(p) >= SCALE_IDEAL_TARGET)
         + f"; compile ≤ {SCALE_COMPILE_TARGET_S:g} s (CPU time of the default, both layouts): "
-        + judged([f"{t} {x:.2f} s" for t, x in zip(at["compile"], comp)], all(x <= SCALE_COMPILE_TARGET_S for x in comp)) + ".", "",
+        + judged(verdict["compile"], "{:.2f} s".format, lambda x: x <= SCALE_COMPILE_TARGET_S) + ".", "",
         "Where the time goes (the critical rank, ms; `sim/breakdown.py`):", "",
         markdown_table(["T", "layout", "phase", *(k.replace("_", " ") for k in TERMS)], terms),
     ]
