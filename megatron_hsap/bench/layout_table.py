@@ -10,13 +10,11 @@ loses: > 1) and kept / contiguous (what ``layout="balanced"`` ships: never > 1).
 
 from __future__ import annotations
 
+from megatron_hsap.sim.results import size_label
+
 __all__ = ["layout_markdown", "TARGET_COMPUTE_EFFICIENCY"]
 
 TARGET_COMPUTE_EFFICIENCY = 0.9
-
-
-def _fmt_T(T: int) -> str:
-    return f"{T // (1 << 20)}M" if T % (1 << 20) == 0 else f"{T // 1024}K"
 
 
 def layout_markdown(summary: dict[tuple, dict[tuple[str, str], tuple[float, float]]], workloads: tuple[str, ...]) -> str:
@@ -47,9 +45,9 @@ def layout_markdown(summary: dict[tuple, dict[tuple[str, str], tuple[float, floa
             target = "met" if ok else "MISSED"
             met, missed = met + ok, missed + (not ok)
         if d[("hsap-kept", "balanced_over_contiguous")][0] > 1.005:  # beyond rounding
-            losses.append(f"{w} {_fmt_T(T)} P={P} {link} {heads} ({d[('hsap-kept', 'balanced_over_contiguous')][0]:.2f}×)")
+            losses.append(f"{w} {size_label(T)} P={P} {link} {heads} ({d[('hsap-kept', 'balanced_over_contiguous')][0]:.2f}×)")
         lines.append("| " + " | ".join([
-            w, _fmt_T(T), str(P), link, heads,
+            w, size_label(T), str(P), link, heads,
             cell(d, "hsap", "owner_imbalance", fmt="{:.2f}"), cell(d, "hsap-balanced", "owner_imbalance", fmt="{:.3f}"),
             cell(d, "hsap", "imbalance", fmt="{:.3f}"), cell(d, "hsap-balanced", "imbalance", fmt="{:.3f}"),
             cell(d, "hsap", "estimated_time", 1e3), cell(d, "hsap-balanced", "estimated_time", 1e3),

@@ -38,6 +38,7 @@ from megatron_hsap.baselines.registry import REGISTRY
 from megatron_hsap.plan.costs import HeadShape
 from megatron_hsap.plan.hardware import HARDWARE, LinkClass, link_class_for
 from megatron_hsap.plan.workloads import pack_batches
+from megatron_hsap.sim.results import size_label
 
 __all__ = ["main", "Point", "measure_point", "COLUMNS"]
 
@@ -87,10 +88,6 @@ class Point:
     @property
     def link(self) -> str:
         return self.forced_link or link_class_for(self.P).value
-
-
-def _fmt_T(T: int) -> str:
-    return f"{T // (1 << 20)}M" if T % (1 << 20) == 0 else f"{T // 1024}K"
 
 
 def measure_point(pt: Point, hardware: str = "a100", layouts: tuple[str, ...] = ("contiguous",)) -> list[tuple]:
@@ -251,7 +248,7 @@ def compile_markdown(rows: list[tuple]) -> list[str]:
         budget = COMPILE_BUDGETS.get((T, P)) if method == "hsap-kept" else None
         verdict = "" if budget is None else f"{budget * 1e3:.0f} ({'met' if m['compile_time_median'] <= budget else 'MISSED'})"
         cpu = m.get("compile_cpu_time_median")
-        lines.append(f"| | {names.get(method, method)} | {_fmt_T(T)} | {P} | {m['compile_time_median'] * 1e3:.1f} | "
+        lines.append(f"| | {names.get(method, method)} | {size_label(T)} | {P} | {m['compile_time_median'] * 1e3:.1f} | "
                      f"{m['compile_time_max'] * 1e3:.1f} | {'n/a' if cpu is None else f'{cpu * 1e3:.1f}'} | "
                      f"{m['cache_hit_time_median'] * 1e3:.3f} | {verdict} |")
     return lines
@@ -297,7 +294,7 @@ def markdown(rows: list[tuple]) -> str:
         w, T, P, link, heads = key
         base_cells = [cell(d, b, "estimated_time", 1e3) for b in BASELINES]
         lines.append(
-            f"| {w} | {_fmt_T(T)} | {P} | {link} | {heads} | {cell(d, 'hsap', 'imbalance')} | {cell(d, 'hsap', 'owner_imbalance')} | "
+            f"| {w} | {size_label(T)} | {P} | {link} | {heads} | {cell(d, 'hsap', 'imbalance')} | {cell(d, 'hsap', 'owner_imbalance')} | "
             f"{cell(d, 'hsap', 'bytes', 1e-9)} | {cell(d, 'hsap', 'bytes_over_necessary')} | {cell(d, 'hsap', 'bytes_over_te')} | "
             f"{cell(d, 'hsap', 'estimated_time', 1e3)} | {cell(d, 'hsap', 'efficiency', 1, '{:.3f}')} | "
             f"{cell(d, 'hsap', 'compute_efficiency', 1, '{:.3f}')} | {cell(d, 'hsap', 'kernel_efficiency', 1, '{:.3f}')} | "
@@ -341,7 +338,7 @@ def plots(rows: list[tuple], out: Path) -> list[Path]:
                     line, = ax.plot(xs, med, style, marker="o", label=f"{w} {heads}")
                     ax.vlines(xs, np.minimum(med, worst), np.maximum(med, worst), colors=line.get_color(), alpha=0.5)
             ax.set_xscale("log", base=2)
-            ax.set_title(f"T = {_fmt_T(T)}")
+            ax.set_title(f"T = {size_label(T)}")
             ax.set_xlabel("P_inter (NVLink ≤ 8 < InfiniBand)")
             if metric == "best_baseline_over_hsap":
                 ax.axhline(1.0, color="k", lw=0.8)

@@ -40,9 +40,9 @@ from megatron_hsap.sim.breakdown import TERMS, phase_breakdown
 from megatron_hsap.sim.config import SimHardware, sim_hardware, with_links
 from megatron_hsap.sim.methods import full_shape, hsap_plan, ideal_seconds, run_method
 from megatron_hsap.sim.reproduce import Point, attempt, method_rows, progress
-from megatron_hsap.sim.results import Report, Row, markdown_table
+from megatron_hsap.sim.results import Report, Row, markdown_table, size_label
 
-__all__ = ["kept_table", "layouts", "compare_layouts", "LayoutRun", "LayoutPair", "plan_options", "ib_hardware"]
+__all__ = ["kept_table", "target_met", "layouts", "compare_layouts", "LayoutRun", "LayoutPair", "plan_options", "ib_hardware"]
 
 K = 1024
 WORKLOADS = ("fineweb", "slimpajama", "ultrachat", "sharegpt", "full")
@@ -167,10 +167,6 @@ def _x(ratio: float) -> str:
     return f"{ratio:.3f}×" if 0.995 < ratio < 1.005 else f"{ratio:.2f}×"
 
 
-def _size(T: int) -> str:
-    return f"{T // (1024 * K)}M" if T >= 1024 * K else f"{T // K}K"
-
-
 @dataclass(frozen=True, slots=True)
 class _Summary:
     """One (hardware, workload, T, P) point over its seeds: a table row and the report's notes."""
@@ -183,6 +179,15 @@ class _Summary:
     errors: list[str]
 
 
+def target_met(owner_imbalances: list[float], kept_ratios: list[float]) -> bool | None:
+    """The layouts target at one point, over its seeds: None where it does not apply (median
+    contiguous owner imbalance under ``TARGET_IMBALANCE``, or none measured), else whether the
+    median kept / contiguous time is at most ``TARGET_RATIO`` (no kept plan: not met)."""
+    if not owner_imbalances or float(np.median(owner_imbalances)) < TARGET_IMBALANCE:
+        return None
+    return bool(kept_ratios) and float(np.median(kept_ratios)) <= TARGET_RATIO
+
+
 def _summarise(where: str, wl: str, T: int, P: int, ps: list[LayoutPair]) -> _Summary:
     c, b = [p.contiguous for p in ps], [p.balanced for p in ps]
     ok = [p for p in ps if p.kept is not None]
@@ -190,10 +195,8 @@ def _summarise(where: str, wl: str, T: int, P: int, ps: list[LayoutPair]) -> _Su
     est = [p.balanced.estimate_s / p.contiguous.estimate_s for p in ok]
     kept = [p.kept.seconds / p.contiguous.seconds for p in ok]  # type: ignore[union-attr]
     good_c = [r for r in c if not r.error]
-    target, plan_imbalanced = None, False
-    if good_c and float(np.median([r.owner_imbalance for r in good_c])) >= TARGET_IMBALANCE:
-        target = bool(kept) and float(np.median(kept)) <= TARGET_RATIO
-        plan_imbalanced = float(np.median([r.imbalance for r in good_c])) >= TARGET_IMBALANCE
+    target = target_met([r.owner_imbalance for r in good_c], kept)
+    plan_imbalanced = target is not None and float(np.median([r.imbalance for r in good_c])) >= TARGET_IMBALANCE
     loss = None
     if sim and max(sim) > 1:  # explain the worst seed: bytes, tokens per rank, the breakdown term that grew most
         i = int(np.argmax(sim))
@@ -204,7 +207,7 @@ def _summarise(where: str, wl: str, T: int, P: int, ps: list[LayoutPair]) -> _Su
                 f"{ok[i].balanced.bytes_total / max(ok[i].contiguous.bytes_total, 1):.1f}× the bytes; largest growth on the "
                 f"critical rank: {term.replace('_', ' ')} +{1e3 * (tb[term] - tc[term]):,.1f} ms; kept: {ok[i].kept.layout}")  # type: ignore[union-attr]
     n_bal = sum(p.kept is p.balanced for p in ok)
-    row = [wl, _size(T), P, _cell([r.owner_imbalance for r in c]), _cell([r.imbalance for r in c]), _cell([r.imbalance for r in b]),
+    row = [wl, size_label(T), P, _cell([r.owner_imbalance for r in c]), _cell([r.imbalance for r in c]), _cell([r.imbalance for r in b]),
            _ms([r.seconds for r in c]), _ms([r.seconds for r in b]), _cell(sim), _cell(est), f"{n_bal}/{len(ok)} balanced",
            _cell(kept), "-" if target is None else ("met" if target else "MISSED")]
     return _Summary(row, target, plan_imbalanced, loss, f"{where} ({_x(max(kept))})" if kept and max(kept) > 1 else None,
@@ -231,7 +234,7 @@ def layouts(out_dir: str | Path, *, quick: bool = False, seeds: int | None = Non
     for key, pair, prs in results:
         pairs.setdefault(key, []).append(pair)
         rows += prs
-    summary = {k: _summarise(f"{k[0].upper()} {k[1]} {_size(k[2])} P={k[3]}", k[1], k[2], k[3], pairs[k]) for k in grid}
+    summary = {k: _summarise(f"{k[0].upper()} {k[1]} {size_label(k[2])} P={k[3]}", k[1], k[2], k[3], pairs[k]) for k in grid}
     md: list[str] = []
     for h in hws:
         md += [f"### Layouts — contiguous vs balanced, simulated {h.upper()} over InfiniBand ({ib_hardware(h).ib_bw / 1e9:.0f} GB/s "
@@ -283,17 +286,17 @@ def kept_table(rows: list[dict[str, str]]) -> str:
                 vals = []
                 for P in ps:
                     d = acc.get((h, w, T, P), {})
-                    kept, own = d.get("kept_over_contiguous", []), d.get("owner_imbalance", [])
+                    kept = d.get("kept_over_contiguous", [])
                     if not kept:
                         vals.append("-")
                         continue
-                    k = float(np.median(kept))
-                    vals.append(f"{k:.2f}")
-                    if own and float(np.median(own)) >= TARGET_IMBALANCE:
-                        met.setdefault((h, w == "full"), []).append(k <= TARGET_RATIO)
+                    vals.append(f"{float(np.median(kept)):.2f}")
+                    target = target_met(d.get("owner_imbalance", []), kept)
+                    if target is not None:
+                        met.setdefault((h, w == "full"), []).append(target)
                 cells.append(" / ".join(vals))
             tab.append([h.upper(), w, *cells])
-    head = ["model", "workload", *(f"{_size(T)} P={' / '.join(map(str, ps))}" for T in sizes)]
+    head = ["model", "workload", *(f"{size_label(T)} P={' / '.join(map(str, ps))}" for T in sizes)]
 
     def count(one_doc: bool) -> str:
         by = {h: met.get((h, one_doc), []) for h in models}

@@ -19,7 +19,7 @@ from typing import Callable
 import numpy as np
 
 from megatron_hsap.plan.ir import Phase
-from megatron_hsap.sim.results import flattened_cell, markdown_table, read_csv
+from megatron_hsap.sim.results import flattened_cell, markdown_table, read_csv, size_label
 
 __all__ = ["REGIONS", "render", "update_readme", "main"]
 
@@ -279,7 +279,7 @@ def _layout_measures(rows: list[dict[str, str]]) -> str:
     tab = []
     for w, T, heads in sorted(cells, key=lambda k: (order.get(k[0], 99), int(k[1]), k[2])):
         t = int(T)
-        tab.append([w, f"{t >> 20}M" if t % (1 << 20) == 0 else f"{t >> 10}K", heads, *[cells[(w, T, heads)].get(c, "-") for c in cols]])
+        tab.append([w, size_label(t), heads, *[cells[(w, T, heads)].get(c, "-") for c in cols]])
     head = ["workload", "T", "heads", *[f"P {P} {'NVLink' if link == 'nvlink' else 'IB'}" for P, link in cols]]
     return markdown_table(head, tab)
 

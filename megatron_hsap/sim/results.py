@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
 
-__all__ = ["COLUMNS", "Row", "write_csv", "read_csv", "markdown_table", "Report", "flattened_cell"]
+__all__ = ["COLUMNS", "Row", "write_csv", "read_csv", "markdown_table", "size_label", "Report", "flattened_cell"]
 
 COLUMNS = ("source", "workload", "T", "P_intra", "P_inter", "link", "heads", "seed", "method", "metric", "value", "unit")
 
@@ -45,6 +45,11 @@ def write_csv(path: str | Path, rows: Iterable[Row]) -> Path:
 def read_csv(path: str | Path) -> list[dict[str, str]]:
     with Path(path).open(newline="") as f:
         return list(csv.DictReader(f))
+
+
+def size_label(T: int) -> str:
+    """A batch size in tokens as the tables print it: ``1M`` when a whole number of Mi-tokens, else ``64K``."""
+    return f"{T >> 20}M" if T % (1 << 20) == 0 else f"{T >> 10}K"
 
 
 def markdown_table(header: Sequence[str], rows: Iterable[Sequence[object]]) -> str:

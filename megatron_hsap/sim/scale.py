@@ -27,7 +27,7 @@ from megatron_hsap.sim.breakdown import TERMS, phase_breakdown
 from megatron_hsap.sim.config import sim_hardware
 from megatron_hsap.sim.methods import full_shape, hsap_plan, ideal_seconds, run_method
 from megatron_hsap.sim.reproduce import Point, attempt, method_rows, progress
-from megatron_hsap.sim.results import COLUMNS, Report, Row, markdown_table
+from megatron_hsap.sim.results import COLUMNS, Report, Row, markdown_table, size_label
 
 __all__ = ["scale", "scale_markdown"]
 
@@ -98,11 +98,11 @@ def scale_markdown(rows: list[dict[str, str]]) -> str:
     """``results/scale.md`` and the README's scale region (``megatron-hsap report``) from the rows
     of ``results/scale.csv`` (strings, as read): both layouts per batch size, the kept one marked,
     USP beside them, where each phase's time goes, and the issue's targets judged on the kept layout."""
-    by: dict[tuple[str, str], dict[str, str]] = {}
+    by: dict[tuple[int, str], dict[str, str]] = {}
     for r in rows:
         if r["source"] == "sim":
-            by.setdefault((r["T"], r["method"]), {})[r["metric"]] = r["value"]
-    sizes = sorted({t for t, _ in by}, key=int)
+            by.setdefault((int(r["T"]), r["method"]), {})[r["metric"]] = r["value"]
+    sizes = sorted({t for t, _ in by})
     if not sizes:
         return "_(no scale rows)_"
     first = next(r for r in rows if r["source"] == "sim")
@@ -114,12 +114,10 @@ def scale_markdown(rows: list[dict[str, str]]) -> str:
         except (KeyError, ValueError):
             return float("nan")
 
-    def label(T: str) -> str:
-        return f"{int(T) / M:g}M"
-
     table, terms = [], []
     verdict: dict[str, list[tuple[str, Any]]] = {"imbalance": [], "ideal": [], "compile": []}  # (size, value) of the kept layout
     for T in sizes:
+        lab = size_label(T)
         kept = by.get((T, "hsap-kept"), {}).get("layout", "")
         con = by.get((T, "hsap-contiguous"), {})
         for name, method in _LAYOUT_METHODS:
@@ -127,26 +125,26 @@ def scale_markdown(rows: list[dict[str, str]]) -> str:
             if d is None:
                 continue
             if "error" in d:
-                table.append([label(T), name, "failed: " + d["error"], *["-"] * 6])
+                table.append([lab, name, "failed: " + d["error"], *["-"] * 6])
                 continue
             pct = [f(d, f"{ph}_term_ideal") / f(d, f"{ph}_time") for ph in Phase]
             vs = f(d, "time") / f(con, "time")
-            table.append([label(T), f"**{name}** (kept)" if name == kept else name, d.get("placement", "-"), f"{f(d, 'plan_imbalance'):.2f}",
+            table.append([lab, f"**{name}** (kept)" if name == kept else name, d.get("placement", "-"), f"{f(d, 'plan_imbalance'):.2f}",
                           f"{f(d, 'bytes_over_necessary'):.2f}", f"{f(d, 'fwd_time'):.2f} / {f(d, 'bwd_time'):.2f}",
                           f"{f(d, 'fwd_tflops_per_gpu'):.0f} / {f(d, 'bwd_tflops_per_gpu'):.0f}",
                           f"{100 * pct[0]:.0f}% / {100 * pct[1]:.0f}%", f"{vs:.2f}×"])
             if name == kept:
-                verdict["imbalance"].append((label(T), f(d, "plan_imbalance")))
-                verdict["ideal"].append((label(T), pct))
+                verdict["imbalance"].append((lab, f(d, "plan_imbalance")))
+                verdict["ideal"].append((lab, pct))
             for ph in Phase:
-                terms.append([label(T), name, ph, *(f"{f(d, f'{ph}_term_{k}'):.3f}" for k in TERMS)])
+                terms.append([lab, name, ph, *(f"{f(d, f'{ph}_term_{k}'):.3f}" for k in TERMS)])
         usp = by.get((T, "usp"))
         if usp is not None:
-            table.append([label(T), "USP (Ulysses × ring)", "-", "-", "-", f"{f(usp, 'fwd_time'):.1f} / {f(usp, 'bwd_time'):.1f}",
+            table.append([lab, "USP (Ulysses × ring)", "-", "-", "-", f"{f(usp, 'fwd_time'):.1f} / {f(usp, 'bwd_time'):.1f}",
                           f"{f(usp, 'fwd_tflops_per_gpu'):.1f} / {f(usp, 'bwd_tflops_per_gpu'):.1f}", "-",
                           f"{f(usp, 'time') / f(con, 'time'):.0f}×"])
-        verdict["compile"].append((label(T), f(by.get((T, "hsap-kept"), {}), "compile_cpu_time")))
-    docs = ", ".join(f"{label(T)} {by.get((T, 'hsap-contiguous'), {}).get('documents', '?')}" for T in sizes)
+        verdict["compile"].append((lab, f(by.get((T, "hsap-kept"), {}), "compile_cpu_time")))
+    docs = ", ".join(f"{size_label(T)} {by.get((T, 'hsap-contiguous'), {}).get('documents', '?')}" for T in sizes)
 
     def judged(pairs: list, fmt: Callable[[Any], str], ok: Callable[[Any], bool]) -> str:
         """``pairs`` of (size label, value) as ``1M value, 2M value (met|MISSED)``."""
