@@ -7,12 +7,17 @@ from __future__ import annotations
 import math
 import numpy as np
 
-from megatron_hsap.plan.ir import TokenRange, Unit
+from megatron_hsap.plan.ir import TokenRange, Unit, new_unit, positional_builder
 from megatron_hsap.plan.placement import CostRates, rows_for_work
 from megatron_hsap.plan.units import clip_unit
 
 __all__ = ["footprint", "split_rows", "split_cols", "with_stage", "cut_by_cols", "count_fitting",
            "smallest_piece", "needs_tiles", "grid_tiles", "cut_fitting_part"]
+
+
+# the planner's hottest constructions (~10^4 cuts per 1M-token compile): the slots' setters, not
+# the dataclass ``__init__`` (equal objects; ``TokenRange``'s bounds check still runs)
+_new_range = positional_builder(TokenRange)
 
 
 def footprint(u: Unit, rates: CostRates) -> float:
@@ -29,9 +34,9 @@ def footprint(u: Unit, rates: CostRates) -> float:
 def split_rows(u: Unit, m: int) -> tuple[Unit, Unit]:
     """Split ``u`` before global q row ``m``: a causal block's head keeps bottom-right alignment."""
     assert u.q.start < m < u.q.stop, (u, m)
-    first_kv = TokenRange(u.kv.start, m) if u.causal else u.kv
-    a = _part(u, TokenRange(u.q.start, m), first_kv, u.causal)
-    b = _part(u, TokenRange(m, u.q.stop), u.kv, u.causal)
+    first_kv = _new_range(u.kv.start, m) if u.causal else u.kv
+    a = _part(u, _new_range(u.q.start, m), first_kv, u.causal)
+    b = _part(u, _new_range(m, u.q.stop), u.kv, u.causal)
     assert a is not None and b is not None, (u, m)
     return a, b
 
@@ -39,8 +44,8 @@ def split_rows(u: Unit, m: int) -> tuple[Unit, Unit]:
 def split_cols(u: Unit, m: int) -> tuple[Unit, Unit]:
     """Split a rectangle before global kv row ``m``."""
     assert not u.causal and u.kv.start < m < u.kv.stop, (u, m)
-    a = _part(u, u.q, TokenRange(u.kv.start, m), False)
-    b = _part(u, u.q, TokenRange(m, u.kv.stop), False)
+    a = _part(u, u.q, _new_range(u.kv.start, m), False)
+    b = _part(u, u.q, _new_range(m, u.kv.stop), False)
     assert a is not None and b is not None, (u, m)
     return a, b
 
@@ -53,8 +58,9 @@ def with_stage(u: Unit, stage: int) -> Unit:
 def _part(u: Unit, q: TokenRange, kv: TokenRange, causal: bool) -> Unit | None:
     """A part of ``u`` on its rank and stage, clipped to the sliding window (None: beyond it).
     Row and column cuts of a clipped block are never empty (``plan/window.py``)."""
-    part = Unit(u.doc, q, kv, causal, u.q_owner, u.kv_owner, u.rank, u.stage, u.window)
-    return part if u.window < 0 else clip_unit(part, u.window)
+    w = u.window
+    part = new_unit(u.doc, q, kv, causal, u.q_owner, u.kv_owner, u.rank, u.stage, w, -1)  # Unit(...), work not yet computed
+    return part if w < 0 else clip_unit(part, w)
 
 
 def cut_by_cols(u: Unit, rates: CostRates) -> bool:

@@ -63,6 +63,9 @@ class StageShape:
     stages: int
     end_weight: float
     ring_fill: bool = False
+    # the stage count of the shape with the same end weight this one doubles the middle stages of
+    # (``stage_shapes``: n0 and 2·n0; 0: none). Not part of the shape's identity.
+    doubles: int = field(default=0, compare=False)
 
     @property
     def weights(self) -> np.ndarray:
@@ -457,8 +460,9 @@ def stage_shapes(split: BlocksByRank, rates: CostRates, budget: float, max_stage
     for alpha in (0.25, 0.5, 1.0):
         n_fit = min(fit_cap, int(math.ceil(2 * alpha * rho / (1 - rho) - 1e-9))) if rho > 0 else 1
         n0 = max(1, n_pool, n_fit)
-        for n in (n0, 2 * n0):
-            shapes.add(StageShape(min(n, max_stages - 2) + 2, alpha))
+        base = StageShape(min(n0, max_stages - 2) + 2, alpha)
+        shapes.add(base)
+        shapes.add(StageShape(min(2 * n0, max_stages - 2) + 2, alpha, doubles=base.stages))  # (equal to base when capped: not added)
         shapes.add(StageShape(min(n0, max_stages - 2) + 2, alpha, ring_fill=True))
     if n_pool <= 1:
         shapes.add(StageShape(2, 1.0))
