@@ -12,7 +12,8 @@ def _rows(median_64k: float, median_1m: float) -> list[tuple]:
     for (T, P), med in zip(plan_quality.COMPILE_BUDGETS, (median_64k, median_1m)):
         for method, value in (("hsap", med / 3), ("hsap-kept", med)):
             base = (plan_quality.SOURCE + "_compile", "fineweb", T, 1, P, "nvlink", "32/8", -1, method)
-            rows += [base + ("compile_time_median", value, "s"), base + ("compile_time_max", 2 * value, "s"),
+            rows += [base + ("compile_time_median", value, "s"), base + ("compile_time_single_median", 1.5 * value, "s"),
+                     base + ("compile_time_max", 2 * value, "s"),
                      base + ("compile_cpu_time_median", value / 2, "s"), base + ("cache_hit_time_median", 1e-5, "s")]
     return rows
 
@@ -27,8 +28,8 @@ def test_compile_table_verdicts_follow_the_medians() -> None:
     assert "heads 32/8, d 128" in lines[0] and "CPU time" in lines[0]
     kept = [ln for ln in lines if "balanced, the default" in ln]
     assert len(kept) == 2
-    assert "| 64K | 8 | 19.0 | 38.0 | 9.5 | 0.010 | 20 (met) |" in kept[0]
-    assert "| 1M | 64 | 250.0 | 500.0 | 125.0 | 0.010 | 200 (MISSED) |" in kept[1]
+    assert "| 64K | 8 | 19.0 | 28.5 / 38.0 | 9.5 | 0.010 | 20 (met) |" in kept[0]  # the verdict on the least of the repeats
+    assert "| 1M | 64 | 250.0 | 375.0 / 500.0 | 125.0 | 0.010 | 200 (MISSED) |" in kept[1]
     contiguous = [ln for ln in lines if "| contiguous |" in ln]
     assert len(contiguous) == 2 and all(ln.endswith("|  |") for ln in contiguous)  # no budget for the paper's layout
     assert plan_quality.compile_markdown([]) == []
