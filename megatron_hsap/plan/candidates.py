@@ -15,7 +15,7 @@ from megatron_hsap.plan.ir import Phase, Unit
 from megatron_hsap.plan.placement import CostRates, Placement, min_traffic, owner_computes, region_distflash
 from megatron_hsap.plan.plan_type import ChosenCandidate
 from megatron_hsap.plan.rebalance import balance
-from megatron_hsap.plan.schedule import BlocksByRank, StagedBlocks, StagingError, default_shape, stage, stage_shapes
+from megatron_hsap.plan.schedule import BlocksByRank, StagedBlocks, StageShape, StagingError, default_shape, stage, stage_shapes
 from megatron_hsap.plan.units import WorkUnit
 
 _TRAFFIC_BUDGETS = (0.3, 0.6, 1.2)  # balanced candidates: traffic per phase vs compute time
@@ -40,6 +40,12 @@ _OWNER_RESTAGE_STOP = 0.05
 # 8.6% under its base, which sat 3.6% behind the best (docs/design.md §2.1)
 _DOUBLED_MARGIN = 0.03
 _DOUBLED_FROM = 2  # the fewest middle stages of a base whose doubled shape the rule may skip
+
+
+def _skippable(shp: StageShape) -> bool:
+    """Whether the doubled-shape rule applies to ``shp``: it doubles a base of at least
+    ``_DOUBLED_FROM`` middle stages (one middle stage doubled to two is always staged)."""
+    return shp.doubles > 0 and len(StageShape(shp.doubles, shp.end_weight).middle) >= _DOUBLED_FROM
 _MIN_GAIN = 0.01  # a candidate whose lower bound is within 1% of the best estimate is not staged
 # moving work must beat owner-computes' exact estimate by more than this to be kept: the per-rank
 # estimate tracks the simulator within ~1-3% per batch (sim/estimate_accuracy.py: median 0.99-1.00
@@ -62,9 +68,8 @@ def _stagings(split: BlocksByRank, rates: CostRates, latency: float, budget: flo
     for shp in first + ([s for s in shapes if s.stages > fewest] if explore else []):
         if shp.stages > fewest and not out:
             break  # (no shape at the fewest stages staged: more stages cannot either)
-        # _DOUBLED_MARGIN: doubling the middle stages of a shape this far behind does not win, except
-        # from one middle stage to two (always staged)
-        base = priced.get((shp.doubles, shp.end_weight)) if shp.doubles - 2 >= _DOUBLED_FROM else None
+        # _DOUBLED_MARGIN: doubling the middle stages of a shape this far behind does not win
+        base = priced.get((shp.doubles, shp.end_weight)) if _skippable(shp) else None
         if base is not None and base > min(t for t, _ in out) * (1 + _DOUBLED_MARGIN):
             continue
         try:

@@ -463,7 +463,7 @@ def stage_shapes(split: BlocksByRank, rates: CostRates, budget: float, max_stage
         base = StageShape(min(n0, max_stages - 2) + 2, alpha)
         shapes.add(base)
         shapes.add(StageShape(min(2 * n0, max_stages - 2) + 2, alpha, doubles=base.stages))  # (equal to base when capped: not added)
-        shapes.add(StageShape(min(n0, max_stages - 2) + 2, alpha, ring_fill=True))
+        shapes.add(StageShape(base.stages, alpha, ring_fill=True))
     if n_pool <= 1:
         shapes.add(StageShape(2, 1.0))
         shapes.add(StageShape(3, 1.0))

@@ -95,7 +95,7 @@ def test_a_doubled_shape_is_staged_only_while_its_base_is_near_the_best(monkeypa
                 continue
             base = next(s for s in order[:i] if (s.stages, s.end_weight, s.ring_fill) == (shp.doubles, shp.end_weight, False))
             best = min(price[s] for s in order[:i] if s in price)
-            near = price[base] <= best * (1 + candidates._DOUBLED_MARGIN) or base.stages - 2 < candidates._DOUBLED_FROM
+            near = price[base] <= best * (1 + candidates._DOUBLED_MARGIN) or not candidates._skippable(shp)
             assert (shp in tried) == near, (shp, price[base], best)
             skipped += not near
     assert skipped >= 3  # not vacuous: the rule skipped shapes on this batch
@@ -143,7 +143,7 @@ def test_a_doubled_shape_wins_when_staged_and_is_skipped_when_its_base_is_far_be
     # §2.1). Shapes doubling one middle stage are staged either way
     split, rates = _owner_split()
     shapes = stage_shapes(split, rates, 1e9)
-    ruled = [s for s in shapes if s.doubles and s.doubles - 2 >= candidates._DOUBLED_FROM]
+    ruled = [s for s in shapes if candidates._skippable(s)]
     exempt = [s for s in shapes if s.doubles and s not in ruled]
     assert ruled and exempt  # the batch has both kinds
     bases = {(s.doubles, s.end_weight) for s in ruled}
