@@ -7,6 +7,8 @@ at built price, with pool-overflow retries and the owner-computes check (``_choo
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from megatron_hsap.plan.bounds import compute_bound, placement_floor
 from megatron_hsap.plan.codegen import PoolOverflow, generate
 from megatron_hsap.plan.costs import HeadShape
@@ -55,30 +57,38 @@ _MIN_GAIN = 0.01  # a candidate whose lower bound is within 1% of the best estim
 _OWNER_MARGIN = 0.01
 
 
-def _stagings(split: BlocksByRank, rates: CostRates, latency: float, budget: float, *, explore: bool = True) -> list[tuple[float, StagedBlocks]]:
+def _each_staging(split: BlocksByRank, rates: CostRates, latency: float, budget: float, *, explore: bool = True) -> Iterator[tuple[float, StagedBlocks]]:
     """``split`` staged under the default shape only, or with ``explore`` under every end-stage
-    weight at the fewest stages, then twice as many stages: ``(staged price, staging)`` pairs,
-    cheapest first (ties: in that order). ``schedule.stage`` and ``price_staging`` memoise on the
-    split, so asking again under the same budget stages nothing twice."""
+    weight at the fewest stages, then twice as many stages: ``(staged price, staging)`` pairs in
+    that order, lazily (a caller that needs only one price under a bar stops at it).
+    ``schedule.stage`` and ``price_staging`` memoise on the split, so asking again under the same
+    budget stages nothing twice."""
     shapes = stage_shapes(split, rates, budget)
     fewest = min(s.stages for s in shapes)
     first = [default_shape(shapes)] if not explore else [s for s in shapes if s.stages == fewest]
-    out: list[tuple[float, StagedBlocks]] = []
+    least, staged = float("inf"), False  # the least price yielded so far; whether any was
     priced: dict[tuple[int, float], float] = {}  # (stages, end weight) of the plain shapes staged -> price
     for shp in first + ([s for s in shapes if s.stages > fewest] if explore else []):
-        if shp.stages > fewest and not out:
-            break  # (no shape at the fewest stages staged: more stages cannot either)
+        if shp.stages > fewest and not staged:
+            return  # (no shape at the fewest stages staged: more stages cannot either)
         # _DOUBLED_MARGIN: doubling the middle stages of a shape this far behind does not win
         base = priced.get((shp.doubles, shp.end_weight)) if _skippable(shp) else None
-        if base is not None and base > min(t for t, _ in out) * (1 + _DOUBLED_MARGIN):
+        if base is not None and base > least * (1 + _DOUBLED_MARGIN):
             continue
         try:
             st = stage(split, rates, shp, budget)
         except StagingError:
             continue
-        out.append((price_staging(st, split.size, rates, latency), st))
+        t = price_staging(st, split.size, rates, latency)
+        least, staged = min(least, t), True
         if not shp.ring_fill:
-            priced[(shp.stages, shp.end_weight)] = out[-1][0]
+            priced[(shp.stages, shp.end_weight)] = t
+        yield t, st
+
+
+def _stagings(split: BlocksByRank, rates: CostRates, latency: float, budget: float, *, explore: bool = True) -> list[tuple[float, StagedBlocks]]:
+    """Every staging of ``_each_staging``, cheapest first (ties: in the order staged)."""
+    out = list(_each_staging(split, rates, latency, budget, explore=explore))
     assert out
     best = out[0]  # the first tried wins ties within 1e-12 (summation order)
     for x in out:

@@ -16,7 +16,7 @@ from megatron_hsap.errors import BatchError, ConfigError
 from megatron_hsap.plan.balanced import balanced_layout, kept_layout, kv_token_cost
 from megatron_hsap.plan.bounds import ideal_compute
 from megatron_hsap.plan.cache import PLAN_CACHE, clear_plan_cache, fast_key
-from megatron_hsap.plan.candidates import _OVERFLOW_STEP, _build, _choose, _explores, _placements, _stage_all, _stagings
+from megatron_hsap.plan.candidates import _OVERFLOW_STEP, _build, _choose, _each_staging, _explores, _placements, _stage_all
 from megatron_hsap.plan.codegen import PoolOverflow
 from megatron_hsap.plan.flatten import choose_topology, flat_options, flat_topologies
 from megatron_hsap.plan.costs import HeadShape
@@ -33,7 +33,7 @@ __all__ = ["Plan", "PlanOptions", "compile_plan", "choose_layout", "clear_plan_c
 
 
 _BUDGET_FRACTION = 0.45  # per-stage remote pool use: two stages' inputs and results live at once
-# a layout's code is not generated when its prune price (``_prune_price``) exceeds the other
+# a layout's code is not generated when its prices (``_loses``) all exceed the other
 # layout's built time by more than this: a staged price sits at or below the built plan's time
 # (the 404 builds of the 167 benchmark batches: built / staged 1.00-1.17, median 1.07, never under
 # 0.98 -- the price pours local blocks at their pre-pour kernel rate; the explored candidates'
@@ -178,9 +178,15 @@ def _search(cu: tuple[int, ...], opts: PlanOptions, staged: list[PricedLayout]) 
     layout_rates = rates if shape.fp32_grads else CostRates.of(replace(shape, fp32_grads=True), hw, rates.bw)
     # inter ranks sharing a node split documents among themselves over NVLink (node_prices.NodePrices)
     local = kv_token_cost(replace(layout_rates, bw=hw.nvlink_bw))
-    bal = _price_on(balanced_layout(batch, size, opts.intra_size, kv_token_cost(layout_rates), opts.window,
-                                    inter_rank_nodes(opts, _link_of(opts)), local), batch, shape,
-                    opts, lazy=True)
+    bal_layout = balanced_layout(batch, size, opts.intra_size, kv_token_cost(layout_rates), opts.window,
+                                 inter_rank_nodes(opts, _link_of(opts)), local)
+    if con is not None and bal_layout.segments == con.layout.segments:
+        # the same tokens on every rank (always so on one inter rank, e.g. a batch flattened to one
+        # all-to-all): one plan under either name, built once; the layout rule names it (a tie
+        # keeps the balanced one) (tests/plan/test_one_inter_rank.py)
+        plan = contiguous if contiguous is not None else _build_on(con)
+        return choose_layout(plan, replace(plan, layout=bal_layout), bound)
+    bal = _price_on(bal_layout, batch, shape, opts, lazy=True)
     staged.append(bal)
     bal.exact()
     if con is None:
@@ -206,27 +212,30 @@ def _search(cu: tuple[int, ...], opts: PlanOptions, staged: list[PricedLayout]) 
 
 def _loses(p: PricedLayout, other: float) -> bool:
     """The layout prune: whether staged layout ``p`` cannot come within ``_LAYOUT_PRUNE`` of the
-    other layout's built time ``other`` (seconds), so its code need not be generated. Its least
-    staged price decides first; only above the threshold are its candidates restaged
-    (``_prune_price``, a staging each)."""
+    other layout's built time ``other`` (seconds), so its code need not be generated.
+
+    Its least staged price decides first; above the threshold, its candidates are restaged: every
+    shape under the full budget and under the first pool-overflow budget of ``candidates._choose``'s
+    retry, cheapest candidate first, until one staging comes within the threshold (then the layout
+    is kept: the question is only whether one does, so the rest are never staged; on a fineweb 64K /
+    P_inter 8 batch this cut the prune's 168 stagings to 16). Staging again under a smaller budget
+    changes the stage counts tried, and the price is not monotone in them. Found by hypothesis (cu
+    [0, 15548, 55509, 65536], P_inter 16, GQA 32/8): the balanced layout's min-traffic staged at
+    49.8 ms (7 stages) overflows the pool and restages to 43.8 ms (8 stages), built 44.2 ms, under
+    the contiguous plan's 46.3 ms; priced without the restage, the balanced layout was pruned. A
+    staging that overflows is followed by the next stage shape under the same budget when that is
+    cheaper (``candidates._build_or_halve``), so every shape under the full budget is priced too.
+    Only the first overflow step is priced: each further step cuts more blocks, and the prune
+    exists to skip code generation that loses."""
     limit = other * (1 + _LAYOUT_PRUNE)
-    return p.price > limit and _prune_price(p) > limit
-
-
-def _prune_price(p: PricedLayout) -> float:
-    """The price the layout prune compares: ``p``'s least price, or lower when one of its
-    candidates' stagings (every shape, at the staged price, under the full budget and under the
-    first pool-overflow budget of ``candidates._choose``'s retry) is cheaper. Staging again under
-    a smaller budget changes the stage counts tried, and the price is not monotone in them. Found by hypothesis (cu [0, 15548, 55509, 65536], P_inter 16, GQA
-    32/8): the balanced layout's min-traffic staged at 49.8 ms (7 stages) overflows the pool and
-    restages to 43.8 ms (8 stages), built 44.2 ms, under the contiguous plan's 46.3 ms; priced
-    without the restage, the balanced layout was pruned. A staging that overflows is followed by
-    the next stage shape under the same budget when that is cheaper (``candidates._build_or_halve``),
-    so every shape under the full budget is priced too. Only the first overflow step is priced:
-    each further step cuts more blocks, and the prune exists to skip code generation that loses."""
+    if p.price <= limit:
+        return False
     full = p.capacity * _BUDGET_FRACTION
-    return min(p.price, *(_stagings(split, p.rates, p.latency, b, explore=_explores(split))[0][0]
-                          for _, split, _ in p.priced.values() for b in (full, full * _OVERFLOW_STEP)))
+    for _, split, _ in sorted(p.priced.values(), key=lambda v: v[0]):
+        for b in (full, full * _OVERFLOW_STEP):
+            if any(t <= limit for t, _ in _each_staging(split, p.rates, p.latency, b, explore=_explores(split))):
+                return False
+    return True
 
 
 def choose_layout(contiguous: Plan, balanced: Plan, bound: float) -> Plan:

@@ -146,7 +146,7 @@ def _never_worse_than_owner_computes(case, layout: str) -> None:
 @given(realistic())
 # found by hypothesis: the balanced layout was pruned on its staged price (49.8 ms, over the
 # contiguous plan's 46.3 ms by more than plan._LAYOUT_PRUNE), but that staging overflows the pool
-# and restages to a plan built at 44.2 ms (plan._prune_price now prices the first restage)
+# and restages to a plan built at 44.2 ms (plan._loses now prices the first restage)
 @example(([0, 15548, 55509, 65536], 16, (32, 8), None))
 def test_balanced_never_worse_than_contiguous(case) -> None:
     _balanced_never_worse_than_contiguous(case)

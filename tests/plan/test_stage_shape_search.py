@@ -45,20 +45,24 @@ def _record_searches(monkeypatch: pytest.MonkeyPatch) -> list[tuple[list[object]
     current: list[tuple[list[object], list[object], dict[object, float]]] = []
     shape_of: dict[int, object] = {}
 
+    # (the layout prune's lazy stagings, plan._loses, run outside any ``_stagings`` call: not recorded)
     def stage_shapes(*args):
         got = real_shapes(*args)
-        current[-1][0].extend(got)
+        if current:
+            current[-1][0].extend(got)
         return got
 
     def stage(split, rates, shp, budget):
-        current[-1][1].append(shp)
         st = real_stage(split, rates, shp, budget)
-        shape_of[id(st)] = shp
+        if current:
+            current[-1][1].append(shp)
+            shape_of[id(st)] = shp
         return st
 
     def price(st, *args):
         t = real_price(st, *args)
-        current[-1][2][shape_of[id(st)]] = t
+        if current and id(st) in shape_of:
+            current[-1][2][shape_of[id(st)]] = t
         return t
 
     def stagings(split, rates, latency, budget, *, explore=True):
