@@ -33,13 +33,14 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from itertools import repeat
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from megatron_hsap.plan.ir import Segment, TokenRange, positional_builder
-from megatron_hsap.plan.layout import Batch, Layout
+from megatron_hsap.plan.layout import Batch, Layout, contiguous_layout
 from megatron_hsap.plan.node_prices import NodePrices
 from megatron_hsap.plan.window import banded_pairs, staircase_pairs
 
@@ -381,6 +382,10 @@ def balanced_layout(batch: Batch, inter_size: int, intra_size: int, token_cost: 
     ranks costs more than 1.005 × the cheapest finished one (it could not be kept: the same
     layout, ~7× less layout time at 1,024 GPUs). Under a sliding ``window`` every work
     count is the banded one (a windowed document's work grows linearly with its length)."""
+    if inter_size == 1:
+        # one rank holds every token: whatever the assignment, sorted and merged below it is the
+        # one segment [0, T') (plan.py then builds one plan for both layouts)
+        return replace(contiguous_layout(batch, 1, intra_size), name="balanced")
     size = inter_size
     chunk = batch.padded_tokens // size
     nodes = NodePrices.of(node, local_token_cost, token_cost)

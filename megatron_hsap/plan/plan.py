@@ -185,7 +185,8 @@ def _search(cu: tuple[int, ...], opts: PlanOptions, staged: list[PricedLayout]) 
         # all-to-all): one plan under either name, built once; the layout rule names it (a tie
         # keeps the balanced one) (tests/plan/test_one_inter_rank.py)
         plan = contiguous if contiguous is not None else _build_on(con)
-        return choose_layout(plan, replace(plan, layout=bal_layout), bound)
+        _ = plan.layer_time  # estimated once: the renamed plan carries it
+        return choose_layout(plan, plan.renamed(bal_layout), bound)
     bal = _price_on(bal_layout, batch, shape, opts, lazy=True)
     staged.append(bal)
     bal.exact()

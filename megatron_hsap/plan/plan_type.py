@@ -13,7 +13,7 @@ so the thin methods below that import them lazily close no circle.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from numbers import Integral
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -163,6 +163,18 @@ class Plan:
         from megatron_hsap.plan.chunks import layer_estimate
 
         return layer_estimate(self)
+
+    def renamed(self, layout: Layout) -> "Plan":
+        """This plan under ``layout``, another name for the same segments (``plan.py``: layouts that
+        hold the same tokens on every rank are built once), its estimates carried over: they read
+        the units and options, never the layout's name."""
+        if (layout.segments, layout.chunk_tokens, layout.intra_size) != (self.layout.segments, self.layout.chunk_tokens, self.layout.intra_size):
+            raise ConfigError(f"layout {layout.name!r} holds other tokens than {self.layout.name!r}: Plan.renamed only renames")
+        out = replace(self, layout=layout)
+        for name in ("head_chunks", "head_chunk_choice", "layer_time"):
+            if name in self.__dict__:  # computed (functools.cached_property keeps it in the instance dict)
+                out.__dict__[name] = self.__dict__[name]
+        return out
 
     @functools.cached_property
     def hash(self) -> int:

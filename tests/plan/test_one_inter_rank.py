@@ -12,6 +12,8 @@ Counts and picoseconds only, no timing."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 import megatron_hsap.plan.plan as search
@@ -114,3 +116,25 @@ def test_lazy_layout_prune_stops_at_the_first_staging_within_the_threshold(monke
     assert plan.stats().layout == "contiguous"
     assert 0 < counts["prune"] <= 4, counts
     assert counts["all"] < 80, counts
+
+
+def test_renamed_carries_the_estimates_and_refuses_other_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    import megatron_hsap.plan.chunks as chunks
+    from megatron_hsap.errors import ConfigError
+    from megatron_hsap.plan.layout import contiguous_layout
+
+    cu = pack_batches("fineweb", 16384, 1, 5)[0]
+    clear_plan_cache()
+    plan = compile_plan(cu, 1, 4, **GQA, layout="contiguous")
+    layer = plan.layer_time
+    calls = [0]
+    real = chunks.choose_head_chunks_timed
+    monkeypatch.setattr(chunks, "choose_head_chunks_timed", lambda p: calls.__setitem__(0, calls[0] + 1) or real(p))
+    other = plan.renamed(replace(plan.layout, name="balanced"))
+    assert other.layout.name == "balanced" and other.layer_time == layer and other.head_chunks == plan.head_chunks
+    assert calls[0] == 0  # carried over, not estimated again
+    fresh = replace(plan, layout=other.layout)  # the reference: estimated from scratch
+    assert fresh.layer_time == layer and calls[0] == 1
+    two = compile_plan(cu, 2, 2, **GQA, layout="contiguous")
+    with pytest.raises(ConfigError, match="holds other tokens"):
+        plan.renamed(contiguous_layout(two.batch, 2, 2))
