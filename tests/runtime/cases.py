@@ -58,7 +58,10 @@ def compile_for(spec: dict) -> Any:
     )  # fmt: skip
 
 
-def _run_one(spec: dict) -> dict:
+def run_one(spec: dict) -> dict:
+    """One spec on this rank (inside a pool worker): its plan compiled, forward and backward run on
+    the spec's groups; returns this rank's outputs, gradients and byte counts for the parent to
+    compare with the reference."""
     import torch.distributed as dist
 
     from megatron_hsap.runtime import hsap_attn_func
@@ -116,7 +119,7 @@ def _run_one(spec: dict) -> dict:
 
 def run_cases(specs: list[dict]) -> list[dict]:
     """Run every spec in order on every rank; one pool round-trip for many packings."""
-    return [_run_one(spec) for spec in specs]
+    return [run_one(spec) for spec in specs]
 
 
 # --------------------------------------------------------------------------- parent side

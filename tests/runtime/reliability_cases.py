@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from tests.runtime.cases import _run_one, compile_for, make_groups
+from tests.runtime.cases import compile_for, make_groups, run_one
 
 
 class _CountCollectives:
@@ -189,7 +189,7 @@ def case_pool_reuse(specs: list[dict], repeats: int) -> list[tuple[int, int]]:
     seen = []
     for spec in specs:
         for _ in range(repeats):
-            _run_one(spec)
+            run_one(spec)
             pool = receive_pool(1, "cpu")
             seen.append((pool.data_ptr(), pool.numel()))
     return seen
