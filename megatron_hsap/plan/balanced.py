@@ -407,10 +407,12 @@ def balanced_layout(batch: Batch, inter_size: int, intra_size: int, token_cost: 
     # finished so far can be neither the cheapest nor within ``_KEEP_WITHIN`` of it (its costs
     # only grow: piece work and traffic are ≥ 0 and float addition is monotone), so its assignment
     # stops there — the kept variant is the same as with every one finished. The order they run
-    # in changes nothing else (the choice below reads them in ``candidates`` order): the fixed
-    # splits from the most split (usually the cheapest, setting the bar) to ``must``, then the
-    # slower per-document variants.
-    run_order = [*reversed(range(len(splits))), len(splits), len(splits) + 1]
+    # in changes nothing else (the choice below reads them in ``candidates`` order): the per-document
+    # LPT variant first (the cheapest finished one in 4 of the 5 fineweb 1M / P_inter 64 budget
+    # batches, so its bar abandons the others earliest: 1.72 -> 1.63 G instructions per compile
+    # there, 64K / P_inter 8 +0.3%), then the fixed splits from the most split to ``must``, then
+    # the projected per-document variant.
+    run_order = [len(splits), *reversed(range(len(splits))), len(splits) + 1]
     for i in run_order:
         k_of, projected = candidates[i]
         bar = min(v[1] for v in variants) * _KEEP_WITHIN if variants and token_cost >= 0 else float("inf")

@@ -38,8 +38,8 @@ _BUDGET_FRACTION = 0.45  # per-stage remote pool use: two stages' inputs and res
 # (the 404 builds of the 167 benchmark batches: built / staged 1.00-1.17, median 1.07, never under
 # 0.98 -- the price pours local blocks at their pre-pour kernel rate; the explored candidates'
 # entries are built prices already), so such a layout would lose the comparison anyway, unless
-# another stage shape or a pool-overflow restage finds a cheaper staging, which the prune price
-# includes (at the staged price, under the full budget and the first overflow step). The one
+# another stage shape or a pool-overflow restage finds a cheaper staging, which ``_loses`` tries
+# too (at the staged price, under the full budget and the first overflow step). The one
 # document filling the batch at P_inter >= 16 loses by 1.02-3.4x on the balanced layout and was where a compile took
 # minutes (pool-overflow rebuilds of a plan that was then dropped); packed batches at 1M/P_inter 64
 # lose by 2-3x on the contiguous one, whose code was built and dropped (~15% of the compile)

@@ -95,7 +95,7 @@ def _variants_in_full(batch, size: int, token_cost: float, window: int):
     ("slimpajama", 1 << 18, 32, 120.0, -1), ("fineweb", 1 << 17, 16, 80.0, 4096)])
 def test_abandoned_layout_variants_keep_the_same_layout(workload, T, size, token_cost, window, monkeypatch) -> None:
     """A variant stopped once a rank costs more than 1.005 × the cheapest finished one (and the
-    most-split-first order) keeps the layout every variant run in full keeps; the inputs stop some."""
+    per-document-LPT-first order) keeps the layout every variant run in full keeps; the inputs stop some."""
     from megatron_hsap.plan import balanced as B
     from megatron_hsap.plan.layout import Batch
 
