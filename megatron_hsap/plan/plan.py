@@ -219,7 +219,7 @@ def _loses(p: PricedLayout, other: float) -> bool:
     shape under the full budget and under the first pool-overflow budget of ``candidates._choose``'s
     retry, cheapest candidate first, until one staging comes within the threshold (then the layout
     is kept: the question is only whether one does, so the rest are never staged; on a fineweb 64K /
-    P_inter 8 batch this cut the prune's 168 stagings to 16). Staging again under a smaller budget
+    P_inter 8 batch this cut the prune's 168 stagings to 2). Staging again under a smaller budget
     changes the stage counts tried, and the price is not monotone in them. Found by hypothesis (cu
     [0, 15548, 55509, 65536], P_inter 16, GQA 32/8): the balanced layout's min-traffic staged at
     49.8 ms (7 stages) overflows the pool and restages to 43.8 ms (8 stages), built 44.2 ms, under
