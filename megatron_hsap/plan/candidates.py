@@ -43,11 +43,6 @@ _OWNER_RESTAGE_STOP = 0.05
 _DOUBLED_MARGIN = 0.03
 _DOUBLED_FROM = 2  # the fewest middle stages of a base whose doubled shape the rule may skip
 
-
-def _skippable(shp: StageShape) -> bool:
-    """Whether the doubled-shape rule applies to ``shp``: it doubles a base of at least
-    ``_DOUBLED_FROM`` middle stages (one middle stage doubled to two is always staged)."""
-    return shp.doubles > 0 and len(StageShape(shp.doubles, shp.end_weight).middle) >= _DOUBLED_FROM
 _MIN_GAIN = 0.01  # a candidate whose lower bound is within 1% of the best estimate is not staged
 # moving work must beat owner-computes' exact estimate by more than this to be kept: the per-rank
 # estimate tracks the simulator within ~1-3% per batch (sim/estimate_accuracy.py: median 0.99-1.00
@@ -55,6 +50,12 @@ _MIN_GAIN = 0.01  # a candidate whose lower bound is within 1% of the best estim
 # batches: 1% keeps every chosen plan no slower than owner-computes in simulation; 0 loses three
 # Table 4 batches by 0.1-0.3% (docs/design.md §4)
 _OWNER_MARGIN = 0.01
+
+
+def _skippable(shp: StageShape) -> bool:
+    """Whether the doubled-shape rule applies to ``shp``: it doubles a base of at least
+    ``_DOUBLED_FROM`` middle stages (one middle stage doubled to two is always staged)."""
+    return shp.doubles > 0 and len(StageShape(shp.doubles, shp.end_weight).middle) >= _DOUBLED_FROM
 
 
 def _each_staging(split: BlocksByRank, rates: CostRates, latency: float, budget: float, *, explore: bool = True) -> Iterator[tuple[float, StagedBlocks]]:

@@ -167,7 +167,7 @@ class Plan:
     def renamed(self, layout: Layout) -> "Plan":
         """This plan under ``layout``, another name for the same segments (``plan.py``: layouts that
         hold the same tokens on every rank are built once), its estimates carried over: they read
-        the units and options, never the layout's name."""
+        the units and options, never the layout's name (``hash`` is not carried: it covers the name)."""
         if (layout.segments, layout.chunk_tokens, layout.intra_size) != (self.layout.segments, self.layout.chunk_tokens, self.layout.intra_size):
             raise ConfigError(f"layout {layout.name!r} holds other tokens than {self.layout.name!r}: Plan.renamed only renames")
         out = replace(self, layout=layout)
