@@ -156,3 +156,117 @@ def test_the_untested_names_on_the_page_are_preflight_s() -> None:
     bullet = DOC[DOC.index("- **Untested features**"):DOC.index("## 4.")]
     listed = re.findall(r"`([a-z_0-9]+)`", bullet[bullet.index("Not tested, to be listed"):])
     assert [n for n in listed if n in {f.value for f in Feature}] == [f.value for f in Feature]
+
+
+def test_the_metrics_line_on_the_page_has_the_code_s_fields() -> None:
+    """Section 5's example line, numbers and names aside, is what ``IterationMetrics.line`` prints."""
+    from megatron_hsap.megatron.metrics import HSAPMetrics
+    from megatron_hsap.plan import compile_plan
+
+    m = re.search(r"<!-- metrics-line:begin -->\n```text\n(.*?)\n```\n<!-- metrics-line:end -->", DOC, re.S)
+    assert m, "docs/enable.md lost its metrics-line block"
+    lines: list[str] = []
+    metrics = HSAPMetrics(log_interval=1, writers=lambda: (None, None), is_logging_rank=True, echo=lines.append)
+    metrics.add(3, compile_plan([0, 300, 700, 1024], 2, intra_size=2, num_heads=4, num_kv_heads=2, head_dim=16),
+                compile_s=0.04, prefetched=True)
+    metrics.flush()
+
+    def shape(line: str) -> str:
+        line = re.sub(r"layout ([a-z]+ \d+(, )?)+", "layout L", line)
+        return re.sub(r"\d+(\.\d+)?(e[+-]\d+)? ?(GiB|MiB|KiB|B|ms|us|ns|s)?\b", "N", line)
+
+    assert [shape(x) for x in lines] == [shape(m.group(1))]
+
+
+def test_the_start_up_lines_quoted_in_section_5_are_the_code_s() -> None:
+    hooks = (ROOT / "megatron_hsap" / "megatron" / "pretrain_hooks.py").read_text()
+    section = DOC[DOC.index("## 5."):DOC.index("## 6.")]
+    assert "`[megatron-hsap] attention kernels: flash_attn on cuda:0; receive pool: " in section
+    assert 'print(f"[megatron-hsap] attention kernels: {_kernel_backend()}; receive pool: "' in hooks
+    assert "(default: 4 inter chunks of q/k/v rows at 32768 tokens per micro-batch; --hsap-pool-bytes to set)" in section
+    assert '(default: 4 inter chunks of q/k/v "\n            f"rows at {tokens} tokens per micro-batch; --hsap-pool-bytes to set)"' in hooks
+    warning = ("[megatron-hsap] WARNING: no --dataloader-inter-document-masking (or --sft): batches carry no document "
+               "boundaries, so HSAP treats every sample as ONE document")
+    assert warning in section
+    assert warning.replace("carry no document ", 'carry no "\n              "document ') in hooks
+    from megatron_hsap.megatron.arguments import add_hsap_args
+
+    hsap_flags = sorted(_options(add_hsap_args(argparse.ArgumentParser())) - {"-h", "--help"})
+    table = DOC[DOC.index("HSAP's own flags"):DOC.index("<!-- refused:begin -->")]
+    # every flag of HSAP's parser is in the page's table (or is one of Megatron's own, given by the patch)
+    missing = [f for f in hsap_flags if f.startswith("--hsap") and f"`{f}" not in table and f not in table]
+    assert missing == []
+
+
+# docs/enable.md's "Refused" paragraph, case by case: flags added to the minimal set, and the text
+# of the flag the error must name. A model config field without a flag is set on args directly.
+REFUSED = {
+    "look-ahead window": (["--window-size", "(128,16)"], "--window-size"),
+    "--mtp-num-layers": (["--mtp-num-layers", "1"], "--mtp-num-layers"),
+    "--hybrid-context-parallel": ([], "--hybrid-context-parallel"),
+    "--softmax-type": ([], "--softmax-type"),
+    "--position-embedding-type": (["--position-embedding-type", "yarn"], "--position-embedding-type"),
+    "--qk-clip": ([], "--qk-clip"),
+    "MLA without --no-rope-fusion": (["--multi-latent-attention", "--rope-type", "rope"], "--no-rope-fusion"),
+    "--mla-down-proj-fusion": (["--multi-latent-attention", "--no-rope-fusion", "--mla-down-proj-fusion"], "--mla-down-proj-fusion"),
+    "--micro-batch-size": (["--pipeline-model-parallel-size", "2", "--num-layers", "4"], "--micro-batch-size"),
+    "--attention-backend local": (["--attention-backend", "local"], "--attention-backend local"),
+    "--hybrid-layer-pattern": ([], "--hybrid-layer-pattern"),
+    "--spec": (["--spec", "megatron.core.models.gpt.gpt_layer_specs", "get_gpt_layer_local_spec"], "--spec"),
+    "fp8_dot_product_attention": ([], "fp8_dot_product_attention"),
+    "fused_single_qkv_rope": ([], "fused_single_qkv_rope"),
+}
+# set after parsing (flags Megatron's parser or validation would reject first, or config fields)
+_SET_AFTER = {"--hybrid-context-parallel": ("hybrid_context_parallel", True), "--softmax-type": ("softmax_type", "gelu"),
+              "--qk-clip": ("qk_clip", True), "--hybrid-layer-pattern": ("hybrid_layer_pattern", "*M*-"),
+              "--micro-batch-size": ("micro_batch_size", 2),
+              "fp8_dot_product_attention": ("fp8_dot_product_attention", True),
+              "fused_single_qkv_rope": ("fused_single_qkv_rope", True)}
+SUPPORTED = {
+    "causal window": ["--window-size", "(128,0)"],
+    "windows on every other layer": ["--window-size", "(128,0)", "--window-attn-skip-freq", "2"],
+    "off-by-one sinks": ["--softmax-type", "off-by-one"],
+    "learnable sinks": ["--softmax-type", "learnable"],
+    "MLA with YaRN": ["--multi-latent-attention", "--no-rope-fusion", "--rope-type", "yarn"],
+    "MLA with RoPE": ["--multi-latent-attention", "--no-rope-fusion", "--rope-type", "rope"],
+}
+
+
+def _hsap_args(megatron_parser: argparse.ArgumentParser, extra: list[str], set_after: tuple | None = None):
+    from megatron_hsap.megatron.arguments import validate_hsap_args
+
+    text = re.sub(r"<your usual[^>]*>", "", _block("minimal-flags").replace("\\\n", " "))
+    words = shlex.split(text.split("\n", 1)[1])
+    hsap = words[next(i for i, w in enumerate(words) if w.endswith("pretrain_gpt_hsap.py")) + 1:]
+    model = ["--num-layers", "2", "--hidden-size", "256", "--num-attention-heads", "16", "--seq-length", "4096",
+             "--max-position-embeddings", "4096", "--micro-batch-size", "1", "--global-batch-size", "16",
+             "--transformer-impl", "local"]
+    args = megatron_parser.parse_args(model + hsap + extra)
+    if set_after:
+        setattr(args, *set_after)
+    return validate_hsap_args(args)  # HSAP's own checks (Megatron's validate_args may refuse some first)
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED))
+def test_each_refusal_on_the_page_is_refused(megatron_parser: argparse.ArgumentParser, case: str) -> None:
+    from megatron_hsap.errors import ConfigError
+
+    extra, named = REFUSED[case]
+    with pytest.raises(ConfigError, match=re.escape(named)):
+        _hsap_args(megatron_parser, extra, _SET_AFTER.get(case))
+
+
+def test_the_refused_paragraph_names_every_case() -> None:
+    para = DOC[DOC.index("<!-- refused:begin -->"):DOC.index("<!-- refused:end -->")]
+    named = set(re.findall(r"`(--[a-z][a-z0-9-]*|[a-z_0-9]+_[a-z_0-9]+)`", para))
+    tested = {named_ for _, named_ in REFUSED.values()} | {k for k in REFUSED if k.startswith("--")}
+    tested = {t.split()[0] for t in tested}
+    # the page's other names there qualify a case (`--multi-latent-attention` without ..., PP with ...) or are accepted values
+    qualifiers = {"--pipeline-model-parallel-size", "--no-rope-fusion", "--multi-latent-attention", "learned_absolute"}
+    assert sorted(named - tested - qualifiers) == []
+
+
+@pytest.mark.parametrize("case", sorted(SUPPORTED))
+def test_what_the_page_calls_supported_is_accepted(megatron_parser: argparse.ArgumentParser, case: str) -> None:
+    got = _hsap_args(megatron_parser, SUPPORTED[case])
+    assert (got.intra_size, got.inter_size) == (8, 2)
