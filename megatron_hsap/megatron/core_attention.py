@@ -18,7 +18,9 @@ cross attention; attention masks other than causal / padding-causal (no_mask, pa
 causal_bottom_right); an explicit ``attention_mask`` tensor (the mask is implied by the documents);
 ``attention_bias``; attention dropout > 0 in training; a sliding window with ``right != 0``; a ``softmax_scale``
 that disagrees with ``config.softmax_scale``; fp8 dot-product attention; qk-clip / max-logit
-logging; a plan whose CP size, CP rank or head counts differ from this layer's. Multi-latent
+logging; a plan whose CP size or topology differs from the model's groups. A plan whose head counts
+or local token count differ from this layer's input, or a batch sharded for another CP rank, raises
+``RuntimeMismatchError``. Multi-latent
 attention runs through :mod:`megatron_hsap.megatron.mla` (k/v per q head, ``v_channels`` its own).
 Sliding windows (``window_size`` / ``window_attn_skip_freq``, per layer as megatron-core decides):
 the layer runs the batch plan's ``compile_on_layout`` plan, on the same token layout.

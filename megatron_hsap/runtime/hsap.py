@@ -120,14 +120,6 @@ class HSAPRunner:
         if self.intra_size > 1:
             agree(self.plan, self.intra, "intra", Phase.FWD, timeout_s=self.timeout_s, device=device)
 
-    def _a2a(self, fn: Any, x: Tensor, phase: Phase) -> Tensor:
-        p = self.intra_size
-        t0 = time.perf_counter()
-        self.a2a_bytes_sent[phase] += x.numel() * x.element_size() * (p - 1) // p  # my own slice stays
-        out = fn(x.contiguous(), self.intra, timeout_s=self.timeout_s)
-        self.a2a_s[phase] += time.perf_counter() - t0
-        return out
-
     def check_batch(self) -> None:
         """Debug mode: fingerprint the plan's cu_seqlens over the whole CP group (nested over the
         intra then the inter group, so that every rank sees every fingerprint) and raise if any differ."""
