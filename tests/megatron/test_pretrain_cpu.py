@@ -3,7 +3,8 @@
 The reference for every HSAP run is the same Megatron loop at CP=1, TP=1 with megatron-core's local
 ``DotProductAttention`` and the dataloader's per-document causal mask (``--reset-attention-mask``):
 code nobody here wrote. Runs are cached per session (each costs ≈ 10 s of imports and ≈ 1 GB per
-rank); the default suite keeps the HSAP 2×2 run and its 1-rank reference, the rest is slow-marked.
+rank); the default suite keeps the HSAP 2×2 run, its two flattened variants (1×4 and 4×1) and their
+1-rank reference, the rest is slow-marked.
 """
 
 from __future__ import annotations
