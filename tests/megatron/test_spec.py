@@ -58,3 +58,18 @@ def test_refusals() -> None:
         local.submodules, self_attention=dataclasses.replace(local.submodules.self_attention, module=HSAPCoreAttention)))
     with pytest.raises(ConfigError, match="SelfAttention or MLASelfAttention"):
         swap_attention(other)
+
+
+def test_config_with_qk_l2_norm_gets_megatron_s_l2_norm() -> None:
+    # QK L2 norm: the spec follows the config as Megatron's own builder does (the norms are
+    # Megatron's; HSAP swaps only the attention module and the core attention)
+    cfg = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, qk_l2_norm=True,
+                            use_cpu_initialization=True)
+    spec = hsap_layer_spec(cfg, use_te=False)
+    base = gpt_layer_specs.get_gpt_layer_local_spec(qk_l2_norm=True)
+    plain = gpt_layer_specs.get_gpt_layer_local_spec()
+    got, want = spec.submodules.self_attention.submodules, base.submodules.self_attention.submodules
+    for norm in ("q_layernorm", "k_layernorm"):
+        assert repr(getattr(got, norm)) == repr(getattr(want, norm)), norm
+        assert repr(getattr(want, norm)) != repr(getattr(plain.submodules.self_attention.submodules, norm)), norm
+    assert got.core_attention is HSAPCoreAttention
