@@ -22,6 +22,20 @@ README = (ROOT / "README.md").read_text()
 OTHER_TOOLS = {"--branch", "--ntasks-per-node", "--dry-run"}
 
 
+# a small model the minimal flag set is validated with
+MODEL = ["--num-layers", "2", "--hidden-size", "256", "--num-attention-heads", "16", "--seq-length", "4096",
+         "--max-position-embeddings", "4096", "--micro-batch-size", "1", "--global-batch-size", "16",
+         "--transformer-impl", "local"]
+
+
+def _minimal_flags() -> tuple[list[str], list[str]]:
+    """The minimal-flags block as words: ``(torchrun and its flags, the flags after the script)``."""
+    text = re.sub(r"<your usual[^>]*>", "", _block("minimal-flags").replace("\\\n", " "))
+    words = shlex.split(text.split("\n", 1)[1])  # drop the `cd` line
+    script = next(i for i, w in enumerate(words) if w.endswith("pretrain_gpt_hsap.py"))
+    return words[:script], words[script + 1:]
+
+
 def _block(name: str) -> str:
     m = re.search(rf"<!-- {name}:begin -->\n```bash\n(.*?)```\n<!-- {name}:end -->", DOC, re.S)
     assert m, f"docs/enable.md lost its {name} block"
@@ -74,16 +88,10 @@ def test_minimal_flag_set_is_accepted_as_printed(megatron_parser: argparse.Argum
     from megatron_hsap.errors import ConfigError
     from megatron_hsap.megatron.arguments import validate_hsap_args
 
-    text = _block("minimal-flags").replace("\\\n", " ")
-    text = re.sub(r"<your usual[^>]*>", "", text)
-    words = shlex.split(text.split("\n", 1)[1])  # drop the `cd` line
-    script = next(i for i, w in enumerate(words) if w.endswith("pretrain_gpt_hsap.py"))
-    torchrun, hsap = words[:script], words[script + 1:]
+    torchrun, hsap = _minimal_flags()
     assert torchrun[0].endswith("/.venv/bin/torchrun")  # the environment's torchrun, not a bare name
-    model = ["--num-layers", "2", "--hidden-size", "256", "--num-attention-heads", "16",
-             "--seq-length", "4096", "--max-position-embeddings", "4096", "--micro-batch-size", "1",
-             "--global-batch-size", "16", "--train-iters", "1", "--lr", "1e-4", "--mock-data",
-             "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000", "--transformer-impl", "local"]
+    model = MODEL + ["--train-iters", "1", "--lr", "1e-4", "--mock-data", "--tokenizer-type", "NullTokenizer",
+                     "--vocab-size", "1000"]
     monkeypatch.setattr(arguments, "get_device_arch_version", lambda: 8)
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # Megatron's rule for CP > 1
 
@@ -235,13 +243,7 @@ SUPPORTED = {
 def _hsap_args(megatron_parser: argparse.ArgumentParser, extra: list[str], set_after: tuple | None = None):
     from megatron_hsap.megatron.arguments import validate_hsap_args
 
-    text = re.sub(r"<your usual[^>]*>", "", _block("minimal-flags").replace("\\\n", " "))
-    words = shlex.split(text.split("\n", 1)[1])
-    hsap = words[next(i for i, w in enumerate(words) if w.endswith("pretrain_gpt_hsap.py")) + 1:]
-    model = ["--num-layers", "2", "--hidden-size", "256", "--num-attention-heads", "16", "--seq-length", "4096",
-             "--max-position-embeddings", "4096", "--micro-batch-size", "1", "--global-batch-size", "16",
-             "--transformer-impl", "local"]
-    args = megatron_parser.parse_args(model + hsap + extra)
+    args = megatron_parser.parse_args(MODEL + _minimal_flags()[1] + extra)
     if set_after:
         setattr(args, *set_after)
     return validate_hsap_args(args)  # HSAP's own checks (Megatron's validate_args may refuse some first)
