@@ -97,7 +97,7 @@ class Batch:
     def build(cls, cu_seqlens: object, multiple: int) -> "Batch":
         cu = normalize_cu_seqlens(cu_seqlens)
         total = cu[-1]
-        padded = -(-total // multiple) * multiple
+        padded = padded_length(total, multiple)
         starts = np.unique(np.asarray(cu, dtype=np.int64))  # drops empty documents
         if padded > total:
             starts = np.append(starts, padded)
@@ -126,6 +126,11 @@ class Batch:
     def total_work(self, window: int = -1) -> int:
         """Unmasked (q, k) pairs of the whole padded batch (``doc_work`` summed)."""
         return int(self.doc_work(window).sum())
+
+
+def padded_length(total: int, multiple: int) -> int:
+    """``total`` tokens padded at the end to the next multiple of ``multiple`` (``Batch.padded_tokens``)."""
+    return -(-total // multiple) * multiple
 
 
 @dataclass(frozen=True, slots=True)

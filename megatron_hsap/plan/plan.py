@@ -21,7 +21,7 @@ from megatron_hsap.plan.codegen import PoolOverflow
 from megatron_hsap.plan.flatten import choose_topology, flat_options, flat_topologies
 from megatron_hsap.plan.costs import HeadShape
 from megatron_hsap.plan.hardware import HARDWARE
-from megatron_hsap.plan.layout import Batch, Layout, contiguous_layout, normalize_cu_seqlens, validate_layout
+from megatron_hsap.plan.layout import Batch, Layout, contiguous_layout, normalize_cu_seqlens, padded_length, validate_layout
 from megatron_hsap.plan.options import DEFAULT_POOL_CHUNKS, DEFAULT_POOL_MIN, PlanOptions, inter_rank_nodes, kv_heads_per_rank, validated_options
 from megatron_hsap.plan.options import link_of as _link_of
 from megatron_hsap.plan.placement import CostRates, plan_rates
@@ -105,17 +105,49 @@ def compile_plan(cu_seqlens: object, inter_size: int, intra_size: int = 1, *, nu
         else:  # the configured plan, or a one-level one when its layer is estimated faster (plan/flatten.py)
             plan = choose_topology(_compile_windowed(cu, opts), *flat)
     except MemoryError:
-        raise BatchError(
-            f"planning a batch of T={cu[-1]} tokens ({len(cu) - 1} documents) at inter_size={opts.inter_size} ran "
-            "out of host memory (the planner holds a few int64 arrays per token); split the micro-batch or use "
-            "more inter ranks"
-        ) from None
+        raise _out_of_memory(cu, opts) from None
     finally:
         if enabled:
             gc.enable()
     PLAN_CACHE.put((cu, opts), plan)  # thread-safe: plans may be compiled on a prefetch thread
     return plan
 
+
+
+def _out_of_memory(cu: tuple[int, ...], opts: PlanOptions) -> BatchError:
+    """The error of a compile that ran out of host memory: a ``pool_bytes`` far below the batch's
+    default is the likely cause (a small pool cuts the work into thousands of stages per candidate:
+    measured in docs/enable.md §7.4), else the batch's size."""
+    head = f"planning a batch of T={cu[-1]} tokens ({len(cu) - 1} documents) at inter_size={opts.inter_size} ran out of host memory"
+    if opts.pool_bytes is not None:
+        chunk = padded_length(cu[-1], opts.inter_size * opts.intra_size * opts.pad_multiple) // opts.inter_size
+        default = _default_pool(chunk, _head_shape(opts))
+        if opts.pool_bytes * _SMALL_POOL <= default:
+            return BatchError(f"{head}: pool_bytes={opts.pool_bytes} is {default // opts.pool_bytes}x below this batch's default "
+                              f"pool ({default} bytes), and a pool that small makes the planner cut the work into thousands "
+                              "of stages; leave pool_bytes unset (--hsap-pool-bytes) or raise it")
+    return BatchError(f"{head} (the planner holds a few int64 arrays per token); split the micro-batch or use more inter ranks")
+
+
+_SMALL_POOL = 4  # a pool_bytes this many times below the default is named as the likely cause of running out of memory
+
+
+def _head_shape(opts: PlanOptions) -> HeadShape:
+    """The heads one intra rank holds between the all-to-alls (per TP rank): what its plan moves and prices."""
+    return HeadShape(
+        num_heads=opts.num_heads // opts.intra_size,
+        num_kv_heads=kv_heads_per_rank(opts.num_heads, opts.num_kv_heads or opts.num_heads, opts.intra_size),
+        head_dim=opts.head_dim,
+        head_dim_v=opts.head_dim_v or opts.head_dim,
+        dtype_bytes=opts.dtype_bytes,
+        fp32_grads=opts.grad_wire_dtype == "fp32",
+    )
+
+
+def _default_pool(chunk_tokens: int, shape: HeadShape) -> int:
+    """The receive pool without ``pool_bytes``: ``DEFAULT_POOL_CHUNKS`` inter chunks of q/k/v rows, at
+    least ``DEFAULT_POOL_MIN`` (docs/design.md §2.1)."""
+    return max(DEFAULT_POOL_CHUNKS * chunk_tokens * shape.chunk_token_bytes, DEFAULT_POOL_MIN)
 
 
 def _compile_windowed(cu: tuple[int, ...], opts: PlanOptions) -> Plan:
@@ -138,16 +170,7 @@ def _compile_uncached(cu: tuple[int, ...], opts: PlanOptions) -> Plan:
 
 def _search(cu: tuple[int, ...], opts: PlanOptions, staged: list[PricedLayout]) -> Plan:
     """``_compile_uncached``'s layout search; each ``PricedLayout`` it makes is appended to ``staged``."""
-    hkv_total = opts.num_kv_heads or opts.num_heads
-    hkv = kv_heads_per_rank(opts.num_heads, hkv_total, opts.intra_size)
-    shape = HeadShape(
-        num_heads=opts.num_heads // opts.intra_size,
-        num_kv_heads=hkv,
-        head_dim=opts.head_dim,
-        head_dim_v=opts.head_dim_v or opts.head_dim,
-        dtype_bytes=opts.dtype_bytes,
-        fp32_grads=opts.grad_wire_dtype == "fp32",
-    )
+    shape = _head_shape(opts)
     size = opts.inter_size
     batch = Batch.build(cu, size * opts.intra_size * opts.pad_multiple)
     if opts.layout == "contiguous":
@@ -265,7 +288,7 @@ def _price_on(layout: Layout, batch: Batch, shape: HeadShape, opts: PlanOptions,
     validate_layout(layout, batch.padded_tokens)
     hw = HARDWARE[opts.hardware]
     link = _link_of(opts)
-    capacity = opts.pool_bytes or max(DEFAULT_POOL_CHUNKS * layout.chunk_tokens * shape.chunk_token_bytes, DEFAULT_POOL_MIN)
+    capacity = opts.pool_bytes or _default_pool(layout.chunk_tokens, shape)
     rates = plan_rates(shape, hw, link, opts, layout.segment_starts())
     latency = hw.latency(link)
     pieces, units = build_units(batch, layout, opts.window)

@@ -376,6 +376,27 @@ def test_planning_out_of_host_memory_is_a_batch_error(monkeypatch):
         compile_plan([0, 1 << 30], 2, num_heads=3)  # num_heads=3: not a cached plan
 
 
+def test_out_of_memory_with_a_small_pool_names_the_pool(monkeypatch):
+    """Found by a planner fuzz: a pool_bytes far below the default, not the batch's size, is what
+    exhausts memory (thousands of stages per candidate; docs/enable.md 7.4): the error says so,
+    with this batch's default pool, and only when the pool is that small."""
+    from megatron_hsap.plan import plan as plan_module
+
+    def no_memory(*_args, **_kwargs):
+        raise MemoryError
+
+    monkeypatch.setattr(plan_module, "_compile_uncached", no_memory)
+    # 227,113 tokens padded to 227,200 over 16 x 8: inter chunks of 14,200 rows; the default pool is
+    # 4 chunks x 8 local q heads x (64 + 64) x 2 bytes (docs/design.md §2.1), as the fuzz case's plan had
+    cu, kw = [0, 109614, 147835, 206573, 227113], dict(num_heads=64, num_kv_heads=32, head_dim=64, flatten="never")
+    default = 4 * 14200 * 8 * (64 + 64) * 2
+    assert default == 116326400
+    with pytest.raises(BatchError, match=rf"pool_bytes=65536 is {default // 65536}x below this batch's default pool \({default} bytes\)"):
+        compile_plan(cu, 16, 8, pool_bytes=65536, **kw)
+    with pytest.raises(BatchError, match=r"split the micro-batch or use more inter ranks"):  # near the default: the batch
+        compile_plan(cu, 16, 8, pool_bytes=default // 2, **kw)
+
+
 def test_option_cache_does_not_confuse_true_with_one():
     compile_plan([0, 16], 1)
     with pytest.raises(ConfigError, match="inter_size must be an integer >= 1, got True"):
