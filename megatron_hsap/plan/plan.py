@@ -33,6 +33,7 @@ __all__ = ["Plan", "PlanOptions", "compile_plan", "choose_layout", "clear_plan_c
 
 
 _BUDGET_FRACTION = 0.45  # per-stage remote pool use: two stages' inputs and results live at once
+_SMALL_POOL = 4  # a pool_bytes this many times below the default is named as the likely cause of running out of memory
 # a layout's code is not generated when its prices (``_loses``) all exceed the other
 # layout's built time by more than this: a staged price sits at or below the built plan's time
 # (the 404 builds of the 167 benchmark batches: built / staged 1.00-1.17, median 1.07, never under
@@ -113,14 +114,13 @@ def compile_plan(cu_seqlens: object, inter_size: int, intra_size: int = 1, *, nu
     return plan
 
 
-
 def _out_of_memory(cu: tuple[int, ...], opts: PlanOptions) -> BatchError:
     """The error of a compile that ran out of host memory: a ``pool_bytes`` far below the batch's
     default is the likely cause (a small pool cuts the work into thousands of stages per candidate:
     measured in docs/enable.md §7.4), else the batch's size."""
     head = f"planning a batch of T={cu[-1]} tokens ({len(cu) - 1} documents) at inter_size={opts.inter_size} ran out of host memory"
     if opts.pool_bytes is not None:
-        chunk = padded_length(cu[-1], opts.inter_size * opts.intra_size * opts.pad_multiple) // opts.inter_size
+        chunk = padded_length(cu[-1], _pad_multiple(opts)) // opts.inter_size
         default = _default_pool(chunk, _head_shape(opts))
         if opts.pool_bytes * _SMALL_POOL <= default:
             return BatchError(f"{head}: pool_bytes={opts.pool_bytes} is {default // opts.pool_bytes}x below this batch's default "
@@ -129,7 +129,9 @@ def _out_of_memory(cu: tuple[int, ...], opts: PlanOptions) -> BatchError:
     return BatchError(f"{head} (the planner holds a few int64 arrays per token); split the micro-batch or use more inter ranks")
 
 
-_SMALL_POOL = 4  # a pool_bytes this many times below the default is named as the likely cause of running out of memory
+def _pad_multiple(opts: PlanOptions) -> int:
+    """The batch is padded at the end to a multiple of this: every CP rank (× ``pad_multiple``) holds as many tokens."""
+    return opts.inter_size * opts.intra_size * opts.pad_multiple
 
 
 def _head_shape(opts: PlanOptions) -> HeadShape:
@@ -172,7 +174,7 @@ def _search(cu: tuple[int, ...], opts: PlanOptions, staged: list[PricedLayout]) 
     """``_compile_uncached``'s layout search; each ``PricedLayout`` it makes is appended to ``staged``."""
     shape = _head_shape(opts)
     size = opts.inter_size
-    batch = Batch.build(cu, size * opts.intra_size * opts.pad_multiple)
+    batch = Batch.build(cu, _pad_multiple(opts))
     if opts.layout == "contiguous":
         return _compile_on(contiguous_layout(batch, size, opts.intra_size), batch, shape, opts)
 

@@ -36,8 +36,8 @@ def _minimal_flags() -> tuple[list[str], list[str]]:
     return words[:script], words[script + 1:]
 
 
-def _block(name: str) -> str:
-    m = re.search(rf"<!-- {name}:begin -->\n```bash\n(.*?)```\n<!-- {name}:end -->", DOC, re.S)
+def _block(name: str, lang: str = "bash") -> str:
+    m = re.search(rf"<!-- {name}:begin -->\n```{lang}\n(.*?)```\n<!-- {name}:end -->", DOC, re.S)
     assert m, f"docs/enable.md lost its {name} block"
     return m.group(1)
 
@@ -171,8 +171,7 @@ def test_the_metrics_line_on_the_page_has_the_code_s_fields() -> None:
     from megatron_hsap.megatron.metrics import HSAPMetrics
     from megatron_hsap.plan import compile_plan
 
-    m = re.search(r"<!-- metrics-line:begin -->\n```text\n(.*?)\n```\n<!-- metrics-line:end -->", DOC, re.S)
-    assert m, "docs/enable.md lost its metrics-line block"
+    shown = _block("metrics-line", "text").strip()
     lines: list[str] = []
     metrics = HSAPMetrics(log_interval=1, writers=lambda: (None, None), is_logging_rank=True, echo=lines.append)
     metrics.add(3, compile_plan([0, 300, 700, 1024], 2, intra_size=2, num_heads=4, num_kv_heads=2, head_dim=16),
@@ -183,7 +182,7 @@ def test_the_metrics_line_on_the_page_has_the_code_s_fields() -> None:
         line = re.sub(r"layout ([a-z]+ \d+(, )?)+", "layout L", line)
         return re.sub(r"\d+(\.\d+)?(e[+-]\d+)? ?(GiB|MiB|KiB|B|ms|us|ns|s)?\b", "N", line)
 
-    assert [shape(x) for x in lines] == [shape(m.group(1))]
+    assert [shape(x) for x in lines] == [shape(shown)]
 
 
 def test_the_start_up_lines_quoted_in_section_5_are_the_code_s() -> None:

@@ -364,28 +364,27 @@ def test_plan_inputs_raise_one_line_errors(call, error, says):
     assert says in str(info.value)
 
 
-def test_planning_out_of_host_memory_is_a_batch_error(monkeypatch):
-    """A batch too large for the planner's per-token arrays (2^30 tokens on a small host): one line."""
+@pytest.fixture
+def no_memory(monkeypatch):
+    """Every compile runs out of host memory."""
     from megatron_hsap.plan import plan as plan_module
 
-    def no_memory(*_args, **_kwargs):
+    def out(*_args, **_kwargs):
         raise MemoryError
 
-    monkeypatch.setattr(plan_module, "_compile_uncached", no_memory)
+    monkeypatch.setattr(plan_module, "_compile_uncached", out)
+
+
+def test_planning_out_of_host_memory_is_a_batch_error(no_memory):
+    """A batch too large for the planner's per-token arrays (2^30 tokens on a small host): one line."""
     with pytest.raises(BatchError, match=r"planning a batch of T=1073741824 tokens \(1 documents\) at inter_size=2 ran out of host memory"):
         compile_plan([0, 1 << 30], 2, num_heads=3)  # num_heads=3: not a cached plan
 
 
-def test_out_of_memory_with_a_small_pool_names_the_pool(monkeypatch):
+def test_out_of_memory_with_a_small_pool_names_the_pool(no_memory):
     """Found by a planner fuzz: a pool_bytes far below the default, not the batch's size, is what
     exhausts memory (thousands of stages per candidate; docs/enable.md 7.4): the error says so,
     with this batch's default pool, and only when the pool is that small."""
-    from megatron_hsap.plan import plan as plan_module
-
-    def no_memory(*_args, **_kwargs):
-        raise MemoryError
-
-    monkeypatch.setattr(plan_module, "_compile_uncached", no_memory)
     # 227,113 tokens padded to 227,200 over 16 x 8: inter chunks of 14,200 rows; the default pool is
     # 4 chunks x 8 local q heads x (64 + 64) x 2 bytes (docs/design.md §2.1), as the fuzz case's plan had
     cu, kw = [0, 109614, 147835, 206573, 227113], dict(num_heads=64, num_kv_heads=32, head_dim=64, flatten="never")
