@@ -35,7 +35,7 @@ import numpy as np
 import megatron_hsap.sim.hsap as sim_hsap
 from megatron_hsap.plan.ir import Phase, Wire
 from megatron_hsap.sim.config import sim_hardware
-from megatron_hsap.sim.methods import full_shape, ideal_seconds, run_method, useful_flops
+from megatron_hsap.sim.methods import full_shape, ideal_seconds, run_method
 from megatron_hsap.sim.protocols import MAGI_TOKENS_PER_GPU, magi_batches
 
 HW, SHAPE = sim_hardware("h100-fa3"), full_shape(64, 8)
@@ -54,11 +54,11 @@ def spanning_share(cu: np.ndarray, ranks: int) -> np.ndarray:
 
 
 def _of_ideal(cu: np.ndarray, P: int, intra: int, chunks: int | None) -> np.ndarray:
-    flops = useful_flops(cu, SHAPE)
-    ideal = np.array([m * flops / ideal_seconds(cu, SHAPE, HW, P, ph) / P / 1e12 for ph, m in ((Phase.FWD, 1.0), (Phase.BWD, 2.5))])
+    """[fwd, bwd] share of the ideal: the same useful FLOPs, so the ideal's seconds over the run's."""
     run = run_method("hsap", cu, hw=HW, intra=intra, inter=P // intra, shape=SHAPE,
                      plan_options={"head_chunks": chunks} if chunks else None)
-    return np.array([run.tflops_per_gpu(ph) for ph in Phase]) / ideal
+    return np.array([ideal_seconds(cu, SHAPE, HW, P, Phase.FWD) / run.fwd.seconds,
+                     ideal_seconds(cu, SHAPE, HW, P, Phase.BWD) / run.bwd.seconds])
 
 
 def _report(got: dict[str, list[np.ndarray]]) -> None:
