@@ -10,6 +10,7 @@ __all__ = [
     "HSAPError",
     "BatchError",
     "ConfigError",
+    "PoolSizeError",
     "PlanError",
     "RuntimeMismatchError",
     "CommunicationError",
@@ -26,6 +27,10 @@ class BatchError(HSAPError, ValueError):
 
 class ConfigError(HSAPError, ValueError):
     """Sizes or options cannot be honoured (group sizes, head counts, capacities)."""
+
+
+class PoolSizeError(ConfigError):
+    """An explicit receive pool (``pool_bytes``) too small for a batch's plan."""
 
 
 class PlanError(HSAPError):

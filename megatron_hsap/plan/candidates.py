@@ -65,6 +65,8 @@ def _each_staging(split: BlocksByRank, rates: CostRates, latency: float, budget:
     ``schedule.stage`` and ``price_staging`` memoise on the split, so asking again under the same
     budget stages nothing twice."""
     shapes = stage_shapes(split, rates, budget)
+    if not shapes:
+        return  # (more stages than ``schedule.stage_cap`` under this budget)
     fewest = min(s.stages for s in shapes)
     first = [default_shape(shapes)] if not explore else [s for s in shapes if s.stages == fewest]
     least, staged = float("inf"), False  # the least price yielded so far; whether any was
@@ -88,9 +90,11 @@ def _each_staging(split: BlocksByRank, rates: CostRates, latency: float, budget:
 
 
 def _stagings(split: BlocksByRank, rates: CostRates, latency: float, budget: float, *, explore: bool = True) -> list[tuple[float, StagedBlocks]]:
-    """Every staging of ``_each_staging``, cheapest first (ties: in the order staged)."""
+    """Every staging of ``_each_staging``, cheapest first (ties: in the order staged); empty when
+    ``split`` needs more than ``schedule.stage_cap`` stages under ``budget``."""
     out = list(_each_staging(split, rates, latency, budget, explore=explore))
-    assert out
+    if not out:
+        return []
     best = out[0]  # the first tried wins ties within 1e-12 (summation order)
     for x in out:
         if x[0] < best[0] * (1 - 1e-12):
@@ -98,7 +102,8 @@ def _stagings(split: BlocksByRank, rates: CostRates, latency: float, budget: flo
     return [best, *sorted((x for x in out if x is not best), key=lambda x: x[0])]
 
 
-def _best_staging(split: BlocksByRank, rates: CostRates, latency: float, budget: float, *, explore: bool = True) -> tuple[float, StagedBlocks]:
+def _best_staging(split: BlocksByRank, rates: CostRates, latency: float, budget: float, *,
+                  explore: bool = True) -> tuple[float, StagedBlocks] | None:
     """The staging of ``split`` to build and its price: with ``explore``, the stage shape whose
     code is fastest (``estimate.built_price``: the local blocks poured, as code generation will),
     found lazily — the shapes in staged-price order, each built-priced while its staged price is
@@ -106,8 +111,11 @@ def _best_staging(split: BlocksByRank, rates: CostRates, latency: float, budget:
     under 0.98 of it). Else the default shape at its staged price (the quick price that ranks
     the placements). The staged price alone picked shapes whose code ran up to 12% slower than
     another shape's: with the built price, 33 of the 167 Table 2 / Table 4 / MagiAttention
-    batches simulate 1-11% faster, 10 slower by 0.1-1.0% (docs/design.md §2.1)."""
+    batches simulate 1-11% faster, 10 slower by 0.1-1.0% (docs/design.md §2.1). None when no
+    shape stages ``split`` within ``schedule.stage_cap`` (a pool far below the default)."""
     got = _stagings(split, rates, latency, budget, explore=explore)
+    if not got:
+        return None
     return _fastest(got, split.size, rates, latency) if explore else got[0]
 
 
@@ -192,7 +200,10 @@ def _price(placements: dict[str, Placement], size: int, rates: CostRates, latenc
             continue
         seen.add(key)
         split = BlocksByRank.of(pl.placed(), size)
-        t, st = _best_staging(split, rates, latency, budget, explore=False)
+        got = _best_staging(split, rates, latency, budget, explore=False)
+        if got is None:
+            continue  # more stages than the cap under this pool: not a candidate
+        t, st = got
         priced[name] = (t, split, st)
         best_t = min(best_t, t)
     return priced
@@ -226,9 +237,10 @@ def _explore_one(priced: dict[str, tuple[float, BlocksByRank, StagedBlocks]], na
     its built price (in place; the shapes include the default one its quick price staged, so
     the entry's code is never slower); returns that price."""
     _, split, _ = priced[name]
-    t, st = _best_staging(split, rates, latency, budget)
-    priced[name] = (t, split, st)
-    return t
+    got = _best_staging(split, rates, latency, budget)
+    assert got is not None  # its default shape staged under this budget (``_price``)
+    priced[name] = (got[0], split, got[1])
+    return got[0]
 
 
 def _explores(split: BlocksByRank) -> bool:
@@ -238,8 +250,9 @@ def _explores(split: BlocksByRank) -> bool:
     return sum(map(len, split.remote)) <= _EXPLORE_RETRY_BLOCKS
 
 
-def _restage(split: BlocksByRank, rates: CostRates, latency: float, budget: float) -> tuple[float, StagedBlocks]:
-    """Stage again under a shrunk pool budget (a pool-overflow retry; ``_explores``)."""
+def _restage(split: BlocksByRank, rates: CostRates, latency: float, budget: float) -> tuple[float, StagedBlocks] | None:
+    """Stage again under a shrunk pool budget (a pool-overflow retry; ``_explores``); None past
+    ``schedule.stage_cap``."""
     return _best_staging(split, rates, latency, budget, explore=_explores(split))
 
 
@@ -263,8 +276,9 @@ def _build_or_halve(name: str, split: BlocksByRank, st: StagedBlocks, budget: fl
     s0 9.62 instead of 9.91). A staging that overflowed is marked on its split's memo, so it is
     never offered again.
     Returns ``(candidate, price, staging, budget)``: the built candidate, or ``None`` with the
-    next staging, its built price and its budget (nothing left, price ``inf``, once the budget
-    falls below ``_MIN_STAGE_BUDGET``)."""
+    next staging, its built price and its budget (nothing left: price ``inf`` and budget 0, once
+    every shape under this budget overflowed and a smaller one falls below ``_MIN_STAGE_BUDGET``
+    or needs more stages than ``schedule.stage_cap``)."""
     try:
         return _build(name, st.units(), size, shape, capacity, rates, latency, budget), float("nan"), st, budget
     except PoolOverflow:
@@ -276,9 +290,10 @@ def _build_or_halve(name: str, split: BlocksByRank, st: StagedBlocks, budget: fl
     rest = [(t, o) for t, o in _stagings(split, rates, latency, budget, explore=_explores(split)) if id(o) not in gone]
     same = _fastest(rest, size, rates, latency) if rest else None
     smaller = budget * _OVERFLOW_STEP
-    if smaller < _MIN_STAGE_BUDGET:
-        return (None, same[0], same[1], budget) if same is not None else (None, float("inf"), st, smaller)
-    _, restaged = _restage(split, rates, latency, smaller)
+    got = _restage(split, rates, latency, smaller) if smaller >= _MIN_STAGE_BUDGET else None
+    if got is None:  # under the smallest budget, or past the stage cap: only this budget's shapes are left
+        return (None, same[0], same[1], budget) if same is not None else (None, float("inf"), st, 0.0)
+    restaged = got[1]
     t = built_price(restaged, size, rates, latency)
     if same is not None and same[0] < t:
         return None, same[0], same[1], budget

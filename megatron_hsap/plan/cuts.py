@@ -11,7 +11,7 @@ from megatron_hsap.plan.ir import TokenRange, Unit, new_unit, positional_builder
 from megatron_hsap.plan.placement import CostRates, rows_for_work
 from megatron_hsap.plan.units import clip_unit
 
-__all__ = ["footprint", "split_rows", "split_cols", "with_stage", "cut_by_cols", "count_fitting",
+__all__ = ["footprint", "held_bytes", "split_rows", "split_cols", "with_stage", "cut_by_cols", "count_fitting",
            "smallest_piece", "needs_tiles", "grid_tiles", "cut_fitting_part"]
 
 
@@ -29,6 +29,12 @@ def footprint(u: Unit, rates: CostRates) -> float:
     if u.rank != u.kv_owner:
         total += len(u.kv) * (rates.kv + rates.dkv)
     return total
+
+
+def held_bytes(remote: tuple[Unit, ...] | list[Unit], rates: CostRates) -> float:
+    """Pool bytes one rank's remote blocks hold over all their stages, uncut: a lower bound of any
+    staging's (a cut re-sends rows: its parts hold at least as much)."""
+    return sum(footprint(u, rates) for u in remote)
 
 
 def split_rows(u: Unit, m: int) -> tuple[Unit, Unit]:

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from megatron_hsap.errors import BatchError, ConfigError
+from megatron_hsap.errors import BatchError, PoolSizeError
 from megatron_hsap.plan.balanced import balanced_layout, kept_layout, kv_token_cost
 from megatron_hsap.plan.bounds import ideal_compute
 from megatron_hsap.plan.cache import PLAN_CACHE, clear_plan_cache, fast_key
@@ -21,19 +21,20 @@ from megatron_hsap.plan.codegen import PoolOverflow
 from megatron_hsap.plan.flatten import choose_topology, flat_options, flat_topologies
 from megatron_hsap.plan.costs import HeadShape
 from megatron_hsap.plan.hardware import HARDWARE
-from megatron_hsap.plan.layout import Batch, Layout, contiguous_layout, normalize_cu_seqlens, padded_length, validate_layout
+from megatron_hsap.plan.layout import Batch, Layout, contiguous_layout, normalize_cu_seqlens, validate_layout
 from megatron_hsap.plan.options import DEFAULT_POOL_CHUNKS, DEFAULT_POOL_MIN, PlanOptions, inter_rank_nodes, kv_heads_per_rank, validated_options
 from megatron_hsap.plan.options import link_of as _link_of
 from megatron_hsap.plan.placement import CostRates, plan_rates
 from megatron_hsap.plan.plan_type import Plan
 from megatron_hsap.plan.priced import PricedLayout
+from megatron_hsap.plan.cuts import held_bytes
+from megatron_hsap.plan.schedule import BlocksByRank, stage_cap
 from megatron_hsap.plan.units import build_units, clip_unit
 
 __all__ = ["Plan", "PlanOptions", "compile_plan", "choose_layout", "clear_plan_cache", "kv_heads_per_rank", "kept_layout"]
 
 
 _BUDGET_FRACTION = 0.45  # per-stage remote pool use: two stages' inputs and results live at once
-_SMALL_POOL = 4  # a pool_bytes this many times below the default is named as the likely cause of running out of memory
 # a layout's code is not generated when its prices (``_loses``) all exceed the other
 # layout's built time by more than this: a staged price sits at or below the built plan's time
 # (the 404 builds of the 167 benchmark batches: built / staged 1.00-1.17, median 1.07, never under
@@ -100,11 +101,11 @@ def compile_plan(cu_seqlens: object, inter_size: int, intra_size: int = 1, *, nu
     enabled = gc.isenabled()
     gc.disable()  # compiling allocates ~10^5 small objects; cyclic collections would dominate
     try:
-        flat = [_compile_windowed(cu, flat_options(opts, t)) for t in flat_topologies(opts)]
-        if opts.flatten in ("always", "all-to-all") and flat:
-            plan = flat[0]
+        topologies = flat_topologies(opts)
+        if opts.flatten in ("always", "all-to-all") and topologies:
+            plan = _compile_windowed(cu, flat_options(opts, topologies[0]))
         else:  # the configured plan, or a one-level one when its layer is estimated faster (plan/flatten.py)
-            plan = choose_topology(_compile_windowed(cu, opts), *flat)
+            plan = choose_topology(*_fitting(cu, opts, [flat_options(opts, t) for t in topologies]))
     except MemoryError:
         raise _out_of_memory(cu, opts) from None
     finally:
@@ -114,19 +115,32 @@ def compile_plan(cu_seqlens: object, inter_size: int, intra_size: int = 1, *, nu
     return plan
 
 
+def _fitting(cu: tuple[int, ...], opts: PlanOptions, flat: list[PlanOptions]) -> list[Plan]:
+    """``flatten="auto"``'s plans, the configured one first: those whose candidates fit the pool
+    (one topology's may need more stages than ``schedule.stage_cap`` under it while another's fit:
+    a one-level SAP plan holds all heads per rank, an all-to-all none); the configured topology's
+    ``PoolSizeError`` when none does."""
+    plans: list[Plan] = []
+    for o in flat:  # (compiled before the configured plan, as always)
+        try:
+            plans.append(_compile_windowed(cu, o))
+        except PoolSizeError:
+            pass
+    try:
+        return [_compile_windowed(cu, opts), *plans]
+    except PoolSizeError:
+        if not plans:
+            raise
+        return plans
+
+
 def _out_of_memory(cu: tuple[int, ...], opts: PlanOptions) -> BatchError:
-    """The error of a compile that ran out of host memory: a ``pool_bytes`` far below the batch's
-    default is the likely cause (a small pool cuts the work into thousands of stages per candidate:
-    measured in docs/enable.md §7.4), else the batch's size."""
-    head = f"planning a batch of T={cu[-1]} tokens ({len(cu) - 1} documents) at inter_size={opts.inter_size} ran out of host memory"
-    if opts.pool_bytes is not None:
-        chunk = padded_length(cu[-1], _pad_multiple(opts)) // opts.inter_size
-        default = _default_pool(chunk, _head_shape(opts))
-        if opts.pool_bytes * _SMALL_POOL <= default:
-            return BatchError(f"{head}: pool_bytes={opts.pool_bytes} is {default // opts.pool_bytes}x below this batch's default "
-                              f"pool ({default} bytes), and a pool that small makes the planner cut the work into thousands "
-                              "of stages; leave pool_bytes unset (--hsap-pool-bytes) or raise it")
-    return BatchError(f"{head} (the planner holds a few int64 arrays per token); split the micro-batch or use more inter ranks")
+    """The error of a compile that ran out of host memory: the batch is too large for the host
+    (a small ``pool_bytes`` no longer can be the cause: ``schedule.stage_cap`` bounds the stages
+    and cut blocks it makes, docs/enable.md §7.4)."""
+    return BatchError(f"planning a batch of T={cu[-1]} tokens ({len(cu) - 1} documents) at inter_size={opts.inter_size} ran "
+                      "out of host memory (the planner holds a few int64 arrays per token); split the micro-batch or use "
+                      "more inter ranks")
 
 
 def _pad_multiple(opts: PlanOptions) -> int:
@@ -189,13 +203,15 @@ def _search(cu: tuple[int, ...], opts: PlanOptions, staged: list[PricedLayout]) 
     # The contiguous layout is staged and priced only when a decision needs its exact price:
     # ``con.floor`` (≤ that price) settles each comparison below whenever it falls on the far side.
     contiguous = con = None
+    con_failed: PoolSizeError | None = None  # the contiguous layout's candidates do not fit the pool
     if opts.layout_fallback:
         con = _price_on(contiguous_layout(batch, size, opts.intra_size), batch, shape, opts, lazy=True)
         staged.append(con)
         if (kept_layout(con.floor / (1 + _LAYOUT_PRUNE), None, bound) == "contiguous"
+                and np.isfinite(con.exact().price)  # (inf: nothing stages within the stage cap)
                 and kept_layout(con.exact().price / (1 + _LAYOUT_PRUNE), None, bound) == "contiguous"):
-            contiguous = _build_on(con)
-            if kept_layout(contiguous.chosen.time, None, bound) == "contiguous":
+            contiguous, con_failed = _built(con)
+            if contiguous is not None and kept_layout(contiguous.chosen.time, None, bound) == "contiguous":
                 return contiguous  # already within 1% of the compute bound: no layout can gain more
     # the layout's kv price is calibrated on fp32 gradient rows (balanced.py's flat model): priced
     # with the cheaper rows of grad_wire_dtype="activation" it split more documents and its plans
@@ -217,23 +233,41 @@ def _search(cu: tuple[int, ...], opts: PlanOptions, staged: list[PricedLayout]) 
     bal.exact()
     if con is None:
         return _build_on(bal)
-    if contiguous is None and bal.price > con.floor * (1 + _LAYOUT_PRUNE) and bal.price > con.exact().price * (1 + _LAYOUT_PRUNE):
+    if (contiguous is None and con_failed is None and bal.price > con.floor * (1 + _LAYOUT_PRUNE)
+            and bal.price > con.exact().price * (1 + _LAYOUT_PRUNE)):
         # prune the balanced layout against the contiguous plan's built time only: a staged
         # price can sit below it (25% where a pool overflow restages: table4 fineweb 16K 1x8 s1)
-        contiguous = _build_on(con)
+        contiguous, con_failed = _built(con)
     # a layout is pruned against the other's built *layer* time (choose_layout compares whole
     # layers; with an intra all-to-all it can swamp a SAP gap: Table 4 slimpajama 16K 4x2 s0's
     # contiguous SAP is 8% above the balanced one, its layer 0.4% below, 1.4% below in
     # simulation); a layer takes at least its SAP, and at P_intra = 1 it is its SAP
     if contiguous is not None and _loses(bal, contiguous.layer_time):
         return contiguous
-    balanced = _build_on(bal)
+    balanced, bal_failed = _built(bal)
+    if balanced is None:  # the other layout's plan, if it fits (under a small pool)
+        if contiguous is not None:
+            return contiguous
+        if con_failed is not None:
+            raise bal_failed
+        return _build_on(con)
     if contiguous is None:
         layer = balanced.layer_time
-        if con.floor > layer * (1 + _LAYOUT_PRUNE) or _loses(con.exact(), layer):
+        if con_failed is not None or con.floor > layer * (1 + _LAYOUT_PRUNE) or _loses(con.exact(), layer):
             return balanced
-        contiguous = _build_on(con)
+        contiguous, _ = _built(con)
+        if contiguous is None:
+            return balanced
     return choose_layout(contiguous, balanced, bound)
+
+
+def _built(p: PricedLayout) -> tuple[Plan, None] | tuple[None, PoolSizeError]:
+    """``_build_on(p)``, or its ``PoolSizeError``: under a small pool one layout's candidates may
+    all need more stages than the cap while the other layout's fit (``_search`` keeps that one)."""
+    try:
+        return _build_on(p), None
+    except PoolSizeError as e:
+        return None, e
 
 
 def _loses(p: PricedLayout, other: float) -> bool:
@@ -314,10 +348,7 @@ def _build_on(p: PricedLayout) -> Plan:
     best, alternatives, owner_time = _choose(dict(p.priced), p.opts.inter_size, p.shape, p.capacity, p.rates, p.latency,
                                              p.capacity * _BUDGET_FRACTION, p.owner_deferred)
     if best is None:
-        raise ConfigError(
-            f"pool_bytes={p.capacity} cannot hold the slots of even one token row per stage; raise pool_bytes "
-            f"(default {DEFAULT_POOL_CHUNKS} × chunk × heads × (d_qk + d_v) × bytes)"
-        )
+        raise _pool_too_small(p)
     return Plan(
         options=p.opts,
         batch=p.batch,
@@ -332,6 +363,33 @@ def _build_on(p: PricedLayout) -> Plan:
         alternatives=alternatives,
         owner_time=owner_time,
     )
+
+
+def _pool_too_small(p: PricedLayout) -> PoolSizeError:
+    """The error of a layout none of whose candidates fits its pool. Cut finer, a staging needs
+    more stages, and the planner stops at ``schedule.stage_cap`` (each stage is a round of
+    latency; past it a small pool cost minutes of compile: docs/enable.md §7.4). Names the least
+    pool any placement could stage in within the cap when the pool is under it (a lower bound:
+    uncut blocks, no slot fragmentation), else the default."""
+    size = p.opts.inter_size
+    cap = stage_cap(size)
+    held = min(max(held_bytes(rem, p.rates) for rem in BlocksByRank.of(pl.placed(), size).remote)
+               for pl in p.placements.values())
+    need = int(held / (cap - 2) / _BUDGET_FRACTION) + 1
+    default = _default_pool(p.layout.chunk_tokens, p.shape)
+    flat = p.opts.flattened_from
+    where = f"inter_size={size}" + (f", flattened from {flat[0]}x{flat[1]}" if flat else "")
+    head = f"pool_bytes={p.capacity} is too small for this batch (T={p.batch.padded_tokens} tokens, {where})"
+    fix = f"leave it unset (this batch's default: {default} bytes)"
+    if need > p.capacity:
+        return PoolSizeError(
+            f"{head}: a rank's remote inputs and results ({held / 2**20:.1f} MiB under the placement that moves least) "
+            f"would take more than {cap} stages per layer, the planner's cap (each stage is a round of latency); raise "
+            f"pool_bytes (--hsap-pool-bytes) to at least {need} bytes or {fix}")
+    return PoolSizeError(
+        f"{head}: every staging that fits it overflows the pool's slots, and cut finer it would take more than {cap} "
+        f"stages per layer, the planner's cap (each stage is a round of latency), or not one token row fits a stage; "
+        f"raise pool_bytes (--hsap-pool-bytes) or {fix}")
 
 
 def _compile_on(layout: Layout, batch: Batch, shape: HeadShape, opts: PlanOptions) -> Plan:
@@ -371,6 +429,11 @@ def no_slower_than_full(plan: Plan) -> Plan:
     key = (plan.batch.cu_seqlens, opts)
     full = PLAN_CACHE.get(key)
     if full is None:
-        full = _compile_uncached(plan.batch.cu_seqlens, opts)
+        try:
+            full = _compile_uncached(plan.batch.cu_seqlens, opts)
+        except PoolSizeError:
+            # the full-causal plan needs more than the pool gives (``_pool_too_small``: more stages
+            # than the cap; the window's moves far less): the windowed plan is the only one
+            return plan
         PLAN_CACHE.put(key, full)
     return _with_clipped(plan, full)

@@ -86,7 +86,8 @@ class PricedLayout:
     @property
     def price(self) -> float:
         assert self._priced is not None, "price of a layout not staged yet (call exact())"
-        return min(v[0] for v in self._priced.values())
+        # inf: no placement stages within ``schedule.stage_cap`` under this pool (the layout loses)
+        return min((v[0] for v in self._priced.values()), default=float("inf"))
 
     @property
     def floor(self) -> float:

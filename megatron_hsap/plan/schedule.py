@@ -21,7 +21,8 @@ and results of the last stage travel in a tail round that nothing hides. With ``
 
 Local blocks are split by q rows (a causal block's head rows keep bottom-right alignment), never
 into slivers under 16 rows. ``stage_shapes`` proposes ``StageShape(S, α, ring_fill)`` candidates; the planner
-prices each (``estimate.price_staging``) and keeps the cheapest.
+prices each (``estimate.price_staging``) and keeps the cheapest. No staging passes ``stage_cap``
+stages (``StagingError``): only a pool far below the default would need more.
 """
 
 from __future__ import annotations
@@ -31,16 +32,35 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from megatron_hsap.plan.cuts import (cut_fitting_part, footprint, grid_tiles, needs_tiles, smallest_piece, split_cols,
-                                     split_rows, with_stage)
+from megatron_hsap.plan.cuts import (cut_fitting_part, footprint, grid_tiles, held_bytes, needs_tiles, smallest_piece,
+                                     split_cols, split_rows, with_stage)
 from megatron_hsap.plan.ir import Unit
 from megatron_hsap.plan.placement import CostRates, rows_for_work
 
-__all__ = ["BlocksByRank", "StagedBlocks", "StagingError", "StageShape", "default_shape", "stage", "footprint", "stage_shapes", "split_rows", "split_cols"]
+__all__ = ["BlocksByRank", "StagedBlocks", "StagingError", "StageShape", "default_shape", "stage", "stage_cap", "footprint",
+           "stage_shapes", "split_rows", "split_cols"]
 
 
 class StagingError(Exception):
-    """Internal: a stage shape cannot hold this placement."""
+    """Internal: a stage shape cannot hold this placement (or not within ``stage_cap`` stages)."""
+
+
+# The most stages a staging may take (``stage_cap``): 8 per rank, at least 128, plus the two local
+# end stages. Above every shape the work balance proposes (``stage_shapes``: at most twice
+# max(8, 2P) middle stages) and, with room to spare, above what the default pool needs: the
+# benchmark batches staged at most 40 stages at P 8 (cap 130), 62 at P 16 (cap 130), 12 at P 64.
+# Only a pool far below the default needs more, and there every extra stage is a round of latency
+# and more cut blocks to stage, price and build: a 227K-token batch at 8x16 under a 1 MiB pool took
+# 3,448 stages and 23,887 blocks in one staging, 490 s and 5.4 GB to compile (docs/enable.md §7.4).
+# A placement that needs more is not staged; when none fits, the compile names the pool. (The
+# floor of 128: at a few ranks a staging is a few hundred blocks, cheap to compile at any count.)
+_CAP_PER_RANK = 8
+_CAP_MIN = 128
+
+
+def stage_cap(size: int) -> int:
+    """The most stages (two local end stages included) a staging of ``size`` ranks may take."""
+    return max(_CAP_PER_RANK * size, _CAP_MIN) + 2
 
 
 _MIN_SPLIT_ROWS = 16  # local blocks are not cut into slivers thinner than this (flat prices: no kernel model)
@@ -199,7 +219,13 @@ def _stage(split: BlocksByRank, rates: CostRates, shape: StageShape, budget: flo
             key = ("cut", r, n_mid, budget, level)  # a pure function of these: shapes that differ
             got = split.orders.get(key)  # only in alpha share it (the result is never mutated)
             if got is None:
-                got = split.orders[key] = _cut_remote(split, r, n_mid, rates, budget, level)
+                try:
+                    got = _cut_remote(split, r, n_mid, rates, budget, level)
+                except StagingError as e:
+                    got = e  # (a fact about these inputs too: every shape sharing them fails alike)
+                split.orders[key] = got
+            if isinstance(got, StagingError):
+                raise got
             cuts[r], works[r], n = got
             used = max(used, n)
     memoised = list(cuts)  # the memo's list objects (alive in ``split.orders``, so their ids are stable)
@@ -338,7 +364,9 @@ def _cut_remote(split: BlocksByRank, r: int, n_mid: int, rates: CostRates, budge
     """Spread rank ``r``'s remote blocks evenly by work over middle stages ``1 .. n_mid`` (or,
     with ``level``, fill each from the first up to that much work) within ``budget`` pool bytes
     each; returns the parts (stage set), their pairs, and how many middle stages they use
-    (``> n_mid`` when forced)."""
+    (``> n_mid`` when forced). ``StagingError`` once they would need more than ``stage_cap``
+    allows (checked as the stages fill: past the cap nothing more is cut)."""
+    limit = stage_cap(split.size) - 2
     total = float(split.remote_work[r])
     per = total / n_mid if level is None else max(level, total / (4 * n_mid), 1.0)
     out: list[Unit] = []
@@ -347,6 +375,8 @@ def _cut_remote(split: BlocksByRank, r: int, n_mid: int, rates: CostRates, budge
     placed_w = acc_b = 0.0  # work placed so far (all stages), pool bytes of stage k
     queue = list(reversed(_ordered_remote(split, r, per, budget, rates)))  # (block, work, footprint)
     while queue:
+        if k >= limit:  # the next part would land in stage k + 1, past the cap
+            raise StagingError(f"rank {r}'s remote blocks need more than {limit} middle stages under {budget:.0f} pool bytes")
         u, w, fp = queue.pop()
         # cumulative target: stages 0..k hold per·(k+1); the last planned one takes the rest
         room_w = per * (k + 1) - placed_w if (k < n_mid - 1 or level is not None) else math.inf
@@ -436,10 +466,14 @@ def default_shape(shapes: list[StageShape]) -> StageShape:
     return min((s for s in shapes if s.stages == fewest), key=lambda s: (abs(s.end_weight - 0.5), s.ring_fill))
 
 
-def stage_shapes(split: BlocksByRank, rates: CostRates, budget: float, max_stages: int = 1024) -> list[StageShape]:
+def stage_shapes(split: BlocksByRank, rates: CostRates, budget: float, max_stages: int | None = None) -> list[StageShape]:
     """Candidate stage shapes for a placement: enough middle stages for the pool budget and for the
-    most remote-heavy rank, with short or full-length local end stages; the caller prices each."""
+    most remote-heavy rank, with short or full-length local end stages; the caller prices each.
+    None when some rank's remote blocks cannot fit ``max_stages`` (default ``stage_cap``) stages of
+    ``budget`` bytes: their footprints alone (cuts only add re-sent rows) fill more."""
     size = split.size
+    if max_stages is None:
+        max_stages = stage_cap(size)
     remote_w = np.zeros(size)
     remote_b = np.zeros(size)
     for r in range(size):
@@ -448,6 +482,8 @@ def stage_shapes(split: BlocksByRank, rates: CostRates, budget: float, max_stage
             remote_b[r] += _tiled_bytes(u, rates, budget)
     if not remote_w.any() and not remote_b.any():
         return [StageShape(1, 1.0)]
+    if max(held_bytes(rem, rates) for rem in split.remote) > budget * (max_stages - 2):
+        return []
     work = remote_w + split.local_work
     n_pool = int(math.ceil(float(remote_b.max()) / budget)) if budget > 0 else 1
     top = float(work.max())

@@ -260,7 +260,8 @@ def test_built_prices_are_computed_best_first_and_only_while_a_staged_price_can_
 def _shrink_only(priced, size, shape, capacity, rates, latency, budget) -> dict[str, float]:
     """The reference for the overflow policy: every candidate built from its staging, restaged
     under a budget shrunk by ``_OVERFLOW_STEP`` after each overflow (the policy before another
-    shape under the same budget was tried), with ``_build`` and ``_restage`` directly."""
+    shape under the same budget was tried), with ``_build`` and ``_restage`` directly; a
+    candidate whose restaging passes the stage cap has no entry."""
     out = {}
     for name, (_, split, st) in priced.items():
         b = budget
@@ -270,7 +271,10 @@ def _shrink_only(priced, size, shape, capacity, rates, latency, budget) -> dict[
                 break
             except candidates.PoolOverflow:
                 b *= candidates._OVERFLOW_STEP
-                _, st = candidates._restage(split, rates, latency, b)
+                got = candidates._restage(split, rates, latency, b)
+                if got is None:
+                    break  # past the stage cap (schedule.stage_cap): no plan from this candidate
+                st = got[1]
     return out
 
 

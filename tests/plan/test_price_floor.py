@@ -27,7 +27,7 @@ GQA = dict(num_heads=32, num_kv_heads=8, head_dim=128)
 def _stagings(cu, inter: int, hardware: str, layout: str):
     """Every placement's split and every staging the planner could price on ``layout``, with the
     layout's ``PricedLayout`` (rates, latency)."""
-    plan = compile_plan(cu, inter, **GQA, hardware=hardware, layout=layout, layout_fallback=False)
+    plan = compile_plan(cu, inter, **GQA, hardware=hardware, layout=layout, layout_fallback=False, flatten="never")
     p = plan_mod._price_on(plan.layout, plan.batch, plan.shape, plan.options)
     budget = p.capacity * plan_mod._BUDGET_FRACTION
     for pl in plan_mod._placements(list(p.units), inter, p.rates, plan.options.allow_helpers).values():
@@ -69,7 +69,8 @@ def test_floor_before_staging_is_at_most_the_price(workload, inter, seed, window
     equals its placed blocks' pairs) ≤ the price once staged; after, the price itself."""
     clear_plan_cache()
     cu = pack_batches(workload, 32768, seed + 1, 2)[seed]
-    plan = compile_plan(cu, inter, **GQA, layout="contiguous", window_size=window)
+    # flatten="never": the floor is of the P_inter plan (auto may keep a one-level all-to-all)
+    plan = compile_plan(cu, inter, **GQA, layout="contiguous", window_size=window, flatten="never")
     lazy = plan_mod._price_on(plan.layout, plan.batch, plan.shape, plan.options, lazy=True)
     assert lazy.pending
     with pytest.raises(AssertionError):
