@@ -44,7 +44,7 @@ from megatron_hsap.plan.ir import (
     positional_builder,
 )
 
-__all__ = ["Message", "new_message", "PoolOverflow", "generate", "ALIGN"]
+__all__ = ["Message", "new_message", "PoolOverflow", "generate", "phase_rounds", "ALIGN"]
 
 ALIGN = 256  # byte alignment of slots: any dtype view and vectorised kernel loads stay aligned
 
@@ -198,6 +198,11 @@ class PhaseCode:
     pool_peak: tuple[int, ...]  # bytes per rank
 
 
+def phase_rounds(units: list[Unit]) -> int:
+    """Rounds of one phase of ``units``' code (``PhaseCode.rounds``): one per stage and the tail."""
+    return 2 + max((u.stage for u in units), default=0)
+
+
 def generate(units: list[Unit], phase: Phase, size: int, shape: HeadShape, capacity: int, round_base: int) -> PhaseCode:
     """Emit every rank's program for one phase. Raises ``PoolOverflow`` when slots do not fit.
 
@@ -206,7 +211,7 @@ def generate(units: list[Unit], phase: Phase, size: int, shape: HeadShape, capac
     (sent in round k + 1); a result received in round k lives [2k, 2k + 1] (merged after the wait).
     Blocks should come sorted by (rank, stage, ...): that is the order of each stage's items.
     """
-    stages = 1 + max((u.stage for u in units), default=0)
+    stages = phase_rounds(units) - 1
     msgs, inputs_of, result_at = _messages(units, phase, shape)
     q_wires, kv_wires, results = PHASE_WIRES[phase]
     row_bytes = wire_bytes(shape)

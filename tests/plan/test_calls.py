@@ -204,7 +204,7 @@ def _walked(plan, phase) -> tuple[int, ...]:
 @settings(deadline=None, max_examples=12)
 @given(workload=st.sampled_from(["fineweb", "sharegpt", "ultrachat", "full"]), inter=st.sampled_from([2, 4, 8, 16]),
        intra=st.sampled_from([1, 2]), seed=st.integers(0, 5), layout=st.sampled_from(["balanced", "contiguous"]),
-       pool=st.sampled_from([None, 1 << 17]))
+       pool=st.sampled_from([None, 1 << 19]))
 def test_counts_from_blocks_equal_the_program_walk(workload, inter, intra, seed, layout, pool) -> None:
     """``call_counts`` of plans without a window (counted from the staged blocks) equals the
     walk over the programs, in both phases, on random packings, layouts and pool sizes (a small
