@@ -222,10 +222,10 @@ def _stage(split: BlocksByRank, rates: CostRates, shape: StageShape, budget: flo
                 try:
                     got = _cut_remote(split, r, n_mid, rates, budget, level)
                 except StagingError as e:
-                    got = e  # (a fact about these inputs too: every shape sharing them fails alike)
+                    got = str(e)  # (a fact about these inputs too: every shape sharing them fails alike)
                 split.orders[key] = got
-            if isinstance(got, StagingError):
-                raise got
+            if isinstance(got, str):
+                raise StagingError(got)
             cuts[r], works[r], n = got
             used = max(used, n)
     memoised = list(cuts)  # the memo's list objects (alive in ``split.orders``, so their ids are stable)
@@ -469,7 +469,7 @@ def default_shape(shapes: list[StageShape]) -> StageShape:
 def stage_shapes(split: BlocksByRank, rates: CostRates, budget: float, max_stages: int | None = None) -> list[StageShape]:
     """Candidate stage shapes for a placement: enough middle stages for the pool budget and for the
     most remote-heavy rank, with short or full-length local end stages; the caller prices each.
-    None when some rank's remote blocks cannot fit ``max_stages`` (default ``stage_cap``) stages of
+    Empty when some rank's remote blocks cannot fit ``max_stages`` (default ``stage_cap``) stages of
     ``budget`` bytes: their footprints alone (cuts only add re-sent rows) fill more."""
     size = split.size
     if max_stages is None:
