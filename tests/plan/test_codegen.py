@@ -80,3 +80,42 @@ def test_hand_made_batch_has_results_of_every_wire() -> None:
        st.sampled_from(["contiguous", "balanced"]), st.sampled_from([4096, 16384, None]))
 def test_random_packings_bytes_and_matching(lengths, inter, layout, pool) -> None:
     check_code(plan_for(lengths, inter, layout, pool))
+
+
+def _live_from_messages(code, size: int, results: set) -> list[int]:
+    """Each rank's most bytes live at one event step, from the emitted messages alone: an input
+    received in round r lives [2r, 2r + 3] on its receiver, a result received in round r
+    [2r, 2r + 1]; a result sent in round r was computed at stage r − 1 into a slot of its sender
+    living [2r − 2, 2r + 1] (docs/design.md §2.1 step 4)."""
+    steps = 2 * code.rounds + 4
+    live = [[0] * steps for _ in range(size)]
+    for m in code.messages:
+        r = m.round  # (within the phase)
+        spans = [(m.dst, 2 * r, 2 * r + (1 if m.wire in results else 3))]
+        if m.wire in results:
+            spans.append((m.src, 2 * r - 2, 2 * r + 1))
+        for rank, a, b in spans:
+            for t in range(a, b + 1):
+                live[rank][t] += m.nbytes
+    return [max(row) for row in live]
+
+
+@settings(max_examples=12, deadline=None)
+@given(st.lists(st.integers(1, 90), min_size=1, max_size=5), st.integers(2, 4),
+       st.sampled_from(["contiguous", "balanced"]), st.sampled_from([4096, 16384]))
+def test_live_peak_bound_is_the_live_bytes_of_the_messages(lengths, inter, layout, pool) -> None:
+    """``codegen._live_peak`` (computed from the staged blocks before any message exists, to
+    refuse a staging that must overflow) equals the live bytes of the messages ``generate``
+    emitted, and never exceeds the slot peak first fit reached (so it refuses no staging that fits)."""
+    from megatron_hsap.plan.codegen import _live_peak
+    from megatron_hsap.plan.ir import PHASE_WIRES, Unit
+
+    plan = plan_for(lengths, inter, layout, pool)
+    units = sorted(plan.chosen.units, key=Unit.program_key)
+    for phase, code in ((Phase.FWD, plan.chosen.fwd), (Phase.BWD, plan.chosen.bwd)):
+        bound = _live_peak(units, phase, inter, plan.shape, code.rounds - 1)
+        if code.messages:
+            assert bound == _live_from_messages(code, inter, set(PHASE_WIRES[phase].results))
+        else:
+            assert bound == [0] * inter
+        assert all(b <= p <= plan.pool_capacity for b, p in zip(bound, code.pool_peak))

@@ -142,7 +142,7 @@ def test_flatten_auto_keeps_the_topology_that_fits() -> None:
 def test_fuzz_batch_compiles_under_a_small_pool(stagings, pool) -> None:
     # the planner fuzz's case: 227,113 tokens in 4 documents at 8x16, 64/32 heads of 64, a 1K
     # window. Before the cap: 1 MiB took 490 s and 5.4 GB (3,448 stages in one staging), 64 KiB ran
-    # out of a 6 GB limit. Now both compile (1.8 s and 2.1 s measured) and every staging is capped
+    # out of a 6 GB limit. Now both compile (1.8 s and 1.9 s measured) and every staging is capped
     cu = [0, 109614, 147835, 206573, 227113]
     plan = compile_plan(cu, 16, 8, num_heads=64, num_kv_heads=32, head_dim=64, window_size=(1024, 0), flatten="never",
                         head_chunks=1, pool_bytes=pool)
