@@ -11,7 +11,7 @@ from megatron_hsap.plan.ir import TokenRange, Unit, new_unit, positional_builder
 from megatron_hsap.plan.placement import CostRates, rows_for_work
 from megatron_hsap.plan.units import clip_unit
 
-__all__ = ["footprint", "held_bytes", "split_rows", "split_cols", "with_stage", "cut_by_cols", "count_fitting",
+__all__ = ["footprint", "held_bytes", "tiled_bytes", "split_rows", "split_cols", "with_stage", "cut_by_cols", "count_fitting",
            "smallest_piece", "needs_tiles", "grid_tiles", "cut_fitting_part"]
 
 
@@ -35,6 +35,21 @@ def held_bytes(remote: tuple[Unit, ...] | list[Unit], rates: CostRates) -> float
     """Pool bytes one rank's remote blocks hold over all their stages, uncut: a lower bound of any
     staging's (a cut re-sends rows: its parts hold at least as much)."""
     return sum(footprint(u, rates) for u in remote)
+
+
+def tiled_bytes(u: Unit, rates: CostRates, budget: float) -> float:
+    """Pool bytes ``u`` will occupy over all its stages once cut to fit ``budget``: its footprint,
+    or, when both q rows and kv travel and they do not fit together, one budget per 2D tile
+    (``cut_fitting_part`` re-sends a tile's q rows and kv columns with each neighbouring tile)."""
+    fp = footprint(u, rates)
+    if fp <= budget or u.rank == u.q_owner or u.rank == u.kv_owner:
+        return fp
+    fq, fk = rates.q_bwd + rates.dq, rates.kv + rates.dkv
+    nq, nk = len(u.q), (u.q.stop - u.kv.start) if u.causal else len(u.kv)
+    rows = min(nq, max(1.0, budget / (2 * fq)))
+    cols = min(nk, max(1.0, (budget - rows * fq) / fk))
+    tiles = math.ceil(nq / rows) * math.ceil(nk / cols) * (0.5 if u.causal else 1.0)
+    return max(fp, tiles * (rows * fq + cols * fk))
 
 
 def split_rows(u: Unit, m: int) -> tuple[Unit, Unit]:

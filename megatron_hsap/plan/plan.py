@@ -18,6 +18,7 @@ from megatron_hsap.plan.bounds import ideal_compute
 from megatron_hsap.plan.cache import PLAN_CACHE, clear_plan_cache, fast_key
 from megatron_hsap.plan.candidates import _OVERFLOW_STEP, _build, _choose, _each_staging, _explores, _placements, _stage_all
 from megatron_hsap.plan.codegen import PoolOverflow
+from megatron_hsap.plan.cuts import held_bytes
 from megatron_hsap.plan.flatten import choose_topology, flat_options, flat_topologies
 from megatron_hsap.plan.costs import HeadShape
 from megatron_hsap.plan.hardware import HARDWARE
@@ -27,7 +28,6 @@ from megatron_hsap.plan.options import link_of as _link_of
 from megatron_hsap.plan.placement import CostRates, plan_rates
 from megatron_hsap.plan.plan_type import Plan
 from megatron_hsap.plan.priced import PricedLayout
-from megatron_hsap.plan.cuts import held_bytes
 from megatron_hsap.plan.schedule import BlocksByRank, stage_cap
 from megatron_hsap.plan.units import build_units, clip_unit
 
@@ -107,7 +107,13 @@ def compile_plan(cu_seqlens: object, inter_size: int, intra_size: int = 1, *, nu
         else:  # the configured plan, or a one-level one when its layer is estimated faster (plan/flatten.py)
             plan = choose_topology(*_fitting(cu, opts, [flat_options(opts, t) for t in topologies]))
     except MemoryError:
-        raise _out_of_memory(cu, opts) from None
+        # the batch's size, not the pool: ``schedule.stage_cap`` bounds the stages and cut blocks
+        # a small ``pool_bytes`` makes (docs/enable.md §7.4)
+        raise BatchError(
+            f"planning a batch of T={cu[-1]} tokens ({len(cu) - 1} documents) at inter_size={opts.inter_size} ran "
+            "out of host memory (the planner holds a few int64 arrays per token); split the micro-batch or use "
+            "more inter ranks"
+        ) from None
     finally:
         if enabled:
             gc.enable()
@@ -132,15 +138,6 @@ def _fitting(cu: tuple[int, ...], opts: PlanOptions, flat: list[PlanOptions]) ->
         if not plans:
             raise
         return plans
-
-
-def _out_of_memory(cu: tuple[int, ...], opts: PlanOptions) -> BatchError:
-    """The error of a compile that ran out of host memory: the batch is too large for the host
-    (a small ``pool_bytes`` no longer can be the cause: ``schedule.stage_cap`` bounds the stages
-    and cut blocks it makes, docs/enable.md §7.4)."""
-    return BatchError(f"planning a batch of T={cu[-1]} tokens ({len(cu) - 1} documents) at inter_size={opts.inter_size} ran "
-                      "out of host memory (the planner holds a few int64 arrays per token); split the micro-batch or use "
-                      "more inter ranks")
 
 
 def _pad_multiple(opts: PlanOptions) -> int:

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from megatron_hsap.plan.cuts import (cut_fitting_part, footprint, grid_tiles, held_bytes, needs_tiles, smallest_piece,
-                                     split_cols, split_rows, with_stage)
+                                     split_cols, split_rows, tiled_bytes, with_stage)
 from megatron_hsap.plan.ir import Unit
 from megatron_hsap.plan.placement import CostRates, rows_for_work
 
@@ -445,21 +445,6 @@ def _fill_stages_by_budget(units: list[Unit], budgets: np.ndarray, min_rows: int
     return out
 
 
-def _tiled_bytes(u: Unit, rates: CostRates, budget: float) -> float:
-    """Pool bytes ``u`` will occupy over all its stages once cut to fit ``budget``: its footprint,
-    or, when both q rows and kv travel and they do not fit together, one budget per 2D tile
-    (``cut_fitting_part`` re-sends a tile's q rows and kv columns with each neighbouring tile)."""
-    fp = footprint(u, rates)
-    if fp <= budget or u.rank == u.q_owner or u.rank == u.kv_owner:
-        return fp
-    fq, fk = rates.q_bwd + rates.dq, rates.kv + rates.dkv
-    nq, nk = len(u.q), (u.q.stop - u.kv.start) if u.causal else len(u.kv)
-    rows = min(nq, max(1.0, budget / (2 * fq)))
-    cols = min(nk, max(1.0, (budget - rows * fq) / fk))
-    tiles = math.ceil(nq / rows) * math.ceil(nk / cols) * (0.5 if u.causal else 1.0)
-    return max(fp, tiles * (rows * fq + cols * fk))
-
-
 def default_shape(shapes: list[StageShape]) -> StageShape:
     """The shape tried first: the fewest stages with half-length end stages (when offered)."""
     fewest = min(s.stages for s in shapes)
@@ -479,7 +464,7 @@ def stage_shapes(split: BlocksByRank, rates: CostRates, budget: float, max_stage
     for r in range(size):
         for u in split.remote[r]:
             remote_w[r] += u.work
-            remote_b[r] += _tiled_bytes(u, rates, budget)
+            remote_b[r] += tiled_bytes(u, rates, budget)
     if not remote_w.any() and not remote_b.any():
         return [StageShape(1, 1.0)]
     if max(held_bytes(rem, rates) for rem in split.remote) > budget * (max_stages - 2):
