@@ -52,6 +52,15 @@ _MIN_GAIN = 0.01  # a candidate whose lower bound is within 1% of the best estim
 _OWNER_MARGIN = 0.01
 
 
+class Outpriced(Exception):
+    """Internal: ``_choose`` stopped because every candidate left is priced above its ``give_up``
+    bar (``price``: the least of them, seconds): this layout cannot win the layout choice."""
+
+    def __init__(self, price: float):
+        super().__init__(f"every candidate priced above the bar (least {price:.6g} s)")
+        self.price = price
+
+
 def _skippable(shp: StageShape) -> bool:
     """Whether the doubled-shape rule applies to ``shp``: it doubles a base of at least
     ``_DOUBLED_FROM`` middle stages (one middle stage doubled to two is always staged)."""
@@ -282,14 +291,14 @@ def _build_or_halve(name: str, split: BlocksByRank, st: StagedBlocks, budget: fl
     next staging, its built price and its budget (nothing left: price ``inf`` and budget 0, once
     every shape under this budget overflowed and a smaller one falls below ``_MIN_STAGE_BUDGET``
     or needs more stages than ``schedule.stage_cap``)."""
-    try:
-        return _build(name, st.units(), size, shape, capacity, rates, latency, budget), float("nan"), st, budget
-    except PoolOverflow:
-        pass
     # a staging's slots either fit the pool or not: a fact about it, kept on its split's memo (ids
-    # stay unique: each staging is held alive by that memo)
+    # stay unique: each staging is held alive by that memo), so a search run again skips its build
     gone: set[int] = set() if st.memo is None else st.memo.setdefault(("overflow", capacity), set())
-    gone.add(id(st))
+    if id(st) not in gone:
+        try:
+            return _build(name, st.units(), size, shape, capacity, rates, latency, budget), float("nan"), st, budget
+        except PoolOverflow:
+            gone.add(id(st))
     rest = [(t, o) for t, o in _stagings(split, rates, latency, budget, explore=_explores(split)) if id(o) not in gone]
     same = _fastest(rest, size, rates, latency) if rest else None
     smaller = budget * _OVERFLOW_STEP
@@ -304,7 +313,8 @@ def _build_or_halve(name: str, split: BlocksByRank, st: StagedBlocks, budget: fl
 
 
 def _choose(priced: dict[str, tuple[float, BlocksByRank, StagedBlocks]], size: int, shape: HeadShape, capacity: int, rates: CostRates,
-            latency: float, budget: float, owner_floor: float | None = None) -> tuple[ChosenCandidate | None, dict[str, float], float]:
+            latency: float, budget: float, owner_floor: float | None = None,
+            give_up: float = float("inf")) -> tuple[ChosenCandidate | None, dict[str, float], float]:
     """Generate code for the lowest price; if its slots do not fit the pool, stage it again
     (``_build_or_halve``: another shape under the same per-stage budget or the budget shrunk by
     ``_OVERFLOW_STEP``) and let it compete again. Returns (chosen, prices, owner-computes time); the chosen
@@ -318,7 +328,13 @@ def _choose(priced: dict[str, tuple[float, BlocksByRank, StagedBlocks]], size: i
     order is off wherever two candidates are that close (measured on the 167 benchmark batches:
     13 chosen plans 1-6% faster, none slower). Lazily, best first: a candidate's built price is
     computed when its staged price comes first (a staged price is taken as a lower bound of its
-    built price: never under 0.98 of it in those batches' 404 builds)."""
+    built price: never under 0.98 of it in those batches' 404 builds).
+
+    ``give_up`` (seconds): the other layout's time, past which this layout loses the layout choice
+    (``plan._search``); once the cheapest candidate left is priced above it (staged or built, and
+    owner-computes' deferred floor above it too), raises ``Outpriced`` instead of restaging on: a
+    pool overflow raises a price step by step (one 1M-token document at 8x128: 13 restagings of
+    the balanced layout, 18 of its 25 s compile, for a plan 36% slower than the contiguous one)."""
     alternatives = {n: v[0] for n, v in priced.items()}
     budgets = {n: budget for n in priced}
     deferred = owner_floor if "owner-computes" in priced else None
@@ -344,6 +360,8 @@ def _choose(priced: dict[str, tuple[float, BlocksByRank, StagedBlocks]], size: i
         if deferred is not None and (name == "owner-computes" or deferred <= priced[name][0]):
             search_owner()  # its searched price could come first (ties go to owner-computes)
             continue
+        if priced[name][0] > give_up:
+            raise Outpriced(priced[name][0])  # (a deferred owner-computes: its floor is above this)
         if name not in built:
             reprice(name, priced[name][2])
             continue

@@ -6,6 +6,7 @@ layout kept by estimated time; cached by every input."""
 from __future__ import annotations
 
 import gc
+import math
 from dataclasses import replace
 from functools import partial
 from typing import Any
@@ -16,7 +17,8 @@ from megatron_hsap.errors import BatchError, PoolSizeError
 from megatron_hsap.plan.balanced import balanced_layout, kept_layout, kv_token_cost
 from megatron_hsap.plan.bounds import ideal_compute
 from megatron_hsap.plan.cache import PLAN_CACHE, clear_plan_cache, fast_key
-from megatron_hsap.plan.candidates import _OVERFLOW_STEP, _build, _choose, _each_staging, _explores, _placements, _stage_all
+from megatron_hsap.plan.candidates import (_OVERFLOW_STEP, Outpriced, _build, _choose, _each_staging, _explores, _placements,
+                                           _stage_all)
 from megatron_hsap.plan.codegen import PoolOverflow
 from megatron_hsap.plan.cuts import held_bytes
 from megatron_hsap.plan.flatten import choose_topology, flat_options, flat_topologies
@@ -241,7 +243,9 @@ def _search(cu: tuple[int, ...], opts: PlanOptions, staged: list[PricedLayout]) 
     # simulation); a layer takes at least its SAP, and at P_intra = 1 it is its SAP
     if contiguous is not None and _loses(bal, contiguous.layer_time):
         return contiguous
-    balanced, bal_failed = _built(bal)
+    balanced, bal_failed, contiguous, con_failed = _against_contiguous(bal, con, contiguous, con_failed)
+    if balanced is None and bal_failed is None:
+        return contiguous  # the balanced layout was priced past it
     if balanced is None:  # the other layout's plan, if it fits (under a small pool)
         if contiguous is not None:
             return contiguous
@@ -252,19 +256,57 @@ def _search(cu: tuple[int, ...], opts: PlanOptions, staged: list[PricedLayout]) 
         layer = balanced.layer_time
         if con_failed is not None or con.floor > layer * (1 + _LAYOUT_PRUNE) or _loses(con.exact(), layer):
             return balanced
-        contiguous, _ = _built(con)
+        try:
+            contiguous, _ = _built(con, _bar(balanced))
+        except Outpriced:
+            return balanced
         if contiguous is None:
             return balanced
     return choose_layout(contiguous, balanced, bound)
 
 
-def _built(p: PricedLayout) -> tuple[Plan, None] | tuple[None, PoolSizeError]:
-    """``_build_on(p)``, or its ``PoolSizeError``: under a small pool one layout's candidates may
-    all need more stages than the cap while the other layout's fit (``_search`` keeps that one)."""
+def _against_contiguous(bal: PricedLayout, con: PricedLayout, contiguous: Plan | None, con_failed: PoolSizeError | None
+                        ) -> tuple[Plan | None, PoolSizeError | None, Plan | None, PoolSizeError | None]:
+    """``_built(bal)`` with its pool-overflow retries stopped once it cannot beat the contiguous
+    layout (``candidates.Outpriced``): past ``_LAYOUT_PRUNE`` over the contiguous plan's time, or,
+    that plan not built yet, over its floor, then its staged price (each a bound to know whether
+    that plan must be built: a balanced layout priced past the contiguous staged price leaves it
+    unpruned, so ``_search`` would build it anyway). Searched again under the next bar when one
+    stops it (its stagings and overflows are memoised on the splits). Returns ``(balanced,
+    bal_failed, contiguous, con_failed)``, the contiguous plan or its error as they now stand;
+    ``balanced`` and ``bal_failed`` both None when the contiguous plan wins."""
+    bars = [] if contiguous is not None or con_failed is not None else [
+        lambda: _bar(None, con.floor), lambda: _bar(None, con.exact().price)]
+    while True:
+        bar = bars.pop(0)() if bars else _bar(contiguous)  # (inf when the contiguous layout does not fit)
+        try:
+            balanced, bal_failed = _built(bal, bar)
+            return balanced, bal_failed, contiguous, con_failed
+        except Outpriced as out:
+            if bars:
+                continue
+            if contiguous is None and con_failed is None:
+                contiguous, con_failed = _built(con)
+            if contiguous is not None and out.price > _bar(contiguous):
+                return None, None, contiguous, con_failed
+
+
+def _built(p: PricedLayout, give_up: float = math.inf) -> tuple[Plan, None] | tuple[None, PoolSizeError]:
+    """``_build_on(p, give_up)``, or its ``PoolSizeError``: under a small pool one layout's candidates
+    may all need more stages than the cap while the other layout's fit (``_search`` keeps that one).
+    ``candidates.Outpriced`` passes through."""
     try:
-        return _build_on(p), None
+        return _build_on(p, give_up), None
     except PoolSizeError as e:
         return None, e
+
+
+def _bar(other: Plan | None, floor: float | None = None) -> float:
+    """The price (seconds) past which a layout loses to the other one (``_LAYOUT_PRUNE`` over the
+    other's plan's layer time, or over its ``floor`` while that plan is not built; ``inf`` with neither)."""
+    if other is not None:
+        return other.layer_time * (1 + _LAYOUT_PRUNE)
+    return math.inf if floor is None else floor * (1 + _LAYOUT_PRUNE)
 
 
 def _loses(p: PricedLayout, other: float) -> bool:
@@ -337,13 +379,14 @@ def _price_on(layout: Layout, batch: Batch, shape: HeadShape, opts: PlanOptions,
     return p if lazy else p.exact()
 
 
-def _build_on(p: PricedLayout) -> Plan:
+def _build_on(p: PricedLayout, give_up: float = math.inf) -> Plan:
     """Generate the code of ``p``'s lowest price (``_choose``: pool-overflow retries, the
-    owner-computes recheck) and assemble the ``Plan``."""
+    owner-computes recheck, ``Outpriced`` once every candidate is priced past ``give_up``) and
+    assemble the ``Plan``."""
     p.exact()
     # a copy: _choose drops and re-prices candidates as it retries, and ``p.price`` must not move
     best, alternatives, owner_time = _choose(dict(p.priced), p.opts.inter_size, p.shape, p.capacity, p.rates, p.latency,
-                                             p.capacity * _BUDGET_FRACTION, p.owner_deferred)
+                                             p.capacity * _BUDGET_FRACTION, p.owner_deferred, give_up)
     if best is None:
         raise _pool_too_small(p)
     return Plan(

@@ -46,7 +46,7 @@ def test_one_inter_rank_builds_one_plan_which_both_layouts_compile_to(
         assert _ps(con.layer_time) == _ps(bal.layer_time)
         built: list[object] = []
         real = search._build_on
-        monkeypatch.setattr(search, "_build_on", lambda p: built.append(p.layout) or real(p))
+        monkeypatch.setattr(search, "_build_on", lambda p, *a: built.append(p.layout) or real(p, *a))
         clear_plan_cache()
         auto = compile_plan(cu, 1, intra, layout="balanced", **kw)
         monkeypatch.setattr(search, "_build_on", real)

@@ -19,7 +19,7 @@ from tests.configured import compile_plan  # the configured topology (flatten="n
 GQA = dict(num_heads=32, num_kv_heads=8, head_dim=128, hardware="a100")
 
 
-def _compile_counting(monkeypatch: pytest.MonkeyPatch, cu: list[int], size: int) -> tuple[object, int]:
+def _compile_counting(monkeypatch: pytest.MonkeyPatch, cu: list[int], size: int, **kw) -> tuple[object, int]:
     calls = [0]
     real = candidates.generate
 
@@ -29,7 +29,7 @@ def _compile_counting(monkeypatch: pytest.MonkeyPatch, cu: list[int], size: int)
 
     monkeypatch.setattr(candidates, "generate", counting)
     clear_plan_cache()
-    plan = compile_plan(cu, size, **GQA)
+    plan = compile_plan(cu, size, **(kw or GQA))
     monkeypatch.setattr(candidates, "generate", real)
     return plan, calls[0]
 
@@ -432,3 +432,99 @@ def test_placements_quick_priced_near_the_best_are_explored(monkeypatch: pytest.
     assert plan_hash(shipped) == plan_hash(every) and shipped.chosen.time == every.chosen.time
     assert shipped.chosen.name == "region-distflash+rebalanced@0.6"
     assert best_only.chosen.time > shipped.chosen.time * 1.03, (best_only.chosen.name, best_only.chosen.time)
+
+
+def _overflowing_choose(monkeypatch: pytest.MonkeyPatch, prices: list[float], give_up: float,
+                        owner_floor: float | None = None) -> dict[str, int]:
+    """``_choose`` with min-traffic alone priced 1.0 and every build of it overflowing, restaged at
+    ``prices`` in turn; with ``owner_floor``, owner-computes quick-priced 1.5 with its search
+    deferred at that floor (searched, it prices 1.3). Returns the calls made."""
+    calls = {"min-traffic": 0, "owner-computes": 0, "search": 0}
+
+    def fake_build(name, split, st, budget, *rest):
+        calls[name] += 1
+        if name == "owner-computes":
+            return SimpleNamespace(name=name, time=1.3), float("nan"), st, budget
+        return None, prices[calls[name] - 1], st, budget * candidates._OVERFLOW_STEP
+
+    def fake_search(priced, name, *rest):
+        calls["search"] += 1
+        priced[name] = (1.3, None, "oc searched")
+        return 1.3
+
+    monkeypatch.setattr(candidates, "_build_or_halve", fake_build)
+    monkeypatch.setattr(candidates, "_explore_one", fake_search)
+    monkeypatch.setattr(candidates, "built_price", lambda st, *rest: {"mt": 1.0, "oc": 1.5, "oc searched": 1.3}[st])
+    priced = {"min-traffic": (1.0, None, "mt")}
+    if owner_floor is not None:
+        priced["owner-computes"] = (1.5, None, "oc")
+    with pytest.raises(candidates.Outpriced) as got:
+        candidates._choose(priced, 4, None, 1 << 30, None, 0.0, float(1 << 28), owner_floor, give_up)
+    calls["price"] = got.value.price
+    return calls
+
+
+def test_overflow_retries_stop_once_the_layout_is_priced_past_the_other_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    # restaged at 1.02, 1.04, 1.08, 1.2: the bar 1.05 stops it after the third build, priced 1.08
+    calls = _overflowing_choose(monkeypatch, [1.02, 1.04, 1.08, 1.2], give_up=1.05)
+    assert calls["min-traffic"] == 3 and calls["price"] == 1.08
+    # an equal price is not past the bar: it is built once more
+    calls = _overflowing_choose(monkeypatch, [1.02, 1.05, 1.08, 1.2], give_up=1.05)
+    assert calls["min-traffic"] == 3 and calls["price"] == 1.08
+
+
+def test_a_deferred_owner_search_under_the_bar_runs_before_the_layout_gives_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the mover restages past the bar (1.4) while owner-computes' floor (1.2) is under it: owner-computes
+    # is searched and built (1.3, under the bar), so nothing is outpriced
+    calls = {"min-traffic": 0, "owner-computes": 0, "search": 0}
+
+    def fake_build(name, split, st, budget, *rest):
+        calls[name] += 1
+        if name == "owner-computes":
+            return SimpleNamespace(name=name, time=1.3), float("nan"), st, budget
+        return None, 1.45, st, budget * candidates._OVERFLOW_STEP
+
+    def fake_search(priced, name, *rest):
+        calls["search"] += 1
+        priced[name] = (1.3, None, "oc searched")
+        return 1.3
+
+    monkeypatch.setattr(candidates, "_build_or_halve", fake_build)
+    monkeypatch.setattr(candidates, "_explore_one", fake_search)
+    monkeypatch.setattr(candidates, "built_price", lambda st, *rest: {"mt": 1.0, "oc searched": 1.3}[st])
+    priced = {"min-traffic": (1.0, None, "mt"), "owner-computes": (1.5, None, "oc")}
+    best, _, owner_time = candidates._choose(priced, 4, None, 1 << 30, None, 0.0, float(1 << 28), 1.2, 1.4)
+    assert best.name == "owner-computes" and owner_time == 1.3
+    assert calls == {"min-traffic": 1, "owner-computes": 1, "search": 1}
+    # with its floor over the mover's price (so over the bar too), the layout gives up without searching it
+    calls = _overflowing_choose(monkeypatch, [1.45], give_up=1.4, owner_floor=1.48)
+    assert calls["search"] == 0 and calls["min-traffic"] == 1 and calls["price"] == 1.45
+
+
+@pytest.mark.slow
+def test_a_layout_outpriced_during_its_overflow_retries_ships_the_same_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+    # one 512K-token document at 8x64 (64/8 heads, H100): the balanced layout's owner-computes
+    # overflows the pool (dkv returning to the early chunks' owners) and each restage prices it
+    # higher; it gives up once past the contiguous plan's floor, whose plan is then built and kept.
+    # Without the bar it restaged until it fit and lost the layout choice anyway
+    cu, kw = [0, 1 << 19], dict(intra_size=8, num_heads=64, num_kv_heads=8, head_dim=128, hardware="h100")
+    real = candidates._choose
+    gave_up = [0]
+
+    def counting(*args, **kwargs):
+        try:
+            return real(*args, **kwargs)
+        except candidates.Outpriced:
+            gave_up[0] += 1
+            raise
+
+    monkeypatch.setattr(candidates, "_choose", counting)
+    monkeypatch.setattr(search, "_choose", counting)
+    barred, n_barred = _compile_counting(monkeypatch, cu, 64, **kw)
+    assert gave_up[0] == 1
+    monkeypatch.setattr(search, "_bar", lambda *a: float("inf"))
+    full, n_full = _compile_counting(monkeypatch, cu, 64, **kw)
+    assert gave_up[0] == 1  # (no bar: never outpriced)
+    assert barred.stats().layout == full.stats().layout == "contiguous"
+    assert plan_hash(barred) == plan_hash(full) and barred.chosen.time == full.chosen.time
+    assert n_barred < n_full, (n_barred, n_full)
