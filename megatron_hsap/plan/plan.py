@@ -277,18 +277,20 @@ def _against_contiguous(bal: PricedLayout, con: PricedLayout, contiguous: Plan |
     ``balanced`` and ``bal_failed`` both None when the contiguous plan wins."""
     bars = [] if contiguous is not None or con_failed is not None else [
         lambda: _bar(None, con.floor), lambda: _bar(None, con.exact().price)]
+    bar = bars.pop(0)() if bars else _bar(contiguous)  # (inf when the contiguous layout does not fit)
     while True:
-        bar = bars.pop(0)() if bars else _bar(contiguous)  # (inf when the contiguous layout does not fit)
         try:
             balanced, bal_failed = _built(bal, bar)
             return balanced, bal_failed, contiguous, con_failed
         except Outpriced as out:
-            if bars:
-                continue
+            bar = bars.pop(0)() if bars else None
+            if bar is not None and out.price <= bar:
+                continue  # (a bar it is not past yet: search on)
             if contiguous is None and con_failed is None:
                 contiguous, con_failed = _built(con)
             if contiguous is not None and out.price > _bar(contiguous):
                 return None, None, contiguous, con_failed
+            bar = _bar(contiguous)
 
 
 def _built(p: PricedLayout, give_up: float = math.inf) -> tuple[Plan, None] | tuple[None, PoolSizeError]:

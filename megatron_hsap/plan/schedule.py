@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from megatron_hsap.plan.cuts import (cut_fitting_part, footprint, grid_tiles, held_bytes, needs_tiles, smallest_piece,
+from megatron_hsap.plan.cuts import (cut_fitting_part, footprint, grid_tiles, needs_tiles, rank_footprints, smallest_piece,
                                      split_cols, split_rows, tiled_bytes, with_stage)
 from megatron_hsap.plan.ir import Unit
 from megatron_hsap.plan.placement import CostRates, rows_for_work
@@ -459,15 +459,17 @@ def stage_shapes(split: BlocksByRank, rates: CostRates, budget: float, max_stage
     size = split.size
     if max_stages is None:
         max_stages = stage_cap(size)
-    remote_w = np.zeros(size)
+    fps, held, work_r = rank_footprints(split.remote, rates, split.orders)
+    remote_w = np.array(work_r)
     remote_b = np.zeros(size)
     for r in range(size):
-        for u in split.remote[r]:
-            remote_w[r] += u.work
-            remote_b[r] += tiled_bytes(u, rates, budget)
+        acc = 0.0  # (the same additions, in the same order, as on the array's element)
+        for u, fp in zip(split.remote[r], fps[r]):
+            acc += fp if fp <= budget else tiled_bytes(u, rates, budget, fp)
+        remote_b[r] = acc
     if not remote_w.any() and not remote_b.any():
         return [StageShape(1, 1.0)]
-    if max(held_bytes(rem, rates) for rem in split.remote) > budget * (max_stages - 2):
+    if max(held) > budget * (max_stages - 2):
         return []
     work = remote_w + split.local_work
     n_pool = int(math.ceil(float(remote_b.max()) / budget)) if budget > 0 else 1
