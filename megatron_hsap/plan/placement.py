@@ -170,8 +170,19 @@ def rows_for_work(q: TokenRange, kv_start: int, causal: bool, nk: int, work: flo
     if not math.isfinite(work):
         return len(q)
     if window >= 0:
+        # the largest n whose banded pairs fit (monotone in n): from a lower bound (no window, the
+        # closed forms below; and at most window + 1 keys per row), which is exact for rows whose
+        # window lies wholly in the keys, galloping up and then bisecting
         kv_stop = q.stop if causal else kv_start + nk
-        lo, hi = 0, len(q)  # banded_pairs is monotone in the row count
+        lo = max(rows_for_work(q, kv_start, causal, nk, work), min(len(q), int(work // (window + 1))))
+        step, hi = 1, len(q)
+        while lo < hi:
+            probe = min(lo + step, hi)
+            if banded_pairs(q.start, q.start + probe, kv_start, kv_stop, window) <= work:
+                lo, step = probe, 2 * step
+            else:
+                hi = probe - 1
+                break
         while lo < hi:
             mid = (lo + hi + 1) // 2
             if banded_pairs(q.start, q.start + mid, kv_start, kv_stop, window) <= work:

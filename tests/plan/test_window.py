@@ -39,6 +39,26 @@ def test_banded_pairs_equal_brute_force():
         assert banded_pairs(qs, qe, ks, ke, left) == _brute(qs, qe, ks, ke, left), (qs, qe, ks, ke, left)
 
 
+def test_rows_for_work_under_a_window_is_the_most_rows_within_the_work():
+    # the planner cuts blocks by work (placement.rows_for_work: a lower bound, galloping, then
+    # bisection); the reference sums each row's banded keys, brute force
+    from megatron_hsap.plan.ir import TokenRange
+    from megatron_hsap.plan.placement import rows_for_work
+
+    rng = np.random.default_rng(2)
+    for _ in range(1500):
+        qs = int(rng.integers(0, 60))
+        n = int(rng.integers(1, 30))
+        causal = bool(rng.integers(0, 2))
+        ks = int(rng.integers(0, qs + 1))
+        ke = qs + n if causal else ks + int(rng.integers(1, 30))
+        left = int(rng.choice([0, 1, 2, 5, 17, 60, 200]))
+        rows = [_brute(i, i + 1, ks, ke, left) for i in range(qs, qs + n)]
+        work = float(rng.choice([rng.uniform(0, sum(rows) + 5), sum(rows[: int(rng.integers(0, n + 1))])]))
+        want = max(m for m in range(n + 1) if sum(rows[:m]) <= work) if work > 0 else 0  # (no work: no rows, by contract)
+        assert rows_for_work(TokenRange(qs, qs + n), ks, causal, ke - ks, work, left) == want, (qs, n, ks, ke, causal, left, work)
+
+
 def test_doc_work_and_piece_work_are_the_banded_count():
     cu = [0, 1, 1, 7, 40, 41, 100]
     batch = Batch.build(cu, 1)
