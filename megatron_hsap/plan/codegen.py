@@ -66,6 +66,13 @@ class Message:
     part: int = 0  # tells apart results of several blocks with the same rows (never merged in flight)
 
 
+# Slot lifetimes (the module docstring), one rule for ``generate``'s slots and ``_live_peak``'s
+# bound: a slot opened at event step 2k lives through step 2k + span.
+_INPUT_SPAN = 3  # an input received in round k, for stage k + 1: until stage k + 1's compute ends
+_RESULT_SPAN = 3  # a result computed at stage k: until round k + 1, which sends it, is waited on
+_RECEIVED_SPAN = 1  # a result received in round k: merged right after its wait
+
+
 new_message = positional_builder(Message)  # ``Message(*fields)``, ~2x faster (``ir.positional_builder``)
 
 
@@ -219,20 +226,20 @@ def _live_peak(units: list[Unit], phase: Phase, size: int, shape: HeadShape, sta
             n = toks.stop - toks.start
             for w in wires:
                 key = (r, k, owner, w, toks.start, toks.stop)
-                if key not in seen:  # received in round k - 1: [2k - 2, 2k + 1] (clipped at 0: a subset)
+                if key not in seen:  # received in round k - 1 (clipped at step 0: a subset)
                     seen.add(key)
                     d[max(2 * k - 2, 0)] += row_bytes[w] * n
-                    d[2 * k + 2] -= row_bytes[w] * n
+                    d[2 * k - 2 + _INPUT_SPAN + 1] -= row_bytes[w] * n
         for w in results:
             owner, toks = (c, u.kv) if w is Wire.DKV else (a, u.q)
             if owner == r:
                 continue
             b = row_bytes[w] * (toks.stop - toks.start)
-            d[2 * k] += b  # its slot here: [2k, 2k + 3]
-            d[2 * k + 4] -= b
-            e = delta[owner]  # received in round k + 1: [2k + 2, 2k + 3]
+            d[2 * k] += b  # its slot here
+            d[2 * k + _RESULT_SPAN + 1] -= b
+            e = delta[owner]  # received in round k + 1
             e[2 * k + 2] += b
-            e[2 * k + 4] -= b
+            e[2 * k + 2 + _RECEIVED_SPAN + 1] -= b
     out = []
     for d in delta:
         live = peak = 0
@@ -270,7 +277,7 @@ def generate(units: list[Unit], phase: Phase, size: int, shape: HeadShape, capac
     requests: list[list[tuple[int, int, int, int]]] = [[] for _ in range(size)]
     for idx, m in enumerate(msgs):
         k = m.round
-        requests[m.dst].append((2 * k, 2 * k + 1 if m.wire in results else 2 * k + 3, m.nbytes, idx))
+        requests[m.dst].append((2 * k, 2 * k + (_RECEIVED_SPAN if m.wire in results else _INPUT_SPAN), m.nbytes, idx))
     n_msgs = len(msgs)
     out_at: dict[tuple[int, Wire], int] = {}  # (block, wire) -> request key of its result slot
     for (i, w) in result_at:
@@ -278,7 +285,7 @@ def generate(units: list[Unit], phase: Phase, size: int, shape: HeadShape, capac
         toks = u.kv if w is Wire.DKV else u.q
         key = n_msgs + len(out_at)
         out_at[(i, w)] = key
-        requests[u.rank].append((2 * u.stage, 2 * u.stage + 3, row_bytes[w] * (toks.stop - toks.start), key))
+        requests[u.rank].append((2 * u.stage, 2 * u.stage + _RESULT_SPAN, row_bytes[w] * (toks.stop - toks.start), key))
     slot_of: dict[int, Slot] = {}
     peaks = []
     for r in range(size):
