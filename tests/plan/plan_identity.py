@@ -1,0 +1,179 @@
+"""Plan identity across planner changes: the check every compile-time speed-up must pass.
+
+Compiles the benchmark batches (Table 2, Table 4, MagiAttention: ``sim.estimate_accuracy.cases``),
+the compile-budget batches (fineweb 64K / P 8 and 1M / P 64, both layout modes), the plan-quality
+grid (2 seeds), the 1,024-GPU scale batches, three one-document batches and 35 windowed batches
+with one source tree, and records per plan its hash (``fingerprint.plan_hash``), chosen time,
+layout, placement and head chunks, plus the work it took (code generations and stagings: a
+speed-up must not make any plan do more) and its CPU seconds. Compare two trees' files:
+
+    git worktree add /tmp/base <old commit>
+    python -m tests.plan.plan_identity record /tmp/base /tmp/old.json [--sets bench budget ...]
+    python -m tests.plan.plan_identity record . /tmp/new.json
+    python -m tests.plan.plan_identity compare /tmp/old.json /tmp/new.json
+
+About 3 minutes per tree with 2 jobs on 2 cores (``--jobs``). The regression fixtures
+(``tests.plan.plan_regression_cases --check``) are the quick check; this is the wide one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+
+SETS = ("bench", "budget", "grid", "scale", "onedoc", "window")
+
+
+def jobs(sets: tuple[str, ...]) -> list[tuple[str, list[int], int, dict]]:
+    """``(name, cu_seqlens, inter_size, compile_plan options)`` of every plan of ``sets``."""
+    from megatron_hsap.bench.plan_quality import HEADS, INTER, TOKENS, WORKLOADS, grid
+    from megatron_hsap.plan.workloads import pack_batches
+    from megatron_hsap.sim.estimate_accuracy import cases
+    from megatron_hsap.sim.methods import full_shape
+
+    out = []
+    gqa = dict(num_heads=32, num_kv_heads=8, head_dim=128)
+    if "bench" in sets:
+        for c in cases("all", 3, 64):
+            sh = full_shape(*c.heads)
+            hw = c.hardware if c.hardware in ("a100", "h100", "h100-fa3") else "a100"  # as sim.methods.hsap_plan
+            out.append((f"bench {c.table} {c.label}", list(c.cu), c.inter,
+                        dict(intra_size=c.intra, num_heads=sh.num_heads, num_kv_heads=sh.num_kv_heads, head_dim=sh.head_dim,
+                             dtype_bytes=sh.dtype_bytes, hardware=hw, **dict(c.options))))
+    if "budget" in sets:
+        for T, P in ((64 * 1024, 8), (1 << 20, 64)):
+            for b, cu in enumerate(pack_batches("fineweb", T, 6, 12345)[:5]):
+                for layout in ("contiguous", "balanced"):
+                    out.append((f"budget {T} {P} b{b} {layout}", [int(x) for x in cu], P, dict(gqa, hardware="a100", layout=layout)))
+    if "grid" in sets:
+        for pt in grid(False, 2, 1, WORKLOADS, TOKENS, INTER, list(HEADS)):
+            hq, hkv = HEADS[pt.heads]
+            for s in pt.seeds:
+                cu = pack_batches(pt.workload, pt.T, 1, s)[0]
+                out.append((f"grid {pt.workload} {pt.T} {pt.P} {pt.heads} {pt.link} s{s}", [int(x) for x in cu], pt.P,
+                            dict(num_heads=hq, num_kv_heads=hkv, head_dim=128, hardware="a100", link=pt.link)))
+    big = dict(intra_size=8, num_heads=64, num_kv_heads=8, head_dim=128)
+    if "scale" in sets:
+        for T in (1 << 20, 2 << 20, 4 << 20):
+            cu = [int(x) for x in pack_batches("slimpajama", T, 1, 0)[0]]
+            for name, o in (("contiguous", {"layout": "contiguous"}), ("balanced", {"layout_fallback": False}), ("kept", {})):
+                out.append((f"scale {T} {name}", cu, 128, dict(big, hardware="h100-fa3", **o)))
+    if "onedoc" in sets:
+        for T, P in ((1 << 20, 128), (1 << 20, 64), (1 << 18, 64)):
+            out.append((f"onedoc {T} {P}", [0, T], P, dict(big, hardware="h100", flatten="never")))
+    if "window" in sets:
+        for wl in ("fineweb", "slimpajama", "full"):
+            for T, P, w in ((65536, 8, 4096), (65536, 8, 128), (262144, 16, 4096), (1 << 20, 64, 4096), (16384, 4, 512)):
+                for s, cu in enumerate(pack_batches(wl, T, 1 if wl == "full" else 3, 7)):
+                    out.append((f"window {wl} {T} {P} w{w} s{s}", [int(x) for x in cu], P,
+                                dict(gqa, hardware="h100", window_size=(w, 0))))
+    return out
+
+
+_COUNTS = [0, 0]  # code generations and stagings of the plan being compiled (per worker process)
+
+
+def _count_work() -> None:
+    """Wrap ``generate`` and ``_stage`` to count calls (once per worker)."""
+    import megatron_hsap.plan.candidates as candidates
+    import megatron_hsap.plan.schedule as schedule
+
+    gen, stage = candidates.generate, schedule._stage
+
+    def counted_gen(*a, **k):
+        _COUNTS[0] += 1
+        return gen(*a, **k)
+
+    def counted_stage(*a, **k):
+        _COUNTS[1] += 1
+        return stage(*a, **k)
+
+    candidates.generate, schedule._stage = counted_gen, counted_stage
+
+
+def _one(job: tuple[str, list[int], int, dict]) -> tuple[str, list]:
+    from megatron_hsap.plan.fingerprint import plan_hash
+    from megatron_hsap.plan.plan import clear_plan_cache, compile_plan
+
+    name, cu, P, kw = job
+    _COUNTS[:] = [0, 0]
+    clear_plan_cache()
+    t0 = time.process_time()
+    try:
+        p = compile_plan(cu, P, **kw)
+        got = [str(plan_hash(p)), repr(p.chosen.time), p.layout.name, p.chosen.name, p.head_chunks]
+    except Exception as e:  # recorded: an error must stay the same error
+        got = [f"{type(e).__name__}: {str(e)[:200]}"]
+    return name, got + [list(_COUNTS), time.process_time() - t0]
+
+
+def _init(tree: str) -> None:
+    if sys.path[0] != tree:
+        sys.path.insert(0, tree)
+    os.environ["OPENBLAS_NUM_THREADS"] = "1"
+
+
+def _init_worker(tree: str) -> None:
+    _init(tree)
+    _count_work()  # (in the workers only: forked from the parent, they would otherwise count twice)
+
+
+def record(tree: str, out: str, sets: tuple[str, ...], n_jobs: int) -> None:
+    """Compile every plan of ``sets`` with the package in ``tree``; write ``{name: [...]}`` to ``out``."""
+    tree = os.path.abspath(tree)
+    _init(tree)
+    todo = jobs(sets)
+    print(f"{len(todo)} plans from {tree}", flush=True)
+    t0 = time.time()
+    with ProcessPoolExecutor(n_jobs, initializer=_init_worker, initargs=(tree,)) as ex:
+        got = dict(ex.map(_one, todo, chunksize=1))
+    with open(out, "w") as f:
+        json.dump(got, f, indent=0)
+    print(f"wrote {out} in {time.time() - t0:.0f} s")
+
+
+def compare(old_path: str, new_path: str) -> int:
+    """Print the plans that differ and the work per set; exit status 1 when any plan differs."""
+    with open(old_path) as f:
+        old = json.load(f)
+    with open(new_path) as f:
+        new = json.load(f)
+    differ = [k for k in old if k not in new or old[k][:-2] != new[k][:-2]]
+    print(f"{len(old)} plans, {len(differ)} differ")
+    for k in differ[:20]:
+        print(f"  {k}: {old[k][:-2]} -> {new.get(k, ['missing'])[:-2]}")
+    for s in SETS:
+        ks = [k for k in old if k.startswith(s + " ") and k in new]
+        if ks:
+            g = [sum(d[k][-2][i] for k in ks) for d in (old, new) for i in (0, 1)]
+            cpu = [sum(d[k][-1] for k in ks) for d in (old, new)]
+            print(f"{s}: {len(ks)} plans, generate {g[0]} -> {g[2]}, stagings {g[1]} -> {g[3]}, cpu {cpu[0]:.1f} -> {cpu[1]:.1f} s")
+    more = [k for k in old if k in new and any(b > a for a, b in zip(old[k][-2], new[k][-2]))]
+    print(f"plans doing more work: {len(more)}", *(f"\n  {k}: {old[k][-2]} -> {new[k][-2]}" for k in more[:10]))
+    return 1 if differ else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    rec = sub.add_parser("record", help="compile every plan with one tree")
+    rec.add_argument("tree", help="a checkout (its megatron_hsap package is imported)")
+    rec.add_argument("out", help="JSON file to write")
+    rec.add_argument("--sets", nargs="+", default=list(SETS), choices=SETS)
+    rec.add_argument("--jobs", type=int, default=2)
+    cmp_ = sub.add_parser("compare", help="compare two recorded files")
+    cmp_.add_argument("old")
+    cmp_.add_argument("new")
+    args = ap.parse_args(argv)
+    if args.cmd == "record":
+        record(args.tree, args.out, tuple(args.sets), args.jobs)
+        return 0
+    return compare(args.old, args.new)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
