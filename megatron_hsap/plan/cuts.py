@@ -37,23 +37,15 @@ def held_bytes(remote: tuple[Unit, ...] | list[Unit], rates: CostRates) -> float
     return sum(footprint(u, rates) for u in remote)
 
 
-def rank_footprints(remote: tuple[tuple[Unit, ...], ...], rates: CostRates, memo: dict
-                    ) -> tuple[list[list[float]], list[float], list[float]]:
-    """Per rank of ``remote`` (each rank's remote blocks): each block's ``footprint``, their sum
-    (``held_bytes``) and the blocks' work as a float sum; memoised in ``memo`` (a split's: they do
-    not depend on the pool budget, and a search stages under many budgets: 2.1 M footprints for one
-    1M-token document at 8x128)."""
+def rank_footprints(remote: tuple[tuple[Unit, ...], ...], rates: CostRates, memo: dict) -> tuple[list[list[float]], list[float]]:
+    """Per rank of ``remote`` (each rank's remote blocks): each block's ``footprint`` and their sum
+    (``held_bytes``); memoised in ``memo`` (a split's: they do not depend on the pool budget, and a
+    search stages under many budgets: 2.1 M footprints for one 1M-token document at 8x128)."""
     got = memo.get("footprints")
     if got is not None and got[0] is rates:
         return got[1]
     fps = [[footprint(u, rates) for u in rem] for rem in remote]
-    work = []
-    for rem in remote:
-        w = 0.0  # (the same additions, in the same order, as on an array's element)
-        for u in rem:
-            w += u.work
-        work.append(w)
-    out = (fps, [sum(f) for f in fps], work)
+    out = (fps, [sum(f) for f in fps])
     memo["footprints"] = (rates, out)
     return out
 

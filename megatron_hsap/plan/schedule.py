@@ -459,8 +459,8 @@ def stage_shapes(split: BlocksByRank, rates: CostRates, budget: float, max_stage
     size = split.size
     if max_stages is None:
         max_stages = stage_cap(size)
-    fps, held, work_r = rank_footprints(split.remote, rates, split.orders)
-    remote_w = np.array(work_r)
+    fps, held = rank_footprints(split.remote, rates, split.orders)
+    remote_w = np.array(split.remote_work, dtype=float)  # (exact: integer sums under 2^53)
     remote_b = np.zeros(size)
     for r in range(size):
         acc = 0.0  # (the same additions, in the same order, as on the array's element)

@@ -86,9 +86,7 @@ def _clamped_sum(lo: int, hi: int, cap: int) -> int:
 def _pairs_below(qs: int, qe: int, ks: int, ke: int, c: int) -> int:
     """Pairs (i, j) of the block with ``j <= i - c``."""
     # row i holds clamp(i - c - ks + 1, 0, nk) such keys
-    lo = qs - c - ks + 1
-    hi = qe - c - ks
-    return _upto(hi, ke - ks) - _upto(lo - 1, ke - ks) if hi >= lo else 0
+    return _clamped_sum(qs - c - ks + 1, qe - c - ks, ke - ks)
 
 
 def banded_pairs(qs: int, qe: int, ks: int, ke: int, left: int = NO_WINDOW) -> int:
