@@ -145,7 +145,7 @@ def compare(old_path: str, new_path: str) -> int:
     differ = [k for k in old if k not in new or old[k][:-2] != new[k][:-2]]
     print(f"{len(old)} plans, {len(differ)} differ")
     for k in differ[:20]:
-        print(f"  {k}: {old[k][:-2]} -> {new.get(k, ['missing'])[:-2]}")
+        print(f"  {k}: {old[k][:-2]} -> {new[k][:-2] if k in new else 'missing'}")
     for s in SETS:
         ks = [k for k in old if k.startswith(s + " ") and k in new]
         if ks:
