@@ -232,8 +232,8 @@ def _search(cu: tuple[int, ...], opts: PlanOptions, staged: list[PricedLayout]) 
     bal.exact()
     if con is None:
         return _build_on(bal)
-    if (contiguous is None and con_failed is None and bal.price > con.floor * (1 + _LAYOUT_PRUNE)
-            and bal.price > con.exact().price * (1 + _LAYOUT_PRUNE)):
+    if (contiguous is None and con_failed is None and bal.price > _past(con.floor)
+            and bal.price > _past(con.exact().price)):
         # prune the balanced layout against the contiguous plan's built time only: a staged
         # price can sit below it (25% where a pool overflow restages: table4 fineweb 16K 1x8 s1)
         contiguous, con_failed = _built(con)
@@ -254,7 +254,7 @@ def _search(cu: tuple[int, ...], opts: PlanOptions, staged: list[PricedLayout]) 
         return _build_on(con)
     if contiguous is None:
         layer = balanced.layer_time
-        if con_failed is not None or con.floor > layer * (1 + _LAYOUT_PRUNE) or _loses(con.exact(), layer):
+        if con_failed is not None or con.floor > _past(layer) or _loses(con.exact(), layer):
             return balanced
         try:
             contiguous, _ = _built(con, _bar(balanced))
@@ -275,15 +275,20 @@ def _against_contiguous(bal: PricedLayout, con: PricedLayout, contiguous: Plan |
     stops it (its stagings and overflows are memoised on the splits). Returns ``(balanced,
     bal_failed, contiguous, con_failed)``, the contiguous plan or its error as they now stand;
     ``balanced`` and ``bal_failed`` both None when the contiguous plan wins."""
-    bars = [] if contiguous is not None or con_failed is not None else [
-        lambda: _bar(None, con.floor), lambda: _bar(None, con.exact().price)]
-    bar = bars.pop(0)() if bars else _bar(contiguous)  # (inf when the contiguous layout does not fit)
+    def tightening():  # the contiguous layout's bounds, each computed when the last one was passed
+        yield _past(con.floor)
+        yield _past(con.exact().price)
+
+    bars = tightening() if contiguous is None and con_failed is None else iter(())
+    bar = next(bars, None)
+    if bar is None:
+        bar = _bar(contiguous)  # (inf when the contiguous layout does not fit)
     while True:
         try:
             balanced, bal_failed = _built(bal, bar)
             return balanced, bal_failed, contiguous, con_failed
         except Outpriced as out:
-            bar = bars.pop(0)() if bars else None
+            bar = next(bars, None)
             if bar is not None and out.price <= bar:
                 continue  # (a bar it is not past yet: search on)
             if contiguous is None and con_failed is None:
@@ -303,12 +308,16 @@ def _built(p: PricedLayout, give_up: float = math.inf) -> tuple[Plan, None] | tu
         return None, e
 
 
-def _bar(other: Plan | None, floor: float | None = None) -> float:
-    """The price (seconds) past which a layout loses to the other one (``_LAYOUT_PRUNE`` over the
-    other's plan's layer time, or over its ``floor`` while that plan is not built; ``inf`` with neither)."""
-    if other is not None:
-        return other.layer_time * (1 + _LAYOUT_PRUNE)
-    return math.inf if floor is None else floor * (1 + _LAYOUT_PRUNE)
+def _past(seconds: float) -> float:
+    """The layout prune's threshold: ``_LAYOUT_PRUNE`` over ``seconds`` (another layout's time or a
+    bound of it), past which a layout loses the layout choice."""
+    return seconds * (1 + _LAYOUT_PRUNE)
+
+
+def _bar(other: Plan | None) -> float:
+    """The price (seconds) past which a layout loses to the other layout's built plan ``other``
+    (``_past`` its layer time; ``inf`` when there is none)."""
+    return math.inf if other is None else _past(other.layer_time)
 
 
 def _loses(p: PricedLayout, other: float) -> bool:
@@ -328,7 +337,7 @@ def _loses(p: PricedLayout, other: float) -> bool:
     cheaper (``candidates._build_or_halve``), so every shape under the full budget is priced too.
     Only the first overflow step is priced: each further step cuts more blocks, and the prune
     exists to skip code generation that loses."""
-    limit = other * (1 + _LAYOUT_PRUNE)
+    limit = _past(other)
     if p.price <= limit:
         return False
     full = p.capacity * _BUDGET_FRACTION
