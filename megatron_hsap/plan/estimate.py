@@ -166,17 +166,22 @@ def rows_of(units, size: int, rates: CostRates | None):
     return a, groups
 
 
-def quick_price(units: list[Unit], size: int, rates: CostRates, latency: float) -> tuple[float, float]:
+def quick_price(units: list[Unit], size: int, rates: CostRates, latency: float,
+                staging: StagedBlocks | None = None) -> tuple[float, float]:
     """(forward, backward) estimated seconds of staged ``units``; equals ``phase_time`` over the
-    messages ``codegen.phase_messages`` would emit."""
+    messages ``codegen.phase_messages`` would emit. ``staging``: the staging ``units`` were poured
+    from (``StagedBlocks.units``), whose remote blocks' traffic ``_remote_prices`` keeps: local
+    blocks send nothing, so it is these blocks' traffic when the round counts agree (the same
+    byte sums: whole numbers, exact in any order)."""
     n = 2 + max((u.stage for u in units), default=0)
     work = np.zeros((size, n))
     for u in units:
         work[u.rank, u.stage] += u.work
     a = _arrays(units)
     g = BlockGroups.of(a, size, n, rates) if rates.kernel is not None and len(a) else None
+    traffic = _kept_traffic(staging, size, n, rates) if staging is not None else None
     out = []
-    for phase, tr in zip((Phase.FWD, Phase.BWD), staged_traffic(a, size, n, rates)):
+    for phase, tr in zip((Phase.FWD, Phase.BWD), traffic or staged_traffic(a, size, n, rates)):
         comp, after, _ = _compute(units, work, size, n, rates, phase, _both(tr.sent), _both(tr.recv), a, g)
         out.append((comp, tr, after))
     return _two_phases(out[0], out[1], rates, latency)
@@ -221,7 +226,7 @@ def built_price(st: StagedBlocks, size: int, rates: CostRates, latency: float) -
     hit = st.memo.get(key) if st.memo is not None else None
     if hit is not None and hit[0] is st and hit[1] is rates and hit[2] == (size, latency):
         return hit[3]
-    t = sum(quick_price(st.units(), size, rates, latency))
+    t = sum(quick_price(st.units(), size, rates, latency, st))
     if st.memo is not None:
         st.memo[key] = (st, rates, (size, latency), t)
     return t
@@ -302,6 +307,15 @@ def _remote_prices(st: StagedBlocks, size: int, n: int, rates: CostRates, a: np.
     if key is not None:
         st.memo[key] = (rates, size, out)
     return out
+
+
+def _kept_traffic(st: StagedBlocks, size: int, n: int, rates: CostRates) -> tuple[Traffic, Traffic] | None:
+    """The (forward, backward) traffic of ``st``'s remote blocks over ``n`` rounds if
+    ``_remote_prices`` kept it on the split's memo, else None."""
+    hit = st.memo.get(st.memo_key) if st.memo_key is not None else None
+    if hit is None or hit[0] is not rates or hit[1] != size or n != st.stages + 1:
+        return None
+    return hit[2][0], hit[2][1]
 
 
 _LOCAL_MEMO: dict[int, tuple[object, CostRates, dict[Phase, tuple[np.ndarray, np.ndarray]]]] = {}

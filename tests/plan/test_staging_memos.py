@@ -1,0 +1,91 @@
+"""The staging memos of 2026-12-05 give what a fresh computation gives (plans unchanged:
+``tests.plan.plan_identity``): a staging's poured local blocks kept on its split, a rank's untiled
+remote order shared by every pool budget, and a built price reading its staging's remote traffic
+from the memo ``price_staging`` filled."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+import megatron_hsap.plan.schedule as sched
+from megatron_hsap.plan.cuts import needs_tiles
+from megatron_hsap.plan.estimate import _kept_traffic, price_staging, quick_price
+from megatron_hsap.plan.plan import _BUDGET_FRACTION
+from megatron_hsap.plan.schedule import BlocksByRank, StagingError, stage, stage_shapes
+from tests.plan.speed_equal_cases import plan_and_rates
+
+# 16 inter ranks: InfiniBand with 8 per node, so the traffic has both links
+CASES = [("fineweb", 8192, 4, 0, {}), ("sharegpt", 8192, 16, 1, {}), ("ultrachat", 16384, 8, 2, {"layout": "contiguous"})]
+
+
+def _split_and_stagings(plan, rates, budget: float):
+    split = BlocksByRank.of([u.at_stage(0) for u in plan.chosen.units], plan.options.inter_size)
+    out = []
+    for shp in stage_shapes(split, rates, budget):
+        try:
+            out.append(stage(split, rates, shp, budget))
+        except StagingError:
+            continue
+    return split, out
+
+
+@pytest.mark.parametrize("workload,T,inter,seed,kw", CASES)
+def test_built_price_from_the_kept_traffic_equals_fresh(workload, T, inter, seed, kw) -> None:
+    plan, rates = plan_and_rates(workload, T, inter, seed, **kw)
+    latency = plan.hardware.latency(plan.link)
+    _, stagings = _split_and_stagings(plan, rates, plan.pool_capacity * _BUDGET_FRACTION)
+    kept = 0
+    for st in stagings:
+        price_staging(st, inter, rates, latency)  # fills the memo, as the planner does first
+        units = st.units()
+        n = 2 + max(u.stage for u in units)
+        kept += _kept_traffic(st, inter, n, rates) is not None
+        assert quick_price(units, inter, rates, latency, st) == quick_price(units, inter, rates, latency)
+    assert kept, "no staging read its traffic from the memo: the test would not exercise it"
+
+
+@pytest.mark.parametrize("workload,T,inter,seed,kw", CASES[:2])
+def test_pours_are_kept_on_the_split(workload, T, inter, seed, kw, monkeypatch) -> None:
+    plan, rates = plan_and_rates(workload, T, inter, seed, **kw)
+    _, stagings = _split_and_stagings(plan, rates, plan.pool_capacity * _BUDGET_FRACTION)
+    calls = []
+    pour = sched._fill_stages_by_budget
+    monkeypatch.setattr(sched, "_fill_stages_by_budget", lambda *a: calls.append(1) or pour(*a))
+    poured = []
+    for st in stagings:
+        before = len(calls)
+        first = st.units()
+        made = len(calls) - before
+        assert made <= sum(1 for loc in st.local if loc)
+        assert st.units() == first and len(calls) == before + made  # poured again: from the memo
+        assert first == replace(st, memo=None).units()  # equal to a fresh pour
+        poured.append(made)
+    rows = {(r, st.local_budget[r].tobytes()) for st in stagings for r, loc in enumerate(st.local) if loc}
+    assert sum(poured) == len(rows)  # one pour per distinct (rank, budgets), whatever the shape
+
+
+def test_untiled_remote_order_is_shared_by_every_budget(monkeypatch) -> None:
+    plan, rates = plan_and_rates("sharegpt", 8192, 16, 1)
+    budget = plan.pool_capacity * _BUDGET_FRACTION
+    split, _ = _split_and_stagings(plan, rates, budget)
+    r = max(range(split.size), key=lambda i: len(split.remote[i]))
+    assert split.remote[r]
+    order = sched._ordered_remote(split, r, 1.0, budget, rates)
+    calls = []
+    interleave = sched._interleave
+    monkeypatch.setattr(sched, "_interleave", lambda *a: calls.append(1) or interleave(*a))
+    untiled = [b for b in (budget / 2, budget / 3) if not any(needs_tiles(u, b, rates) for u in split.remote[r])]
+    assert untiled
+    for b in untiled:
+        assert sched._ordered_remote(split, r, 123.0, b, rates) is order
+    assert not calls
+    fresh = BlocksByRank.of([u for rem in split.remote for u in rem] + [u for loc in split.local for u in loc], split.size)
+    assert [(u, w, fp) for u, w, fp in sched._ordered_remote(fresh, r, 1.0, untiled[-1], rates)] == order
+    # a budget under which a block needs tiles: ordered afresh each time, never the shared list
+    monkeypatch.setattr(sched, "needs_tiles", lambda u, b, rates: True)
+    before = len(calls)
+    tiled = sched._ordered_remote(split, r, 1000.0, budget / 5, rates)
+    again = sched._ordered_remote(split, r, 1000.0, budget / 5, rates)
+    assert tiled is not order and again is not tiled and len(calls) == before + 2
