@@ -215,7 +215,9 @@ def path_seconds_py(comp: list[list[float]], after: list[list[float]] | None, fl
         while j < m and flows[j][0] == k:
             j += 1
         if j > i:
-            # per port (rank, link, direction): its transfers' (start, bytes, index in the round)
+            # per port (rank, link, direction): its transfers' (start, bytes, index in the round);
+            # each transfer leaves one out port and enters one in port: ``done[direction][index]``
+            # is when that port has carried it, min(drain, shared)
             ports: dict[tuple[int, int, int], list[tuple[float, float, int]]] = {}
             own = []  # per transfer: its start plus its bytes at the cap (link 0), else -inf
             for x_i, ((_, src, dst, c), v) in enumerate(zip(flows[i:j], nbytes[i:j])):
@@ -224,12 +226,13 @@ def path_seconds_py(comp: list[list[float]], after: list[list[float]] | None, fl
                 ports.setdefault((src, c, 0), []).append(x)
                 ports.setdefault((dst, c, 1), []).append(x)
                 own.append(x[0] + v / flow_bw if capped and c == 0 else -INF)
-            done: dict[tuple[int, int, int, int], float] = {}  # (port, transfer): min(drain, shared)
+            done = ([0.0] * (j - i), [0.0] * (j - i))
             for key, fs in ports.items():
                 b = bw[key[1]]
+                out = done[key[2]]
                 if len(fs) == 1:
                     a, v, x_i = fs[0]
-                    done[(*key, x_i)] = a + v / b
+                    out[x_i] = a + v / b
                     continue
                 fs.sort()
                 tail, best = 0.0, float("-inf")
@@ -242,9 +245,8 @@ def path_seconds_py(comp: list[list[float]], after: list[list[float]] | None, fl
                 for n_i, (v, a, x_i) in enumerate(sorted((v, a, x_i) for a, v, x_i in fs)):
                     upto += v
                     sh = a + (upto + (last - n_i) * v) / b
-                    done[(*key, x_i)] = sh if sh < best else best
-            for x_i, ((_, src, dst, c), o) in enumerate(zip(flows[i:j], own)):
-                f, g = done[(src, c, 0, x_i)], done[(dst, c, 1, x_i)]
+                    out[x_i] = sh if sh < best else best
+            for (_, src, dst, _), f, g, o in zip(flows[i:j], done[0], done[1], own):
                 if g > f:
                     f = g
                 if o > f:

@@ -9,6 +9,7 @@ from dataclasses import replace
 
 import pytest
 
+import megatron_hsap.plan.estimate as est
 import megatron_hsap.plan.schedule as sched
 from megatron_hsap.plan.cuts import needs_tiles
 from megatron_hsap.plan.estimate import _kept_traffic, price_staging, quick_price
@@ -32,7 +33,7 @@ def _split_and_stagings(plan, rates, budget: float):
 
 
 @pytest.mark.parametrize("workload,T,inter,seed,kw", CASES)
-def test_built_price_from_the_kept_traffic_equals_fresh(workload, T, inter, seed, kw) -> None:
+def test_built_price_from_the_kept_traffic_equals_fresh(workload, T, inter, seed, kw, monkeypatch) -> None:
     plan, rates = plan_and_rates(workload, T, inter, seed, **kw)
     latency = plan.hardware.latency(plan.link)
     _, stagings = _split_and_stagings(plan, rates, plan.pool_capacity * _BUDGET_FRACTION)
@@ -42,7 +43,11 @@ def test_built_price_from_the_kept_traffic_equals_fresh(workload, T, inter, seed
         units = st.units()
         n = 2 + max(u.stage for u in units)
         kept += _kept_traffic(st, inter, n, rates) is not None
-        assert quick_price(units, inter, rates, latency, st) == quick_price(units, inter, rates, latency)
+        got = quick_price(units, inter, rates, latency, st)
+        assert got == quick_price(units, inter, rates, latency)
+        with monkeypatch.context() as m:  # both phases' paths by numpy (rank_path.path_finish over both at once)
+            m.setattr(est, "_PY_CELLS", -1)
+            assert quick_price(units, inter, rates, latency) == got
     assert kept, "no staging read its traffic from the memo: the test would not exercise it"
 
 
