@@ -331,6 +331,7 @@ def test_an_overflowed_staging_is_never_offered_again_and_the_cheaper_next_one_i
         raise candidates.PoolOverflow("full")
 
     monkeypatch.setattr(candidates, "_build", overflow)
+    monkeypatch.setattr(candidates, "_content", lambda s: ("content", s.name))  # four different stagings
     monkeypatch.setattr(candidates, "_stagings", lambda split, rates, latency, budget, **kw: [(1.0, st["a"]), (1.05, st["b"])])
     monkeypatch.setattr(candidates, "_restage", lambda split, rates, latency, budget: (1.15, st["r"]))
     monkeypatch.setattr(candidates, "built_price", lambda s, *rest: built_at[s.name])
@@ -343,6 +344,35 @@ def test_an_overflowed_staging_is_never_offered_again_and_the_cheaper_next_one_i
     built_at["r"] = 1.3
     got, t, nxt, b = candidates._build_or_halve("x", split, st["c"], 1000.0, 1, None, 1, None, 0.0)
     assert (t, nxt.name) == (1.3, "r")
+
+
+def test_a_restaging_equal_to_an_overflowed_one_is_not_built_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    # "r", restaged under the shrunk budget, cuts and fills exactly as "a" (the same content,
+    # estimate._content): its build would overflow as a's did, so the search restages on without
+    # generating its code; "s", restaged under the next budget, differs and is built
+    memo: dict = {}
+    st = {n: SimpleNamespace(name=n, memo=memo, units=lambda: []) for n in "ars"}
+    content = {"a": "A", "r": "A", "s": "S"}
+    builds: list[str] = []
+
+    def overflow(name, units, size, shape, capacity, rates, latency, budget):
+        builds.append(budget)
+        raise candidates.PoolOverflow("full")
+
+    restaged = iter(["r", "s"])
+    monkeypatch.setattr(candidates, "_build", overflow)
+    monkeypatch.setattr(candidates, "_content", lambda s: content[s.name])
+    monkeypatch.setattr(candidates, "_stagings", lambda split, rates, latency, budget, **kw: [(1.0, st["a"])])
+    monkeypatch.setattr(candidates, "_restage", lambda split, rates, latency, budget: (1.1, st[next(restaged)]))
+    monkeypatch.setattr(candidates, "built_price", lambda s, *rest: 1.1)
+    split = SimpleNamespace(remote=[[]])
+    got, _, nxt, b = candidates._build_or_halve("x", split, st["a"], 1000.0, 1, None, 1, None, 0.0)
+    assert (got, nxt.name, b, builds) == (None, "r", 750.0, [1000.0])
+    got, _, nxt, b = candidates._build_or_halve("x", split, nxt, b, 1, None, 1, None, 0.0)
+    assert (got, nxt.name, b, builds) == (None, "s", 562.5, [1000.0])  # r was not built
+    with pytest.raises(StopIteration):  # s is built (and overflows), then a third restage is asked for
+        candidates._build_or_halve("x", split, nxt, b, 1, None, 1, None, 0.0)
+    assert builds == [1000.0, 562.5]
 
 
 def test_the_stage_shape_kept_is_the_one_whose_code_is_fastest(monkeypatch: pytest.MonkeyPatch) -> None:
