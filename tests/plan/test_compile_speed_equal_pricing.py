@@ -22,11 +22,12 @@ from megatron_hsap.plan.estimate import (BlockGroups, _arrays, _local_rates_of, 
 from megatron_hsap.plan.ir import Phase
 from megatron_hsap.plan.placement import CostRates
 from megatron_hsap.plan.plan import _BUDGET_FRACTION
-from megatron_hsap.plan.schedule import BlocksByRank, StagingError, default_shape, stage, stage_shapes
+from megatron_hsap.plan.schedule import BlocksByRank, default_shape, stage, stage_shapes
 from megatron_hsap.plan.traffic import same_node, staged_traffic
 from megatron_hsap.plan.workloads import pack_batches
 from tests.plan.speed_equal_cases import SMALL
 from tests.plan.speed_equal_cases import plan_and_rates as _plan_and_rates
+from tests.plan.speed_equal_cases import split_and_stagings
 
 
 CASES = [("fineweb", 8192, 4, 0, {}), ("sharegpt", 8192, 16, 1, {}),  # 16 inter ranks: InfiniBand, 8 per node
@@ -159,15 +160,7 @@ SMALL_CASES = [("fineweb", 8192, 4, 0, {"hardware": "a100"}), ("fineweb", 8192, 
 
 def _stagings(plan, rates):
     """Every staging the planner could price for the chosen plan's blocks (each stage shape)."""
-    budget = plan.pool_capacity * _BUDGET_FRACTION
-    split = BlocksByRank.of([u.at_stage(0) for u in plan.chosen.units], plan.options.inter_size)
-    out = []
-    for shp in stage_shapes(split, rates, budget):
-        try:
-            out.append(stage(split, rates, shp, budget))
-        except StagingError:
-            continue
-    return out
+    return split_and_stagings(plan, rates)[1]
 
 
 def _numpy_paths(monkeypatch) -> None:

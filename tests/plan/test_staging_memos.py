@@ -14,29 +14,18 @@ import megatron_hsap.plan.schedule as sched
 from megatron_hsap.plan.cuts import needs_tiles
 from megatron_hsap.plan.estimate import _kept_traffic, price_staging, quick_price
 from megatron_hsap.plan.plan import _BUDGET_FRACTION
-from megatron_hsap.plan.schedule import BlocksByRank, StagingError, stage, stage_shapes
-from tests.plan.speed_equal_cases import plan_and_rates
+from megatron_hsap.plan.schedule import BlocksByRank
+from tests.plan.speed_equal_cases import plan_and_rates, split_and_stagings
 
 # 16 inter ranks: InfiniBand with 8 per node, so the traffic has both links
 CASES = [("fineweb", 8192, 4, 0, {}), ("sharegpt", 8192, 16, 1, {}), ("ultrachat", 16384, 8, 2, {"layout": "contiguous"})]
-
-
-def _split_and_stagings(plan, rates, budget: float):
-    split = BlocksByRank.of([u.at_stage(0) for u in plan.chosen.units], plan.options.inter_size)
-    out = []
-    for shp in stage_shapes(split, rates, budget):
-        try:
-            out.append(stage(split, rates, shp, budget))
-        except StagingError:
-            continue
-    return split, out
 
 
 @pytest.mark.parametrize("workload,T,inter,seed,kw", CASES)
 def test_built_price_from_the_kept_traffic_equals_fresh(workload, T, inter, seed, kw, monkeypatch) -> None:
     plan, rates = plan_and_rates(workload, T, inter, seed, **kw)
     latency = plan.hardware.latency(plan.link)
-    _, stagings = _split_and_stagings(plan, rates, plan.pool_capacity * _BUDGET_FRACTION)
+    _, stagings = split_and_stagings(plan, rates)
     kept = 0
     for st in stagings:
         price_staging(st, inter, rates, latency)  # fills the memo, as the planner does first
@@ -54,7 +43,7 @@ def test_built_price_from_the_kept_traffic_equals_fresh(workload, T, inter, seed
 @pytest.mark.parametrize("workload,T,inter,seed,kw", CASES[:2])
 def test_pours_are_kept_on_the_split(workload, T, inter, seed, kw, monkeypatch) -> None:
     plan, rates = plan_and_rates(workload, T, inter, seed, **kw)
-    _, stagings = _split_and_stagings(plan, rates, plan.pool_capacity * _BUDGET_FRACTION)
+    _, stagings = split_and_stagings(plan, rates)
     calls = []
     pour = sched._fill_stages_by_budget
     monkeypatch.setattr(sched, "_fill_stages_by_budget", lambda *a: calls.append(1) or pour(*a))
@@ -74,7 +63,7 @@ def test_pours_are_kept_on_the_split(workload, T, inter, seed, kw, monkeypatch) 
 def test_untiled_remote_order_is_shared_by_every_budget(monkeypatch) -> None:
     plan, rates = plan_and_rates("sharegpt", 8192, 16, 1)
     budget = plan.pool_capacity * _BUDGET_FRACTION
-    split, _ = _split_and_stagings(plan, rates, budget)
+    split, _ = split_and_stagings(plan, rates, budget)
     r = max(range(split.size), key=lambda i: len(split.remote[i]))
     assert split.remote[r]
     order = sched._ordered_remote(split, r, 1.0, budget, rates)
