@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from megatron_hsap.plan.bounds import compute_bound, placement_floor
 from megatron_hsap.plan.codegen import PoolOverflow, generate, phase_rounds
 from megatron_hsap.plan.costs import HeadShape
-from megatron_hsap.plan.estimate import _content, built_price, phase_time, price_staging
+from megatron_hsap.plan.estimate import built_price, phase_time, price_staging, staging_content
 from megatron_hsap.plan.ir import Phase, Unit
 from megatron_hsap.plan.placement import CostRates, Placement, min_traffic, owner_computes, region_distflash
 from megatron_hsap.plan.plan_type import ChosenCandidate
@@ -293,7 +293,7 @@ def _build_or_halve(name: str, split: BlocksByRank, st: StagedBlocks, budget: fl
     or needs more stages than ``schedule.stage_cap``)."""
     # a staging's slots either fit the pool or not: a fact about its blocks, kept on its split's
     # memo by id (ids stay unique: each staging is held alive by that memo) and by content
-    # (``estimate._content``: the same blocks poured alike, so the same code): a search run again
+    # (``estimate.staging_content``: the same blocks poured alike, so the same code): a search run again
     # skips its build, and so does a restaging under a smaller budget that cuts and fills exactly
     # as before (one 1M-token document at 8x64: 5 of 8 overflowing builds of owner-computes, under
     # budgets 121M down to 38M bytes, were one staging)
@@ -304,7 +304,7 @@ def _build_or_halve(name: str, split: BlocksByRank, st: StagedBlocks, budget: fl
         except PoolOverflow:
             gone.add(id(st))
             if st.memo is not None:
-                gone.add(_content(st))
+                gone.add(staging_content(st))
     rest = [(t, o) for t, o in _stagings(split, rates, latency, budget, explore=_explores(split)) if not _overflowed(o, gone)]
     same = _fastest(rest, size, rates, latency) if rest else None
     smaller = budget * _OVERFLOW_STEP
@@ -319,9 +319,9 @@ def _build_or_halve(name: str, split: BlocksByRank, st: StagedBlocks, budget: fl
 
 
 def _overflowed(st: StagedBlocks, gone: set) -> bool:
-    """Whether ``st``'s code is known to overflow the pool (``gone``: ids and ``_content`` keys of
+    """Whether ``st``'s code is known to overflow the pool (``gone``: ids and ``staging_content`` keys of
     the stagings whose build overflowed, ``_build_or_halve``)."""
-    return bool(gone) and (id(st) in gone or (st.memo is not None and _content(st) in gone))
+    return bool(gone) and (id(st) in gone or (st.memo is not None and staging_content(st) in gone))
 
 
 def _choose(priced: dict[str, tuple[float, BlocksByRank, StagedBlocks]], size: int, shape: HeadShape, capacity: int, rates: CostRates,

@@ -36,7 +36,7 @@ from megatron_hsap.plan.schedule import StagedBlocks
 from megatron_hsap.plan.traffic import Traffic, both_links as _both, message_traffic, same_node as _same_node, staged_traffic
 
 __all__ = ["PhaseTime", "rows_of", "BlockCosts", "BlockGroups", "block_costs", "phase_time", "quick_price", "price_staging", "built_price",
-           "PipelinePhase", "pipelined_time"]
+           "staging_content", "PipelinePhase", "pipelined_time"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,7 +206,7 @@ def price_staging(st: StagedBlocks, size: int, rates: CostRates, latency: float)
     # ``_remote_prices`` reads of them), the local budgets and remote work per [rank, stage] and
     # the local blocks (``_local_rates``; one tuple per split), so equal keys give equal prices
     a = _arrays(st.remote)
-    same = ("price-of", *_content(st, a))
+    same = ("price-of", *staging_content(st, a))
     hit = st.memo.get(same) if st.memo is not None else None
     if hit is not None and hit[0] is st.local and hit[1] is rates and hit[2] == (size, latency):
         t = hit[3]
@@ -220,7 +220,7 @@ def price_staging(st: StagedBlocks, size: int, rates: CostRates, latency: float)
     return t
 
 
-def _content(st: StagedBlocks, a: np.ndarray | None = None) -> tuple:
+def staging_content(st: StagedBlocks, a: np.ndarray | None = None) -> tuple:
     """What a staging's prices are functions of besides its split's local blocks (``st.local``):
     stage count, remote rows (``_arrays``: ranges, owners, rank, stage and work determine a remote
     block, in the order priced), local budgets and remote work per [rank, stage], and the thinnest
@@ -243,9 +243,9 @@ def built_price(st: StagedBlocks, size: int, rates: CostRates, latency: float) -
     hit = st.memo.get(key) if st.memo is not None else None
     if hit is not None and hit[0] is st and hit[1] is rates and hit[2] == (size, latency):
         return hit[3]
-    # a staging equal to one built-priced before pours the same blocks in the same order (``_content``):
-    # 41 of 111 built prices at fineweb 64K / P_inter 8
-    same = ("built-of", *_content(st)) if st.memo is not None else None
+    # a staging equal to one built-priced before pours the same blocks in the same order
+    # (``staging_content``): 41 of 111 built prices at fineweb 64K / P_inter 8
+    same = ("built-of", *staging_content(st)) if st.memo is not None else None
     hit = st.memo.get(same) if same is not None else None
     if hit is not None and hit[0] is st.local and hit[1] is rates and hit[2] == (size, latency):
         t = hit[3]

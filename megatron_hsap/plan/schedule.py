@@ -172,9 +172,10 @@ class BlocksByRank:
     remote_work: tuple[int, ...] = ()  # [P] exact pairs of each rank's remote blocks
     # staging memo, per split (so per compile and price set): (rank, budget) and (rank, "untiled")
     # -> the rank's remote blocks in ``_interleave`` order when no block needs 2-D tiles under that
-    # budget (the order is then the same for every stage shape and budget tried); ("cut", rank, middle stages, budget, level)
-    # -> ``_cut_remote``'s parts; ("staged", shape, budget) -> (rates, ``stage``'s result); and
-    # ``estimate.price_staging``'s entries (through ``StagedBlocks.memo``)
+    # budget (the order is then the same for every stage shape and budget tried); ("cut", rank,
+    # middle stages, budget, level) -> ``_cut_remote``'s parts; ("staged", shape, budget) ->
+    # (rates, ``stage``'s result); ("poured", rank, budgets, min_rows) -> ``StagedBlocks.units``'
+    # local parts; and ``estimate``'s and ``candidates``' entries (through ``StagedBlocks.memo``)
     orders: dict = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod

@@ -331,7 +331,7 @@ def test_an_overflowed_staging_is_never_offered_again_and_the_cheaper_next_one_i
         raise candidates.PoolOverflow("full")
 
     monkeypatch.setattr(candidates, "_build", overflow)
-    monkeypatch.setattr(candidates, "_content", lambda s: ("content", s.name))  # four different stagings
+    monkeypatch.setattr(candidates, "staging_content", lambda s: ("content", s.name))  # four different stagings
     monkeypatch.setattr(candidates, "_stagings", lambda split, rates, latency, budget, **kw: [(1.0, st["a"]), (1.05, st["b"])])
     monkeypatch.setattr(candidates, "_restage", lambda split, rates, latency, budget: (1.15, st["r"]))
     monkeypatch.setattr(candidates, "built_price", lambda s, *rest: built_at[s.name])
@@ -348,7 +348,7 @@ def test_an_overflowed_staging_is_never_offered_again_and_the_cheaper_next_one_i
 
 def test_a_restaging_equal_to_an_overflowed_one_is_not_built_again(monkeypatch: pytest.MonkeyPatch) -> None:
     # "r", restaged under the shrunk budget, cuts and fills exactly as "a" (the same content,
-    # estimate._content): its build would overflow as a's did, so the search restages on without
+    # estimate.staging_content): its build would overflow as a's did, so the search restages on without
     # generating its code; "s", restaged under the next budget, differs and is built
     memo: dict = {}
     st = {n: SimpleNamespace(name=n, memo=memo, units=lambda: []) for n in "ars"}
@@ -361,7 +361,7 @@ def test_a_restaging_equal_to_an_overflowed_one_is_not_built_again(monkeypatch: 
 
     restaged = iter(["r", "s"])
     monkeypatch.setattr(candidates, "_build", overflow)
-    monkeypatch.setattr(candidates, "_content", lambda s: content[s.name])
+    monkeypatch.setattr(candidates, "staging_content", lambda s: content[s.name])
     monkeypatch.setattr(candidates, "_stagings", lambda split, rates, latency, budget, **kw: [(1.0, st["a"])])
     monkeypatch.setattr(candidates, "_restage", lambda split, rates, latency, budget: (1.1, st[next(restaged)]))
     monkeypatch.setattr(candidates, "built_price", lambda s, *rest: 1.1)
