@@ -276,8 +276,8 @@ def _against_contiguous(bal: PricedLayout, con: PricedLayout, contiguous: Plan |
     bal_failed, contiguous, con_failed)``, the contiguous plan or its error as they now stand;
     ``balanced`` and ``bal_failed`` both None when the contiguous plan wins."""
     def tightening():  # the contiguous layout's bounds, each computed when the last one was passed
-        yield _past(con.floor)
-        yield _past(con.exact().price)
+        yield _bar(None, con.floor)
+        yield _bar(None, con.exact().price)
 
     bars = tightening() if contiguous is None and con_failed is None else iter(())
     bar = next(bars, None)
@@ -314,10 +314,13 @@ def _past(seconds: float) -> float:
     return seconds * (1 + _LAYOUT_PRUNE)
 
 
-def _bar(other: Plan | None) -> float:
-    """The price (seconds) past which a layout loses to the other layout's built plan ``other``
-    (``_past`` its layer time; ``inf`` when there is none)."""
-    return math.inf if other is None else _past(other.layer_time)
+def _bar(other: Plan | None, floor: float | None = None) -> float:
+    """The price (seconds) past which a layout loses to the other one, the bar of every give-up
+    (``candidates.Outpriced``): ``_past`` the other layout's built plan's layer time, or, that plan
+    not built yet, ``_past`` a ``floor`` of it; ``inf`` with neither."""
+    if other is not None:
+        return _past(other.layer_time)
+    return math.inf if floor is None else _past(floor)
 
 
 def _loses(p: PricedLayout, other: float) -> bool:
