@@ -14,6 +14,13 @@ speed-up must not make any plan do more) and its CPU seconds. Compare two trees'
 
 About 3 minutes per tree with 2 jobs on 2 cores (``--jobs``). The regression fixtures
 (``tests.plan.plan_regression_cases --check``) are the quick check; this is the wide one.
+
+``--sets fuzz`` (not in the default sets; about 10 minutes per tree and job) adds 300 random
+``compile_plan`` inputs (``--fuzz-seed``; batches of 64 to 262K tokens and 1 to 100 documents,
+P_inter 1-64, P_intra 1-8, MHA / GQA / MQA / MLA, fp32, windows, pools, flatten modes, layouts,
+placements, padding, head chunks): each plan is also checked (``Plan.verify``, pool peaks within
+the pool, every document's pairs computed once); an error must be an ``HSAPError``, and a compile
+past 40 s of CPU is recorded as a timeout, which ``compare`` leaves out.
 """
 
 from __future__ import annotations
@@ -25,10 +32,42 @@ import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 
-SETS = ("bench", "budget", "grid", "scale", "onedoc", "window")
+SETS = ("bench", "budget", "grid", "scale", "onedoc", "window", "fuzz")
+DEFAULT_SETS = SETS[:-1]
+_FUZZ_CASES = 300
+_FUZZ_CPU_S = 40.0  # a fuzz compile past this much CPU is cut (one-level SAP over 256+ ranks takes minutes)
 
 
-def jobs(sets: tuple[str, ...]) -> list[tuple[str, list[int], int, dict]]:
+def fuzz_case(rng) -> tuple[list[int], int, int, dict]:
+    """One random ``(cu_seqlens, inter, intra, options)``."""
+    T = rng.choice([1024, 4096, 16384, 65536, 131072, 262144])
+    if rng.random() < 0.3:
+        T = rng.randrange(64, 70000)
+    ndoc = rng.choice([1, 1, 2, 3, 5, 10, 30, 100])
+    cu = [0] + (sorted(rng.sample(range(1, T), min(ndoc - 1, T - 1))) if ndoc > 1 else []) + [T]
+    if rng.random() < 0.1:  # an empty document
+        i = rng.randrange(len(cu))
+        cu.insert(i, cu[i])
+    inter = rng.choice([1, 2, 3, 4, 5, 8, 8, 12, 16, 16, 32, 64])
+    intra = rng.choice([1, 1, 2, 4, 8])
+    heads = rng.choice([(32, 8), (32, 32), (64, 8), (16, 16), (8, 1), (128, 128)])
+    kw: dict = dict(num_heads=heads[0], num_kv_heads=heads[1], head_dim=rng.choice([64, 128, 128]))
+    for p, key, choices in ((0.15, "mla", None), (0.2, "dtype_bytes", [4]), (0.5, "hardware", ["a100", "h100", "h100-fa3"]),
+                            (0.3, "link", ["nvlink", "ib"]), (0.2, "grad_wire_dtype", ["fp32", "activation"]),
+                            (0.3, "window_size", [(w, 0) for w in (0, 1, 16, 128, 1000, 4096)]),
+                            (0.15, "pool_bytes", [64 << 10, 1 << 20, 4 << 20, 32 << 20]),
+                            (0.4, "flatten", ["never", "always", "all-to-all", "auto"]), (0.2, "layout", ["contiguous", "balanced"]),
+                            (0.1, "placement", ["owner-computes", "min-traffic"]), (0.1, "pad_multiple", [2, 4]),
+                            (0.1, "head_chunks", [1, 2, 4]), (0.1, "layout_fallback", [False])):
+        if rng.random() < p:
+            if key == "mla":
+                kw.update(head_dim=192, head_dim_v=128)
+            else:
+                kw[key] = rng.choice(choices)
+    return cu, inter, intra, kw
+
+
+def jobs(sets: tuple[str, ...], fuzz_seed: int = 21) -> list[tuple[str, list[int], int, dict]]:
     """``(name, cu_seqlens, inter_size, compile_plan options)`` of every plan of ``sets``."""
     from megatron_hsap.bench.plan_quality import HEADS, INTER, TOKENS, WORKLOADS, grid
     from megatron_hsap.plan.workloads import pack_batches
@@ -71,6 +110,13 @@ def jobs(sets: tuple[str, ...]) -> list[tuple[str, list[int], int, dict]]:
                 for s, cu in enumerate(pack_batches(wl, T, 1 if wl == "full" else 3, 7)):
                     out.append((f"window {wl} {T} {P} w{w} s{s}", [int(x) for x in cu], P,
                                 dict(gqa, hardware="h100", window_size=(w, 0))))
+    if "fuzz" in sets:
+        import random
+
+        rng = random.Random(fuzz_seed)
+        for n in range(_FUZZ_CASES):
+            cu, inter, intra, kw = fuzz_case(rng)
+            out.append((f"fuzz {fuzz_seed}:{n}", cu, inter, dict(kw, intra_size=intra)))
     return out
 
 
@@ -95,19 +141,55 @@ def _count_work() -> None:
     candidates.generate, schedule._stage = counted_gen, counted_stage
 
 
+def _check(p, cu: list[int], kw: dict) -> None:
+    """A fuzz plan's checks: it verifies, its pool peaks fit, and every pair is computed once."""
+    from megatron_hsap.plan.window import doc_pairs
+
+    p.verify()
+    for ph in (p.chosen.fwd, p.chosen.bwd):
+        peak = max(ph.pool_peak, default=0)
+        assert peak <= p.pool_capacity, ("pool", peak, p.pool_capacity)
+    left = kw["window_size"][0] if kw.get("window_size") else -1
+    pad = p.padded_tokens - cu[-1]  # (the padding is one document of its own)
+    want = sum(doc_pairs(b - a, left) for a, b in zip(cu, cu[1:]) if b > a) + (doc_pairs(pad, left) if pad > 0 else 0)
+    assert sum(u.work for u in p.chosen.units) == want, "work"
+
+
+class _Timeout(Exception):
+    pass
+
+
+def _cut_off(*_) -> None:
+    raise _Timeout()
+
+
 def _one(job: tuple[str, list[int], int, dict]) -> tuple[str, list]:
+    import signal
+
+    from megatron_hsap.errors import HSAPError
     from megatron_hsap.plan.fingerprint import plan_hash
     from megatron_hsap.plan.plan import clear_plan_cache, compile_plan
 
     name, cu, P, kw = job
+    fuzz = name.startswith("fuzz ")
     _COUNTS[:] = [0, 0]
     clear_plan_cache()
     t0 = time.process_time()
+    if fuzz:
+        signal.signal(signal.SIGVTALRM, _cut_off)
+        signal.setitimer(signal.ITIMER_VIRTUAL, _FUZZ_CPU_S)
     try:
         p = compile_plan(cu, P, **kw)
         got = [str(plan_hash(p)), repr(p.chosen.time), p.layout.name, p.chosen.name, p.head_chunks]
-    except Exception as e:  # recorded: an error must stay the same error
-        got = [f"{type(e).__name__}: {str(e)[:200]}"]
+        if fuzz:
+            _check(p, cu, kw)
+    except _Timeout:
+        got = ["timeout"]
+    except Exception as e:  # recorded: an error must stay the same error (a fuzz error must be an HSAPError)
+        got = [("" if not fuzz or isinstance(e, HSAPError) else "NOT AN HSAPError ") + f"{type(e).__name__}: {str(e)[:200]}"]
+    finally:
+        if fuzz:
+            signal.setitimer(signal.ITIMER_VIRTUAL, 0)
     return name, got + [list(_COUNTS), time.process_time() - t0]
 
 
@@ -122,11 +204,11 @@ def _init_worker(tree: str) -> None:
     _count_work()  # (in the workers only: forked from the parent, they would otherwise count twice)
 
 
-def record(tree: str, out: str, sets: tuple[str, ...], n_jobs: int) -> None:
+def record(tree: str, out: str, sets: tuple[str, ...], n_jobs: int, fuzz_seed: int = 21) -> None:
     """Compile every plan of ``sets`` with the package in ``tree``; write ``{name: [...]}`` to ``out``."""
     tree = os.path.abspath(tree)
     _init(tree)
-    todo = jobs(sets)
+    todo = jobs(sets, fuzz_seed)
     print(f"{len(todo)} plans from {tree}", flush=True)
     t0 = time.time()
     with ProcessPoolExecutor(n_jobs, initializer=_init_worker, initargs=(tree,)) as ex:
@@ -142,19 +224,23 @@ def compare(old_path: str, new_path: str) -> int:
         old = json.load(f)
     with open(new_path) as f:
         new = json.load(f)
-    differ = [k for k in old if k not in new or old[k][:-2] != new[k][:-2]]
-    print(f"{len(old)} plans, {len(differ)} differ")
+    cut = [k for k in old if k in new and "timeout" in (old[k][0], new[k][0])]  # (fuzz: past its CPU cap)
+    differ = [k for k in old if k not in cut and (k not in new or old[k][:-2] != new[k][:-2])]
+    bad = [k for k in new if "NOT AN HSAPError" in new[k][0] or new[k][0].startswith("AssertionError")]
+    print(f"{len(old)} plans, {len(differ)} differ" + (f", {len(cut)} past the fuzz CPU cap in one tree (not compared)" if cut else ""))
+    for k in bad[:20]:
+        print(f"  FAILED {k}: {new[k][0]}")
     for k in differ[:20]:
         print(f"  {k}: {old[k][:-2]} -> {new[k][:-2] if k in new else 'missing'}")
     for s in SETS:
-        ks = [k for k in old if k.startswith(s + " ") and k in new]
+        ks = [k for k in old if k.startswith(s + " ") and k in new and k not in cut]
         if ks:
             g = [sum(d[k][-2][i] for k in ks) for d in (old, new) for i in (0, 1)]
             cpu = [sum(d[k][-1] for k in ks) for d in (old, new)]
             print(f"{s}: {len(ks)} plans, generate {g[0]} -> {g[2]}, stagings {g[1]} -> {g[3]}, cpu {cpu[0]:.1f} -> {cpu[1]:.1f} s")
-    more = [k for k in old if k in new and any(b > a for a, b in zip(old[k][-2], new[k][-2]))]
+    more = [k for k in old if k in new and k not in cut and any(b > a for a, b in zip(old[k][-2], new[k][-2]))]
     print(f"plans doing more work: {len(more)}", *(f"\n  {k}: {old[k][-2]} -> {new[k][-2]}" for k in more[:10]))
-    return 1 if differ else 0
+    return 1 if differ or bad else 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -163,14 +249,15 @@ def main(argv: list[str] | None = None) -> int:
     rec = sub.add_parser("record", help="compile every plan with one tree")
     rec.add_argument("tree", help="a checkout (its megatron_hsap package is imported)")
     rec.add_argument("out", help="JSON file to write")
-    rec.add_argument("--sets", nargs="+", default=list(SETS), choices=SETS)
+    rec.add_argument("--sets", nargs="+", default=list(DEFAULT_SETS), choices=SETS)
     rec.add_argument("--jobs", type=int, default=2)
+    rec.add_argument("--fuzz-seed", type=int, default=21)
     cmp_ = sub.add_parser("compare", help="compare two recorded files")
     cmp_.add_argument("old")
     cmp_.add_argument("new")
     args = ap.parse_args(argv)
     if args.cmd == "record":
-        record(args.tree, args.out, tuple(args.sets), args.jobs)
+        record(args.tree, args.out, tuple(args.sets), args.jobs, args.fuzz_seed)
         return 0
     return compare(args.old, args.new)
 
