@@ -291,9 +291,8 @@ def _build_or_halve(name: str, split: BlocksByRank, st: StagedBlocks, budget: fl
     next staging, its built price and its budget (nothing left: price ``inf`` and budget 0, once
     every shape under this budget overflowed and a smaller one falls below ``_MIN_STAGE_BUDGET``
     or needs more stages than ``schedule.stage_cap``)."""
-    # a staging's slots either fit the pool or not: a fact about its blocks, kept on its split's
-    # memo by id (ids stay unique: each staging is held alive by that memo) and by content
-    # (``estimate.staging_content``: the same blocks poured alike, so the same code): a search run again
+    # a staging's slots either fit the pool or not: a fact about its blocks (``estimate.staging_content``:
+    # the same blocks poured alike give the same code), kept on its split's memo: a search run again
     # skips its build, and so does a restaging under a smaller budget that cuts and fills exactly
     # as before (one 1M-token document at 8x64: 5 of 8 overflowing builds of owner-computes, under
     # budgets 121M down to 38M bytes, were one staging)
@@ -302,9 +301,7 @@ def _build_or_halve(name: str, split: BlocksByRank, st: StagedBlocks, budget: fl
         try:
             return _build(name, st.units(), size, shape, capacity, rates, latency, budget), float("nan"), st, budget
         except PoolOverflow:
-            gone.add(id(st))
-            if st.memo is not None:
-                gone.add(staging_content(st))
+            gone.add(staging_content(st))
     rest = [(t, o) for t, o in _stagings(split, rates, latency, budget, explore=_explores(split)) if not _overflowed(o, gone)]
     same = _fastest(rest, size, rates, latency) if rest else None
     smaller = budget * _OVERFLOW_STEP
@@ -319,9 +316,9 @@ def _build_or_halve(name: str, split: BlocksByRank, st: StagedBlocks, budget: fl
 
 
 def _overflowed(st: StagedBlocks, gone: set) -> bool:
-    """Whether ``st``'s code is known to overflow the pool (``gone``: ids and ``staging_content`` keys of
-    the stagings whose build overflowed, ``_build_or_halve``)."""
-    return bool(gone) and (id(st) in gone or (st.memo is not None and staging_content(st) in gone))
+    """Whether ``st``'s code is known to overflow the pool (``gone``: the ``staging_content`` of
+    each staging whose build overflowed, ``_build_or_halve``)."""
+    return bool(gone) and staging_content(st) in gone
 
 
 def _choose(priced: dict[str, tuple[float, BlocksByRank, StagedBlocks]], size: int, shape: HeadShape, capacity: int, rates: CostRates,
