@@ -32,7 +32,7 @@ the simulator's and the faster one is kept).
 The all-to-all bytes do not depend on ``C``.
 
 **Choice** (:func:`resolve_head_chunks`): ``options.head_chunks`` when given; else 1 when
-``P_intra = 1`` (no all-to-all); else the valid count of least ``estimate.pipelined_time`` summed
+``P_intra = 1`` (no all-to-all); else the valid count of least ``pipeline.pipelined_time`` summed
 over forward and backward (ties: fewer chunks). ``P_inter = 1`` (pure Ulysses) is priced the same
 way: the local attention of chunk ``k`` hides the all-to-alls of its neighbours just as SAP does.
 A count is re-priced only when a lower bound of its estimate does not already lose
@@ -51,7 +51,8 @@ from megatron_hsap.plan.calls import call_counts
 from megatron_hsap.plan.costs import HeadShape
 from megatron_hsap.plan.block_costs import block_costs
 from megatron_hsap.plan.codegen import new_message, wire_bytes
-from megatron_hsap.plan.estimate import PhaseTime, PipelinePhase, rows_of, phase_time, pipelined_time
+from megatron_hsap.plan.estimate import PhaseTime, rows_of, phase_time
+from megatron_hsap.plan.pipeline import PipelinePhase, pipelined_time
 from megatron_hsap.plan.hardware import LinkClass, link_class_for
 from megatron_hsap.plan.ir import Phase, Post, Recv, Send, Wire
 from megatron_hsap.plan.options import check_head_chunks, kv_head_chunks, valid_head_chunks  # rule: defined there; re-exported
@@ -232,7 +233,7 @@ def _kernel_calls(plan: "Plan", phase: Phase) -> int:
 
 
 def pipeline_phases(plan: "Plan", chunks: int = 1) -> dict[Phase, PipelinePhase]:
-    """The inputs of ``estimate.pipelined_time`` per phase at ``chunks`` head chunks: the plan's
+    """The inputs of ``pipeline.pipelined_time`` per phase at ``chunks`` head chunks: the plan's
     SAP estimate, its round latencies and kernel launches (paid again by every chunk), the
     all-to-all bytes and calls (those of k, v forward and dk, dv backward marked as the kv
     side), and — at ``C > 1`` — the mean chunk's SAP re-priced at its shape

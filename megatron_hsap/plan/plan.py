@@ -50,7 +50,7 @@ _BUDGET_FRACTION = 0.45  # per-stage remote pool use: two stages' inputs and res
 _LAYOUT_PRUNE = 0.05
 # choose_layout: a plan that moves work must beat the other layout's owner-computes plan by this.
 # Not candidates._OWNER_MARGIN (1%, one layout's candidates): with the intra all-to-all replayed
-# with its SM contention (estimate.pipelined_time) and each head chunk's SAP priced at its shape,
+# with its SM contention (pipeline.pipelined_time) and each head chunk's SAP priced at its shape,
 # the two layouts' layer estimates order them as the simulator does on all 167 benchmark batches,
 # and a 1% margin kept the owner-computes layout on 9 batches whose other layout simulated
 # 0.3-1.4% faster. Swept 2026-12-03 on those batches before the per-chunk pricing, kept layout

@@ -35,7 +35,8 @@ import numpy as np
 from megatron_hsap.plan.cuts import (cut_fitting_part, footprint, grid_tiles, needs_tiles, rank_footprints, smallest_piece,
                                      split_cols, split_rows, tiled_bytes, with_stage)
 from megatron_hsap.plan.ir import Unit
-from megatron_hsap.plan.placement import CostRates, rows_for_work
+from megatron_hsap.plan.placement import CostRates
+from megatron_hsap.plan.pour import MIN_SPLIT_ROWS, fill_stages_by_budget, min_split_rows, water_fill
 
 __all__ = ["BlocksByRank", "StagedBlocks", "StagingError", "StageShape", "default_shape", "stage", "stage_cap", "footprint",
            "stage_shapes", "split_rows", "split_cols"]
@@ -61,16 +62,6 @@ _CAP_MIN = 128
 def stage_cap(size: int) -> int:
     """The most stages (two local end stages included) a staging of ``size`` ranks may take."""
     return max(_CAP_PER_RANK * size, _CAP_MIN) + 2
-
-
-_MIN_SPLIT_ROWS = 16  # local blocks are not cut into slivers thinner than this (flat prices: no kernel model)
-
-
-def min_split_rows(rates: CostRates) -> int:
-    """Fewest q rows a local block is cut to at a stage boundary: the kernel model's minimum
-    tile (``KernelModel.min_block_rows``: a sliver under one row tile runs at rows/tile of the
-    rate; docs/design.md §4), or ``_MIN_SPLIT_ROWS`` under flat prices."""
-    return rates.kernel.min_block_rows() if rates.kernel is not None else _MIN_SPLIT_ROWS
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,27 +94,6 @@ class StageShape:
         return range(1, max(2, s - 1)) if s >= 2 else range(0)
 
 
-def _water_fill(floor: list[float], weights: list[float], amount: float) -> list[float]:
-    """x ≥ 0 with Σx = amount minimising max_k (floor_k + x_k) / w_k (fill to level λ·w_k)."""
-    n = len(floor)
-    if amount <= 0 or n == 0:
-        return [0.0] * n
-    # a few dozen stages at most: Python floats (the same IEEE operations as the array form,
-    # ``floor / weights``, a stable sort, ``max(λ·w − floor, 0)``), called per rank and staging
-    fl, wl = floor, weights
-    bp = [f / w for f, w in zip(fl, wl)]  # level at which stage k starts receiving
-    order = sorted(range(n), key=bp.__getitem__)
-    wsum = fsum = 0.0
-    lam = bp[order[-1]]
-    for j, k in enumerate(order):
-        wsum += wl[k]
-        fsum += fl[k]
-        lam = (amount + fsum) / wsum
-        if j + 1 == n or lam <= bp[order[j + 1]]:
-            break
-    return [max(lam * w - f, 0.0) for f, w in zip(fl, wl)]
-
-
 @dataclass(frozen=True, slots=True)
 class StagedBlocks:
     """A placement cut into stages before local blocks are poured: the remote parts (stage set),
@@ -134,7 +104,7 @@ class StagedBlocks:
     local: tuple[tuple[Unit, ...], ...]
     local_budget: np.ndarray
     remote_work: np.ndarray  # [P, stages] pairs
-    min_rows: int = _MIN_SPLIT_ROWS  # pouring never cuts a local block thinner (``min_split_rows``)
+    min_rows: int = MIN_SPLIT_ROWS  # pouring never cuts a local block thinner (``min_split_rows``)
     # where ``estimate.price_staging`` keeps what it derives from ``remote`` alone (bytes per
     # round, block costs): the split's memo, under a key naming the stage count and each rank's
     # memoised cut list when no rank's list was changed after the cut (``_fill_last``); stagings
@@ -154,7 +124,7 @@ class StagedBlocks:
             key = ("poured", r, self.local_budget[r].tobytes(), self.min_rows)
             hit = self.memo.get(key) if self.memo is not None else None
             if hit is None or hit[0] is not loc:
-                hit = (loc, _fill_stages_by_budget(list(loc), self.local_budget[r], self.min_rows))
+                hit = (loc, fill_stages_by_budget(list(loc), self.local_budget[r], self.min_rows))
                 if self.memo is not None:
                     self.memo[key] = hit
             out.extend(hit[1])
@@ -256,11 +226,11 @@ def _stage(split: BlocksByRank, rates: CostRates, shape: StageShape, budget: flo
         row = [0.0] * stages  # the same additions, in the same order, as on the array
         for u, w in zip(cuts[r], works[r]):
             row[u.stage] += w
-        bud = _water_fill(row, weights, local_work[r]) if split.local[r] else [0.0] * stages
+        bud = water_fill(row, weights, local_work[r]) if split.local[r] else [0.0] * stages
         if stages >= 3 and cuts[r]:
             filled = _fill_last(cuts[r], row, bud, weights, rates, budget)
             if filled is not cuts[r] and split.local[r]:  # (the same list: ``row`` unchanged, the same fill)
-                bud = _water_fill(row, weights, local_work[r])
+                bud = water_fill(row, weights, local_work[r])
             cuts[r] = filled
         floor.append(row)
         budgets.append(bud)
@@ -421,42 +391,6 @@ def _cut_remote(split: BlocksByRank, r: int, n_mid: int, rates: CostRates, budge
             queue.extend((t, t.work, footprint(t, rates)) for t in reversed(rest))
             k, acc_b = k + 1, 0.0
     return out, works, (out[-1].stage if out else 1)  # stages only grow along the queue
-
-
-def _fill_stages_by_budget(units: list[Unit], budgets: np.ndarray, min_rows: int = _MIN_SPLIT_ROWS) -> list[Unit]:
-    """Local blocks into stages by cumulative work budgets, split by q rows at stage boundaries
-    (never into a part thinner than ``min_rows``: the stage overfills or moves on instead)."""
-    out: list[Unit] = []
-    cum = np.cumsum(budgets).tolist()  # Python floats: the same values, without numpy scalar reads per block
-    last = len(budgets) - 1
-    k = 0
-    poured = 0.0
-    queue = list(reversed(units))
-    while queue:
-        u = queue.pop()
-        while k < last and poured >= cum[k] * (1 - 1e-9):
-            k += 1
-        w = u.work
-        if k == last or poured + w <= cum[k] * (1 + 1e-9):
-            out.append(u.at_stage(k))
-            poured += w
-            continue
-        room = cum[k] - poured
-        n = rows_for_work(u.q, u.kv.start, u.causal, len(u.kv), room, u.window)
-        if n < min(min_rows, len(u.q)):  # under a sliver of room left: the stage is full
-            queue.append(u)
-            k += 1
-            continue
-        if n >= len(u.q) - min_rows:  # all but a sliver fits: overfill a little instead
-            out.append(u.at_stage(k))
-            poured += w
-            continue
-        a, b = split_rows(u, u.q.start + n)
-        out.append(with_stage(a, k))
-        poured += a.work
-        queue.append(b)
-        k += 1
-    return out
 
 
 def default_shape(shapes: list[StageShape]) -> StageShape:

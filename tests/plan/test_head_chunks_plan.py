@@ -1,5 +1,5 @@
 """Head chunks of the intra all-to-all (issue 14 item 1), the planner's side: the rule and the
-choice (``plan/chunks.py``, ``estimate.pipelined_time``) — the valid counts, the errors of forced
+choice (``plan/chunks.py``, ``pipeline.pipelined_time``) — the valid counts, the errors of forced
 bad values, the auto choice (1 without an intra or inter group; > 1 where the all-to-all is large
 against SAP), the closed form against an independent event-by-event replay of the same schedule,
 and the plan hash covering the count. The pipelined runtime is tested in
@@ -19,7 +19,7 @@ from megatron_hsap.errors import ConfigError
 from megatron_hsap.plan.chunks import a2a_bytes_sent, chunk_shape, head_chunk_estimates, pipeline_phases, valid_head_chunks
 from megatron_hsap.plan.costs import HeadShape
 from megatron_hsap.plan.ir import Wire
-from megatron_hsap.plan.estimate import PipelinePhase, pipelined_time
+from megatron_hsap.plan.pipeline import PipelinePhase, pipelined_time
 from megatron_hsap.plan.workloads import pack_batches
 from tests.configured import compile_plan  # the configured topology (flatten="never")
 

@@ -45,8 +45,8 @@ def test_pours_are_kept_on_the_split(workload, T, inter, seed, kw, monkeypatch) 
     plan, rates = plan_and_rates(workload, T, inter, seed, **kw)
     _, stagings = split_and_stagings(plan, rates)
     calls = []
-    pour = sched._fill_stages_by_budget
-    monkeypatch.setattr(sched, "_fill_stages_by_budget", lambda *a: calls.append(1) or pour(*a))
+    pour = sched.fill_stages_by_budget
+    monkeypatch.setattr(sched, "fill_stages_by_budget", lambda *a: calls.append(1) or pour(*a))
     poured = []
     for st in stagings:
         before = len(calls)
