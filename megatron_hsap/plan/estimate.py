@@ -89,7 +89,7 @@ def _two_phases(fwd: tuple, bwd: tuple, rates: CostRates, latency: float) -> tup
     return float(t[:size].max(initial=0.0)), float(t[size:].max(initial=0.0))
 
 
-def _compute(units, work_grid: np.ndarray, size: int, n: int, rates: CostRates, phase: Phase, sent: np.ndarray,
+def _compute(units, work_grid: np.ndarray | None, size: int, n: int, rates: CostRates, phase: Phase, sent: np.ndarray,
              recv: np.ndarray, a: np.ndarray | None = None, groups: BlockGroups | None = None) -> tuple[np.ndarray, np.ndarray | None, float]:
     """[P, n] compute seconds of ``units`` (flat when ``rates`` has no kernel), [P, n] merges after
     each wait (None when flat) and the launch seconds of the rank with the most."""
@@ -176,11 +176,11 @@ def quick_price(units: list[Unit], size: int, rates: CostRates, latency: float,
     from (``StagedBlocks.units``), whose remote blocks' traffic ``_remote_prices`` keeps: local
     blocks send nothing, so it is these blocks' traffic when the round counts agree (the same
     byte sums: whole numbers, exact in any order)."""
-    n = 2 + max((u.stage for u in units), default=0)
-    work = np.zeros((size, n))
-    for u in units:
-        work[u.rank, u.stage] += u.work
     a = _arrays(units)
+    n = 2 + int(a[:, 1].max(initial=0))
+    work = None
+    if rates.kernel is None:  # flat prices: pairs per [rank, stage], added in block order as a loop would
+        work = np.bincount(a[:, 0] * n + a[:, 1], weights=a[:, 6], minlength=size * n).reshape(size, n)
     g = BlockGroups.of(a, size, n, rates) if rates.kernel is not None and len(a) else None
     traffic = _kept_traffic(staging, size, n, rates) if staging is not None else None
     out = []

@@ -195,6 +195,48 @@ def path_seconds(comp: np.ndarray, after: np.ndarray | None, flows: np.ndarray, 
     return float(path_finish(comp, after, flows, nbytes, bws, latency, flow_bw).max(initial=0.0))
 
 
+def _port_done(xs: list[int], starts: list[float], vs: list[float], b: float, out: list[float]) -> None:
+    """``out[x]`` = min(drain, shared) of the port (bandwidth ``b``) carrying two or more transfers
+    ``xs`` (indices into ``starts`` / ``vs``): ``path_seconds``' ``_port_end`` term by term. Bytes
+    are whole numbers, so every byte sum below is exact in any order: transfers tied on start (or
+    on bytes) may be taken in any order and give the same drain (the first of a tie carries the
+    most bytes) and the same shared sums (``_shared``'s ties), so one sort key each suffices."""
+    if len(xs) == 2:  # (the common multi-transfer port: the two sums written out)
+        x, y = xs
+        ax, ay, vx, vy = starts[x], starts[y], vs[x], vs[y]
+        if ay < ax:  # drain: the later start carries its own bytes, the earlier one both
+            best = ax + vx / b
+            z = ay + (vx + vy) / b
+        else:
+            best = ay + vy / b
+            z = ax + (vy + vx) / b
+        if z > best:
+            best = z
+        if vy < vx:  # shared: the smaller carries itself twice over, the larger both
+            sx = ax + (vy + vx) / b
+            sy = ay + (vy + vy) / b
+        else:
+            sx = ax + (vx + vx) / b
+            sy = ay + (vx + vy) / b
+        out[x] = sx if sx < best else best
+        out[y] = sy if sy < best else best
+        return
+    xs.sort(key=starts.__getitem__)  # drain: by start, the bytes from each one on
+    tail, best = 0.0, -INF
+    for x_i in reversed(xs):
+        tail += vs[x_i]
+        x = starts[x_i] + tail / b
+        if x > best:
+            best = x
+    last, upto = len(xs) - 1, 0.0
+    xs.sort(key=vs.__getitem__)  # shared: by bytes
+    for n_i, x_i in enumerate(xs):
+        v = vs[x_i]
+        upto += v
+        sh = starts[x_i] + (upto + (last - n_i) * v) / b
+        out[x_i] = sh if sh < best else best
+
+
 def path_seconds_py(comp: list[list[float]], after: list[list[float]] | None, flows: list[list[int]], nbytes: list[float],
                     bws: tuple[float, float], latency: float, flow_bw: float = INF) -> float:
     """``path_seconds`` as a loop over ranks and rounds, for problems of a few hundred cells
@@ -206,7 +248,8 @@ def path_seconds_py(comp: list[list[float]], after: list[list[float]] | None, fl
     bw = (bws[0], bws[1] if bws[1] > 0 else bws[0])
     capped = flow_bw < INF
     t = [0.0] * size
-    j, m = 0, len(flows)
+    m = len(flows)
+    j = 0
     for k in range(n):
         end = [tr + row[k] for tr, row in zip(t, comp)]
         while j < m and flows[j][0] < k:
@@ -215,42 +258,47 @@ def path_seconds_py(comp: list[list[float]], after: list[list[float]] | None, fl
         while j < m and flows[j][0] == k:
             j += 1
         if j > i:
-            # per port (rank, link, direction): its transfers' (start, bytes, index in the round);
-            # each transfer leaves one out port and enters one in port: ``done[direction][index]``
-            # is when that port has carried it, min(drain, shared)
-            ports: dict[tuple[int, int, int], list[tuple[float, float, int]]] = {}
-            own = []  # per transfer: its start plus its bytes at the cap (link 0), else -inf
-            for x_i, ((_, src, dst, c), v) in enumerate(zip(flows[i:j], nbytes[i:j])):
+            cnt = j - i
+            vs = nbytes[i:j]
+            rnd = flows[i:j]
+            starts = [0.0] * cnt
+            # each transfer leaves one out port (src, link) and enters one in port (dst, link):
+            # each port's transfers (indices in the round), then when that port has carried each
+            outs: dict[int, list[int]] = {}
+            ins: dict[int, list[int]] = {}
+            for x_i, (_, src, dst, c) in enumerate(rnd):
                 ts, td = t[src], t[dst]
-                x = ((ts if ts > td else td) + latency, v, x_i)
-                ports.setdefault((src, c, 0), []).append(x)
-                ports.setdefault((dst, c, 1), []).append(x)
-                own.append(x[0] + v / flow_bw if capped and c == 0 else -INF)
-            done = ([0.0] * (j - i), [0.0] * (j - i))
-            for key, fs in ports.items():
-                b = bw[key[1]]
-                out = done[key[2]]
-                if len(fs) == 1:
-                    a, v, x_i = fs[0]
-                    out[x_i] = a + v / b
-                    continue
-                fs.sort()
-                tail, best = 0.0, float("-inf")
-                for a, v, _ in reversed(fs):
-                    tail += v
-                    x = a + tail / b
-                    if x > best:
-                        best = x
-                last, upto = len(fs) - 1, 0.0
-                for n_i, (v, a, x_i) in enumerate(sorted((v, a, x_i) for a, v, x_i in fs)):
-                    upto += v
-                    sh = a + (upto + (last - n_i) * v) / b
-                    out[x_i] = sh if sh < best else best
-            for (_, src, dst, _), f, g, o in zip(flows[i:j], done[0], done[1], own):
+                starts[x_i] = (ts if ts > td else td) + latency
+                key = src * 2 + c
+                p = outs.get(key)
+                if p is None:
+                    outs[key] = [x_i]
+                else:
+                    p.append(x_i)
+                key = dst * 2 + c
+                p = ins.get(key)
+                if p is None:
+                    ins[key] = [x_i]
+                else:
+                    p.append(x_i)
+            d0 = [0.0] * cnt
+            d1 = [0.0] * cnt
+            for ports, out in ((outs, d0), (ins, d1)):
+                for key, xs in ports.items():
+                    b = bw[key & 1]
+                    if len(xs) == 1:
+                        x_i = xs[0]
+                        out[x_i] = starts[x_i] + vs[x_i] / b
+                    else:
+                        _port_done(xs, starts, vs, b, out)
+            for x_i, (_, src, dst, c) in enumerate(rnd):
+                f, g = d0[x_i], d1[x_i]
                 if g > f:
                     f = g
-                if o > f:
-                    f = o
+                if capped and c == 0:
+                    o = starts[x_i] + vs[x_i] / flow_bw
+                    if o > f:
+                        f = o
                 if f > end[src]:
                     end[src] = f
                 if f > end[dst]:

@@ -147,7 +147,9 @@ def _staged_traffic_py(a: np.ndarray, size: int, n: int, rates: CostRates) -> tu
     flat = [0.0] * (4 * cells)
     rows = a.tolist()
     pairs: tuple[set, set] = (set(), set())
-    sends: tuple[dict, dict] = ({}, {})  # fwd, bwd: (round, src, dst, link) -> bytes (whole numbers: exact sums)
+    # fwd, bwd: flow key ((round * 2 + link) * P + src) * P + dst -> bytes (whole numbers: exact
+    # sums); the keys sort in flows_of's order (round, link, src, dst)
+    sends: tuple[dict, dict] = ({}, {})
     pp = size * size
     for lo, hi, oc, f_in, b_in, f_out, b_out in ((2, 3, 8, rates.q, rates.q_bwd, rates.o_lse, rates.dq),
                                                (4, 5, 9, rates.kv, rates.kv, 0.0, rates.dkv)):
@@ -155,46 +157,46 @@ def _staged_traffic_py(a: np.ndarray, size: int, n: int, rates: CostRates) -> tu
         if not away:
             continue
         assert max(x[1] for x in away) + 1 < n, "a remote block's results return after the last round"
-        ins = []
-        last = None
-        for key in sorted(away):  # equal keys are adjacent: the first of each run is kept
-            if key != last:
-                ins.append(key)
-                last = key
-        for grp, fb, bb, k_off, to_owner in ((ins, f_in, b_in, -1, True), (away, f_out, b_out, 1, False)):
+        # inputs: the first of each equal (rank, stage, owner, range) key in sorted order, i.e. the distinct keys
+        for grp, fb, bb, k_off, to_owner in ((sorted(set(away)), f_in, b_in, -1, True), (away, f_out, b_out, 1, False)):
             if not (fb or bb):
                 continue
+            sf, sb = sends
             keys: list[int] = []
             for r, k, o, start, stop in grp:
-                base = size if sm is not None and sm[r][o] else 0
+                link = 1 if sm is not None and sm[r][o] else 0
                 kk = (k + k_off) % n
                 src, dst = (o, r) if to_owner else (r, o)
-                s_cell, d_cell = (base + src) * n + kk, (base + dst) * n + kk
+                s_cell, d_cell = (link * size + src) * n + kk, (link * size + dst) * n + kk
                 toks = stop - start
+                fk = ((kk * 2 + link) * size + src) * size + dst
                 if fb:
                     v = toks * fb
                     flat[s_cell] += v
                     flat[d_cell + cells] += v
                     if src != dst and v > 0:
-                        sends[0][(kk, src, dst, 1 if base else 0)] = sends[0].get((kk, src, dst, 1 if base else 0), 0.0) + v
+                        sf[fk] = sf.get(fk, 0.0) + v
                 if bb:
                     v = toks * bb
                     flat[s_cell + c2] += v
                     flat[d_cell + c3] += v
                     if src != dst and v > 0:
-                        sends[1][(kk, src, dst, 1 if base else 0)] = sends[1].get((kk, src, dst, 1 if base else 0), 0.0) + v
+                        sb[fk] = sb.get(fk, 0.0) + v
                 keys.append(kk * pp + src * size + dst)
                 keys.append(kk * pp + dst * size + src)
-            for ph, per in ((0, fb), (1, bb)):
-                if per:
-                    pairs[ph].update(keys)
+            if fb:
+                pairs[0].update(keys)
+            if bb:
+                pairs[1].update(keys)
     t = np.array(flat).reshape(4, 2, size, n)
     if same is None:
         t = t[:, 0]
     out = []
     for ph in (0, 1):
         key = np.array(sorted(pairs[ph]), dtype=np.int64)
-        fl = sorted(sends[ph], key=lambda f: (f[0], f[3], f[1], f[2]))  # flows_of's order: round, link, src, dst
+        fk = sorted(sends[ph])
+        f = np.array(fk, dtype=np.int64)
         out.append(Traffic(t[2 * ph], t[2 * ph + 1], np.stack([key // pp, key // size % size, key % size], axis=1),
-                           np.array(fl, dtype=np.int64).reshape(-1, 4), np.array([sends[ph][f] for f in fl], dtype=np.float64)))
+                           np.stack([f // (2 * pp), f // size % size, f % size, f // pp % 2], axis=1),
+                           np.array([sends[ph][x] for x in fk], dtype=np.float64)))
     return out[0], out[1]

@@ -7,6 +7,8 @@ Reference: the hand computation below, and the plan's own generated messages."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -171,3 +173,20 @@ def test_gathered_call_by_hand() -> None:
     acc = 2 * 128 * 8 * rates.accum_row / hw.hbm_bw if k.gqa_dkv_accum else 0.0  # ⌈8/128⌉ + ⌈4/128⌉ tiles
     assert bwd.fixed[0, 1] == pytest.approx(2 * k.launch_s + 4 * rates.merge_dq + gather + grid + acc, rel=1e-12)
     assert bwd.after[1, 1] == pytest.approx((4 + 4) * rates.merge_dkv, rel=1e-12)  # each part's dk/dv back to its owner
+
+
+def test_quick_price_under_flat_rates_equals_phase_time() -> None:
+    # without a kernel model (rates.kernel None) compute is pairs × seconds per pair per [rank,
+    # stage]: quick_price's grid (one bincount of the blocks' pairs) prices what phase_time prices
+    # over codegen's messages
+    plan = compile_plan([0, 3000, 4096], 4, num_heads=4, num_kv_heads=2, head_dim=16, layout="contiguous")
+    c = plan.chosen
+    rates = replace(CostRates.of(plan.shape, plan.hardware, plan.hardware.bandwidth(plan.link)), kernel=None)
+    latency = plan.hardware.latency(plan.link)
+    units = list(c.units)
+    assert len({u.stage for u in units}) >= 2 and not all(u.is_local for u in units)  # staged, with traffic
+    f = phase_time(units, plan.raw_messages("fwd"), 4, rates.sec_fwd, rates.bw, latency, rates=rates, phase="fwd")
+    b = phase_time(units, plan.raw_messages("bwd"), 4, rates.sec_bwd, rates.bw, latency, rates=rates, phase="bwd")
+    qf, qb = quick_price(units, 4, rates, latency)
+    assert qf == pytest.approx(f.total, rel=1e-12) and qb == pytest.approx(b.total, rel=1e-12)  # why: the same terms, one summation order apart
+    assert qf > latency and qb > qf  # why: compute is priced (backward 2.5x forward's pairs)
