@@ -12,7 +12,7 @@ from megatron_hsap.plan.placement import CostRates, rows_for_work
 from megatron_hsap.plan.units import clip_unit
 
 __all__ = ["footprint", "held_bytes", "rank_footprints", "tiled_bytes", "split_rows", "split_cols", "with_stage", "cut_by_cols", "count_fitting",
-           "smallest_piece", "needs_tiles", "grid_tiles", "cut_fitting_part"]
+           "smallest_piece", "tiles_below", "needs_tiles", "grid_tiles", "cut_fitting_part", "cut_fitting_part_room"]
 
 
 # the planner's hottest constructions (~10^4 cuts per 1M-token compile): the slots' setters, not
@@ -126,16 +126,24 @@ def smallest_piece(u: Unit, rates: CostRates) -> float:
     return float(len(u.q) if cut_by_cols(u, rates) else len(u.kv))
 
 
-def needs_tiles(u: Unit, budget: float, rates: CostRates) -> bool:
-    """Whether ``grid_tiles`` cuts ``u`` (whatever the share): q rows and kv both travel and even
-    the shorter side nearly fills ``budget``. Otherwise ``grid_tiles(u, ...)`` is ``[u]``."""
+def tiles_below(u: Unit, rates: CostRates) -> float:
+    """The pool budget below which ``needs_tiles(u, budget)`` holds (−inf: never): q rows and kv both
+    travel and even the shorter side nearly fills the budget. The one form of that rule, so a
+    staging can tell which budgets leave its blocks whole (``schedule._cut_remote``)."""
     if u.rank == u.q_owner or u.rank == u.kv_owner:
-        return False
+        return -math.inf
     fq, fk = rates.q_bwd + rates.dq, rates.kv + rates.dkv
     if u.causal:  # row cuts (``cut_fitting_part``) can make progress unless one row's keys fill the budget
-        return (u.q.stop - u.kv.start) * fk + fq > budget and len(u.q) >= 2
-    # else cuts along the longer side (re-sending the shorter) can make progress
-    return min(len(u.q) * fq, len(u.kv) * fk) > budget / 2
+        return (u.q.stop - u.kv.start) * fk + fq if len(u.q) >= 2 else -math.inf
+    # else cuts along the longer side (re-sending the shorter) can make progress while it fits half
+    # the budget (``budget / 2 < m`` exactly when ``budget < 2 m``: halving and doubling are exact)
+    return 2 * min(len(u.q) * fq, len(u.kv) * fk)
+
+
+def needs_tiles(u: Unit, budget: float, rates: CostRates) -> bool:
+    """Whether ``grid_tiles`` cuts ``u`` (whatever the share): q rows and kv both travel and even
+    the shorter side nearly fills ``budget`` (``tiles_below``). Otherwise ``grid_tiles(u, ...)`` is ``[u]``."""
+    return budget < tiles_below(u, rates)
 
 
 def grid_tiles(u: Unit, share: float, budget: float, rates: CostRates) -> list[Unit]:
@@ -179,26 +187,47 @@ def cut_fitting_part(u: Unit, work: float, room: float, rates: CostRates) -> tup
     byte travels twice. A rectangle needing both is cut along its longer side (the shorter is
     re-sent with every part; ``grid_tiles`` tiled the blocks where that side alone is too big). A
     causal block needing both is cut by rows (the key prefix is re-sent with every part)."""
+    part, rest, _ = cut_fitting_part_room(u, work, room, rates)
+    return part, rest
+
+
+def cut_fitting_part_room(u: Unit, work: float, room: float, rates: CostRates) -> tuple[Unit | None, list[Unit], float]:
+    """``cut_fitting_part`` and the least room that gives the same cut: any room from it up to
+    ``room`` does (−inf when no row fits: a smaller room fits none either). The cut shrinks with
+    the room only where the bytes bound it, so a pool-overflow restaging under a smaller budget
+    can reuse a cut that had room to spare (``schedule._cut_remote``)."""
     q_rem, kv_rem = u.rank != u.q_owner, u.rank != u.kv_owner
     fq, fk = rates.q_bwd + rates.dq, rates.kv + rates.dkv
     nq, nk = len(u.q), len(u.kv)
     if u.causal:
         n = rows_for_work(u.q, u.kv.start, True, nk, work, u.window)
-        while n > 0 and n * fq + (u.q.start + n - u.kv.start) * fk > room:
+        need = -math.inf
+        # halved while over the room: a smaller room halves at least as often, and stops at this n
+        # exactly when its bytes still fit
+        while n > 0:
+            need = n * fq + (u.q.start + n - u.kv.start) * fk
+            if need <= room:
+                break
             n //= 2
         if n <= 0:
-            return None, [u]
+            return None, [u], -math.inf
         if n >= nq:
-            return u, []
+            return u, [], need
         a, b = split_rows(u, u.q.start + n)
-        return a, [b]
+        return a, [b], need
     by_cols = cut_by_cols(u, rates)
     # cutting along one axis: the other axis' rows (if remote) travel with every part
     length, per, fixed = (nk, fk, nq * fq if q_rem else 0.0) if by_cols else (nq, fq, nk * fk if kv_rem else 0.0)
     n = min(count_fitting(work, nq if by_cols else nk), count_fitting(room - fixed, per))
     if n <= 0:
-        return None, [u]
+        return None, [u], -math.inf
+    # the same cut while ``count_fitting(room' - fixed, per)`` reaches min(n, length) (monotone in
+    # the room); its bytes, checked by the same expression (float rounding), else no slack
+    m = min(n, length)
+    need = fixed + m * per
+    if not count_fitting(need - fixed, per) >= m or need > room:
+        need = room
     if n >= length:
-        return u, []
+        return u, [], need
     a, b = split_cols(u, u.kv.start + n) if by_cols else split_rows(u, u.q.start + n)
-    return a, [b]
+    return a, [b], need

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from megatron_hsap.plan.cuts import (cut_fitting_part, footprint, grid_tiles, needs_tiles, rank_footprints, smallest_piece,
+from megatron_hsap.plan.cuts import (cut_fitting_part_room, footprint, grid_tiles, needs_tiles, rank_footprints, smallest_piece, tiles_below,
                                      split_cols, split_rows, tiled_bytes, with_stage)
 from megatron_hsap.plan.ir import Unit
 from megatron_hsap.plan.placement import CostRates
@@ -142,8 +142,10 @@ class BlocksByRank:
     remote_work: tuple[int, ...] = ()  # [P] exact pairs of each rank's remote blocks
     # staging memo, per split (so per compile and price set): (rank, budget) and (rank, "untiled")
     # -> the rank's remote blocks in ``_interleave`` order when no block needs 2-D tiles under that
-    # budget (the order is then the same for every stage shape and budget tried); ("cut", rank,
-    # middle stages, budget, level) -> ``_cut_remote``'s parts; ("staged", shape, budget) ->
+    # budget (the order is then the same for every stage shape and budget tried) and the least
+    # budget keeping them whole; ("cut", rank, middle stages, budget, level) -> ``_cut_remote``'s
+    # parts; ("cut-spans", rank, middle stages, level) -> [(least budget, budget, parts)] of the cuts
+    # made, for ``_cut_again`` to reuse under a budget in between; ("staged", shape, budget) ->
     # (rates, ``stage``'s result); ("poured", rank, budgets, min_rows) -> ``StagedBlocks.units``'
     # local parts; and ``estimate``'s and ``candidates``' entries (through ``StagedBlocks.memo``)
     orders: dict = field(default_factory=dict, compare=False, repr=False)
@@ -200,14 +202,11 @@ def _stage(split: BlocksByRank, rates: CostRates, shape: StageShape, budget: flo
             key = ("cut", r, n_mid, budget, level)  # a pure function of these: shapes that differ
             got = split.orders.get(key)  # only in alpha share it (the result is never mutated)
             if got is None:
-                try:
-                    got = _cut_remote(split, r, n_mid, rates, budget, level)
-                except StagingError as e:
-                    got = str(e)  # (a fact about these inputs too: every shape sharing them fails alike)
+                got = _cut_again(split, r, n_mid, rates, budget, level)
                 split.orders[key] = got
             if isinstance(got, str):
                 raise StagingError(got)
-            cuts[r], works[r], n = got
+            cuts[r], works[r], n, _ = got
             used = max(used, n)
     memoised = list(cuts)  # the memo's list objects (alive in ``split.orders``, so their ids are stable)
     stages = shape.stages + (used - n_mid)
@@ -239,6 +238,26 @@ def _stage(split: BlocksByRank, rates: CostRates, shape: StageShape, budget: flo
     key = ("priced", stages, tuple(id(c) if c else 0 for c in memoised)) if shared else None
     return StagedBlocks(stages, tuple(remote), split.local, np.array(budgets).reshape(size, stages),
                         np.array(floor).reshape(size, stages), min_split_rows(rates), split.orders, key)
+
+
+def _cut_again(split: BlocksByRank, r: int, n_mid: int, rates: CostRates, budget: float,
+               level: float | None) -> tuple[list[Unit], list[int], int, float] | str:
+    """``_cut_remote``'s result under ``budget`` (its ``StagingError`` as the message), reusing a
+    cut made under a larger budget whose least budget (``_cut_remote``) is at or below this one:
+    every decision goes the same way, so the parts are the same (one 1M-token document at 8x128
+    restages owner-computes under nine budgets after pool overflows, most of them cutting alike).
+    The reused result is the same object, so stagings built on it share their remote prices too."""
+    spans = split.orders.setdefault(("cut-spans", r, n_mid, level), [])
+    for lo, hi, got in spans:
+        if lo <= budget <= hi:
+            return got
+    try:
+        got = _cut_remote(split, r, n_mid, rates, budget, level)
+    except StagingError as e:
+        return str(e)  # (a fact about these inputs too: every shape sharing them fails alike)
+    if got[3] < budget:
+        spans.append((got[3], budget, got))
+    return got
 
 
 def _fill_last(parts: list[Unit], floor: list[float], budgets: list[float], weights: list[float], rates: CostRates,
@@ -323,11 +342,13 @@ def _interleave(units: list[Unit], size: int) -> list[Unit]:
     return [t[3] for t in keyed]
 
 
-def _ordered_remote(split: BlocksByRank, r: int, per: float, budget: float, rates: CostRates) -> list[tuple[Unit, int, float]]:
+def _ordered_remote(split: BlocksByRank, r: int, per: float, budget: float, rates: CostRates) -> tuple[list[tuple[Unit, int, float]], float]:
     """Rank ``r``'s remote blocks, 2-D tiled where needed (``grid_tiles``), in ``_interleave``
-    order, each with its work and pool footprint; cached on ``split`` when no block needs tiles
-    under ``budget`` (then neither ``per`` nor the budget matters: one list serves every budget
-    without tiles, as a pool-overflow search restages under many)."""
+    order, each with its work and pool footprint, and the least budget giving this list (every
+    budget from it up to ``budget``; ``budget`` itself when a block is tiled: tiles follow the
+    budget); cached on ``split`` when no block needs tiles under ``budget`` (then neither ``per``
+    nor the budget matters: one list serves every budget without tiles, as a pool-overflow search
+    restages under many)."""
     key = (r, budget)
     got = split.orders.get(key)
     if got is not None:
@@ -335,21 +356,25 @@ def _ordered_remote(split: BlocksByRank, r: int, per: float, budget: float, rate
     units = split.remote[r]
     if any(needs_tiles(u, budget, rates) for u in units):
         order = _interleave([t for u in units for t in grid_tiles(u, per, budget, rates)], split.size)
-        return [(u, u.work, footprint(u, rates)) for u in order]
+        return [(u, u.work, footprint(u, rates)) for u in order], budget
     got = split.orders.get((r, "untiled"))
     if got is None:
-        got = split.orders[(r, "untiled")] = [(u, u.work, footprint(u, rates)) for u in _interleave(list(units), split.size)]
+        got = split.orders[(r, "untiled")] = ([(u, u.work, footprint(u, rates)) for u in _interleave(list(units), split.size)],
+                                              max((tiles_below(u, rates) for u in units), default=-math.inf))
     split.orders[key] = got
     return got
 
 
 def _cut_remote(split: BlocksByRank, r: int, n_mid: int, rates: CostRates, budget: float,
-                level: float | None = None) -> tuple[list[Unit], list[int], int]:
+                level: float | None = None) -> tuple[list[Unit], list[int], int, float]:
     """Spread rank ``r``'s remote blocks evenly by work over middle stages ``1 .. n_mid`` (or,
     with ``level``, fill each from the first up to that much work) within ``budget`` pool bytes
-    each; returns the parts (stage set), their pairs, and how many middle stages they use
-    (``> n_mid`` when forced). ``StagingError`` once they would need more than ``stage_cap``
-    allows (checked as the stages fill: past the cap nothing more is cut)."""
+    each; returns the parts (stage set), their pairs, how many middle stages they use (``> n_mid``
+    when forced) and the least budget that cuts them alike: every pool-byte test taken the same
+    way from it up to ``budget`` (a block that fit still fits, one that did not still does not; a
+    cut the bytes did not bound is the same cut), so a pool-overflow restaging under a smaller
+    budget reuses these parts (``_stage``). ``StagingError`` once they would need more than
+    ``stage_cap`` allows (checked as the stages fill: past the cap nothing more is cut)."""
     limit = stage_cap(split.size) - 2
     total = float(split.remote_work[r])
     per = total / n_mid if level is None else max(level, total / (4 * n_mid), 1.0)
@@ -357,7 +382,12 @@ def _cut_remote(split: BlocksByRank, r: int, n_mid: int, rates: CostRates, budge
     works: list[int] = []
     k = 0  # middle stage index (stage k + 1)
     placed_w = acc_b = 0.0  # work placed so far (all stages), pool bytes of stage k
-    queue = list(reversed(_ordered_remote(split, r, per, budget, rates)))  # (block, work, footprint)
+    order, least = _ordered_remote(split, r, per, budget, rates)
+    queue = list(reversed(order))  # (block, work, footprint)
+    # the pool-byte tests taken (``fp <= budget - acc_b`` true, a cut's room ``need`` <= budget -
+    # acc_b) hold for every budget above max(fp + acc_b, need + acc_b) in exact arithmetic, so for
+    # any float past the rounded sum: one ulp past the largest of them is a least budget
+    top = -math.inf
     while queue:
         if k >= limit:  # the next part would land in stage k + 1, past the cap
             raise StagingError(f"rank {r}'s remote blocks need more than {limit} middle stages under {budget:.0f} pool bytes")
@@ -365,7 +395,10 @@ def _cut_remote(split: BlocksByRank, r: int, n_mid: int, rates: CostRates, budge
         # cumulative target: stages 0..k hold per·(k+1); the last planned one takes the rest
         room_w = per * (k + 1) - placed_w if (k < n_mid - 1 or level is not None) else math.inf
         small = w <= 0.25 * per  # not worth a cut: place whole, later stages make up for it
-        if (w <= room_w * 1.0001 + 1 or (small and room_w > 0.5 * w)) and fp <= budget - acc_b:
+        fits = fp <= budget - acc_b
+        if fits and fp + acc_b > top:  # (taken or not below: a smaller budget must still fit it)
+            top = fp + acc_b
+        if (w <= room_w * 1.0001 + 1 or (small and room_w > 0.5 * w)) and fits:
             out.append(u.at_stage(k + 1))
             works.append(w)
             placed_w += w
@@ -374,11 +407,15 @@ def _cut_remote(split: BlocksByRank, r: int, n_mid: int, rates: CostRates, budge
                 k, acc_b = k + 1, 0.0
             continue
         part, rest = None, [u]
-        if (not small or fp > budget - acc_b) and room_w >= 0.1 * per:  # else the stage is full
-            part, rest = cut_fitting_part(u, max(room_w, 0.0), budget - acc_b, rates)
+        if (not small or not fits) and room_w >= 0.1 * per:  # else the stage is full
+            part, rest, need = cut_fitting_part_room(u, max(room_w, 0.0), budget - acc_b, rates)
+            if need + acc_b > top:
+                top = need + acc_b
         if part is None and acc_b == 0.0:
             # an empty stage: take at least one row or column, whatever the work target says
-            part, rest = cut_fitting_part(u, max(room_w, smallest_piece(u, rates)), budget, rates)
+            part, rest, need = cut_fitting_part_room(u, max(room_w, smallest_piece(u, rates)), budget, rates)
+            if need > top:
+                top = need
             if part is None:
                 part, rest = u, []  # not one row fits the pool budget: codegen decides
         if part is not None:
@@ -390,7 +427,8 @@ def _cut_remote(split: BlocksByRank, r: int, n_mid: int, rates: CostRates, budge
         if rest:
             queue.extend((t, t.work, footprint(t, rates)) for t in reversed(rest))
             k, acc_b = k + 1, 0.0
-    return out, works, (out[-1].stage if out else 1)  # stages only grow along the queue
+    least = min(max(least, math.nextafter(top, math.inf)), budget)
+    return out, works, (out[-1].stage if out else 1), least  # stages only grow along the queue
 
 
 def default_shape(shapes: list[StageShape]) -> StageShape:

@@ -8,11 +8,14 @@ re-derived from ``CostRates`` (q rows: q+do+lse+delta in, dq out; kv rows: kv in
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 from hypothesis import given, settings, strategies as st
 
 from megatron_hsap.plan.costs import HeadShape
-from megatron_hsap.plan.cuts import footprint, grid_tiles, needs_tiles, split_cols, split_rows, cut_fitting_part
+from megatron_hsap.plan.cuts import (cut_fitting_part, cut_fitting_part_room, footprint, grid_tiles, needs_tiles, split_cols, split_rows,
+                                     tiles_below)
 from megatron_hsap.plan.hardware import HARDWARE, LinkClass
 from megatron_hsap.plan.ir import TokenRange, Unit
 from megatron_hsap.plan.placement import CostRates
@@ -94,3 +97,34 @@ def test_grid_tiles_tile_and_fit_the_budget(u: Unit, share: float, budget_rows: 
     elif not u.causal:  # rectangle tiles are sized so both inputs fit (one row and one column at least)
         one = (PR.q_bwd + PR.dq) + (PR.kv + PR.dkv)
         assert all(footprint(t, PR) <= max(budget, one) for t in tiles)
+
+
+@settings(max_examples=80, deadline=None)
+@given(units(), st.floats(1, 3000), st.floats(0.5, 60), st.floats(0, 1))
+def test_the_room_a_cut_needs_gives_the_same_cut(u: Unit, work: float, room_rows: float, f: float) -> None:
+    # cut_fitting_part_room's least room: any room from it up to the one asked cuts alike (what a
+    # pool-overflow restaging under a smaller budget relies on to reuse a staging's cuts)
+    room = room_rows * (PR.q_bwd + PR.dq)
+    part, rest, need = cut_fitting_part_room(u, work, room, PR)
+    assert (part, rest) == cut_fitting_part(u, work, room, PR)
+    if part is None:
+        assert need == -math.inf
+        assert cut_fitting_part(u, work, room * f, PR)[0] is None  # why: a smaller room fits no row either
+        return
+    assert footprint(part, PR) <= need <= room  # why: the part's own bytes must fit
+    for smaller in (need, need + (room - need) * f):
+        assert cut_fitting_part(u, work, smaller, PR) == (part, rest)
+    below = math.nextafter(need, -math.inf)
+    if need > footprint(part, PR) or part is not u:
+        return  # (the bytes did not bound this cut exactly at its footprint)
+    assert cut_fitting_part(u, work, below, PR) != (part, rest)  # why: the whole block no longer fits
+
+
+@settings(max_examples=60, deadline=None)
+@given(units())
+def test_tiles_below_is_where_tiling_starts(u: Unit) -> None:
+    t = tiles_below(u, PR)
+    if t == -math.inf:
+        assert not needs_tiles(u, 1e-9, PR)
+        return
+    assert not needs_tiles(u, t, PR) and needs_tiles(u, math.nextafter(t, -math.inf), PR)

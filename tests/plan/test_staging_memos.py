@@ -76,10 +76,42 @@ def test_untiled_remote_order_is_shared_by_every_budget(monkeypatch) -> None:
         assert sched._ordered_remote(split, r, 123.0, b, rates) is order
     assert not calls
     fresh = BlocksByRank.of([u for rem in split.remote for u in rem] + [u for loc in split.local for u in loc], split.size)
-    assert [(u, w, fp) for u, w, fp in sched._ordered_remote(fresh, r, 1.0, untiled[-1], rates)] == order
+    assert sched._ordered_remote(fresh, r, 1.0, untiled[-1], rates) == order  # (the same blocks, work, footprints and least budget)
     # a budget under which a block needs tiles: ordered afresh each time, never the shared list
     monkeypatch.setattr(sched, "needs_tiles", lambda u, b, rates: True)
     before = len(calls)
     tiled = sched._ordered_remote(split, r, 1000.0, budget / 5, rates)
     again = sched._ordered_remote(split, r, 1000.0, budget / 5, rates)
     assert tiled is not order and again is not tiled and len(calls) == before + 2
+
+
+@pytest.mark.parametrize("workload,T,inter,seed,kw", CASES)
+def test_a_cut_is_reused_only_where_a_fresh_cut_is_the_same(workload, T, inter, seed, kw) -> None:
+    # _cut_remote's least budget: every budget from it up to the one cut under gives the same parts
+    # (a fresh split: no memo), so _cut_again reuses the parts there (a pool-overflow restaging)
+    plan, rates = plan_and_rates(workload, T, inter, seed, **kw)
+    budget = plan.pool_capacity * _BUDGET_FRACTION
+    split, _ = split_and_stagings(plan, rates, budget)
+    blocks = [u for rem in split.remote for u in rem] + [u for loc in split.local for u in loc]
+    slack = 0
+    for b in (budget, budget / 4, budget / 16):
+        for r in range(split.size):
+            if not split.remote[r]:
+                continue
+            for n_mid in (1, 2, 3):
+                try:
+                    got = sched._cut_remote(split, r, n_mid, rates, b)
+                except sched.StagingError:
+                    continue
+                least = got[3]
+                assert least <= b
+                for smaller in {least, (least + b) / 2} - {b}:
+                    if smaller <= 0:
+                        continue
+                    slack += 1
+                    fresh = BlocksByRank.of(blocks, split.size)
+                    again = sched._cut_remote(fresh, r, n_mid, rates, smaller)
+                    assert again[:3] == got[:3]  # why: every pool-byte test goes the same way
+                    first = sched._cut_again(split, r, n_mid, rates, b, None)  # (made, or found, under b)
+                    assert sched._cut_again(split, r, n_mid, rates, smaller, None) is first  # why: reused, not cut again
+    assert slack, "no cut had a budget to spare: the test would not exercise the reuse"
