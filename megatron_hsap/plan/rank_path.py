@@ -269,18 +269,8 @@ def path_seconds_py(comp: list[list[float]], after: list[list[float]] | None, fl
             for x_i, (_, src, dst, c) in enumerate(rnd):
                 ts, td = t[src], t[dst]
                 starts[x_i] = (ts if ts > td else td) + latency
-                key = src * 2 + c
-                p = outs.get(key)
-                if p is None:
-                    outs[key] = [x_i]
-                else:
-                    p.append(x_i)
-                key = dst * 2 + c
-                p = ins.get(key)
-                if p is None:
-                    ins[key] = [x_i]
-                else:
-                    p.append(x_i)
+                outs.setdefault(src * 2 + c, []).append(x_i)
+                ins.setdefault(dst * 2 + c, []).append(x_i)
             d0 = [0.0] * cnt
             d1 = [0.0] * cnt
             for ports, out in ((outs, d0), (ins, d1)):
