@@ -83,7 +83,7 @@ def _rows_again(rank: np.ndarray, start: np.ndarray, stop: np.ndarray, span: int
     a_s, b_s = a[order], b[order]
     reach = np.maximum.accumulate(b_s)
     prev = np.concatenate([[-1], reach[:-1]])  # keys are >= 0
-    again = np.clip(np.minimum(prev, b_s) - a_s, 0, None)
+    again = np.maximum(np.minimum(prev, b_s) - a_s, 0)
     out = np.zeros(n)
     out[order] = again
     return out
@@ -223,7 +223,7 @@ def _local_rows(rates: CostRates | None, rank: np.ndarray, bounds: tuple[np.ndar
     _, keys, t0, l0, span = hit
     tok = np.concatenate(bounds)
     probe = tok - np.tile(np.repeat([0, 1], len(rank)), 2)  # a stop belongs to its last token's segment
-    i = np.clip(np.searchsorted(keys, np.tile(rank, 4) * span + probe, side="right") - 1, 0, len(keys) - 1)
+    i = np.minimum(np.maximum(np.searchsorted(keys, np.tile(rank, 4) * span + probe, side="right") - 1, 0), len(keys) - 1)
     return tuple(np.split(l0[i] + tok - t0[i], 4))
 
 

@@ -99,7 +99,7 @@ class KernelModel:
         pr = nq * nk if pairs is None else np.maximum(1.0, np.asarray(pairs, dtype=np.float64))
         g = group if (self.pack_gqa and phase is Phase.FWD and group > 1) else 1
         m = np.ceil(nq * g / T)
-        per_row = np.clip(pr / nq / T + 0.5, 1.0, np.ceil(nk / T))
+        per_row = np.minimum(np.maximum(pr / nq / T + 0.5, 1.0), np.ceil(nk / T))  # np.clip's values, without its Python wrapper
         return np.minimum(1.0, pr * g / ((m * (per_row + self.mblock_overhead)) * T * T))
 
     def rate(self, nq: np.ndarray | int, nk: np.ndarray | int, phase: Phase | str, group: int = 1,
