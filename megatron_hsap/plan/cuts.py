@@ -225,7 +225,7 @@ def cut_fitting_part_room(u: Unit, work: float, room: float, rates: CostRates) -
     # the room); its bytes, checked by the same expression (float rounding), else no slack
     m = min(n, length)
     need = fixed + m * per
-    if not count_fitting(need - fixed, per) >= m or need > room:
+    if count_fitting(need - fixed, per) < m or need > room:
         need = room
     if n >= length:
         return u, [], need

@@ -58,7 +58,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["round_seconds", "pairs_of", "flows_of", "stack", "path_finish", "path_seconds", "path_seconds_py"]
+__all__ = ["round_seconds", "pair_rows", "pairs_of", "flow_rows", "flows_of", "stack", "path_finish", "path_seconds", "path_seconds_py"]
 
 INF = float("inf")
 
@@ -69,6 +69,17 @@ def round_seconds(sent: np.ndarray, recv: np.ndarray, bw: float, nvl_bw: float =
     if sent.ndim == 3:
         return np.maximum(np.maximum(sent[0], recv[0]) / bw, np.maximum(sent[1], recv[1]) / nvl_bw)
     return np.maximum(sent, recv) / bw
+
+
+def pair_rows(key: np.ndarray, size: int) -> np.ndarray:
+    """[m, 3] ``(round, r, p)`` rows of pair keys ``(round · P + r) · P + p`` (``pairs_of``'s)."""
+    return np.stack([key // (size * size), key // size % size, key % size], axis=1)
+
+
+def flow_rows(key: np.ndarray, size: int) -> np.ndarray:
+    """[m, 4] ``(round, src, dst, link)`` rows of flow keys ``((round · 2 + link) · P + src) · P + dst``
+    (``flows_of``'s: sorted keys are its row order)."""
+    return np.stack([key // (2 * size * size), key // size % size, key % size, key // (size * size) % 2], axis=1)
 
 
 def pairs_of(rounds: np.ndarray, src: np.ndarray, dst: np.ndarray, size: int) -> np.ndarray:
@@ -85,7 +96,7 @@ def pairs_of(rounds: np.ndarray, src: np.ndarray, dst: np.ndarray, size: int) ->
         key = np.flatnonzero(flags)
     else:
         key = np.unique(np.concatenate([(rounds * size + src) * size + dst, (rounds * size + dst) * size + src]))
-    return np.stack([key // (size * size), key // size % size, key % size], axis=1)
+    return pair_rows(key, size)
 
 
 def flows_of(rounds: np.ndarray, src: np.ndarray, dst: np.ndarray, link: np.ndarray, nbytes: np.ndarray,
@@ -99,8 +110,7 @@ def flows_of(rounds: np.ndarray, src: np.ndarray, dst: np.ndarray, link: np.ndar
     key = ((rounds[keep] * 2 + link[keep]) * size + src[keep]) * size + dst[keep]
     uniq, inv = np.unique(key, return_inverse=True)
     total = np.bincount(inv.reshape(-1), weights=nbytes[keep], minlength=len(uniq))
-    rows = np.stack([uniq // (2 * size * size), uniq // size % size, uniq % size, uniq // (size * size) % 2], axis=1)
-    return rows.astype(np.int64).reshape(-1, 4), total
+    return flow_rows(uniq, size).astype(np.int64).reshape(-1, 4), total
 
 
 def stack(parts: list[tuple[np.ndarray, np.ndarray | None, np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray | None, np.ndarray, np.ndarray]:
@@ -248,8 +258,7 @@ def path_seconds_py(comp: list[list[float]], after: list[list[float]] | None, fl
     bw = (bws[0], bws[1] if bws[1] > 0 else bws[0])
     capped = flow_bw < INF
     t = [0.0] * size
-    m = len(flows)
-    j = 0
+    j, m = 0, len(flows)
     for k in range(n):
         end = [tr + row[k] for tr, row in zip(t, comp)]
         while j < m and flows[j][0] < k:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from megatron_hsap.plan.placement import CostRates
-from megatron_hsap.plan.rank_path import flows_of, pairs_of
+from megatron_hsap.plan.rank_path import flow_rows, flows_of, pair_rows, pairs_of
 
 __all__ = ["Traffic", "staged_traffic", "same_node", "both_links", "message_traffic"]
 
@@ -147,9 +147,10 @@ def _staged_traffic_py(a: np.ndarray, size: int, n: int, rates: CostRates) -> tu
     flat = [0.0] * (4 * cells)
     rows = a.tolist()
     pairs: tuple[set, set] = (set(), set())
-    # fwd, bwd: flow key ((round * 2 + link) * P + src) * P + dst -> bytes (whole numbers: exact
-    # sums); the keys sort in flows_of's order (round, link, src, dst)
+    # fwd, bwd: flow key (``rank_path.flow_rows``' encoding, which sorts in flows_of's order) ->
+    # bytes (whole numbers: exact sums)
     sends: tuple[dict, dict] = ({}, {})
+    sf, sb = sends
     pp = size * size
     for lo, hi, oc, f_in, b_in, f_out, b_out in ((2, 3, 8, rates.q, rates.q_bwd, rates.o_lse, rates.dq),
                                                (4, 5, 9, rates.kv, rates.kv, 0.0, rates.dkv)):
@@ -161,7 +162,6 @@ def _staged_traffic_py(a: np.ndarray, size: int, n: int, rates: CostRates) -> tu
         for grp, fb, bb, k_off, to_owner in ((sorted(set(away)), f_in, b_in, -1, True), (away, f_out, b_out, 1, False)):
             if not (fb or bb):
                 continue
-            sf, sb = sends
             keys: list[int] = []
             for r, k, o, start, stop in grp:
                 link = 1 if sm is not None and sm[r][o] else 0
@@ -193,10 +193,7 @@ def _staged_traffic_py(a: np.ndarray, size: int, n: int, rates: CostRates) -> tu
         t = t[:, 0]
     out = []
     for ph in (0, 1):
-        key = np.array(sorted(pairs[ph]), dtype=np.int64)
         fk = sorted(sends[ph])
-        f = np.array(fk, dtype=np.int64)
-        out.append(Traffic(t[2 * ph], t[2 * ph + 1], np.stack([key // pp, key // size % size, key % size], axis=1),
-                           np.stack([f // (2 * pp), f // size % size, f % size, f // pp % 2], axis=1),
-                           np.array([sends[ph][x] for x in fk], dtype=np.float64)))
+        out.append(Traffic(t[2 * ph], t[2 * ph + 1], pair_rows(np.array(sorted(pairs[ph]), dtype=np.int64), size),
+                           flow_rows(np.array(fk, dtype=np.int64), size), np.array([sends[ph][x] for x in fk], dtype=np.float64)))
     return out[0], out[1]
