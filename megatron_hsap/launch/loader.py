@@ -109,7 +109,7 @@ def config_from_dict(data: Mapping[str, Any], *, source: str | None = None) -> L
 
 def _untested(value: Any) -> tuple[str, ...]:
     """The ``untested:`` list: names of ``preflight.Feature`` (checked against use at launch)."""
-    from megatron_hsap.launch.preflight import Feature
+    from megatron_hsap.launch.preflight import NOW_TESTED, Feature
 
     if value is None:
         return ()
@@ -117,6 +117,8 @@ def _untested(value: Any) -> tuple[str, ...]:
         raise ConfigError(f"untested: expected a list of feature names, got {value!r}")
     known = [f.value for f in Feature]
     for name in value:
+        if name in NOW_TESTED:
+            raise ConfigError(f"untested: {name!r} is tested now ({NOW_TESTED[name]}); remove it from the list")
         if name not in known:
             close = difflib.get_close_matches(str(name), known, n=1)
             raise ConfigError(f"untested: {name!r} is not a feature name"

@@ -236,8 +236,6 @@ def _expected_untested(cfg) -> set[str]:
     out = set()
     if p.sharding.value in ("optim_grads", "optim_grads_params") or "--use-megatron-fsdp" in args:
         out.add("megatron_fsdp")
-    if p.sequence_parallel or "--sequence-parallel" in args:
-        out.add("sequence_parallel")
     if p.cp_impl is CPImpl.RING and p.hsap_intra_size * p.hsap_inter_size > 1:
         out.add("ring_cp")
     if any(a.startswith(("--num-experts", "--cuda-graph", "--enable-cuda-graph", "--fp8")) for a in args):
@@ -285,8 +283,12 @@ def test_untested_list_must_match_use() -> None:
     with pytest.raises(ConfigError, match=r"untested: .*megatron_fsdp.*acknowledge"):
         check_untested(config_from_dict(fsdp))
     assert check_untested(config_from_dict({**fsdp, "untested": ["megatron_fsdp"]})) == [Feature.MEGATRON_FSDP]
-    with pytest.raises(ConfigError, match=r"untested: \['sequence_parallel'\] listed but not used"):
-        check_untested(config_from_dict({**_gpt(), "untested": ["sequence_parallel"]}))
+    with pytest.raises(ConfigError, match=r"untested: \['cuda_graphs'\] listed but not used"):
+        check_untested(config_from_dict({**_gpt(), "untested": ["cuda_graphs"]}))
+    with pytest.raises(ConfigError, match="'sequence_parallel' is tested now .*remove it"):
+        config_from_dict({**_gpt(), "untested": ["sequence_parallel"]})
+    sp = config_from_dict(_gpt(parallel__tensor=2, parallel__hsap_intra_size=1, parallel__sequence_parallel=True))
+    assert untested_features(sp) == []  # run by tests/megatron/test_pretrain_cpu.py
     with pytest.raises(ConfigError, match="did you mean megatron_fsdp"):
         config_from_dict({**_gpt(), "untested": ["megatron_fdsp"]})
     passthrough = {**_gpt(), "megatron_args": ["--num-experts", "8", "--ckpt-format", "torch"]}

@@ -10,7 +10,11 @@ Megatron unchanged (``--use-distributed-optimizer``, ``--save DIR``, ``--qk-laye
 ``--num-experts 2`` ...). The last rank's output — Megatron's own log lines, incl. its
 ``validation loss`` lines — is printed; every rank's log is kept under ``--out``.
 ``--reference`` runs the same job at CP=1, TP=1 with Megatron's local attention and the
-dataloader's per-document causal mask (the loss to compare HSAP against).
+dataloader's per-document causal mask (the loss to compare HSAP against). Where that attention
+cannot compute the model (``_NO_LOCAL_REFERENCE``: MLA, sliding windows) ``--reference`` is refused
+and ``--compare`` compares with the same loop at CP=1 under HSAP instead (one rank: no sharding, no
+P2P; its attention is checked against float64 references by ``tests/megatron/test_mla.py`` and
+``tests/megatron/test_gpt_window.py``).
 """
 
 from __future__ import annotations
@@ -26,12 +30,22 @@ from pathlib import Path
 
 from megatron_hsap.errors import ConfigError
 
-__all__ = ["CPURun", "CPUResult", "megatron_flags", "run", "parse_log", "main"]
+__all__ = ["CPURun", "CPUResult", "megatron_flags", "no_local_reference", "reference_of", "run", "parse_log", "main"]
 
 _ITER = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.Ee+-]+)")
 _VALID = re.compile(r"validation loss at iteration (\d+) \| lm loss value: ([0-9.Ee+-]+)")
 # After training Megatron evaluates once more on the validation and the test split.
 _VALID_END = re.compile(r"validation loss at iteration \d+ on (validation|test) set \| lm loss value: ([0-9.Ee+-]+)")
+
+# Megatron flags whose model megatron-core's local DotProductAttention (``--reference``) cannot
+# compute, and why (megatron-core 0.19.2). Without this, ``--compare --window-size 64,0`` printed a
+# 2.7e-3 "difference" that was the reference's mask, not HSAP.
+_NO_LOCAL_REFERENCE = {
+    "--multi-latent-attention": "megatron-core builds no MLA without Transformer Engine (its local "
+    "DotProductAttention takes no k_channels / v_channels)",
+    "--window-size": "with a window, megatron-core's local DotProductAttention replaces the dataloader's "
+    "per-document mask by a plain sliding-window mask (fusions/fused_softmax.py, forward_torch_softmax)",
+}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -75,6 +89,9 @@ class CPURun:
                 raise ConfigError(f"--{name.replace('_', '-')} {value!r}: must be a positive integer")
         if self.reference and (self.tp, self.pp) != (1, 1):
             raise ConfigError("--reference runs at TP=1, PP=1, CP=1: drop --tp/--pp")
+        if self.reference and (why := no_local_reference(self.extra)):
+            raise ConfigError(f"--reference cannot run this model: {'; '.join(why)}. Use --compare, which then "
+                              "compares with the same loop at CP=1 under HSAP")
         model = self.tp * self.pp * self.cp_size
         if self.world_size % model:
             raise ConfigError(f"--world-size {self.world_size} is not a multiple of TP×PP×CP = {model}")
@@ -108,6 +125,24 @@ class CPUResult:
     final_test: float | None
     log_dir: str
     output: str = field(repr=False)
+
+
+def no_local_reference(extra: tuple[str, ...]) -> list[str]:
+    """``"flag: why"`` for each flag of ``extra`` (Megatron flags) whose model megatron-core's local
+    attention cannot be the reference of (``_NO_LOCAL_REFERENCE``); empty when it can."""
+    return [f"{flag}: {why}" for flag, why in _NO_LOCAL_REFERENCE.items()
+            if any(a == flag or a.startswith(flag + "=") for a in extra)]
+
+
+def reference_of(opts: CPURun) -> tuple[CPURun, str]:
+    """The run ``--compare`` compares ``opts`` with, and how to name it: CP=1, TP=1, PP=1 with Megatron's
+    local attention; where that cannot compute the model (``no_local_reference``), the same loop at
+    CP=1 under HSAP. Either runs on the data-parallel ranks alone (same global batch)."""
+    sizes = dict(tp=1, pp=1, vp=None, world_size=opts.dp_size)
+    why = no_local_reference(opts.extra)
+    if why:
+        return replace(opts, intra_size=1, inter_size=1, **sizes), "CP=1 under HSAP; " + "; ".join(why)
+    return replace(opts, reference=True, **sizes), "CP=1, local attention"
 
 
 def megatron_flags(run: CPURun) -> list[str]:
@@ -257,7 +292,8 @@ def build_parser(prog: str = "megatron-hsap pretrain-cpu") -> argparse.ArgumentP
     p.add_argument("--reference", action="store_true",
                    help="CP=1, TP=1 with Megatron's local attention and the dataloader's document mask")
     p.add_argument("--compare", action="store_true",
-                   help="also run --reference and print the largest per-step relative loss difference")
+                   help="also run --reference (or, for a model its attention cannot compute — MLA, windows — "
+                   "the same loop at CP=1 under HSAP) and print the largest per-step relative loss difference")
     add_renamed(p, "--out", "--log-dir", type=output_dir, default=None, metavar="DIR", dest="out",
                 help="output folder: every rank's log, the dataset index cache (default: a temporary folder)")
     return p
@@ -284,13 +320,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[pretrain-cpu] exit {result.returncode}; {len(result.losses)} steps logged; logs in {result.log_dir}")
     if result.returncode or not ns.compare:
         return 1 if result.returncode else 0
-    ref = run(replace(opts, reference=True, tp=1, pp=1, vp=None, world_size=opts.dp_size,
-                      log_dir=str(Path(result.log_dir) / "reference")))
+    ref_opts, ref_name = reference_of(opts)
+    ref = run(replace(ref_opts, log_dir=str(Path(result.log_dir) / "reference")))
     if ref.returncode:
         sys.stdout.write(ref.output[-4000:])
         return 1
     worst = max(abs(result.losses[i] - ref.losses[i]) / abs(ref.losses[i]) for i in ref.losses)
-    print(f"[pretrain-cpu] reference (CP=1, local attention) losses: {[ref.losses[i] for i in sorted(ref.losses)]}")
+    print(f"[pretrain-cpu] reference ({ref_name}) losses: {[ref.losses[i] for i in sorted(ref.losses)]}")
     print(f"[pretrain-cpu] largest per-step relative loss difference vs the reference: {worst:.2e}")
     return 0
 

@@ -59,6 +59,8 @@ SHIMS = {
     "JIT fuser": "megatron.core.jit.disable_jit_fuser()",
     "megatron-core CPU spots": "megatron_hsap.megatron.cpu_shims (RoPE inv_freq, memory buffer, causal mask, "
     "RNG tracker)",
+    "norms without TE": "megatron_hsap.megatron.cpu.rank (HybridStack's final TENorm -> WrappedTorchNorm; "
+    "under --sequence-parallel WrappedTorchNorm's params marked for the TP gradient sum, as apex's are)",
 }
 
 _CPU = torch.device("cpu")

@@ -25,6 +25,7 @@ def main() -> None:
 
     record.install()
     _local_hybrid_final_norm()
+    _sequence_parallel_torch_norm()
     from megatron_hsap.megatron.cpu.loop import cpu_datasets_provider, cpu_loss_func, reference_forward_step
     from megatron_hsap.megatron.pretrain_hooks import run_pretrain
 
@@ -47,6 +48,39 @@ def _local_hybrid_final_norm() -> None:
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
     hybrid_block.TENorm = WrappedTorchNorm
+
+
+def _sequence_parallel_torch_norm() -> None:
+    """Sequence parallelism on CPU ranks. megatron-core's ``WrappedTorchNorm`` (its norm without TE
+    or apex) asserts ``sequence_parallel`` off: under it each TP rank normalises its own slice of
+    the sequence, so a norm weight's gradient is that slice's part, to be summed over TP — which
+    Megatron's ``finalize_model_grads`` does for every parameter marked ``sequence_parallel``
+    (``_allreduce_non_tensor_model_parallel_grads``), and apex's ``FusedLayerNorm``
+    (``fusions/fused_layer_norm.py``) and TE's norms mark theirs. On a CPU rank without TE the torch
+    norm is built as before and its parameters marked the same way (every run of a comparison gets
+    it; at TP=1 Megatron turns sequence parallelism off, so the reference is untouched)."""
+    import copy
+
+    from megatron.core.extensions import transformer_engine
+
+    if getattr(transformer_engine, "HAVE_TE", False):
+        return
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    build = WrappedTorchNorm.__new__
+
+    def new(cls, config, hidden_size, eps=1e-5, persist_layer_norm=False, zero_centered_gamma=False,  # noqa: ANN001, ANN202
+            normalization="LayerNorm"):
+        if not config.sequence_parallel:
+            return build(cls, config, hidden_size, eps, persist_layer_norm, zero_centered_gamma, normalization)
+        plain = copy.copy(config)  # (no __post_init__ again: the config is Megatron's, validated)
+        plain.sequence_parallel = False
+        norm = build(cls, plain, hidden_size, eps, persist_layer_norm, zero_centered_gamma, normalization)
+        for param in norm.parameters():
+            param.sequence_parallel = True
+        return norm
+
+    WrappedTorchNorm.__new__ = staticmethod(new)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,9 @@ Test instrumentation of the CPU command only. ``params-rank{R}.json``: every par
 shape on rank R, as Megatron built the model. ``flops-rank{R}.jsonl``: one line per call of Megatron's
 ``num_floating_point_operations`` (the TFLOP/s line's numerator) with the packed-sequence statistics
 Megatron passed it and the result, so a test can check the statistics against the batches' lengths.
+``sp-grads-rank{R}.jsonl``: after each call of Megatron's ``finalize_model_grads``, the float64 sum
+of each gradient of a parameter marked ``sequence_parallel`` (the norms under sequence parallelism,
+summed over TP there), so a test can check TP peers hold the same gradients.
 """
 
 from __future__ import annotations
@@ -48,7 +51,8 @@ def record_loss(loss: Any, num_tokens: Any, training: bool) -> None:
 
 
 def install() -> None:
-    """Wrap Megatron's FLOP count (called by ``train`` once per iteration) to record its inputs."""
+    """Wrap Megatron's FLOP count (called by ``train`` once per iteration) to record its inputs, and its
+    ``finalize_model_grads`` to record the sequence-parallel gradients."""
     out = _dir()
     if out is None:
         return
@@ -67,3 +71,14 @@ def install() -> None:
         return result
 
     training.num_floating_point_operations = num_floating_point_operations
+    finalize = training.finalize_model_grads  # what ``train`` installs as the config's finalize function
+
+    def finalize_model_grads(model: Any, *args: Any, **kwargs: Any) -> Any:
+        result = finalize(model, *args, **kwargs)
+        sums = [float(getattr(p, "main_grad", p.grad).double().sum()) for chunk in model for p in chunk.parameters()
+                if getattr(p, "sequence_parallel", False)]
+        with open(out / f"sp-grads-rank{_rank()}.jsonl", "a") as f:
+            f.write(json.dumps({"sequence_parallel_grads": sums}) + "\n")
+        return result
+
+    training.finalize_model_grads = finalize_model_grads
