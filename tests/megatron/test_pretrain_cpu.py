@@ -231,6 +231,22 @@ def test_sequence_parallel_tp2_with_cp_2x2_equals_reference(root: Path) -> None:
 
 
 @pytest.mark.slow
+def test_experts_split_over_the_cp_ranks_equal_the_reference(root: Path) -> None:
+    """MoE with its experts split over the CP group (EP 2 inside CP 2×2, DP 1): Megatron's token
+    dispatch all-to-all over ranks that also run HSAP's; the reference splits experts alike on
+    2 data-parallel ranks (``command.reference_of``: Megatron seeds experts by EP rank)."""
+    moe = ("--num-experts", "4", "--moe-router-topk", "2", "--expert-model-parallel-size", "2")
+    hsap = _run(root, world_size=4, intra_size=2, inter_size=2, extra=moe, **BASE)
+    ref = _run(root, world_size=2, reference=True, micro_batch_size=1, global_batch_size=2, extra=moe, **BASE)
+    _same_losses(hsap.losses, ref.losses)
+    _same_losses(hsap.validation, ref.validation)
+    assert any("local_experts" in n for n in _params(hsap))
+    # the experts' split changes the run: the unsplit reference is 7.4e-3 away at the first step
+    plain = _run(root, world_size=1, reference=True, extra=moe[:4], **BASE)
+    assert abs(plain.losses[1] - ref.losses[1]) > 100 * RTOL * ref.losses[1]
+
+
+@pytest.mark.slow
 def test_distributed_optimizer_with_overlapped_grad_reduce_equals_reference(root: Path) -> None:
     hsap = _run(root, world_size=4, intra_size=2, inter_size=2,
                 extra=("--use-distributed-optimizer", "--overlap-grad-reduce"), **BASE)
@@ -390,4 +406,34 @@ def test_plain_models_compare_with_megatrons_local_attention() -> None:
     ref, name = reference_of(opts)
     assert name == "CP=1, local attention"
     assert (ref.reference, ref.tp, ref.pp, ref.world_size, ref.cp_size) == (True, 1, 1, 2, 1)  # DP 2 kept
+    assert (ref.micro_batch_size, ref.global_batch_size, ref.extra) == (2, 4, opts.extra)
+
+
+@pytest.mark.parametrize(("sizes", "extra", "want"), [
+    # EP 2 over CP 2x2 (DP 1): the reference needs 2 ranks for the experts, one sample each
+    (dict(world_size=4), ("--num-experts", "4", "--expert-model-parallel-size", "2"), (2, 1, 2)),
+    (dict(world_size=8, micro_batch_size=2), ("--expert-model-parallel-size=4",), (4, 1, 4)),  # DP 2, EP 4
+    (dict(world_size=8, micro_batch_size=3), ("--expert-model-parallel-size", "2"), (2, 3, 6)),  # DP 2 = EP
+])
+def test_reference_splits_experts_as_the_run_does(sizes: dict, extra: tuple[str, ...], want: tuple[int, int, int]) -> None:
+    """Megatron seeds each expert by its expert-parallel rank: an EP 1 reference of an EP 2 run
+    differs from the first step (measured 7.4e-3), the EP 2 reference at DP 2 is equal (slow test
+    below). The reference keeps the split, on ranks sharing the same global batch."""
+    from megatron_hsap.megatron.cpu.command import reference_of
+
+    ref, _ = reference_of(CPURun(intra_size=2, inter_size=2, extra=extra, **sizes))
+    assert (ref.world_size, ref.micro_batch_size, ref.global_batch_size) == want
+    assert ref.extra == extra and ref.reference
+    ref.check()
+
+
+def test_reference_that_cannot_split_the_batch_is_refused_before_spawning(capsys) -> None:  # noqa: ANN001
+    from megatron_hsap.megatron.cpu.command import main, reference_of
+
+    with pytest.raises(ConfigError, match="global batch of 1 samples does not split.*multiple of 2"):
+        reference_of(CPURun(world_size=4, micro_batch_size=1, extra=("--expert-model-parallel-size", "2")))
+    with pytest.raises(ConfigError, match="--expert-model-parallel-size 'two': not an integer"):
+        reference_of(CPURun(extra=("--expert-model-parallel-size", "two")))
+    assert main(["--micro-batch-size", "1", "--compare", "--", "--expert-model-parallel-size", "2"]) == 2
+    assert "does not split" in capsys.readouterr().err
 

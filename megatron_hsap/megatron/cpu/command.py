@@ -20,6 +20,7 @@ P2P; its attention is checked against float64 references by ``tests/megatron/tes
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 import subprocess
@@ -134,11 +135,37 @@ def no_local_reference(extra: tuple[str, ...]) -> list[str]:
             if any(a == flag or a.startswith(flag + "=") for a in extra)]
 
 
+def _flag_int(extra: tuple[str, ...], flag: str) -> int:
+    """The integer value of Megatron flag ``flag`` in ``extra`` (``--flag N`` or ``--flag=N``); 1 if absent."""
+    for k, a in enumerate(extra):
+        value = extra[k + 1] if a == flag and k + 1 < len(extra) else a.split("=", 1)[1] if a.startswith(flag + "=") else None
+        if value is not None:
+            try:
+                return int(value)
+            except ValueError:
+                raise ConfigError(f"{flag} {value!r}: not an integer") from None
+    return 1
+
+
 def reference_of(opts: CPURun) -> tuple[CPURun, str]:
     """The run ``--compare`` compares ``opts`` with, and how to name it: CP=1, TP=1, PP=1 with Megatron's
     local attention; where that cannot compute the model (``no_local_reference``), the same loop at
-    CP=1 under HSAP. Either runs on the data-parallel ranks alone (same global batch)."""
-    sizes = dict(tp=1, pp=1, vp=None, world_size=opts.dp_size)
+    CP=1 under HSAP. Same global batch, on the data-parallel ranks — or, with experts split
+    (``--expert-model-parallel-size`` E, ``--expert-tensor-parallel-size``), on as many ranks as the
+    split needs, each with its share of the micro-batch: Megatron seeds each expert by its
+    expert-parallel rank, so the reference splits experts alike (EP 2 over CP 2x2 against EP 1:
+    7.4e-3 apart from the first step; against EP 2 at DP 2: equal). Raises ``ConfigError`` when the
+    micro-batch does not split over those ranks."""
+    experts = _flag_int(opts.extra, "--expert-model-parallel-size") * _flag_int(opts.extra, "--expert-tensor-parallel-size")
+    world = math.lcm(opts.dp_size, experts)
+    share, rest = divmod(opts.micro_batch_size * opts.dp_size, world)
+    if rest or not share:
+        raise ConfigError(
+            f"--compare: the CP=1 reference runs the experts' split ({experts} expert model-parallel ranks) on "
+            f"{world} ranks, over which the global batch of {opts.micro_batch_size * opts.dp_size} samples does "
+            f"not split into micro-batches; use a --micro-batch-size that makes it a multiple of {world}")
+    sizes = dict(tp=1, pp=1, vp=None, world_size=world, micro_batch_size=share,
+                 global_batch_size=opts.global_batch_size or opts.micro_batch_size * opts.dp_size)
     why = no_local_reference(opts.extra)
     if why:
         return replace(opts, intra_size=1, inter_size=1, **sizes), "CP=1 under HSAP; " + "; ".join(why)
@@ -311,8 +338,10 @@ def main(argv: list[str] | None = None) -> int:
                   micro_batch_size=ns.micro_batch_size, seq_length=ns.seq_length, num_layers=ns.num_layers,
                   eval_interval=ns.eval_interval, eval_iters=ns.eval_iters, extra=tuple(extra),
                   log_dir=None if ns.out is None else str(ns.out))
-    try:
+    try:  # every refusal before a rank is spawned, the reference's too
         opts.check()
+        ref_opts, ref_name = reference_of(opts) if ns.compare else (opts, "")
+        ref_opts.check()
     except ConfigError as exc:
         print(f"megatron-hsap pretrain-cpu: error: {exc}", file=sys.stderr)
         return 2
@@ -320,7 +349,6 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[pretrain-cpu] exit {result.returncode}; {len(result.losses)} steps logged; logs in {result.log_dir}")
     if result.returncode or not ns.compare:
         return 1 if result.returncode else 0
-    ref_opts, ref_name = reference_of(opts)
     ref = run(replace(ref_opts, log_dir=str(Path(result.log_dir) / "reference")))
     if ref.returncode:
         sys.stdout.write(ref.output[-4000:])
