@@ -299,14 +299,38 @@ def _train_sums(result: CPUResult, rank: int) -> list[float]:
 
 
 @pytest.mark.slow
+def test_pipeline_2_with_cp_1x2_equals_the_reference_at_pp_2(root: Path) -> None:
+    """PP 2 × CP 1×2 against Megatron's local attention at PP 2 (both stages read the batch and its
+    mask). Megatron offsets each stage's seed by its pipeline rank, so a PP 1 reference starts
+    from other weights (measured 2e-2 apart): ``--compare`` keeps the stages."""
+    sizes = dict(pp=2, micro_batch_size=1, **BASE)
+    hsap = _run(root, world_size=4, intra_size=1, inter_size=2, **sizes)
+    ref = _run(root, world_size=2, reference=True, **sizes)
+    _same_losses(hsap.losses, ref.losses)
+    _same_losses(hsap.validation, ref.validation)
+    flat = _run(root, world_size=1, reference=True, micro_batch_size=1, **BASE)
+    assert abs(flat.losses[1] - ref.losses[1]) > 100 * RTOL * ref.losses[1]  # the stages' seeds matter
+
+
+@pytest.mark.slow
 def test_pipeline_2_with_virtual_pipeline_2_trains(root: Path) -> None:
     # Megatron needs PP > 2 for VP, or PP > 1 with p2p overlap (on by default in 0.19.2). Unpacked
     # samples: the second model chunk of the last stage reads no data, so documents come from the
     # sample shape (each sample one document).
-    res = _run(root, world_size=4, pp=2, vp=1, num_layers=4, intra_size=1, inter_size=2, micro_batch_size=1,
-               packed=False, steps=2, eval_interval=2, eval_iters=1, extra=("--global-batch-size", "4"))
+    from megatron_hsap.megatron.cpu.command import reference_of
+
+    sizes = dict(world_size=4, pp=2, vp=1, num_layers=4, intra_size=1, inter_size=2, micro_batch_size=1,
+                 packed=False, steps=2, eval_interval=2, eval_iters=1, extra=("--global-batch-size", "4"))
+    res = _run(root, **sizes)
     assert sorted(res.losses) == [1, 2] and all(math.isfinite(v) for v in res.losses.values())
     assert res.losses[2] < res.losses[1]
+    # --compare's reference: the middle model chunks read no data, so no local-attention mask; the
+    # same loop, stages and chunks at CP=1 under HSAP (Megatron seeds each stage by its PP rank)
+    ref_opts, name = reference_of(CPURun(**sizes))
+    assert (ref_opts.pp, ref_opts.vp, ref_opts.cp_size, ref_opts.world_size, ref_opts.reference) == (2, 1, 1, 2, False)
+    assert name.startswith("CP=1 under HSAP; --pp 2 --vp")
+    ref = _run(root, **{**sizes, "world_size": 2, "intra_size": 1, "inter_size": 1})
+    _same_losses(res.losses, ref.losses)
     log = (Path(res.log_dir) / "rank0.log").read_text()
     assert "Number of virtual stages per pipeline stage: 2" in log
     assert "WARNING: no --dataloader-inter-document-masking" in log  # unpacked: said once at start-up
@@ -371,6 +395,8 @@ def test_parse_log_reads_megatrons_lines() -> None:
 @pytest.mark.parametrize(("change", "match"), [
     (dict(world_size=3), "not a multiple"),
     (dict(tp=2, reference=True), "drop --tp"),
+    (dict(pp=4, world_size=4, reference=True), "stages between the first and the last read no data"),
+    (dict(pp=2, vp=1, world_size=2, reference=True), "--pp 2 --vp"),
     (dict(steps=0), "--steps 0"),
     (dict(world_size=16, intra_size=4, inter_size=4), "at most 8"),
 ])

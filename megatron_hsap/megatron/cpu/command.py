@@ -9,8 +9,8 @@ its own flags, gloo pinned to loopback, a file-store rendezvous. Every flag afte
 Megatron unchanged (``--use-distributed-optimizer``, ``--save DIR``, ``--qk-layernorm``,
 ``--num-experts 2`` ...). The last rank's output — Megatron's own log lines, incl. its
 ``validation loss`` lines — is printed; every rank's log is kept under ``--out``.
-``--reference`` runs the same job at CP=1, TP=1 with Megatron's local attention and the
-dataloader's per-document causal mask (the loss to compare HSAP against). Where that attention
+``--reference`` runs the same job at CP=1, TP=1 (same pipeline stages, at most 2) with Megatron's
+local attention and the dataloader's per-document causal mask (the loss to compare HSAP against). Where that attention
 cannot compute the model (``_NO_LOCAL_REFERENCE``: MLA, sliding windows) ``--reference`` is refused
 and ``--compare`` compares with the same loop at CP=1 under HSAP instead (one rank: no sharding, no
 P2P; its attention is checked against float64 references by ``tests/megatron/test_mla.py`` and
@@ -88,8 +88,13 @@ class CPURun:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < (0 if name == "eval_iters" else 1):
                 raise ConfigError(f"--{name.replace('_', '-')} {value!r}: must be a positive integer")
-        if self.reference and (self.tp, self.pp) != (1, 1):
-            raise ConfigError("--reference runs at TP=1, PP=1, CP=1: drop --tp/--pp")
+        if self.reference and self.tp != 1:
+            raise ConfigError("--reference runs at TP=1, CP=1: drop --tp")
+        if self.reference and (self.pp > 2 or self.vp is not None):
+            raise ConfigError(f"--reference with --pp {self.pp}{' --vp' if self.vp is not None else ''}: Megatron's "
+                              "local attention needs the dataloader's mask on every pipeline stage, and stages "
+                              "between the first and the last read no data; use --pp 2 without --vp, or --compare, "
+                              "which then compares with the same loop at CP=1 under HSAP")
         if self.reference and (why := no_local_reference(self.extra)):
             raise ConfigError(f"--reference cannot run this model: {'; '.join(why)}. Use --compare, which then "
                               "compares with the same loop at CP=1 under HSAP")
@@ -148,13 +153,15 @@ def _flag_int(extra: tuple[str, ...], flag: str) -> int:
 
 
 def reference_of(opts: CPURun) -> tuple[CPURun, str]:
-    """The run ``--compare`` compares ``opts`` with, and how to name it: CP=1, TP=1, PP=1 with Megatron's
-    local attention; where that cannot compute the model (``no_local_reference``), the same loop at
-    CP=1 under HSAP. Same global batch, on the data-parallel ranks — or, with experts split
+    """The run ``--compare`` compares ``opts`` with, and how to name it: CP=1, TP=1 with Megatron's local
+    attention; where that cannot compute the model (``no_local_reference``, or pipeline stages that
+    read no data: PP > 2, virtual pipelining), the same loop at CP=1 under HSAP. Same global batch
+    and the same pipeline stages, on the data-parallel ranks — or, with experts split
     (``--expert-model-parallel-size`` E, ``--expert-tensor-parallel-size``), on as many ranks as the
-    split needs, each with its share of the micro-batch: Megatron seeds each expert by its
-    expert-parallel rank, so the reference splits experts alike (EP 2 over CP 2x2 against EP 1:
-    7.4e-3 apart from the first step; against EP 2 at DP 2: equal). Raises ``ConfigError`` when the
+    split needs, each with its share of the micro-batch. Megatron seeds a stage's layers by its
+    pipeline rank and each expert by its expert-parallel rank, so the reference splits both alike
+    (PP 2 × CP 1×2 against PP 1: 2e-2 apart; EP 2 over CP 2×2 against EP 1: 7.4e-3 apart from
+    the first step; each against a reference split alike: equal). Raises ``ConfigError`` when the
     micro-batch does not split over those ranks."""
     experts = _flag_int(opts.extra, "--expert-model-parallel-size") * _flag_int(opts.extra, "--expert-tensor-parallel-size")
     world = math.lcm(opts.dp_size, experts)
@@ -164,9 +171,12 @@ def reference_of(opts: CPURun) -> tuple[CPURun, str]:
             f"--compare: the CP=1 reference runs the experts' split ({experts} expert model-parallel ranks) on "
             f"{world} ranks, over which the global batch of {opts.micro_batch_size * opts.dp_size} samples does "
             f"not split into micro-batches; use a --micro-batch-size that makes it a multiple of {world}")
-    sizes = dict(tp=1, pp=1, vp=None, world_size=world, micro_batch_size=share,
+    sizes = dict(tp=1, world_size=world * opts.pp, micro_batch_size=share,
                  global_batch_size=opts.global_batch_size or opts.micro_batch_size * opts.dp_size)
     why = no_local_reference(opts.extra)
+    if opts.pp > 2 or opts.vp is not None:
+        why.append(f"--pp {opts.pp}{' --vp' if opts.vp is not None else ''}: its attention needs the dataloader's "
+                   "mask on every pipeline stage, and stages between the first and the last read no data")
     if why:
         return replace(opts, intra_size=1, inter_size=1, **sizes), "CP=1 under HSAP; " + "; ".join(why)
     return replace(opts, reference=True, **sizes), "CP=1, local attention"
@@ -317,7 +327,7 @@ def build_parser(prog: str = "megatron-hsap pretrain-cpu") -> argparse.ArgumentP
                    help="every sample one document (no --dataloader-inter-document-masking); needed with "
                    "pipeline stages that read no data (PP > 2, or virtual pipelining)")
     p.add_argument("--reference", action="store_true",
-                   help="CP=1, TP=1 with Megatron's local attention and the dataloader's document mask")
+                   help="CP=1, TP=1 (PP ≤ 2 kept) with Megatron's local attention and the dataloader's document mask")
     p.add_argument("--compare", action="store_true",
                    help="also run --reference (or, for a model its attention cannot compute — MLA, windows — "
                    "the same loop at CP=1 under HSAP) and print the largest per-step relative loss difference")

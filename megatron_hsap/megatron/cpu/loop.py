@@ -97,10 +97,11 @@ def cpu_loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, model: A
 
 def reference_forward_step(data_iterator: Iterator[dict[str, Any]] | None, model: Any,
                            return_schedule_plan: bool = False) -> tuple[Any, Any]:
-    """CP=1, TP=1, PP=1 forward step with the dataloader's attention mask (Megatron's local attention).
+    """CP=1, TP=1 forward step with the dataloader's attention mask (Megatron's local attention).
 
     The comparison run for HSAP: ``--reset-attention-mask --reset-position-ids`` and the mask made in
     the dataloader give every document its own causal block, which is what HSAP computes packed.
+    Pipeline stages: at most two (first and last both read the batch; a middle stage has no mask).
     """
     from megatron.core import parallel_state
     from megatron.training import get_timers
@@ -110,9 +111,9 @@ def reference_forward_step(data_iterator: Iterator[dict[str, Any]] | None, model
     if return_schedule_plan:
         raise ConfigError("the reference forward step builds no schedule plan")
     if (parallel_state.get_tensor_model_parallel_world_size() != 1
-            or parallel_state.get_pipeline_model_parallel_world_size() != 1
+            or parallel_state.get_pipeline_model_parallel_world_size() > 2
             or parallel_state.get_context_parallel_world_size() != 1):
-        raise ConfigError("the reference forward step is for TP=1, PP=1, CP=1 runs")
+        raise ConfigError("the reference forward step is for TP=1, PP ≤ 2, CP=1 runs")
     timers = get_timers()
     timers("batch-generator", log_level=2).start()
     batch = next(data_iterator)
