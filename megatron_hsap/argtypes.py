@@ -3,7 +3,8 @@
 ``launch``): argparse ``type=`` callables — a bad value is an argparse error, one line naming the
 flag, exit status 2, before anything runs, never a traceback or an absurd table —, the help
 formatter that shows every default, the topology flags ``--intra-size`` / ``--inter-size`` with
-their deprecated aliases, and the one-line statement of the link the planner prices.
+their deprecated aliases, the one-line statement of the link the planner prices, and reading a
+flag's value out of Megatron arguments passed through (``flag_value``).
 
 Standard library only (``link_line`` imports the planner's pure-Python hardware table when called),
 so any layer above ``plan`` may import it.
@@ -15,10 +16,11 @@ import argparse
 import math
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 __all__ = ["positive_int", "nonnegative_int", "positive_float", "nonnegative_float", "port", "writable_file",
-           "output_dir", "HelpFormatter", "DeprecatedAlias", "add_renamed", "add_topology_args", "link_line"]
+           "output_dir", "HelpFormatter", "DeprecatedAlias", "add_renamed", "add_topology_args", "link_line", "flag_value"]
 
 
 def _number(text: str, kind: type) -> float:
@@ -179,3 +181,15 @@ def link_line(*, intra: int, inter: int, tp: int = 1, gpus_per_node: int = 8, fo
     where = "fits in" if link is LinkClass.NVLINK else "spans more than"
     return (f"link {link.value}: the CP group TP {tp} × P_intra {intra} × P_inter {inter} = {world} GPUs "
             f"{where} one {gpus_per_node}-GPU node (docs/design.md §4)")
+
+
+def flag_value(args: Sequence[str], flag: str) -> str | None:
+    """The value given to ``flag`` in command-line ``args`` (``--flag V`` or ``--flag=V``; the first
+    occurrence), None when absent (Megatron arguments passed through, e.g. after ``--``)."""
+    args = list(args)
+    for i, a in enumerate(args):
+        if a == flag and i + 1 < len(args):
+            return args[i + 1]
+        if a.startswith(flag + "="):
+            return a.split("=", 1)[1]
+    return None

@@ -313,3 +313,13 @@ def test_plan_forces_or_reports_the_head_chunks(capsys: pytest.CaptureFixture[st
     assert json.loads(capsys.readouterr().out)["stats"]["head_chunks"] == chosen  # the planner's own choice
     assert plan_cli.main(base[:-1] + ["--kv-heads", "2", "--head-chunks", "3"]) == 1  # 8 q and 1 kv head per intra rank
     assert "valid head_chunks: [1, 2, 4, 8]" in capsys.readouterr().err
+
+
+def test_flag_value_reads_both_spellings_and_the_first_occurrence() -> None:
+    from megatron_hsap.argtypes import flag_value
+
+    args = ["--window-size", "64,0", "--expert-model-parallel-size=4", "--window-size", "8,0", "--last"]
+    assert flag_value(args, "--window-size") == "64,0"
+    assert flag_value(args, "--expert-model-parallel-size") == "4"
+    assert flag_value(args, "--expert-model") is None  # a prefix is not the flag
+    assert flag_value(args, "--last") is None and flag_value((), "--x") is None  # no value after it

@@ -21,6 +21,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from megatron_hsap.argtypes import flag_value
 from megatron_hsap.errors import ConfigError
 from megatron_hsap.launch.config import CPImpl, DataConfig, LaunchConfig, Sharding
 
@@ -40,13 +41,7 @@ def _flag(cfg: LaunchConfig, *prefixes: str) -> bool:
 
 
 def _flag_value(cfg: LaunchConfig, flag: str) -> str | None:
-    args = list(cfg.megatron_args)
-    for i, a in enumerate(args):
-        if a == flag and i + 1 < len(args):
-            return args[i + 1]
-        if a.startswith(flag + "="):
-            return a.split("=", 1)[1]
-    return None
+    return flag_value(cfg.megatron_args, flag)
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,6 +29,7 @@ import tempfile
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from megatron_hsap.argtypes import flag_value
 from megatron_hsap.errors import ConfigError
 
 __all__ = ["CPURun", "CPUResult", "megatron_flags", "no_local_reference", "reference_of", "run", "parse_log", "main"]
@@ -136,20 +137,17 @@ class CPUResult:
 def no_local_reference(extra: tuple[str, ...]) -> list[str]:
     """``"flag: why"`` for each flag of ``extra`` (Megatron flags) whose model megatron-core's local
     attention cannot be the reference of (``_NO_LOCAL_REFERENCE``); empty when it can."""
-    return [f"{flag}: {why}" for flag, why in _NO_LOCAL_REFERENCE.items()
-            if any(a == flag or a.startswith(flag + "=") for a in extra)]
+    # (--multi-latent-attention is a switch: present when any argument is it)
+    return [f"{flag}: {why}" for flag, why in _NO_LOCAL_REFERENCE.items() if flag in extra or flag_value(extra, flag)]
 
 
 def _flag_int(extra: tuple[str, ...], flag: str) -> int:
     """The integer value of Megatron flag ``flag`` in ``extra`` (``--flag N`` or ``--flag=N``); 1 if absent."""
-    for k, a in enumerate(extra):
-        value = extra[k + 1] if a == flag and k + 1 < len(extra) else a.split("=", 1)[1] if a.startswith(flag + "=") else None
-        if value is not None:
-            try:
-                return int(value)
-            except ValueError:
-                raise ConfigError(f"{flag} {value!r}: not an integer") from None
-    return 1
+    value = flag_value(extra, flag)
+    try:
+        return 1 if value is None else int(value)
+    except ValueError:
+        raise ConfigError(f"{flag} {value!r}: not an integer") from None
 
 
 def reference_of(opts: CPURun) -> tuple[CPURun, str]:
