@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from megatron_hsap.errors import ConfigError
-from megatron_hsap.megatron.cpu.command import CPUResult, CPURun, parse_log, run
+from megatron_hsap.megatron.cpu.command import CPUResult, CPURun, megatron_flags, parse_log, run
 
 pytestmark = pytest.mark.timeout(1800)
 
@@ -406,7 +406,8 @@ def test_bad_sizes_are_refused_before_spawning(change: dict, match: str) -> None
 
 
 @pytest.mark.parametrize("extra", [("--window-size", "64,0"), ("--window-size=(32,0)",),
-                                   ("--multi-latent-attention", "--kv-lora-rank", "16")])
+                                   ("--multi-latent-attention", "--kv-lora-rank", "16"),
+                                   ("--hybrid-layer-pattern", "*-+-")])
 def test_models_local_attention_cannot_compute_compare_with_hsap_at_cp1(extra: tuple[str, ...], capsys) -> None:  # noqa: ANN001
     """Megatron's local attention ignores the document mask under a window and builds no MLA: the
     CLI's --compare once printed a 2.7e-3 "difference" for a windowed 2x2 run that was the
@@ -418,11 +419,26 @@ def test_models_local_attention_cannot_compute_compare_with_hsap_at_cp1(extra: t
     ref, name = reference_of(opts)
     assert (ref.reference, ref.tp, ref.pp, ref.intra_size, ref.inter_size, ref.world_size) == (False, 1, 1, 1, 1, 1)
     assert ref.extra == extra and name.startswith("CP=1 under HSAP; " + extra[0].split("=")[0])
+    assert "--spec" not in megatron_flags(ref)  # HSAP's own spec (validate_hsap_args sets it)
     assert len(no_local_reference(extra)) == 1
     with pytest.raises(ConfigError, match="--reference cannot run this model: " + extra[0].split("=")[0]):
         replace(ref, reference=True).check()
     assert main(["--reference", "--", *extra]) == 2
     assert "Use --compare" in capsys.readouterr().err
+
+
+def test_hybrid_reference_gets_megatrons_local_stack_spec() -> None:
+    """megatron-core's default hybrid stack is Transformer Engine's; the CPU reference of a hybrid
+    pattern without MLA layers is its local twin (``cpu/reference_spec.py``), unless a spec is given."""
+    from megatron_hsap.megatron.cpu.command import reference_of
+
+    ref, name = reference_of(CPURun(world_size=2, intra_size=1, inter_size=2, extra=("--hybrid-layer-pattern", "*--*-")))
+    flags = megatron_flags(ref)
+    assert name == "CP=1, local attention" and ref.world_size == 1
+    spec = flags.index("--spec")
+    assert flags[spec + 1:spec + 3] == ["megatron_hsap.megatron.cpu.reference_spec", "REFERENCE_HYBRID_STACK_SPEC"]
+    given = ("--hybrid-layer-pattern", "*-", "--spec", "my.module", "SPEC")
+    assert megatron_flags(CPURun(world_size=1, reference=True, extra=given)).count("--spec") == 1
 
 
 def test_plain_models_compare_with_megatrons_local_attention() -> None:

@@ -134,11 +134,21 @@ class CPUResult:
     output: str = field(repr=False)
 
 
+def _hybrid_pattern(extra: tuple[str, ...]) -> str | None:
+    """The ``HybridModel`` layer pattern of Megatron flags ``extra`` (either spelling), None for GPT."""
+    return flag_value(extra, "--hybrid-layer-pattern") or flag_value(extra, "--hybrid-override-pattern")
+
+
 def no_local_reference(extra: tuple[str, ...]) -> list[str]:
     """``"flag: why"`` for each flag of ``extra`` (Megatron flags) whose model megatron-core's local
-    attention cannot be the reference of (``_NO_LOCAL_REFERENCE``); empty when it can."""
+    attention cannot be the reference of (``_NO_LOCAL_REFERENCE``, and a hybrid pattern with MLA
+    layers ``+``); empty when it can."""
     # (--multi-latent-attention is a switch: present when any argument is it)
-    return [f"{flag}: {why}" for flag, why in _NO_LOCAL_REFERENCE.items() if flag in extra or flag_value(extra, flag)]
+    why = [f"{flag}: {why}" for flag, why in _NO_LOCAL_REFERENCE.items() if flag in extra or flag_value(extra, flag)]
+    pattern = _hybrid_pattern(extra)
+    if pattern and "+" in pattern and "--multi-latent-attention" not in extra:  # (else said once above)
+        why.append(f"--hybrid-layer-pattern {pattern}: its MLA layers ('+'): {_NO_LOCAL_REFERENCE['--multi-latent-attention']}")
+    return why
 
 
 def _flag_int(extra: tuple[str, ...], flag: str) -> int:
@@ -210,6 +220,9 @@ def megatron_flags(run: CPURun) -> list[str]:
         flags += ["--num-layers-per-virtual-pipeline-stage", str(run.vp)]
     if run.reference:
         flags += ["--context-parallel-impl", "ring", "--reset-attention-mask"]
+        if _hybrid_pattern(run.extra) and "--spec" not in run.extra:
+            # megatron-core's default hybrid stack is built from TE modules: its local twin (CPU ranks)
+            flags += ["--spec", "megatron_hsap.megatron.cpu.reference_spec", "REFERENCE_HYBRID_STACK_SPEC"]
     else:
         flags += [
             "--context-parallel-impl", "hsap", "--context-parallel-size", str(run.cp_size),
