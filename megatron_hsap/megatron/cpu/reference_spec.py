@@ -1,7 +1,8 @@
 """The CP=1 reference's ``HybridModel`` stack spec for CPU runs of Megatron's loop (tests and demos).
 
-``--spec megatron_hsap.megatron.cpu.reference_spec REFERENCE_HYBRID_STACK_SPEC`` with
-``--hybrid-layer-pattern`` and ``--reference``: Megatron's ``hybrid_config_from_args`` imports the
+``--spec megatron_hsap.megatron.cpu.reference_spec REFERENCE_HYBRID_STACK_SPEC`` (added by
+``command.megatron_flags`` to a ``--reference`` run with ``--hybrid-layer-pattern`` and no ``--spec`` of
+its own): Megatron's ``hybrid_config_from_args`` imports the
 object itself (``spec_utils.import_module`` reads the module's namespace, so it is a plain module
 attribute). megatron-core's default hybrid stack spec is built from Transformer Engine modules; this
 one has the same attention / MLA / MLP layers from megatron-core's local modules — local
