@@ -204,6 +204,19 @@ def _sizes(args: Any, cp: int, tp: int, heads: int, kv_heads: int) -> tuple[int,
     return intra, cp // intra, True
 
 
+def _seq_aux_loss_coeff(args: Any) -> float:
+    """The coefficient Megatron's router gives ``seq_aux_loss`` (its ``get_aux_loss_coeff``: the type
+    and the coefficient as one value each, or as lists by position); 0 when it is not used."""
+    types = getattr(args, "moe_router_load_balancing_type", None)
+    coeffs = getattr(args, "moe_aux_loss_coeff", 0.0)
+    types = [types] if isinstance(types, str) else list(types or [])
+    coeffs = list(coeffs) if isinstance(coeffs, (list, tuple)) else [coeffs]
+    if "seq_aux_loss" not in types or not coeffs:
+        return 0.0
+    k = types.index("seq_aux_loss")
+    return float(coeffs[k] if k < len(coeffs) else coeffs[0])
+
+
 def _refuse(condition: bool, message: str) -> None:
     if condition:
         raise ConfigError(message)
@@ -275,6 +288,14 @@ def validate_hsap_args(args: Any) -> HSAPArgs | None:
         pp > 1 and mbs > 1 and not getattr(args, "variable_seq_lengths", False),
         f"--pipeline-model-parallel-size {pp} with --micro-batch-size {mbs}: HSAP activations are "
         "packed [t, 1, h], not [s/cp, mbs, h]; use --micro-batch-size 1",
+    )
+    seq_aux = _seq_aux_loss_coeff(args)
+    _refuse(
+        bool(getattr(args, "num_experts", None)) and seq_aux > 0 and mbs > 1,
+        f"--moe-router-load-balancing-type seq_aux_loss (coefficient {seq_aux:g}) with --micro-batch-size {mbs}: "
+        "Megatron's router balances each sample of its [s, b] input, and HSAP packs a micro-batch's samples "
+        "into one sequence [t, 1, h], so the loss would balance the micro-batch as one sample; use "
+        "--micro-batch-size 1 (longer packed samples), or aux_loss / global_aux_loss",
     )
     spec = list(getattr(args, "spec", None) or [])
     if spec and spec[0] != SPEC_MODULE:

@@ -26,6 +26,8 @@ GOOD = [
     "--num-query-groups", "4", "--tensor-model-parallel-size", "2", "--position-embedding-type", "rope",
 ]
 
+MOE = ["--num-experts", "4", "--moe-router-topk", "2"]
+
 
 def _parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(allow_abbrev=False)
@@ -100,12 +102,29 @@ def test_ring_is_the_default_and_untouched() -> None:
         # 2 q heads and 1 kv head per intra rank: 2 q chunks may share the kv head, 4 cannot split 2 heads
         (["--hsap-head-chunks", "4"], r"--hsap-head-chunks 4: each intra rank holds 2 q and 1 kv heads; valid counts: \[1, 2\]"),
         (["--hsap-head-chunks", "0"], "must be >= 1"),
+        # per-sample balancing over HSAP's packed [t, 1, h] micro-batch (measured in Megatron's loop,
+        # CP 2x2, micro-batch 2: 5.2e-5 off the reference; micro-batch 1: 1.8e-7)
+        (MOE + ["--moe-router-load-balancing-type", "seq_aux_loss", "--moe-aux-loss-coeff", "0.01", "--micro-batch-size", "2"],
+         r"seq_aux_loss \(coefficient 0.01\) with --micro-batch-size 2: .* use --micro-batch-size 1"),
+        (MOE + ["--moe-router-load-balancing-type", "aux_loss", "seq_aux_loss", "--moe-aux-loss-coeff", "0.01", "0.001",
+                "--micro-batch-size", "4"], r"coefficient 0.001\) with --micro-batch-size 4"),
     ],
 )
 def test_refusals_name_the_flag(change: list[str], match: str) -> None:
     args = _parse(GOOD + change)
     with pytest.raises(ConfigError, match=match):
         validate_hsap_args(args)
+
+
+@pytest.mark.parametrize("change", [
+    ["--moe-router-load-balancing-type", "seq_aux_loss", "--moe-aux-loss-coeff", "0.01", "--micro-batch-size", "1"],
+    ["--moe-router-load-balancing-type", "seq_aux_loss", "--micro-batch-size", "2"],  # coefficient 0: off
+    ["--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", "0.01", "--micro-batch-size", "2"],
+    ["--moe-router-load-balancing-type", "global_aux_loss", "seq_aux_loss", "--moe-aux-loss-coeff", "0.01", "0",
+     "--micro-batch-size", "2"],
+])
+def test_moe_balancing_that_hsap_computes_as_megatron_is_accepted(change: list[str]) -> None:
+    assert validate_hsap_args(_parse(GOOD + MOE + change)) is not None
 
 
 def test_per_token_loss_is_required() -> None:

@@ -247,6 +247,22 @@ def test_experts_split_over_the_cp_ranks_equal_the_reference(root: Path) -> None
 
 
 @pytest.mark.slow
+def test_moe_load_balancing_losses_equal_the_reference(root: Path) -> None:
+    """Megatron's router aux losses over HSAP's layout: ``aux_loss`` (token counts summed over the
+    TP×CP group) at micro-batch 2, and the per-sample ``seq_aux_loss`` at micro-batch 1 (HSAP packs
+    a micro-batch into one sequence, so at 2 it is refused: ``test_arguments.py``; measured 5.2e-5
+    off the reference before the refusal)."""
+    moe = ("--num-experts", "4", "--moe-router-topk", "2")
+    for balancing, mbs in (("aux_loss", 2), ("seq_aux_loss", 1)):
+        extra = (*moe, "--moe-aux-loss-coeff", "0.01", "--moe-router-load-balancing-type", balancing)
+        hsap = _run(root, world_size=4, intra_size=2, inter_size=2, micro_batch_size=mbs, extra=extra, **BASE)
+        ref = _run(root, world_size=1, reference=True, micro_batch_size=mbs, extra=extra, **BASE)
+        _same_losses(hsap.losses, ref.losses)
+        plain = _run(root, world_size=1, reference=True, micro_batch_size=mbs, extra=moe, **BASE)
+        assert abs(plain.losses[4] - ref.losses[4]) > 10 * RTOL * ref.losses[4]  # the aux loss trains
+
+
+@pytest.mark.slow
 def test_distributed_optimizer_with_overlapped_grad_reduce_equals_reference(root: Path) -> None:
     hsap = _run(root, world_size=4, intra_size=2, inter_size=2,
                 extra=("--use-distributed-optimizer", "--overlap-grad-reduce"), **BASE)
