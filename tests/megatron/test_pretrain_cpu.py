@@ -436,7 +436,7 @@ def test_models_local_attention_cannot_compute_compare_with_hsap_at_cp1(extra: t
     assert (ref.reference, ref.tp, ref.pp, ref.intra_size, ref.inter_size, ref.world_size) == (False, 1, 1, 1, 1, 1)
     assert ref.extra == extra and name.startswith("CP=1 under HSAP; " + extra[0].split("=")[0])
     assert "--spec" not in megatron_flags(ref)  # HSAP's own spec (validate_hsap_args sets it)
-    assert len(no_local_reference(extra)) == 1
+    assert len(no_local_reference(opts)) == 1
     with pytest.raises(ConfigError, match="--reference cannot run this model: " + extra[0].split("=")[0]):
         replace(ref, reference=True).check()
     assert main(["--reference", "--", *extra]) == 2
@@ -476,7 +476,7 @@ def test_plain_models_compare_with_megatrons_local_attention() -> None:
 def test_reference_splits_experts_as_the_run_does(sizes: dict, extra: tuple[str, ...], want: tuple[int, int, int]) -> None:
     """Megatron seeds each expert by its expert-parallel rank: an EP 1 reference of an EP 2 run
     differs from the first step (measured 7.4e-3), the EP 2 reference at DP 2 is equal (slow test
-    below). The reference keeps the split, on ranks sharing the same global batch."""
+    ``test_experts_split_over_the_cp_ranks_equal_the_reference``). The reference keeps the split, on ranks sharing the same global batch."""
     from megatron_hsap.megatron.cpu.command import reference_of
 
     ref, _ = reference_of(CPURun(intra_size=2, inter_size=2, extra=extra, **sizes))

@@ -91,12 +91,7 @@ class CPURun:
                 raise ConfigError(f"--{name.replace('_', '-')} {value!r}: must be a positive integer")
         if self.reference and self.tp != 1:
             raise ConfigError("--reference runs at TP=1, CP=1: drop --tp")
-        if self.reference and (self.pp > 2 or self.vp is not None):
-            raise ConfigError(f"--reference with --pp {self.pp}{' --vp' if self.vp is not None else ''}: Megatron's "
-                              "local attention needs the dataloader's mask on every pipeline stage, and stages "
-                              "between the first and the last read no data; use --pp 2 without --vp, or --compare, "
-                              "which then compares with the same loop at CP=1 under HSAP")
-        if self.reference and (why := no_local_reference(self.extra)):
+        if self.reference and (why := no_local_reference(self)):
             raise ConfigError(f"--reference cannot run this model: {'; '.join(why)}. Use --compare, which then "
                               "compares with the same loop at CP=1 under HSAP")
         model = self.tp * self.pp * self.cp_size
@@ -139,15 +134,20 @@ def _hybrid_pattern(extra: tuple[str, ...]) -> str | None:
     return flag_value(extra, "--hybrid-layer-pattern") or flag_value(extra, "--hybrid-override-pattern")
 
 
-def no_local_reference(extra: tuple[str, ...]) -> list[str]:
-    """``"flag: why"`` for each flag of ``extra`` (Megatron flags) whose model megatron-core's local
-    attention cannot be the reference of (``_NO_LOCAL_REFERENCE``, and a hybrid pattern with MLA
-    layers ``+``); empty when it can."""
+def no_local_reference(opts: CPURun) -> list[str]:
+    """``"flag: why"`` for each setting of ``opts`` whose model megatron-core's local attention cannot
+    be the reference of: Megatron flags (``_NO_LOCAL_REFERENCE``, a hybrid pattern with MLA layers
+    ``+``) and pipeline stages that read no data (PP > 2, virtual pipelining); empty when it can."""
+    extra = opts.extra
     # (--multi-latent-attention is a switch: present when any argument is it)
     why = [f"{flag}: {why}" for flag, why in _NO_LOCAL_REFERENCE.items() if flag in extra or flag_value(extra, flag)]
     pattern = _hybrid_pattern(extra)
     if pattern and "+" in pattern and "--multi-latent-attention" not in extra:  # (else said once above)
         why.append(f"--hybrid-layer-pattern {pattern}: its MLA layers ('+'): {_NO_LOCAL_REFERENCE['--multi-latent-attention']}")
+    if opts.pp > 2 or opts.vp is not None:
+        why.append(f"--pp {opts.pp}{' --vp' if opts.vp is not None else ''}: its attention needs the dataloader's "
+                   "mask on every pipeline stage, and stages between the first and the last read no data "
+                   "(it runs --pp 2 without --vp)")
     return why
 
 
@@ -162,8 +162,8 @@ def _flag_int(extra: tuple[str, ...], flag: str) -> int:
 
 def reference_of(opts: CPURun) -> tuple[CPURun, str]:
     """The run ``--compare`` compares ``opts`` with, and how to name it: CP=1, TP=1 with Megatron's local
-    attention; where that cannot compute the model (``no_local_reference``, or pipeline stages that
-    read no data: PP > 2, virtual pipelining), the same loop at CP=1 under HSAP. Same global batch
+    attention; where that cannot compute the model (``no_local_reference``: MLA, windows, pipeline
+    stages that read no data), the same loop at CP=1 under HSAP. Same global batch
     and the same pipeline stages, on the data-parallel ranks — or, with experts split
     (``--expert-model-parallel-size`` E, ``--expert-tensor-parallel-size``), on as many ranks as the
     split needs, each with its share of the micro-batch. Megatron seeds a stage's layers by its
@@ -181,10 +181,7 @@ def reference_of(opts: CPURun) -> tuple[CPURun, str]:
             f"not split into micro-batches; use a --micro-batch-size that makes it a multiple of {world}")
     sizes = dict(tp=1, world_size=world * opts.pp, micro_batch_size=share,
                  global_batch_size=opts.global_batch_size or opts.micro_batch_size * opts.dp_size)
-    why = no_local_reference(opts.extra)
-    if opts.pp > 2 or opts.vp is not None:
-        why.append(f"--pp {opts.pp}{' --vp' if opts.vp is not None else ''}: its attention needs the dataloader's "
-                   "mask on every pipeline stage, and stages between the first and the last read no data")
+    why = no_local_reference(opts)
     if why:
         return replace(opts, intra_size=1, inter_size=1, **sizes), "CP=1 under HSAP; " + "; ".join(why)
     return replace(opts, reference=True, **sizes), "CP=1, local attention"
