@@ -329,6 +329,31 @@ def test_pipeline_2_with_cp_1x2_equals_the_reference_at_pp_2(root: Path) -> None
 
 
 @pytest.mark.slow
+def test_tied_embeddings_over_pipeline_2_with_cp_1x2_stay_one_matrix(root: Path) -> None:
+    """Megatron's default ties the word embedding to the output layer: at PP 2 the first stage holds
+    the embedding, the last its copy, and ``finalize_model_grads`` all-reduces their gradient over the
+    embedding group, which HSAP's parallel_state leaves to Megatron. Equal to local attention at PP 2,
+    different from the untied model, and both stages hold one gradient and one weight every step."""
+    sizes = dict(pp=2, micro_batch_size=1, tie_embeddings=True, **BASE)
+    hsap = _run(root, world_size=4, intra_size=1, inter_size=2, **sizes)
+    ref = _run(root, world_size=2, reference=True, **sizes)
+    _same_losses(hsap.losses, ref.losses)
+    _same_losses(hsap.validation, ref.validation)
+    untied = _run(root, world_size=2, reference=True, pp=2, micro_batch_size=1, **BASE)
+    assert abs(untied.losses[1] - ref.losses[1]) > 100 * RTOL * ref.losses[1]
+    assert "--untie-embeddings-and-output-weights" not in megatron_flags(CPURun(**sizes))
+    # Megatron's rank order (tp-cp-ep-dp-pp): ranks 0-1 are the first stage, 2-3 the last
+    first, last = _records(hsap, "tied-rank0.jsonl"), _records(hsap, "tied-rank2.jsonl")
+    assert len(first) == len(last) == BASE["steps"]
+    for a, b in zip(first, last):
+        assert len(a["shared_embedding"]) == len(b["shared_embedding"]) == 1
+        (grad_a, weight_a), (grad_b, weight_b) = a["shared_embedding"][0], b["shared_embedding"][0]
+        assert grad_a != 0.0 and grad_a == pytest.approx(grad_b, rel=1e-9, abs=1e-12)
+        assert weight_a == pytest.approx(weight_b, rel=1e-9, abs=1e-12)
+    assert _records(hsap, "tied-rank1.jsonl") == first  # the CP peer of the first stage too
+
+
+@pytest.mark.slow
 def test_pipeline_2_with_virtual_pipeline_2_trains(root: Path) -> None:
     # Megatron needs PP > 2 for VP, or PP > 1 with p2p overlap (on by default in 0.19.2). Unpacked
     # samples: the second model chunk of the last stage reads no data, so documents come from the

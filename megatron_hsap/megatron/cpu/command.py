@@ -70,6 +70,7 @@ class CPURun:
     eval_interval: int = 3
     eval_iters: int = 2
     seed: int = 1234
+    tie_embeddings: bool = False  # one word-embedding matrix for input and output (Megatron's default)
     extra: tuple[str, ...] = ()
     log_dir: str | None = None
     timeout_s: float = 900.0
@@ -199,7 +200,7 @@ def megatron_flags(run: CPURun) -> list[str]:
         "--num-attention-heads", "4", *gqa,
         "--seq-length", str(run.seq_length), "--max-position-embeddings", str(run.seq_length),
         "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
-        "--disable-bias-linear", "--untie-embeddings-and-output-weights",
+        "--disable-bias-linear", *([] if run.tie_embeddings else ["--untie-embeddings-and-output-weights"]),
         "--attention-dropout", "0.0", "--hidden-dropout", "0.0", "--init-method-std", "0.02",
         "--micro-batch-size", str(run.micro_batch_size), "--global-batch-size", str(gbs),
         "--train-iters", str(run.steps), "--eval-interval", str(run.eval_interval),
@@ -334,6 +335,10 @@ def build_parser(prog: str = "megatron-hsap pretrain-cpu") -> argparse.ArgumentP
     p.add_argument("--no-packed", dest="packed", action="store_false",
                    help="every sample one document (no --dataloader-inter-document-masking); needed with "
                    "pipeline stages that read no data (PP > 2, or virtual pipelining)")
+    p.add_argument("--tie-embeddings", action="store_true",
+                   help="share the input embedding with the output layer (Megatron's default; without this flag the "
+                   "model unties them, as Llama-style models do). At PP > 1 the first and last stage then "
+                   "all-reduce its gradient over Megatron's embedding group")
     p.add_argument("--reference", action="store_true",
                    help="CP=1, TP=1 (PP ≤ 2 kept) with Megatron's local attention and the dataloader's document mask")
     p.add_argument("--compare", action="store_true",
@@ -354,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     opts = CPURun(world_size=ns.world_size, tp=ns.tp, pp=ns.pp, vp=ns.vp, intra_size=ns.intra_size,
                   inter_size=ns.inter_size, reference=ns.reference, packed=ns.packed, steps=ns.steps,
                   micro_batch_size=ns.micro_batch_size, seq_length=ns.seq_length, num_layers=ns.num_layers,
-                  eval_interval=ns.eval_interval, eval_iters=ns.eval_iters, extra=tuple(extra),
+                  eval_interval=ns.eval_interval, eval_iters=ns.eval_iters, tie_embeddings=ns.tie_embeddings, extra=tuple(extra),
                   log_dir=None if ns.out is None else str(ns.out))
     try:  # every refusal before a rank is spawned, the reference's too
         opts.check()

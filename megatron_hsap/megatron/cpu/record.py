@@ -7,6 +7,9 @@ Megatron passed it and the result, so a test can check the statistics against th
 ``sp-grads-rank{R}.jsonl``: after each call of Megatron's ``finalize_model_grads``, the float64 sum
 of each gradient of a parameter marked ``sequence_parallel`` (the norms under sequence parallelism,
 summed over TP there), so a test can check TP peers hold the same gradients.
+``tied-rank{R}.jsonl``: at the same point, the float64 sums of the gradient and of the weight of each
+parameter Megatron marks ``shared_embedding`` (the word embedding tied to the output layer across
+pipeline stages), so a test can check the first and last stage hold one matrix.
 """
 
 from __future__ import annotations
@@ -79,6 +82,10 @@ def install() -> None:
                 if getattr(p, "sequence_parallel", False)]
         with open(out / f"sp-grads-rank{_rank()}.jsonl", "a") as f:
             f.write(json.dumps({"sequence_parallel_grads": sums}) + "\n")
+        tied = [[float(getattr(p, "main_grad", p.grad).double().sum()), float(p.detach().double().sum())]
+                for chunk in model for p in chunk.parameters() if getattr(p, "shared_embedding", False)]
+        with open(out / f"tied-rank{_rank()}.jsonl", "a") as f:
+            f.write(json.dumps({"shared_embedding": tied}) + "\n")
         return result
 
     training.finalize_model_grads = finalize_model_grads
