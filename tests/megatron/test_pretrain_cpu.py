@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from megatron_hsap.errors import ConfigError
-from megatron_hsap.megatron.cpu.command import CPUResult, CPURun, megatron_flags, parse_log, run
+from megatron_hsap.megatron.cpu.command import CPUResult, CPURun, compare_losses, megatron_flags, parse_log, run
 
 pytestmark = pytest.mark.timeout(1800)
 
@@ -269,6 +269,36 @@ def test_distributed_optimizer_with_overlapped_grad_reduce_equals_reference(root
     _same_losses(hsap.losses, _reference(root).losses)
 
 
+# Half precision rounds every activation, so HSAP's merges (in float32) and Megatron's local softmax
+# round differently. Measured over these 4 steps: bf16 1.5e-5 relative (3.2e-5 over 6), while bf16
+# itself moves the losses 1.5e-4 off the float32 run: 6e-5 tells the two apart with 4x room;
+# fp16 (finer mantissa) 4.6e-6 over its 2 logged steps.
+HALF_RTOL = {"bf16": 6e-5, "fp16": 5e-5}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_half_precision_in_megatrons_loop_equals_the_reference(root: Path, precision: str) -> None:
+    """``--bf16`` / ``--fp16`` (Megatron's Float16Module, float32 main grads), CP 2×2 against the local
+    reference in the same precision. fp16 starts its loss scale at 1024: with per-token loss sums the
+    first updates overflow and Megatron skips them (no lm loss logged), so both runs must skip the
+    same iterations — the CP ranks agree on the overflow — and equal each other after."""
+    extra = ("--bf16",) if precision == "bf16" else ("--fp16", "--initial-loss-scale", "1024")
+    sizes = dict(BASE, steps=6) if precision == "fp16" else BASE
+    hsap = _run(root, world_size=4, intra_size=2, inter_size=2, extra=extra, **sizes)
+    ref = _reference(root, extra=extra, **({"steps": 6} if precision == "fp16" else {}))
+    log = (Path(hsap.log_dir) / "rank0.log").read_text()
+    dtype = "torch.bfloat16" if precision == "bf16" else "torch.float16"
+    assert re.search(rf"^  params_dtype \.+ {re.escape(dtype)}$", log, re.M)
+    if precision == "fp16":
+        assert "number of skipped iterations:   1" in hsap.output and sorted(hsap.losses) == [5, 6]
+    worst, why = compare_losses(hsap.losses, ref.losses)
+    assert not why and worst <= HALF_RTOL[precision], (worst, why, hsap.losses, ref.losses)
+    if precision == "bf16":  # the run computed in bf16: its losses moved off the float32 ones
+        fp32 = _reference(root).losses
+        assert max(abs(ref.losses[i] - fp32[i]) / fp32[i] for i in fp32) > 10 * RTOL
+
+
 @pytest.mark.slow
 def test_checkpoint_save_stop_resume_continues_with_the_same_losses(root: Path, tmp_path: Path) -> None:
     full = _hsap_2x2(root)
@@ -419,6 +449,14 @@ def test_spec_follows_the_model_config(root: Path, extra: tuple[str, ...]) -> No
     marker = "q_layernorm" if "--qk-layernorm" in extra else "experts"
     assert any(marker in name for name in params), sorted(params)
     _same_losses(hsap.losses, ref.losses)
+
+
+def test_compare_losses_needs_the_same_logged_iterations() -> None:
+    assert compare_losses({1: 2.0, 2: 1.0}, {1: 2.0, 2: 1.1}) == (pytest.approx(0.1 / 1.1), "")
+    worst, why = compare_losses({5: 1.0}, {4: 1.0, 5: 1.0})
+    assert math.isnan(worst) and "different iterations (this run [5], the reference [4, 5])" in why
+    worst, why = compare_losses({}, {})  # fp16 from a loss scale of 2^32: every update skipped
+    assert math.isnan(worst) and "--initial-loss-scale" in why
 
 
 def test_parse_log_reads_megatrons_lines() -> None:

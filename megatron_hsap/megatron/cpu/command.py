@@ -32,7 +32,7 @@ from pathlib import Path
 from megatron_hsap.argtypes import flag_value
 from megatron_hsap.errors import ConfigError
 
-__all__ = ["CPURun", "CPUResult", "megatron_flags", "no_local_reference", "reference_of", "run", "parse_log", "main"]
+__all__ = ["CPURun", "CPUResult", "compare_losses", "megatron_flags", "no_local_reference", "reference_of", "run", "parse_log", "main"]
 
 _ITER = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.Ee+-]+)")
 _VALID = re.compile(r"validation loss at iteration (\d+) \| lm loss value: ([0-9.Ee+-]+)")
@@ -376,10 +376,27 @@ def main(argv: list[str] | None = None) -> int:
     if ref.returncode:
         sys.stdout.write(ref.output[-4000:])
         return 1
-    worst = max(abs(result.losses[i] - ref.losses[i]) / abs(ref.losses[i]) for i in ref.losses)
     print(f"[pretrain-cpu] reference ({ref_name}) losses: {[ref.losses[i] for i in sorted(ref.losses)]}")
+    worst, why = compare_losses(result.losses, ref.losses)
+    if why:
+        print(f"[pretrain-cpu] error: {why}")
+        return 1
     print(f"[pretrain-cpu] largest per-step relative loss difference vs the reference: {worst:.2e}")
     return 0
+
+
+def compare_losses(got: dict[int, float], want: dict[int, float]) -> tuple[float, str]:
+    """``(largest per-step relative difference, "")``, or ``(nan, why)`` when the runs cannot be
+    compared: Megatron logs no lm loss for an iteration whose update it skipped (an fp16 loss-scale
+    overflow: its ``number of skipped iterations``), so the two runs must have logged the same steps."""
+    if sorted(got) != sorted(want):
+        return math.nan, (f"the runs logged an lm loss at different iterations (this run {sorted(got)}, the "
+                          f"reference {sorted(want)}): one skipped updates the other made")
+    if not want:
+        return math.nan, ("no iteration logged an lm loss: Megatron skipped every update (with --fp16 its loss "
+                          "scaler starts at 2^32 and halves per overflowing step; pass --initial-loss-scale, "
+                          "e.g. 1024, or more --steps)")
+    return max(abs(got[i] - want[i]) / abs(want[i]) for i in want), ""
 
 
 if __name__ == "__main__":
