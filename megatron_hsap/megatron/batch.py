@@ -80,13 +80,15 @@ class PackedBatch:
     """One micro-batch as a single packed stream on the host side of the tensors.
 
     ``tokens``/``labels`` ``[T]`` int64, ``loss_mask`` ``[T]`` float32, ``cu_seqlens`` a numpy
-    int64 array ``[n_docs + 1]`` (``cu_seqlens[-1] == T``).
+    int64 array ``[n_docs + 1]`` (``cu_seqlens[-1] == T``), ``position_ids`` ``[T]`` int64 as the
+    dataset gave them (None: the model gets positions inside the documents).
     """
 
     tokens: torch.Tensor
     labels: torch.Tensor | None
     loss_mask: torch.Tensor | None
     cu_seqlens: np.ndarray
+    position_ids: torch.Tensor | None = None
 
 
 def _host_cu_seqlens(value: Any) -> np.ndarray:
@@ -125,8 +127,10 @@ def pack_micro_batch(batch: Mapping[str, Any]) -> PackedBatch:
     Accepts ``tokens`` ``[b, s]`` (or ``[T]``) with optional ``labels``/``loss_mask`` of the same
     shape, and ``cu_seqlens`` as (a) absent/None: every sample is one document; (b) 1-D global
     ``[0, ..., b·s]``; (c) 2-D ``[b, n]`` per-sample rows as ``GPTDataset(inter_document_masking=
-    True)`` produces (right-padded with ``s``). ``position_ids`` and ``attention_mask`` in the batch
-    are ignored: positions are recomputed from ``cu_seqlens``, masks are implied by documents.
+    True)`` produces (right-padded with ``s``). ``attention_mask`` is ignored (masks are implied by
+    documents); ``position_ids`` are kept for the model's input, which only a learned absolute
+    position embedding reads (RoPE is applied by position inside each document, as Megatron's THD
+    path does, from ``cu_seqlens``).
     """
     if "tokens" not in batch or batch["tokens"] is None:
         raise BatchError("batch has no 'tokens'; HSAP shards tokens, labels, loss_mask and position ids")
@@ -137,7 +141,7 @@ def pack_micro_batch(batch: Mapping[str, Any]) -> PackedBatch:
         raise BatchError(f"tokens must be [b, s] or [T], got shape {tuple(tokens.shape)}")
     b, s = tokens.shape
     flat = {}
-    for key in ("labels", "loss_mask"):
+    for key in ("labels", "loss_mask", "position_ids"):
         value = batch.get(key)
         if value is None:
             flat[key] = None
@@ -165,7 +169,8 @@ def pack_micro_batch(batch: Mapping[str, Any]) -> PackedBatch:
     loss_mask = flat["loss_mask"]
     if loss_mask is not None:
         loss_mask = loss_mask.to(torch.float32)
-    return PackedBatch(tokens=tokens.reshape(-1), labels=flat["labels"], loss_mask=loss_mask, cu_seqlens=cu_np)
+    return PackedBatch(tokens=tokens.reshape(-1), labels=flat["labels"], loss_mask=loss_mask, cu_seqlens=cu_np,
+                       position_ids=flat["position_ids"])
 
 
 def positions_in_documents(ids: np.ndarray, cu_seqlens: np.ndarray, num_tokens: int) -> np.ndarray:
@@ -301,14 +306,20 @@ def get_batch_on_this_cp_rank(
     else:
         loss_mask = real_dev.to(torch.float32)
         num_loss_tokens = num_tokens
-    positions = torch.from_numpy(positions_in_documents(ids, cu, num_tokens))
+    positions = torch.from_numpy(positions_in_documents(ids, cu, num_tokens))  # RoPE's rows
+    # The model's position_ids feed a learned absolute embedding, which Megatron indexes by the
+    # dataset's ids (restarting at each EOD only under --reset-position-ids); padding gets 0.
+    given = packed.position_ids
+    model_positions = None if given is None else torch.where(real_dev, given[gather_idx].to(torch.int64), 0)
 
     doc_lengths = np.diff(np.asarray(plan.batch.doc_starts, dtype=np.int64))
     cu_padded = torch.from_numpy(np.asarray(plan.batch.doc_starts, dtype=np.int32))
     max_seqlen = int(doc_lengths.max()) if doc_lengths.size else 1
-    moved = _to_device([tokens, loss_mask, positions, cu_padded, *([labels] if labels is not None else [])], out_device)
+    extra = [t for t in (labels, model_positions) if t is not None]
+    moved = _to_device([tokens, loss_mask, positions, cu_padded, *extra], out_device)
     tokens, loss_mask, positions_dev, cu_padded = moved[:4]
     labels = moved[4] if labels is not None else None
+    model_positions_dev = moved[-1] if model_positions is not None else positions_dev
     params = HSAPPackedSeqParams(
         qkv_format="thd",
         cu_seqlens_q=cu_padded,
@@ -325,7 +336,7 @@ def get_batch_on_this_cp_rank(
         "tokens": tokens.unsqueeze(0),
         "labels": labels.unsqueeze(0) if labels is not None else None,
         "loss_mask": loss_mask.unsqueeze(0),
-        "position_ids": positions_dev.unsqueeze(0),
+        "position_ids": model_positions_dev.unsqueeze(0),
         "attention_mask": None,
         "packed_seq_params": params,
         "num_tokens": num_tokens,
@@ -442,8 +453,11 @@ def _sbhd_batch(batch: Mapping[str, Any], *, plan: "Plan | None", cp_rank: int |
     labels = batch.get("labels")
     num_loss_tokens = _host_sum(loss_mask)
     got = [take(tokens, pad_token_id), take(loss_mask.to(torch.float32), 0.0), torch.from_numpy(np.where(real_np, ids, 0))]
-    got = _to_device([*got, *([take(labels, pad_token_id)] if labels is not None else [])], out_device)
+    given = batch.get("position_ids")  # the model input (a learned embedding reads it), as in the thd path
+    extra = [t for t in (labels, given) if t is not None]
+    got = _to_device([*got, *[take(t, pad_token_id if t is labels else 0) for t in extra]], out_device)
     positions = got[2]
+    model_positions = got[-1] if given is not None else positions.unsqueeze(0).expand(b, -1)
     params = HSAPPackedSeqParams(
         qkv_format="sbhd",
         max_seqlen_q=plan.padded_tokens,
@@ -458,7 +472,7 @@ def _sbhd_batch(batch: Mapping[str, Any], *, plan: "Plan | None", cp_rank: int |
         "tokens": got[0],
         "labels": got[3] if labels is not None else None,
         "loss_mask": got[1],
-        "position_ids": positions.unsqueeze(0).expand(b, -1),
+        "position_ids": model_positions,
         "attention_mask": None,
         "packed_seq_params": params,
         "num_tokens": b * s,

@@ -51,7 +51,7 @@ def _pack(batch: dict[str, Any]) -> Any:
     """The host side of one micro-batch, packed once (the plan and the sharding both read it)."""
     from megatron_hsap.megatron.batch import pack_micro_batch
 
-    keep = ("tokens", "labels", "loss_mask", "cu_seqlens")
+    keep = ("tokens", "labels", "loss_mask", "position_ids", "cu_seqlens")  # position ids: a learned embedding's
     host = {k: (v.cpu() if hasattr(v, "cpu") else v) for k, v in batch.items() if k in keep and v is not None}
     return pack_micro_batch(host)
 

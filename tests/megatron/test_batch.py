@@ -184,6 +184,45 @@ def test_sbhd_sharding_keeps_samples() -> None:
     assert out["packed_seq_params"].qkv_format == "sbhd"
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "balanced"])
+def test_model_position_ids_are_the_datasets_rope_rows_are_per_document(layout: str) -> None:
+    """A learned absolute embedding reads the model's ``position_ids``, which Megatron takes from the
+    dataset (one count over the sample without ``--reset-position-ids``); RoPE's rows stay per
+    document (measured: recomputing them for the model too put an unpacked learned-position run
+    9e-4 off Megatron's CP=1 loss)."""
+    cu = [0, 5, 12, 20]
+    batch = _batch(cu)
+    batch["position_ids"] = torch.arange(20).unsqueeze(0) + 100  # not per document
+    plan = compile_plan(cu, inter_size=2, intra_size=2, num_heads=4, num_kv_heads=2, head_dim=8,
+                        layout=layout, layout_fallback=False)
+    expected = _expected_positions(cu)
+    for r in range(4):
+        out = get_batch_on_this_cp_rank(batch, plan=plan, cp_rank=r, check_group=False, pad_token_id=PAD)
+        ids = plan.local_token_indices(r)
+        real = ids < 20
+        model = out["position_ids"][0].numpy()
+        assert (model[real] == ids[real] + 100).all() and (model[~real] == 0).all()
+        rope = out["packed_seq_params"].hsap_position_ids.numpy()
+        assert (rope[real] == expected[ids[real]]).all()
+    with pytest.raises(BatchError, match="position_ids has shape"):
+        pack_micro_batch({"tokens": torch.zeros(2, 6, dtype=torch.long), "position_ids": torch.zeros(1, 6)})
+
+
+def test_sbhd_model_position_ids_are_the_datasets() -> None:
+    b, s = 2, 10
+    tokens = torch.arange(b * s).reshape(b, s)
+    dataset_positions = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4, 5, 6], [0, 1, 2, 3, 4, 0, 1, 2, 3, 4]])  # reset at EODs
+    out = get_batch_on_this_cp_rank(
+        {"tokens": tokens, "labels": tokens + 1, "position_ids": dataset_positions}, qkv_format="sbhd", cp_rank=0,
+        check_group=False, plan_kwargs=dict(inter_size=2, intra_size=1, num_heads=2, num_kv_heads=1, head_dim=8),
+    )
+    ids = out["plan"].local_token_indices(0)
+    real = torch.from_numpy(ids < s)
+    assert torch.equal(out["position_ids"][:, real], dataset_positions[:, ids[ids < s]])
+    assert torch.equal(out["labels"][:, real], tokens[:, ids[ids < s]] + 1)
+    assert out["packed_seq_params"].hsap_position_ids.tolist() == np.where(ids < s, ids, 0).tolist()
+
+
 def test_errors_name_the_problem() -> None:
     cu = [0, 4, 8]
     plan = compile_plan(cu, inter_size=2, intra_size=1, num_heads=2, head_dim=8)

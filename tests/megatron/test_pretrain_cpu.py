@@ -300,6 +300,25 @@ def test_half_precision_in_megatrons_loop_equals_the_reference(root: Path, preci
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("packed,positions", [(False, "rope"), (False, "learned_absolute"), (True, "learned_absolute")],
+                         ids=["unpacked-rope", "unpacked-learned", "packed-learned"])
+def test_positions_and_unpacked_samples_equal_the_reference(root: Path, packed: bool, positions: str) -> None:
+    """Unpacked samples attend across their documents while ``--reset-position-ids`` restarts the
+    dataset's position ids at each EOD; a learned absolute embedding reads those ids, RoPE does not
+    (megatron-core's GPTModel builds its table from the sequence length). Measured before the
+    fixes: unpacked RoPE 3.3e-3 off (the reference applied the per-document mask), unpacked learned
+    positions 9.0e-4 (HSAP gave the model positions counted over the sample)."""
+    extra = ("--position-embedding-type", positions)
+    hsap = _run(root, world_size=4, intra_size=2, inter_size=2, packed=packed, extra=extra, **BASE)
+    ref = _reference(root, packed=packed, extra=extra)
+    _same_losses(hsap.losses, ref.losses)
+    _same_losses(hsap.validation, ref.validation)
+    if not packed:  # the documents' boundaries matter to this model: the packed run differs
+        packed_ref = _reference(root, extra=extra)
+        assert abs(packed_ref.losses[2] - ref.losses[2]) > 100 * RTOL * ref.losses[2]
+
+
+@pytest.mark.slow
 def test_checkpoint_save_stop_resume_continues_with_the_same_losses(root: Path, tmp_path: Path) -> None:
     full = _hsap_2x2(root)
     ckpt = str(tmp_path / "ckpt")
@@ -528,6 +547,9 @@ def test_plain_models_compare_with_megatrons_local_attention() -> None:
     assert name == "CP=1, local attention"
     assert (ref.reference, ref.tp, ref.pp, ref.world_size, ref.cp_size) == (True, 1, 1, 2, 1)  # DP 2 kept
     assert (ref.micro_batch_size, ref.global_batch_size, ref.extra) == (2, 4, opts.extra)
+    # the document mask only for packed samples: unpacked, a sample is one document to HSAP too
+    assert "--reset-attention-mask" in megatron_flags(ref)
+    assert "--reset-attention-mask" not in megatron_flags(reference_of(replace(opts, packed=False))[0])
 
 
 @pytest.mark.parametrize(("sizes", "extra", "want"), [

@@ -217,7 +217,9 @@ def megatron_flags(run: CPURun) -> list[str]:
     if run.vp is not None:
         flags += ["--num-layers-per-virtual-pipeline-stage", str(run.vp)]
     if run.reference:
-        flags += ["--context-parallel-impl", "ring", "--reset-attention-mask"]
+        flags += ["--context-parallel-impl", "ring"]
+        if run.packed:  # the dataloader's per-document causal mask; unpacked, a sample is one document
+            flags.append("--reset-attention-mask")
         if _hybrid_pattern(run.extra) and "--spec" not in run.extra:
             # megatron-core's default hybrid stack is built from TE modules: its local twin (CPU ranks)
             flags += ["--spec", "megatron_hsap.megatron.cpu.reference_spec", "REFERENCE_HYBRID_STACK_SPEC"]
