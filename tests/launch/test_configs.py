@@ -234,8 +234,9 @@ def _expected_untested(cfg) -> set[str]:
     """The untested features, recomputed from the raw settings (not via preflight's table)."""
     p, args = cfg.parallel, list(cfg.megatron_args)
     out = set()
-    if p.sharding.value in ("optim_grads", "optim_grads_params") or "--use-megatron-fsdp" in args:
-        out.add("megatron_fsdp")
+    fsdp = p.sharding.value in ("optim_grads", "optim_grads_params") or "--use-megatron-fsdp" in args
+    if fsdp and (cfg.training.save or cfg.training.load or any(a in ("--save", "--load") for a in args)):
+        out.add("fsdp_checkpoint")
     if p.cp_impl is CPImpl.RING and p.hsap_intra_size * p.hsap_inter_size > 1:
         out.add("ring_cp")
     if any(a.startswith(("--num-experts", "--cuda-graph", "--enable-cuda-graph", "--fp8")) for a in args):
@@ -248,8 +249,10 @@ def test_shipped_configs_list_exactly_their_untested_features(path: Path) -> Non
     cfg = load_config(path)
     assert set(cfg.untested) == _expected_untested(cfg)
     assert {f.value for f in check_untested(cfg)} == set(cfg.untested)
-    # The Figure-5 configs need Megatron-FSDP (29.3B parameters at TP 1 on 40 GB), nothing else does.
-    assert (cfg.parallel.sharding is Sharding.OPTIM_GRADS_PARAMS) == ("megatron_fsdp" in cfg.untested)
+    # The Figure-5 configs need Megatron-FSDP (29.3B parameters at TP 1 on 40 GB), nothing else
+    # does; its training is tested, and they save no checkpoint (which would be fsdp_checkpoint).
+    assert (cfg.parallel.sharding is Sharding.OPTIM_GRADS_PARAMS) == path.name.startswith("gpt30b")
+    assert "fsdp_checkpoint" not in cfg.untested and cfg.training.save is None
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=IDS)
@@ -280,17 +283,24 @@ def test_one_mock_data_smoke_config_per_model_family() -> None:
 
 def test_untested_list_must_match_use() -> None:
     fsdp = _gpt(parallel__sharding="optim_grads_params")
-    with pytest.raises(ConfigError, match=r"untested: .*megatron_fsdp.*acknowledge"):
-        check_untested(config_from_dict(fsdp))
-    assert check_untested(config_from_dict({**fsdp, "untested": ["megatron_fsdp"]})) == [Feature.MEGATRON_FSDP]
+    assert untested_features(config_from_dict(fsdp)) == []  # Megatron-FSDP training: tests/megatron
+    saving = _gpt(parallel__sharding="optim_grads_params", training__save="/ckpt")
+    with pytest.raises(ConfigError, match=r"untested: .*fsdp_checkpoint.*acknowledge"):
+        check_untested(config_from_dict(saving))
+    assert check_untested(config_from_dict({**saving, "untested": ["fsdp_checkpoint"]})) == [Feature.FSDP_CHECKPOINT]
+    loading = {**_gpt(parallel__sharding="optim_grads"), "megatron_args": ["--load", "/ckpt"]}
+    assert untested_features(config_from_dict(loading)) == [Feature.FSDP_CHECKPOINT]
+    assert untested_features(config_from_dict(_gpt(training__save="/ckpt"))) == []  # torch_dist: tested
+    with pytest.raises(ConfigError, match="'megatron_fsdp' is tested now .*fsdp_checkpoint.*remove it"):
+        config_from_dict({**_gpt(), "untested": ["megatron_fsdp"]})
     with pytest.raises(ConfigError, match=r"untested: \['cuda_graphs'\] listed but not used"):
         check_untested(config_from_dict({**_gpt(), "untested": ["cuda_graphs"]}))
     with pytest.raises(ConfigError, match="'sequence_parallel' is tested now .*remove it"):
         config_from_dict({**_gpt(), "untested": ["sequence_parallel"]})
     sp = config_from_dict(_gpt(parallel__tensor=2, parallel__hsap_intra_size=1, parallel__sequence_parallel=True))
     assert untested_features(sp) == []  # run by tests/megatron/test_pretrain_cpu.py
-    with pytest.raises(ConfigError, match="did you mean megatron_fsdp"):
-        config_from_dict({**_gpt(), "untested": ["megatron_fdsp"]})
+    with pytest.raises(ConfigError, match="did you mean fsdp_checkpoint"):
+        config_from_dict({**_gpt(), "untested": ["fsdp_checkpont"]})
     passthrough = {**_gpt(), "megatron_args": ["--num-experts", "8", "--ckpt-format", "torch"]}
     assert untested_features(config_from_dict(passthrough)) == [Feature.CKPT_FORMAT]  # MoE runs in test_pretrain_cpu
     ring = config_from_dict({**_gpt(), "parallel": {"cp_impl": "ring", "context": 8}})
@@ -340,7 +350,7 @@ def test_launcher_refuses_placeholders_and_prints_untested(tmp_path: Path, capsy
     assert main(["resolve", gpt, *common]) == 0  # a dry run warns and prints the lines
     out, err = capsys.readouterr()
     assert "warning: data.data_path, data.vocab_file, data.merge_file: still the example's" in err
-    assert "# untested by the (CPU) test suite: megatron_fsdp (Megatron-FSDP" in out
+    assert "# untested by the (CPU) test suite: nothing;" in out  # Megatron-FSDP training is tested
     assert f"# torchrun: {fake} (explicit" in out
     assert sum(line.startswith(f"{fake} --nnodes=8") for line in out.splitlines()) == 8
     assert main(["resolve", gpt, *common, "--for-launch"]) == 2  # what a launch runs first
@@ -350,10 +360,11 @@ def test_launcher_refuses_placeholders_and_prints_untested(tmp_path: Path, capsy
     assert "placeholder" in capsys.readouterr().err
     assert main(["validate", gpt, str(ROOT / "configs/smoke/gpt30b_64gpu_128k_mock.yaml")]) == 0
     out = capsys.readouterr().out
-    assert out.count("untested by the (CPU) test suite: megatron_fsdp") == 2
+    assert out.count("untested by the (CPU) test suite: nothing;") == 2
     assert out.count("to fill in before a launch (placeholders): data.data_path, data.vocab_file, "
                      "data.merge_file") == 1  # the smoke config has none
     unlisted = tmp_path / "unlisted.yaml"
-    unlisted.write_text(f"extends: {ROOT / 'configs/smoke/gpt30b_64gpu_128k_mock.yaml'}\nuntested: []\n")
+    unlisted.write_text(f"extends: {ROOT / 'configs/smoke/gpt30b_64gpu_128k_mock.yaml'}\n"
+                        f"training:\n  save: {tmp_path / 'ckpt'}\n")
     assert main(["validate", str(unlisted)]) == 2
-    assert "untested: the config uses what the test suite does not run (megatron_fsdp" in capsys.readouterr().err
+    assert "untested: the config uses what the test suite does not run (fsdp_checkpoint" in capsys.readouterr().err

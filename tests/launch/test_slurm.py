@@ -90,7 +90,7 @@ def test_multi_node_dry_run_prints_one_line_per_node(tmp_path: Path) -> None:
     # The dry run says which torchrun (this environment's, not whatever is first on PATH), what the
     # config uses that no test runs, and that the example's data paths are still placeholders.
     assert f"# torchrun: {shlex.join(TORCHRUN)} (" in out.stdout
-    assert "# untested by the (CPU) test suite: megatron_fsdp" in out.stdout
+    assert "# untested by the (CPU) test suite: nothing;" in out.stdout  # Megatron-FSDP training is tested
     assert "warning: data.data_path, data.vocab_file, data.merge_file: still the example's" in out.stderr
 
 

@@ -44,11 +44,25 @@ _CHECKS = textwrap.dedent("""
     e0.record(); e1.record(); assert e0.elapsed_time(e1) >= 0.0
     with torch.cuda.stream(torch.cuda.Stream()):
         torch.cuda.current_stream().wait_stream(torch.cuda.Stream())
+    # backward hooks keep the redirect, however the backward was called (Megatron-FSDP allocates
+    # its gradient buckets on torch.device("cuda") in post-accumulate-grad hooks)
+    seen = []
+    def hook(p):
+        seen.append(torch.empty(2, device=torch.device("cuda")).device.type)
+    w = torch.ones(3, requires_grad=True)
+    w.register_post_accumulate_grad_hook(hook)
+    (w * 2).sum().backward()
+    torch.autograd.backward([(w * 3).sum()])
+    torch.autograd.grad((w * 4).sum(), w)  # no accumulation: the hook does not run
+    assert seen == ["cpu", "cpu"], seen
     # megatron-core's fused modules imported after install are not torch.compile'd
     from megatron.core import jit
     assert jit.jit_fuser is jit.noop_decorator
     device.uninstall()
     assert torch.zeros(1).type() == "torch.FloatTensor"
+    import torch.autograd.graph as graph
+    assert torch.autograd._engine_run_backward is graph._engine_run_backward
+    assert graph._engine_run_backward.__module__ == "torch.autograd.graph"
     print("CHECKS-OK")
 """)
 

@@ -50,6 +50,13 @@ _NO_LOCAL_REFERENCE = {
 }
 
 
+# The two model families of the shipped configs, at CPU size (hidden 64, 4 heads of 16).
+_MODELS = {
+    "llama": dict(groups=2, tied=False, flags=("--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear")),
+    "gpt": dict(groups=4, tied=True, flags=("--normalization", "LayerNorm")),  # GeLU and biases: Megatron's defaults
+}
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class CPURun:
     """One CPU run of Megatron's loop (sizes, steps, and Megatron flags passed through)."""
@@ -71,6 +78,9 @@ class CPURun:
     eval_iters: int = 2
     seed: int = 1234
     tie_embeddings: bool = False  # one word-embedding matrix for input and output (Megatron's default)
+    # "llama": RMSNorm, SwiGLU, no biases, GQA 4/2, untied; "gpt": the GPT-30B configs' layer
+    # (LayerNorm, GeLU, biases, MHA 4/4, tied embeddings)
+    model: str = "llama"
     extra: tuple[str, ...] = ()
     log_dir: str | None = None
     timeout_s: float = 900.0
@@ -100,14 +110,16 @@ class CPURun:
             raise ConfigError(f"--world-size {self.world_size} is not a multiple of TP×PP×CP = {model}")
         if self.world_size > 8:
             raise ConfigError(f"--world-size {self.world_size}: at most 8 CPU ranks on one machine")
+        if self.model not in _MODELS:
+            raise ConfigError(f"--model {self.model!r}: one of {', '.join(_MODELS)}")
         if not self.reference:
             self._check_heads()
 
     def _check_heads(self) -> None:
-        """The model's 4 heads / 2 kv groups split by TP, then by P_intra (``plan.options``' rule)."""
+        """The model's 4 heads / kv groups split by TP, then by P_intra (``plan.options``' rule)."""
         from megatron_hsap.plan.options import kv_heads_per_rank
 
-        heads, groups = 4, 2  # megatron_flags' model
+        heads, groups = 4, _MODELS[self.model]["groups"]  # megatron_flags' model
         if groups % self.tp:
             raise ConfigError(f"--tp {self.tp}: the model's {heads} heads and {groups} kv groups split over TP 1 or 2")
         try:
@@ -194,13 +206,16 @@ def megatron_flags(run: CPURun) -> list[str]:
 
     gbs = run.global_batch_size or run.micro_batch_size * run.dp_size
     # Megatron refuses GQA with multi-latent attention (MLA has one latent kv per head)
-    gqa = [] if "--multi-latent-attention" in run.extra else ["--group-query-attention", "--num-query-groups", "2"]
+    style = _MODELS[run.model]
+    gqa = [] if "--multi-latent-attention" in run.extra or style["groups"] == 4 else \
+        ["--group-query-attention", "--num-query-groups", str(style["groups"])]
+    tied = run.tie_embeddings or style["tied"]
     flags = [
         "--num-layers", str(run.num_layers), "--hidden-size", "64", "--ffn-hidden-size", "128",
         "--num-attention-heads", "4", *gqa,
         "--seq-length", str(run.seq_length), "--max-position-embeddings", str(run.seq_length),
-        "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
-        "--disable-bias-linear", *([] if run.tie_embeddings else ["--untie-embeddings-and-output-weights"]),
+        "--position-embedding-type", "rope", *style["flags"],
+        *([] if tied else ["--untie-embeddings-and-output-weights"]),
         "--attention-dropout", "0.0", "--hidden-dropout", "0.0", "--init-method-std", "0.02",
         "--micro-batch-size", str(run.micro_batch_size), "--global-batch-size", str(gbs),
         "--train-iters", str(run.steps), "--eval-interval", str(run.eval_interval),
@@ -243,13 +258,19 @@ def parse_log(text: str) -> tuple[dict[int, float], dict[int, float], dict[str, 
     return losses, validation, final
 
 
-def _env(rank: int, world: int, store: str, record_dir: str | None = None) -> dict[str, str]:
+# Megatron's FSDP implementations refuse CUDA_DEVICE_MAX_CONNECTIONS=1 (megatron/training/arguments.py);
+# everything else wants 1 (the ordering TP/SP overlap relies on). No stream exists on CPU either way.
+_FSDP_FLAGS = ("--use-megatron-fsdp", "--use-torch-fsdp2")
+
+
+def _env(rank: int, world: int, store: str, record_dir: str | None = None, *, fsdp: bool = False) -> dict[str, str]:
     env = dict(os.environ)
     env.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
         MASTER_ADDR="127.0.0.1", MASTER_PORT="0", HSAP_CPU_STORE=store,
         GLOO_SOCKET_IFNAME="lo",  # gloo's pair sockets on loopback only
-        CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", CUDA_DEVICE_MAX_CONNECTIONS="1",
+        CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+        CUDA_DEVICE_MAX_CONNECTIONS="8" if fsdp else "1",
         # Megatron writes its dataset index cache and may probe a GPU; keep both quiet and local.
         TORCH_CPP_LOG_LEVEL=env.get("TORCH_CPP_LOG_LEVEL", "ERROR"),
     )
@@ -276,7 +297,8 @@ def run(opts: CPURun, *, echo: bool = False, record_dir: str | None = None) -> C
     for rank in range(opts.world_size):
         out = open(log_dir / f"rank{rank}.log", "w")
         files.append(out)
-        procs.append(subprocess.Popen(cmd, env=_env(rank, opts.world_size, store, record_dir), stdout=out,
+        fsdp = any(f in _FSDP_FLAGS for f in opts.extra)
+        procs.append(subprocess.Popen(cmd, env=_env(rank, opts.world_size, store, record_dir, fsdp=fsdp), stdout=out,
                                       stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
     codes = _wait(procs, opts.timeout_s)
     for f in files:
@@ -341,6 +363,9 @@ def build_parser(prog: str = "megatron-hsap pretrain-cpu") -> argparse.ArgumentP
                    help="share the input embedding with the output layer (Megatron's default; without this flag the "
                    "model unties them, as Llama-style models do). At PP > 1 the first and last stage then "
                    "all-reduce its gradient over Megatron's embedding group")
+    p.add_argument("--model", choices=sorted(_MODELS), default="llama",
+                   help="llama: RMSNorm, SwiGLU, no biases, GQA 4/2, untied embeddings; gpt: the GPT-30B configs' "
+                   "layer — LayerNorm, GeLU, biases, MHA 4/4, tied embeddings")
     p.add_argument("--reference", action="store_true",
                    help="CP=1, TP=1 (PP ≤ 2 kept) with Megatron's local attention and the dataloader's document mask")
     p.add_argument("--compare", action="store_true",
@@ -361,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
     opts = CPURun(world_size=ns.world_size, tp=ns.tp, pp=ns.pp, vp=ns.vp, intra_size=ns.intra_size,
                   inter_size=ns.inter_size, reference=ns.reference, packed=ns.packed, steps=ns.steps,
                   micro_batch_size=ns.micro_batch_size, seq_length=ns.seq_length, num_layers=ns.num_layers,
-                  eval_interval=ns.eval_interval, eval_iters=ns.eval_iters, tie_embeddings=ns.tie_embeddings, extra=tuple(extra),
+                  eval_interval=ns.eval_interval, eval_iters=ns.eval_iters, tie_embeddings=ns.tie_embeddings, model=ns.model, extra=tuple(extra),
                   log_dir=None if ns.out is None else str(ns.out))
     try:  # every refusal before a rank is spawned, the reference's too
         opts.check()

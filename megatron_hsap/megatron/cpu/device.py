@@ -14,7 +14,11 @@ megatron-core 0.19.2 sites each one covers (``SHIMS`` lists them for the command
   ``initialize`` seeds); ``Tensor.cuda()`` and ``Tensor.to(<cuda>)`` (``get_batch_on_this_tp_rank``,
   the optimizer's main-param copies, checkpoint loading); ``pin_memory()`` / ``pin_memory=True``;
   ``Tensor.type()`` names a CUDA type (``clip_grads.clip_grad_by_total_norm_fp32`` and the
-  optimizers' ``'torch.cuda.FloatTensor'`` checks).
+  optimizers' ``'torch.cuda.FloatTensor'`` checks). A mode is off while its handler runs the call,
+  so a backward dispatched through it (``torch.autograd.backward`` in ``schedules.backward_step``)
+  would run every backward hook without the redirect: the autograd engine's entry
+  (``_engine_run_backward``) re-enters the mode (Megatron-FSDP's post-accumulate-grad hooks
+  allocate their bf16 gradient buckets on ``torch.device("cuda")``, ``param_and_grad_buffer``).
 - **torch.cuda queries** (:func:`install_cuda_standin`): ``is_available``/``device_count``
   (``initialize._initialize_distributed``, ``initialize_megatron``'s CUDA assert), ``set_device``,
   ``current_device``, device name/properties/capability (``training`` logging, TE/feature gates),
@@ -53,7 +57,8 @@ FUSION_OFF_FLAGS = (
 )
 
 SHIMS = {
-    "device redirect": "cuda devices/ids -> cpu in factory functions, Tensor.cuda/.to, pin_memory",
+    "device redirect": "cuda devices/ids -> cpu in factory functions, Tensor.cuda/.to, pin_memory, "
+    "also inside backward hooks",
     "torch.cuda stand-in": "availability, count, set_device, properties, streams, events, synchronize, "
     "memory stats, RNG state (a real generator, saved/restored)",
     "JIT fuser": "megatron.core.jit.disable_jit_fuser()",
@@ -303,6 +308,14 @@ def install() -> None:
     jit.disable_jit_fuser()
     cpu_shims.install(rng=False)  # Megatron's own CUDA RNG tracker runs, on the stand-in generator
     mode = CudaToCpu(rng.generator)
+    engine_run_backward = torch.autograd.graph._engine_run_backward
+
+    def run_backward(*args: Any, **kwargs: Any) -> Any:
+        with mode:  # hooks see the redirect even when the backward call came through the mode
+            return engine_run_backward(*args, **kwargs)
+
+    for owner in (torch.autograd, torch.autograd.graph):  # torch.autograd imported the name
+        _patch(owner, "_engine_run_backward", run_backward)
     mode.__enter__()
     _MODE.append(mode)
 
