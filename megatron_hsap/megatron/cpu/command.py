@@ -50,7 +50,9 @@ _NO_LOCAL_REFERENCE = {
 }
 
 
-# The two model families of the shipped configs, at CPU size (hidden 64, 4 heads of 16).
+# The two model families of the shipped configs, at CPU size (hidden 64, 4 heads of 16; kv groups
+# as below, MHA when they equal the heads).
+_HEADS = 4
 _MODELS = {
     "llama": dict(groups=2, tied=False, flags=("--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear")),
     "gpt": dict(groups=4, tied=True, flags=("--normalization", "LayerNorm")),  # GeLU and biases: Megatron's defaults
@@ -119,7 +121,7 @@ class CPURun:
         """The model's 4 heads / kv groups split by TP, then by P_intra (``plan.options``' rule)."""
         from megatron_hsap.plan.options import kv_heads_per_rank
 
-        heads, groups = 4, _MODELS[self.model]["groups"]  # megatron_flags' model
+        heads, groups = _HEADS, _MODELS[self.model]["groups"]  # megatron_flags' model
         if groups % self.tp:
             raise ConfigError(f"--tp {self.tp}: the model's {heads} heads and {groups} kv groups split over TP 1 or 2")
         try:
@@ -207,12 +209,12 @@ def megatron_flags(run: CPURun) -> list[str]:
     gbs = run.global_batch_size or run.micro_batch_size * run.dp_size
     # Megatron refuses GQA with multi-latent attention (MLA has one latent kv per head)
     style = _MODELS[run.model]
-    gqa = [] if "--multi-latent-attention" in run.extra or style["groups"] == 4 else \
+    gqa = [] if "--multi-latent-attention" in run.extra or style["groups"] == _HEADS else \
         ["--group-query-attention", "--num-query-groups", str(style["groups"])]
     tied = run.tie_embeddings or style["tied"]
     flags = [
         "--num-layers", str(run.num_layers), "--hidden-size", "64", "--ffn-hidden-size", "128",
-        "--num-attention-heads", "4", *gqa,
+        "--num-attention-heads", str(_HEADS), *gqa,
         "--seq-length", str(run.seq_length), "--max-position-embeddings", str(run.seq_length),
         "--position-embedding-type", "rope", *style["flags"],
         *([] if tied else ["--untie-embeddings-and-output-weights"]),
@@ -294,10 +296,10 @@ def run(opts: CPURun, *, echo: bool = False, record_dir: str | None = None) -> C
         flags += ["--data-cache-path", str(log_dir / "index-cache")]
     cmd = [sys.executable, "-m", "megatron_hsap.megatron.cpu.rank", *flags]
     procs, files = [], []
+    fsdp = any(f in _FSDP_FLAGS for f in opts.extra)
     for rank in range(opts.world_size):
         out = open(log_dir / f"rank{rank}.log", "w")
         files.append(out)
-        fsdp = any(f in _FSDP_FLAGS for f in opts.extra)
         procs.append(subprocess.Popen(cmd, env=_env(rank, opts.world_size, store, record_dir, fsdp=fsdp), stdout=out,
                                       stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
     codes = _wait(procs, opts.timeout_s)
@@ -360,9 +362,9 @@ def build_parser(prog: str = "megatron-hsap pretrain-cpu") -> argparse.ArgumentP
                    help="every sample one document (no --dataloader-inter-document-masking); needed with "
                    "pipeline stages that read no data (PP > 2, or virtual pipelining)")
     p.add_argument("--tie-embeddings", action="store_true",
-                   help="share the input embedding with the output layer (Megatron's default; without this flag the "
-                   "model unties them, as Llama-style models do). At PP > 1 the first and last stage then "
-                   "all-reduce its gradient over Megatron's embedding group")
+                   help="share the input embedding with the output layer (Megatron's default; --model llama unties "
+                   "them otherwise, as Llama-style models do; --model gpt always ties). At PP > 1 the first and "
+                   "last stage then all-reduce its gradient over Megatron's embedding group")
     p.add_argument("--model", choices=sorted(_MODELS), default="llama",
                    help="llama: RMSNorm, SwiGLU, no biases, GQA 4/2, untied embeddings; gpt: the GPT-30B configs' "
                    "layer — LayerNorm, GeLU, biases, MHA 4/4, tied embeddings")
@@ -386,8 +388,8 @@ def main(argv: list[str] | None = None) -> int:
     opts = CPURun(world_size=ns.world_size, tp=ns.tp, pp=ns.pp, vp=ns.vp, intra_size=ns.intra_size,
                   inter_size=ns.inter_size, reference=ns.reference, packed=ns.packed, steps=ns.steps,
                   micro_batch_size=ns.micro_batch_size, seq_length=ns.seq_length, num_layers=ns.num_layers,
-                  eval_interval=ns.eval_interval, eval_iters=ns.eval_iters, tie_embeddings=ns.tie_embeddings, model=ns.model, extra=tuple(extra),
-                  log_dir=None if ns.out is None else str(ns.out))
+                  eval_interval=ns.eval_interval, eval_iters=ns.eval_iters, tie_embeddings=ns.tie_embeddings,
+                  model=ns.model, extra=tuple(extra), log_dir=None if ns.out is None else str(ns.out))
     try:  # every refusal before a rank is spawned, the reference's too
         opts.check()
         ref_opts, ref_name = reference_of(opts) if ns.compare else (opts, "")
