@@ -179,7 +179,7 @@ def _model_states(cfg: LaunchConfig, lay: Layout) -> tuple[int, int, int]:
     params, grads, opt = BF16 * psi, FP32 * psi, 3 * FP32 * psi
     if sharding is not Sharding.NONE:
         opt //= n
-    if sharding in (Sharding.OPTIM_GRADS, Sharding.OPTIM_GRADS_PARAMS):
+    if sharding.megatron_fsdp:
         grads //= n
     if sharding is Sharding.OPTIM_GRADS_PARAMS:  # + two gathered layers and one unsharded grad
         params = params // n + 2 * BF16 * layer + FP32 * layer

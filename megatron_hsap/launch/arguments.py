@@ -73,7 +73,7 @@ def to_megatron_args(cfg: LaunchConfig, extra: Sequence[str] = ()) -> list[str]:
         a.append("--sequence-parallel")
     if p.sharding is Sharding.OPTIM:
         a.append("--use-distributed-optimizer")
-    elif p.sharding is not Sharding.NONE:
+    elif p.sharding.megatron_fsdp:
         # Megatron-FSDP's validate_args insists on its own checkpoint format
         a += ["--use-distributed-optimizer", "--use-megatron-fsdp",
               "--data-parallel-sharding-strategy", p.sharding.value, "--ckpt-format", "fsdp_dtensor"]
@@ -123,7 +123,7 @@ def launch_env(cfg: LaunchConfig, environ: Mapping[str, str]) -> dict[str, str]:
     """
     p = cfg.parallel
     current = environ.get("CUDA_DEVICE_MAX_CONNECTIONS")
-    if p.sharding in (Sharding.OPTIM_GRADS, Sharding.OPTIM_GRADS_PARAMS):
+    if p.sharding.megatron_fsdp:
         if current == "1":
             raise ConfigError(
                 f"parallel.sharding: {p.sharding.value} (Megatron-FSDP) needs CUDA_DEVICE_MAX_CONNECTIONS "

@@ -69,6 +69,11 @@ class Sharding(str, enum.Enum):
     OPTIM_GRADS = "optim_grads"  # Megatron-FSDP, ZeRO-2
     OPTIM_GRADS_PARAMS = "optim_grads_params"  # Megatron-FSDP, ZeRO-3
 
+    @property
+    def megatron_fsdp(self) -> bool:
+        """Whether this sharding runs Megatron-FSDP (gradients sharded too), not Megatron's DDP."""
+        return self in (Sharding.OPTIM_GRADS, Sharding.OPTIM_GRADS_PARAMS)
+
 
 class InterLink(str, enum.Enum):
     """The network the config expects the inter (P2P) groups to cross; checked against the map."""

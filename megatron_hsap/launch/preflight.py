@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from megatron_hsap.argtypes import flag_value
 from megatron_hsap.errors import ConfigError
-from megatron_hsap.launch.config import CPImpl, DataConfig, LaunchConfig, Sharding
+from megatron_hsap.launch.config import CPImpl, DataConfig, LaunchConfig
 
 __all__ = [
     "Feature", "FEATURES", "PLACEHOLDER", "GPU_ONLY", "is_placeholder", "untested_features",
@@ -47,7 +47,7 @@ def _flag_value(cfg: LaunchConfig, flag: str) -> str | None:
 
 
 def _megatron_fsdp(cfg: LaunchConfig) -> bool:
-    return cfg.parallel.sharding in (Sharding.OPTIM_GRADS, Sharding.OPTIM_GRADS_PARAMS) or _flag(cfg, "--use-megatron-fsdp")
+    return cfg.parallel.sharding.megatron_fsdp or _flag(cfg, "--use-megatron-fsdp")
 
 
 @dataclass(frozen=True, slots=True)
