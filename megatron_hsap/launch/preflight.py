@@ -34,7 +34,7 @@ __all__ = [
 PLACEHOLDER = "<fill in"  # a value starting with this is a path the user still has to give
 
 # Every GPU job runs these, and no test can (the suite is CPU-only); printed, never acknowledged.
-# (bf16 / fp16 training itself runs in Megatron's loop on CPU: tests/megatron/test_pretrain_cpu.py.)
+# (bf16 / fp16 training itself runs in Megatron's loop on CPU: tests/megatron/test_pretrain_cpu_precision.py.)
 GPU_ONLY = ("Transformer Engine layer spec", "flash-attn / TE kernels (bf16 on the GPU)", "NCCL")
 
 
@@ -94,7 +94,7 @@ FEATURES: dict[Feature, _Spec] = {
 NOW_TESTED = {
     "megatron_fsdp": "Megatron-FSDP training runs in Megatron's pretrain() loop on CPU (ZeRO-3 with the GPT-30B "
     "configs' layer, bf16, overlapped reduce and gather, full recompute; ZeRO-2 over DP 2 × CP 2×2; "
-    "tests/megatron/test_pretrain_cpu.py); its checkpoints are `fsdp_checkpoint`",
+    "tests/megatron/test_pretrain_cpu_precision.py); its checkpoints are `fsdp_checkpoint`",
     "sequence_parallel": "sequence parallelism runs in Megatron's pretrain() loop on CPU (TP 2 × CP 2×2, "
     "tests/megatron/test_pretrain_cpu.py)",
 }
