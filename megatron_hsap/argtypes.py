@@ -184,12 +184,14 @@ def link_line(*, intra: int, inter: int, tp: int = 1, gpus_per_node: int = 8, fo
 
 
 def flag_value(args: Sequence[str], flag: str) -> str | None:
-    """The value given to ``flag`` in command-line ``args`` (``--flag V`` or ``--flag=V``; the first
-    occurrence), None when absent (Megatron arguments passed through, e.g. after ``--``)."""
+    """The value given to ``flag`` in command-line ``args`` (``--flag V`` or ``--flag=V``), None when
+    absent (Megatron arguments passed through, e.g. after ``--``). A flag given twice has its *last*
+    value, as Megatron's argparse parser (``allow_abbrev=False``: the exact flag only) keeps it."""
     args = list(args)
+    value = None
     for i, a in enumerate(args):
         if a == flag and i + 1 < len(args):
-            return args[i + 1]
-        if a.startswith(flag + "="):
-            return a.split("=", 1)[1]
-    return None
+            value = args[i + 1]
+        elif a.startswith(flag + "="):
+            value = a.split("=", 1)[1]
+    return value

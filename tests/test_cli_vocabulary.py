@@ -315,11 +315,22 @@ def test_plan_forces_or_reports_the_head_chunks(capsys: pytest.CaptureFixture[st
     assert "valid head_chunks: [1, 2, 4, 8]" in capsys.readouterr().err
 
 
-def test_flag_value_reads_both_spellings_and_the_first_occurrence() -> None:
+def test_flag_value_reads_both_spellings_and_the_last_occurrence() -> None:
+    import argparse
+
     from megatron_hsap.argtypes import flag_value
 
     args = ["--window-size", "64,0", "--expert-model-parallel-size=4", "--window-size", "8,0", "--last"]
-    assert flag_value(args, "--window-size") == "64,0"
+    assert flag_value(args, "--window-size") == "8,0"  # argparse keeps the last, so Megatron does
     assert flag_value(args, "--expert-model-parallel-size") == "4"
+    assert flag_value(["--ep=2", "--ep", "4", "--ep=8"], "--ep") == "8"  # mixed spellings: still the last
+    # the independent reference: the parser Megatron builds (argparse, allow_abbrev=False)
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    parser.add_argument("--window-size")
+    parser.add_argument("--expert-model-parallel-size")
+    parser.add_argument("--last", action="store_true")
+    ns = parser.parse_args(args)
+    assert (ns.window_size, ns.expert_model_parallel_size) == (flag_value(args, "--window-size"),
+                                                               flag_value(args, "--expert-model-parallel-size"))
     assert flag_value(args, "--expert-model") is None  # a prefix is not the flag
     assert flag_value(args, "--last") is None and flag_value((), "--x") is None  # no value after it

@@ -14,6 +14,7 @@ Rank layout (Megatron's default order ``tp-cp-ep-dp-pp``): global rank
 from __future__ import annotations
 
 import enum
+import itertools
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -440,25 +441,33 @@ def _validate_launch(cfg: LaunchConfig) -> None:
 
 
 def _check_passthrough(cfg: LaunchConfig) -> None:
-    """``megatron_args`` may repeat Megatron's hierarchical CP flag; it must agree with ours."""
+    """``megatron_args`` may repeat Megatron's hierarchical CP flag; it must agree with ours, at every
+    occurrence (argparse keeps the last one). Flags the config sections own are refused in either
+    spelling (``--flag V`` or ``--flag=V``): argparse reads both, so either would silently win."""
     args = list(cfg.megatron_args)
-    if "--hierarchical-context-parallel-sizes" in args:
-        i = args.index("--hierarchical-context-parallel-sizes")
+    flag = "--hierarchical-context-parallel-sizes"
+    want = [cfg.parallel.hsap_intra_size, cfg.parallel.hsap_inter_size]
+    for i, a in enumerate(args):
+        if a == flag:  # (nargs="+": the values up to the next flag)
+            given = list(itertools.takewhile(lambda v: not v.startswith("--"), args[i + 1:]))
+        elif a.startswith(flag + "="):
+            given = [a.split("=", 1)[1]]
+        else:
+            continue
         try:
-            sizes = [int(v) for v in args[i + 1:i + 3]]
+            sizes = [int(v) for v in given]
         except ValueError:
             sizes = []
-        want = [cfg.parallel.hsap_intra_size, cfg.parallel.hsap_inter_size]
         if sizes != want:
             raise ConfigError(
-                f"megatron_args: --hierarchical-context-parallel-sizes {args[i + 1:i + 3]} contradicts "
-                f"parallel.hsap_intra_size × hsap_inter_size = {want[0]}x{want[1]}; drop the flag or fix it")
+                f"megatron_args: {flag} {' '.join(given)} contradicts parallel.hsap_intra_size × "
+                f"hsap_inter_size = {want[0]}x{want[1]}; drop the flag or fix it")
     owned = {"--context-parallel-size", "--tensor-model-parallel-size", "--pipeline-model-parallel-size",
              "--seq-length", "--context-parallel-impl", "--hsap-layout", "--hsap-pool-bytes",
              # the data: section (a second --data-path would silently win over data.data_path)
              "--data-path", "--mock-data", "--split", "--tokenizer-type", "--tokenizer-model",
              "--vocab-file", "--merge-file"}
-    clash = sorted(owned & set(args))
+    clash = sorted(owned & {a.split("=", 1)[0] for a in args if a.startswith("--")})
     if clash:
         raise ConfigError(f"megatron_args: {clash} are set from the config sections; change them there")
 

@@ -161,6 +161,18 @@ def test_megatron_spelling_of_the_sizes_is_accepted() -> None:
         config_from_dict({**_gpt(), "megatron_args": ["--seq-length", "8"]})
     with pytest.raises(ConfigError, match=r"megatron_args: \['--data-path'\] are set from the config"):
         config_from_dict({**_gpt(), "megatron_args": ["--data-path", "/d/x"]})
+    # argparse reads "--flag=V" and keeps a repeated flag's last value: both spellings, every occurrence
+    with pytest.raises(ConfigError, match=r"megatron_args: \['--seq-length'\] are set from the config"):
+        config_from_dict({**_gpt(), "megatron_args": ["--seq-length=8"]})
+    with pytest.raises(ConfigError, match="contradicts"):  # the second occurrence is the one Megatron keeps
+        config_from_dict({**_gpt(), "megatron_args": ["--hierarchical-context-parallel-sizes", "2", "4",
+                                                      "--hierarchical-context-parallel-sizes", "4", "2"]})
+    with pytest.raises(ConfigError, match="contradicts"):  # nargs="+": a third size is read, not dropped
+        config_from_dict({**_gpt(), "megatron_args": ["--hierarchical-context-parallel-sizes", "2", "4", "1"]})
+    with pytest.raises(ConfigError, match="contradicts"):
+        config_from_dict({**_gpt(), "megatron_args": ["--hierarchical-context-parallel-sizes=8"]})
+    ok = config_from_dict({**_gpt(), "megatron_args": ["--hierarchical-context-parallel-sizes", "2", "4", "--bf16"]})
+    assert ok.megatron_args[-1] == "--bf16"
 
 
 def test_extends_merges_and_detects_cycles(tmp_path: Path) -> None:
