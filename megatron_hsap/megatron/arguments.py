@@ -93,6 +93,13 @@ def add_hsap_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "current one runs (default); --no-hsap-plan-prefetch compiles each plan when its batch is taken.",
     )
     group.add_argument(
+        "--hsap-plan-process", action=argparse.BooleanOptionalAction, default=True,
+        help="With --hsap-plan-prefetch: compile the plans in one child process per rank (default), off "
+        "the training process's GIL, which a compiling thread holds against every op the training "
+        "thread dispatches (megatron_hsap/megatron/plan_worker.py); --no-hsap-plan-process compiles "
+        "them on the prefetch thread.",
+    )
+    group.add_argument(
         "--hsap-pool-bytes", type=int, default=None,
         help="HSAP receive-buffer pool per rank in bytes (default: 4 inter chunks of q/k/v rows).",
     )

@@ -29,7 +29,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 
 from megatron_hsap.errors import BatchError, ConfigError
 from megatron_hsap.megatron.batch_agreement import agree_before_sharding, check_consistent
-from megatron_hsap.plan import shared_layout
+from megatron_hsap.megatron.plan_worker import PlanRequest, compile_request
 
 if TYPE_CHECKING:
     from megatron_hsap.plan import Plan
@@ -376,21 +376,25 @@ def plan_for_batch(batch: "Mapping[str, Any] | PackedBatch", *, config: Any = No
     The plans of the model's sliding windows (``windows``, default from ``config``'s layers:
     ``megatron/windows.py``) are compiled here too, on this plan's layout (``shared_layout.compile_on_layout``,
     cached), so the core attention of every layer finds its plan ready."""
+    return compile_request(plan_request(batch, config=config, plan_kwargs=plan_kwargs, windows=windows))[0]
+
+
+def plan_request(batch: "Mapping[str, Any] | PackedBatch", *, config: Any = None, plan_kwargs: Mapping[str, Any] | None = None,
+                 windows: Any = None) -> PlanRequest:
+    """What ``plan_for_batch`` compiles, as a ``PlanRequest`` a plan worker process can compile
+    (``megatron/plan_worker.py``): the topology resolved here, from this process's HSAP groups."""
     packed = batch if isinstance(batch, PackedBatch) else pack_micro_batch(batch)
-    plan = _compile_for_batch(packed.cu_seqlens, config=config, plan_kwargs=plan_kwargs)
-    _ = plan.hash  # the handshake's identity, computed here (off the step) rather than before round 0
     if windows is None and config is not None:
         from megatron_hsap.megatron.windows import model_windows
 
         windows = model_windows(config)
-    for window in windows or ():
-        _ = shared_layout.compile_on_layout(plan, window).hash
-    return plan
+    return PlanRequest(packed.cu_seqlens, _plan_kwargs(config=config, plan_kwargs=plan_kwargs), tuple(windows or ()))
 
 
-def _compile_for_batch(cu: np.ndarray, *, config: Any, plan_kwargs: Mapping[str, Any] | None) -> "Plan":
+def _plan_kwargs(*, config: Any, plan_kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``compile_plan``'s keyword arguments: ``plan_kwargs``, then ``config``'s, then the topology of
+    this process's HSAP groups."""
     from megatron_hsap.megatron import parallel_state as hsap_ps
-    from megatron_hsap.plan import compile_plan
 
     kwargs: dict[str, Any] = dict(plan_kwargs or {})
     if config is not None:
@@ -407,7 +411,13 @@ def _compile_for_batch(cu: np.ndarray, *, config: Any, plan_kwargs: Mapping[str,
         kwargs.setdefault("intra_size", groups.intra_size)
     if "num_heads" not in kwargs:
         raise ConfigError("cannot compile the plan without head counts: pass config=TransformerConfig or plan_kwargs")
-    return compile_plan(cu, **kwargs)
+    return kwargs
+
+
+def _compile_for_batch(cu: np.ndarray, *, config: Any, plan_kwargs: Mapping[str, Any] | None) -> "Plan":
+    from megatron_hsap.plan import compile_plan
+
+    return compile_plan(cu, **_plan_kwargs(config=config, plan_kwargs=plan_kwargs))
 
 
 def _sbhd_batch(batch: Mapping[str, Any], *, plan: "Plan | None", cp_rank: int | None, config: Any,

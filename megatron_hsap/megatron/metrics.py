@@ -39,14 +39,17 @@ class IterationMetrics:
     compile_s: float = 0.0
     prefetch_hits: int = 0
     prefetch_misses: int = 0
+    # where each plan compiled: "worker process" (--hsap-plan-process), "prefetch thread", "training thread"
+    compiled_in: dict[str, int] = field(default_factory=dict)
     pool_use_max: float = 0.0
     bytes_sent_max: int = 0  # per rank, summed over micro-batches
     documents: int = 0
     tokens: int = 0
     flattened: int = 0  # micro-batches whose plan ran on a one-level topology of the CP group (plan/flatten.py)
 
-    def add(self, plan: "Plan", *, compile_s: float, prefetched: bool | None) -> None:
+    def add(self, plan: "Plan", *, compile_s: float, prefetched: bool | None, compiled_in: str = "training thread") -> None:
         stats = plan.stats()
+        self.compiled_in[compiled_in] = self.compiled_in.get(compiled_in, 0) + 1
         self.micro_batches += 1
         self.layouts[str(stats.layout)] = self.layouts.get(str(stats.layout), 0) + 1
         self.imbalance_max = max(self.imbalance_max, float(stats.imbalance))
@@ -87,7 +90,8 @@ class IterationMetrics:
             f"imbalance max {s['imbalance_max']:.3f} mean {s['imbalance_mean']:.3f} | "
             f"estimated attention fwd+bwd {_duration(self.estimated_fwd_s + self.estimated_bwd_s)} | "
             f"compile {s['compile_ms']:.1f} ms | prefetch hits {self.prefetch_hits}/"
-            f"{self.prefetch_hits + self.prefetch_misses} | pool use max {s['pool_use_max']:.2f} | "
+            f"{self.prefetch_hits + self.prefetch_misses} | compiled in "
+            f"{', '.join(f'{where} {n}' for where, n in sorted(self.compiled_in.items()))} | pool use max {s['pool_use_max']:.2f} | "
             f"sent per rank max {_size(self.bytes_sent_max)} | documents {self.documents} | "
             f"flattened {self.flattened}/{self.micro_batches}"
         )
@@ -119,12 +123,13 @@ class HSAPMetrics:
         self._iteration: int | None = None
         self._current = IterationMetrics()
 
-    def add(self, iteration: int, plan: "Plan", *, compile_s: float, prefetched: bool | None) -> None:
+    def add(self, iteration: int, plan: "Plan", *, compile_s: float, prefetched: bool | None,
+            compiled_in: str = "training thread") -> None:
         """One training micro-batch of Megatron's ``iteration`` (``args.curr_iteration``, 0-based)."""
         if self._iteration is not None and iteration != self._iteration:
             self.flush()
         self._iteration = iteration
-        self._current.add(plan, compile_s=compile_s, prefetched=prefetched)
+        self._current.add(plan, compile_s=compile_s, prefetched=prefetched, compiled_in=compiled_in)
 
     def flush(self) -> IterationMetrics | None:
         """Write the pending iteration (Megatron logs iterations 1-based: ``curr_iteration + 1``)."""

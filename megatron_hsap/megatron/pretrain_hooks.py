@@ -181,7 +181,8 @@ def _feed_seqlen_stats(cu_seqlens: Any) -> None:
     update_seqlen_stats_from_cu_seqlens(torch.from_numpy(np.asarray(cu_seqlens, dtype=np.int64)).to(torch.int32))
 
 
-def _observe(args: Any, plan: Any, *, compile_s: float, prefetched: bool | None, plan_kwargs: dict[str, Any]) -> None:
+def _observe(args: Any, plan: Any, *, compile_s: float, prefetched: bool | None, plan_kwargs: dict[str, Any],
+             compiled_in: str = "training thread") -> None:
     """Per-iteration metrics and ``--hsap-dump-plan`` for one training micro-batch."""
     iteration = int(getattr(args, "curr_iteration", 0) or 0)
     from megatron_hsap.megatron.metrics import process_metrics
@@ -199,7 +200,10 @@ def _observe(args: Any, plan: Any, *, compile_s: float, prefetched: bool | None,
             print(f"[megatron-hsap] wrote the plan of iteration {iteration + 1} to {out} "
                   f"(picture: bash {out / 'plot.sh'})", flush=True)
     if metrics is not None:
-        metrics.add(iteration, plan, compile_s=compile_s, prefetched=prefetched)
+        metrics.add(iteration, plan, compile_s=compile_s, prefetched=prefetched, compiled_in=compiled_in)
+
+
+_WORKER = "plan-worker"  # the ``prefetchers`` key of the rank's PlanWorker (a vp_stage is an int or None)
 
 
 def hsap_get_batch(data_iterator: Iterator[dict[str, Any]] | None, vp_stage: int | None = None, *,
@@ -208,9 +212,11 @@ def hsap_get_batch(data_iterator: Iterator[dict[str, Any]] | None, vp_stage: int
     (``[1, t_local]`` on the device) and ``packed_seq_params`` with the plan.
 
     ``prefetchers`` (one dict per ``forward_step``): with ``--hsap-plan-prefetch`` (default) the next
-    training micro-batch is read ahead and its plan compiled on a background thread while this one
-    runs (``megatron/prefetch.py``). Prefetchers are keyed by ``vp_stage`` — the same on every TP
-    rank, where Megatron passes ``None`` iterators to TP ranks ≠ 0 — and used in training only:
+    training micro-batch is read ahead and its plan compiled while this one runs
+    (``megatron/prefetch.py``), in the rank's plan worker process (``--hsap-plan-process``, default:
+    ``megatron/plan_worker.py``, kept under the key ``_WORKER``) or on the prefetch thread.
+    Prefetchers are keyed by ``vp_stage`` — the same on every TP rank, where Megatron passes
+    ``None`` iterators to TP ranks ≠ 0 — and used in training only:
     evaluation and step replays read the iterator directly, in the same order on every rank.
     """
     import numpy as np
@@ -219,7 +225,8 @@ def hsap_get_batch(data_iterator: Iterator[dict[str, Any]] | None, vp_stage: int
     from megatron.training.utils import is_first_or_last_pipeline_stage
 
     from megatron_hsap.errors import ConfigError
-    from megatron_hsap.megatron.batch import get_batch_on_this_cp_rank, pack_micro_batch, plan_for_batch
+    from megatron_hsap.megatron.batch import get_batch_on_this_cp_rank, pack_micro_batch, plan_for_batch, plan_request
+    from megatron_hsap.megatron.plan_worker import PlanWorker
     from megatron_hsap.megatron.prefetch import PlanPrefetcher
 
     args = get_args()
@@ -239,29 +246,38 @@ def hsap_get_batch(data_iterator: Iterator[dict[str, Any]] | None, vp_stage: int
             _feed_seqlen_stats(packed.cu_seqlens)
         return get_batch_on_this_cp_rank(packed, config=_core_config(), plan_kwargs=plan_kwargs, device=device)
 
-    def compile_(item: Any) -> tuple[Any, float]:
+    def compile_(item: Any) -> tuple[Any, float, str]:
         start = time.perf_counter()
         plan = plan_for_batch(item[1] if isinstance(item, tuple) else item, config=_core_config(), plan_kwargs=plan_kwargs)
-        return plan, time.perf_counter() - start
+        return plan, time.perf_counter() - start, "training thread"
 
     prefetched: bool | None = None
     if prefetchers is None or not training or _replaying() or not getattr(args, "hsap_plan_prefetch", True):
         packed = _read_direct(data_iterator)
         if packed is None:
             raise StopIteration
-        plan, compile_s = compile_(packed)
+        plan, compile_s, where = compile_(packed)
     else:
         entry = prefetchers.get(vp_stage)
         if entry is None:
             reader = _RecordingReader(data_iterator)
-            entry = prefetchers[vp_stage] = (reader, PlanPrefetcher(reader.read, compile_))
+            worker = prefetchers.get(_WORKER)
+            if worker is None:  # one plan worker process per rank, shared by the virtual-pipeline stages
+                worker = prefetchers[_WORKER] = PlanWorker(enabled=getattr(args, "hsap_plan_process", True))
+
+            def compile_in_worker(item: Any, worker: PlanWorker = worker) -> tuple[Any, float, str]:
+                # on the prefetch thread, which waits on the worker's pipe without the GIL
+                got = worker.compile(plan_request(item[1], config=_core_config(), plan_kwargs=plan_kwargs))
+                return got.plan, got.seconds, "worker process" if got.in_worker else "prefetch thread"
+
+            entry = prefetchers[vp_stage] = (reader, PlanPrefetcher(reader.read, compile_in_worker))
         reader, prefetcher = entry
-        (raw, packed), (plan, compile_s) = next(prefetcher)
+        (raw, packed), (plan, compile_s, where) = next(prefetcher)
         prefetched = prefetcher.last_ready
         reader.consumed(raw)
     if training and _feeds_stats(vp_stage):  # once per micro-batch and rank; evaluation is not counted
         _feed_seqlen_stats(np.asarray(packed.cu_seqlens))
-        _observe(args, plan, compile_s=compile_s, prefetched=prefetched, plan_kwargs=plan_kwargs)
+        _observe(args, plan, compile_s=compile_s, prefetched=prefetched, plan_kwargs=plan_kwargs, compiled_in=where)
     return get_batch_on_this_cp_rank(packed, plan=plan, config=_core_config(), device=device)
 
 

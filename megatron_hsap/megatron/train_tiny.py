@@ -48,6 +48,7 @@ class TinyRun:
     layout: str = "balanced"
     flatten: str = "auto"  # plan/flatten.py: "never" keeps the P_intra x P_inter topology on every batch
     plan_prefetch: bool = True
+    plan_process: bool = True  # prefetched plans compiled in a plan worker process (megatron/plan_worker.py)
     data_dir: str | None = None
     progress: bool = True
 
@@ -195,9 +196,10 @@ def _rank_main(rank: int, run: TinyRun, store: str, corpus: Any, queue: Any) -> 
         from megatron.core import parallel_state as mpu
 
         from megatron_hsap.megatron import cpu_shims
-        from megatron_hsap.megatron.batch import get_batch_on_this_cp_rank, plan_for_batch, plan_kwargs_from_config
+        from megatron_hsap.megatron.batch import get_batch_on_this_cp_rank, plan_kwargs_from_config, plan_request
         from megatron_hsap.megatron.data import ByteTokenizer, build_gpt_dataset, micro_batch
         from megatron_hsap.megatron.parallel_state import destroy_hsap, initialize_hsap
+        from megatron_hsap.megatron.plan_worker import PlanWorker
         from megatron_hsap.megatron.prefetch import PlanPrefetcher
         from megatron_hsap.megatron.spec import hsap_layer_spec
 
@@ -225,7 +227,9 @@ def _rank_main(rank: int, run: TinyRun, store: str, corpus: Any, queue: Any) -> 
                 return None
             return micro_batch(dataset, (step * run.dp_size + dp_rank) * run.micro_batch_size, run.micro_batch_size)
 
-        prefetcher = PlanPrefetcher(read, lambda b: plan_for_batch(b, plan_kwargs=plan_kwargs), enabled=run.plan_prefetch)
+        worker = PlanWorker(enabled=run.plan_prefetch and run.plan_process)
+        prefetcher = PlanPrefetcher(read, lambda b: worker.compile(plan_request(b, plan_kwargs=plan_kwargs))[0],
+                                    enabled=run.plan_prefetch)
         for step, (batch, plan) in enumerate(prefetcher):  # the next plan compiles while this step trains
             sharded = get_batch_on_this_cp_rank(batch, plan=plan, pad_token_id=ByteTokenizer.PAD)
             n_global, real = _sum_over(dp_group, sharded["num_loss_tokens"], sharded["num_tokens"])
@@ -245,6 +249,7 @@ def _rank_main(rank: int, run: TinyRun, store: str, corpus: Any, queue: Any) -> 
                     bar.write(line, file=sys.stdout)
                     bar.update(1)
         prefetcher.close()
+        worker.close()
         if bar is not None:
             bar.close()
         if rank == 0:
@@ -373,6 +378,8 @@ def _parser() -> argparse.ArgumentParser:
                         "them (P x 1) when estimated faster (auto), always 1 x P, always P x 1 (all-to-all), or never "
                         "(the configured topology on every batch); plan/flatten.py")
     p.add_argument("--no-plan-prefetch", action="store_true", help="compile each plan when its batch is taken")
+    p.add_argument("--no-plan-process", action="store_true",
+                   help="compile the prefetched plans on the prefetch thread, not in a plan worker process per rank")
     p.add_argument("--data-dir", default=None, help="where the indexed dataset is written (default: ~/.cache/megatron-hsap/data)")
     p.add_argument("--no-compare", action="store_true", help="skip the CP=1 comparison run")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
@@ -406,7 +413,7 @@ def _parse(argv: list[str] | None) -> tuple[TinyRun, bool]:
         world_size=a.world_size, intra_size=a.intra_size, inter_size=a.inter_size, steps=a.steps,
         seq_length=a.seq_length, micro_batch_size=a.micro_batch_size, num_layers=a.num_layers,
         hidden_size=a.hidden_size, num_heads=a.num_attention_heads, num_kv_heads=a.num_query_groups,
-        lr=a.lr, seed=a.seed, layout=a.layout, flatten=a.flatten, plan_prefetch=not a.no_plan_prefetch, data_dir=a.data_dir,
+        lr=a.lr, seed=a.seed, layout=a.layout, flatten=a.flatten, plan_prefetch=not a.no_plan_prefetch, plan_process=not a.no_plan_process, data_dir=a.data_dir,
         progress=not a.no_progress,
     )
     check_run(run)

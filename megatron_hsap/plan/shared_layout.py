@@ -10,6 +10,7 @@ another plan under the same options).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -20,7 +21,13 @@ from megatron_hsap.plan.window import normalize_window
 if TYPE_CHECKING:
     from megatron_hsap.plan.plan_type import Plan
 
-__all__ = ["compile_on_layout", "plans_for_windows"]
+__all__ = ["adopt", "compile_on_layout", "plans_for_windows"]
+
+
+def _key(base: "Plan", window: tuple[int, int] | None) -> tuple[tuple, object]:
+    """``compile_on_layout``'s cache key of ``base`` under normalised ``window``, and its options."""
+    opts = replace(base.options, window_size=window).validate()
+    return (base.batch.cu_seqlens, opts, base.layout.segments), opts
 
 
 def compile_on_layout(base: "Plan", window_size: object) -> "Plan":
@@ -29,8 +36,7 @@ def compile_on_layout(base: "Plan", window_size: object) -> "Plan":
     window = normalize_window(window_size)
     if window == base.options.window_size:
         return base
-    opts = replace(base.options, window_size=window).validate()
-    key = (base.batch.cu_seqlens, opts, base.layout.segments)
+    key, opts = _key(base, window)
     hit = PLAN_CACHE.get(key)
     if hit is not None:
         return hit
@@ -39,6 +45,14 @@ def compile_on_layout(base: "Plan", window_size: object) -> "Plan":
         got = _search._with_clipped(got, base)
     PLAN_CACHE.put(key, got)
     return got
+
+
+def adopt(base: "Plan", plans: "Iterable[Plan]") -> None:
+    """Cache ``plans``, compiled on ``base``'s layout by another process (``compile_on_layout`` there:
+    ``megatron/plan_worker.py``), under the keys ``compile_on_layout(base, window)`` looks up here."""
+    for plan in plans:
+        if plan.options.window_size != base.options.window_size:
+            PLAN_CACHE.put(_key(base, plan.options.window_size)[0], plan)
 
 
 def plans_for_windows(base: "Plan", windows: object) -> dict[tuple[int, int] | None, "Plan"]:

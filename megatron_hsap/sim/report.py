@@ -310,6 +310,14 @@ def _scale(rows: list[dict[str, str]]) -> str:
     return scale_markdown(rows)
 
 
+def _plan_worker(rows: list[dict[str, str]]) -> str:
+    """What a prefetched compile costs the training thread, on a thread or in the plan worker process
+    (``python -m megatron_hsap.bench.plan_worker``: ``results/plan_worker.csv``)."""
+    from megatron_hsap.bench.plan_worker import markdown
+
+    return markdown([(r["T"], r["P_inter"], r["mode"], r["metric"], r["value"], r["unit"]) for r in rows])
+
+
 REGIONS: dict[str, tuple[str, Callable[[list[dict[str, str]]], str]]] = {
     "calibration": ("calibrate.csv", _calibration),
     "magi": ("magi.csv", _magi),
@@ -319,6 +327,7 @@ REGIONS: dict[str, tuple[str, Callable[[list[dict[str, str]]], str]]] = {
     "table4": ("table4.csv", _table4),
     "layout_measures": ("plan_layouts.csv", _layout_measures),
     "compile_times": ("compile_times.csv", _compile_times),
+    "plan_worker": ("plan_worker.csv", _plan_worker),
     "scale": ("scale.csv", _scale),
     "layouts": ("layouts.csv", _layouts),
 }

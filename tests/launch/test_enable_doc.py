@@ -175,7 +175,7 @@ def test_the_metrics_line_on_the_page_has_the_code_s_fields() -> None:
     lines: list[str] = []
     metrics = HSAPMetrics(log_interval=1, writers=lambda: (None, None), is_logging_rank=True, echo=lines.append)
     metrics.add(3, compile_plan([0, 300, 700, 1024], 2, intra_size=2, num_heads=4, num_kv_heads=2, head_dim=16),
-                compile_s=0.04, prefetched=True)
+                compile_s=0.04, prefetched=True, compiled_in="worker process")
     metrics.flush()
 
     def shape(line: str) -> str:

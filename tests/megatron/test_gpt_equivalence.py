@@ -86,9 +86,10 @@ def run_hsap(intra: int, inter: int, batches: list[dict[str, torch.Tensor]], tp:
     """Pool case (tp·intra·inter ranks): the same training under HSAP (Megatron's TP inside)."""
     from megatron.core import parallel_state as mpu
 
-    from megatron_hsap.megatron.batch import get_batch_on_this_cp_rank, plan_for_batch, plan_kwargs_from_config
+    from megatron_hsap.megatron.batch import get_batch_on_this_cp_rank, plan_kwargs_from_config, plan_request
     from megatron_hsap.megatron.data import ByteTokenizer
     from megatron_hsap.megatron.parallel_state import destroy_hsap, initialize_hsap
+    from megatron_hsap.megatron.plan_worker import PlanWorker
     from megatron_hsap.megatron.prefetch import PlanPrefetcher
     from megatron_hsap.megatron.spec import hsap_layer_spec
     from megatron_hsap.megatron.train_tiny import train_step
@@ -99,11 +100,12 @@ def run_hsap(intra: int, inter: int, batches: list[dict[str, torch.Tensor]], tp:
         model, opt = _model(config, hsap_layer_spec(config, use_te=False))
         out = []
         # "balanced" without the fallback: the permuted layout must be what trains; its plans come
-        # from the prefetcher (compiled one batch ahead on a worker thread), as in training
+        # from the prefetcher (compiled one batch ahead, in this rank's plan worker process), as in training
         extra = {"layout": layout, **({"layout_fallback": False} if layout == "balanced" else {})}
         kwargs = {**plan_kwargs_from_config(config), **extra}
         source = iter(batches)
-        prefetch = PlanPrefetcher(lambda: next(source, None), lambda b: plan_for_batch(b, plan_kwargs=kwargs),
+        worker = PlanWorker(enabled=layout == "balanced")
+        prefetch = PlanPrefetcher(lambda: next(source, None), lambda b: worker.compile(plan_request(b, plan_kwargs=kwargs))[0],
                                   enabled=layout == "balanced")
         for batch, plan in prefetch:
             sharded = get_batch_on_this_cp_rank(batch, plan=plan, pad_token_id=ByteTokenizer.PAD)
@@ -114,6 +116,8 @@ def run_hsap(intra: int, inter: int, batches: list[dict[str, torch.Tensor]], tp:
                         "counted": r.counted_tokens, "padded": sharded["plan"].padded_tokens,
                         "layout": sharded["plan"].layout.name})
         prefetch.close()
+        assert worker.in_process == (layout != "balanced")  # the worker served every plan
+        worker.close()
         return out
     finally:
         destroy_hsap()

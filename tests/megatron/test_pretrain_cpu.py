@@ -129,13 +129,15 @@ def test_hsap_metrics_and_plan_dump_in_megatrons_log(root: Path) -> None:
     log = (Path(hsap.log_dir) / "rank0.log").read_text()
     lines = re.findall(r"\[megatron-hsap\] iteration (\d+) \| micro-batches (\d+) \| layout ([a-z ,0-9]+) \| "
                        r"imbalance max ([0-9.]+) mean [0-9.]+ \| estimated attention fwd\+bwd ([0-9.e+-]+) (?:s|ms|us|ns) \| "
-                       r"compile ([0-9.]+) ms \| prefetch hits (\d+)/(\d+) \|", log)
+                       r"compile ([0-9.]+) ms \| prefetch hits (\d+)/(\d+) \| compiled in ([a-z ,0-9]+) \|", log)
     assert [int(m[0]) for m in lines] == [1, 2, 3, 4]  # every iteration, the last one flushed at exit
     assert log.count("| flattened 0/1\n") == 4  # --hsap-flatten never
     assert all(int(m[1]) == 1 and float(m[3]) >= 1.0 and float(m[4]) > 0 for m in lines)
     # Every training micro-batch came through the prefetcher (whether its plan was ready in time is
     # a matter of thread timing: counted, not asserted).
     assert sum(int(m[7]) for m in lines) == 4 and all(int(m[6]) <= int(m[7]) for m in lines)
+    # ... and every plan came from the rank's plan worker process (--hsap-plan-process, the default)
+    assert [m[8] for m in lines] == ["worker process 1"] * 4 and "plan worker process:" not in log
     assert "[megatron-hsap] attention kernels: cpu on cpu; receive pool:" in log
     assert "WARNING: no --dataloader-inter-document-masking" not in log
     # --hsap-dump-plan: iteration 2's plan, every inter rank's programs, its inputs and a picture.
