@@ -74,7 +74,9 @@ FEATURES: dict[Feature, _Spec] = {
     Feature.FSDP_CHECKPOINT: _Spec(
         "Megatron-FSDP checkpoints (training.save / training.load, --save / --load, with parallel.sharding "
         "optim_grads / optim_grads_params or --use-megatron-fsdp: the fsdp_dtensor format). On CPU gloo ranks "
-        "megatron-core 0.19.2's own save hangs in a collective at 4 ranks with or without HSAP",
+        "megatron-core 0.19.2's own save hangs in a collective at 4 ranks with or without HSAP (ranks whose "
+        "shards hold different optimizer keys enter different collectives: NVIDIA/Megatron-LM issue 4910, "
+        "open; PR 6573 adds a check that raises instead)",
         lambda c: _megatron_fsdp(c) and bool(c.training.save or c.training.load or _flag(c, "--save", "--load"))),
     Feature.RING_CP: _Spec(
         "Megatron's Transformer Engine ring at CP > 1 (cp_impl: ring; the suite runs ring at CP 1 only)",
