@@ -41,6 +41,7 @@ from megatron_hsap.plan.ir import (
     new_compute_item,
     new_recv,
     new_send,
+    pickle_by_fields,
     positional_builder,
 )
 
@@ -64,6 +65,9 @@ class Message:
     tokens: TokenRange
     nbytes: int
     part: int = 0  # tells apart results of several blocks with the same rows (never merged in flight)
+
+
+pickle_by_fields(Message)
 
 
 # Slot lifetimes (the module docstring), one rule for ``generate``'s slots and ``_live_peak``'s

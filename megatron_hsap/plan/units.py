@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from megatron_hsap.plan.ir import TokenRange, positional_builder
+from megatron_hsap.plan.ir import TokenRange, pickle_by_fields, positional_builder
 from megatron_hsap.plan.layout import Batch, Layout, segment_pieces
 from megatron_hsap.plan.window import NO_WINDOW, banded_pairs, clip_block, staircase_pairs
 
@@ -68,6 +68,10 @@ class WorkUnit:
             w = causal_work(self.q, self.kv, self.causal, self.window)
             object.__setattr__(self, "_work", w)  # a cache of a pure function of frozen fields
         return w
+
+
+pickle_by_fields(Piece)
+pickle_by_fields(WorkUnit)
 
 
 _new_work_unit = positional_builder(WorkUnit)  # every field, ``_work`` last: ~2x the keyword ``__init__``

@@ -12,7 +12,7 @@ import dataclasses
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from megatron_hsap.plan.ir import ComputeItem, Slot, TokenRange, Unit
+from megatron_hsap.plan.ir import ComputeItem, Slot, TokenRange, Unit, Wire
 
 
 def brute(q: TokenRange, kv: TokenRange, window: int) -> int:
@@ -58,3 +58,40 @@ def test_ir_records_are_frozen() -> None:
     with pytest.raises(dataclasses.FrozenInstanceError):
         r.start = 1  # type: ignore[misc]
     assert len(r) == 4 and str(r) == "[0:4)" and Slot(256, 10).end == 266
+
+
+def test_plans_pickle_by_fields_equal_and_without_dataclasses_fields(monkeypatch) -> None:
+    """The plan worker process sends plans pickled (megatron/plan_worker.py): every IR record comes
+    back equal — cached ``_work`` included — without CPython's per-object ``dataclasses.fields``
+    call (``ir.pickle_by_fields``), and the plan keeps its hash."""
+    import pickle
+
+    from megatron_hsap.plan import compile_plan
+    from megatron_hsap.plan.codegen import Message
+    from megatron_hsap.plan.units import Piece, WorkUnit
+
+    plan = compile_plan([0, 300, 700, 1500, 1536, 4096], 4, intra_size=2, num_heads=8, num_kv_heads=2, head_dim=16,
+                        flatten="never")
+    data = pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL)
+    calls = []
+    real = dataclasses.fields
+    monkeypatch.setattr(dataclasses, "fields", lambda x: calls.append(type(x).__name__) or real(x))
+    back = pickle.loads(data)
+    monkeypatch.undo()
+    records = {"TokenRange", "Segment", "Slot", "Send", "Recv", "Round", "Post", "Wait", "ComputeItem", "Compute",
+               "Merge", "Accumulate", "Program", "Unit", "Piece", "WorkUnit", "Message"}
+    assert not set(calls) & records, calls  # the plan's few other dataclasses: once each, not per block
+    assert len(calls) < 20
+    assert back.hash == plan.hash and back.units() == plan.units()
+    assert [u._work for u in back.units()] == [u._work for u in plan.units()]
+    for phase in ("fwd", "bwd"):
+        assert [back.program(r, phase) for r in range(plan.inter_size)] == [plan.program(r, phase) for r in range(plan.inter_size)]
+    # the records a plan holds, each once: equal, same class, same hash
+    unit = plan.units()[0]
+    work = WorkUnit(0, TokenRange(0, 8), TokenRange(0, 8), True, 0, 0, "A1")
+    _ = work.work
+    for x in (unit, unit.q, Slot(256, 10), Piece(0, TokenRange(0, 4), 1, 2), work,
+              Message(1, 0, 1, Wire.KV, TokenRange(0, 4), 64, part=2)):
+        y = pickle.loads(pickle.dumps(x))
+        assert type(y) is type(x) and y == x and hash(y) == hash(x)
+    assert pickle.loads(pickle.dumps(work))._work == work._work > 0
