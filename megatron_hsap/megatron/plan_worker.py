@@ -249,10 +249,12 @@ class PlanWorker:
               "now on (--no-hsap-plan-process does so from the start)", file=sys.stderr, flush=True)
 
     def close(self) -> None:
-        """Stop the worker: its stdin closes, it exits (killed after ``_STOP_WAIT_S``)."""
+        """Stop the worker: its stdin closes, it exits (killed after ``_STOP_WAIT_S``). A later
+        ``compile`` starts a new one."""
         with self._lock:
             if self._finalizer is not None:
                 self._finalizer()
+            self._proc = self._finalizer = None
 
     def __enter__(self) -> "PlanWorker":
         return self

@@ -183,6 +183,9 @@ def test_close_ends_the_child_and_callers_share_it_in_turn() -> None:
     proc = w._proc
     w.close()
     assert proc is not None and proc.returncode == 0  # it left at the end of its stdin
+    again = w.compile(reqs[0])  # a closed worker starts a new process when asked again
+    assert again.in_worker and w.pid not in (None, proc.pid) and again.plan.hash == out[0]
+    w.close()
     for i, req in enumerate(reqs):
         clear_plan_cache()
         assert out[i] == compile_request(req)[0].hash
