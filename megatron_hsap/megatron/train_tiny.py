@@ -413,7 +413,8 @@ def _parse(argv: list[str] | None) -> tuple[TinyRun, bool]:
         world_size=a.world_size, intra_size=a.intra_size, inter_size=a.inter_size, steps=a.steps,
         seq_length=a.seq_length, micro_batch_size=a.micro_batch_size, num_layers=a.num_layers,
         hidden_size=a.hidden_size, num_heads=a.num_attention_heads, num_kv_heads=a.num_query_groups,
-        lr=a.lr, seed=a.seed, layout=a.layout, flatten=a.flatten, plan_prefetch=not a.no_plan_prefetch, plan_process=not a.no_plan_process, data_dir=a.data_dir,
+        lr=a.lr, seed=a.seed, layout=a.layout, flatten=a.flatten, plan_prefetch=not a.no_plan_prefetch,
+        plan_process=not a.no_plan_process, data_dir=a.data_dir,
         progress=not a.no_progress,
     )
     check_run(run)
