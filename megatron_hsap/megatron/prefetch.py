@@ -4,8 +4,10 @@ Compiling a plan is pure CPU work (tens of ms at 64K tokens, a few hundred at 1M
 about twice that with ``layout="balanced"``, which compiles both layouts). Done inside
 ``get_batch`` it sits on the critical path of every micro-batch. :class:`PlanPrefetcher` reads one
 micro-batch ahead and compiles its plan on one background thread, so the compile overlaps the
-current micro-batch's forward and backward (the training thread releases the GIL whenever it waits
-on the device or on a collective).
+current micro-batch's forward and backward. A compile *on* that thread holds the GIL against every
+op the training thread dispatches (it gets the GIL back only at CPython's 5 ms switch interval), so
+the Megatron backend and ``train-tiny`` hand the compile to a plan worker process and the thread
+only waits on its pipe (``megatron/plan_worker.py``, ``--hsap-plan-process``).
 
 ``read`` runs on the caller's thread — it may issue collectives (Megatron's tensor-parallel
 broadcast of the host batch) and must be called in the same order on every rank; ``compile`` runs
