@@ -12,10 +12,11 @@ get_batch_on_this_cp_rank` (plan in ``packed_seq_params``, no attention mask). I
 
 from __future__ import annotations
 
-import copy
 import functools
 import time
 from typing import Any, Callable, Iterator
+
+from megatron_hsap.megatron.host_batches import RecordingReader, read_direct, replaying
 
 __all__ = ["run_pretrain", "hsap_get_batch", "make_forward_step", "with_hsap_init", "hsap_entry_points",
            "hsap_extra_args_provider"]
@@ -27,90 +28,6 @@ def _core_config() -> Any:
     from megatron.training.arguments import core_transformer_config_from_args
 
     return core_transformer_config_from_args(get_args())
-
-
-def _broadcast_host_batch(batch: Any) -> Any:
-    """TP rank 0 reads the data iterator; the other TP ranks get the same host batch (``None`` at
-    the end of the data, so every TP rank stops together).
-
-    One pickled object per micro-batch over the TP group: ``cu_seqlens`` stays on the host, so the
-    plan is compiled without a device-to-host sync.
-    """
-    import torch.distributed as dist
-    from megatron.core import mpu
-
-    if mpu.get_tensor_model_parallel_world_size() == 1:
-        return batch
-    box = [batch]
-    dist.broadcast_object_list(box, src=mpu.get_tensor_model_parallel_src_rank(),
-                               group=mpu.get_tensor_model_parallel_group())
-    return box[0]
-
-
-def _pack(batch: dict[str, Any]) -> Any:
-    """The host side of one micro-batch, packed once (the plan and the sharding both read it)."""
-    from megatron_hsap.megatron.batch import pack_micro_batch
-
-    keep = ("tokens", "labels", "loss_mask", "position_ids", "cu_seqlens")  # position ids: a learned embedding's
-    host = {k: (v.cpu() if hasattr(v, "cpu") else v) for k, v in batch.items() if k in keep and v is not None}
-    return pack_micro_batch(host)
-
-
-def _replaying() -> bool:
-    """Whether Megatron's rerun state machine is re-running this step (the same on every rank:
-    the decision to rerun is reduced over the world)."""
-    from megatron.core.rerun_state_machine import RerunState, get_rerun_state_machine
-
-    return get_rerun_state_machine().state in (RerunState.RERUNNING_IN_PLACE, RerunState.RERUNNING_FROM_CHECKPOINT)
-
-
-class _RecordingReader:
-    """Reads micro-batches for the plan prefetcher without breaking Megatron's step replay.
-
-    Megatron wraps data iterators in ``RerunDataIterator``, which saves every micro-batch read
-    during an iteration so a re-run (NaN or spiky loss) replays them. A read-ahead would save the
-    next iteration's first batch into this one. So the prefetcher reads the *underlying* iterator,
-    and a batch is saved into the wrapper's list when it is handed to the step — exactly what the
-    wrapper saves without prefetch (a shallow copy, only while the rerun mode is enabled).
-    """
-
-    def __init__(self, data_iterator: Iterator[dict[str, Any]] | None) -> None:
-        self.wrapper = data_iterator if hasattr(data_iterator, "saved_microbatches") else None
-        self.source = self.wrapper.iterable if self.wrapper is not None else data_iterator
-
-    def read(self) -> tuple[Any, Any] | None:
-        """``(raw batch, packed host batch)`` on TP rank 0, the broadcast packed batch elsewhere."""
-        from megatron.core import mpu
-
-        raw = packed = None
-        if mpu.get_tensor_model_parallel_rank() == 0:
-            try:
-                raw = next(self.source)
-            except StopIteration:
-                raw = None
-            packed = _pack(raw) if raw is not None else None
-        packed = _broadcast_host_batch(packed)
-        return None if packed is None else (raw, packed)
-
-    def consumed(self, raw: Any) -> None:
-        from megatron.core.rerun_state_machine import RerunMode, get_rerun_state_machine
-
-        if self.wrapper is not None and raw is not None and get_rerun_state_machine().get_mode() != RerunMode.DISABLED:
-            self.wrapper.saved_microbatches.append(copy.copy(raw))
-
-
-def _read_direct(data_iterator: Iterator[dict[str, Any]] | None) -> Any:
-    """The next packed host micro-batch on every TP rank through the iterator itself (replays and
-    evaluation), or ``None`` at the end of the data."""
-    from megatron.core import mpu
-
-    packed = None
-    if mpu.get_tensor_model_parallel_rank() == 0:
-        try:
-            packed = _pack(next(data_iterator))
-        except StopIteration:
-            packed = None
-    return _broadcast_host_batch(packed)
 
 
 def plan_flags(args: Any) -> dict[str, Any]:
@@ -252,15 +169,15 @@ def hsap_get_batch(data_iterator: Iterator[dict[str, Any]] | None, vp_stage: int
         return plan, time.perf_counter() - start, "training thread"
 
     prefetched: bool | None = None
-    if prefetchers is None or not training or _replaying() or not getattr(args, "hsap_plan_prefetch", True):
-        packed = _read_direct(data_iterator)
+    if prefetchers is None or not training or replaying() or not getattr(args, "hsap_plan_prefetch", True):
+        packed = read_direct(data_iterator)
         if packed is None:
             raise StopIteration
         plan, compile_s, where = compile_(packed)
     else:
         entry = prefetchers.get(vp_stage)
         if entry is None:
-            reader = _RecordingReader(data_iterator)
+            reader = RecordingReader(data_iterator)
             worker = prefetchers.get(_WORKER)
             if worker is None:  # one plan worker process per rank, shared by the virtual-pipeline stages
                 worker = prefetchers[_WORKER] = PlanWorker(enabled=getattr(args, "hsap_plan_process", True))
