@@ -352,8 +352,11 @@ def positional_builder(cls: type) -> "Callable[..., Any]":
     order, through the slots' setters, then its ``__post_init__`` checks if it has them: the
     dataclass ``__init__`` calls ``object.__setattr__`` by name per field, ~2x the time. For the
     planner's hottest constructions (~10^4 blocks, messages and ops per 1M-token compile); equal
-    objects either way (tests/plan/test_compile_speed_equal.py)."""
+    objects either way (tests/plan/test_compile_speed_equal.py). One builder per class, kept on it
+    (``_positional_builder``: the constructors below and ``pickle_by_fields`` share it)."""
     assert "__slots__" in cls.__dict__, cls
+    if "_positional_builder" in cls.__dict__:
+        return cls.__dict__["_positional_builder"]
     names = [f.name for f in fields(cls)]
     env = {"new": object.__new__, "cls": cls, "check": getattr(cls, "__post_init__", None),
            **{f"set_{n}": cls.__dict__[n].__set__ for n in names}}
@@ -361,6 +364,7 @@ def positional_builder(cls: type) -> "Callable[..., Any]":
     exec(f"def build({', '.join(names)}):\n    v = new(cls)\n{body}    return v\n", env)  # unrolled: no loop per field
     build = env["build"]
     build.__doc__ = f"``{cls.__name__}(*fields)`` (``ir.positional_builder``)"
+    cls._positional_builder = build  # (a plain function in the class dict: read back unbound)
     return build
 
 
@@ -372,7 +376,7 @@ def pickle_by_fields(cls: type) -> None:
     (``megatron/plan_worker.py``): a fineweb 1M-token plan over 64 inter ranks unpickles in 15–17 ms
     instead of 48–56 (this VM, collector off, two runs each). Equal objects either way, a block's
     cached work included (``tests/plan/test_ir.py``)."""
-    cls._pickle_builder = staticmethod(positional_builder(cls))
+    positional_builder(cls)
     get = operator.attrgetter(*(f.name for f in fields(cls)))
     one = len(fields(cls)) == 1
 
@@ -385,7 +389,7 @@ def pickle_by_fields(cls: type) -> None:
 
 def _rebuilt(cls: type, values: tuple) -> Any:
     """``pickle_by_fields``' reconstructor (a module-level name, so pickles refer to it)."""
-    return cls._pickle_builder(*values)
+    return cls.__dict__["_positional_builder"](*values)
 
 
 new_send = positional_builder(Send)
