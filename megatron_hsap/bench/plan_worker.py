@@ -118,6 +118,8 @@ def measure(batches: int = 4, seed: int = 2024, reps: int = 5) -> list[tuple]:
 
 def markdown(rows: list[tuple]) -> str:
     """The table of ``measure``'s rows (read back from the CSV as strings too)."""
+    from megatron_hsap.sim.results import size_label
+
     by: dict[tuple[int, int, str], dict[str, float]] = {}
     for T, P, mode, metric, value, _ in rows:
         by.setdefault((int(T), int(P), mode), {})[metric] = float(value)
@@ -125,9 +127,7 @@ def markdown(rows: list[tuple]) -> str:
              "training thread's op rate meanwhile (share of alone) | training thread's time lost per batch (ms) | "
              "plan unpickled by the training process (ms) |", "|---|---|---|---|---|---|"]
     for (T, P, mode), m in sorted(by.items(), key=lambda kv: (kv[0][0], kv[0][2] != "thread")):
-        if mode == "alone":
-            continue
-        label = f"{T // 1024}K / P {P}" if T < (1 << 20) else f"{T >> 20}M / P {P}"
+        label = f"{size_label(T)} / P {P}"
         where = "the prefetch thread (--no-hsap-plan-process)" if mode == "thread" else "the plan worker process (default)"
         unpickle = f"{m['unpickle_median'] * 1e3:.1f}" if "unpickle_median" in m else "—"
         lines.append(f"| {label} | {where} | {m['compile_window_per_batch'] * 1e3:.1f} | {m['op_rate_share']:.0%} | "

@@ -38,11 +38,11 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, BinaryIO, NamedTuple
 
 from megatron_hsap.errors import HSAPError
+from megatron_hsap.plan.shared_layout import adopt
 
 if TYPE_CHECKING:
     from megatron_hsap.plan.plan_type import Plan
@@ -190,7 +190,7 @@ class PlanWorker:
                 except PlanWorkerError as err:
                     self._fail(str(err))
                 else:
-                    _adopt(plan, windowed)
+                    adopt(plan, windowed)  # where every layer's core attention looks them up
                     return Compiled(plan, seconds, True)
         start = time.perf_counter()
         plan, _ = compile_request(req)
@@ -276,14 +276,6 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
-
-
-def _adopt(plan: "Plan", windowed: Sequence["Plan"]) -> None:
-    """Put the window plans the worker compiled on ``plan``'s layout into this process's plan
-    cache, under the keys ``compile_on_layout(plan, window)`` looks up."""
-    from megatron_hsap.plan.shared_layout import adopt
-
-    adopt(plan, windowed)
 
 
 if __name__ == "__main__":  # pragma: no cover - ``PlanWorker`` starts it with ``-c`` (no package ``__main__`` run)

@@ -163,17 +163,14 @@ def hsap_get_batch(data_iterator: Iterator[dict[str, Any]] | None, vp_stage: int
             _feed_seqlen_stats(packed.cu_seqlens)
         return get_batch_on_this_cp_rank(packed, config=_core_config(), plan_kwargs=plan_kwargs, device=device)
 
-    def compile_(item: Any) -> tuple[Any, float, str]:
-        start = time.perf_counter()
-        plan = plan_for_batch(item[1] if isinstance(item, tuple) else item, config=_core_config(), plan_kwargs=plan_kwargs)
-        return plan, time.perf_counter() - start, "training thread"
-
     prefetched: bool | None = None
     if prefetchers is None or not training or replaying() or not getattr(args, "hsap_plan_prefetch", True):
         packed = read_direct(data_iterator)
         if packed is None:
             raise StopIteration
-        plan, compile_s, where = compile_(packed)
+        start = time.perf_counter()
+        plan = plan_for_batch(packed, config=_core_config(), plan_kwargs=plan_kwargs)
+        compile_s, where = time.perf_counter() - start, "training thread"
     else:
         entry = prefetchers.get(vp_stage)
         if entry is None:
