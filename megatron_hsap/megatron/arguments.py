@@ -2,7 +2,9 @@
 
 ``add_hsap_args(parser)`` is an ``extra_args_provider`` for ``megatron.training.arguments.
 parse_and_validate_args``; ``validate_hsap_args(args)`` runs after Megatron's own validation and
-refuses (``ConfigError``) every setting HSAP cannot honour, naming the flag to change.
+refuses (``ConfigError``) every setting HSAP cannot honour, naming the flag to change;
+``check_before_megatron(args)`` runs the few of those rules Megatron asserts without a message
+before Megatron's validation does (``pretrain_hooks.run_pretrain``).
 
 Topology reuses Megatron's ``--hierarchical-context-parallel-sizes P_intra P_inter`` (level 0 =
 contiguous blocks of CP ranks = intra/NVLink, level 1 = strided = inter/InfiniBand, docs/design.md §1), so
@@ -23,7 +25,7 @@ from megatron_hsap.plan.costs import DEFAULT_GRAD_WIRE_DTYPE, GRAD_WIRE_DTYPES
 from megatron_hsap.plan.hardware import HARDWARE
 from megatron_hsap.plan.options import FLATTEN
 
-__all__ = ["HSAPArgs", "add_hsap_args", "validate_hsap_args", "IMPLS"]
+__all__ = ["HSAPArgs", "add_hsap_args", "check_before_megatron", "validate_hsap_args", "IMPLS"]
 
 IMPLS = ("ring", "hsap")
 SPEC_MODULE = "megatron_hsap.megatron.spec"
@@ -229,6 +231,26 @@ def _refuse(condition: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+def check_before_megatron(args: Any) -> None:
+    """The HSAP rules Megatron's own ``validate_args`` checks first with a bare ``assert`` (no
+    message), checked on the parsed namespace before it runs (``pretrain_hooks.run_pretrain``):
+    the hierarchical sizes (two levels whose product is ``--context-parallel-size``), and
+    ``--cp-comm-type`` (Transformer Engine's CP algorithm; Megatron asserts hierarchical sizes for
+    ``a2a+p2p``, and HSAP would ignore it silently). Nothing for ``ring``. Raises
+    :class:`ConfigError` naming the flag; ``validate_hsap_args`` runs it too."""
+    if getattr(args, "context_parallel_impl", "ring") != "hsap":
+        return
+    sizes = getattr(args, "hierarchical_context_parallel_sizes", None)
+    if sizes:
+        _sizes(args, int(getattr(args, "context_parallel_size", 1) or 1), 1, 1, 1)
+    comm = getattr(args, "cp_comm_type", None) or ["p2p"]
+    comm = [comm] if isinstance(comm, str) else list(comm)
+    _refuse(any(c != "p2p" for c in comm),
+            f"--cp-comm-type {' '.join(comm)} selects Transformer Engine's context-parallel algorithm, which "
+            "--context-parallel-impl hsap replaces (its all-to-all / P2P split is --hierarchical-context-parallel-sizes "
+            "P_intra P_inter): drop --cp-comm-type")
+
+
 def validate_hsap_args(args: Any) -> HSAPArgs | None:
     """Check a parsed Megatron namespace for ``--context-parallel-impl hsap``.
 
@@ -240,6 +262,7 @@ def validate_hsap_args(args: Any) -> HSAPArgs | None:
         raise ConfigError(f"--context-parallel-impl {impl!r}: choose one of {', '.join(IMPLS)}")
     if impl == "ring":
         return None
+    check_before_megatron(args)
     cp = int(getattr(args, "context_parallel_size", 1) or 1)
     tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
     heads_total = getattr(args, "num_attention_heads", None)

@@ -376,14 +376,20 @@ def run_pretrain(datasets_provider: Any, forward_step: Callable[..., Any], loss_
     from megatron.core.enums import ModelType
     from megatron.training import inprocess_restart, pretrain, set_startup_timestamps
     from megatron.training.argument_utils import gpt_config_from_args, hybrid_config_from_args, pretrain_cfg_container_from_args
-    from megatron.training.arguments import parse_and_validate_args
+    from megatron.training.arguments import parse_and_validate_args, parse_args
 
+    from megatron_hsap.megatron.arguments import check_before_megatron
+
+    provider = hsap_extra_args_provider(extra_args_provider)
+    # Megatron's validate_args asserts some rules HSAP's flags depend on without a message (the
+    # hierarchical sizes' product): parse once more (no side effects) and check them first
+    check_before_megatron(parse_args(provider))
     set_startup_timestamps(program_start=program_start if program_start is not None else main_entry,
                            main_entry=main_entry)
     datasets_provider.is_distributed = True
     _use_prebuilt_dataset_helpers()
     run, restart_store = inprocess_restart.maybe_wrap_for_inprocess_restart(pretrain)
-    args = parse_and_validate_args(extra_args_provider=hsap_extra_args_provider(extra_args_provider),
+    args = parse_and_validate_args(extra_args_provider=provider,
                                    args_defaults=args_defaults or {"tokenizer_type": "GPT2BPETokenizer"})
     try:
         from megatron.post_training.utils import maybe_enable_modelopt

@@ -222,6 +222,8 @@ REFUSED = {
     "--spec": (["--spec", "megatron.core.models.gpt.gpt_layer_specs", "get_gpt_layer_local_spec"], "--spec"),
     "fp8_dot_product_attention": ([], "fp8_dot_product_attention"),
     "fused_single_qkv_rope": ([], "fused_single_qkv_rope"),
+    "--cp-comm-type": (["--cp-comm-type", "a2a"], "--cp-comm-type a2a"),
+    "--context-parallel-size": (["--hierarchical-context-parallel-sizes", "4", "2"], "--context-parallel-size 16"),
 }
 # set after parsing (flags Megatron's parser or validation would reject first, or config fields)
 _SET_AFTER = {"--hybrid-context-parallel": ("hybrid_context_parallel", True), "--softmax-type": ("softmax_type", "gelu"),

@@ -127,6 +127,47 @@ def test_moe_balancing_that_hsap_computes_as_megatron_is_accepted(change: list[s
     assert validate_hsap_args(_parse(GOOD + MOE + change)) is not None
 
 
+# Megatron's validate_args asserts these without a message; run_pretrain names them first
+BARE_IN_MEGATRON = [
+    (["--hierarchical-context-parallel-sizes", "2", "2"], "--hierarchical-context-parallel-sizes 2 2: the product must equal --context-parallel-size 8"),
+    (["--cp-comm-type", "a2a+p2p"], r"--cp-comm-type a2a\+p2p selects Transformer Engine's"),
+]
+_MODEL = ["--num-layers", "2", "--hidden-size", "64", "--seq-length", "128", "--max-position-embeddings", "128",
+          "--micro-batch-size", "1", "--lr", "1e-4", "--train-iters", "1", "--transformer-impl", "local"]
+
+
+def test_megatron_asserts_the_sizes_product_without_a_message(monkeypatch: pytest.MonkeyPatch) -> None:
+    # why run_pretrain checks first: Megatron's own message is empty
+    monkeypatch.setattr(megatron_arguments, "get_device_arch_version", lambda: 8)
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # Megatron's rule for CP > 1
+    args = _parse(GOOD + _MODEL + BARE_IN_MEGATRON[0][0])
+    args.rank, args.world_size = 0, 16
+    with pytest.raises(AssertionError) as err:
+        megatron_arguments.validate_args(args, {})
+    assert str(err.value) == ""
+
+
+@pytest.mark.parametrize(("change", "match"), BARE_IN_MEGATRON)
+def test_run_pretrain_names_them_before_megatron_validates(monkeypatch: pytest.MonkeyPatch, change: list[str], match: str) -> None:
+    from megatron_hsap.megatron import pretrain_hooks
+
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt_hsap.py", *GOOD, *_MODEL, *change])
+
+    def megatron_validation(*_a: object, **_k: object) -> None:
+        raise AssertionError("Megatron's validation ran before HSAP's check")
+
+    def datasets(*_a: object) -> None:  # (run_pretrain marks it distributed, as pretrain_gpt.py does)
+        return None
+
+    monkeypatch.setattr(megatron_arguments, "parse_and_validate_args", megatron_validation)
+    with pytest.raises(ConfigError, match=match):
+        pretrain_hooks.run_pretrain(datasets, lambda *a: None, lambda *a: None)
+    # the same namespace passes both checks without the change (so the check is what refused it)
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt_hsap.py", *GOOD, *_MODEL])
+    with pytest.raises(AssertionError, match="Megatron's validation ran"):
+        pretrain_hooks.run_pretrain(datasets, lambda *a: None, lambda *a: None)
+
+
 def test_per_token_loss_is_required() -> None:
     args = _parse([a for a in GOOD if a != "--calculate-per-token-loss"])
     with pytest.raises(ConfigError, match="--calculate-per-token-loss"):
@@ -195,6 +236,12 @@ def test_patch_adds_flag_and_megatron_validate_args_runs_hsap_checks(tmp_path: P
     assert args.spec == ["megatron_hsap.megatron.spec", "hsap_layer_spec"]
     with pytest.raises(ConfigError, match="--calculate-per-token-loss"):
         _validate_patched(module, PATCHED_ARGV + ["--context-parallel-impl", "hsap"])
+    # named before Megatron's own bare assert on the sizes' product (its message is empty)
+    with pytest.raises(ConfigError, match="the product must equal --context-parallel-size 8"):
+        _validate_patched(module, PATCHED_ARGV + ["--context-parallel-impl", "hsap", "--calculate-per-token-loss",
+                                                  "--context-parallel-size", "8"])
+    with pytest.raises(AssertionError, match="^$"):  # ring: Megatron's own check, unchanged
+        _validate_patched(module, PATCHED_ARGV + ["--context-parallel-size", "8"])
     ring = _validate_patched(module, PATCHED_ARGV)  # default: Megatron unchanged
     assert ring.context_parallel_impl == "ring" and not hasattr(ring, "hsap") and ring.spec is None
     # add_hsap_args on top of the patched parser must not clash over --context-parallel-impl.
