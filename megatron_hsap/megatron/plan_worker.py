@@ -22,8 +22,10 @@ compile itself (tested).
 Faults: a compile error (``ConfigError``, ``BatchError``, ``PoolSizeError``, ...) is raised from
 ``compile`` as itself; a worker that cannot start or dies (killed by the OOM killer, say) is
 reported once on stderr and the plan is compiled in-process from then on — the run goes on, on
-the thread. The child ignores SIGINT (the parent decides) and exits when its stdin closes, so it
-never outlives the training process.
+the thread. The child ignores SIGINT (the parent decides) and exits on ``close``'s stop message or
+when its stdin closes, so it never outlives the training process. (The stop message matters where
+a process forked after the worker started — a DataLoader worker — holds a copy of the pipe's write
+end: the child would see no end of stream until that process exits.)
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Compiled", "PlanRequest", "PlanWorker", "compile_request"]
 
-_HEADER = struct.Struct("<Q")  # every message: its pickle's length, then the pickle
+_HEADER = struct.Struct("<Q")  # every message: its pickle's length, then the pickle; length 0: stop
 _STOP_WAIT_S = 5.0  # close(): how long the child may take to exit after its stdin closes
 _CHILD = "from megatron_hsap.megatron.plan_worker import serve; serve()"  # the child's program (python -c)
 
@@ -97,7 +99,8 @@ def _write(out: BinaryIO, obj: object) -> None:
 
 
 def _read(inp: BinaryIO) -> bytes | None:
-    """One message's pickle, or None at end of stream (the other side closed or died)."""
+    """One message's pickle (empty: the stop message), or None at end of stream (the other side
+    closed or died)."""
     head = inp.read(_HEADER.size)
     if len(head) < _HEADER.size:
         return None
@@ -133,7 +136,7 @@ def _error_reply(exc: BaseException) -> tuple:
 
 def serve(inp: BinaryIO | None = None, out: BinaryIO | None = None) -> None:
     """The child's loop: read a pickled ``PlanRequest``, reply ``("ok", plan, window plans, seconds)``
-    or an error, until stdin closes. Writes nothing else to the reply stream: stdout is pointed at
+    or an error, until the stop message (an empty one) or the end of stdin. Writes nothing else to the reply stream: stdout is pointed at
     stderr first, so a stray print cannot corrupt a reply."""
     if inp is None or out is None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent decides
@@ -144,7 +147,7 @@ def serve(inp: BinaryIO | None = None, out: BinaryIO | None = None) -> None:
 
     while True:
         data = _read(inp)
-        if data is None:
+        if not data:  # end of stream, or the stop message
             return
         try:
             req = pickle.loads(data)
@@ -249,8 +252,8 @@ class PlanWorker:
               "now on (--no-hsap-plan-process does so from the start)", file=sys.stderr, flush=True)
 
     def close(self) -> None:
-        """Stop the worker: its stdin closes, it exits (killed after ``_STOP_WAIT_S``). A later
-        ``compile`` starts a new one."""
+        """Stop the worker: it is sent the stop message and its stdin closes, it exits (killed after
+        ``_STOP_WAIT_S``). A later ``compile`` starts a new one."""
         with self._lock:
             if self._finalizer is not None:
                 self._finalizer()
@@ -264,7 +267,14 @@ class PlanWorker:
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:
-    """Close the child's stdin (it exits at end of stream) and reap it; kill it if it lingers."""
+    """Send the child the stop message and close its stdin (it exits at either), reap it; kill it
+    if it lingers."""
+    try:
+        if proc.stdin is not None:
+            proc.stdin.write(_HEADER.pack(0))
+            proc.stdin.flush()
+    except (OSError, ValueError):  # it is gone, or its pipe was closed already
+        pass
     for stream in (proc.stdin, proc.stdout):
         try:
             if stream is not None:

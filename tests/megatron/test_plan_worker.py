@@ -8,6 +8,7 @@ import io
 import os
 import pickle
 import signal
+import subprocess
 import sys
 import threading
 
@@ -165,6 +166,23 @@ def test_disabled_compiles_in_process_and_starts_nothing() -> None:
     assert not in_worker
     assert w.in_process and w.pid is None and w.failure is None and plan.cp_size == 4
     w.close()
+
+
+def test_close_stops_the_child_while_another_process_holds_its_pipe() -> None:
+    # a process forked after the worker started (a DataLoader worker) holds a copy of the write end
+    # of the child's stdin: closing ours is no end of stream, so close() must tell it to stop
+    w = PlanWorker()
+    w.compile(_requests(1, seed=31)[0])
+    proc = w._proc
+    assert proc is not None and proc.stdin is not None
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], stdin=subprocess.DEVNULL,
+                              pass_fds=(proc.stdin.fileno(),))
+    try:
+        w.close()
+        assert proc.returncode == 0  # it left on the stop message (killed after the wait: -9)
+    finally:
+        holder.kill()
+        holder.wait()
 
 
 def test_close_ends_the_child_and_callers_share_it_in_turn() -> None:
