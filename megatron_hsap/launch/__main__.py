@@ -38,6 +38,7 @@ from megatron_hsap.argtypes import HelpFormatter, link_line, nonnegative_int, po
 from megatron_hsap.errors import ConfigError
 from megatron_hsap.launch.arguments import launch_env, to_megatron_args, torchrun_argv
 from megatron_hsap.launch.config import CPImpl, LaunchConfig, load_config
+from megatron_hsap.launch.loader import with_megatron_args
 from megatron_hsap.launch.preflight import check_untested, data_problems, placeholder_keys, untested_notice
 from megatron_hsap.launch.topology import (
     expand_nodelist,
@@ -167,7 +168,8 @@ def _run(ns: argparse.Namespace, extra: list[str]) -> int:
     if ns.command == "hostnames":
         print("\n".join(expand_nodelist(ns.nodelist)))
         return 0
-    cfg = load_config(ns.config)
+    # the arguments after `--` join megatron_args: checked, preflighted and passed on as they are
+    cfg, extra = with_megatron_args(load_config(ns.config), extra), []
     nodes = _nodes(ns.nodes)
     if ns.command == "topology":
         _check_allocation(cfg, nodes, ns.gpus_on_node, None, show=False)

@@ -467,9 +467,14 @@ def _check_passthrough(cfg: LaunchConfig) -> None:
              # the data: section (a second --data-path would silently win over data.data_path)
              "--data-path", "--mock-data", "--split", "--tokenizer-type", "--tokenizer-model",
              "--vocab-file", "--merge-file"}
-    clash = sorted(owned & {a.split("=", 1)[0] for a in args if a.startswith("--")})
+    given = {a.split("=", 1)[0] for a in args if a.startswith("--")}
+    clash = sorted(owned & given)
     if clash:
         raise ConfigError(f"megatron_args: {clash} are set from the config sections; change them there")
+    if cfg.parallel.cp_impl is CPImpl.HSAP and "--cp-comm-type" in given:  # (a ring config may pick TE's type)
+        raise ConfigError("megatron_args: --cp-comm-type selects Transformer Engine's context-parallel algorithm, "
+                          "which parallel.cp_impl hsap replaces (its split is hsap_intra_size × hsap_inter_size); "
+                          "drop it")
 
 
 def _divisors(n: int) -> list[int]:

@@ -13,8 +13,8 @@ import re
 import shlex
 import types
 import typing
-from collections.abc import Mapping
-from dataclasses import fields
+from collections.abc import Mapping, Sequence
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +30,7 @@ from megatron_hsap.launch.config import (
     parse_tokens,
 )
 
-__all__ = ["load_config", "config_from_dict"]
+__all__ = ["load_config", "config_from_dict", "with_megatron_args"]
 
 
 _SECTIONS: dict[str, type] = {
@@ -105,6 +105,18 @@ def config_from_dict(data: Mapping[str, Any], *, source: str | None = None) -> L
     return LaunchConfig(name=str(data.get("name", "config")), megatron_args=tuple(str(a) for a in extra),
                         entry=str(data.get("entry", DEFAULT_ENTRY)), untested=_untested(data.get("untested")),
                         source=source, **sections)
+
+
+def with_megatron_args(cfg: LaunchConfig, extra: Sequence[str]) -> LaunchConfig:
+    """``cfg`` with the command line's arguments after ``--`` appended to its ``megatron_args`` (they
+    follow them on the entry point's command line), validated again (``config._check_passthrough``), so
+    the preflight and the argument list see them too."""
+    if not extra:
+        return cfg
+    try:
+        return replace(cfg, megatron_args=(*cfg.megatron_args, *extra))  # (__post_init__ validates)
+    except ConfigError as err:
+        raise ConfigError(f"the arguments after -- (appended to the config's {err})") from None
 
 
 def _untested(value: Any) -> tuple[str, ...]:

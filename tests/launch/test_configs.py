@@ -8,6 +8,7 @@ so a bug in the loader's own checks cannot hide a bad config. The slow test runs
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
@@ -173,6 +174,12 @@ def test_megatron_spelling_of_the_sizes_is_accepted() -> None:
         config_from_dict({**_gpt(), "megatron_args": ["--hierarchical-context-parallel-sizes=8"]})
     ok = config_from_dict({**_gpt(), "megatron_args": ["--hierarchical-context-parallel-sizes", "2", "4", "--bf16"]})
     assert ok.megatron_args[-1] == "--bf16"
+    # Megatron's validation would refuse it on every rank once the job runs (arguments.check_before_megatron)
+    with pytest.raises(ConfigError, match="megatron_args: --cp-comm-type selects Transformer Engine's"):
+        config_from_dict({**_gpt(), "megatron_args": ["--cp-comm-type=a2a"]})
+    ring = config_from_dict({**_gpt(), "parallel": {**_gpt()["parallel"], "cp_impl": "ring"},
+                             "megatron_args": ["--cp-comm-type", "a2a"]})
+    assert ring.megatron_args == ("--cp-comm-type", "a2a")  # TE's own choice for the ring baseline
 
 
 def test_extends_merges_and_detects_cycles(tmp_path: Path) -> None:
@@ -349,6 +356,23 @@ def test_data_files_are_checked_at_launch(tmp_path: Path) -> None:
     assert data_problems(cfg, check_files=True) == []
     args = to_megatron_args(cfg)
     assert _flag(args, "--data-path", 4) == data["data_path"] and _flag(args, "--merge-file") == [str(merges)]
+
+
+def test_arguments_after_the_separator_are_checked_like_megatron_args(capsys: pytest.CaptureFixture[str]) -> None:
+    # they follow megatron_args on the entry point's command line: argparse keeps the last value, so an
+    # owned flag there would silently win over the config, and an untested feature would skip the gate
+    from megatron_hsap.launch.__main__ import main
+
+    smoke = str(ROOT / "configs/smoke/gpt30b_64gpu_128k_mock.yaml")
+    assert main(["resolve", smoke, "--format", "json", "--", "--bf16", "--exit-interval", "5"]) == 0
+    assert json.loads(capsys.readouterr().out)[-3:] == ["--bf16", "--exit-interval", "5"]
+    for extra, said in ((["--seq-length=8"], r"megatron_args: ['--seq-length'] are set from the config"),
+                        (["--cp-comm-type", "a2a"], "--cp-comm-type selects Transformer Engine's"),
+                        (["--hierarchical-context-parallel-sizes", "4", "16"], "contradicts parallel.hsap_intra_size"),
+                        (["--fp8-format", "hybrid"], "untested")):
+        assert main(["resolve", smoke, "--format", "json", "--", *extra]) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and said in err, err
 
 
 def test_launcher_refuses_placeholders_and_prints_untested(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
