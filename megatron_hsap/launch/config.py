@@ -475,6 +475,10 @@ def _check_passthrough(cfg: LaunchConfig) -> None:
         raise ConfigError("megatron_args: --cp-comm-type selects Transformer Engine's context-parallel algorithm, "
                           "which parallel.cp_impl hsap replaces (its split is hsap_intra_size × hsap_inter_size); "
                           "drop it")
+    hsap_only = sorted(a for a in given if a.startswith(("--hsap-", "--no-hsap-")))
+    if cfg.parallel.cp_impl is not CPImpl.HSAP and hsap_only:
+        raise ConfigError(f"megatron_args: {hsap_only} configure HSAP, but parallel.cp_impl is {cfg.parallel.cp_impl.value}, "
+                          "which ignores them; drop them or set parallel.cp_impl: hsap")
 
 
 def _divisors(n: int) -> list[int]:

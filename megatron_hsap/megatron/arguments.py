@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +26,7 @@ from megatron_hsap.plan.costs import DEFAULT_GRAD_WIRE_DTYPE, GRAD_WIRE_DTYPES
 from megatron_hsap.plan.hardware import HARDWARE
 from megatron_hsap.plan.options import FLATTEN
 
-__all__ = ["HSAPArgs", "add_hsap_args", "check_before_megatron", "validate_hsap_args", "IMPLS"]
+__all__ = ["HSAPArgs", "add_hsap_args", "check_before_megatron", "drop_hsap_flags", "validate_hsap_args", "IMPLS"]
 
 IMPLS = ("ring", "hsap")
 SPEC_MODULE = "megatron_hsap.megatron.spec"
@@ -231,14 +232,49 @@ def _refuse(condition: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+def _hsap_actions() -> dict[str, argparse.Action]:
+    """HSAP's own flags (``--hsap-*``, ``--no-hsap-*``) → their argparse actions (``add_hsap_args``)."""
+    parser = add_hsap_args(argparse.ArgumentParser(allow_abbrev=False))
+    return {o: a for o, a in parser._option_string_actions.items() if o.startswith(("--hsap-", "--no-hsap-"))}
+
+
+def _spelled(action: argparse.Action, value: Any) -> str:
+    """How a command line gives ``value`` to ``action``'s flag."""
+    if isinstance(action, argparse.BooleanOptionalAction):
+        return action.option_strings[0 if value else 1]
+    shown = " ".join(map(str, value)) if isinstance(value, (list, tuple)) else value
+    return f"{action.option_strings[0]} {shown}"
+
+
+def drop_hsap_flags(argv: Sequence[str]) -> list[str]:
+    """``argv`` without HSAP's own flags and their values (the same command line for a ``ring`` run)."""
+    actions = _hsap_actions()
+    out, skip = [], 0
+    for a in argv:
+        if skip:
+            skip -= 1
+            continue
+        act = actions.get(a.split("=", 1)[0])
+        if act is None:
+            out.append(a)
+        elif "=" not in a:
+            skip = act.nargs if isinstance(act.nargs, int) else 1
+    return out
+
+
 def check_before_megatron(args: Any) -> None:
     """The HSAP rules Megatron's own ``validate_args`` checks first with a bare ``assert`` (no
     message), checked on the parsed namespace before it runs (``pretrain_hooks.run_pretrain``):
     the hierarchical sizes (two levels whose product is ``--context-parallel-size``), and
     ``--cp-comm-type`` (Transformer Engine's CP algorithm; Megatron asserts hierarchical sizes for
-    ``a2a+p2p``, and HSAP would ignore it silently). Nothing for ``ring``. Raises
+    ``a2a+p2p``, and HSAP would ignore it silently). Under ``ring``: HSAP's own flags set to
+    anything but their defaults (the ring would ignore them: the impl flag was forgotten). Raises
     :class:`ConfigError` naming the flag; ``validate_hsap_args`` runs it too."""
     if getattr(args, "context_parallel_impl", "ring") != "hsap":
+        given = sorted({_spelled(a, v) for a in _hsap_actions().values()
+                        if (v := getattr(args, a.dest, a.default)) != a.default})
+        _refuse(bool(given), f"{', '.join(given)}: HSAP's flags, but --context-parallel-impl is ring (the default), "
+                "which ignores them; add --context-parallel-impl hsap, or drop them")
         return
     sizes = getattr(args, "hierarchical_context_parallel_sizes", None)
     if sizes:
@@ -260,9 +296,9 @@ def validate_hsap_args(args: Any) -> HSAPArgs | None:
     impl = getattr(args, "context_parallel_impl", "ring")
     if impl not in IMPLS:
         raise ConfigError(f"--context-parallel-impl {impl!r}: choose one of {', '.join(IMPLS)}")
+    check_before_megatron(args)
     if impl == "ring":
         return None
-    check_before_megatron(args)
     cp = int(getattr(args, "context_parallel_size", 1) or 1)
     tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
     heads_total = getattr(args, "num_attention_heads", None)

@@ -180,6 +180,9 @@ def test_megatron_spelling_of_the_sizes_is_accepted() -> None:
     ring = config_from_dict({**_gpt(), "parallel": {**_gpt()["parallel"], "cp_impl": "ring"},
                              "megatron_args": ["--cp-comm-type", "a2a"]})
     assert ring.megatron_args == ("--cp-comm-type", "a2a")  # TE's own choice for the ring baseline
+    with pytest.raises(ConfigError, match=r"megatron_args: \['--no-hsap-plan-process'\] configure HSAP, but parallel.cp_impl is ring"):
+        config_from_dict({**_gpt(), "parallel": {**_gpt()["parallel"], "cp_impl": "ring"},
+                          "megatron_args": ["--no-hsap-plan-process"]})
 
 
 def test_extends_merges_and_detects_cycles(tmp_path: Path) -> None:

@@ -224,13 +224,15 @@ REFUSED = {
     "fused_single_qkv_rope": ([], "fused_single_qkv_rope"),
     "--cp-comm-type": (["--cp-comm-type", "a2a"], "--cp-comm-type a2a"),
     "--context-parallel-size": (["--hierarchical-context-parallel-sizes", "4", "2"], "--context-parallel-size 16"),
+    "--hsap-layout": (["--hsap-layout", "contiguous"], "--hsap-layout contiguous: HSAP's flags, but --context-parallel-impl is ring"),
 }
 # set after parsing (flags Megatron's parser or validation would reject first, or config fields)
 _SET_AFTER = {"--hybrid-context-parallel": ("hybrid_context_parallel", True), "--softmax-type": ("softmax_type", "gelu"),
               "--qk-clip": ("qk_clip", True), "--hybrid-layer-pattern": ("hybrid_layer_pattern", "*M*-"),
               "--micro-batch-size": ("micro_batch_size", 2),
               "fp8_dot_product_attention": ("fp8_dot_product_attention", True),
-              "fused_single_qkv_rope": ("fused_single_qkv_rope", True)}
+              "fused_single_qkv_rope": ("fused_single_qkv_rope", True),
+              "--hsap-layout": ("context_parallel_impl", "ring")}
 SUPPORTED = {
     "causal window": ["--window-size", "(128,0)"],
     "windows on every other layer": ["--window-size", "(128,0)", "--window-attn-skip-freq", "2"],

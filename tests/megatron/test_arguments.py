@@ -82,6 +82,22 @@ def test_ring_is_the_default_and_untouched() -> None:
     assert validate_hsap_args(args) is None and args.spec is None
 
 
+@pytest.mark.parametrize(("given", "named"), [
+    (["--hsap-layout", "contiguous"], "--hsap-layout contiguous"),
+    (["--no-hsap-plan-process", "--hsap-pool-bytes", "4096"], "--hsap-pool-bytes 4096, --no-hsap-plan-process"),
+    (["--hsap-dump-plan", "2", "/tmp/plans"], "--hsap-dump-plan 2 /tmp/plans"),
+])
+def test_hsap_flags_under_ring_are_refused_not_ignored(given: list[str], named: str) -> None:
+    # the impl flag forgotten: the ring would run and ignore them
+    args = _parse(["--context-parallel-size", "2", *given])
+    with pytest.raises(ConfigError, match=f"^{named}: HSAP's flags, but --context-parallel-impl is ring"):
+        validate_hsap_args(args)
+    from megatron_hsap.megatron.arguments import drop_hsap_flags
+
+    assert validate_hsap_args(_parse(drop_hsap_flags(["--context-parallel-size", "2", *given]))) is None
+    assert validate_hsap_args(_parse(["--context-parallel-size", "2", "--hsap-layout", "balanced"])) is None  # the default
+
+
 @pytest.mark.parametrize(
     ("change", "match"),
     [
@@ -242,6 +258,12 @@ def test_patch_adds_flag_and_megatron_validate_args_runs_hsap_checks(tmp_path: P
                                                   "--context-parallel-size", "8"])
     with pytest.raises(AssertionError, match="^$"):  # ring: Megatron's own check, unchanged
         _validate_patched(module, PATCHED_ARGV + ["--context-parallel-size", "8"])
+    # a forgotten --context-parallel-impl hsap: the ring would ignore HSAP's flags (parse_args adds them)
+    args = add_hsap_args(module.add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))).parse_args(
+        PATCHED_ARGV + ["--hsap-layout", "contiguous"])
+    args.rank, args.world_size = 0, 8
+    with pytest.raises(ConfigError, match="--hsap-layout contiguous: HSAP's flags, but --context-parallel-impl is ring"):
+        module.validate_args(args)
     ring = _validate_patched(module, PATCHED_ARGV)  # default: Megatron unchanged
     assert ring.context_parallel_impl == "ring" and not hasattr(ring, "hsap") and ring.spec is None
     # add_hsap_args on top of the patched parser must not clash over --context-parallel-impl.

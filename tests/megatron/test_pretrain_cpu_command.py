@@ -105,6 +105,10 @@ def test_plain_models_compare_with_megatrons_local_attention() -> None:
     # the document mask only for packed samples: unpacked, a sample is one document to HSAP too
     assert "--reset-attention-mask" in megatron_flags(ref)
     assert "--reset-attention-mask" not in megatron_flags(reference_of(replace(opts, packed=False))[0])
+    # HSAP's own flags configure the HSAP run: the ring reference drops them (a ring run refuses them)
+    hsap_flags = ("--hsap-flatten", "never", "--hsap-dump-plan", "2", "/tmp/d", "--no-hsap-plan-process")
+    ref, _ = reference_of(replace(opts, extra=(*hsap_flags, *opts.extra)))
+    assert ref.extra == opts.extra
 
 
 @pytest.mark.parametrize(("sizes", "extra", "want"), [

@@ -31,6 +31,7 @@ from pathlib import Path
 
 from megatron_hsap.argtypes import flag_value
 from megatron_hsap.errors import ConfigError
+from megatron_hsap.megatron.arguments import drop_hsap_flags
 
 __all__ = ["CPURun", "CPUResult", "compare_losses", "megatron_flags", "no_local_reference", "reference_of", "run", "parse_log", "main"]
 
@@ -199,7 +200,8 @@ def reference_of(opts: CPURun) -> tuple[CPURun, str]:
     why = no_local_reference(opts)
     if why:
         return replace(opts, intra_size=1, inter_size=1, **sizes), "CP=1 under HSAP; " + "; ".join(why)
-    return replace(opts, reference=True, **sizes), "CP=1, local attention"
+    # (HSAP's own flags configure the HSAP run only: a ring run refuses them)
+    return replace(opts, reference=True, extra=tuple(drop_hsap_flags(opts.extra)), **sizes), "CP=1, local attention"
 
 
 def megatron_flags(run: CPURun) -> list[str]:
