@@ -383,6 +383,9 @@ def validate_hsap_args(args: Any) -> HSAPArgs | None:
     if getattr(args, "attention_backend", None) is not None and str(getattr(args.attention_backend, "name", args.attention_backend)) == "local":
         raise ConfigError("--attention-backend local makes Megatron replace the spec's core attention with its own "
                           "DotProductAttention; with --context-parallel-impl hsap use --attention-backend auto")
+    pool = getattr(args, "hsap_pool_bytes", None)  # (0 was read as "unset" by plan_flags)
+    _refuse(pool is not None and pool < 1, f"--hsap-pool-bytes {pool}: must be >= 1 (or leave it out: 4 inter "
+            "chunks of q/k/v rows per rank)")
     dump = getattr(args, "hsap_dump_plan", None)
     if dump:
         _refuse(not str(dump[0]).isdigit() or int(dump[0]) < 1,

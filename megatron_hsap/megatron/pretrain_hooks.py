@@ -37,7 +37,7 @@ def plan_flags(args: Any) -> dict[str, Any]:
     kwargs: dict[str, Any] = {"layout": getattr(args, "hsap_layout", "balanced")}
     if kwargs["layout"] == "balanced":
         kwargs["layout_fallback"] = getattr(args, "hsap_layout_fallback", True)
-    if getattr(args, "hsap_pool_bytes", None):
+    if getattr(args, "hsap_pool_bytes", None) is not None:
         kwargs["pool_bytes"] = args.hsap_pool_bytes
     if getattr(args, "hsap_head_chunks", None) is not None:
         kwargs["head_chunks"] = args.hsap_head_chunks

@@ -118,6 +118,7 @@ def test_hsap_flags_under_ring_are_refused_not_ignored(given: list[str], named: 
         # 2 q heads and 1 kv head per intra rank: 2 q chunks may share the kv head, 4 cannot split 2 heads
         (["--hsap-head-chunks", "4"], r"--hsap-head-chunks 4: each intra rank holds 2 q and 1 kv heads; valid counts: \[1, 2\]"),
         (["--hsap-head-chunks", "0"], "must be >= 1"),
+        (["--hsap-pool-bytes", "0"], "--hsap-pool-bytes 0: must be >= 1"),  # (read as unset before)
         # per-sample balancing over HSAP's packed [t, 1, h] micro-batch (measured in Megatron's loop,
         # CP 2x2, micro-batch 2: 5.2e-5 off the reference; micro-batch 1: 1.8e-7)
         (MOE + ["--moe-router-load-balancing-type", "seq_aux_loss", "--moe-aux-loss-coeff", "0.01", "--micro-batch-size", "2"],
