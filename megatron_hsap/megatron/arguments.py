@@ -144,7 +144,8 @@ def add_hsap_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument(
         "--hsap-dump-plan", nargs=2, metavar=("ITER", "DIR"), default=None,
         help="Write the plan of iteration ITER's first micro-batch to DIR: every inter rank's fwd/bwd "
-        "program, plan.json (inputs, figures, verification) and plot.sh (redraws its picture).",
+        "program, plan.json (inputs, figures, verification) and plot.sh (redraws its picture). A DIR that "
+        "cannot be written is reported on stderr and training goes on.",
     )
     group.add_argument(
         "--hsap-node-check", choices=("error", "warn", "off"), default="error",

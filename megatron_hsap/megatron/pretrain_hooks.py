@@ -13,6 +13,7 @@ get_batch_on_this_cp_rank` (plan in ``packed_seq_params``, no attention mask). I
 from __future__ import annotations
 
 import functools
+import sys
 import time
 from typing import Any, Callable, Iterator
 
@@ -113,9 +114,14 @@ def _observe(args: Any, plan: Any, *, compile_s: float, prefetched: bool | None,
         if not dist.is_initialized() or dist.get_rank() == 0:
             from megatron_hsap.megatron.metrics import dump_plan
 
-            out = dump_plan(plan, dump[1], iteration=iteration + 1, plan_kwargs=plan_kwargs)
-            print(f"[megatron-hsap] wrote the plan of iteration {iteration + 1} to {out} "
-                  f"(picture: bash {out / 'plot.sh'})", flush=True)
+            try:
+                out = dump_plan(plan, dump[1], iteration=iteration + 1, plan_kwargs=plan_kwargs)
+            except OSError as err:  # a diagnostic: raising here would leave the other ranks in a collective
+                print(f"[megatron-hsap] --hsap-dump-plan: could not write the plan of iteration {iteration + 1} "
+                      f"to {dump[1]} ({err}); training goes on", file=sys.stderr, flush=True)
+            else:
+                print(f"[megatron-hsap] wrote the plan of iteration {iteration + 1} to {out} "
+                      f"(picture: bash {out / 'plot.sh'})", flush=True)
     if metrics is not None:
         metrics.add(iteration, plan, compile_s=compile_s, prefetched=prefetched, compiled_in=compiled_in)
 
