@@ -384,6 +384,12 @@ def validate_hsap_args(args: Any) -> HSAPArgs | None:
     if getattr(args, "attention_backend", None) is not None and str(getattr(args.attention_backend, "name", args.attention_backend)) == "local":
         raise ConfigError("--attention-backend local makes Megatron replace the spec's core attention with its own "
                           "DotProductAttention; with --context-parallel-impl hsap use --attention-backend auto")
+    # Megatron's per-document mask flag: HSAP takes the boundaries from cu_seqlens only, so without
+    # them it would attend across the documents this flag asks to separate (a ring run's habit)
+    _refuse(bool(getattr(args, "reset_attention_mask", False))
+            and not (getattr(args, "dataloader_inter_document_masking", False) or getattr(args, "sft", False)),
+            "--reset-attention-mask asks for per-document attention, which HSAP reads from each batch's cu_seqlens, "
+            "not from a dense mask: pass --dataloader-inter-document-masking (and drop --reset-attention-mask)")
     pool = getattr(args, "hsap_pool_bytes", None)  # (0 was read as "unset" by plan_flags)
     _refuse(pool is not None and pool < 1, f"--hsap-pool-bytes {pool}: must be >= 1 (or leave it out: 4 inter "
             "chunks of q/k/v rows per rank)")

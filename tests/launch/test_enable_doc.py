@@ -225,7 +225,10 @@ REFUSED = {
     "--cp-comm-type": (["--cp-comm-type", "a2a"], "--cp-comm-type a2a"),
     "--context-parallel-size": (["--hierarchical-context-parallel-sizes", "4", "2"], "--context-parallel-size 16"),
     "--hsap-layout": (["--hsap-layout", "contiguous"], "--hsap-layout contiguous: HSAP's flags, but --context-parallel-impl is ring"),
+    "--reset-attention-mask": (["--reset-attention-mask"], "--reset-attention-mask asks for per-document attention"),
 }
+# (minimal flags the page gives that a case takes away)
+_DROPPED = {"--reset-attention-mask": ("--dataloader-inter-document-masking",)}
 # set after parsing (flags Megatron's parser or validation would reject first, or config fields)
 _SET_AFTER = {"--hybrid-context-parallel": ("hybrid_context_parallel", True), "--softmax-type": ("softmax_type", "gelu"),
               "--qk-clip": ("qk_clip", True), "--hybrid-layer-pattern": ("hybrid_layer_pattern", "*M*-"),
@@ -246,7 +249,8 @@ SUPPORTED = {
 def _hsap_args(megatron_parser: argparse.ArgumentParser, extra: list[str], set_after: tuple | None = None):
     from megatron_hsap.megatron.arguments import validate_hsap_args
 
-    args = megatron_parser.parse_args(MODEL + _minimal_flags()[1] + extra)
+    drop = next((d for flag, d in _DROPPED.items() if flag in extra), ())
+    args = megatron_parser.parse_args(MODEL + [f for f in _minimal_flags()[1] if f not in drop] + extra)
     if set_after:
         setattr(args, *set_after)
     return validate_hsap_args(args)  # HSAP's own checks (Megatron's validate_args may refuse some first)
@@ -267,7 +271,8 @@ def test_the_refused_paragraph_names_every_case() -> None:
     tested = {named_ for _, named_ in REFUSED.values()} | {k for k in REFUSED if k.startswith("--")}
     tested = {t.split()[0] for t in tested}
     # the page's other names there qualify a case (`--multi-latent-attention` without ..., PP with ...) or are accepted values
-    qualifiers = {"--pipeline-model-parallel-size", "--no-rope-fusion", "--multi-latent-attention", "learned_absolute"}
+    qualifiers = {"--pipeline-model-parallel-size", "--no-rope-fusion", "--multi-latent-attention", "learned_absolute",
+                  "--dataloader-inter-document-masking", "cu_seqlens"}
     assert sorted(named - tested - qualifiers) == []
 
 
