@@ -264,9 +264,12 @@ def test_moe_load_balancing_losses_equal_the_reference(root: Path) -> None:
 
 @pytest.mark.slow
 def test_distributed_optimizer_with_overlapped_grad_reduce_equals_reference(root: Path) -> None:
+    # (with the plans compiled on the prefetch thread, --no-hsap-plan-process: that path in the loop too)
     hsap = _run(root, world_size=4, intra_size=2, inter_size=2,
-                extra=("--use-distributed-optimizer", "--overlap-grad-reduce"), **BASE)
+                extra=("--use-distributed-optimizer", "--overlap-grad-reduce", "--no-hsap-plan-process"), **BASE)
     _same_losses(hsap.losses, _reference(root).losses)
+    log = (Path(hsap.log_dir) / "rank0.log").read_text()
+    assert sum(map(int, re.findall(r"\| compiled in prefetch thread (\d+) \|", log))) == BASE["steps"]
 
 
 @pytest.mark.slow
