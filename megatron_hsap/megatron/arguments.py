@@ -24,7 +24,7 @@ from typing import Any
 from megatron_hsap.errors import ConfigError
 from megatron_hsap.plan.costs import DEFAULT_GRAD_WIRE_DTYPE, GRAD_WIRE_DTYPES
 from megatron_hsap.plan.hardware import HARDWARE
-from megatron_hsap.plan.options import FLATTEN
+from megatron_hsap.plan.options import FLATTEN, FORCED_FLATTEN
 
 __all__ = ["HSAPArgs", "add_hsap_args", "check_before_megatron", "drop_hsap_flags", "validate_hsap_args", "IMPLS"]
 
@@ -163,6 +163,10 @@ def _check_head_chunks(args: Any, intra: int, heads: int, kv_heads: int) -> None
     from megatron_hsap.plan.options import kv_heads_per_rank
 
     _refuse(chunks < 1, f"--hsap-head-chunks {chunks}: must be >= 1 (or leave it out: the planner chooses)")
+    flatten = getattr(args, "hsap_flatten", "auto")
+    _refuse(flatten in FORCED_FLATTEN, f"--hsap-head-chunks {chunks} pins the configured all-to-all (P_intra={intra}), but "
+            f"--hsap-flatten {flatten} plans every batch on a one-level topology instead, whose head chunks the planner "
+            "chooses; drop one of the two (--hsap-flatten auto keeps the configured topology when the count is pinned)")
     _refuse(intra == 1 and chunks > 1, f"--hsap-head-chunks {chunks}: P_intra is 1 (pure SAP, no all-to-all to "
             "pipeline); leave it out or pass 1")
     if intra > 1 and heads % intra == 0:

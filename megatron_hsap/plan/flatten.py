@@ -19,7 +19,8 @@ the lowest estimated layer time (``Plan.layer_time``: SAP plus the all-to-all pi
 ``plan/chunks.py``), compared in integer picoseconds like the layout choice (``balanced._ps``) so
 every rank keeps the same plan; ties keep the configured plan, then ``1 × P``. Not when
 ``head_chunks`` is forced: that pins the configured all-to-all. "always" keeps the ``1 × P`` plan
-and "all-to-all" the ``P × 1`` plan (tests, replays). On Table 4 every point then leads the best
+and "all-to-all" the ``P × 1`` plan (tests, replays; with a forced ``head_chunks`` either is refused,
+``options.check_head_chunks``, rather than the count dropped). On Table 4 every point then leads the best
 document-aware baseline (``results/table4.md``).
 
 A flattened plan's options say ``intra_size, inter_size = 1, P`` or ``P, 1`` and ``flattened_from

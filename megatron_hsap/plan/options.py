@@ -14,10 +14,11 @@ from megatron_hsap.plan.checks import positive_int
 from megatron_hsap.plan.costs import DEFAULT_GRAD_WIRE_DTYPE, GRAD_WIRE_DTYPES
 from megatron_hsap.plan.window import normalize_window, window_left
 
-__all__ = ["PlanOptions", "kv_heads_per_rank", "valid_head_chunks", "kv_head_chunks", "check_head_chunks", "validated_options", "DEFAULT_POOL_CHUNKS", "DEFAULT_POOL_MIN", "LAYOUTS", "FLATTEN", "inter_rank_nodes", "link_of"]
+__all__ = ["PlanOptions", "kv_heads_per_rank", "valid_head_chunks", "kv_head_chunks", "check_head_chunks", "validated_options", "DEFAULT_POOL_CHUNKS", "DEFAULT_POOL_MIN", "LAYOUTS", "FLATTEN", "FORCED_FLATTEN", "inter_rank_nodes", "link_of"]
 
 LAYOUTS = ("contiguous", "balanced")
 FLATTEN = ("never", "auto", "always", "all-to-all")  # PlanOptions.flatten (plan/flatten.py)
+FORCED_FLATTEN = ("always", "all-to-all")  # every batch on the one-level topology (no head_chunks: it pins the configured one)
 
 DEFAULT_POOL_CHUNKS = 4  # pool = 4 × one inter chunk × local heads × (d_qk + d_v) × bytes (docs/design.md §2.1)
 DEFAULT_POOL_MIN = 1 << 20  # ... and at least 1 MiB: tiny chunks still need a few 256-byte-aligned slots
@@ -186,6 +187,12 @@ def check_head_chunks(opts: PlanOptions) -> None:
         return
     if isinstance(c, bool) or not isinstance(c, Integral) or c < 1:
         raise ConfigError(f"head_chunks={c!r} must be None (the planner chooses) or an int >= 1")
+    if opts.flatten in FORCED_FLATTEN:  # (the flattened plan's own options leave it None: flat_options)
+        raise ConfigError(
+            f"head_chunks={c} pins the {opts.intra_size}x{opts.inter_size} plan's all-to-all, but flatten="
+            f"{opts.flatten!r} plans every batch on a one-level topology instead (plan/flatten.py), whose head chunks "
+            "the planner chooses; leave head_chunks unset, or use flatten='auto' (a pinned count keeps the configured "
+            "topology) or 'never'")
     if c == 1:
         return
     p = opts.intra_size

@@ -25,7 +25,8 @@ from megatron_hsap.plan.flatten import choose_topology, flat_options, flat_topol
 from megatron_hsap.plan.costs import HeadShape
 from megatron_hsap.plan.hardware import HARDWARE
 from megatron_hsap.plan.layout import Batch, Layout, contiguous_layout, normalize_cu_seqlens, validate_layout
-from megatron_hsap.plan.options import DEFAULT_POOL_CHUNKS, DEFAULT_POOL_MIN, PlanOptions, inter_rank_nodes, kv_heads_per_rank, validated_options
+from megatron_hsap.plan.options import (DEFAULT_POOL_CHUNKS, DEFAULT_POOL_MIN, FORCED_FLATTEN, PlanOptions, inter_rank_nodes, kv_heads_per_rank,
+                                         validated_options)
 from megatron_hsap.plan.options import link_of as _link_of
 from megatron_hsap.plan.placement import CostRates, plan_rates
 from megatron_hsap.plan.plan_type import Plan
@@ -104,7 +105,7 @@ def compile_plan(cu_seqlens: object, inter_size: int, intra_size: int = 1, *, nu
     gc.disable()  # compiling allocates ~10^5 small objects; cyclic collections would dominate
     try:
         topologies = flat_topologies(opts)
-        if opts.flatten in ("always", "all-to-all") and topologies:
+        if opts.flatten in FORCED_FLATTEN and topologies:
             plan = _compile_windowed(cu, flat_options(opts, topologies[0]))
         else:  # the configured plan, or a one-level one when its layer is estimated faster (plan/flatten.py)
             plan = choose_topology(*_fitting(cu, opts, [flat_options(opts, t) for t in topologies]))

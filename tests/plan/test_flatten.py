@@ -99,7 +99,11 @@ def test_all_to_all_flattening_needs_heads_that_split():
 def test_flattened_plan_options_and_layout():
     cu = pack_batches("ultrachat", 32768, 1, 1)[0]
     for intra, inter in ((2, 4), (4, 2), (8, 1)):
-        plan = compile_plan(cu, inter, intra, flatten="always", head_chunks=2, **MHA)
+        # a pinned head-chunk count would pin the configured all-to-all the forced flattening replaces (it was dropped)
+        for flatten in ("always", "all-to-all"):
+            with pytest.raises(ConfigError, match=f"head_chunks=2 pins the {intra}x{inter} plan's all-to-all, but flatten='{flatten}'"):
+                compile_plan(cu, inter, intra, flatten=flatten, head_chunks=2, **MHA)
+        plan = compile_plan(cu, inter, intra, flatten="always", **MHA)
         o = plan.options
         assert (o.intra_size, o.inter_size, o.flattened_from, o.head_chunks, o.flatten) == (1, 8, (intra, inter), None, "never")
         assert plan.head_chunks == 1 and plan.stats().flattened_from == (intra, inter)
