@@ -136,8 +136,8 @@ def _error_reply(exc: BaseException) -> tuple:
 
 def serve(inp: BinaryIO | None = None, out: BinaryIO | None = None) -> None:
     """The child's loop: read a pickled ``PlanRequest``, reply ``("ok", plan, window plans, seconds)``
-    or an error, until the stop message (an empty one) or the end of stdin. Writes nothing else to the reply stream: stdout is pointed at
-    stderr first, so a stray print cannot corrupt a reply."""
+    or an error, until the stop message (an empty one) or the end of stdin. Writes nothing else to
+    the reply stream: stdout is pointed at stderr first, so a stray print cannot corrupt a reply."""
     if inp is None or out is None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent decides
         inp = os.fdopen(os.dup(0), "rb")
