@@ -72,6 +72,7 @@ class Feature(str, enum.Enum):
     CKPT_FORMAT = "ckpt_format"
     TORCH_FSDP2 = "torch_fsdp2"
     FSDP_TP_SP = "fsdp_tp_sp"
+    SFT = "sft"
 
     @property
     def summary(self) -> str:
@@ -106,6 +107,11 @@ FEATURES: dict[Feature, _Spec] = {
         "crashed once in six runs with a native heap error (malloc(): unaligned fastbin chunk detected; cause not "
         "found), so the suite does not claim it",
         lambda c: _zero3(c) and c.parallel.tensor > 1 and (c.parallel.sequence_parallel or _flag(c, "--sequence-parallel"))),
+    Feature.SFT: _Spec(
+        "Megatron's SFT data (--sft: conversations packed with cu_seqlens, the dataset built on every pipeline "
+        "stage): HSAP reads its cu_seqlens as the GPT dataset's, but no test runs it (it needs the datasets "
+        "library and a chat-template tokenizer)",
+        lambda c: _flag(c, "--sft")),
 }
 
 

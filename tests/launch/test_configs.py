@@ -327,6 +327,7 @@ def test_untested_list_must_match_use() -> None:
     assert untested_features(config_from_dict({**_gpt(**zero3), "megatron_args": ["--sequence-parallel"]})) == [Feature.FSDP_TP_SP]
     assert untested_features(config_from_dict(_gpt(**zero3))) == []
     assert untested_features(config_from_dict({**_gpt(), "megatron_args": ["--use-torch-fsdp2"]})) == [Feature.TORCH_FSDP2]
+    assert untested_features(config_from_dict({**_gpt(), "megatron_args": ["--sft"]})) == [Feature.SFT]
     with pytest.raises(ConfigError, match="did you mean fsdp_checkpoint"):
         config_from_dict({**_gpt(), "untested": ["fsdp_checkpont"]})
     passthrough = {**_gpt(), "megatron_args": ["--num-experts", "8", "--ckpt-format", "torch"]}
