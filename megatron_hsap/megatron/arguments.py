@@ -184,21 +184,26 @@ def _heads_fit(intra: int, heads: int, kv_heads: int) -> bool:
     return heads % intra == 0 and (kv_heads % intra == 0 or intra % kv_heads == 0)
 
 
+def _given_sizes(sizes: Any, cp: int) -> tuple[int, int]:
+    """``--hierarchical-context-parallel-sizes`` as given: two levels whose product is the CP size."""
+    if len(sizes) != 2:
+        raise ConfigError(
+            f"--hierarchical-context-parallel-sizes {' '.join(map(str, sizes))}: HSAP needs exactly two "
+            "levels, P_intra P_inter (GPUs per node in the CP group, then nodes)"
+        )
+    intra, inter = int(sizes[0]), int(sizes[1])
+    if intra < 1 or inter < 1 or intra * inter != cp:
+        raise ConfigError(
+            f"--hierarchical-context-parallel-sizes {intra} {inter}: the product must equal "
+            f"--context-parallel-size {cp}"
+        )
+    return intra, inter
+
+
 def _sizes(args: Any, cp: int, tp: int, heads: int, kv_heads: int) -> tuple[int, int, bool]:
     sizes = getattr(args, "hierarchical_context_parallel_sizes", None)
     if sizes:
-        if len(sizes) != 2:
-            raise ConfigError(
-                f"--hierarchical-context-parallel-sizes {' '.join(map(str, sizes))}: HSAP needs exactly two "
-                "levels, P_intra P_inter (GPUs per node in the CP group, then nodes)"
-            )
-        intra, inter = int(sizes[0]), int(sizes[1])
-        if intra < 1 or inter < 1 or intra * inter != cp:
-            raise ConfigError(
-                f"--hierarchical-context-parallel-sizes {intra} {inter}: the product must equal "
-                f"--context-parallel-size {cp}"
-            )
-        return intra, inter, False
+        return (*_given_sizes(sizes, cp), False)
     if cp == 1:
         return 1, 1, False
     local = os.environ.get("LOCAL_WORLD_SIZE")
@@ -283,7 +288,7 @@ def check_before_megatron(args: Any) -> None:
         return
     sizes = getattr(args, "hierarchical_context_parallel_sizes", None)
     if sizes:
-        _sizes(args, int(getattr(args, "context_parallel_size", 1) or 1), 1, 1, 1)
+        _given_sizes(sizes, int(getattr(args, "context_parallel_size", 1) or 1))
     comm = getattr(args, "cp_comm_type", None) or ["p2p"]
     comm = [comm] if isinstance(comm, str) else list(comm)
     _refuse(any(c != "p2p" for c in comm),
