@@ -51,9 +51,11 @@ def _megatron_fsdp(cfg: LaunchConfig) -> bool:
 
 
 def _zero3(cfg: LaunchConfig) -> bool:
-    """Megatron-FSDP sharding parameters too (ZeRO-3): the config's sharding, or the flags."""
+    """Megatron-FSDP sharding parameters too (ZeRO-3): the config's sharding, or the flags (Megatron's
+    default ``--data-parallel-sharding-strategy`` is ``optim_grads_params``, megatron-core 0.19.2)."""
     return cfg.parallel.sharding is Sharding.OPTIM_GRADS_PARAMS or (
-        _flag(cfg, "--use-megatron-fsdp") and _flag_value(cfg, "--data-parallel-sharding-strategy") == "optim_grads_params")
+        _flag(cfg, "--use-megatron-fsdp")
+        and (_flag_value(cfg, "--data-parallel-sharding-strategy") or "optim_grads_params") == "optim_grads_params")
 
 
 @dataclass(frozen=True, slots=True)

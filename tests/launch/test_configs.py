@@ -326,6 +326,11 @@ def test_untested_list_must_match_use() -> None:
     assert untested_features(config_from_dict(_gpt(**zero3, parallel__sequence_parallel=True))) == [Feature.FSDP_TP_SP]
     assert untested_features(config_from_dict({**_gpt(**zero3), "megatron_args": ["--sequence-parallel"]})) == [Feature.FSDP_TP_SP]
     assert untested_features(config_from_dict(_gpt(**zero3))) == []
+    # by the flags: Megatron's default sharding strategy is optim_grads_params
+    flags = dict(parallel__tensor=2, parallel__hsap_intra_size=1, parallel__sequence_parallel=True)
+    assert untested_features(config_from_dict({**_gpt(**flags), "megatron_args": ["--use-megatron-fsdp"]})) == [Feature.FSDP_TP_SP]
+    zero2 = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads"]
+    assert untested_features(config_from_dict({**_gpt(**flags), "megatron_args": zero2})) == []
     assert untested_features(config_from_dict({**_gpt(), "megatron_args": ["--use-torch-fsdp2"]})) == [Feature.TORCH_FSDP2]
     assert untested_features(config_from_dict({**_gpt(), "megatron_args": ["--sft"]})) == [Feature.SFT]
     with pytest.raises(ConfigError, match="did you mean fsdp_checkpoint"):
