@@ -177,6 +177,9 @@ def layout_line(plan) -> str:  # noqa: ANN001
 def main(argv: list[str] | None = None) -> int:
     ap = _parser()
     args = ap.parse_args(argv)
+    # without --flatten the plan keeps the topology asked for: a rank it lacks is known before compiling
+    if args.rank is not None and args.flatten in (None, "never") and args.rank >= args.inter_size:
+        ap.error(f"--rank {args.rank} is out of range for --inter-size {args.inter_size} (inter ranks 0..{args.inter_size - 1})")
 
     if args.cu_seqlens is not None:
         cu = args.cu_seqlens
@@ -206,8 +209,10 @@ def main(argv: list[str] | None = None) -> int:
         compile_s = time.perf_counter() - t0
         stats = plan.stats()
         rank = args.rank if args.rank is not None else int(np.argmax(stats.work_per_rank))
-        if not 0 <= rank < plan.inter_size:
-            raise SystemExit(f"--rank {rank} is out of range for {plan.inter_size} inter ranks")
+        if not 0 <= rank < plan.inter_size:  # (--flatten changed the topology)
+            print(f"megatron-hsap plan: error: --rank {rank} is out of range for the {plan.intra_size}x{plan.inter_size} "
+                  f"plan --flatten {args.flatten} compiled (inter ranks 0..{plan.inter_size - 1})", file=sys.stderr)
+            return 2
         verdict = "skipped"
         if not args.no_verify:
             t0 = time.perf_counter()

@@ -88,6 +88,29 @@ def test_commands_refuse_bad_values_with_one_line(capsys, main, argv, says):
     assert says in _argparse_error(main, argv, capsys)
 
 
+def test_plan_rank_out_of_range_is_refused_before_compiling(capsys, monkeypatch):
+    from megatron_hsap.bench import plan_cli
+
+    def no_compile(*a, **k):
+        raise AssertionError("compiled before refusing --rank")
+
+    monkeypatch.setattr(plan_cli, "compile_plan", no_compile)
+    line = _argparse_error(_plan_main, ["--cu-seqlens", "0,16", "--inter-size", "2", "--rank", "2"], capsys)
+    assert "--rank 2 is out of range for --inter-size 2 (inter ranks 0..1)" in line
+
+
+def test_plan_rank_out_of_range_of_a_flattened_plan_is_one_line(capsys):
+    # --flatten always compiles 2x2 as 1x4: rank 3 exists there, rank 4 does not
+    base = ["--cu-seqlens", "0,64", "--intra-size", "2", "--inter-size", "2", "--heads", "4", "--flatten", "always",
+            "--no-verify", "--max-lines", "1"]
+    assert _plan_main(base + ["--rank", "3"]) == 0
+    capsys.readouterr()
+    assert _plan_main(base + ["--rank", "4"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["megatron-hsap plan: error: --rank 4 is out of range for the 1x4 plan --flatten always compiled "
+                   "(inter ranks 0..3)"], err
+
+
 def test_plan_plot_to_an_unwritable_path_is_one_line(capsys):
     assert _plan_main(["--cu-seqlens", "0,16", "--inter-size", "2", "--no-verify", "--plot", "/proc/x.png"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
