@@ -16,8 +16,12 @@ from typing import Any
 import numpy as np
 
 from megatron_hsap.argtypes import HelpFormatter, link_line, positive_int
-from megatron_hsap.errors import HSAPError
+from megatron_hsap.errors import HSAPError, PoolSizeError
+from megatron_hsap.baselines.registry import REGISTRY
 from megatron_hsap.plan.costs import HeadShape
+from megatron_hsap.plan.options import LAYOUTS
+from megatron_hsap.plan.workloads import WORKLOADS
+from megatron_hsap.sim.config import HARDWARE_NAMES
 
 __all__ = ["Tuned", "tune_topology", "sample_batches", "main"]
 
@@ -60,24 +64,34 @@ def tune_topology(method: str, batches: list[np.ndarray], *, hw: Any, P: int, sh
 
     means: dict[str, float] = {}
     native: dict[str, int] = {}  # batches whose plan ran on the topology it was configured with
+    why: list[str] = []  # topologies left out, and why
     for intra in intras:
-        if P % intra or intra > hw.gpus_per_node or unavailable(method, intra=intra, inter=P // intra, shape=shape):
+        topo = f"{intra}x{P // intra}"
+        if P % intra or intra > hw.gpus_per_node:
+            continue
+        rule = unavailable(method, intra=intra, inter=P // intra, shape=shape)
+        if rule:
+            why.append(f"{topo}: {rule}")
             continue
         secs = []
-        topo = f"{intra}x{P // intra}"
         native[topo] = 0
-        for cu in batches:
+        for b, cu in enumerate(batches):
             try:
                 run = run_method(method, cu, hw=hw, intra=intra, inter=P // intra, shape=shape,
                                  **({"plan_options": plan_options} if method == "hsap" else {}))
-            except HSAPError:
+            except PoolSizeError as exc:
+                # the one failure that belongs to a topology: its plan of this batch does not fit the
+                # pool. Anything else (bad options, a planner defect) is the same at every topology:
+                # it propagates instead of quietly striking topologies off
+                why.append(f"{topo}: batch {b}: {exc}")
                 run = None
             secs.append(run.seconds if run is not None else float("nan"))
             native[topo] += int(run is not None and getattr(run, "extra", {}).get("ran_as", topo) == topo)
         means[topo] = float(np.mean(secs))
     ok = {k: v for k, v in means.items() if v == v}
     if not ok:
-        raise HSAPError(f"{method}: no valid topology for P={P} with {shape.num_heads}/{shape.num_kv_heads} heads")
+        raise HSAPError(f"{method}: no valid topology for P={P} with {shape.num_heads}/{shape.num_kv_heads} heads"
+                        + (f" ({'; '.join(why)})" if why else ""))
     best = min(ok, key=lambda k: (ok[k], -native[k]))
     intra, inter = (int(x) for x in best.split("x"))
     return Tuned(method, intra, inter, means)
@@ -89,14 +103,15 @@ def main(argv: list[str] | None = None) -> int:
         description="Choose one intra×inter topology for a whole run from a sample of the workload's batches "
         "(simulated; seconds at 8 GPUs, about a minute at 64) and print the Megatron flag and the link the "
         "planner prices it with.")
-    p.add_argument("--workload", default="magiattention", help="length distribution (default: magiattention, "
-                   "MagiAttention's histogram and chunking; or fineweb, slimpajama, ultrachat, sharegpt, full)")
+    p.add_argument("--workload", default="magiattention", choices=("magiattention", *WORKLOADS),
+                   help="length distribution (magiattention: MagiAttention's histogram and chunking)")
     p.add_argument("--gpus", type=positive_int, default=64, help="CP size P = P_intra × P_inter to split")
     p.add_argument("--tokens-per-gpu", type=positive_int, default=8192, help="T / P")
     p.add_argument("--heads", default="64/8", help="q/kv heads per TP rank")
-    p.add_argument("--hardware", default="h100-fa3", help="simulator hardware (a100, h100, h100-fa3)")
-    p.add_argument("--method", default="hsap", help="hsap, te_a2a_p2p, usp or blind_ring")
-    p.add_argument("--layout", default=None, help="HSAP layout (default: the shipped balanced one)")
+    p.add_argument("--hardware", default="h100-fa3", choices=HARDWARE_NAMES, help="simulator hardware")
+    p.add_argument("--method", default="hsap", choices=("hsap", *REGISTRY),
+                   help="hsap or a baseline (the hierarchical ones: te_a2a_p2p, usp, loongtrain, blind_ring)")
+    p.add_argument("--layout", default=None, choices=LAYOUTS, help="HSAP layout (default: the shipped balanced one)")
     p.add_argument("--samples", type=positive_int, default=4, help="batches sampled")
     args = p.parse_args(argv)
     try:

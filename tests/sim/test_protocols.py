@@ -113,6 +113,54 @@ def test_tuner_ties_go_to_the_topology_the_batches_ran_on(monkeypatch) -> None: 
     assert t.topology == "4x2" and set(t.mean_s.values()) == {2.0}, t
 
 
+def test_tuner_strikes_off_a_topology_only_for_its_pool_and_says_why(monkeypatch) -> None:  # noqa: ANN001
+    # a plan that does not fit the pool removes its topology (named in the error when none is left);
+    # any other error is not the topology's: it propagates instead of striking every topology off
+    import megatron_hsap.sim.methods as methods
+    import megatron_hsap.sim.tune as tune_mod
+    from megatron_hsap.errors import ConfigError, HSAPError, PoolSizeError
+    from megatron_hsap.sim.config import sim_hardware
+    from megatron_hsap.sim.methods import full_shape
+
+    class Fake:
+        def __init__(self, s: float) -> None:
+            self.seconds = s
+
+    def pool(method, cu, *, hw, intra, inter, shape, **_):  # noqa: ANN001, ANN202
+        if intra in (1, 2):
+            raise PoolSizeError(f"pool too small at {intra}")
+        return Fake(float(intra))
+
+    monkeypatch.setattr(methods, "run_method", pool)
+    batches = [np.array([0, 1]), np.array([0, 2])]
+    t = tune_mod.tune_topology("hsap", batches, hw=sim_hardware("h100"), P=8, shape=full_shape(32, 8))
+    assert t.topology == "4x2" and np.isnan(t.mean_s["1x8"]) and np.isnan(t.mean_s["2x4"]), t
+
+    monkeypatch.setattr(methods, "run_method", lambda *a, **k: (_ for _ in ()).throw(PoolSizeError("pool too small")))
+    with pytest.raises(HSAPError, match=r"no valid topology for P=8 with 32/8 heads \(1x8: batch 0: pool too small"):
+        tune_mod.tune_topology("hsap", batches, hw=sim_hardware("h100"), P=8, shape=full_shape(32, 8))
+
+    monkeypatch.setattr(methods, "run_method", lambda *a, **k: (_ for _ in ()).throw(ConfigError("layout 'zig'")))
+    with pytest.raises(ConfigError, match="layout 'zig'"):
+        tune_mod.tune_topology("hsap", batches, hw=sim_hardware("h100"), P=8, shape=full_shape(32, 8))
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["--layout", "zig"], ("argument --layout: invalid choice: 'zig'", "balanced")),
+    (["--workload", "xyz"], ("argument --workload: invalid choice: 'xyz'", "magiattention")),
+    (["--method", "ring"], ("argument --method: invalid choice: 'ring'", "hsap", "te_a2a_p2p")),
+    (["--hardware", "b200"], ("argument --hardware: invalid choice: 'b200'", "h100-fa3")),
+])
+def test_tune_refuses_unknown_names_before_simulating(argv, says, monkeypatch, capsys) -> None:  # noqa: ANN001
+    import megatron_hsap.sim.tune as tune_mod
+
+    monkeypatch.setattr(tune_mod, "tune_topology", lambda *a, **k: pytest.fail("simulated before refusing"))
+    with pytest.raises(SystemExit) as info:
+        tune_mod.main(argv)
+    err = capsys.readouterr().err.splitlines()[-1]  # (how argparse quotes the choices varies by Python version)
+    assert info.value.code == 2 and all(x in err for x in says), err
+
+
 @pytest.mark.parametrize("intra,inter", [(1, 16), (2, 8), (4, 4), (8, 2)])
 def test_double_ring_computes_what_the_single_ring_computes(intra: int, inter: int) -> None:
     """LoongTrain's double ring visits every KV owner once: per-rank kernel FLOPs equal the
