@@ -16,6 +16,7 @@ import argparse
 import math
 import os
 import sys
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -95,8 +96,14 @@ def output_dir(text: str) -> Path:
     probe = path
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
+    if not probe.is_dir():
+        raise argparse.ArgumentTypeError(f"cannot create {text!r}: {probe} is a file")
     if not os.access(probe, os.W_OK):
         raise argparse.ArgumentTypeError(f"cannot write into {text!r}: {probe} is not writable")
+    try:  # what access() cannot tell (root on /proc, a read-only mount): make and remove a folder there
+        tempfile.TemporaryDirectory(dir=probe, prefix=".hsap-probe-").cleanup()
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"cannot write into {text!r}: {probe}: {exc.strerror or exc}") from None
     return path
 
 

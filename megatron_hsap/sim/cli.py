@@ -13,10 +13,15 @@ from pathlib import Path
 
 from megatron_hsap.argtypes import DeprecatedAlias, HelpFormatter, add_topology_args, link_line, output_dir, positive_int
 from megatron_hsap.errors import HSAPError
+from megatron_hsap.plan.workloads import WORKLOADS
 
 __all__ = ["main", "COMMANDS"]
 
 COMMANDS = ("table2", "table3", "table4", "magi", "calibrate", "validate", "scale", "layouts", "gantt")
+# the commands that read each option (one given to a command that ignores it is refused)
+READS = {"workload": ("table2", "table3", "magi", "scale", "layouts", "gantt"),
+         "seeds": ("table2", "table3", "table4", "magi", "calibrate", "layouts"),
+         "jobs": ("layouts",), "refit": ("calibrate",)}
 
 
 def _validate(out_dir: Path, **_: object) -> "object":
@@ -109,9 +114,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="output folder (<name>.csv, <name>.md, <name>.png)")
     p.add_argument("--seeds", type=positive_int, default=None,
                    help="seeded batches per point (default: 10; table3 5, layouts 2; docs/design.md §4 asks 10)")
-    p.add_argument("--workload", default=None, help="length distribution for tables 2/3, magi, scale, gantt (default: slimpajama); "
-                   "layouts: only this one (default there: fineweb, slimpajama, ultrachat, sharegpt, full)")
-    p.add_argument("--jobs", type=positive_int, default=1, help="layouts: worker processes")
+    p.add_argument("--workload", default=None, choices=("magiattention", *WORKLOADS),
+                   help="length distribution for tables 2/3, magi, scale, gantt (default: slimpajama; magi: magiattention, "
+                   "MagiAttention's own, which only magi takes); layouts: only this one (default there: fineweb, "
+                   "slimpajama, ultrachat, sharegpt, full)")
+    p.add_argument("--jobs", type=positive_int, default=None, help="layouts: worker processes (default: 1)")
     add_topology_args(p, intra=None, inter=None, old=False)
     for action in p._actions:  # the topology only enters gantt
         if action.dest in ("intra_size", "inter_size"):
@@ -143,10 +150,24 @@ def _gantt_topology(ap: argparse.ArgumentParser, args: argparse.Namespace) -> st
     return f"{args.intra_size or 1}x{args.inter_size or 8}"
 
 
+def _check_reads(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse an option that the command does not read (``READS``; under ``all`` some command reads
+    each), so a flag is never silently ignored."""
+    given = {"workload": args.workload is not None, "seeds": args.seeds is not None, "jobs": args.jobs is not None,
+             "refit": args.refit}
+    for opt, readers in READS.items():
+        if given[opt] and args.what != "all" and args.what not in readers:
+            ap.error(f"--{opt} is read by {', '.join(readers)} only; {args.what} does not use it")
+    if args.workload == "magiattention" and args.what != "magi":
+        ap.error(f"--workload magiattention (MagiAttention's protocol) is magi's own; {args.what} packs one of "
+                 f"{', '.join(WORKLOADS)}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = _parser()
     args = ap.parse_args(argv)
     args.topology = _gantt_topology(ap, args)
+    _check_reads(ap, args)
     try:
         if args.config:
             from megatron_hsap.sim.config import load_overrides
@@ -163,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.workload and name in ("table2", "table3", "magi", "scale", "layouts", "gantt"):
                 kwargs["workload"] = args.workload
             if name == "layouts":
-                kwargs["jobs"] = args.jobs
+                kwargs["jobs"] = args.jobs or 1
             if name == "gantt":
                 kwargs["topology"] = args.topology
                 intra, inter = (int(x) for x in args.topology.split("x"))

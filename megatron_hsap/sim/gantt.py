@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from megatron_hsap.errors import ConfigError
 from megatron_hsap.plan.workloads import pack_batches
 from megatron_hsap.sim.config import sim_hardware
 from megatron_hsap.sim.engine import Timeline
-from megatron_hsap.sim.methods import MethodRun, full_shape, run_method
+from megatron_hsap.sim.methods import MethodRun, full_shape, run_method, unavailable
 from megatron_hsap.sim.results import Report, markdown_table
 
 __all__ = ["draw_timelines", "gantt"]
@@ -64,17 +65,21 @@ def gantt(out_dir: str | Path, *, quick: bool = False, seeds: int | None = None,
     """HSAP (forward and backward) and TE's THD ring (forward) on one batch of the MagiAttention
     protocol (H100, GQA 64:8, 8K tokens per GPU, documents ≤ 1/4 of the batch)."""
     intra, inter = (int(x) for x in topology.split("x"))
+    shape = full_shape(64, 8)
+    why = unavailable("hsap", intra=intra, inter=inter, shape=shape)
+    if why:
+        raise ConfigError(f"gantt: HSAP cannot run {topology} with {shape.num_heads}/{shape.num_kv_heads} heads: {why}; "
+                          "choose an --intra-size dividing 64")
     if quick:  # a smaller picture: 4 GPUs, 4K tokens each
         intra, inter = (1, 4) if intra == 1 else (intra, max(1, 4 // intra))
         topology = f"{intra}x{inter}"
     P = intra * inter
     T = tokens or (4096 if quick else 8192) * P
     hw = sim_hardware("h100-fa3")
-    shape = full_shape(64, 8)
     cu = pack_batches(workload, T, 1, 0, max_doc_fraction=0.25)[0]
     hsap = run_method("hsap", cu, hw=hw, intra=intra, inter=inter, shape=shape)
     ring = run_method("te_thd_ring", cu, hw=hw, intra=1, inter=P, shape=shape)
-    assert hsap is not None and ring is not None
+    assert hsap is not None and ring is not None  # (the flat ring runs at every P)
     panels = [(f"HSAP {topology} forward (inter group 0)", hsap.fwd.timeline), (f"HSAP {topology} backward", hsap.bwd.timeline),
               (f"TE THD ring 1x{P} forward", ring.fwd.timeline)]
     png = draw_timelines(panels, Path(out_dir) / "gantt.png")

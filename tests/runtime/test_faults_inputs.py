@@ -111,6 +111,68 @@ def test_plan_rank_out_of_range_of_a_flattened_plan_is_one_line(capsys):
                    "(inter ranks 0..3)"], err
 
 
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["table4", "--workload", "fineweb"], "--workload is read by table2, table3, magi, scale, layouts, gantt only; table4"),
+        (["gantt", "--seeds", "3"], "--seeds is read by table2, table3, table4, magi, calibrate, layouts only; gantt"),
+        (["validate", "--seeds", "3"], "; validate does not use it"),
+        (["calibrate", "--jobs", "2"], "--jobs is read by layouts only; calibrate does not use it"),
+        (["table2", "--refit"], "--refit is read by calibrate only; table2 does not use it"),
+        (["table2", "--workload", "magiattention"], "--workload magiattention (MagiAttention's protocol) is magi's own"),
+        (["table2", "--workload", "xyz"], "argument --workload: invalid choice: 'xyz'"),
+    ],
+)
+def test_simulate_refuses_an_option_its_command_ignores(capsys, monkeypatch, argv, says):
+    import megatron_hsap.sim.cli as sim_cli
+
+    monkeypatch.setattr(sim_cli, "_runner", lambda name: pytest.fail("ran before refusing"))
+    assert says in _argparse_error(_simulate_main, [*argv, "--quick"], capsys)
+
+
+def test_simulate_options_reach_the_commands_that_read_them(monkeypatch, tmp_path):
+    import megatron_hsap.sim.cli as sim_cli
+
+    got = {}
+
+    def runner(name):
+        def run(out, **kwargs):
+            got[name] = kwargs
+            return type("R", (), {"markdown": "", "files": []})()
+        return run
+
+    monkeypatch.setattr(sim_cli, "_runner", runner)
+    assert _simulate_main(["all", "--quick", "--workload", "fineweb", "--seeds", "2", "--jobs", "3", "--refit",
+                           "--out", str(tmp_path)]) == 0
+    assert {n for n, kw in got.items() if kw.get("workload") == "fineweb"} == set(sim_cli.READS["workload"])
+    assert got["layouts"]["jobs"] == 3 and got["calibrate"]["refit"] is True and got["table4"]["seeds"] == 2
+
+
+def test_simulate_gantt_names_a_topology_hsap_cannot_run(tmp_path):
+    from megatron_hsap.errors import ConfigError
+    from megatron_hsap.sim.gantt import gantt
+
+    with pytest.raises(ConfigError, match=r"gantt: HSAP cannot run 3x8 with 64/8 heads: .*P_intra=3"):
+        gantt(tmp_path, quick=True, topology="3x8")
+    assert not any(tmp_path.iterdir())
+
+
+def test_out_folders_that_cannot_be_made_are_refused_at_parse_time(tmp_path, capsys, monkeypatch):
+    import tempfile
+
+    (tmp_path / "f").write_text("a file\n")
+    line = _argparse_error(_simulate_main, ["calibrate", "--quick", "--out", str(tmp_path / "f" / "sub")], capsys)
+    assert f"cannot create '{tmp_path / 'f' / 'sub'}': {tmp_path / 'f'} is a file" in line
+
+    def read_only(*a, **k):  # what a read-only mount says even to root, whom access() lets through
+        raise OSError(30, "Read-only file system")
+
+    monkeypatch.setattr(tempfile, "TemporaryDirectory", read_only)
+    line = _argparse_error(_simulate_main, ["calibrate", "--quick", "--out", str(tmp_path / "new")], capsys)
+    assert f"cannot write into '{tmp_path / 'new'}': {tmp_path}: Read-only file system" in line
+    assert not (tmp_path / "new").exists()
+
+
 def test_plan_plot_to_an_unwritable_path_is_one_line(capsys):
     assert _plan_main(["--cu-seqlens", "0,16", "--inter-size", "2", "--no-verify", "--plot", "/proc/x.png"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
