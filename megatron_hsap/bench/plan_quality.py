@@ -170,14 +170,20 @@ def _run_point(args: tuple[Point, str, tuple[str, ...]]) -> list[tuple]:
     return measure_point(*args)
 
 
-def grid(quick: bool, seeds: int, seeds_1m64: int, workloads, tokens, inter, heads, links=("auto",)) -> list[Point]:
+def grid(quick: bool, seeds: int, seeds_1m64: int, workloads, tokens, inter, heads, links=("auto",),
+         keep: set[str] = frozenset()) -> list[Point]:
     """Grid points; ``links``: "auto" (by P, docs/design.md §4), "nvlink" (only where P ≤ 8 fits a node)
-    and/or "ib" (any P: HSAP's inter group always spans nodes)."""
+    and/or "ib" (any P: HSAP's inter group always spans nodes). ``quick`` narrows the workloads,
+    tokens, P_inter and seeds, except those named in ``keep`` (given on the command line)."""
     if quick:
-        workloads = [w for w in workloads if w in ("fineweb", "full")] or list(workloads)[:1]
-        tokens = [t for t in tokens if t <= 64 * 1024] or [min(tokens)]
-        inter = [p for p in inter if p in (4, 16)] or [min(inter)]
-        seeds = min(seeds, 2)
+        if "workloads" not in keep:
+            workloads = [w for w in workloads if w in ("fineweb", "full")] or list(workloads)[:1]
+        if "tokens" not in keep:
+            tokens = [t for t in tokens if t <= 64 * 1024] or [min(tokens)]
+        if "inter_size" not in keep:
+            inter = [p for p in inter if p in (4, 16)] or [min(inter)]
+        if "seeds" not in keep:
+            seeds = min(seeds, 2)
     out = []
     for w in workloads:
         for T in tokens:
@@ -382,7 +388,18 @@ def _progress_bar():  # noqa: ANN202
     return lines
 
 
-def main(argv: list[str] | None = None) -> int:
+# the grid's options: --compile-times-only ignores them; --quick narrows those not given
+_GRID_OPTS = ("seeds", "seeds_1m64", "workloads", "tokens", "inter_size", "heads", "links", "layouts", "jobs")
+
+
+def _given(ap: argparse.ArgumentParser, argv: list[str] | None) -> set[str]:
+    """The destinations of the options ``argv`` gives (parsed again with every default suppressed)."""
+    for action in ap._actions:
+        action.default = argparse.SUPPRESS
+    return set(vars(ap.parse_args(argv)))
+
+
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="megatron-hsap plan-quality", formatter_class=HelpFormatter,
         description=__doc__.split("\n\n")[0] + " Duration on the shared CPUs: --quick about a minute; the full grid "
@@ -409,11 +426,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compile-times-only", action="store_true",
                     help="only the compile-time table (fineweb 64K/P 8 and 1M/P 64, GQA 32/8, median of 5 fresh batches), "
                          "written as compile_times.csv / .md (the README's compile region: `megatron-hsap report`)")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = _parser()
     args = ap.parse_args(argv)
+    given = _given(_parser(), argv)
     if args.compile_times_only and args.no_compile_times:
         ap.error("--compile-times-only and --no-compile-times exclude each other")
+    if args.compile_times_only and given & set(_GRID_OPTS):
+        ap.error(f"--compile-times-only measures its own points ({', '.join(f'{t // 1024}K/P {p}' for t, p in COMPILE_BUDGETS)}); "
+                 f"it does not read {', '.join('--' + g.replace('_', '-') for g in _GRID_OPTS if g in given)}")
     pts = [] if args.compile_times_only else grid(args.quick, args.seeds, args.seeds_1m64, args.workloads, args.tokens,
-                                                  args.inter_size, args.heads, args.links)
+                                                  args.inter_size, args.heads, args.links, keep=given)
+    if not args.compile_times_only and not pts:
+        ap.error(f"no grid point: every --inter-size {args.inter_size} is above every --tokens {args.tokens}"
+                 if min(args.inter_size) > max(args.tokens) else
+                 f"no grid point: --links nvlink needs a P_inter ≤ 8 (one 8-GPU node), --inter-size is {args.inter_size}")
     # the slowest points first, so workers stay busy to the end
     pts.sort(key=lambda p: -(p.T * max(p.P, 8) * len(p.seeds) * (200 if p.workload == "full" else 1)))
     rows: list[tuple] = []

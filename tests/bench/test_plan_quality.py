@@ -139,3 +139,28 @@ def test_plan_cli_names_a_flattened_plan(capsys, flatten, topology) -> None:
     assert f"topology {topology} (intra×inter, flattened from 2x4: plan/flatten.py)" in line
     assert plan_cli.main(["--sample", "--intra-size", "2", "--inter-size", "4", "--flatten", "never", "--max-lines", "1"]) == 0
     assert "topology 2x4 (intra×inter), chunk" in capsys.readouterr().out
+
+
+def test_quick_narrows_only_what_was_not_given() -> None:
+    # --quick's small grid: fineweb + full, T ≤ 64K, P 4 and 16, 2 seeds — an option given wins
+    pts = plan_quality.grid(True, 10, 5, plan_quality.WORKLOADS, plan_quality.TOKENS, plan_quality.INTER, ["gqa"])
+    assert {p.workload for p in pts} == {"fineweb", "full"} and {p.T for p in pts} == {16384, 65536}
+    assert {p.P for p in pts} == {4, 16} and max(len(p.seeds) for p in pts) == 2
+    given = plan_quality.grid(True, 5, 5, ["slimpajama"], [16384, 262144], [8], ["gqa"],
+                              keep={"seeds", "workloads", "tokens", "inter_size"})
+    assert [(p.workload, p.T, p.P, len(p.seeds)) for p in given] == [("slimpajama", 16384, 8, 5), ("slimpajama", 262144, 8, 5)]
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["--compile-times-only", "--tokens", "1024"], "--compile-times-only measures its own points (64K/P 8, 1024K/P 64); "
+                                                   "it does not read --tokens"),
+    (["--compile-times-only", "--inter", "4", "--jobs", "1"], "it does not read --inter-size, --jobs"),
+    (["--tokens", "4", "--inter-size", "8"], "no grid point: every --inter-size [8] is above every --tokens [4]"),
+    (["--links", "nvlink", "--inter-size", "16"], "no grid point: --links nvlink needs a P_inter ≤ 8"),
+])
+def test_plan_quality_refuses_options_it_would_ignore_and_empty_grids(argv, says, tmp_path, monkeypatch, capsys) -> None:
+    monkeypatch.setattr(plan_quality, "compile_times", lambda *a, **k: pytest.fail("measured before refusing"))
+    with pytest.raises(SystemExit) as info:
+        plan_quality.main([*argv, "--out", str(tmp_path)])
+    assert info.value.code == 2 and says in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())
