@@ -405,7 +405,7 @@ def _parser() -> argparse.ArgumentParser:
         description=__doc__.split("\n\n")[0] + " Duration on the shared CPUs: --quick about a minute; the full grid "
         "2.5–6 minutes with 4 workers (longer with fewer). Progress goes to stderr (a bar at a terminal, a line per "
         "point otherwise).")
-    ap.add_argument("--quick", action="store_true", help="small grid (fineweb + full, T ≤ 64K, P 4 and 16, 2 seeds)")
+    ap.add_argument("--quick", action="store_true", help="small grid (fineweb + full, T ≤ 64K, P 4 and 16, 2 seeds; an option given keeps its values)")
     ap.add_argument("--seeds", type=positive_int, default=10, help="seeded batches per point")
     ap.add_argument("--seeds-1m64", type=positive_int, default=5, help="seeds at T = 1M, P_inter = 64")
     ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS, help="length distributions")
