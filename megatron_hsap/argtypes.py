@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 __all__ = ["positive_int", "nonnegative_int", "positive_float", "nonnegative_float", "port", "writable_file",
-           "output_dir", "HelpFormatter", "DeprecatedAlias", "add_renamed", "add_topology_args", "link_line", "flag_value"]
+           "output_dir", "given_options", "HelpFormatter", "DeprecatedAlias", "add_renamed", "add_topology_args", "link_line", "flag_value"]
 
 
 def _number(text: str, kind: type) -> float:
@@ -105,6 +105,15 @@ def output_dir(text: str) -> Path:
     except OSError as exc:
         raise argparse.ArgumentTypeError(f"cannot write into {text!r}: {probe}: {exc.strerror or exc}") from None
     return path
+
+
+def given_options(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> set[str]:
+    """The destinations of the options ``argv`` gives, to tell a value given from a default:
+    ``parser`` (a fresh one, built for this: its defaults are suppressed in place) parses ``argv``
+    again. Aliases count under their destination; argparse's prefix abbreviations are resolved."""
+    for action in parser._actions:
+        action.default = argparse.SUPPRESS
+    return set(vars(parser.parse_args(argv)))
 
 
 # --------------------------------------------------------------------------- the shared vocabulary

@@ -40,8 +40,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from megatron_hsap.argtypes import (HelpFormatter, link_line, nonnegative_int, output_dir, positive_float, positive_int,
-                                   writable_file)
+from megatron_hsap.argtypes import (HelpFormatter, given_options, link_line, nonnegative_int, output_dir, positive_float,
+                                   positive_int, writable_file)
+from megatron_hsap.plan.workloads import WORKLOADS
 from megatron_hsap.runtime.rendezvous import init_local_process_group, new_local_store
 
 CSV_COLUMNS = ("source", "workload", "T", "P_intra", "P_inter", "link", "heads", "seed", "method", "metric", "value", "unit")
@@ -59,7 +60,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--worlds", type=positive_int, nargs="+", default=[4, 8],
                     help="gloo world sizes = CP sizes P_intra × P_inter (each runs 1×P, P×1 and, in --sweep-worlds, "
                     "every P_intra × P_inter in between)")
-    ap.add_argument("--workloads", nargs="+", default=["fineweb", "sharegpt"], help="length distributions")
+    ap.add_argument("--workloads", nargs="+", default=["fineweb", "sharegpt"], choices=WORKLOADS, help="length distributions")
     ap.add_argument("--tokens", type=positive_int, nargs="+", default=[16384, 65536], help="tokens per packed batch T")
     ap.add_argument("--heads", type=positive_int, default=8, help="q heads")
     ap.add_argument("--kv-heads", type=positive_int, default=None, help="kv heads (default: --heads, MHA)")
@@ -75,7 +76,8 @@ def _parser() -> argparse.ArgumentParser:
                     help=f"output folder; the CSV is written inside it as {CSV_NAME}")
     ap.add_argument("--csv", type=writable_file, default=None, metavar="FILE",
                     help="write the CSV to this file instead (default: DIR/" + CSV_NAME + ")")
-    ap.add_argument("--quick", action="store_true", help="smoke run: world 4, fineweb 2K, 1 repeat, no warm-up")
+    ap.add_argument("--quick", action="store_true",
+                    help="smoke run: world 4, fineweb 2K, 1 repeat, no warm-up (an option given keeps its value)")
     return ap
 
 
@@ -85,9 +87,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if args.out.suffix == ".csv" and not args.out.is_dir() and args.csv is None:
         ap.error(f"--out {args.out} looks like a CSV file: --out takes a folder (the CSV is written inside as "
                  f"{CSV_NAME}); use --csv FILE for a single file")
-    if args.quick:
-        args.worlds, args.workloads, args.tokens = [4], ["fineweb"], [2048]
-        args.repeats, args.warmup, args.sweep_worlds = 1, 0, [4]
+    given = given_options(_parser(), argv)
+    if args.csv is not None and "out" in given:
+        ap.error("--out DIR and --csv FILE both say where the CSV goes: give one")
+    if args.quick:  # the smoke grid, where the command line says nothing else
+        quick = {"worlds": [4], "workloads": ["fineweb"], "tokens": [2048], "repeats": 1, "warmup": 0, "sweep_worlds": [4]}
+        for dest, value in quick.items():
+            if dest not in given:
+                setattr(args, dest, value)
     args.kv_heads = args.kv_heads or args.heads
     return args
 

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from megatron_hsap.argtypes import HelpFormatter, add_renamed, output_dir, positive_int
+from megatron_hsap.argtypes import HelpFormatter, add_renamed, given_options, output_dir, positive_int
 from megatron_hsap.plan import clear_plan_cache, compile_plan
 from megatron_hsap.plan.plan import choose_layout
 from megatron_hsap.baselines.flat import BASELINES, price_baseline, unavailable_reason
@@ -392,13 +392,6 @@ def _progress_bar():  # noqa: ANN202
 _GRID_OPTS = ("seeds", "seeds_1m64", "workloads", "tokens", "inter_size", "heads", "links", "layouts", "jobs")
 
 
-def _given(ap: argparse.ArgumentParser, argv: list[str] | None) -> set[str]:
-    """The destinations of the options ``argv`` gives (parsed again with every default suppressed)."""
-    for action in ap._actions:
-        action.default = argparse.SUPPRESS
-    return set(vars(ap.parse_args(argv)))
-
-
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="megatron-hsap plan-quality", formatter_class=HelpFormatter,
@@ -432,7 +425,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     ap = _parser()
     args = ap.parse_args(argv)
-    given = _given(_parser(), argv)
+    given = given_options(_parser(), argv)
     if args.compile_times_only and args.no_compile_times:
         ap.error("--compile-times-only and --no-compile-times exclude each other")
     if args.compile_times_only and given & set(_GRID_OPTS):

@@ -113,3 +113,15 @@ def test_quick_benchmark_runs_and_writes_csv(tmp_path):
     assert all(float(r["value"]) >= 0 for r in rows)
     np.testing.assert_array_equal(sorted({r["metric"] for r in rows if r["method"] == "sap"})[:3],
                                   ["bytes_inter_per_rank_max", "bytes_inter_total", "bytes_intra_per_rank_max"])  # fmt: skip
+
+
+def test_quick_keeps_the_options_given_and_refuses_two_destinations(capsys) -> None:
+    from megatron_hsap.bench import cpu_attention
+
+    a = cpu_attention.parse_args(["--quick", "--workloads", "sharegpt", "--repeats", "3"])
+    assert (a.worlds, a.workloads, a.tokens, a.repeats, a.warmup, a.sweep_worlds) == ([4], ["sharegpt"], [2048], 3, 0, [4])
+    for argv, says in ((["--quick", "--workloads", "xyz"], "argument --workloads: invalid choice: 'xyz'"),
+                       (["--out", "d", "--csv", "f.csv"], "--out DIR and --csv FILE both say where the CSV goes")):
+        with pytest.raises(SystemExit) as info:
+            cpu_attention.parse_args(argv)
+        assert info.value.code == 2 and says in capsys.readouterr().err
