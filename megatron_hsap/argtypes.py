@@ -77,14 +77,11 @@ def port(text: str) -> int:
 def writable_file(text: str) -> Path:
     """An output path whose directory exists (or can be created) and is writable."""
     path = Path(text)
-    parent = path.parent if str(path.parent) else Path(".")
-    probe = parent
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r} is a directory; give a file name")
-    if not os.access(probe, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
-        raise argparse.ArgumentTypeError(f"cannot write {text!r}: {probe} is not writable")
+    if path.exists() and not os.access(path, os.W_OK):
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: it is not writable")
+    _check_folder_can_hold(text, path.parent if str(path.parent) else Path("."))
     return path
 
 
@@ -93,18 +90,25 @@ def output_dir(text: str) -> Path:
     path = Path(text)
     if path.exists() and not path.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r} is a file; --out takes a folder (files are written inside it)")
-    probe = path
+    _check_folder_can_hold(text, path)
+    return path
+
+
+def _check_folder_can_hold(text: str, folder: Path) -> None:
+    """Raise ``ArgumentTypeError`` unless ``folder`` exists or can be made, and written into: its
+    nearest existing ancestor is a folder, writable, and takes a new entry (what ``access()``
+    cannot tell — root on /proc, a read-only mount — a folder made there and removed tells)."""
+    probe = folder
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
     if not probe.is_dir():
         raise argparse.ArgumentTypeError(f"cannot create {text!r}: {probe} is a file")
     if not os.access(probe, os.W_OK):
         raise argparse.ArgumentTypeError(f"cannot write into {text!r}: {probe} is not writable")
-    try:  # what access() cannot tell (root on /proc, a read-only mount): make and remove a folder there
+    try:
         tempfile.TemporaryDirectory(dir=probe, prefix=".hsap-probe-").cleanup()
     except OSError as exc:
         raise argparse.ArgumentTypeError(f"cannot write into {text!r}: {probe}: {exc.strerror or exc}") from None
-    return path
 
 
 def given_options(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> set[str]:

@@ -115,7 +115,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg = load_config(ns.config)
         seqs = [parse_tokens(v, "--seq-lengths") for v in ns.seq_lengths]
     except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"megatron-hsap memory: error: {exc}", file=sys.stderr)
         return 2
     caps = ns.gpu_mem_gib or [cfg.cluster.gpu_mem_gib]
     opts = MemoryOptions(reserve_gib=ns.reserve_gib, use_plan=not ns.no_plan,
@@ -135,8 +135,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"\nHSAP pool: {b.pool_source}.")
     print("\n## Longest sequence that fits (best layout per method; same sharding and recompute)\n")
     print(comparison_tables(cfg, caps, seqs, opts, pool))
-    own = ", ".join(f"{_tok(max_seq_length(cfg, lay, cap, opts, pool))} on {cap:g} GiB" for cap in caps)
-    print(f"\nThis config's own layout ({lay.method.title} {lay.label()}) fits up to {own}.")
+    fits = [(max_seq_length(cfg, lay, cap, opts, pool), cap) for cap in caps]
+    own = ", ".join(f"up to {_tok(n)} on {cap:g} GiB" if n else f"no sequence on {cap:g} GiB (not even its shortest, "
+                    f"{lay.granule()} tokens)" for n, cap in fits)
+    print(f"\nThis config's own layout ({lay.method.title} {lay.label()}) fits {own}.")
     if ns.plot:
         plot_peaks(cfg, caps, seqs, opts, pool, ns.plot)
         print(f"\nwrote {ns.plot}")

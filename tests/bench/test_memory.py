@@ -144,6 +144,18 @@ def test_cli_prints_the_tables_and_writes_a_png(tmp_path: Path, capsys: pytest.C
         assert title in out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert main(["--config", str(tmp_path / "missing.yaml")]) == 2
+    assert capsys.readouterr().err.startswith("megatron-hsap memory: error: config file ")
+
+
+def test_cli_says_when_no_sequence_fits_and_refuses_a_plot_it_cannot_write(tmp_path: Path, capsys) -> None:
+    # the longest fitting length per GPU size, or that none fits — never "up to OOM"
+    assert main(["--config", str(GPT), "--gpu-mem-gib", "1", "80", "--no-plan", "--seq-lengths", "128K"]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert "fits no sequence on 1 GiB (not even its shortest, " in last and ", up to " in last and " on 80 GiB." in last
+    (tmp_path / "f").write_text("a file\n")
+    with pytest.raises(SystemExit) as info:  # before any estimate (it failed at the very end)
+        main(["--config", str(GPT), "--plot", str(tmp_path / "f" / "x.png")])
+    assert info.value.code == 2 and f"{tmp_path / 'f'} is a file" in capsys.readouterr().err
 
 
 def test_breakdown_totals_add_up() -> None:

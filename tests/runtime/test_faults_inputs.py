@@ -173,10 +173,21 @@ def test_out_folders_that_cannot_be_made_are_refused_at_parse_time(tmp_path, cap
     assert not (tmp_path / "new").exists()
 
 
-def test_plan_plot_to_an_unwritable_path_is_one_line(capsys):
-    assert _plan_main(["--cu-seqlens", "0,16", "--inter-size", "2", "--no-verify", "--plot", "/proc/x.png"]) == 1
+def test_plan_plot_to_an_unwritable_path_is_one_line(capsys, monkeypatch, tmp_path):
+    # refused as it is parsed (root may write /proc by access(); making a folder there fails)
+    for path in ("/proc/x.png", str(tmp_path)):
+        line = _argparse_error(_plan_main, ["--cu-seqlens", "0,16", "--inter-size", "2", "--plot", path], capsys)
+        assert "argument --plot: " in line and repr(path) in line, line
+    # a write that fails anyway (a full disk): one line, exit 1
+    from megatron_hsap.bench import plan_cli
+
+    def full(plan, path):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(plan_cli, "plot_plan", full)
+    assert _plan_main(["--cu-seqlens", "0,16", "--inter-size", "2", "--no-verify", "--plot", str(tmp_path / "x.png")]) == 1
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("megatron-hsap plan: cannot write --plot /proc/x.png"), err
+    assert err == [f"megatron-hsap plan: cannot write --plot {tmp_path / 'x.png'}: No space left on device"], err
 
 
 @pytest.mark.parametrize(
