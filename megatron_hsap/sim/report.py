@@ -333,19 +333,37 @@ REGIONS: dict[str, tuple[str, Callable[[list[dict[str, str]]], str]]] = {
 }
 
 
+# the command that writes each region's CSV (into results/ by default)
+MADE_BY = {
+    "calibrate.csv": "megatron-hsap simulate calibrate", "magi.csv": "megatron-hsap simulate magi",
+    "table2.csv": "megatron-hsap simulate table2", "table3.csv": "megatron-hsap simulate table3",
+    "validate.csv": "megatron-hsap simulate validate", "table4.csv": "megatron-hsap simulate table4",
+    "scale.csv": "megatron-hsap simulate scale", "layouts.csv": "megatron-hsap simulate layouts",
+    "plan_layouts.csv": "megatron-hsap plan-quality with README's \"Measures\" flags (its plan_quality.csv, saved as plan_layouts.csv)",
+    "compile_times.csv": "megatron-hsap plan-quality --compile-times-only",
+    "plan_worker.csv": "python -m megatron_hsap.bench.plan_worker",
+}
+
+
 def render(name: str, results: Path) -> str:
+    """Region ``name``'s body from its CSV in ``results`` (``FileNotFoundError`` when it is missing)."""
     csv_name, fn = REGIONS[name]
-    path = results / csv_name
-    if not path.exists():
-        return f"_(no {path.name} yet: run `megatron-hsap simulate {csv_name.removesuffix('.csv')}`, then `megatron-hsap report`)_"
-    return fn(read_csv(path))
+    return fn(read_csv(results / csv_name))
+
+
+def missing(text: str, results: Path) -> list[str]:
+    """The CSVs of ``text``'s regions that ``results`` lacks (their regions cannot be rendered)."""
+    names = {m.group("name") for m in _RE.finditer(text)} & set(REGIONS)
+    return sorted({REGIONS[n][0] for n in names if not (results / REGIONS[n][0]).exists()})
 
 
 def update_readme(text: str, results: Path) -> str:
-    """``text`` with every known region's body replaced by what ``results`` produce."""
+    """``text`` with every known region's body replaced by what ``results`` produce; a region whose
+    CSV is missing keeps its body (``missing`` names them): a results folder without it never wipes
+    the committed tables."""
     def sub(m: re.Match[str]) -> str:
         name = m.group("name")
-        if name not in REGIONS:
+        if name not in REGIONS or not (results / REGIONS[name][0]).exists():
             return m.group(0)
         return m.group(1) + render(name, results).rstrip("\n") + "\n" + m.group(4)
 
@@ -386,15 +404,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--readme", default="README.md", help="README to update (default README.md)")
     p.add_argument("--check", action="store_true", help="write nothing; exit 1 when a region is stale")
     args = p.parse_args(argv)
-    readme = Path(args.readme)
+    readme, results = Path(args.readme), Path(args.results)
+    if not results.is_dir():
+        p.error(f"--results {args.results}: no such folder")
+    if not readme.is_file():
+        p.error(f"--readme {args.readme}: no such file")
     text = readme.read_text()
-    new = update_readme(text, Path(args.results))
+    new = update_readme(text, results)
+    lacking = missing(text, results)
+    for name in lacking:
+        print(f"megatron-hsap report: no {results / name}: its README region is {'unchecked' if args.check else 'kept as it is'} "
+              f"(made by {MADE_BY.get(name, 'its benchmark')})", file=sys.stderr)
     if args.check:
         if new != text:
             print(f"megatron-hsap report: {readme} regions differ from {args.results}/*.csv; run `megatron-hsap report`",
                   file=sys.stderr)
             return 1
-        return 0
+        return 1 if lacking else 0
     readme.write_text(new)
     files = _plots(Path(args.results))
     print(f"updated {readme}" + (f"; wrote {', '.join(map(str, files))}" if files else ""))

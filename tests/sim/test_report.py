@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from megatron_hsap.sim.report import REGIONS, update_readme
+from megatron_hsap.sim.report import REGIONS, missing, update_readme
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -29,8 +29,31 @@ def test_only_region_bodies_change(tmp_path: Path) -> None:
         "middle\n<!-- report:unknown_region -->\nkept\n<!-- /report -->\nafter\n")
     assert "old body" not in new and "| 8 | ulysses | fwd | 250 | 300 | +20% | yes |" in new
     assert update_readme(new, tmp_path) == new  # idempotent
-    # a missing CSV says how to make it instead of failing
-    assert "megatron-hsap simulate magi" in update_readme("<!-- report:magi -->\n<!-- /report -->\n", tmp_path)
+    # a region whose CSV is missing keeps its body (a results folder without it never wipes the tables)
+    kept = "<!-- report:magi -->\ncommitted table\n<!-- /report -->\n"
+    assert update_readme(kept, tmp_path) == kept and missing(kept + new, tmp_path) == ["magi.csv"]
+
+
+def test_report_command_keeps_what_it_cannot_render_and_names_the_command(tmp_path: Path, capsys) -> None:
+    import pytest
+
+    from megatron_hsap.sim.report import MADE_BY, main
+
+    readme = tmp_path / "README.md"
+    text = (ROOT / "README.md").read_text()
+    readme.write_text(text)
+    empty = tmp_path / "results"
+    empty.mkdir()
+    assert main(["--results", str(empty), "--readme", str(readme), "--check"]) == 1  # nothing to check against
+    err = capsys.readouterr().err
+    assert f"no {empty / 'magi.csv'}: its README region is unchecked (made by megatron-hsap simulate magi)" in err
+    assert main(["--results", str(empty), "--readme", str(readme)]) == 0
+    assert readme.read_text() == text and "is kept as it is" in capsys.readouterr().err
+    assert set(MADE_BY) == {csv for csv, _ in REGIONS.values()}
+    for argv, says in ((["--results", str(tmp_path / "none")], "--results"), (["--readme", str(tmp_path / "no.md")], "--readme")):
+        with pytest.raises(SystemExit) as info:
+            main(argv)
+        assert info.value.code == 2 and f"{says} " in capsys.readouterr().err
 
 
 def _scale_rows(T: int, kept: str, layouts: dict[str, dict[str, float | str]], compile_s: float) -> list[dict[str, str]]:
