@@ -352,7 +352,8 @@ def _impl(text: str) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from megatron_hsap.argtypes import HelpFormatter, add_topology_args, nonnegative_int, positive_float, positive_int
+    from megatron_hsap.argtypes import (HelpFormatter, add_topology_args, nonnegative_int, output_dir, positive_float,
+                                        positive_int)
     from megatron_hsap.plan.options import FLATTEN
 
     p = argparse.ArgumentParser(prog="megatron-hsap train-tiny", description=__doc__.split("\n\n")[0] +
@@ -380,7 +381,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-plan-prefetch", action="store_true", help="compile each plan when its batch is taken")
     p.add_argument("--no-plan-process", action="store_true",
                    help="compile the prefetched plans on the prefetch thread, not in a plan worker process per rank")
-    p.add_argument("--data-dir", default=None, help="where the indexed dataset is written (default: ~/.cache/megatron-hsap/data)")
+    p.add_argument("--data-dir", type=output_dir, default=None, help="where the indexed dataset is written (default: ~/.cache/megatron-hsap/data)")
     p.add_argument("--no-compare", action="store_true", help="skip the CP=1 comparison run")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     return p
@@ -414,7 +415,7 @@ def _parse(argv: list[str] | None) -> tuple[TinyRun, bool]:
         seq_length=a.seq_length, micro_batch_size=a.micro_batch_size, num_layers=a.num_layers,
         hidden_size=a.hidden_size, num_heads=a.num_attention_heads, num_kv_heads=a.num_query_groups,
         lr=a.lr, seed=a.seed, layout=a.layout, flatten=a.flatten, plan_prefetch=not a.no_plan_prefetch,
-        plan_process=not a.no_plan_process, data_dir=a.data_dir,
+        plan_process=not a.no_plan_process, data_dir=None if a.data_dir is None else str(a.data_dir),
         progress=not a.no_progress,
     )
     check_run(run)

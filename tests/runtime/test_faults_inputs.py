@@ -81,6 +81,7 @@ def _launch_main(argv):
         (_simulate_main, ["gantt", "--intra-size", "0"], "argument --intra-size: '0' must be an integer >= 1"),
         (_quality_main, ["--inter-size", "0"], "argument --inter-size: '0' must be an integer >= 1"),
         (_tiny_main, ["--seq-length", "0"], "argument --seq-length: '0' must be an integer >= 1"),
+        (_tiny_main, ["--data-dir", f"{__file__}/data"], f"argument --data-dir: cannot create '{__file__}/data': {__file__} is a file"),
         (_launch_main, ["resolve", "cfg.yaml", "--master-port", "99999"], "argument --master-port: '99999' is not a port"),
     ],
 )
