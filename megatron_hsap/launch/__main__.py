@@ -186,7 +186,11 @@ def _run(ns: argparse.Namespace, extra: list[str]) -> int:
         rank = ns.node_rank if ns.node_rank is not None else os.environ.get("SLURM_NODEID")
         if rank is None:
             raise ConfigError("exec needs --node-rank or $SLURM_NODEID (run it under srun)")
-        argv = _argv(cfg, ns, nodes, int(rank), extra, torchrun)
+        try:
+            rank = int(rank)
+        except ValueError:
+            raise ConfigError(f"$SLURM_NODEID={rank!r} is not a node rank (an integer)") from None
+        argv = _argv(cfg, ns, nodes, rank, extra, torchrun)
         print(f"[megatron-hsap launch] node rank {rank}: {untested_notice(cfg)}", file=sys.stderr)
         print(f"[megatron-hsap launch] node rank {rank}: torchrun {torchrun.describe()}", file=sys.stderr)
         print(f"[megatron-hsap launch] node rank {rank}: {_link(cfg)}", file=sys.stderr)
@@ -197,16 +201,17 @@ def _run(ns: argparse.Namespace, extra: list[str]) -> int:
         args = to_megatron_args(cfg, extra)
         print(json.dumps(args) if ns.format == "json" else shlex.join(args))
         return 0
+    ranks = range(ns.nnodes or len(nodes) or cfg.cluster.nnodes) if ns.all_nodes else [ns.node_rank or 0]
+    lines = [(rank, _argv(cfg, ns, nodes, rank, extra, torchrun)) for rank in ranks]  # (errors before any line)
     print(f"# {untested_notice(cfg)}")
     print(f"# torchrun: {torchrun.describe()}")
     print(f"# {_link(cfg)}")
     for key, value in env.items():
         print(f"export {key}={shlex.quote(value)}")
-    ranks = range(ns.nnodes or len(nodes) or cfg.cluster.nnodes) if ns.all_nodes else [ns.node_rank or 0]
-    for rank in ranks:
+    for rank, argv in lines:
         if ns.all_nodes:
             print(f"# {nodes[rank] if nodes else f'node {rank}'} (node rank {rank})")
-        print(shlex.join(_argv(cfg, ns, nodes, rank, extra, torchrun)))
+        print(shlex.join(argv))
     return 0
 
 

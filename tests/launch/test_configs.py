@@ -390,6 +390,25 @@ def test_arguments_after_the_separator_are_checked_like_megatron_args(capsys: py
         assert out == "" and said in err, err
 
 
+def test_resolve_prints_nothing_before_a_node_rank_error(tmp_path: Path, capsys, monkeypatch) -> None:
+    # `eval "$(launch resolve ...)"` must not get the export lines of a run that errs
+    from megatron_hsap.launch.__main__ import main
+
+    smoke = str(ROOT / "configs/smoke/llama2_7b_8gpu_2x4_32k_mock.yaml")
+    assert main(["resolve", smoke, "--nodes", "node1", "--node-rank", "0"]) == 0
+    assert "export CUDA_DEVICE_MAX_CONNECTIONS=1" in capsys.readouterr().out
+    assert main(["resolve", smoke, "--nodes", "node1", "--node-rank", "3"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "error: node rank 3 is outside [0, 1)" in err, (out, err)
+    monkeypatch.setenv("SLURM_NODEID", "one")
+    fake = tmp_path / "torchrun"
+    fake.write_text("#!/bin/sh\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(os, "execvpe", lambda *a: pytest.fail("launched"))
+    assert main(["exec", smoke, "--nodes", "node1", "--torchrun", str(fake)]) == 2
+    assert "error: $SLURM_NODEID='one' is not a node rank (an integer)" in capsys.readouterr().err
+
+
 def test_launcher_refuses_placeholders_and_prints_untested(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from megatron_hsap.launch.__main__ import main
 
