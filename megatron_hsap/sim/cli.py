@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         names = COMMANDS if args.what == "all" else (args.what,)
         for name in names:
             kwargs: dict[str, object] = {"quick": args.quick, "seeds": args.seeds}
-            if args.workload and name in ("table2", "table3", "magi", "scale", "layouts", "gantt"):
+            if args.workload and name in READS["workload"]:
                 kwargs["workload"] = args.workload
             if name == "layouts":
                 kwargs["jobs"] = args.jobs or 1
