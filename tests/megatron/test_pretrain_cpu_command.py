@@ -52,6 +52,7 @@ def test_parse_log_reads_megatrons_lines() -> None:
     (dict(pp=2, vp=1, world_size=2, reference=True), "--pp 2 --vp"),
     (dict(steps=0), "--steps 0"),
     (dict(world_size=16, intra_size=4, inter_size=4), "at most 8"),
+    (dict(vp=2), r"--vp 2 interleaves pipeline stages: it needs --pp 2 or more"),  # (Megatron ignored it at 2 layers)
 ])
 def test_bad_sizes_are_refused_before_spawning(change: dict, match: str) -> None:
     with pytest.raises(ConfigError, match=match):
@@ -127,6 +128,15 @@ def test_reference_splits_experts_as_the_run_does(sizes: dict, extra: tuple[str,
     assert (ref.world_size, ref.micro_batch_size, ref.global_batch_size) == want
     assert ref.extra == extra and ref.reference
     ref.check()
+
+
+def test_compare_with_reference_is_refused_before_spawning(capsys, monkeypatch) -> None:  # noqa: ANN001
+    # it compared the reference run with itself (0.00e+00) after running it twice
+    from megatron_hsap.megatron.cpu import command
+
+    monkeypatch.setattr(command, "run", lambda *a, **k: pytest.fail("spawned"))
+    assert command.main(["--reference", "--compare"]) == 2
+    assert "with --reference it would compare the reference with itself" in capsys.readouterr().err
 
 
 def test_reference_that_cannot_split_the_batch_is_refused_before_spawning(capsys) -> None:  # noqa: ANN001

@@ -103,6 +103,9 @@ class CPURun:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < (0 if name == "eval_iters" else 1):
                 raise ConfigError(f"--{name.replace('_', '-')} {value!r}: must be a positive integer")
+        if self.vp is not None and self.pp < 2:
+            # (Megatron ignores it when the layers make one virtual stage, and asserts otherwise)
+            raise ConfigError(f"--vp {self.vp} interleaves pipeline stages: it needs --pp 2 or more")
         if self.reference and self.tp != 1:
             raise ConfigError("--reference runs at TP=1, CP=1: drop --tp")
         if self.reference and (why := no_local_reference(self)):
@@ -393,6 +396,9 @@ def main(argv: list[str] | None = None) -> int:
                   eval_interval=ns.eval_interval, eval_iters=ns.eval_iters, tie_embeddings=ns.tie_embeddings,
                   model=ns.model, extra=tuple(extra), log_dir=None if ns.out is None else str(ns.out))
     try:  # every refusal before a rank is spawned, the reference's too
+        if ns.compare and ns.reference:
+            raise ConfigError("--compare compares a run with --reference; with --reference it would compare the "
+                              "reference with itself: give one")
         opts.check()
         ref_opts, ref_name = reference_of(opts) if ns.compare else (opts, "")
         ref_opts.check()
