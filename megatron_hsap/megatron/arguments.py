@@ -402,6 +402,11 @@ def validate_hsap_args(args: Any) -> HSAPArgs | None:
     pool = getattr(args, "hsap_pool_bytes", None)  # (0 was read as "unset" by plan_flags)
     _refuse(pool is not None and pool < 1, f"--hsap-pool-bytes {pool}: must be >= 1 (or leave it out: 4 inter "
             "chunks of q/k/v rows per rank)")
+    # the flags' own rules (resolve_hardware's), checked now rather than at the first batch
+    from megatron_hsap.megatron.hardware import resolve_hardware
+
+    resolve_hardware(flag=getattr(args, "hsap_hardware", None), device_name=None,
+                     flag_gpus=getattr(args, "hsap_gpus_per_node", None), local_world_size=None)
     dump = getattr(args, "hsap_dump_plan", None)
     if dump:
         _refuse(not str(dump[0]).isdigit() or int(dump[0]) < 1,

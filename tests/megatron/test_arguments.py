@@ -119,6 +119,7 @@ def test_hsap_flags_under_ring_are_refused_not_ignored(given: list[str], named: 
         (["--hsap-head-chunks", "4"], r"--hsap-head-chunks 4: each intra rank holds 2 q and 1 kv heads; valid counts: \[1, 2\]"),
         (["--hsap-head-chunks", "0"], "must be >= 1"),
         (["--hsap-pool-bytes", "0"], "--hsap-pool-bytes 0: must be >= 1"),  # (read as unset before)
+        (["--hsap-gpus-per-node", "0"], "--hsap-gpus-per-node 0: must be >= 1"),  # (raised at the first batch before)
         # the forced one-level topology replaces the all-to-all the count pins (the count was dropped)
         (["--hsap-head-chunks", "2", "--hsap-flatten", "all-to-all"], "--hsap-head-chunks 2 pins the configured all-to-all"),
         # per-sample balancing over HSAP's packed [t, 1, h] micro-batch (measured in Megatron's loop,
