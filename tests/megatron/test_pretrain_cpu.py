@@ -9,9 +9,11 @@ rank); the default suite keeps the HSAP 2×2 run, its two flattened variants (1�
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import re
+import warnings
 from argparse import Namespace
 from pathlib import Path
 
@@ -28,14 +30,28 @@ RTOL = 1e-5
 BASE = dict(steps=4, eval_interval=2, eval_iters=1)
 DUMP_ITER = 2
 _RUNS: dict[tuple, CPUResult] = {}
+_DIRS = itertools.count()  # a failed run's logs are never overwritten by the next run
 
 
 def _run(tmp_root: Path, **kwargs: object) -> CPUResult:
-    """One cached run; its records (parameters, FLOP statistics, losses) under ``<log>/record``."""
+    """One cached run; its records (parameters, FLOP statistics, losses) under ``<log>/record``.
+
+    A Megatron-FSDP run whose rank dies by a signal runs once more, with a warning naming the kept
+    logs: Megatron-FSDP ZeRO-3 on CPU gloo dies natively now and then (a SIGSEGV in rank 0 at the
+    first training step, CP 2×2 bf16, once in a CI run of 2026-12-06 and in none of 28 reruns; the
+    TP 2 + SP configuration's heap check once in six; README, known gaps; each rank dumps its
+    Python stacks on such a death, ``PYTHONFAULTHANDLER``). A second death fails the test, and any
+    other failure fails it at once."""
     key = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in kwargs.items()))
     if key not in _RUNS:
-        log_dir = tmp_root / f"run{len(_RUNS)}"
-        result = run(CPURun(log_dir=str(log_dir), **kwargs), record_dir=str(log_dir / "record"))  # type: ignore[arg-type]
+        for attempt in (1, 2):
+            log_dir = tmp_root / f"run{next(_DIRS)}"
+            result = run(CPURun(log_dir=str(log_dir), **kwargs), record_dir=str(log_dir / "record"))  # type: ignore[arg-type]
+            native = result.returncode < 0 and "--use-megatron-fsdp" in tuple(kwargs.get("extra", ()))  # type: ignore[arg-type]
+            if not native or attempt == 2:
+                break
+            warnings.warn(f"Megatron-FSDP run {log_dir.name}: a rank died by signal {-result.returncode}; running it "
+                          f"again (logs kept in {log_dir})", stacklevel=2)
         assert result.returncode == 0, result.output[-6000:]
         _RUNS[key] = result
     return _RUNS[key]

@@ -6,6 +6,7 @@ comparison, Megatron's log lines, refusals before spawning and which reference `
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import replace
 
 import pytest
@@ -148,3 +149,31 @@ def test_reference_that_cannot_split_the_batch_is_refused_before_spawning(capsys
         reference_of(CPURun(extra=("--expert-model-parallel-size", "two")))
     assert main(["--micro-batch-size", "1", "--compare", "--", "--expert-model-parallel-size", "2"]) == 2
     assert "does not split" in capsys.readouterr().err
+
+
+def test_loop_tests_rerun_a_megatron_fsdp_run_once_after_a_native_crash(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    # the harness of the slow loop tests: a signal death of a Megatron-FSDP run is rerun once (kept
+    # logs, a warning); a second death, a plain failure, or a death without FSDP fail at once
+    import tests.megatron.test_pretrain_cpu as loop
+    from megatron_hsap.megatron.cpu.command import CPUResult
+
+    codes: list[int] = []
+
+    def fake(opts, *, record_dir=None):  # noqa: ANN001, ANN202
+        code = codes.pop(0)
+        return CPUResult(returncode=code, losses={1: 1.0}, validation={}, final_validation=None, final_test=None,
+                         log_dir=opts.log_dir, output=f"exit {code}")
+
+    monkeypatch.setattr(loop, "run", fake)
+    monkeypatch.setattr(loop, "_RUNS", {})
+    fsdp = dict(extra=("--use-megatron-fsdp",), steps=2)
+    codes[:] = [-11, 0]
+    with pytest.warns(UserWarning, match=r"a rank died by signal 11; running it again \(logs kept in .*run\d+\)"):
+        assert loop._run(tmp_path, **fsdp).returncode == 0
+    assert codes == []
+    for first, extra in (([-11, -11], ("--use-megatron-fsdp",)), ([1], ("--use-megatron-fsdp",)), ([-11], ())):
+        codes[:] = list(first)
+        with pytest.raises(AssertionError, match=f"exit {first[-1]}"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            loop._run(tmp_path, extra=extra, steps=3 + len(first) + len(extra))
+        assert codes == []

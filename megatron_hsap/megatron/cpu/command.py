@@ -277,6 +277,7 @@ def _env(rank: int, world: int, store: str, record_dir: str | None = None, *, fs
         MASTER_ADDR="127.0.0.1", MASTER_PORT="0", HSAP_CPU_STORE=store,
         GLOO_SOCKET_IFNAME="lo",  # gloo's pair sockets on loopback only
         CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+        PYTHONFAULTHANDLER="1",  # a native crash (SIGSEGV, SIGABRT) leaves every thread's Python stack in the log
         CUDA_DEVICE_MAX_CONNECTIONS="8" if fsdp else "1",
         # Megatron writes its dataset index cache and may probe a GPU; keep both quiet and local.
         TORCH_CPP_LOG_LEVEL=env.get("TORCH_CPP_LOG_LEVEL", "ERROR"),
