@@ -69,7 +69,7 @@ def gantt(out_dir: str | Path, *, quick: bool = False, seeds: int | None = None,
     why = unavailable("hsap", intra=intra, inter=inter, shape=shape)
     if why:
         raise ConfigError(f"gantt: HSAP cannot run {topology} with {shape.num_heads}/{shape.num_kv_heads} heads: {why}; "
-                          "choose an --intra-size dividing 64")
+                          f"choose an --intra-size dividing {shape.num_heads}")
     if quick:  # a smaller picture: 4 GPUs, 4K tokens each
         intra, inter = (1, 4) if intra == 1 else (intra, max(1, 4 // intra))
         topology = f"{intra}x{inter}"

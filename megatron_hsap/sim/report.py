@@ -318,36 +318,27 @@ def _plan_worker(rows: list[dict[str, str]]) -> str:
     return markdown([(r["T"], r["P_inter"], r["mode"], r["metric"], r["value"], r["unit"]) for r in rows])
 
 
-REGIONS: dict[str, tuple[str, Callable[[list[dict[str, str]]], str]]] = {
-    "calibration": ("calibrate.csv", _calibration),
-    "magi": ("magi.csv", _magi),
-    "table2": ("table2.csv", _table2),
-    "table3": ("table3.csv", _table3),
-    "validate": ("validate.csv", _validate),
-    "table4": ("table4.csv", _table4),
-    "layout_measures": ("plan_layouts.csv", _layout_measures),
-    "compile_times": ("compile_times.csv", _compile_times),
-    "plan_worker": ("plan_worker.csv", _plan_worker),
-    "scale": ("scale.csv", _scale),
-    "layouts": ("layouts.csv", _layouts),
-}
-
-
-# the command that writes each region's CSV (into results/ by default)
-MADE_BY = {
-    "calibrate.csv": "megatron-hsap simulate calibrate", "magi.csv": "megatron-hsap simulate magi",
-    "table2.csv": "megatron-hsap simulate table2", "table3.csv": "megatron-hsap simulate table3",
-    "validate.csv": "megatron-hsap simulate validate", "table4.csv": "megatron-hsap simulate table4",
-    "scale.csv": "megatron-hsap simulate scale", "layouts.csv": "megatron-hsap simulate layouts",
-    "plan_layouts.csv": "megatron-hsap plan-quality with README's \"Measures\" flags (its plan_quality.csv, saved as plan_layouts.csv)",
-    "compile_times.csv": "megatron-hsap plan-quality --compile-times-only",
-    "plan_worker.csv": "python -m megatron_hsap.bench.plan_worker",
+_SIM = "megatron-hsap simulate "
+# region -> (its CSV in results/, how the CSV renders, the command that writes the CSV)
+REGIONS: dict[str, tuple[str, Callable[[list[dict[str, str]]], str], str]] = {
+    "calibration": ("calibrate.csv", _calibration, _SIM + "calibrate"),
+    "magi": ("magi.csv", _magi, _SIM + "magi"),
+    "table2": ("table2.csv", _table2, _SIM + "table2"),
+    "table3": ("table3.csv", _table3, _SIM + "table3"),
+    "validate": ("validate.csv", _validate, _SIM + "validate"),
+    "table4": ("table4.csv", _table4, _SIM + "table4"),
+    "layout_measures": ("plan_layouts.csv", _layout_measures,
+                        "megatron-hsap plan-quality with README's \"Measures\" flags (its plan_quality.csv, saved as plan_layouts.csv)"),
+    "compile_times": ("compile_times.csv", _compile_times, "megatron-hsap plan-quality --compile-times-only"),
+    "plan_worker": ("plan_worker.csv", _plan_worker, "python -m megatron_hsap.bench.plan_worker"),
+    "scale": ("scale.csv", _scale, _SIM + "scale"),
+    "layouts": ("layouts.csv", _layouts, _SIM + "layouts"),
 }
 
 
 def render(name: str, results: Path) -> str:
     """Region ``name``'s body from its CSV in ``results`` (``FileNotFoundError`` when it is missing)."""
-    csv_name, fn = REGIONS[name]
+    csv_name, fn, _ = REGIONS[name]
     return fn(read_csv(results / csv_name))
 
 
@@ -412,9 +403,10 @@ def main(argv: list[str] | None = None) -> int:
     text = readme.read_text()
     new = update_readme(text, results)
     lacking = missing(text, results)
+    made_by = {csv: cmd for csv, _, cmd in REGIONS.values()}
     for name in lacking:
         print(f"megatron-hsap report: no {results / name}: its README region is {'unchecked' if args.check else 'kept as it is'} "
-              f"(made by {MADE_BY.get(name, 'its benchmark')})", file=sys.stderr)
+              f"(made by {made_by[name]})", file=sys.stderr)
     if args.check:
         if new != text:
             print(f"megatron-hsap report: {readme} regions differ from {args.results}/*.csv; run `megatron-hsap report`",
@@ -422,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         return 1 if lacking else 0
     readme.write_text(new)
-    files = _plots(Path(args.results))
+    files = _plots(results)
     print(f"updated {readme}" + (f"; wrote {', '.join(map(str, files))}" if files else ""))
     return 0
 
