@@ -11,7 +11,8 @@ import sys
 import time
 from pathlib import Path
 
-from megatron_hsap.argtypes import DeprecatedAlias, HelpFormatter, add_topology_args, link_line, output_dir, positive_int
+from megatron_hsap.argtypes import (DeprecatedAlias, HelpFormatter, add_topology_args, given_options, link_line, output_dir,
+                                   positive_int)
 from megatron_hsap.errors import HSAPError
 from megatron_hsap.plan.workloads import WORKLOADS
 
@@ -118,7 +119,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="length distribution for tables 2/3, magi, scale, gantt (default: slimpajama; magi: magiattention, "
                    "MagiAttention's own, which only magi takes); layouts: only this one (default there: fineweb, "
                    "slimpajama, ultrachat, sharegpt, full)")
-    p.add_argument("--jobs", type=positive_int, default=None, help="layouts: worker processes (default: 1)")
+    p.add_argument("--jobs", type=positive_int, default=1, help="layouts: worker processes")
     add_topology_args(p, intra=None, inter=None, old=False)
     for action in p._actions:  # the topology only enters gantt
         if action.dest in ("intra_size", "inter_size"):
@@ -150,13 +151,11 @@ def _gantt_topology(ap: argparse.ArgumentParser, args: argparse.Namespace) -> st
     return f"{args.intra_size or 1}x{args.inter_size or 8}"
 
 
-def _check_reads(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Refuse an option that the command does not read (``READS``; under ``all`` some command reads
-    each), so a flag is never silently ignored."""
-    given = {"workload": args.workload is not None, "seeds": args.seeds is not None, "jobs": args.jobs is not None,
-             "refit": args.refit}
+def _check_reads(ap: argparse.ArgumentParser, args: argparse.Namespace, given: set[str]) -> None:
+    """Refuse an option ``given`` that the command does not read (``READS``; under ``all`` some
+    command reads each), so a flag is never silently ignored."""
     for opt, readers in READS.items():
-        if given[opt] and args.what != "all" and args.what not in readers:
+        if opt in given and args.what != "all" and args.what not in readers:
             ap.error(f"--{opt} is read by {', '.join(readers)} only; {args.what} does not use it")
     if args.workload == "magiattention" and args.what != "magi":
         ap.error(f"--workload magiattention (MagiAttention's protocol) is magi's own; {args.what} packs one of "
@@ -167,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = _parser()
     args = ap.parse_args(argv)
     args.topology = _gantt_topology(ap, args)
-    _check_reads(ap, args)
+    _check_reads(ap, args, given_options(_parser(), argv))
     try:
         if args.config:
             from megatron_hsap.sim.config import load_overrides
@@ -184,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.workload and name in READS["workload"]:
                 kwargs["workload"] = args.workload
             if name == "layouts":
-                kwargs["jobs"] = args.jobs or 1
+                kwargs["jobs"] = args.jobs
             if name == "gantt":
                 kwargs["topology"] = args.topology
                 intra, inter = (int(x) for x in args.topology.split("x"))
