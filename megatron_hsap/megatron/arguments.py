@@ -96,8 +96,8 @@ def add_hsap_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "current one runs (default); --no-hsap-plan-prefetch compiles each plan when its batch is taken.",
     )
     group.add_argument(
-        "--hsap-plan-process", action=argparse.BooleanOptionalAction, default=True,
-        help="With --hsap-plan-prefetch: compile the plans in one child process per rank (default), off "
+        "--hsap-plan-process", action=argparse.BooleanOptionalAction, default=None,
+        help="With --hsap-plan-prefetch: compile the plans in one child process per rank (default on), off "
         "the training process's GIL, which a compiling thread holds against every op the training "
         "thread dispatches (megatron_hsap/megatron/plan_worker.py); --no-hsap-plan-process compiles "
         "them on the prefetch thread.",
@@ -399,6 +399,13 @@ def validate_hsap_args(args: Any) -> HSAPArgs | None:
             and not (getattr(args, "dataloader_inter_document_masking", False) or getattr(args, "sft", False)),
             "--reset-attention-mask asks for per-document attention, which HSAP reads from each batch's cu_seqlens, "
             "not from a dense mask: pass --dataloader-inter-document-masking (and drop --reset-attention-mask)")
+    # (None: not given; on by default) with every plan compiled on the training thread there is no
+    # prefetched plan for a worker process to compile: the flag would be dropped silently
+    _refuse(getattr(args, "hsap_plan_process", None) is True and getattr(args, "hsap_plan_prefetch", True) is False,
+            "--hsap-plan-process compiles the prefetched plans in a worker process, but --no-hsap-plan-prefetch "
+            "compiles every plan on the training thread when its batch is taken: drop one of them")
+    if getattr(args, "hsap_plan_process", None) is None:
+        args.hsap_plan_process = True
     pool = getattr(args, "hsap_pool_bytes", None)  # (0 was read as "unset" by plan_flags)
     _refuse(pool is not None and pool < 1, f"--hsap-pool-bytes {pool}: must be >= 1 (or leave it out: 4 inter "
             "chunks of q/k/v rows per rank)")

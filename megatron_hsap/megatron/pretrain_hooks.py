@@ -183,7 +183,7 @@ def hsap_get_batch(data_iterator: Iterator[dict[str, Any]] | None, vp_stage: int
             reader = RecordingReader(data_iterator)
             worker = prefetchers.get(_WORKER)
             if worker is None:  # one plan worker process per rank, shared by the virtual-pipeline stages
-                worker = prefetchers[_WORKER] = PlanWorker(enabled=getattr(args, "hsap_plan_process", True))
+                worker = prefetchers[_WORKER] = PlanWorker(enabled=getattr(args, "hsap_plan_process", None) is not False)  # None: not given, on
 
             def compile_in_worker(item: Any, worker: PlanWorker = worker) -> tuple[Any, float, str]:
                 # on the prefetch thread, which waits on the worker's pipe without the GIL

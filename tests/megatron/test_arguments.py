@@ -86,6 +86,7 @@ def test_ring_is_the_default_and_untouched() -> None:
     (["--hsap-layout", "contiguous"], "--hsap-layout contiguous"),
     (["--no-hsap-plan-process", "--hsap-pool-bytes", "4096"], "--hsap-pool-bytes 4096, --no-hsap-plan-process"),
     (["--hsap-dump-plan", "2", "/tmp/plans"], "--hsap-dump-plan 2 /tmp/plans"),
+    (["--hsap-plan-process"], "--hsap-plan-process"),  # given at its default: still a flag the ring ignores
 ])
 def test_hsap_flags_under_ring_are_refused_not_ignored(given: list[str], named: str) -> None:
     # the impl flag forgotten: the ring would run and ignore them
@@ -120,6 +121,8 @@ def test_hsap_flags_under_ring_are_refused_not_ignored(given: list[str], named: 
         (["--hsap-head-chunks", "0"], "must be >= 1"),
         (["--hsap-pool-bytes", "0"], "--hsap-pool-bytes 0: must be >= 1"),  # (read as unset before)
         (["--hsap-gpus-per-node", "0"], "--hsap-gpus-per-node 0: must be >= 1"),  # (raised at the first batch before)
+        # a worker process for plans nobody prefetches (the flag was dropped silently before)
+        (["--hsap-plan-process", "--no-hsap-plan-prefetch"], "--hsap-plan-process compiles the prefetched plans .* drop one of them"),
         # the forced one-level topology replaces the all-to-all the count pins (the count was dropped)
         (["--hsap-head-chunks", "2", "--hsap-flatten", "all-to-all"], "--hsap-head-chunks 2 pins the configured all-to-all"),
         # per-sample balancing over HSAP's packed [t, 1, h] micro-batch (measured in Megatron's loop,
@@ -134,6 +137,20 @@ def test_refusals_name_the_flag(change: list[str], match: str) -> None:
     args = _parse(GOOD + change)
     with pytest.raises(ConfigError, match=match):
         validate_hsap_args(args)
+
+
+@pytest.mark.parametrize(("change", "process"), [
+    ([], True),  # not given: on
+    (["--hsap-plan-process"], True),
+    (["--no-hsap-plan-process"], False),
+    (["--no-hsap-plan-prefetch"], True),  # (no worker is started without prefetch)
+    (["--no-hsap-plan-process", "--no-hsap-plan-prefetch"], False),  # redundant, not contradictory
+])
+def test_plan_process_flag_resolves_to_on_unless_turned_off(change: list[str], process: bool) -> None:
+    args = _parse(GOOD + change)
+    assert args.hsap_plan_process is (None if not change or change == ["--no-hsap-plan-prefetch"] else process)
+    validate_hsap_args(args)
+    assert args.hsap_plan_process is process
 
 
 @pytest.mark.parametrize("change", [
