@@ -74,7 +74,6 @@ class Feature(str, enum.Enum):
     CKPT_FORMAT = "ckpt_format"
     TORCH_FSDP2 = "torch_fsdp2"
     FSDP_TP_SP = "fsdp_tp_sp"
-    SFT = "sft"
 
     @property
     def summary(self) -> str:
@@ -109,11 +108,6 @@ FEATURES: dict[Feature, _Spec] = {
         "crashed once in six runs with a native heap error (malloc(): unaligned fastbin chunk detected; cause not "
         "found), so the suite does not claim it",
         lambda c: _zero3(c) and c.parallel.tensor > 1 and (c.parallel.sequence_parallel or _flag(c, "--sequence-parallel"))),
-    Feature.SFT: _Spec(
-        "Megatron's SFT data (--sft: conversations packed with cu_seqlens, the dataset built on every pipeline "
-        "stage): HSAP reads its cu_seqlens as the GPT dataset's, but no test runs it (it needs the datasets "
-        "library and a chat-template tokenizer)",
-        lambda c: _flag(c, "--sft")),
 }
 
 
@@ -124,6 +118,9 @@ NOW_TESTED = {
     "tests/megatron/test_pretrain_cpu_precision.py); its checkpoints are `fsdp_checkpoint`",
     "sequence_parallel": "sequence parallelism runs in Megatron's pretrain() loop on CPU (TP 2 × CP 2×2, "
     "tests/megatron/test_pretrain_cpu.py)",
+    "sft": "Megatron's SFT data (--sft) runs in Megatron's pretrain() loop on CPU: its SFTDataset's packed, "
+    "CP-padded conversations under CP 2×2 and under PP 3 × CP 1×2, whose middle stage plans from its own "
+    "batches (tests/megatron/test_sft_pretrain_cpu.py, pretrain-cpu --sft)",
 }
 
 

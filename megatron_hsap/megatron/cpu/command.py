@@ -2,6 +2,7 @@
 
     megatron-hsap pretrain-cpu --world-size 4 --intra-size 2 --inter-size 2 --steps 6
     megatron-hsap pretrain-cpu --world-size 4 --tp 2 --intra-size 1 --inter-size 2 -- --use-distributed-optimizer
+    megatron-hsap pretrain-cpu --world-size 4 --intra-size 2 --inter-size 2 --sft --compare
 
 Spawns one process per rank (``python -m megatron_hsap.megatron.cpu.rank``) with Megatron's own
 flags: a small GPT (RoPE, GQA, SwiGLU, RMSNorm, fp32, CPU initialisation), Megatron's fusions off by
@@ -14,7 +15,9 @@ local attention and the dataloader's per-document causal mask (the loss to compa
 cannot compute the model (``_NO_LOCAL_REFERENCE``: MLA, sliding windows) ``--reference`` is refused
 and ``--compare`` compares with the same loop at CP=1 under HSAP instead (one rank: no sharding, no
 P2P; its attention is checked against float64 references by ``tests/megatron/test_mla.py`` and
-``tests/megatron/test_gpt_window.py``).
+``tests/megatron/test_gpt_window.py``). ``--sft`` trains on Megatron's SFT data (its
+``SFTDataset`` over conversations made from the CPU corpus, ``megatron/cpu/sft.py``); its reference
+masks each batch by the batch's ``cu_seqlens`` and reads the conversations padded for the HSAP run's CP.
 """
 
 from __future__ import annotations
@@ -72,6 +75,9 @@ class CPURun:
     inter_size: int = 2
     reference: bool = False  # CP=1 TP=1 with Megatron's local attention and the dataloader's mask
     packed: bool = True  # documents as they come (cu_seqlens); False: every sample one document
+    # Megatron's SFT data (--sft: SFTDataset packing conversations, megatron/cpu/sft.py) instead of the GPT corpus
+    sft: bool = False
+    sft_pad_cp: int | None = None  # the CP size SFTDataset pads conversations for (default: this run's; a reference: its run's)
     steps: int = 6
     micro_batch_size: int = 2
     global_batch_size: int | None = None  # default: micro-batch × DP (one micro-batch per step)
@@ -118,6 +124,11 @@ class CPURun:
             raise ConfigError(f"--world-size {self.world_size}: at most 8 CPU ranks on one machine")
         if self.model not in _MODELS:
             raise ConfigError(f"--model {self.model!r}: one of {', '.join(_MODELS)}")
+        if self.sft and not self.packed:
+            raise ConfigError("--sft packs conversations with their cu_seqlens: drop --no-packed")
+        if "--sft" in self.extra:
+            raise ConfigError("--sft after --: give it to pretrain-cpu (before --), which then builds Megatron's SFT "
+                              "dataset over CPU conversations and leaves out the flags SFTDataset refuses")
         if not self.reference:
             self._check_heads()
 
@@ -163,7 +174,7 @@ def no_local_reference(opts: CPURun) -> list[str]:
     pattern = _hybrid_pattern(extra)
     if pattern and "+" in pattern and "--multi-latent-attention" not in extra:  # (else said once above)
         why.append(f"--hybrid-layer-pattern {pattern}: its MLA layers ('+'): {_NO_LOCAL_REFERENCE['--multi-latent-attention']}")
-    if opts.pp > 2 or opts.vp is not None:
+    if (opts.pp > 2 or opts.vp is not None) and not opts.sft:  # (with --sft every stage reads the batch)
         why.append(f"--pp {opts.pp}{' --vp' if opts.vp is not None else ''}: its attention needs the dataloader's "
                    "mask on every pipeline stage, and stages between the first and the last read no data "
                    "(it runs --pp 2 without --vp)")
@@ -199,7 +210,8 @@ def reference_of(opts: CPURun) -> tuple[CPURun, str]:
             f"{world} ranks, over which the global batch of {opts.micro_batch_size * opts.dp_size} samples does "
             f"not split into micro-batches; use a --micro-batch-size that makes it a multiple of {world}")
     sizes = dict(tp=1, world_size=world * opts.pp, micro_batch_size=share,
-                 global_batch_size=opts.global_batch_size or opts.micro_batch_size * opts.dp_size)
+                 global_batch_size=opts.global_batch_size or opts.micro_batch_size * opts.dp_size,
+                 sft_pad_cp=opts.sft_pad_cp or opts.cp_size)  # (--sft: the same conversations' padding)
     why = no_local_reference(opts)
     if why:
         return replace(opts, intra_size=1, inter_size=1, **sizes), "CP=1 under HSAP; " + "; ".join(why)
@@ -230,7 +242,9 @@ def megatron_flags(run: CPURun) -> list[str]:
         "--lr", "3e-3", "--min-lr", "3e-3", "--lr-decay-style", "constant", "--weight-decay", "0.01",
         "--clip-grad", "1.0", "--seed", str(run.seed),
         "--tokenizer-type", "NullTokenizer", "--vocab-size", "258", "--make-vocab-size-divisible-by", "1",
-        "--split", "90,5,5", "--num-workers", "0", "--reset-position-ids", "--calculate-per-token-loss",
+        "--split", "90,5,5", "--num-workers", "0", "--calculate-per-token-loss",
+        # (SFTDataset gives each conversation its positions and asserts the reset off)
+        *([] if run.sft else ["--reset-position-ids"]), *(["--sft"] if run.sft else []),
         "--use-cpu-initialization", "--distributed-backend", "gloo", "--distributed-timeout-minutes", "10",
         "--tensor-model-parallel-size", str(run.tp), "--pipeline-model-parallel-size", str(run.pp),
         "--log-throughput",
@@ -240,7 +254,9 @@ def megatron_flags(run: CPURun) -> list[str]:
         flags += ["--num-layers-per-virtual-pipeline-stage", str(run.vp)]
     if run.reference:
         flags += ["--context-parallel-impl", "ring"]
-        if run.packed:  # the dataloader's per-document causal mask; unpacked, a sample is one document
+        if run.sft:  # SFTDataset makes no mask (it asserts): reference_forward_step's from cu_seqlens
+            flags.append("--no-create-attention-mask-in-dataloader")
+        elif run.packed:  # the dataloader's per-document causal mask; unpacked, a sample is one document
             flags.append("--reset-attention-mask")
         if _hybrid_pattern(run.extra) and "--spec" not in run.extra:
             # megatron-core's default hybrid stack is built from TE modules: its local twin (CPU ranks)
@@ -251,7 +267,7 @@ def megatron_flags(run: CPURun) -> list[str]:
             "--hierarchical-context-parallel-sizes", str(run.intra_size), str(run.inter_size),
             "--no-create-attention-mask-in-dataloader",
         ]
-        if run.packed:
+        if run.packed and not run.sft:  # (--sft batches carry cu_seqlens: pretrain_gpt's has_cu_seqlens)
             flags.append("--dataloader-inter-document-masking")
     return flags + list(run.extra)
 
@@ -265,12 +281,17 @@ def parse_log(text: str) -> tuple[dict[int, float], dict[int, float], dict[str, 
     return losses, validation, final
 
 
+# ``--sft``: the CP size whose 2·CP granularity Megatron's SFTDataset pads each conversation to
+# (``loop._sft_config``): the HSAP run's, also in its CP=1 reference, so both see the same tokens
+SFT_PAD_CP_ENV = "HSAP_CPU_SFT_PAD_CP"
+
 # Megatron's FSDP implementations refuse CUDA_DEVICE_MAX_CONNECTIONS=1 (megatron/training/arguments.py);
 # everything else wants 1 (the ordering TP/SP overlap relies on). No stream exists on CPU either way.
 _FSDP_FLAGS = ("--use-megatron-fsdp", "--use-torch-fsdp2")
 
 
-def _env(rank: int, world: int, store: str, record_dir: str | None = None, *, fsdp: bool = False) -> dict[str, str]:
+def _env(rank: int, world: int, store: str, record_dir: str | None = None, *, fsdp: bool = False,
+         sft_pad_cp: int | None = None) -> dict[str, str]:
     env = dict(os.environ)
     env.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
@@ -284,6 +305,9 @@ def _env(rank: int, world: int, store: str, record_dir: str | None = None, *, fs
     )
     if record_dir is not None:  # what tests read (megatron/cpu/record.py)
         env["HSAP_CPU_RECORD"] = record_dir
+    env.pop(SFT_PAD_CP_ENV, None)
+    if sft_pad_cp is not None:
+        env[SFT_PAD_CP_ENV] = str(sft_pad_cp)
     return env
 
 
@@ -306,7 +330,8 @@ def run(opts: CPURun, *, echo: bool = False, record_dir: str | None = None) -> C
     for rank in range(opts.world_size):
         out = open(log_dir / f"rank{rank}.log", "w")
         files.append(out)
-        procs.append(subprocess.Popen(cmd, env=_env(rank, opts.world_size, store, record_dir, fsdp=fsdp), stdout=out,
+        env = _env(rank, opts.world_size, store, record_dir, fsdp=fsdp, sft_pad_cp=(opts.sft_pad_cp or opts.cp_size) if opts.sft else None)
+        procs.append(subprocess.Popen(cmd, env=env, stdout=out,
                                       stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
     codes = _wait(procs, opts.timeout_s)
     for f in files:
@@ -367,6 +392,10 @@ def build_parser(prog: str = "megatron-hsap pretrain-cpu") -> argparse.ArgumentP
     p.add_argument("--no-packed", dest="packed", action="store_false",
                    help="every sample one document (no --dataloader-inter-document-masking); needed with "
                    "pipeline stages that read no data (PP > 2, or virtual pipelining)")
+    p.add_argument("--sft", action="store_true",
+                   help="Megatron's SFT data (--sft): its SFTDataset packs conversations made from the CPU corpus "
+                   "(system and user turns loss-masked, each conversation padded to a multiple of 2·CP), built on "
+                   "every pipeline stage; megatron_hsap/megatron/cpu/sft.py")
     p.add_argument("--tie-embeddings", action="store_true",
                    help="share the input embedding with the output layer (Megatron's default; --model llama unties "
                    "them otherwise, as Llama-style models do; --model gpt always ties). At PP > 1 the first and "
@@ -392,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
         argv, extra = argv[:cut], argv[cut + 1:]
     ns = build_parser().parse_args(argv)
     opts = CPURun(world_size=ns.world_size, tp=ns.tp, pp=ns.pp, vp=ns.vp, intra_size=ns.intra_size,
-                  inter_size=ns.inter_size, reference=ns.reference, packed=ns.packed, steps=ns.steps,
+                  inter_size=ns.inter_size, reference=ns.reference, packed=ns.packed, sft=ns.sft, steps=ns.steps,
                   micro_batch_size=ns.micro_batch_size, seq_length=ns.seq_length, num_layers=ns.num_layers,
                   eval_interval=ns.eval_interval, eval_iters=ns.eval_iters, tie_embeddings=ns.tie_embeddings,
                   model=ns.model, extra=tuple(extra), log_dir=None if ns.out is None else str(ns.out))

@@ -10,6 +10,7 @@ local ``DotProductAttention`` with the dataloader's per-document causal mask.
 
 from __future__ import annotations
 
+import os
 from functools import partial
 from typing import Any, Iterator
 
@@ -43,11 +44,38 @@ def _dataset_config(args: Any) -> Any:
     )
 
 
-def cpu_datasets_provider(train_val_test_num_samples: list[int], vp_stage: int | None = None) -> tuple[Any, Any, Any]:
-    """``(train, valid, test)`` ``GPTDataset`` s over the standard-library corpus (Megatron's builder).
+def _sft_config(args: Any) -> Any:
+    """``pretrain_gpt``'s dataset config for ``--sft`` (no position or mask resets: SFTDataset
+    asserts them off) over the CPU conversations (``megatron/cpu/sft.py``)."""
+    from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
 
-    Built on the first and last pipeline stages' TP rank 0, as ``pretrain_gpt`` does; the other
-    ranks get ``None`` and receive their batches from the hooks' TP broadcast.
+    from megatron_hsap.megatron.cpu.command import SFT_PAD_CP_ENV
+    from megatron_hsap.megatron.cpu.sft import ConversationTokenizer, build_conversations
+
+    return GPTDatasetConfig(
+        random_seed=args.seed,
+        sequence_length=args.seq_length,
+        blend=([build_conversations(getattr(args, "hsap_cpu_data_dir", None))], None),
+        split=args.split or "90,5,5",
+        path_to_cache=args.data_cache_path,
+        tokenizer=ConversationTokenizer(),
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=args.eod_mask_loss,
+        create_attention_mask=False,
+        context_parallel_size=int(os.environ.get(SFT_PAD_CP_ENV) or args.context_parallel_size),
+    )
+
+
+def cpu_datasets_provider(train_val_test_num_samples: list[int], vp_stage: int | None = None) -> tuple[Any, Any, Any]:
+    """``(train, valid, test)`` datasets as ``pretrain_gpt``'s provider builds them (Megatron's
+    builder): ``GPTDataset`` s over the standard-library corpus, or with ``--sft`` Megatron's
+    ``SFTDataset`` over conversations made from it (``megatron/cpu/sft.py``).
+
+    Built on TP rank 0 of the first and last pipeline stages — with ``--sft`` of every stage
+    (``pretrain_gpt.is_dataset_built_on_rank(..., is_packed_sequence=True)``: a middle stage needs
+    the batch's ``cu_seqlens``); the other ranks get ``None`` and receive their batches from the
+    hooks' TP broadcast.
     """
     from megatron.core import parallel_state
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
@@ -55,12 +83,19 @@ def cpu_datasets_provider(train_val_test_num_samples: list[int], vp_stage: int |
     from megatron.training import get_args, print_rank_0
     from megatron.training.utils import is_first_or_last_pipeline_stage
 
-    def built_here() -> bool:
-        return is_first_or_last_pipeline_stage(vp_stage) and parallel_state.get_tensor_model_parallel_rank() == 0
+    args = get_args()
+    sft = bool(getattr(args, "sft", False))
 
+    def built_here() -> bool:
+        return (sft or is_first_or_last_pipeline_stage(vp_stage)) and parallel_state.get_tensor_model_parallel_rank() == 0
+
+    if sft:
+        from megatron_hsap.megatron.cpu.sft import sft_dataset_class
+
+        print_rank_0("> building train, validation, and test SFT datasets (megatron-hsap CPU conversations) ...")
+        return BlendedMegatronDatasetBuilder(sft_dataset_class(), train_val_test_num_samples, built_here, _sft_config(args)).build()
     print_rank_0("> building train, validation, and test datasets (megatron-hsap CPU corpus) ...")
-    return BlendedMegatronDatasetBuilder(GPTDataset, train_val_test_num_samples, built_here,
-                                         _dataset_config(get_args())).build()
+    return BlendedMegatronDatasetBuilder(GPTDataset, train_val_test_num_samples, built_here, _dataset_config(args)).build()
 
 
 def cpu_loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, model: Any = None) -> tuple[Any, Any, dict]:
@@ -100,8 +135,10 @@ def reference_forward_step(data_iterator: Iterator[dict[str, Any]] | None, model
     """CP=1, TP=1 forward step with the dataloader's attention mask (Megatron's local attention).
 
     The comparison run for HSAP: ``--reset-attention-mask --reset-position-ids`` and the mask made in
-    the dataloader give every document its own causal block, which is what HSAP computes packed.
-    Pipeline stages: at most two (first and last both read the batch; a middle stage has no mask).
+    the dataloader give every document its own causal block, which is what HSAP computes packed;
+    with ``--sft`` (SFTDataset makes no mask) the same mask from the batch's ``cu_seqlens``.
+    Pipeline stages: at most two (first and last both read the batch; a middle stage has no mask),
+    any number with ``--sft`` (every stage reads the batch).
     """
     from megatron.core import parallel_state
     from megatron.training import get_timers
@@ -110,18 +147,36 @@ def reference_forward_step(data_iterator: Iterator[dict[str, Any]] | None, model
 
     if return_schedule_plan:
         raise ConfigError("the reference forward step builds no schedule plan")
+    from megatron.training import get_args
+
+    # (with --sft every pipeline stage reads the batch, so a middle stage has its documents too)
     if (parallel_state.get_tensor_model_parallel_world_size() != 1
-            or parallel_state.get_pipeline_model_parallel_world_size() > 2
+            or (parallel_state.get_pipeline_model_parallel_world_size() > 2 and not getattr(get_args(), "sft", False))
             or parallel_state.get_context_parallel_world_size() != 1):
-        raise ConfigError("the reference forward step is for TP=1, PP ≤ 2, CP=1 runs")
+        raise ConfigError("the reference forward step is for TP=1, PP ≤ 2 (any PP with --sft), CP=1 runs")
     timers = get_timers()
     timers("batch-generator", log_level=2).start()
     batch = next(data_iterator)
     timers("batch-generator").stop()
     mask = batch.get("attention_mask")
+    if mask is None and batch.get("cu_seqlens") is not None:  # --sft: SFTDataset makes no mask
+        mask = document_causal_mask(batch["cu_seqlens"], batch["tokens"].shape[1])
     if mask is None:
         raise ConfigError("the reference run needs the dataloader's mask: --create-attention-mask-in-dataloader "
                           "--reset-attention-mask")
     loss_mask = batch["loss_mask"]
     output = model(batch["tokens"], batch["position_ids"], mask, labels=batch["labels"], loss_mask=loss_mask)
     return output, partial(cpu_loss_func, loss_mask, model=model)
+
+
+def document_causal_mask(cu_seqlens: torch.Tensor, seq_length: int) -> torch.Tensor:
+    """``[b, 1, s, s]`` bool, True where a query must not see a key (Megatron's mask convention, as
+    ``GPTDataset`` builds it with ``--reset-attention-mask``): causal inside each document of the
+    per-sample ``cu_seqlens`` rows ``[b, n]`` (right-padded with ``s``, as ``SFTDataset`` returns them)."""
+    rows = cu_seqlens.reshape(-1, cu_seqlens.shape[-1]).to(torch.int64)
+    pos = torch.arange(seq_length, device=rows.device)
+    # a token's document: the number of boundaries at or before it (the padded ends never count)
+    doc = (rows[:, 1:, None] <= pos[None, None, :]).sum(dim=1)  # [b, s]
+    same = doc[:, :, None] == doc[:, None, :]
+    causal = pos[None, :, None] >= pos[None, None, :]
+    return ~(same & causal)[:, None]

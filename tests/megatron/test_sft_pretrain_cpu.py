@@ -1,0 +1,116 @@
+"""Megatron's SFT data (``--sft``) in its own ``pretrain()`` loop (``megatron-hsap pretrain-cpu --sft``).
+
+The samples come from megatron-core's ``SFTDataset.__getitem__``, unchanged: conversations packed
+into 256-token samples, each padded to a multiple of 2·CP (pad tokens inside the conversation), the
+prompt turns loss-masked, ``cu_seqlens`` right-padded to ``s + 1`` entries (``megatron/cpu/sft.py``
+replaces only its jsonl reader and tokenizer, which need ``datasets`` / ``transformers``). The
+reference is the same loop at CP=1 with megatron-core's local ``DotProductAttention`` and a
+document-causal mask made from each batch's ``cu_seqlens`` (SFTDataset makes none), reading the
+same conversations padded for the HSAP run's CP. Same harness and tolerance as test_pretrain_cpu.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from megatron_hsap.errors import ConfigError
+from megatron_hsap.megatron.cpu.command import CPURun, megatron_flags, reference_of
+from tests.megatron.test_pretrain_cpu import BASE, RTOL, _records, _run, _same_losses, root  # noqa: F401
+
+pytestmark = pytest.mark.timeout(1800)
+
+SFT = dict(sft=True, **BASE)
+
+
+def _micro_batches(result, ranks: range, training: bool) -> list[list[tuple[float, int]]]:
+    """Per micro-batch (in order), each of ``ranks``' recorded ``(Σ loss·mask, loss tokens)``."""
+    per_rank = [[(r["loss_sum"], r["tokens"]) for r in _records(result, f"losses-rank{k}.jsonl") if r["training"] == training]
+                for k in ranks]
+    assert len({len(x) for x in per_rank}) == 1, [len(x) for x in per_rank]
+    return [list(x) for x in zip(*per_rank)]
+
+
+def test_sft_flags_follow_what_sftdataset_asserts() -> None:
+    hsap = megatron_flags(CPURun(sft=True))
+    # SFTDataset asserts no position / mask resets and no dataloader mask; its batches carry cu_seqlens
+    assert "--sft" in hsap and "--reset-position-ids" not in hsap and "--dataloader-inter-document-masking" not in hsap
+    ref_run, name = reference_of(CPURun(sft=True))
+    ref = megatron_flags(ref_run)
+    assert name == "CP=1, local attention" and ref_run.sft_pad_cp == 4  # the HSAP run's padding
+    assert "--no-create-attention-mask-in-dataloader" in ref and "--reset-attention-mask" not in ref
+    with pytest.raises(ConfigError, match="drop --no-packed"):
+        CPURun(sft=True, packed=False).check()
+    with pytest.raises(ConfigError, match="--sft after --: give it to pretrain-cpu"):
+        CPURun(extra=("--sft",)).check()
+    # every pipeline stage reads an SFT batch, so PP 3 keeps the local-attention reference
+    assert reference_of(CPURun(sft=True, pp=3, num_layers=3, world_size=6, intra_size=1, inter_size=2,
+                               micro_batch_size=1))[1] == "CP=1, local attention"
+
+
+def test_document_causal_mask_from_padded_cu_seqlens() -> None:
+    import torch
+
+    from megatron_hsap.megatron.cpu.loop import document_causal_mask
+
+    cu = torch.tensor([[0, 3, 5, 6, 6, 6, 6], [0, 6, 6, 6, 6, 6, 6]], dtype=torch.int32)  # SFTDataset's padding
+    got = document_causal_mask(cu, 6)
+    assert got.shape == (2, 1, 6, 6) and got.dtype == torch.bool
+    want = np.ones((2, 6, 6), dtype=bool)  # True: masked (Megatron's convention)
+    for b, docs in enumerate([[(0, 3), (3, 5), (5, 6)], [(0, 6)]]):
+        for lo, hi in docs:
+            for q in range(lo, hi):
+                want[b, q, lo:q + 1] = False
+    assert np.array_equal(got[:, 0].numpy(), want)
+
+
+def test_sft_in_megatrons_loop_equals_cp1_local_attention(root: Path) -> None:  # noqa: F811
+    hsap = _run(root, world_size=4, intra_size=2, inter_size=2, **SFT)
+    ref = _run(root, world_size=1, reference=True, sft_pad_cp=4, **SFT)
+    _same_losses(hsap.losses, ref.losses)
+    assert sorted(hsap.losses) == [1, 2, 3, 4]
+    log = (Path(hsap.log_dir) / "rank0.log").read_text()
+    assert "WARNING: no --dataloader-inter-document-masking" not in log  # --sft batches carry cu_seqlens
+    # the plans saw the packed conversations: more documents than the micro-batch's 2 samples
+    docs = [int(line.rsplit("documents ", 1)[1].split()[0]) for line in log.splitlines() if "| documents " in line]
+    assert len(docs) == 4 and min(docs) > 2, docs
+    # training: the prompt turns are loss-masked, and the CP ranks' shares add up to the reference's
+    for got, want in zip(_micro_batches(hsap, range(4), True), _micro_batches(ref, range(1), True), strict=True):
+        tokens = sum(t for _, t in got)
+        assert tokens == want[0][1] and 0 < tokens < 2 * 256
+        assert sum(loss for loss, _ in got) == pytest.approx(want[0][0], rel=RTOL)
+    # validation: Megatron's own SFT formula (below)
+    _sft_validation(hsap, range(4), ref, range(1))
+
+
+def _sft_validation(hsap, ranks: range, ref, ref_ranks: range) -> None:
+    """Megatron's SFT validation loss (``training.evaluate`` with ``args.sft``) is the mean over the
+    DP×CP ranks of each rank's own per-token loss, so it depends on how CP splits the loss tokens
+    (under any CP implementation): at every pass HSAP's per-rank shares (``ranks``: the last
+    stage's) add up to the reference's loss, and the figure it logs is the mean of their ratios."""
+    passes = _micro_batches(hsap, ranks, False)
+    ref_passes = _micro_batches(ref, ref_ranks, False)
+    logged = [hsap.validation[2], hsap.validation[4], hsap.final_validation, hsap.final_test]
+    ref_logged = [ref.validation[2], ref.validation[4], ref.final_validation, ref.final_test]
+    assert len(passes) == len(ref_passes) == 4
+    for got, (want,), value, ref_value in zip(passes, ref_passes, logged, ref_logged, strict=True):
+        assert sum(t for _, t in got) == want[1]
+        assert sum(loss for loss, _ in got) / want[1] == pytest.approx(want[0] / want[1], rel=RTOL)
+        assert ref_value == pytest.approx(want[0] / want[1], rel=RTOL)
+        assert value == pytest.approx(np.mean([loss / max(t, 1) for loss, t in got]), rel=RTOL)
+
+
+@pytest.mark.slow
+def test_sft_over_pipeline_3_with_cp_1x2_equals_the_reference_at_pp_3(root: Path) -> None:  # noqa: F811
+    """HSAP's answer to packed data with a middle pipeline stage (its error for PP > 2 without
+    ``--sft`` says so): Megatron builds the SFT data on every stage, so the middle stage compiles
+    its plans from its own batches' ``cu_seqlens``. Equal to local attention at PP 3, whose
+    middle stage masks by the same batches."""
+    sizes = dict(pp=3, num_layers=3, micro_batch_size=1, **SFT)
+    hsap = _run(root, world_size=6, intra_size=1, inter_size=2, **sizes)
+    ref = _run(root, world_size=3, reference=True, sft_pad_cp=2, **sizes)
+    _same_losses(hsap.losses, ref.losses)
+    # Megatron's rank order (tp-cp-ep-dp-pp): the last stage is ranks 4-5 (its CP pair), 2 at CP=1
+    _sft_validation(hsap, range(4, 6), ref, range(2, 3))
