@@ -281,6 +281,7 @@ _TOKENIZER_NEEDS: dict[str, tuple[str, ...]] = {
     "GPTSentencePieceTokenizer": ("tokenizer_model",),
     "Llama2Tokenizer": ("tokenizer_model",),
     "TikTokenizer": ("tokenizer_model",),
+    "SFTTokenizer": ("tokenizer_model",),  # --sft's conversations (a HuggingFace tokenizer with a chat template)
     "NullTokenizer": (),
 }
 
@@ -475,6 +476,10 @@ def _check_passthrough(cfg: LaunchConfig) -> None:
         raise ConfigError("megatron_args: --cp-comm-type selects Transformer Engine's context-parallel algorithm, "
                           "which parallel.cp_impl hsap replaces (its split is hsap_intra_size × hsap_inter_size); "
                           "drop it")
+    if "--sft" in given and cfg.data.reset_position_ids:  # (the data: section adds --reset-position-ids)
+        raise ConfigError("megatron_args: --sft, but data.reset_position_ids is true: Megatron's SFTDataset gives each "
+                          "conversation its own positions and asserts --reset-position-ids off; set "
+                          "data.reset_position_ids: false")
     hsap_only = sorted(a for a in given if a.startswith(("--hsap-", "--no-hsap-")))
     if cfg.parallel.cp_impl is not CPImpl.HSAP and hsap_only:
         raise ConfigError(f"megatron_args: {hsap_only} configure HSAP, but parallel.cp_impl is {cfg.parallel.cp_impl.value}, "

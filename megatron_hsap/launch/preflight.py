@@ -180,8 +180,8 @@ def _dataset_prefixes(d: DataConfig) -> list[str]:
 
 def data_problems(cfg: LaunchConfig, *, check_files: bool) -> list[str]:
     """What keeps ``cfg``'s ``data:`` block from a real run: placeholders still to fill in, and with
-    ``check_files`` dataset prefixes (``PREFIX.bin``/``.idx``) and tokenizer files that do not exist
-    on this host. Each entry names the key to change."""
+    ``check_files`` dataset prefixes (``PREFIX.bin``/``.idx``; with ``--sft`` the jsonl files
+    themselves) and tokenizer files that do not exist on this host. Each entry names the key to change."""
     d = cfg.data
     if d.mock:
         return []
@@ -192,7 +192,13 @@ def data_problems(cfg: LaunchConfig, *, check_files: bool) -> list[str]:
     if not check_files:
         return []
     problems = []
+    sft = "--sft" in cfg.megatron_args  # Megatron's SFTDataset reads each path as a jsonl file, not a prefix
     for prefix in _dataset_prefixes(d):
+        if sft:
+            if not os.path.isfile(prefix):
+                problems.append(f"data.data_path: {prefix} not found on this host; with --sft give the jsonl file of "
+                                "conversations (Megatron's SFTDataset: one {\"messages\": [...]} per line)")
+            continue
         missing = [ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
         if missing:
             problems.append(f"data.data_path: {prefix}{'/'.join(missing)} not found on this host; give the "

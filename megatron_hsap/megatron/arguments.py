@@ -406,6 +406,17 @@ def validate_hsap_args(args: Any) -> HSAPArgs | None:
             "compiles every plan on the training thread when its batch is taken: drop one of them")
     if getattr(args, "hsap_plan_process", None) is None:
         args.hsap_plan_process = True
+    if getattr(args, "sft", False):  # (SFTDataset's bare asserts, raised per rank while the datasets build)
+        off = [flag for flag, on in (
+            ("--reset-position-ids (drop it)", getattr(args, "reset_position_ids", False)),
+            ("--reset-attention-mask (drop it)", getattr(args, "reset_attention_mask", False)),
+            # Megatron's default, turned off only by --dataloader-inter-document-masking
+            ("--create-attention-mask-in-dataloader (Megatron's default: pass --no-create-attention-mask-in-dataloader)",
+             getattr(args, "create_attention_mask_in_dataloader", False)
+             and not getattr(args, "dataloader_inter_document_masking", False))) if on]
+        _refuse(bool(off), f"--sft: Megatron's SFTDataset asserts these off: {'; '.join(off)} (each conversation has "
+                "its own positions; HSAP reads the conversations from each batch's cu_seqlens; "
+                "megatron/training/datasets/sft_dataset.py)")
     pool = getattr(args, "hsap_pool_bytes", None)  # (0 was read as "unset" by plan_flags)
     _refuse(pool is not None and pool < 1, f"--hsap-pool-bytes {pool}: must be >= 1 (or leave it out: 4 inter "
             "chunks of q/k/v rows per rank)")

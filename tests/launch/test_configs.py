@@ -234,7 +234,7 @@ def test_megatron_accepts_every_config(monkeypatch: pytest.MonkeyPatch) -> None:
     parser = add_hsap_args(arguments.add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False)))
     ring = config_from_dict({**_gpt(), "parallel": {"tensor": 2, "hsap_intra_size": 1, "hsap_inter_size": 4,
                                                     "cp_impl": "ring", "sequence_parallel": True}})
-    for cfg in [load_config(p) for p in CONFIGS] + [ring]:
+    for cfg in [load_config(p) for p in CONFIGS] + [ring, config_from_dict(_sft())]:
         monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
         for key, value in launch_env(cfg, os.environ).items():
             monkeypatch.setenv(key, value)
@@ -334,7 +334,7 @@ def test_untested_list_must_match_use() -> None:
     zero2 = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads"]
     assert untested_features(config_from_dict({**_gpt(**flags), "megatron_args": zero2})) == []
     assert untested_features(config_from_dict({**_gpt(), "megatron_args": ["--use-torch-fsdp2"]})) == [Feature.TORCH_FSDP2]
-    assert untested_features(config_from_dict({**_gpt(), "megatron_args": ["--sft"]})) == []  # test_sft_pretrain_cpu
+    assert untested_features(config_from_dict(_sft())) == []  # tests/megatron/test_sft_pretrain_cpu.py
     with pytest.raises(ConfigError, match="did you mean fsdp_checkpoint"):
         config_from_dict({**_gpt(), "untested": ["fsdp_checkpont"]})
     passthrough = {**_gpt(), "megatron_args": ["--num-experts", "8", "--ckpt-format", "torch"]}
@@ -354,6 +354,28 @@ def test_data_block_errors_name_the_key(data: dict, key: str) -> None:
     with pytest.raises(ConfigError) as info:
         config_from_dict({**_gpt(), "data": data})
     assert str(info.value).startswith(key), str(info.value)
+
+
+def _sft(**data: object) -> dict:
+    """A config training on Megatron's SFT data (tests/megatron/test_sft_pretrain_cpu.py runs it on CPU)."""
+    return {**_gpt(), "megatron_args": ["--sft"],
+            "data": {"data_path": ["/d/conversations.jsonl"], "tokenizer_type": "SFTTokenizer", "tokenizer_model": "/d/tok",
+                     "reset_position_ids": False, **data}}
+
+
+def test_sft_configs_follow_what_sftdataset_asserts(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="--sft, but data.reset_position_ids is true: .* set data.reset_position_ids: false"):
+        config_from_dict(_sft(reset_position_ids=True))
+    cfg = config_from_dict(_sft(data_path=[str(tmp_path / "chat.jsonl")], tokenizer_model=str(tmp_path)))
+    args = to_megatron_args(cfg)
+    assert "--reset-position-ids" not in args and "--no-create-attention-mask-in-dataloader" in args
+    assert _flag(args, "--tokenizer-type") == ["SFTTokenizer"]
+    # SFTDataset reads each path as a jsonl file, not an indexed-dataset prefix
+    assert data_problems(cfg, check_files=True) == [f"data.data_path: {tmp_path / 'chat.jsonl'} not found on this host; "
+                                                    "with --sft give the jsonl file of conversations (Megatron's "
+                                                    'SFTDataset: one {"messages": [...]} per line)']
+    (tmp_path / "chat.jsonl").write_text('{"messages": []}\n')
+    assert data_problems(cfg, check_files=True) == []
 
 
 def test_data_files_are_checked_at_launch(tmp_path: Path) -> None:

@@ -121,6 +121,11 @@ def test_hsap_flags_under_ring_are_refused_not_ignored(given: list[str], named: 
         (["--hsap-head-chunks", "0"], "must be >= 1"),
         (["--hsap-pool-bytes", "0"], "--hsap-pool-bytes 0: must be >= 1"),  # (read as unset before)
         (["--hsap-gpus-per-node", "0"], "--hsap-gpus-per-node 0: must be >= 1"),  # (raised at the first batch before)
+        # --sft: SFTDataset's bare asserts, raised on the dataset-building ranks only (the others waited)
+        (["--sft", "--no-create-attention-mask-in-dataloader", "--reset-position-ids"],
+         r"^--sft: Megatron's SFTDataset asserts these off: --reset-position-ids \(drop it\) \("),
+        (["--sft", "--no-create-attention-mask-in-dataloader", "--reset-attention-mask"], r"these off: --reset-attention-mask \(drop it\) \("),
+        (["--sft"], r"these off: --create-attention-mask-in-dataloader \(Megatron's default: pass --no-create-attention-mask-in-dataloader\)"),
         # a worker process for plans nobody prefetches (the flag was dropped silently before)
         (["--hsap-plan-process", "--no-hsap-plan-prefetch"], "--hsap-plan-process compiles the prefetched plans .* drop one of them"),
         # the forced one-level topology replaces the all-to-all the count pins (the count was dropped)
@@ -137,6 +142,12 @@ def test_refusals_name_the_flag(change: list[str], match: str) -> None:
     args = _parse(GOOD + change)
     with pytest.raises(ConfigError, match=match):
         validate_hsap_args(args)
+
+
+@pytest.mark.parametrize("change", [["--sft", "--no-create-attention-mask-in-dataloader"],
+                                    ["--sft", "--dataloader-inter-document-masking"]])  # (Megatron then turns the mask off)
+def test_sft_with_what_sftdataset_asserts_off_is_accepted(change: list[str]) -> None:
+    assert validate_hsap_args(_parse(GOOD + change)) is not None
 
 
 @pytest.mark.parametrize(("change", "process"), [
