@@ -208,7 +208,7 @@ def make_forward_step(loss_func: Callable[..., Any]) -> Callable[..., Any]:
 
     def hsap_forward_step(data_iterator: Any, model: Any, return_schedule_plan: bool = False) -> Any:
         from megatron.core.utils import get_attr_wrapped_model
-        from megatron.training import get_timers
+        from megatron.training import get_args, get_timers
 
         from megatron_hsap.errors import ConfigError
 
@@ -223,9 +223,38 @@ def make_forward_step(loss_func: Callable[..., Any]) -> Callable[..., Any]:
                        loss_mask=batch["loss_mask"], packed_seq_params=batch["packed_seq_params"])
         # loss_func returns (Σ loss·mask, local loss tokens); --calculate-per-token-loss makes
         # Megatron divide by the tokens summed over DP×CP: every real token counted once.
-        return output, functools.partial(loss_func, batch["loss_mask"], model=model)
+        loss = functools.partial(loss_func, batch["loss_mask"], model=model)
+        if not model.training and getattr(get_args(), "sft", False):
+            loss = functools.partial(_micro_batch_report, loss)
+        return output, loss
 
     return hsap_forward_step
+
+
+def _micro_batch_report(loss_func: Callable[..., Any], output_tensor: Any) -> Any:
+    """``loss_func``'s result with each ``[Σ loss, tokens]`` report summed over the CP group.
+
+    Megatron's evaluation with ``--sft`` (``training.evaluate``, megatron-core 0.19.2) divides each
+    rank's report by its own tokens and averages the ratios over the DP×CP ranks: meant per
+    micro-batch, it is per CP rank's share of one, so it depends on how CP splits the loss tokens —
+    under HSAP, whose ranks hold whole conversations, a rank may hold few or none (its ratio counts
+    as 0). Summed over the CP group first, every CP rank reports its micro-batch's own per-token
+    loss, and the figure is the CP=1 one. The loss and token count (no backward in evaluation) are
+    left as they are; every CP rank of the stage that computes the loss calls this in the same order."""
+    import torch
+    from megatron.core import parallel_state
+
+    outputs = loss_func(output_tensor)
+    if len(outputs) != 3 or parallel_state.get_context_parallel_world_size() == 1:
+        return outputs  # (a loss function without the token count: Megatron does not apply its SFT mean to it)
+    loss, num_tokens, report = outputs
+    group = parallel_state.get_context_parallel_group()
+    for key, value in report.items():
+        if isinstance(value, torch.Tensor) and value.numel() == 2:
+            value = value.clone()
+            torch.distributed.all_reduce(value, group=group)
+            report[key] = value
+    return loss, num_tokens, report
 
 
 def with_hsap_init(provider: Any, hsap: Any) -> Any:
