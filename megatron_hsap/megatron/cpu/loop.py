@@ -2,7 +2,8 @@
 
 ``pretrain_gpt.py`` is not in the megatron-core wheel, so the CPU command brings its own dataset
 provider (megatron-core's ``GPTDataset`` over the ``train-tiny`` corpus, packed, with document
-boundaries) and loss function, written against megatron-core APIs like Megatron-LM's own
+boundaries; with ``--mock-data`` its ``MockGPTDataset``, with ``--sft`` its ``SFTDataset``, as
+``pretrain_gpt``'s provider picks them) and loss function, written against megatron-core APIs like Megatron-LM's own
 (``pretrain_gpt.loss_func`` at ``core_v0.19.0``: Σ loss·mask, token count, and the rerun state
 machine's NaN / Inf / spiky-loss checks). ``reference_forward_step`` is the CP=1 comparison: Megatron's
 local ``DotProductAttention`` with the dataloader's per-document causal mask.
@@ -27,15 +28,24 @@ def _dataset_config(args: Any) -> Any:
     from megatron_hsap.megatron.data import ByteTokenizer, build_stdlib_corpus
 
     # Documents of 24–160 bytes (longer blocks cut): several per 256-token sample, so batches are
-    # really packed and documents span CP ranks.
-    corpus = build_stdlib_corpus(getattr(args, "hsap_cpu_data_dir", None), min_doc_bytes=24, max_doc_bytes=160)
+    # really packed and documents span CP ranks. --mock-data: no blend, Megatron's mock documents
+    blend, tokenizer = None, ByteTokenizer()
+    if not getattr(args, "mock_data", False):
+        corpus = build_stdlib_corpus(getattr(args, "hsap_cpu_data_dir", None), min_doc_bytes=24, max_doc_bytes=160)
+        blend = ([corpus.prefix], None)
+    else:
+        # a mock document cycles through token ids below the tokenizer's vocab_size: below the
+        # byte range, never EOD (256) or PAD (257) inside a document, where the reference's
+        # EOD-built mask would end it while its cu_seqlens (the index's lengths) do not (4.4e-3 apart)
+        tokenizer.vocab_size = 256
+        tokenizer.unique_identifiers = {**tokenizer.unique_identifiers, "vocab_size": 256}
     return GPTDatasetConfig(
         random_seed=args.seed,
         sequence_length=args.seq_length,
-        blend=([corpus.prefix], None),
+        blend=blend,
         split=args.split or "90,5,5",
         path_to_cache=args.data_cache_path,
-        tokenizer=ByteTokenizer(),
+        tokenizer=tokenizer,
         reset_position_ids=args.reset_position_ids,
         reset_attention_mask=args.reset_attention_mask,
         eod_mask_loss=args.eod_mask_loss,
@@ -94,6 +104,11 @@ def cpu_datasets_provider(train_val_test_num_samples: list[int], vp_stage: int |
 
         print_rank_0("> building train, validation, and test SFT datasets (megatron-hsap CPU conversations) ...")
         return BlendedMegatronDatasetBuilder(sft_dataset_class(), train_val_test_num_samples, built_here, _sft_config(args)).build()
+    if getattr(args, "mock_data", False):  # Megatron's synthetic documents, as pretrain_gpt builds them
+        from megatron.core.datasets.gpt_dataset import MockGPTDataset
+
+        print_rank_0("> building train, validation, and test datasets (Megatron's mock data) ...")
+        return BlendedMegatronDatasetBuilder(MockGPTDataset, train_val_test_num_samples, built_here, _dataset_config(args)).build()
     print_rank_0("> building train, validation, and test datasets (megatron-hsap CPU corpus) ...")
     return BlendedMegatronDatasetBuilder(GPTDataset, train_val_test_num_samples, built_here, _dataset_config(args)).build()
 
