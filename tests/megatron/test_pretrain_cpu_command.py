@@ -54,6 +54,10 @@ def test_parse_log_reads_megatrons_lines() -> None:
     (dict(steps=0), "--steps 0"),
     (dict(world_size=16, intra_size=4, inter_size=4), "at most 8"),
     (dict(vp=2), r"--vp 2 interleaves pipeline stages: it needs --pp 2 or more"),  # (Megatron ignored it at 2 layers)
+    # data the CPU provider would not read (it trained its corpus whatever they said)
+    (dict(extra=("--data-path", "/d/x_text_document", "--tokenizer-type=HuggingFaceTokenizer")),
+     r"^--data-path, --tokenizer-type after --: pretrain-cpu trains on its own CPU corpus .* scripts/pretrain_gpt_hsap.py"),
+    (dict(sft=True, extra=("--sft-tokenizer-prompt-format", "identity")), "--sft-tokenizer-prompt-format after --"),
 ])
 def test_bad_sizes_are_refused_before_spawning(change: dict, match: str) -> None:
     with pytest.raises(ConfigError, match=match):

@@ -54,6 +54,13 @@ _NO_LOCAL_REFERENCE = {
 }
 
 
+# Megatron's data and tokenizer flags that pretrain_gpt's provider reads and the CPU provider does
+# not (``loop.cpu_datasets_provider``: its corpus, --mock-data or --sft, a byte tokenizer)
+_DATA_NOT_READ = ("--data-path", "--train-data-path", "--valid-data-path", "--test-data-path", "--data-args-path",
+                  "--per-split-data-args-path", "--per-dataset-sequences-path", "--fim-data", "--tokenizer-type",
+                  "--tokenizer-model", "--vocab-file", "--merge-file", "--sft-tokenizer-prompt-format")
+
+
 # The two model families of the shipped configs, at CPU size (hidden 64, 4 heads of 16; kv groups
 # as below, MHA when they equal the heads).
 _HEADS = 4
@@ -126,6 +133,11 @@ class CPURun:
             raise ConfigError(f"--model {self.model!r}: one of {', '.join(_MODELS)}")
         if self.sft and not self.packed:
             raise ConfigError("--sft packs conversations with their cu_seqlens: drop --no-packed")
+        unread = sorted({a.split("=", 1)[0] for a in self.extra} & set(_DATA_NOT_READ))
+        if unread:  # (passed to Megatron, which parses them, and ignored by the CPU provider)
+            raise ConfigError(f"{', '.join(unread)} after --: pretrain-cpu trains on its own CPU corpus (or "
+                              "Megatron's --mock-data, or --sft's conversations) with a byte tokenizer, so these "
+                              "would be ignored; run scripts/pretrain_gpt_hsap.py for your own data")
         if "--sft" in self.extra:
             raise ConfigError("--sft after --: give it to pretrain-cpu (before --), which then builds Megatron's SFT "
                               "dataset over CPU conversations and leaves out the flags SFTDataset refuses")
