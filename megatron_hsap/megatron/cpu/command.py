@@ -106,6 +106,11 @@ class CPURun:
         return 1 if self.reference else self.intra_size * self.inter_size
 
     @property
+    def sft_padding_cp(self) -> int:
+        """The CP size SFTDataset pads this run's conversations for (``sft_pad_cp``, else its own)."""
+        return self.sft_pad_cp or self.cp_size
+
+    @property
     def dp_size(self) -> int:
         return self.world_size // (self.tp * self.pp * self.cp_size)
 
@@ -223,7 +228,7 @@ def reference_of(opts: CPURun) -> tuple[CPURun, str]:
             f"not split into micro-batches; use a --micro-batch-size that makes it a multiple of {world}")
     sizes = dict(tp=1, world_size=world * opts.pp, micro_batch_size=share,
                  global_batch_size=opts.global_batch_size or opts.micro_batch_size * opts.dp_size,
-                 sft_pad_cp=opts.sft_pad_cp or opts.cp_size)  # (--sft: the same conversations' padding)
+                 sft_pad_cp=opts.sft_padding_cp)  # (--sft: the same conversations' padding)
     why = no_local_reference(opts)
     if why:
         return replace(opts, intra_size=1, inter_size=1, **sizes), "CP=1 under HSAP; " + "; ".join(why)
@@ -294,7 +299,7 @@ def parse_log(text: str) -> tuple[dict[int, float], dict[int, float], dict[str, 
 
 
 # ``--sft``: the CP size whose 2·CP granularity Megatron's SFTDataset pads each conversation to
-# (``loop._sft_config``): the HSAP run's, also in its CP=1 reference, so both see the same tokens
+# (``loop._dataset_config``): the HSAP run's, also in its CP=1 reference, so both see the same tokens
 SFT_PAD_CP_ENV = "HSAP_CPU_SFT_PAD_CP"
 
 # Megatron's FSDP implementations refuse CUDA_DEVICE_MAX_CONNECTIONS=1 (megatron/training/arguments.py);
@@ -342,7 +347,7 @@ def run(opts: CPURun, *, echo: bool = False, record_dir: str | None = None) -> C
     for rank in range(opts.world_size):
         out = open(log_dir / f"rank{rank}.log", "w")
         files.append(out)
-        env = _env(rank, opts.world_size, store, record_dir, fsdp=fsdp, sft_pad_cp=(opts.sft_pad_cp or opts.cp_size) if opts.sft else None)
+        env = _env(rank, opts.world_size, store, record_dir, fsdp=fsdp, sft_pad_cp=opts.sft_padding_cp if opts.sft else None)
         procs.append(subprocess.Popen(cmd, env=env, stdout=out,
                                       stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
     codes = _wait(procs, opts.timeout_s)

@@ -23,22 +23,32 @@ SPIKY_LOSS_FACTOR = 10  # a loss 10× the largest seen so far is "spiky" (Megatr
 
 
 def _dataset_config(args: Any) -> Any:
+    """``pretrain_gpt``'s dataset config over the CPU run's data: the standard-library corpus, with
+    ``--mock-data`` Megatron's mock documents (no blend), with ``--sft`` the CPU conversations
+    (``megatron/cpu/sft.py``; no position or mask resets: SFTDataset asserts them off)."""
     from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
 
     from megatron_hsap.megatron.data import ByteTokenizer, build_stdlib_corpus
 
-    # Documents of 24–160 bytes (longer blocks cut): several per 256-token sample, so batches are
-    # really packed and documents span CP ranks. --mock-data: no blend, Megatron's mock documents
-    blend, tokenizer = None, ByteTokenizer()
-    if not getattr(args, "mock_data", False):
-        corpus = build_stdlib_corpus(getattr(args, "hsap_cpu_data_dir", None), min_doc_bytes=24, max_doc_bytes=160)
-        blend = ([corpus.prefix], None)
-    else:
+    sft = bool(getattr(args, "sft", False))
+    data_dir = getattr(args, "hsap_cpu_data_dir", None)
+    blend, tokenizer, extra = None, ByteTokenizer(), {}
+    if sft:
+        from megatron_hsap.megatron.cpu.command import SFT_PAD_CP_ENV
+        from megatron_hsap.megatron.cpu.sft import ConversationTokenizer, build_conversations
+
+        blend, tokenizer = ([build_conversations(data_dir)], None), ConversationTokenizer()
+        extra["context_parallel_size"] = int(os.environ.get(SFT_PAD_CP_ENV) or args.context_parallel_size)
+    elif getattr(args, "mock_data", False):
         # a mock document cycles through token ids below the tokenizer's vocab_size: below the
         # byte range, never EOD (256) or PAD (257) inside a document, where the reference's
         # EOD-built mask would end it while its cu_seqlens (the index's lengths) do not (4.4e-3 apart)
         tokenizer.vocab_size = 256
         tokenizer.unique_identifiers = {**tokenizer.unique_identifiers, "vocab_size": 256}
+    else:
+        # Documents of 24–160 bytes (longer blocks cut): several per 256-token sample, so batches
+        # are really packed and documents span CP ranks.
+        blend = ([build_stdlib_corpus(data_dir, min_doc_bytes=24, max_doc_bytes=160).prefix], None)
     return GPTDatasetConfig(
         random_seed=args.seed,
         sequence_length=args.seq_length,
@@ -46,41 +56,20 @@ def _dataset_config(args: Any) -> Any:
         split=args.split or "90,5,5",
         path_to_cache=args.data_cache_path,
         tokenizer=tokenizer,
-        reset_position_ids=args.reset_position_ids,
-        reset_attention_mask=args.reset_attention_mask,
+        reset_position_ids=args.reset_position_ids and not sft,
+        reset_attention_mask=args.reset_attention_mask and not sft,
         eod_mask_loss=args.eod_mask_loss,
-        create_attention_mask=args.create_attention_mask_in_dataloader,
-        inter_document_masking=bool(getattr(args, "dataloader_inter_document_masking", False)),
-    )
-
-
-def _sft_config(args: Any) -> Any:
-    """``pretrain_gpt``'s dataset config for ``--sft`` (no position or mask resets: SFTDataset
-    asserts them off) over the CPU conversations (``megatron/cpu/sft.py``)."""
-    from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
-
-    from megatron_hsap.megatron.cpu.command import SFT_PAD_CP_ENV
-    from megatron_hsap.megatron.cpu.sft import ConversationTokenizer, build_conversations
-
-    return GPTDatasetConfig(
-        random_seed=args.seed,
-        sequence_length=args.seq_length,
-        blend=([build_conversations(getattr(args, "hsap_cpu_data_dir", None))], None),
-        split=args.split or "90,5,5",
-        path_to_cache=args.data_cache_path,
-        tokenizer=ConversationTokenizer(),
-        reset_position_ids=False,
-        reset_attention_mask=False,
-        eod_mask_loss=args.eod_mask_loss,
-        create_attention_mask=False,
-        context_parallel_size=int(os.environ.get(SFT_PAD_CP_ENV) or args.context_parallel_size),
+        create_attention_mask=args.create_attention_mask_in_dataloader and not sft,
+        inter_document_masking=bool(getattr(args, "dataloader_inter_document_masking", False)) and not sft,
+        **extra,
     )
 
 
 def cpu_datasets_provider(train_val_test_num_samples: list[int], vp_stage: int | None = None) -> tuple[Any, Any, Any]:
     """``(train, valid, test)`` datasets as ``pretrain_gpt``'s provider builds them (Megatron's
-    builder): ``GPTDataset`` s over the standard-library corpus, or with ``--sft`` Megatron's
-    ``SFTDataset`` over conversations made from it (``megatron/cpu/sft.py``).
+    builder, ``_dataset_config``): ``GPTDataset`` s over the standard-library corpus, with
+    ``--mock-data`` ``MockGPTDataset`` s, with ``--sft`` Megatron's ``SFTDataset`` over conversations
+    made from the corpus (``megatron/cpu/sft.py``).
 
     Built on TP rank 0 of the first and last pipeline stages — with ``--sft`` of every stage
     (``pretrain_gpt.is_dataset_built_on_rank(..., is_packed_sequence=True)``: a middle stage needs
@@ -89,7 +78,7 @@ def cpu_datasets_provider(train_val_test_num_samples: list[int], vp_stage: int |
     """
     from megatron.core import parallel_state
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
-    from megatron.core.datasets.gpt_dataset import GPTDataset
+    from megatron.core.datasets.gpt_dataset import GPTDataset, MockGPTDataset
     from megatron.training import get_args, print_rank_0
     from megatron.training.utils import is_first_or_last_pipeline_stage
 
@@ -102,15 +91,13 @@ def cpu_datasets_provider(train_val_test_num_samples: list[int], vp_stage: int |
     if sft:
         from megatron_hsap.megatron.cpu.sft import sft_dataset_class
 
-        print_rank_0("> building train, validation, and test SFT datasets (megatron-hsap CPU conversations) ...")
-        return BlendedMegatronDatasetBuilder(sft_dataset_class(), train_val_test_num_samples, built_here, _sft_config(args)).build()
-    if getattr(args, "mock_data", False):  # Megatron's synthetic documents, as pretrain_gpt builds them
-        from megatron.core.datasets.gpt_dataset import MockGPTDataset
-
-        print_rank_0("> building train, validation, and test datasets (Megatron's mock data) ...")
-        return BlendedMegatronDatasetBuilder(MockGPTDataset, train_val_test_num_samples, built_here, _dataset_config(args)).build()
-    print_rank_0("> building train, validation, and test datasets (megatron-hsap CPU corpus) ...")
-    return BlendedMegatronDatasetBuilder(GPTDataset, train_val_test_num_samples, built_here, _dataset_config(args)).build()
+        cls, what = sft_dataset_class(), "SFT datasets (megatron-hsap CPU conversations)"
+    elif getattr(args, "mock_data", False):  # Megatron's synthetic documents, as pretrain_gpt builds them
+        cls, what = MockGPTDataset, "datasets (Megatron's mock data)"
+    else:
+        cls, what = GPTDataset, "datasets (megatron-hsap CPU corpus)"
+    print_rank_0(f"> building train, validation, and test {what} ...")
+    return BlendedMegatronDatasetBuilder(cls, train_val_test_num_samples, built_here, _dataset_config(args)).build()
 
 
 def cpu_loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, model: Any = None) -> tuple[Any, Any, dict]:
@@ -156,14 +143,12 @@ def reference_forward_step(data_iterator: Iterator[dict[str, Any]] | None, model
     any number with ``--sft`` (every stage reads the batch).
     """
     from megatron.core import parallel_state
-    from megatron.training import get_timers
+    from megatron.training import get_args, get_timers
 
     from megatron_hsap.errors import ConfigError
 
     if return_schedule_plan:
         raise ConfigError("the reference forward step builds no schedule plan")
-    from megatron.training import get_args
-
     # (with --sft every pipeline stage reads the batch, so a middle stage has its documents too)
     if (parallel_state.get_tensor_model_parallel_world_size() != 1
             or (parallel_state.get_pipeline_model_parallel_world_size() > 2 and not getattr(get_args(), "sft", False))
