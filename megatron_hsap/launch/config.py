@@ -14,7 +14,6 @@ Rank layout (Megatron's default order ``tp-cp-ep-dp-pp``): global rank
 from __future__ import annotations
 
 import enum
-import itertools
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -438,52 +437,9 @@ def _validate_launch(cfg: LaunchConfig) -> None:
         raise ConfigError(
             f"model.position_embedding: learned_absolute at seq_length {t.seq_length} adds "
             f"{t.seq_length * m.hidden_size / 1e9:.1f}B parameters; use rope")
-    _check_passthrough(cfg)
+    from megatron_hsap.launch.loader import check_passthrough  # (loader imports this module)
 
-
-def _check_passthrough(cfg: LaunchConfig) -> None:
-    """``megatron_args`` may repeat Megatron's hierarchical CP flag; it must agree with ours, at every
-    occurrence (argparse keeps the last one). Flags the config sections own are refused in either
-    spelling (``--flag V`` or ``--flag=V``): argparse reads both, so either would silently win."""
-    args = list(cfg.megatron_args)
-    flag = "--hierarchical-context-parallel-sizes"
-    want = [cfg.parallel.hsap_intra_size, cfg.parallel.hsap_inter_size]
-    for i, a in enumerate(args):
-        if a == flag:  # (nargs="+": the values up to the next flag)
-            given = list(itertools.takewhile(lambda v: not v.startswith("--"), args[i + 1:]))
-        elif a.startswith(flag + "="):
-            given = [a.split("=", 1)[1]]
-        else:
-            continue
-        try:
-            sizes = [int(v) for v in given]
-        except ValueError:
-            sizes = []
-        if sizes != want:
-            raise ConfigError(
-                f"megatron_args: {flag} {' '.join(given)} contradicts parallel.hsap_intra_size × "
-                f"hsap_inter_size = {want[0]}x{want[1]}; drop the flag or fix it")
-    owned = {"--context-parallel-size", "--tensor-model-parallel-size", "--pipeline-model-parallel-size",
-             "--seq-length", "--context-parallel-impl", "--hsap-layout", "--hsap-pool-bytes",
-             # the data: section (a second --data-path would silently win over data.data_path)
-             "--data-path", "--mock-data", "--split", "--tokenizer-type", "--tokenizer-model",
-             "--vocab-file", "--merge-file"}
-    given = {a.split("=", 1)[0] for a in args if a.startswith("--")}
-    clash = sorted(owned & given)
-    if clash:
-        raise ConfigError(f"megatron_args: {clash} are set from the config sections; change them there")
-    if cfg.parallel.cp_impl is CPImpl.HSAP and "--cp-comm-type" in given:  # (a ring config may pick TE's type)
-        raise ConfigError("megatron_args: --cp-comm-type selects Transformer Engine's context-parallel algorithm, "
-                          "which parallel.cp_impl hsap replaces (its split is hsap_intra_size × hsap_inter_size); "
-                          "drop it")
-    if "--sft" in given and cfg.data.reset_position_ids:  # (the data: section adds --reset-position-ids)
-        raise ConfigError("megatron_args: --sft, but data.reset_position_ids is true: Megatron's SFTDataset gives each "
-                          "conversation its own positions and asserts --reset-position-ids off; set "
-                          "data.reset_position_ids: false")
-    hsap_only = sorted(a for a in given if a.startswith(("--hsap-", "--no-hsap-")))
-    if cfg.parallel.cp_impl is not CPImpl.HSAP and hsap_only:
-        raise ConfigError(f"megatron_args: {hsap_only} configure HSAP, but parallel.cp_impl is {cfg.parallel.cp_impl.value}, "
-                          "which ignores them; drop them or set parallel.cp_impl: hsap")
+    check_passthrough(cfg)
 
 
 def _divisors(n: int) -> list[int]:

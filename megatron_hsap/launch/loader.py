@@ -2,13 +2,16 @@
 
 ``extends: base.yaml`` (relative to the file) is read first and the file's own keys are merged
 over it (mappings merge, everything else replaces). Unknown keys raise ``ConfigError`` with the
-closest known key; ``seq_length`` also takes ``"128K"`` / ``"1M"``.
+closest known key; ``seq_length`` also takes ``"128K"`` / ``"1M"``. ``megatron_args`` (and the
+command line's arguments after ``--``, ``with_megatron_args``) are checked against the sections
+by ``check_passthrough``, which ``LaunchConfig``'s validation calls.
 """
 
 from __future__ import annotations
 
 import difflib
 import enum
+import itertools
 import re
 import shlex
 import types
@@ -21,6 +24,7 @@ from typing import Any
 from megatron_hsap.errors import ConfigError
 from megatron_hsap.launch.config import (
     DEFAULT_ENTRY,
+    CPImpl,
     ClusterConfig,
     DataConfig,
     LaunchConfig,
@@ -30,7 +34,7 @@ from megatron_hsap.launch.config import (
     parse_tokens,
 )
 
-__all__ = ["load_config", "config_from_dict", "with_megatron_args"]
+__all__ = ["load_config", "config_from_dict", "with_megatron_args", "check_passthrough"]
 
 
 _SECTIONS: dict[str, type] = {
@@ -109,7 +113,7 @@ def config_from_dict(data: Mapping[str, Any], *, source: str | None = None) -> L
 
 def with_megatron_args(cfg: LaunchConfig, extra: Sequence[str]) -> LaunchConfig:
     """``cfg`` with the command line's arguments after ``--`` appended to its ``megatron_args`` (they
-    follow them on the entry point's command line), validated again (``config._check_passthrough``), so
+    follow them on the entry point's command line), validated again (``check_passthrough``), so
     the preflight and the argument list see them too."""
     if not extra:
         return cfg
@@ -117,6 +121,52 @@ def with_megatron_args(cfg: LaunchConfig, extra: Sequence[str]) -> LaunchConfig:
         return replace(cfg, megatron_args=(*cfg.megatron_args, *extra))  # (__post_init__ validates)
     except ConfigError as err:
         raise ConfigError(f"the arguments after -- (appended to the config's {err})") from None
+
+
+def check_passthrough(cfg: LaunchConfig) -> None:
+    """``megatron_args`` may repeat Megatron's hierarchical CP flag; it must agree with ours, at every
+    occurrence (argparse keeps the last one). Flags the config sections own are refused in either
+    spelling (``--flag V`` or ``--flag=V``): argparse reads both, so either would silently win.
+    Part of ``LaunchConfig``'s validation (``config._validate_launch``)."""
+    args = list(cfg.megatron_args)
+    flag = "--hierarchical-context-parallel-sizes"
+    want = [cfg.parallel.hsap_intra_size, cfg.parallel.hsap_inter_size]
+    for i, a in enumerate(args):
+        if a == flag:  # (nargs="+": the values up to the next flag)
+            given = list(itertools.takewhile(lambda v: not v.startswith("--"), args[i + 1:]))
+        elif a.startswith(flag + "="):
+            given = [a.split("=", 1)[1]]
+        else:
+            continue
+        try:
+            sizes = [int(v) for v in given]
+        except ValueError:
+            sizes = []
+        if sizes != want:
+            raise ConfigError(
+                f"megatron_args: {flag} {' '.join(given)} contradicts parallel.hsap_intra_size × "
+                f"hsap_inter_size = {want[0]}x{want[1]}; drop the flag or fix it")
+    owned = {"--context-parallel-size", "--tensor-model-parallel-size", "--pipeline-model-parallel-size",
+             "--seq-length", "--context-parallel-impl", "--hsap-layout", "--hsap-pool-bytes",
+             # the data: section (a second --data-path would silently win over data.data_path)
+             "--data-path", "--mock-data", "--split", "--tokenizer-type", "--tokenizer-model",
+             "--vocab-file", "--merge-file"}
+    given = {a.split("=", 1)[0] for a in args if a.startswith("--")}
+    clash = sorted(owned & given)
+    if clash:
+        raise ConfigError(f"megatron_args: {clash} are set from the config sections; change them there")
+    if cfg.parallel.cp_impl is CPImpl.HSAP and "--cp-comm-type" in given:  # (a ring config may pick TE's type)
+        raise ConfigError("megatron_args: --cp-comm-type selects Transformer Engine's context-parallel algorithm, "
+                          "which parallel.cp_impl hsap replaces (its split is hsap_intra_size × hsap_inter_size); "
+                          "drop it")
+    if "--sft" in given and cfg.data.reset_position_ids:  # (the data: section adds --reset-position-ids)
+        raise ConfigError("megatron_args: --sft, but data.reset_position_ids is true: Megatron's SFTDataset gives each "
+                          "conversation its own positions and asserts --reset-position-ids off; set "
+                          "data.reset_position_ids: false")
+    hsap_only = sorted(a for a in given if a.startswith(("--hsap-", "--no-hsap-")))
+    if cfg.parallel.cp_impl is not CPImpl.HSAP and hsap_only:
+        raise ConfigError(f"megatron_args: {hsap_only} configure HSAP, but parallel.cp_impl is {cfg.parallel.cp_impl.value}, "
+                          "which ignores them; drop them or set parallel.cp_impl: hsap")
 
 
 def _untested(value: Any) -> tuple[str, ...]:
