@@ -109,3 +109,51 @@ def test_executor_dispatches_on_types() -> None:
     assert "step[0]" not in text and '"post"' not in text and '"compute"' not in text
     assert any(isinstance(n, ast.Match) for n in ast.walk(tree))
     assert "step[0]" not in ast.unparse(SOURCES["runtime/prepared.py"])
+
+
+def test_divisors_and_the_intra_head_rule_have_one_home() -> None:
+    # ``_divisors`` was written in runtime/ulysses.py, megatron/arguments.py and launch/config.py, and
+    # the intra head rule a second time in megatron/arguments.py (``_heads_fit``)
+    assert _functions("divisors") == ["plan/checks.py:divisors"]
+    assert _functions("intra_fits_heads") == ["plan/options.py:intra_fits_heads"]
+    assert _functions("valid_intra_sizes") == ["plan/options.py:valid_intra_sizes"]
+    for path, tree in SOURCES.items():
+        if path == "plan/checks.py":
+            continue
+        for node in ast.walk(tree):  # ``[x for x in range(1, n + 1) if n % x == 0]``, any names
+            if isinstance(node, ast.comprehension) and isinstance(node.iter, ast.Call) and ast.unparse(node.iter.func) == "range":
+                for cond in node.ifs:
+                    for n in ast.walk(cond):
+                        if (isinstance(n, ast.Compare) and isinstance(n.left, ast.BinOp) and isinstance(n.left.op, ast.Mod)
+                                and ast.unparse(n.left.right) == ast.unparse(node.target)
+                                and ast.unparse(n.comparators[0]) == "0"
+                                and ast.unparse(n.left.left) + " + 1" == ast.unparse(node.iter.args[-1])):
+                            raise AssertionError(f"{path}: {ast.unparse(node)} restates plan/checks.py divisors")
+    # the kv tests of the rule (Hkv % P, P % Hkv: split or replicated) only in its home; TE's a2a
+    # (registry._te_a2a) is another rule: it asserts both head counts divisible, no replication
+    for path in ("megatron/arguments.py", "bench/memory.py", "runtime/ulysses.py", "baselines/registry.py",
+                 "baselines/hierarchical.py", "baselines/kernel_blocks.py", "sim/methods.py", "sim/hsap.py"):
+        skip = {id(n) for f in ast.walk(SOURCES[path]) if isinstance(f, ast.FunctionDef) and f.name == "_te_a2a" for n in ast.walk(f)}
+        for node in ast.walk(SOURCES[path]):
+            if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mod) and id(node) not in skip:
+                names = {ast.unparse(node.left).rpartition(".")[2], ast.unparse(node.right).rpartition(".")[2]}
+                assert not (names & {"kv_heads", "hkv", "num_kv_heads", "g"} and names & {"d", "p", "P", "q", "u", "intra", "intra_size", "group", "head_split"}), (
+                    f"{path}: {ast.unparse(node)} restates the intra head rule")
+
+
+def test_intra_head_rule_agrees_with_kv_heads_per_rank() -> None:
+    from megatron_hsap.errors import ConfigError
+    from megatron_hsap.plan.checks import divisors
+    from megatron_hsap.plan.options import intra_fits_heads, kv_heads_per_rank, valid_intra_sizes
+
+    assert divisors(1) == [1] and divisors(12) == [1, 2, 3, 4, 6, 12] and divisors(7) == [1, 7]
+    for heads in range(1, 25):
+        for kv in range(1, heads + 1):
+            for intra in range(1, 2 * heads + 1):
+                try:
+                    kv_heads_per_rank(heads, kv, intra)
+                    ok = True
+                except ConfigError:
+                    ok = False
+                assert ok == (heads % kv == 0 and intra_fits_heads(heads, kv, intra)), (heads, kv, intra)
+                assert ok == (intra in valid_intra_sizes(heads, kv)), (heads, kv, intra)

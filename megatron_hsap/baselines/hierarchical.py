@@ -60,6 +60,7 @@ from megatron_hsap.plan.costs import HeadShape
 from megatron_hsap.plan.hardware import Hardware, LinkClass
 from megatron_hsap.plan.ir import Phase, Wire
 from megatron_hsap.plan.layout import normalize_cu_seqlens
+from megatron_hsap.plan.options import kv_heads_exchanged
 from megatron_hsap.plan.window import staircase_pairs
 
 __all__ = ["HIERARCHICAL", "price", "hybrid_stages", "window_size", "te_a2a_pipeline", "HYBRID_TOKENS_PER_RANK"]
@@ -146,7 +147,7 @@ def _a2a_phase(shape: HeadShape, u: int, local_tokens: float, hw: Hardware) -> t
     whole tensor through HBM), as ``sim.methods._a2a_times`` prices them."""
     if u <= 1:
         return 0.0, 0.0, 0.0
-    hkv = shape.num_kv_heads if shape.num_kv_heads % u == 0 else u  # replicated copies travel
+    hkv = kv_heads_exchanged(shape.num_heads, shape.num_kv_heads, u)  # replicated copies travel
     b = shape.dtype_bytes
 
     def per_peer(heads: int, dim: int) -> float:

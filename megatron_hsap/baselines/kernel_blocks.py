@@ -32,6 +32,7 @@ import numpy as np
 from megatron_hsap.plan.costs import HeadShape
 from megatron_hsap.plan.hardware import Hardware, LinkClass
 from megatron_hsap.plan.ir import Phase, Wire
+from megatron_hsap.plan.options import kv_heads_per_rank
 from megatron_hsap.plan.window import staircase_pairs
 from megatron_hsap.sim.config import merge_bytes
 
@@ -127,7 +128,7 @@ class _PricingInputs:
         blocks (``kernel_blocks.call_cost``); ``head_split``: the call runs H/head_split heads."""
         sh, phase = self.shape, Phase(phase)
         fpp = sh.fwd_flops_per_pair if phase == Phase.FWD else sh.bwd_flops_per_pair
-        kv = max(1, sh.num_kv_heads // head_split) if sh.num_kv_heads % head_split == 0 else 1
+        kv = kv_heads_per_rank(sh.num_heads, sh.num_kv_heads, head_split)
         return call_cost(self.hw, nq, nk, pairs, phase, heads=sh.num_heads // head_split, kv_heads=kv,
                          flops_per_pair=fpp / head_split, head_dim=sh.head_dim, head_dim_v=sh.head_dim_v)
 

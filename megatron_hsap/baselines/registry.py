@@ -22,7 +22,9 @@ from dataclasses import dataclass
 from typing import Callable
 
 from megatron_hsap.errors import ConfigError
+from megatron_hsap.plan.checks import divisors
 from megatron_hsap.plan.costs import HeadShape
+from megatron_hsap.plan.options import intra_fits_heads, kv_heads_per_rank
 
 __all__ = ["Baseline", "REGISTRY", "get", "unavailable", "heads_split_ok", "split_heads", "usp_degree", "hybrid_group_sizes", "DOCUMENT_AWARE"]
 
@@ -30,13 +32,13 @@ __all__ = ["Baseline", "REGISTRY", "get", "unavailable", "heads_split_ok", "spli
 def heads_split_ok(shape: HeadShape, u: int) -> bool:
     """An all-to-all over ``u`` ranks can split these heads: ``u | H`` and kv heads split or
     replicate evenly (``u | Hkv`` or ``Hkv | u``)."""
-    return shape.num_heads % u == 0 and (shape.num_kv_heads % u == 0 or u % shape.num_kv_heads == 0)
+    return intra_fits_heads(shape.num_heads, shape.num_kv_heads, u)  # the planner's rule (plan/options.py)
 
 
 def split_heads(shape: HeadShape, u: int) -> HeadShape:
     """Heads one rank computes after an all-to-all over ``u`` ranks: ``H/u`` q heads and
     ``Hkv/u`` kv heads, or one replicated kv head when ``u`` does not divide ``Hkv``."""
-    hkv = shape.num_kv_heads // u if shape.num_kv_heads % u == 0 else 1
+    hkv = kv_heads_per_rank(shape.num_heads, shape.num_kv_heads, u)  # (ConfigError where u cannot split them)
     return HeadShape(num_heads=shape.num_heads // u, num_kv_heads=hkv, head_dim=shape.head_dim,
                      head_dim_v=shape.head_dim_v, dtype_bytes=shape.dtype_bytes)
 
@@ -44,7 +46,7 @@ def split_heads(shape: HeadShape, u: int) -> HeadShape:
 def usp_degree(P: int, shape: HeadShape, gpus_per_node: int = 8) -> int:
     """USP's all-to-all degree: the largest ``u | P`` inside one node that splits the heads
     (MagiAttention ``exps/dist_attn/run_benchmark.py``: Ulysses ``min(W, 8)``, ring ``W / 8``)."""
-    return max(u for u in range(1, min(P, gpus_per_node) + 1) if P % u == 0 and heads_split_ok(shape, u))
+    return max(u for u in divisors(P) if u <= gpus_per_node and heads_split_ok(shape, u))
 
 
 def _ulysses(intra: int, inter: int, shape: HeadShape) -> str | None:

@@ -49,6 +49,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from megatron_hsap.errors import ConfigError
+from megatron_hsap.plan.checks import divisors
 from megatron_hsap.launch.config import (
     Activation,
     CPImpl,
@@ -331,7 +332,7 @@ def candidate_layouts(cfg: LaunchConfig, method: Method) -> tuple[list[Layout], 
     world = cfg.world_size
     out: list[Layout] = []
     why = ""
-    for t in (q for q in range(1, c.gpus_per_node + 1) if c.gpus_per_node % q == 0):
+    for t in divisors(c.gpus_per_node):
         if m.num_attention_heads % t or m.num_kv_heads % t or world % (t * pp):
             continue
         cp, a, g = world // (t * pp), m.num_attention_heads // t, m.num_kv_heads // t
@@ -340,13 +341,13 @@ def candidate_layouts(cfg: LaunchConfig, method: Method) -> tuple[list[Layout], 
         if method is Method.TE_RING:
             out.append(Layout(method=method, tensor=t, context=cp, pipeline=pp))
         elif method is Method.HSAP:
-            for intra in (q for q in range(1, cp + 1) if cp % q == 0):
+            for intra in divisors(cp):
                 if c.gpus_per_node % (t * intra) or not _heads_split(a, g, intra):
                     continue
                 out.append(Layout(method=method, tensor=t, context=cp, pipeline=pp, intra=intra,
                                   inter=cp // intra))
         else:
-            degrees = [q for q in range(1, cp + 1) if cp % q == 0 and _heads_split(a, g, q)]
+            degrees = [q for q in divisors(cp) if _heads_split(a, g, q)]
             best = max(degrees)
             if best < cp:
                 why = f"Ulysses degree ≤ heads per TP rank: {best} < {cp} GPUs at TP {t}"
@@ -356,13 +357,9 @@ def candidate_layouts(cfg: LaunchConfig, method: Method) -> tuple[list[Layout], 
 
 def _heads_split(heads: int, kv_heads: int, group: int) -> bool:
     """The planner's all-to-all rule: q heads split evenly, kv heads split or replicated."""
-    from megatron_hsap.plan.plan import kv_heads_per_rank
+    from megatron_hsap.plan.options import valid_intra_sizes
 
-    try:
-        kv_heads_per_rank(heads, kv_heads, group)
-    except ConfigError:
-        return False
-    return True
+    return group in valid_intra_sizes(heads, kv_heads)
 
 
 def max_seq_length(cfg: LaunchConfig, lay: Layout, gpu_mem_gib: float, opts: MemoryOptions = MemoryOptions(),

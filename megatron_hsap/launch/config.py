@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_hsap.errors import ConfigError
-from megatron_hsap.plan.checks import positive_int
+from megatron_hsap.plan.checks import divisors, positive_int
 
 __all__ = [
     "Activation", "CPImpl", "HSAPLayout", "InterLink", "Normalization", "PositionEmbedding", "Recompute",
@@ -407,7 +407,7 @@ def _validate_launch(cfg: LaunchConfig) -> None:
         except ConfigError as exc:
             raise ConfigError(f"parallel.hsap_intra_size: {intra} with heads per TP rank: {exc}") from None
         if c.gpus_per_node % (p.tensor * intra):
-            valid = [q for q in _divisors(cp) if c.gpus_per_node % (p.tensor * q) == 0]
+            valid = [q for q in divisors(cp) if c.gpus_per_node % (p.tensor * q) == 0]
             raise ConfigError(
                 f"parallel.hsap_intra_size: tensor × hsap_intra_size = {p.tensor} × {intra} does not "
                 f"divide cluster.gpus_per_node {c.gpus_per_node}; CP ranks are spaced by TP, so an "
@@ -440,10 +440,6 @@ def _validate_launch(cfg: LaunchConfig) -> None:
     from megatron_hsap.launch.loader import check_passthrough  # (loader imports this module)
 
     check_passthrough(cfg)
-
-
-def _divisors(n: int) -> list[int]:
-    return [q for q in range(1, n + 1) if n % q == 0]
 
 
 def load_config(path: str | Path, overrides: Mapping[str, Any] | None = None) -> LaunchConfig:

@@ -24,7 +24,8 @@ from typing import Any
 from megatron_hsap.errors import ConfigError
 from megatron_hsap.plan.costs import DEFAULT_GRAD_WIRE_DTYPE, GRAD_WIRE_DTYPES
 from megatron_hsap.plan.hardware import HARDWARE
-from megatron_hsap.plan.options import FLATTEN, FORCED_FLATTEN
+from megatron_hsap.plan.checks import divisors
+from megatron_hsap.plan.options import FLATTEN, FORCED_FLATTEN, intra_fits_heads
 
 __all__ = ["HSAPArgs", "add_hsap_args", "check_before_megatron", "drop_hsap_flags", "validate_hsap_args", "IMPLS"]
 
@@ -176,14 +177,6 @@ def _check_head_chunks(args: Any, intra: int, heads: int, kv_heads: int) -> None
                 f"{local_kv} kv heads; valid counts: {list(valid)}")
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def _heads_fit(intra: int, heads: int, kv_heads: int) -> bool:
-    return heads % intra == 0 and (kv_heads % intra == 0 or intra % kv_heads == 0)
-
-
 def _given_sizes(sizes: Any, cp: int) -> tuple[int, int]:
     """``--hierarchical-context-parallel-sizes`` as given: two levels whose product is the CP size."""
     if len(sizes) != 2:
@@ -213,7 +206,7 @@ def _sizes(args: Any, cp: int, tp: int, heads: int, kv_heads: int) -> tuple[int,
             "--hierarchical-context-parallel-sizes P_intra P_inter (LOCAL_WORLD_SIZE is unset, so the "
             "GPUs per node are unknown)"
         )
-    fits = [d for d in _divisors(cp) if tp * d <= int(local) and _heads_fit(d, heads, kv_heads)]
+    fits = [d for d in divisors(cp) if tp * d <= int(local) and intra_fits_heads(heads, kv_heads, d)]
     intra = max(fits) if fits else 1
     if int(os.environ.get("RANK", "0")) == 0:  # arguments are parsed on every rank
         print(
@@ -319,10 +312,10 @@ def validate_hsap_args(args: Any) -> HSAPArgs | None:
     if heads_total:
         _refuse(heads_total % tp != 0, f"--num-attention-heads {heads_total} is not divisible by --tensor-model-parallel-size {tp}")
         _refuse(
-            not _heads_fit(intra, heads, kv_heads),
+            not intra_fits_heads(heads, kv_heads, intra),
             f"P_intra={intra} must divide the {heads} attention heads per TP rank, and divide or be a "
             f"multiple of the {kv_heads} kv heads per TP rank; valid P_intra: "
-            f"{[d for d in _divisors(cp) if _heads_fit(d, heads, kv_heads)]}",
+            f"{[d for d in divisors(cp) if intra_fits_heads(heads, kv_heads, d)]}",
         )
     _check_head_chunks(args, intra, heads, heads if getattr(args, "multi_latent_attention", False) else kv_heads)
 

@@ -26,7 +26,8 @@ import torch
 
 from megatron_hsap.errors import ConfigError
 
-__all__ = ["ByteTokenizer", "CorpusInfo", "build_stdlib_corpus", "build_gpt_dataset", "micro_batch", "default_cache_dir"]
+__all__ = ["ByteTokenizer", "CorpusInfo", "build_stdlib_corpus", "build_gpt_dataset", "micro_batch", "default_cache_dir",
+           "source_documents", "stdlib_sources"]
 
 _SPLIT_AT = re.compile(rb"^(?=(?:async\s+def|def|class)\s|@)", re.MULTILINE)
 
@@ -69,7 +70,9 @@ def default_cache_dir() -> Path:
     return Path(root)
 
 
-def _stdlib_files(max_bytes: int) -> list[Path]:
+def stdlib_sources(max_bytes: int) -> list[Path]:
+    """This Python's top-level standard-library modules, in name order, until ``max_bytes``: the
+    demo corpora's text (``build_stdlib_corpus``; ``cpu/sft.py``'s conversations)."""
     lib = Path(sysconfig.get_paths()["stdlib"])
     files, total = [], 0
     for path in sorted(lib.glob("*.py")):  # top level only: deterministic and quick to read
@@ -85,7 +88,7 @@ def _stdlib_files(max_bytes: int) -> list[Path]:
     return files
 
 
-def _documents(data: bytes, min_bytes: int, max_bytes: int) -> Iterator[bytes]:
+def source_documents(data: bytes, min_bytes: int, max_bytes: int) -> Iterator[bytes]:
     """Split one source file at top-level blocks; glue tiny blocks onto the next, cut huge ones."""
     starts = [m.start() for m in _SPLIT_AT.finditer(data)]
     bounds = sorted(set([0, *starts, len(data)]))
@@ -110,7 +113,7 @@ def build_stdlib_corpus(out_dir: str | os.PathLike[str] | None = None, *, max_so
     """
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder, get_bin_path, get_idx_path
 
-    files = _stdlib_files(max_source_bytes)
+    files = stdlib_sources(max_source_bytes)
     key = hashlib.sha256(
         repr((sys.version, [f.name for f in files], min_doc_bytes, max_doc_bytes)).encode()
     ).hexdigest()[:12]
@@ -124,7 +127,7 @@ def build_stdlib_corpus(out_dir: str | os.PathLike[str] | None = None, *, max_so
         tmp_prefix = os.path.join(tmp, "corpus")
         builder = IndexedDatasetBuilder(get_bin_path(tmp_prefix), dtype=np.uint16)
         for path in files:
-            for doc in _documents(path.read_bytes(), min_doc_bytes, max_doc_bytes):
+            for doc in source_documents(path.read_bytes(), min_doc_bytes, max_doc_bytes):
                 ids = np.frombuffer(doc, dtype=np.uint8).astype(np.uint16)
                 ids = np.append(ids, np.uint16(ByteTokenizer.EOD))
                 builder.add_document(ids, [ids.size])

@@ -32,7 +32,7 @@ from typing import Any
 import torch.distributed as dist
 
 from megatron_hsap.errors import ConfigError, RuntimeMismatchError
-from megatron_hsap.plan.checks import positive_int
+from megatron_hsap.plan.checks import divisors, positive_int
 from megatron_hsap.runtime.groups import (HSAPGroups, clear_groups, hierarchical_rank_lists, job_timeout, register_groups,
                                           registered_groups, validate_hsap_sizes)  # fmt: skip
 
@@ -242,7 +242,7 @@ def _check_gpus_per_node(tp: int, intra_size: int, cp_size: int, gpus_per_node: 
         return
     positive_int("gpus_per_node", gpus_per_node)
     if gpus_per_node % (tp * intra_size):
-        valid = [p for p in range(1, cp_size + 1) if cp_size % p == 0 and gpus_per_node % (tp * p) == 0]
+        valid = [p for p in divisors(cp_size) if gpus_per_node % (tp * p) == 0]
         raise ConfigError(
             f"tensor-parallel size × intra_size = {tp} × {intra_size} = {tp * intra_size} does not "
             f"divide gpus_per_node={gpus_per_node}, so an intra (all-to-all) group would span nodes; "

@@ -10,11 +10,11 @@ from numbers import Integral
 
 from megatron_hsap.errors import ConfigError
 from megatron_hsap.plan.hardware import HARDWARE, LinkClass, link_class_for
-from megatron_hsap.plan.checks import positive_int
+from megatron_hsap.plan.checks import divisors, positive_int
 from megatron_hsap.plan.costs import DEFAULT_GRAD_WIRE_DTYPE, GRAD_WIRE_DTYPES
 from megatron_hsap.plan.window import normalize_window, window_left
 
-__all__ = ["PlanOptions", "kv_heads_per_rank", "valid_head_chunks", "kv_head_chunks", "check_head_chunks", "validated_options", "DEFAULT_POOL_CHUNKS", "DEFAULT_POOL_MIN", "LAYOUTS", "FLATTEN", "FORCED_FLATTEN", "inter_rank_nodes", "link_of"]
+__all__ = ["PlanOptions", "kv_heads_per_rank", "kv_heads_exchanged", "intra_fits_heads", "valid_intra_sizes", "valid_head_chunks", "kv_head_chunks", "check_head_chunks", "validated_options", "DEFAULT_POOL_CHUNKS", "DEFAULT_POOL_MIN", "LAYOUTS", "FLATTEN", "FORCED_FLATTEN", "inter_rank_nodes", "link_of"]
 
 LAYOUTS = ("contiguous", "balanced")
 FLATTEN = ("never", "auto", "always", "all-to-all")  # PlanOptions.flatten (plan/flatten.py)
@@ -24,21 +24,42 @@ DEFAULT_POOL_CHUNKS = 4  # pool = 4 × one inter chunk × local heads × (d_qk +
 DEFAULT_POOL_MIN = 1 << 20  # ... and at least 1 MiB: tiny chunks still need a few 256-byte-aligned slots
 
 
+def intra_fits_heads(num_heads: int, num_kv_heads: int, intra_size: int) -> bool:
+    """The intra all-to-all's head rule: ``P_intra`` divides the q heads and divides (kv heads
+    split) or is a multiple of (kv heads replicated) the kv heads; anything else would hand some
+    rank q heads of two kv groups. (That the kv heads divide the q heads is GQA's own rule.)"""
+    return num_heads % intra_size == 0 and (num_kv_heads % intra_size == 0 or intra_size % num_kv_heads == 0)
+
+
+def valid_intra_sizes(num_heads: int, num_kv_heads: int | None = None) -> list[int]:
+    """Intra sizes the all-to-all can run with (``kv_heads_per_rank`` accepts): none when the kv
+    heads do not divide the q heads."""
+    hkv = num_heads if num_kv_heads is None else num_kv_heads
+    if num_heads % hkv:
+        return []
+    return [p for p in divisors(num_heads) if intra_fits_heads(num_heads, hkv, p)]
+
+
+def kv_heads_exchanged(num_heads: int, num_kv_heads: int, intra_size: int) -> int:
+    """kv heads the intra all-to-all moves (its kv tensors' head count on the sequence side):
+    ``P_intra ×`` ``kv_heads_per_rank`` — ``Hkv`` when ``P | Hkv``, ``P`` when ``Hkv | P`` (the
+    replicated copies travel)."""
+    return kv_heads_per_rank(num_heads, num_kv_heads, intra_size) * intra_size
+
+
 def kv_heads_per_rank(num_heads: int, num_kv_heads: int, intra_size: int) -> int:
     """kv heads each intra rank holds after the all-to-all (replicated when P_intra > Hkv)."""
     if num_heads % intra_size:
-        valid = [p for p in range(1, num_heads + 1) if num_heads % p == 0]
-        raise ConfigError(f"num_heads={num_heads} is not divisible by intra_size={intra_size}; valid intra sizes: {valid}")
+        raise ConfigError(f"num_heads={num_heads} is not divisible by intra_size={intra_size}; valid intra sizes: {divisors(num_heads)}")
     if num_heads % num_kv_heads:
         raise ConfigError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
     if num_kv_heads % intra_size == 0:
         return num_kv_heads // intra_size
     if intra_size % num_kv_heads == 0:
         return 1  # each kv head replicated intra_size / Hkv times
-    valid = [p for p in range(1, num_heads + 1) if num_heads % p == 0 and (num_kv_heads % p == 0 or p % num_kv_heads == 0)]
     raise ConfigError(
         f"num_kv_heads={num_kv_heads} and intra_size={intra_size}: one must divide the other "
-        f"(kv heads cannot be split or replicated evenly); valid intra sizes: {valid}"
+        f"(kv heads cannot be split or replicated evenly); valid intra sizes: {valid_intra_sizes(num_heads, num_kv_heads)}"
     )
 
 
@@ -171,7 +192,7 @@ def valid_head_chunks(local_heads: int, local_kv_heads: int) -> tuple[int, ...]:
     ``hkv | C`` (each kv head shared by ``C/hkv`` consecutive q chunks; needs ``hkv | h``). The
     rule: ``plan/chunks.py``'s module docstring."""
     h, hkv = local_heads, local_kv_heads
-    return tuple(c for c in range(1, h + 1) if h % c == 0 and (hkv % c == 0 or (c % hkv == 0 and h % hkv == 0)))
+    return tuple(c for c in divisors(h) if hkv % c == 0 or (c % hkv == 0 and h % hkv == 0))
 
 
 def kv_head_chunks(chunks: int, local_kv_heads: int) -> int:

@@ -32,9 +32,9 @@ import torch
 import torch.distributed as dist
 
 from megatron_hsap.errors import CommunicationError, ConfigError, RuntimeMismatchError
-from megatron_hsap.plan.checks import positive_int
+from megatron_hsap.plan.checks import divisors, positive_int
 from megatron_hsap.plan.ir import Phase
-from megatron_hsap.plan.options import kv_heads_per_rank
+from megatron_hsap.plan.options import kv_heads_per_rank, valid_intra_sizes
 from megatron_hsap.runtime.p2p import group_ranks, wait_collective
 from megatron_hsap.runtime.watchdog import WATCHDOG
 
@@ -56,25 +56,6 @@ __all__ = [
 
 
 # --------------------------------------------------------------------------- head arithmetic
-
-
-def _divisors(n: int) -> list[int]:
-    return [p for p in range(1, n + 1) if n % p == 0]
-
-
-def valid_intra_sizes(num_heads: int, num_kv_heads: int | None = None) -> list[int]:
-    """Intra sizes Ulysses can run with: ``P | H`` and (``P | Hkv`` or ``Hkv | P``) under GQA —
-    those ``plan/options.kv_heads_per_rank`` (the rule's home) accepts."""
-    hkv = num_heads if num_kv_heads is None else num_kv_heads
-    return [p for p in _divisors(num_heads) if _kv_rule_holds(num_heads, hkv, p)]
-
-
-def _kv_rule_holds(num_heads: int, num_kv_heads: int, intra_size: int) -> bool:
-    try:
-        kv_heads_per_rank(num_heads, num_kv_heads, intra_size)
-    except ConfigError:
-        return False
-    return True
 
 
 def check_heads_for_intra(num_heads: int, num_kv_heads: int, intra_size: int) -> None:
@@ -109,7 +90,7 @@ def kv_heads_for_intra(num_kv_heads: int, intra_size: int) -> int:
     except ConfigError:
         raise ConfigError(
             f"intra_size (P_intra) = {intra_size} neither divides nor is a multiple of "
-            f"num_kv_heads={num_kv_heads}; valid intra sizes: the divisors {_divisors(num_kv_heads)} "
+            f"num_kv_heads={num_kv_heads}; valid intra sizes: the divisors {divisors(num_kv_heads)} "
             f"or multiples of {num_kv_heads} (that also divide num_heads)"
         ) from None
     return per_rank * intra_size
@@ -151,7 +132,7 @@ def a2a_bytes(tokens: int, heads: int, head_dim: int, intra_size: int, dtype_byt
     its tensor and sends the other ``(P-1)/P``.
     """
     if heads % intra_size:
-        raise ConfigError(f"{heads=} not divisible by intra_size={intra_size}; valid: {_divisors(heads)}")
+        raise ConfigError(f"{heads=} not divisible by intra_size={intra_size}; valid: {divisors(heads)}")
     return tokens * (heads // intra_size) * (intra_size - 1) * head_dim * dtype_bytes
 
 
@@ -214,7 +195,7 @@ def _seq_to_heads(x: torch.Tensor, group: dist.ProcessGroup | None, timeout_s: f
     if h % p:
         raise ConfigError(
             f"{h} heads cannot be split over an intra group of {p} ranks; "
-            f"valid intra sizes (P_intra): {_divisors(h)}"
+            f"valid intra sizes (P_intra): {divisors(h)}"
         )
     # Chunk for destination j = head slice j of all my rows: [P, t, h/P, d], one copy.
     send = x.reshape(t, p, h // p, d).transpose(0, 1).contiguous()

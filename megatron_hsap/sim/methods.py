@@ -33,6 +33,7 @@ from megatron_hsap.baselines.hierarchical import te_a2a_pipeline
 from megatron_hsap.plan.costs import HeadShape
 from megatron_hsap.plan.ir import Phase
 from megatron_hsap.plan.layout import normalize_cu_seqlens
+from megatron_hsap.plan.options import kv_heads_exchanged
 from megatron_hsap.sim.builder import Blocks, Builder, causal_pairs
 from megatron_hsap.sim.cluster import Cluster
 from megatron_hsap.sim.engine import Timeline, Workload, simulate_on
@@ -130,7 +131,7 @@ def _a2a_times(cluster: Cluster, shape: HeadShape, local_tokens: float, phase: P
     u = cluster.intra_size
     if u == 1:
         return [], []
-    hkv_x = shape.num_kv_heads if shape.num_kv_heads % u == 0 else u
+    hkv_x = kv_heads_exchanged(shape.num_heads, shape.num_kv_heads, u)
     members = cluster.intra_group(0)
     b = shape.dtype_bytes
 
@@ -211,7 +212,7 @@ def _ulysses(cu: np.ndarray, cluster: Cluster, shape: HeadShape, phase: Phase) -
     lengths = np.diff(cu).astype(np.float64)
     lengths = lengths[lengths > 0]
     local = _split(shape, P)
-    hkv_x = shape.num_kv_heads if shape.num_kv_heads % P == 0 else P
+    hkv_x = kv_heads_exchanged(shape.num_heads, shape.num_kv_heads, P)
     tokens = -(-int(cu[-1]) // P)
     ranks = list(range(P))  # CP ranks 0..P-1 on consecutive GPUs: more than 8 span nodes
 

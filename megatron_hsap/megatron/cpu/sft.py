@@ -68,9 +68,9 @@ def build_conversations(out_dir: str | os.PathLike[str] | None = None, *, lines:
     every fourth one a second user/assistant turn) whose turns are 8–48 bytes of standard-library
     source blocks: 50–150 tokens per conversation, so a 256-token sample packs several, some lines
     are truncated, others padded. Returns its path (idempotent; safe from several processes)."""
-    from megatron_hsap.megatron.data import _documents, _stdlib_files
+    from megatron_hsap.megatron.data import source_documents, stdlib_sources
 
-    files = _stdlib_files(400_000)
+    files = stdlib_sources(400_000)
     # (the corpus is this Python's standard library: its version and files name the cache, as build_stdlib_corpus's)
     key = hashlib.sha256(repr((sys.version, [f.name for f in files], lines, seed)).encode()).hexdigest()[:12]
     out = Path(out_dir) if out_dir is not None else default_cache_dir() / "data"
@@ -79,7 +79,7 @@ def build_conversations(out_dir: str | os.PathLike[str] | None = None, *, lines:
     if path.exists():
         return str(path)
     rng = np.random.default_rng(seed)
-    texts = [doc.decode("utf-8", errors="replace") for f in files for doc in _documents(f.read_bytes(), 12, 120)]
+    texts = [doc.decode("utf-8", errors="replace") for f in files for doc in source_documents(f.read_bytes(), 12, 120)]
     take = iter(rng.permutation(len(texts)).tolist() * 4)
 
     def turn(role: str) -> dict:  # 8-48 bytes of a block (turns short enough that several share a sample)
