@@ -16,44 +16,31 @@ Run it from a Megatron-LM checkout (it imports ``pretrain_gpt`` from there)::
         --context-parallel-impl hsap --hierarchical-context-parallel-sizes 8 2 \\
         --calculate-per-token-loss --attention-dropout 0.0 --dataloader-inter-document-masking
 
-``MEGATRON_LM=/path/to/Megatron-LM`` works too. To try the same loop without a GPU (and without a
-Megatron-LM checkout), run ``megatron-hsap pretrain-cpu``.
+``MEGATRON_LM=/path/to/Megatron-LM`` works too. To try the same loop without a GPU, run
+``megatron-hsap pretrain-cpu`` (its own copies of pretrain_gpt's provider and loss, no checkout), or
+``megatron-hsap pretrain-cpu --megatron-lm /path/to/Megatron-LM`` (this script's very function, on
+CPU ranks).
 """
 
 from __future__ import annotations
 
-import os
-import sys
 import time
 
 _PROGRAM_START_TIME = time.time()
 
 
-def _megatron_lm_root() -> str:
-    root = os.environ.get("MEGATRON_LM") or os.getcwd()
-    if not os.path.exists(os.path.join(root, "pretrain_gpt.py")):
-        raise SystemExit(
-            f"pretrain_gpt_hsap.py: no pretrain_gpt.py in {root}; run from a Megatron-LM checkout "
-            "(core_v0.19.0) or set MEGATRON_LM=/path/to/Megatron-LM"
-        )
-    return root
-
-
 def main() -> None:
-    sys.path.insert(0, _megatron_lm_root())
-    import pretrain_gpt
+    from megatron_hsap.errors import ConfigError
+    from megatron_hsap.megatron.megatron_lm import megatron_lm_root, run_pretrain_gpt
 
-    from megatron_hsap.megatron.pretrain_hooks import run_pretrain
-
+    try:
+        root = megatron_lm_root()
+    except ConfigError as exc:
+        raise SystemExit(f"pretrain_gpt_hsap.py: {exc}") from None
     # The wiring (argument parsing with HSAP's flags, ModelOpt, the HSAP spec, batch hook and groups,
-    # pretrain()) is the one function the CPU command `megatron-hsap pretrain-cpu` runs too.
-    run_pretrain(
-        pretrain_gpt.train_valid_test_datasets_provider,
-        pretrain_gpt.forward_step,
-        pretrain_gpt.loss_func,
-        get_embedding_ranks=getattr(pretrain_gpt, "get_embedding_ranks", None),
-        program_start=_PROGRAM_START_TIME,
-    )
+    # pretrain() with the checkout's provider, forward step and loss) is the one function
+    # `megatron-hsap pretrain-cpu --megatron-lm DIR` runs too, on CPU ranks.
+    run_pretrain_gpt(root, program_start=_PROGRAM_START_TIME)
 
 
 if __name__ == "__main__":

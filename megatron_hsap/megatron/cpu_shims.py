@@ -13,7 +13,12 @@ megatron-core ``GPTModel`` built with ``use_cpu_initialization=True`` trains und
 - the CUDA RNG tracker (``fork()`` seeds a CUDA generator): replaced by a tracker whose
   ``fork()`` uses a CPU generator per name, so dropout regions stay reproducible;
 - activation recompute (``tensor_parallel.checkpoint``) saves and restores the CUDA generator's
-  state: on CPU there is none to save, so those two calls become no-ops.
+  state: on CPU there is none to save, so those two calls become no-ops;
+- the MoE all-to-all token dispatcher (``--moe-token-dispatcher-type alltoall``) copies its split
+  sizes to the host with ``moe_utils.maybe_move_tensor_to_cpu(..., as_numpy=True)``, which converts
+  only CUDA tensors: on CPU they stayed tensors, and ``all_to_all_single`` refuses tensor split
+  sizes (a ``TypeError``, the CP=1 reference alike). The shim gives host tensors the numpy arrays a
+  GPU run gets.
 
 ``install()`` is idempotent and can be undone with ``uninstall()`` (tests use it as a context).
 """
@@ -142,11 +147,21 @@ def _no_cuda_rng_state(*args: Any, **kwargs: Any) -> None:
     return None
 
 
+def _host_copy(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+    """``maybe_move_tensor_to_cpu`` for tensors already on the host: with ``as_numpy`` the numpy
+    array a CUDA tensor's copy becomes (no stream to record on CPU)."""
+    del record_stream
+    if torch.is_tensor(tensor) and as_numpy:
+        return tensor.numpy()
+    return tensor
+
+
 def _targets(rng: bool = True) -> list[tuple[Any, str, Callable[..., Any]]]:
     from megatron.core import utils as core_utils
     from megatron.core.models.common.embeddings import rope_utils, rotary_pos_embedding
     from megatron.core.tensor_parallel import random as tp_random
     from megatron.core.transformer import utils as transformer_utils
+    from megatron.core.transformer.moe import token_dispatcher
 
     targets: list[tuple[Any, str, Callable[..., Any]]] = [
         (rotary_pos_embedding.RotaryEmbedding, "get_emb", _rotary_get_emb),
@@ -154,6 +169,7 @@ def _targets(rng: bool = True) -> list[tuple[Any, str, Callable[..., Any]]]:
         (rotary_pos_embedding, "get_pos_emb_on_this_cp_rank", _pos_emb_on_this_cp_rank),
         (core_utils.GlobalMemoryBuffer, "get_tensor", _memory_buffer_get_tensor),
         (transformer_utils, "get_default_causal_mask", _default_causal_mask),
+        (token_dispatcher, "maybe_move_tensor_to_cpu", _host_copy),  # (imported by name there)
     ]
     if not rng:  # the caller provides a CUDA generator stand-in (megatron/cpu/device.py)
         return targets

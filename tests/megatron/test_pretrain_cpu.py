@@ -247,11 +247,15 @@ def test_sequence_parallel_tp2_with_cp_2x2_equals_reference(root: Path) -> None:
 
 
 @pytest.mark.slow
-def test_experts_split_over_the_cp_ranks_equal_the_reference(root: Path) -> None:
+@pytest.mark.parametrize("dispatcher", ["allgather", "alltoall"])
+def test_experts_split_over_the_cp_ranks_equal_the_reference(root: Path, dispatcher: str) -> None:
     """MoE with its experts split over the CP group (EP 2 inside CP 2×2, DP 1): Megatron's token
-    dispatch all-to-all over ranks that also run HSAP's; the reference splits experts alike on
-    2 data-parallel ranks (``command.reference_of``: Megatron seeds experts by EP rank)."""
-    moe = ("--num-experts", "4", "--moe-router-topk", "2", "--expert-model-parallel-size", "2")
+    dispatch (its default all-gather, and the all-to-all dispatcher EP runs usually take: its
+    ``all_to_all_single`` over ranks that also run HSAP's; on CPU through ``cpu_shims``' host copy of
+    the split sizes); the reference splits experts alike on 2 data-parallel ranks
+    (``command.reference_of``: Megatron seeds experts by EP rank)."""
+    moe = ("--num-experts", "4", "--moe-router-topk", "2", "--expert-model-parallel-size", "2",
+           "--moe-token-dispatcher-type", dispatcher)
     hsap = _run(root, world_size=4, intra_size=2, inter_size=2, extra=moe, **BASE)
     ref = _run(root, world_size=2, reference=True, micro_batch_size=1, global_batch_size=2, extra=moe, **BASE)
     _same_losses(hsap.losses, ref.losses)
@@ -260,6 +264,7 @@ def test_experts_split_over_the_cp_ranks_equal_the_reference(root: Path) -> None
     # the experts' split changes the run: the unsplit reference is 7.4e-3 away at the first step
     plain = _run(root, world_size=1, reference=True, extra=moe[:4], **BASE)
     assert abs(plain.losses[1] - ref.losses[1]) > 100 * RTOL * ref.losses[1]
+    assert re.search(rf"moe_token_dispatcher_type \.+ {dispatcher}", (Path(hsap.log_dir) / "rank0.log").read_text())
 
 
 @pytest.mark.slow

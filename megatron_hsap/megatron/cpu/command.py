@@ -12,18 +12,20 @@ Megatron unchanged (``--use-distributed-optimizer``, ``--save DIR``, ``--qk-laye
 ``validation loss`` lines — is printed; every rank's log is kept under ``--out``.
 ``--reference`` runs the same job at CP=1, TP=1 (same pipeline stages, at most 2) with Megatron's
 local attention and the dataloader's per-document causal mask (the loss to compare HSAP against). Where that attention
-cannot compute the model (``_NO_LOCAL_REFERENCE``: MLA, sliding windows) ``--reference`` is refused
+cannot compute the model (``reference.no_local_reference``: MLA, sliding windows) ``--reference`` is refused
 and ``--compare`` compares with the same loop at CP=1 under HSAP instead (one rank: no sharding, no
 P2P; its attention is checked against float64 references by ``tests/megatron/test_mla.py`` and
 ``tests/megatron/test_gpt_window.py``). ``--sft`` trains on Megatron's SFT data (its
 ``SFTDataset`` over conversations made from the CPU corpus, ``megatron/cpu/sft.py``); its reference
 masks each batch by the batch's ``cu_seqlens`` and reads the conversations padded for the HSAP run's CP.
+``--megatron-lm DIR`` runs a Megatron-LM checkout's own ``pretrain_gpt.py`` (its provider, forward step
+and loss, through ``megatron_lm.run_pretrain_gpt``: what ``scripts/pretrain_gpt_hsap.py`` runs on a
+cluster) instead of this command's copies, on the CPU corpus or the data flags given after ``--``.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import re
 import subprocess
@@ -32,9 +34,8 @@ import tempfile
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from megatron_hsap.argtypes import flag_value
 from megatron_hsap.errors import ConfigError
-from megatron_hsap.megatron.arguments import drop_hsap_flags
+from megatron_hsap.megatron.cpu.reference import compare_losses, hybrid_pattern, no_local_reference, reference_of
 
 __all__ = ["CPURun", "CPUResult", "compare_losses", "megatron_flags", "no_local_reference", "reference_of", "run", "parse_log", "main"]
 
@@ -42,17 +43,6 @@ _ITER = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.Ee+-]+)")
 _VALID = re.compile(r"validation loss at iteration (\d+) \| lm loss value: ([0-9.Ee+-]+)")
 # After training Megatron evaluates once more on the validation and the test split.
 _VALID_END = re.compile(r"validation loss at iteration \d+ on (validation|test) set \| lm loss value: ([0-9.Ee+-]+)")
-
-# Megatron flags whose model megatron-core's local DotProductAttention (``--reference``) cannot
-# compute, and why (megatron-core 0.19.2). Without this, ``--compare --window-size 64,0`` printed a
-# 2.7e-3 "difference" that was the reference's mask, not HSAP.
-_NO_LOCAL_REFERENCE = {
-    "--multi-latent-attention": "megatron-core builds no MLA without Transformer Engine (its local "
-    "DotProductAttention takes no k_channels / v_channels)",
-    "--window-size": "with a window, megatron-core's local DotProductAttention replaces the dataloader's "
-    "per-document mask by a plain sliding-window mask (fusions/fused_softmax.py, forward_torch_softmax)",
-}
-
 
 # Megatron's data and tokenizer flags that pretrain_gpt's provider reads and the CPU provider does
 # not (``loop.cpu_datasets_provider``: its corpus, --mock-data or --sft, a byte tokenizer)
@@ -98,6 +88,10 @@ class CPURun:
     # (LayerNorm, GeLU, biases, MHA 4/4, tied embeddings)
     model: str = "llama"
     extra: tuple[str, ...] = ()
+    # a Megatron-LM checkout: run its pretrain_gpt.py's provider, forward step and loss
+    # (``megatron_lm.run_pretrain_gpt``, as scripts/pretrain_gpt_hsap.py does) instead of the CPU copies
+    megatron_lm: str | None = None
+    vocab_multiple: int = 1  # --make-vocab-size-divisible-by (a TP=1 reference: the run's × its TP)
     log_dir: str | None = None
     timeout_s: float = 900.0
 
@@ -138,16 +132,28 @@ class CPURun:
             raise ConfigError(f"--model {self.model!r}: one of {', '.join(_MODELS)}")
         if self.sft and not self.packed:
             raise ConfigError("--sft packs conversations with their cu_seqlens: drop --no-packed")
+        if self.megatron_lm is not None:
+            self._check_megatron_lm()
         unread = sorted({a.split("=", 1)[0] for a in self.extra} & set(_DATA_NOT_READ))
-        if unread:  # (passed to Megatron, which parses them, and ignored by the CPU provider)
+        if unread and self.megatron_lm is None:  # (passed to Megatron, which parses them, and ignored by the CPU provider)
             raise ConfigError(f"{', '.join(unread)} after --: pretrain-cpu trains on its own CPU corpus (or "
                               "Megatron's --mock-data, or --sft's conversations) with a byte tokenizer, so these "
-                              "would be ignored; run scripts/pretrain_gpt_hsap.py for your own data")
+                              "would be ignored; add --megatron-lm DIR (Megatron-LM's pretrain_gpt.py reads them) or "
+                              "run scripts/pretrain_gpt_hsap.py for your own data")
         if "--sft" in self.extra:
             raise ConfigError("--sft after --: give it to pretrain-cpu (before --), which then builds Megatron's SFT "
                               "dataset over CPU conversations and leaves out the flags SFTDataset refuses")
         if not self.reference:
             self._check_heads()
+
+    def _check_megatron_lm(self) -> None:
+        from megatron_hsap.megatron.megatron_lm import megatron_lm_root
+
+        megatron_lm_root(self.megatron_lm)  # (ConfigError: no pretrain_gpt.py there)
+        if self.sft or "--sft" in self.extra:
+            raise ConfigError("--sft with --megatron-lm: Megatron-LM's SFT path builds its tokenizer from your "
+                              "Hugging Face model (--tokenizer-type SFTTokenizer); pretrain-cpu --sft without "
+                              "--megatron-lm runs Megatron's SFTDataset over CPU conversations")
 
     def _check_heads(self) -> None:
         """The model's 4 heads / kv groups split by TP, then by P_intra (``plan.options``' rule)."""
@@ -176,66 +182,6 @@ class CPUResult:
     output: str = field(repr=False)
 
 
-def _hybrid_pattern(extra: tuple[str, ...]) -> str | None:
-    """The ``HybridModel`` layer pattern of Megatron flags ``extra`` (either spelling), None for GPT."""
-    return flag_value(extra, "--hybrid-layer-pattern") or flag_value(extra, "--hybrid-override-pattern")
-
-
-def no_local_reference(opts: CPURun) -> list[str]:
-    """``"flag: why"`` for each setting of ``opts`` whose model megatron-core's local attention cannot
-    be the reference of: Megatron flags (``_NO_LOCAL_REFERENCE``, a hybrid pattern with MLA layers
-    ``+``) and pipeline stages that read no data (PP > 2, virtual pipelining); empty when it can."""
-    extra = opts.extra
-    # (--multi-latent-attention is a switch: present when any argument is it)
-    why = [f"{flag}: {why}" for flag, why in _NO_LOCAL_REFERENCE.items() if flag in extra or flag_value(extra, flag)]
-    pattern = _hybrid_pattern(extra)
-    if pattern and "+" in pattern and "--multi-latent-attention" not in extra:  # (else said once above)
-        why.append(f"--hybrid-layer-pattern {pattern}: its MLA layers ('+'): {_NO_LOCAL_REFERENCE['--multi-latent-attention']}")
-    if (opts.pp > 2 or opts.vp is not None) and not opts.sft:  # (with --sft every stage reads the batch)
-        why.append(f"--pp {opts.pp}{' --vp' if opts.vp is not None else ''}: its attention needs the dataloader's "
-                   "mask on every pipeline stage, and stages between the first and the last read no data "
-                   "(it runs --pp 2 without --vp)")
-    return why
-
-
-def _flag_int(extra: tuple[str, ...], flag: str) -> int:
-    """The integer value of Megatron flag ``flag`` in ``extra`` (``--flag N`` or ``--flag=N``); 1 if absent."""
-    value = flag_value(extra, flag)
-    try:
-        return 1 if value is None else int(value)
-    except ValueError:
-        raise ConfigError(f"{flag} {value!r}: not an integer") from None
-
-
-def reference_of(opts: CPURun) -> tuple[CPURun, str]:
-    """The run ``--compare`` compares ``opts`` with, and how to name it: CP=1, TP=1 with Megatron's local
-    attention; where that cannot compute the model (``no_local_reference``: MLA, windows, pipeline
-    stages that read no data), the same loop at CP=1 under HSAP. Same global batch
-    and the same pipeline stages, on the data-parallel ranks — or, with experts split
-    (``--expert-model-parallel-size`` E, ``--expert-tensor-parallel-size``), on as many ranks as the
-    split needs, each with its share of the micro-batch. Megatron seeds a stage's layers by its
-    pipeline rank and each expert by its expert-parallel rank, so the reference splits both alike
-    (PP 2 × CP 1×2 against PP 1: 2e-2 apart; EP 2 over CP 2×2 against EP 1: 7.4e-3 apart from
-    the first step; each against a reference split alike: equal). Raises ``ConfigError`` when the
-    micro-batch does not split over those ranks."""
-    experts = _flag_int(opts.extra, "--expert-model-parallel-size") * _flag_int(opts.extra, "--expert-tensor-parallel-size")
-    world = math.lcm(opts.dp_size, experts)
-    share, rest = divmod(opts.micro_batch_size * opts.dp_size, world)
-    if rest or not share:
-        raise ConfigError(
-            f"--compare: the CP=1 reference runs the experts' split ({experts} expert model-parallel ranks) on "
-            f"{world} ranks, over which the global batch of {opts.micro_batch_size * opts.dp_size} samples does "
-            f"not split into micro-batches; use a --micro-batch-size that makes it a multiple of {world}")
-    sizes = dict(tp=1, world_size=world * opts.pp, micro_batch_size=share,
-                 global_batch_size=opts.global_batch_size or opts.micro_batch_size * opts.dp_size,
-                 sft_pad_cp=opts.sft_padding_cp)  # (--sft: the same conversations' padding)
-    why = no_local_reference(opts)
-    if why:
-        return replace(opts, intra_size=1, inter_size=1, **sizes), "CP=1 under HSAP; " + "; ".join(why)
-    # (HSAP's own flags configure the HSAP run only: a ring run refuses them)
-    return replace(opts, reference=True, extra=tuple(drop_hsap_flags(opts.extra)), **sizes), "CP=1, local attention"
-
-
 def megatron_flags(run: CPURun) -> list[str]:
     """Megatron's command line for ``run`` (model, parallelism, data, fusions off, gloo)."""
     from megatron_hsap.megatron.cpu.device import FUSION_OFF_FLAGS
@@ -258,7 +204,7 @@ def megatron_flags(run: CPURun) -> list[str]:
         "--eval-iters", str(run.eval_iters), "--log-interval", "1",
         "--lr", "3e-3", "--min-lr", "3e-3", "--lr-decay-style", "constant", "--weight-decay", "0.01",
         "--clip-grad", "1.0", "--seed", str(run.seed),
-        "--tokenizer-type", "NullTokenizer", "--vocab-size", "258", "--make-vocab-size-divisible-by", "1",
+        *_tokenizer_flags(run), "--make-vocab-size-divisible-by", str(run.vocab_multiple),
         "--split", "90,5,5", "--num-workers", "0", "--calculate-per-token-loss",
         # (SFTDataset gives each conversation its positions and asserts the reset off)
         *([] if run.sft else ["--reset-position-ids"]), *(["--sft"] if run.sft else []),
@@ -275,7 +221,7 @@ def megatron_flags(run: CPURun) -> list[str]:
             flags.append("--no-create-attention-mask-in-dataloader")
         elif run.packed:  # the dataloader's per-document causal mask; unpacked, a sample is one document
             flags.append("--reset-attention-mask")
-        if _hybrid_pattern(run.extra) and "--spec" not in run.extra:
+        if hybrid_pattern(run.extra) and "--spec" not in run.extra:
             # megatron-core's default hybrid stack is built from TE modules: its local twin (CPU ranks)
             flags += ["--spec", "megatron_hsap.megatron.cpu.reference_spec", "REFERENCE_HYBRID_STACK_SPEC"]
     else:
@@ -287,6 +233,34 @@ def megatron_flags(run: CPURun) -> list[str]:
         if run.packed and not run.sft:  # (--sft batches carry cu_seqlens: pretrain_gpt's has_cu_seqlens)
             flags.append("--dataloader-inter-document-masking")
     return flags + list(run.extra)
+
+
+# Data flags that choose what Megatron-LM's provider reads (``--megatron-lm``: without one, the CPU corpus)
+_DATA_SOURCES = ("--mock-data", *(f for f in _DATA_NOT_READ if "data" in f and "tokenizer" not in f))
+_TOKENIZER_FLAGS = ("--tokenizer-type", "--tokenizer-model", "--vocab-file", "--merge-file")
+
+
+def _tokenizer_flags(run: CPURun) -> list[str]:
+    """The model's vocabulary: 258 for the CPU provider's byte tokenizer (bytes, EOD 256, PAD 257).
+    ``--megatron-lm`` builds Megatron's ``NullTokenizer`` from the flags, whose EOD is the last id:
+    257 ids over the CPU corpus (EOD 256, the corpus's), 4,097 over ``--mock-data`` (its documents,
+    under 4,096 tokens, count up from 1: EOD never inside one); none when the run gives a tokenizer."""
+    if run.megatron_lm is None:
+        return ["--tokenizer-type", "NullTokenizer", "--vocab-size", "258"]
+    given = {a.split("=", 1)[0] for a in run.extra}
+    if given & set(_TOKENIZER_FLAGS):
+        return []
+    return ["--tokenizer-type", "NullTokenizer", "--vocab-size", "4097" if "--mock-data" in given else "257"]
+
+
+def corpus_data_flags(run: CPURun) -> list[str]:
+    """``--megatron-lm`` without a data source after ``--``: ``--data-path`` of the CPU corpus (built
+    once), the documents the CPU provider reads; else nothing."""
+    if run.megatron_lm is None or {a.split("=", 1)[0] for a in run.extra} & set(_DATA_SOURCES):
+        return []
+    from megatron_hsap.megatron.data import build_stdlib_corpus
+
+    return ["--data-path", build_stdlib_corpus(min_doc_bytes=24, max_doc_bytes=160).prefix]
 
 
 def parse_log(text: str) -> tuple[dict[int, float], dict[int, float], dict[str, float]]:
@@ -301,6 +275,7 @@ def parse_log(text: str) -> tuple[dict[int, float], dict[int, float], dict[str, 
 # ``--sft``: the CP size whose 2·CP granularity Megatron's SFTDataset pads each conversation to
 # (``loop._dataset_config``): the HSAP run's, also in its CP=1 reference, so both see the same tokens
 SFT_PAD_CP_ENV = "HSAP_CPU_SFT_PAD_CP"
+MEGATRON_LM_ENV = "HSAP_CPU_MEGATRON_LM"  # ``--megatron-lm``: the checkout whose pretrain_gpt.py the ranks run
 
 # Megatron's FSDP implementations refuse CUDA_DEVICE_MAX_CONNECTIONS=1 (megatron/training/arguments.py);
 # everything else wants 1 (the ordering TP/SP overlap relies on). No stream exists on CPU either way.
@@ -308,7 +283,7 @@ _FSDP_FLAGS = ("--use-megatron-fsdp", "--use-torch-fsdp2")
 
 
 def _env(rank: int, world: int, store: str, record_dir: str | None = None, *, fsdp: bool = False,
-         sft_pad_cp: int | None = None) -> dict[str, str]:
+         sft_pad_cp: int | None = None, megatron_lm: str | None = None) -> dict[str, str]:
     env = dict(os.environ)
     env.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
@@ -323,6 +298,9 @@ def _env(rank: int, world: int, store: str, record_dir: str | None = None, *, fs
     if record_dir is not None:  # what tests read (megatron/cpu/record.py)
         env["HSAP_CPU_RECORD"] = record_dir
     env.pop(SFT_PAD_CP_ENV, None)
+    env.pop(MEGATRON_LM_ENV, None)
+    if megatron_lm is not None:
+        env[MEGATRON_LM_ENV] = megatron_lm
     if sft_pad_cp is not None:
         env[SFT_PAD_CP_ENV] = str(sft_pad_cp)
     return env
@@ -339,6 +317,7 @@ def run(opts: CPURun, *, echo: bool = False, record_dir: str | None = None) -> C
     if os.path.exists(store):
         os.remove(store)
     flags = megatron_flags(opts)
+    flags += corpus_data_flags(opts)
     if not any(f == "--data-cache-path" for f in flags):
         flags += ["--data-cache-path", str(log_dir / "index-cache")]
     cmd = [sys.executable, "-m", "megatron_hsap.megatron.cpu.rank", *flags]
@@ -347,7 +326,8 @@ def run(opts: CPURun, *, echo: bool = False, record_dir: str | None = None) -> C
     for rank in range(opts.world_size):
         out = open(log_dir / f"rank{rank}.log", "w")
         files.append(out)
-        env = _env(rank, opts.world_size, store, record_dir, fsdp=fsdp, sft_pad_cp=opts.sft_padding_cp if opts.sft else None)
+        env = _env(rank, opts.world_size, store, record_dir, fsdp=fsdp, sft_pad_cp=opts.sft_padding_cp if opts.sft else None,
+                   megatron_lm=opts.megatron_lm)
         procs.append(subprocess.Popen(cmd, env=env, stdout=out,
                                       stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
     codes = _wait(procs, opts.timeout_s)
@@ -425,6 +405,11 @@ def build_parser(prog: str = "megatron-hsap pretrain-cpu") -> argparse.ArgumentP
     p.add_argument("--compare", action="store_true",
                    help="also run --reference (or, for a model its attention cannot compute — MLA, windows — "
                    "the same loop at CP=1 under HSAP) and print the largest per-step relative loss difference")
+    p.add_argument("--megatron-lm", metavar="DIR", default=None,
+                   help="a Megatron-LM checkout (core_v0.19.0): the ranks run its pretrain_gpt.py — dataset provider, "
+                   "forward step, loss — through the function scripts/pretrain_gpt_hsap.py runs, instead of this "
+                   "command's copies; data and tokenizer flags after -- then reach it (default: the CPU corpus "
+                   "as --data-path with Megatron's NullTokenizer)")
     add_renamed(p, "--out", "--log-dir", type=output_dir, default=None, metavar="DIR", dest="out",
                 help="output folder: every rank's log, the dataset index cache (default: a temporary folder)")
     return p
@@ -441,7 +426,8 @@ def main(argv: list[str] | None = None) -> int:
                   inter_size=ns.inter_size, reference=ns.reference, packed=ns.packed, sft=ns.sft, steps=ns.steps,
                   micro_batch_size=ns.micro_batch_size, seq_length=ns.seq_length, num_layers=ns.num_layers,
                   eval_interval=ns.eval_interval, eval_iters=ns.eval_iters, tie_embeddings=ns.tie_embeddings,
-                  model=ns.model, extra=tuple(extra), log_dir=None if ns.out is None else str(ns.out))
+                  model=ns.model, extra=tuple(extra), megatron_lm=ns.megatron_lm,
+                  log_dir=None if ns.out is None else str(ns.out))
     try:  # every refusal before a rank is spawned, the reference's too
         if ns.compare and ns.reference:
             raise ConfigError("--compare compares a run with --reference; with --reference it would compare the "
@@ -467,20 +453,6 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(f"[pretrain-cpu] largest per-step relative loss difference vs the reference: {worst:.2e}")
     return 0
-
-
-def compare_losses(got: dict[int, float], want: dict[int, float]) -> tuple[float, str]:
-    """``(largest per-step relative difference, "")``, or ``(nan, why)`` when the runs cannot be
-    compared: Megatron logs no lm loss for an iteration whose update it skipped (an fp16 loss-scale
-    overflow: its ``number of skipped iterations``), so the two runs must have logged the same steps."""
-    if sorted(got) != sorted(want):
-        return math.nan, (f"the runs logged an lm loss at different iterations (this run {sorted(got)}, the "
-                          f"reference {sorted(want)}): one skipped updates the other made")
-    if not want:
-        return math.nan, ("no iteration logged an lm loss: Megatron skipped every update (with --fp16 its loss "
-                          "scaler starts at 2^32 and halves per overflowing step; pass --initial-loss-scale, "
-                          "e.g. 1024, or more --steps)")
-    return max(abs(got[i] - want[i]) / abs(want[i]) for i in want), ""
 
 
 if __name__ == "__main__":

@@ -63,7 +63,7 @@ SHIMS = {
     "memory stats, RNG state (a real generator, saved/restored)",
     "JIT fuser": "megatron.core.jit.disable_jit_fuser()",
     "megatron-core CPU spots": "megatron_hsap.megatron.cpu_shims (RoPE inv_freq, memory buffer, causal mask, "
-    "RNG tracker)",
+    "RNG tracker, the MoE all-to-all dispatcher's host split sizes)",
     "norms without TE": "megatron_hsap.megatron.cpu.rank (HybridStack's final TENorm -> WrappedTorchNorm; "
     "under --sequence-parallel WrappedTorchNorm's params marked for the TP gradient sum, as apex's are)",
 }

@@ -2,7 +2,9 @@
 
 Installs the CUDA→CPU redirect before Megatron is imported for real, then runs the same
 :func:`~megatron_hsap.megatron.pretrain_hooks.run_pretrain` a GPU job runs, with the CPU corpus's
-dataset provider and loss. The rendezvous is a file store (``HSAP_CPU_STORE``): nothing listens on
+dataset provider and loss — or, with ``--megatron-lm`` (``HSAP_CPU_MEGATRON_LM``), the checkout's
+``pretrain_gpt.py`` through :func:`~megatron_hsap.megatron.megatron_lm.run_pretrain_gpt`, the
+function ``scripts/pretrain_gpt_hsap.py`` runs. The rendezvous is a file store (``HSAP_CPU_STORE``): nothing listens on
 a TCP port for it, and gloo is pinned to the loopback interface by the launcher.
 """
 
@@ -26,10 +28,18 @@ def main() -> None:
     record.install()
     _local_hybrid_final_norm()
     _sequence_parallel_torch_norm()
+    from megatron_hsap.megatron.cpu.command import MEGATRON_LM_ENV
+
+    store = dist.FileStore(os.environ["HSAP_CPU_STORE"], int(os.environ["WORLD_SIZE"]))
+    checkout = os.environ.get(MEGATRON_LM_ENV)
+    if checkout:  # --megatron-lm: the checkout's pretrain_gpt.py, as scripts/pretrain_gpt_hsap.py runs it
+        from megatron_hsap.megatron.megatron_lm import run_pretrain_gpt
+
+        run_pretrain_gpt(checkout, store=store, program_start=start)
+        return
     from megatron_hsap.megatron.cpu.loop import cpu_datasets_provider, cpu_loss_func, reference_forward_step
     from megatron_hsap.megatron.pretrain_hooks import run_pretrain
 
-    store = dist.FileStore(os.environ["HSAP_CPU_STORE"], int(os.environ["WORLD_SIZE"]))
     run_pretrain(cpu_datasets_provider, reference_forward_step, cpu_loss_func,
                  args_defaults={}, store=store, program_start=start)
 
