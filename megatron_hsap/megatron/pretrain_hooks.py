@@ -12,6 +12,7 @@ get_batch_on_this_cp_rank` (plan in ``packed_seq_params``, no attention mask). I
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
 import time
@@ -271,10 +272,33 @@ def with_hsap_init(provider: Any, hsap: Any) -> Any:
         if not is_hsap_initialized():  # groups get the job's timeout (runtime.groups.job_timeout)
             initialize_hsap(intra_size=hsap.intra_size, inter_size=hsap.inter_size, node_check=hsap.node_check)
             _print_banner(hsap)
-        return provider(*args, **kwargs)
+        from megatron.training import get_args
+
+        with sft_data_as_cp1(get_args()):
+            return provider(*args, **kwargs)
 
     wrapped.is_distributed = True  # type: ignore[attr-defined]
     return wrapped
+
+
+@contextlib.contextmanager
+def sft_data_as_cp1(args: Any) -> Iterator[None]:
+    """With ``--sft``, ``args.context_parallel_size`` reads 1 inside the block: the dataset provider
+    then builds the SFT data a CP=1 run builds. Megatron's ``SFTDataset`` pads each conversation to
+    a multiple of 2·CP (``sft_dataset.py``: ring's zigzag split of every sequence needs it); HSAP
+    splits any length, so those pad tokens were computed for nothing (up to 2·CP − 1 per
+    conversation) and pushed later conversations out of the pack: the data depended on the CP size.
+    The dataset config's ``context_parallel_size`` has no other reader (megatron-core 0.19.2;
+    Megatron-LM core_v0.19.0's ``core_gpt_dataset_config_from_args`` copies it from ``args``)."""
+    cp = getattr(args, "context_parallel_size", 1)
+    if not getattr(args, "sft", False) or cp == 1:
+        yield
+        return
+    args.context_parallel_size = 1
+    try:
+        yield
+    finally:
+        args.context_parallel_size = cp
 
 
 def _print_banner(hsap: Any) -> None:

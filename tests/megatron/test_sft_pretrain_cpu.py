@@ -1,12 +1,13 @@
 """Megatron's SFT data (``--sft``) in its own ``pretrain()`` loop (``megatron-hsap pretrain-cpu --sft``).
 
 The samples come from megatron-core's ``SFTDataset.__getitem__``, unchanged: conversations packed
-into 256-token samples, each padded to a multiple of 2·CP (pad tokens inside the conversation), the
-prompt turns loss-masked, ``cu_seqlens`` right-padded to ``s + 1`` entries (``megatron/cpu/sft.py``
-replaces only its jsonl reader and tokenizer, which need ``datasets`` / ``transformers``). The
-reference is the same loop at CP=1 with megatron-core's local ``DotProductAttention`` and a
-document-causal mask made from each batch's ``cu_seqlens`` (SFTDataset makes none), reading the
-same conversations padded for the HSAP run's CP. Same harness and tolerance as test_pretrain_cpu.
+into 256-token samples, the prompt turns loss-masked, ``cu_seqlens`` right-padded to ``s + 1``
+entries (``megatron/cpu/sft.py`` replaces only its jsonl reader and tokenizer, which need
+``datasets`` / ``transformers``). SFTDataset pads each conversation to a multiple of 2·CP for ring's
+zigzag split; under HSAP the provider builds the data as at CP=1 (``pretrain_hooks.sft_data_as_cp1``),
+so the reference — the same loop at CP=1 with megatron-core's local ``DotProductAttention`` and a
+document-causal mask made from each batch's ``cu_seqlens`` (SFTDataset makes none) — reads the very
+same samples. Same harness and tolerance as test_pretrain_cpu.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def test_sft_flags_follow_what_sftdataset_asserts() -> None:
     assert "--sft" in hsap and "--reset-position-ids" not in hsap and "--dataloader-inter-document-masking" not in hsap
     ref_run, name = reference_of(CPURun(sft=True))
     ref = megatron_flags(ref_run)
-    assert name == "CP=1, local attention" and ref_run.sft_pad_cp == 4  # the HSAP run's padding
+    assert name == "CP=1, local attention"
     assert "--no-create-attention-mask-in-dataloader" in ref and "--reset-attention-mask" not in ref
     with pytest.raises(ConfigError, match="drop --no-packed"):
         CPURun(sft=True, packed=False).check()
@@ -48,6 +49,52 @@ def test_sft_flags_follow_what_sftdataset_asserts() -> None:
     # every pipeline stage reads an SFT batch, so PP 3 keeps the local-attention reference
     assert reference_of(CPURun(sft=True, pp=3, num_layers=3, world_size=6, intra_size=1, inter_size=2,
                                micro_batch_size=1))[1] == "CP=1, local attention"
+
+
+def test_hsap_builds_the_sft_data_of_cp1() -> None:
+    """SFTDataset pads each conversation to a multiple of 2·CP (ring's zigzag split needs it); under
+    HSAP the provider runs with ``args.context_parallel_size`` at 1 — only with ``--sft``, restored
+    after (also when the provider raises) — so it packs the conversations as a CP=1 run does, and
+    those samples differ from the padded ones (the CP=4 padding is real: the check can fail)."""
+    from argparse import Namespace
+
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+
+    from megatron_hsap.megatron.cpu.loop import _dataset_config
+    from megatron_hsap.megatron.cpu.sft import sft_dataset_class
+    from megatron_hsap.megatron.pretrain_hooks import sft_data_as_cp1
+
+    seen = []
+    args = Namespace(sft=True, context_parallel_size=4)
+    with sft_data_as_cp1(args):
+        seen.append(args.context_parallel_size)
+    with pytest.raises(RuntimeError), sft_data_as_cp1(args):
+        seen.append(args.context_parallel_size)
+        raise RuntimeError
+    plain = Namespace(sft=False, context_parallel_size=4)
+    with sft_data_as_cp1(plain):
+        seen.append(plain.context_parallel_size)
+    assert seen == [1, 1, 4] and args.context_parallel_size == 4
+
+    def first_sample(cp: int) -> list[int]:
+        a = Namespace(seed=1234, seq_length=256, split="90,5,5", data_cache_path=None, reset_position_ids=False,
+                      reset_attention_mask=False, eod_mask_loss=False, create_attention_mask_in_dataloader=False,
+                      sft=True, context_parallel_size=cp)
+        with sft_data_as_cp1(a):
+            train = BlendedMegatronDatasetBuilder(sft_dataset_class(), [4, 0, 0], lambda: True, _dataset_config(a)).build()[0]
+        cu = np.asarray(train[0]["cu_seqlens"], dtype=np.int64)
+        return np.diff(cu[: np.argmax(cu) + 1]).tolist()
+
+    at_cp1, under_hsap = first_sample(1), first_sample(4)
+    assert at_cp1 == under_hsap and any(n % 8 for n in at_cp1[:-1]), at_cp1  # (2·CP = 8 would pad them)
+    # for contrast, the samples SFTDataset pads for CP 4 (what a ring run reads)
+    a = Namespace(seed=1234, seq_length=256, split="90,5,5", data_cache_path=None, reset_position_ids=False,
+                  reset_attention_mask=False, eod_mask_loss=False, create_attention_mask_in_dataloader=False,
+                  sft=True, context_parallel_size=4)
+    padded = BlendedMegatronDatasetBuilder(sft_dataset_class(), [4, 0, 0], lambda: True, _dataset_config(a)).build()[0]
+    cu = np.asarray(padded[0]["cu_seqlens"], dtype=np.int64)
+    lengths = np.diff(cu[: np.argmax(cu) + 1]).tolist()
+    assert lengths != at_cp1 and all(n % 8 == 0 for n in lengths[:-1]), lengths
 
 
 def test_document_causal_mask_from_padded_cu_seqlens() -> None:
@@ -68,7 +115,7 @@ def test_document_causal_mask_from_padded_cu_seqlens() -> None:
 
 def test_sft_in_megatrons_loop_equals_cp1_local_attention(root: Path) -> None:  # noqa: F811
     hsap = _run(root, world_size=4, intra_size=2, inter_size=2, **SFT)
-    ref = _run(root, world_size=1, reference=True, sft_pad_cp=4, **SFT)
+    ref = _run(root, world_size=1, reference=True, **SFT)  # the CP=1 data: HSAP builds the same
     _same_losses(hsap.losses, ref.losses)
     assert sorted(hsap.losses) == [1, 2, 3, 4]
     log = (Path(hsap.log_dir) / "rank0.log").read_text()
@@ -115,7 +162,7 @@ def test_sft_over_pipeline_3_with_cp_1x2_equals_the_reference_at_pp_3(root: Path
     middle stage masks by the same batches."""
     sizes = dict(pp=3, num_layers=3, micro_batch_size=1, **SFT)
     hsap = _run(root, world_size=6, intra_size=1, inter_size=2, **sizes)
-    ref = _run(root, world_size=3, reference=True, sft_pad_cp=2, **sizes)
+    ref = _run(root, world_size=3, reference=True, **sizes)
     _same_losses(hsap.losses, ref.losses)
     # Megatron's rank order (tp-cp-ep-dp-pp): the last stage is ranks 4-5 (its CP pair), 2 at CP=1
     _sft_validation(hsap, range(4, 6), ref, range(2, 3))

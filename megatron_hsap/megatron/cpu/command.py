@@ -17,7 +17,8 @@ and ``--compare`` compares with the same loop at CP=1 under HSAP instead (one ra
 P2P; its attention is checked against float64 references by ``tests/megatron/test_mla.py`` and
 ``tests/megatron/test_gpt_window.py``). ``--sft`` trains on Megatron's SFT data (its
 ``SFTDataset`` over conversations made from the CPU corpus, ``megatron/cpu/sft.py``); its reference
-masks each batch by the batch's ``cu_seqlens`` and reads the conversations padded for the HSAP run's CP.
+masks each batch by the batch's ``cu_seqlens`` (HSAP builds the SFT data as CP=1 does:
+``pretrain_hooks.sft_data_as_cp1``).
 ``--megatron-lm DIR`` runs a Megatron-LM checkout's own ``pretrain_gpt.py`` (its provider, forward step
 and loss, through ``megatron_lm.run_pretrain_gpt``: what ``scripts/pretrain_gpt_hsap.py`` runs on a
 cluster) instead of this command's copies, on the CPU corpus or the data flags given after ``--``.
@@ -74,7 +75,6 @@ class CPURun:
     packed: bool = True  # documents as they come (cu_seqlens); False: every sample one document
     # Megatron's SFT data (--sft: SFTDataset packing conversations, megatron/cpu/sft.py) instead of the GPT corpus
     sft: bool = False
-    sft_pad_cp: int | None = None  # the CP size SFTDataset pads conversations for (default: this run's; a reference: its run's)
     steps: int = 6
     micro_batch_size: int = 2
     global_batch_size: int | None = None  # default: micro-batch × DP (one micro-batch per step)
@@ -98,11 +98,6 @@ class CPURun:
     @property
     def cp_size(self) -> int:
         return 1 if self.reference else self.intra_size * self.inter_size
-
-    @property
-    def sft_padding_cp(self) -> int:
-        """The CP size SFTDataset pads this run's conversations for (``sft_pad_cp``, else its own)."""
-        return self.sft_pad_cp or self.cp_size
 
     @property
     def dp_size(self) -> int:
@@ -272,9 +267,6 @@ def parse_log(text: str) -> tuple[dict[int, float], dict[int, float], dict[str, 
     return losses, validation, final
 
 
-# ``--sft``: the CP size whose 2·CP granularity Megatron's SFTDataset pads each conversation to
-# (``loop._dataset_config``): the HSAP run's, also in its CP=1 reference, so both see the same tokens
-SFT_PAD_CP_ENV = "HSAP_CPU_SFT_PAD_CP"
 MEGATRON_LM_ENV = "HSAP_CPU_MEGATRON_LM"  # ``--megatron-lm``: the checkout whose pretrain_gpt.py the ranks run
 
 # Megatron's FSDP implementations refuse CUDA_DEVICE_MAX_CONNECTIONS=1 (megatron/training/arguments.py);
@@ -283,7 +275,7 @@ _FSDP_FLAGS = ("--use-megatron-fsdp", "--use-torch-fsdp2")
 
 
 def _env(rank: int, world: int, store: str, record_dir: str | None = None, *, fsdp: bool = False,
-         sft_pad_cp: int | None = None, megatron_lm: str | None = None) -> dict[str, str]:
+         megatron_lm: str | None = None) -> dict[str, str]:
     env = dict(os.environ)
     env.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
@@ -297,12 +289,9 @@ def _env(rank: int, world: int, store: str, record_dir: str | None = None, *, fs
     )
     if record_dir is not None:  # what tests read (megatron/cpu/record.py)
         env["HSAP_CPU_RECORD"] = record_dir
-    env.pop(SFT_PAD_CP_ENV, None)
     env.pop(MEGATRON_LM_ENV, None)
     if megatron_lm is not None:
         env[MEGATRON_LM_ENV] = megatron_lm
-    if sft_pad_cp is not None:
-        env[SFT_PAD_CP_ENV] = str(sft_pad_cp)
     return env
 
 
@@ -326,8 +315,7 @@ def run(opts: CPURun, *, echo: bool = False, record_dir: str | None = None) -> C
     for rank in range(opts.world_size):
         out = open(log_dir / f"rank{rank}.log", "w")
         files.append(out)
-        env = _env(rank, opts.world_size, store, record_dir, fsdp=fsdp, sft_pad_cp=opts.sft_padding_cp if opts.sft else None,
-                   megatron_lm=opts.megatron_lm)
+        env = _env(rank, opts.world_size, store, record_dir, fsdp=fsdp, megatron_lm=opts.megatron_lm)
         procs.append(subprocess.Popen(cmd, env=env, stdout=out,
                                       stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
     codes = _wait(procs, opts.timeout_s)
@@ -391,7 +379,7 @@ def build_parser(prog: str = "megatron-hsap pretrain-cpu") -> argparse.ArgumentP
                    "pipeline stages that read no data (PP > 2, or virtual pipelining)")
     p.add_argument("--sft", action="store_true",
                    help="Megatron's SFT data (--sft): its SFTDataset packs conversations made from the CPU corpus "
-                   "(system and user turns loss-masked, each conversation padded to a multiple of 2·CP), built on "
+                   "(system and user turns loss-masked; under HSAP no conversation padded to 2·CP), built on "
                    "every pipeline stage; megatron_hsap/megatron/cpu/sft.py")
     p.add_argument("--tie-embeddings", action="store_true",
                    help="share the input embedding with the output layer (Megatron's default; --model llama unties "

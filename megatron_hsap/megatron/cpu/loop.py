@@ -11,7 +11,6 @@ local ``DotProductAttention`` with the dataloader's per-document causal mask.
 
 from __future__ import annotations
 
-import os
 from functools import partial
 from typing import Any, Iterator
 
@@ -34,11 +33,11 @@ def _dataset_config(args: Any) -> Any:
     data_dir = getattr(args, "hsap_cpu_data_dir", None)
     blend, tokenizer, extra = None, ByteTokenizer(), {}
     if sft:
-        from megatron_hsap.megatron.cpu.command import SFT_PAD_CP_ENV
         from megatron_hsap.megatron.cpu.sft import ConversationTokenizer, build_conversations
 
         blend, tokenizer = ([build_conversations(data_dir)], None), ConversationTokenizer()
-        extra["context_parallel_size"] = int(os.environ.get(SFT_PAD_CP_ENV) or args.context_parallel_size)
+        # (SFTDataset's padding to 2·CP; under HSAP the provider runs with it at 1: pretrain_hooks.sft_data_as_cp1)
+        extra["context_parallel_size"] = args.context_parallel_size
     elif getattr(args, "mock_data", False):
         # a mock document cycles through token ids below the tokenizer's vocab_size: below the
         # byte range, never EOD (256) or PAD (257) inside a document, where the reference's

@@ -84,7 +84,6 @@ def reference_of(opts: CPURun) -> tuple[CPURun, str]:
             f"not split into micro-batches; use a --micro-batch-size that makes it a multiple of {world}")
     sizes = dict(tp=1, world_size=world * opts.pp, micro_batch_size=share,
                  global_batch_size=opts.global_batch_size or opts.micro_batch_size * opts.dp_size,
-                 sft_pad_cp=opts.sft_padding_cp,  # (--sft: the same conversations' padding)
                  # Megatron pads the vocabulary to a multiple of this × TP: at TP=1 the run's padded size
                  vocab_multiple=opts.vocab_multiple * opts.tp)
     why = no_local_reference(opts)
