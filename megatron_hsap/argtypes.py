@@ -21,7 +21,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 __all__ = ["positive_int", "nonnegative_int", "positive_float", "nonnegative_float", "port", "writable_file",
-           "output_dir", "given_options", "HelpFormatter", "DeprecatedAlias", "add_renamed", "add_topology_args", "link_line", "flag_value"]
+           "output_dir", "given_options", "HelpFormatter", "DeprecatedAlias", "add_renamed", "add_topology_args", "link_line", "flag_value",
+           "flag_names"]
 
 
 def _number(text: str, kind: type) -> float:
@@ -201,6 +202,12 @@ def link_line(*, intra: int, inter: int, tp: int = 1, gpus_per_node: int = 8, fo
     where = "fits in" if link is LinkClass.NVLINK else "spans more than"
     return (f"link {link.value}: the CP group TP {tp} × P_intra {intra} × P_inter {inter} = {world} GPUs "
             f"{where} one {gpus_per_node}-GPU node (docs/design.md §4)")
+
+
+def flag_names(args: Sequence[str]) -> set[str]:
+    """The flags given in command-line ``args``, either spelling (``--flag V`` or ``--flag=V``): what
+    Megatron's argparse parser reads from arguments passed through (e.g. after ``--``)."""
+    return {a.split("=", 1)[0] for a in args if a.startswith("--")}
 
 
 def flag_value(args: Sequence[str], flag: str) -> str | None:

@@ -21,6 +21,7 @@ from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
+from megatron_hsap.argtypes import flag_names
 from megatron_hsap.errors import ConfigError
 from megatron_hsap.launch.config import (
     DEFAULT_ENTRY,
@@ -151,7 +152,7 @@ def check_passthrough(cfg: LaunchConfig) -> None:
              # the data: section (a second --data-path would silently win over data.data_path)
              "--data-path", "--mock-data", "--split", "--tokenizer-type", "--tokenizer-model",
              "--vocab-file", "--merge-file"}
-    given = {a.split("=", 1)[0] for a in args if a.startswith("--")}
+    given = flag_names(args)
     clash = sorted(owned & given)
     if clash:
         raise ConfigError(f"megatron_args: {clash} are set from the config sections; change them there")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -45,6 +46,10 @@ def _flag(flags: list[str], name: str) -> str | None:
     return flags[flags.index(name) + 1] if name in flags else None
 
 
+def replace_extra(run: CPURun, *extra: str) -> CPURun:
+    return replace(run, extra=tuple(extra))
+
+
 def test_checkout_runs_megatrons_nulltokenizer_over_the_cpu_corpus(checkout: Path) -> None:
     run = CPURun(megatron_lm=str(checkout))
     run.check()
@@ -60,15 +65,12 @@ def test_checkout_runs_megatrons_nulltokenizer_over_the_cpu_corpus(checkout: Pat
     own = replace_extra(run, "--data-path", "/d/x_text_document", "--tokenizer-type=HuggingFaceTokenizer")
     own.check()
     assert corpus_data_flags(own) == [] and "NullTokenizer" not in megatron_flags(own)[:-4]
+    # flags that shape the data but name none (FIM over it, per-dataset sequence counts): still the corpus
+    for shaping in ("--fim-data", "--per-dataset-sequences-path=/d/seq.json"):
+        assert corpus_data_flags(replace_extra(run, shaping))[0] == "--data-path", shaping
     # without a checkout: the byte tokenizer's 258 ids, and no data flag (the CPU provider reads its corpus)
     plain = CPURun()
     assert _flag(megatron_flags(plain), "--vocab-size") == "258" and corpus_data_flags(plain) == []
-
-
-def replace_extra(run: CPURun, *extra: str) -> CPURun:
-    from dataclasses import replace
-
-    return replace(run, extra=tuple(extra))
 
 
 def test_reference_pads_the_vocabulary_as_the_tp_run_does() -> None:

@@ -35,6 +35,7 @@ import tempfile
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from megatron_hsap.argtypes import flag_names
 from megatron_hsap.errors import ConfigError
 from megatron_hsap.megatron.cpu.reference import compare_losses, hybrid_pattern, no_local_reference, reference_of
 
@@ -45,11 +46,15 @@ _VALID = re.compile(r"validation loss at iteration (\d+) \| lm loss value: ([0-9
 # After training Megatron evaluates once more on the validation and the test split.
 _VALID_END = re.compile(r"validation loss at iteration \d+ on (validation|test) set \| lm loss value: ([0-9.Ee+-]+)")
 
+# Megatron's flags that choose the documents pretrain_gpt's provider reads (``--megatron-lm``:
+# without one of them, the CPU corpus is its --data-path), and its tokenizer's
+_DATA_SOURCES = ("--data-path", "--train-data-path", "--valid-data-path", "--test-data-path", "--data-args-path",
+                 "--per-split-data-args-path", "--mock-data")
+_TOKENIZER_FLAGS = ("--tokenizer-type", "--tokenizer-model", "--vocab-file", "--merge-file")
 # Megatron's data and tokenizer flags that pretrain_gpt's provider reads and the CPU provider does
 # not (``loop.cpu_datasets_provider``: its corpus, --mock-data or --sft, a byte tokenizer)
-_DATA_NOT_READ = ("--data-path", "--train-data-path", "--valid-data-path", "--test-data-path", "--data-args-path",
-                  "--per-split-data-args-path", "--per-dataset-sequences-path", "--fim-data", "--tokenizer-type",
-                  "--tokenizer-model", "--vocab-file", "--merge-file", "--sft-tokenizer-prompt-format")
+_DATA_NOT_READ = (*(f for f in _DATA_SOURCES if f != "--mock-data"), "--per-dataset-sequences-path", "--fim-data",
+                  *_TOKENIZER_FLAGS, "--sft-tokenizer-prompt-format")
 
 
 # The two model families of the shipped configs, at CPU size (hidden 64, 4 heads of 16; kv groups
@@ -129,7 +134,7 @@ class CPURun:
             raise ConfigError("--sft packs conversations with their cu_seqlens: drop --no-packed")
         if self.megatron_lm is not None:
             self._check_megatron_lm()
-        unread = sorted({a.split("=", 1)[0] for a in self.extra} & set(_DATA_NOT_READ))
+        unread = sorted(flag_names(self.extra) & set(_DATA_NOT_READ))
         if unread and self.megatron_lm is None:  # (passed to Megatron, which parses them, and ignored by the CPU provider)
             raise ConfigError(f"{', '.join(unread)} after --: pretrain-cpu trains on its own CPU corpus (or "
                               "Megatron's --mock-data, or --sft's conversations) with a byte tokenizer, so these "
@@ -230,11 +235,6 @@ def megatron_flags(run: CPURun) -> list[str]:
     return flags + list(run.extra)
 
 
-# Data flags that choose what Megatron-LM's provider reads (``--megatron-lm``: without one, the CPU corpus)
-_DATA_SOURCES = ("--mock-data", *(f for f in _DATA_NOT_READ if "data" in f and "tokenizer" not in f))
-_TOKENIZER_FLAGS = ("--tokenizer-type", "--tokenizer-model", "--vocab-file", "--merge-file")
-
-
 def _tokenizer_flags(run: CPURun) -> list[str]:
     """The model's vocabulary: 258 for the CPU provider's byte tokenizer (bytes, EOD 256, PAD 257).
     ``--megatron-lm`` builds Megatron's ``NullTokenizer`` from the flags, whose EOD is the last id:
@@ -242,7 +242,7 @@ def _tokenizer_flags(run: CPURun) -> list[str]:
     under 4,096 tokens, count up from 1: EOD never inside one); none when the run gives a tokenizer."""
     if run.megatron_lm is None:
         return ["--tokenizer-type", "NullTokenizer", "--vocab-size", "258"]
-    given = {a.split("=", 1)[0] for a in run.extra}
+    given = flag_names(run.extra)
     if given & set(_TOKENIZER_FLAGS):
         return []
     return ["--tokenizer-type", "NullTokenizer", "--vocab-size", "4097" if "--mock-data" in given else "257"]
@@ -251,7 +251,7 @@ def _tokenizer_flags(run: CPURun) -> list[str]:
 def corpus_data_flags(run: CPURun) -> list[str]:
     """``--megatron-lm`` without a data source after ``--``: ``--data-path`` of the CPU corpus (built
     once), the documents the CPU provider reads; else nothing."""
-    if run.megatron_lm is None or {a.split("=", 1)[0] for a in run.extra} & set(_DATA_SOURCES):
+    if run.megatron_lm is None or flag_names(run.extra) & set(_DATA_SOURCES):
         return []
     from megatron_hsap.megatron.data import build_stdlib_corpus
 
