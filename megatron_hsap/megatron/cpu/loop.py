@@ -31,13 +31,11 @@ def _dataset_config(args: Any) -> Any:
 
     sft = bool(getattr(args, "sft", False))
     data_dir = getattr(args, "hsap_cpu_data_dir", None)
-    blend, tokenizer, extra = None, ByteTokenizer(), {}
+    blend, tokenizer = None, ByteTokenizer()
     if sft:
         from megatron_hsap.megatron.cpu.sft import ConversationTokenizer, build_conversations
 
         blend, tokenizer = ([build_conversations(data_dir)], None), ConversationTokenizer()
-        # (SFTDataset's padding to 2·CP; under HSAP the provider runs with it at 1: pretrain_hooks.sft_data_as_cp1)
-        extra["context_parallel_size"] = args.context_parallel_size
     elif getattr(args, "mock_data", False):
         # a mock document cycles through token ids below the tokenizer's vocab_size: below the
         # byte range, never EOD (256) or PAD (257) inside a document, where the reference's
@@ -60,7 +58,9 @@ def _dataset_config(args: Any) -> Any:
         eod_mask_loss=args.eod_mask_loss,
         create_attention_mask=args.create_attention_mask_in_dataloader and not sft,
         inter_document_masking=bool(getattr(args, "dataloader_inter_document_masking", False)) and not sft,
-        **extra,
+        # as pretrain_gpt copies it; read only by SFTDataset, which pads each conversation to 2·CP
+        # (under HSAP the provider runs with it at 1: pretrain_hooks.sft_data_as_cp1)
+        context_parallel_size=getattr(args, "context_parallel_size", 1),
     )
 
 
