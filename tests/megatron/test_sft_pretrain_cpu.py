@@ -12,6 +12,7 @@ same samples. Same harness and tolerance as test_pretrain_cpu.
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import numpy as np
@@ -76,25 +77,20 @@ def test_hsap_builds_the_sft_data_of_cp1() -> None:
         seen.append(plain.context_parallel_size)
     assert seen == [1, 1, 4] and args.context_parallel_size == 4
 
-    def first_sample(cp: int) -> list[int]:
+    def first_sample(cp: int, under_hsap: bool) -> list[int]:
+        """Conversation lengths of the first SFT sample built at CP ``cp``, in HSAP's provider or not."""
         a = Namespace(seed=1234, seq_length=256, split="90,5,5", data_cache_path=None, reset_position_ids=False,
                       reset_attention_mask=False, eod_mask_loss=False, create_attention_mask_in_dataloader=False,
                       sft=True, context_parallel_size=cp)
-        with sft_data_as_cp1(a):
+        with sft_data_as_cp1(a) if under_hsap else contextlib.nullcontext():
             train = BlendedMegatronDatasetBuilder(sft_dataset_class(), [4, 0, 0], lambda: True, _dataset_config(a)).build()[0]
         cu = np.asarray(train[0]["cu_seqlens"], dtype=np.int64)
         return np.diff(cu[: np.argmax(cu) + 1]).tolist()
 
-    at_cp1, under_hsap = first_sample(1), first_sample(4)
-    assert at_cp1 == under_hsap and any(n % 8 for n in at_cp1[:-1]), at_cp1  # (2·CP = 8 would pad them)
-    # for contrast, the samples SFTDataset pads for CP 4 (what a ring run reads)
-    a = Namespace(seed=1234, seq_length=256, split="90,5,5", data_cache_path=None, reset_position_ids=False,
-                  reset_attention_mask=False, eod_mask_loss=False, create_attention_mask_in_dataloader=False,
-                  sft=True, context_parallel_size=4)
-    padded = BlendedMegatronDatasetBuilder(sft_dataset_class(), [4, 0, 0], lambda: True, _dataset_config(a)).build()[0]
-    cu = np.asarray(padded[0]["cu_seqlens"], dtype=np.int64)
-    lengths = np.diff(cu[: np.argmax(cu) + 1]).tolist()
-    assert lengths != at_cp1 and all(n % 8 == 0 for n in lengths[:-1]), lengths
+    at_cp1 = first_sample(1, under_hsap=False)
+    assert first_sample(4, under_hsap=True) == at_cp1 and any(n % 8 for n in at_cp1[:-1]), at_cp1  # (2·CP = 8 would pad them)
+    padded = first_sample(4, under_hsap=False)  # for contrast, what a ring run at CP 4 reads
+    assert padded != at_cp1 and all(n % 8 == 0 for n in padded[:-1]), padded
 
 
 def test_document_causal_mask_from_padded_cu_seqlens() -> None:
