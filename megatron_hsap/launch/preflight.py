@@ -118,8 +118,8 @@ NOW_TESTED = {
     "tests/megatron/test_pretrain_cpu_precision.py); its checkpoints are `fsdp_checkpoint`",
     "sequence_parallel": "sequence parallelism runs in Megatron's pretrain() loop on CPU (TP 2 × CP 2×2, "
     "tests/megatron/test_pretrain_cpu.py)",
-    "sft": "Megatron's SFT data (--sft) runs in Megatron's pretrain() loop on CPU: its SFTDataset's packed, "
-    "CP-padded conversations under CP 2×2 and under PP 3 × CP 1×2, whose middle stage plans from its own "
+    "sft": "Megatron's SFT data (--sft) runs in Megatron's pretrain() loop on CPU: its SFTDataset's packed "
+    "conversations (under HSAP not padded for CP) under CP 2×2 and under PP 3 × CP 1×2, whose middle stage plans from its own "
     "batches (tests/megatron/test_sft_pretrain_cpu.py, pretrain-cpu --sft)",
 }
 

@@ -212,6 +212,7 @@ def make_forward_step(loss_func: Callable[..., Any]) -> Callable[..., Any]:
         from megatron.training import get_args, get_timers
 
         from megatron_hsap.errors import ConfigError
+        from megatron_hsap.megatron.mtp import check_model_attention
 
         if return_schedule_plan:
             raise ConfigError("--overlap-moe-expert-parallel-comm schedule plans are not supported with HSAP")
@@ -220,6 +221,7 @@ def make_forward_step(loss_func: Callable[..., Any]) -> Callable[..., Any]:
         batch = hsap_get_batch(data_iterator, get_attr_wrapped_model(model, "vp_stage"),
                                prefetchers=prefetchers, training=bool(model.training))
         timers("batch-generator").stop()
+        check_model_attention(model)  # once per model chunk: every attention layer HSAP's (MTP's too)
         output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
                        loss_mask=batch["loss_mask"], packed_seq_params=batch["packed_seq_params"])
         # loss_func returns (Σ loss·mask, local loss tokens); --calculate-per-token-loss makes
@@ -265,15 +267,16 @@ def with_hsap_init(provider: Any, hsap: Any) -> Any:
     after ``initialize_model_parallel`` — the one point where a world collective is safe. The
     wrapper keeps the provider's signature (Megatron checks it for ``vp_stage``).
     """
+    from megatron_hsap.megatron.banner import print_banner
     from megatron_hsap.megatron.parallel_state import initialize_hsap, is_hsap_initialized
 
     @functools.wraps(provider)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
-        if not is_hsap_initialized():  # groups get the job's timeout (runtime.groups.job_timeout)
-            initialize_hsap(intra_size=hsap.intra_size, inter_size=hsap.inter_size, node_check=hsap.node_check)
-            _print_banner(hsap)
         from megatron.training import get_args
 
+        if not is_hsap_initialized():  # groups get the job's timeout (runtime.groups.job_timeout)
+            initialize_hsap(intra_size=hsap.intra_size, inter_size=hsap.inter_size, node_check=hsap.node_check)
+            print_banner(hsap, get_args(), link=_measured_link(), plan_kwargs=_plan_kwargs)
         with sft_data_as_cp1(get_args()):
             return provider(*args, **kwargs)
 
@@ -301,66 +304,6 @@ def sft_data_as_cp1(args: Any) -> Iterator[None]:
         args.context_parallel_size = cp
 
 
-def _print_banner(hsap: Any) -> None:
-    """Start-up lines (rank 0): HSAP is on, with what topology, layout, prices, kernels and pool;
-    and a warning when batches carry no document boundaries."""
-    import torch.distributed as dist
-    from megatron.training import get_args
-
-    from megatron_hsap.megatron.hardware import run_hardware
-
-    if dist.is_initialized() and dist.get_rank() != 0:
-        return
-    args = get_args()
-    hw = run_hardware(args)
-    print(f"[megatron-hsap] HSAP context parallelism on: topology {hsap.intra_size}x{hsap.inter_size} "
-          f"(intra×inter), layout {hsap.layout}, planner priced for {hw.name} ({hw.source}), "
-          f"{hw.gpus_per_node} GPUs per node", flush=True)
-    from megatron_hsap.argtypes import link_line  # the one link rule's statement (docs/design.md §4)
-
-    line = link_line(intra=hsap.intra_size, inter=hsap.inter_size, tp=args.tensor_model_parallel_size,
-                     gpus_per_node=hw.gpus_per_node, measured=_measured_link())
-    print(f"[megatron-hsap] plans priced with {line}", flush=True)
-    print(f"[megatron-hsap] attention kernels: {_kernel_backend()}; receive pool: "
-          f"{_pool_text(args)}", flush=True)
-    if not (getattr(args, "sft", False) or getattr(args, "dataloader_inter_document_masking", False)):
-        print("[megatron-hsap] WARNING: no --dataloader-inter-document-masking (or --sft): batches carry no "
-              "document boundaries, so HSAP treats every sample as ONE document (attention crosses the "
-              "packed documents' boundaries). Pass --dataloader-inter-document-masking for packed data.",
-              flush=True)
-
-
-def _kernel_backend() -> str:
-    """The attention kernel backend HSAP will use on this rank's device (``HSAP_KERNEL`` honoured)."""
-    import sys
-
-    import torch
-
-    from megatron_hsap.runtime.kernels import resolve_backend
-
-    standin = sys.modules.get("megatron_hsap.megatron.cpu.device")  # CPU demo: tensors live on the CPU
-    on_gpu = torch.cuda.is_available() and not (standin is not None and standin.installed())
-    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
-    try:
-        return f"{resolve_backend(None, device)} on {device}"
-    except Exception as exc:  # noqa: BLE001 - the banner reports; the first attention call raises
-        return f"none available on {device} ({exc})"
-
-
-def _pool_text(args: Any) -> str:
-    if getattr(args, "hsap_pool_bytes", None):
-        return f"{args.hsap_pool_bytes / 2**20:.1f} MiB per rank (--hsap-pool-bytes)"
-    from megatron_hsap.plan import compile_plan
-
-    kwargs = _plan_kwargs(args)
-    tokens = int(args.seq_length) * int(args.micro_batch_size)
-    hsap = args.hsap
-    plan = compile_plan([0, tokens], hsap.inter_size, intra_size=hsap.intra_size,  # the configured topology's pool
-                        **{**{k: v for k, v in kwargs.items() if k not in ("layout", "layout_fallback")}, "flatten": "never"})
-    return (f"{plan.stats().pool_capacity_bytes / 2**20:.1f} MiB per rank (default: 4 inter chunks of q/k/v "
-            f"rows at {tokens} tokens per micro-batch; --hsap-pool-bytes to set)")
-
-
 def hsap_entry_points(args: Any, datasets_provider: Any, loss_func: Callable[..., Any]) -> tuple[Any, Any]:
     """``(datasets_provider, forward_step)`` for ``pretrain()`` under ``--context-parallel-impl hsap``.
 
@@ -374,6 +317,10 @@ def hsap_entry_points(args: Any, datasets_provider: Any, loss_func: Callable[...
     if hsap is None:
         raise ConfigError("hsap_entry_points is for --context-parallel-impl hsap")
     args.hsap = hsap
+    if getattr(args, "mtp_num_layers", None):  # before the model is built: MTP's shift, weights and attention
+        from megatron_hsap.megatron import mtp
+
+        mtp.install()
     return with_hsap_init(datasets_provider, hsap), make_forward_step(loss_func)
 
 

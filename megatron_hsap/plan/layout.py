@@ -159,6 +159,21 @@ class Layout:
         part = self.chunk_tokens // self.intra_size
         return ids[j * part : (j + 1) * part]
 
+    def run_heads(self, cp_rank: int) -> tuple[np.ndarray, np.ndarray]:
+        """Where CP rank ``cp_rank``'s segments begin inside its slice: ``(global ids, local
+        positions)``, int64, in local order — every start of a run of consecutive ids among them
+        (a segment continuing its predecessor's ids is listed too), without listing the tokens."""
+        i, j = divmod(cp_rank, self.intra_size)
+        part = self.chunk_tokens // self.intra_size
+        lo, hi = j * part, (j + 1) * part
+        heads, where = [], []
+        for s in self.segments[i]:
+            first, end = max(lo, s.local_start), min(hi, s.local_start + len(s.tokens))
+            if first < end:
+                heads.append(s.tokens.start + first - s.local_start)
+                where.append(first - lo)
+        return np.asarray(heads, dtype=np.int64), np.asarray(where, dtype=np.int64)
+
     def segment_starts(self) -> tuple[tuple[tuple[int, int], ...], ...]:
         """(global token start, local row start) of each segment of each inter rank (``CostRates.segments``)."""
         return tuple(tuple((s.tokens.start, s.local_start) for s in segs) for segs in self.segments)

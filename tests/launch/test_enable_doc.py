@@ -138,7 +138,7 @@ def test_readme_links_the_page_first_and_names_hsap_torchrun() -> None:
 
 
 def test_start_up_lines_quoted_on_the_page_are_the_code_s() -> None:
-    hooks = (ROOT / "megatron_hsap" / "megatron" / "pretrain_hooks.py").read_text()
+    hooks = (ROOT / "megatron_hsap" / "megatron" / "banner.py").read_text()
     args = (ROOT / "megatron_hsap" / "megatron" / "arguments.py").read_text()
     assert "[megatron-hsap] HSAP context parallelism on: topology 8x2 (intra×inter), layout balanced," in DOC
     assert '"[megatron-hsap] HSAP context parallelism on: topology {hsap.intra_size}x{hsap.inter_size} "' in hooks
@@ -186,7 +186,7 @@ def test_the_metrics_line_on_the_page_has_the_code_s_fields() -> None:
 
 
 def test_the_start_up_lines_quoted_in_section_5_are_the_code_s() -> None:
-    hooks = (ROOT / "megatron_hsap" / "megatron" / "pretrain_hooks.py").read_text()
+    hooks = (ROOT / "megatron_hsap" / "megatron" / "banner.py").read_text()
     section = DOC[DOC.index("## 5."):DOC.index("## 6.")]
     assert "`[megatron-hsap] attention kernels: flash_attn on cuda:0; receive pool: " in section
     assert 'print(f"[megatron-hsap] attention kernels: {_kernel_backend()}; receive pool: "' in hooks
@@ -209,7 +209,7 @@ def test_the_start_up_lines_quoted_in_section_5_are_the_code_s() -> None:
 # of the flag the error must name. A model config field without a flag is set on args directly.
 REFUSED = {
     "look-ahead window": (["--window-size", "(128,16)"], "--window-size"),
-    "--mtp-num-layers": (["--mtp-num-layers", "1"], "--mtp-num-layers"),
+    "--mtp-num-layers": (["--mtp-num-layers", "1"], "--mtp-num-layers with --hybrid-layer-pattern"),
     "--hybrid-context-parallel": ([], "--hybrid-context-parallel"),
     "--softmax-type": ([], "--softmax-type"),
     "--position-embedding-type": (["--position-embedding-type", "yarn"], "--position-embedding-type"),
@@ -235,7 +235,8 @@ _SET_AFTER = {"--hybrid-context-parallel": ("hybrid_context_parallel", True), "-
               "--micro-batch-size": ("micro_batch_size", 2),
               "fp8_dot_product_attention": ("fp8_dot_product_attention", True),
               "fused_single_qkv_rope": ("fused_single_qkv_rope", True),
-              "--hsap-layout": ("context_parallel_impl", "ring")}
+              "--hsap-layout": ("context_parallel_impl", "ring"),
+              "--mtp-num-layers": ("hybrid_layer_pattern", "*-*-")}
 SUPPORTED = {
     "causal window": ["--window-size", "(128,0)"],
     "windows on every other layer": ["--window-size", "(128,0)", "--window-attn-skip-freq", "2"],
@@ -243,6 +244,7 @@ SUPPORTED = {
     "learnable sinks": ["--softmax-type", "learnable"],
     "MLA with YaRN": ["--multi-latent-attention", "--no-rope-fusion", "--rope-type", "yarn"],
     "MLA with RoPE": ["--multi-latent-attention", "--no-rope-fusion", "--rope-type", "rope"],
+    "multi-token prediction": ["--mtp-num-layers", "2"],
 }
 
 

@@ -12,7 +12,7 @@ from dataclasses import replace
 import pytest
 
 from megatron_hsap.errors import ConfigError
-from megatron_hsap.megatron.cpu.command import CPURun, compare_losses, megatron_flags, parse_log
+from megatron_hsap.megatron.cpu.command import CPURun, compare_losses, megatron_flags, parse_log, parse_mtp_losses, reference_of
 
 
 def test_model_families_build_the_shipped_configs_layers() -> None:
@@ -44,6 +44,41 @@ def test_parse_log_reads_megatrons_lines() -> None:
     losses, validation, final = parse_log(text)
     assert losses == {1: 5.547852} and validation == {3: 4.826138}
     assert final == {"validation": 4.829963, "test": 4.777941}
+    assert parse_mtp_losses(text) == {}
+
+
+def test_parse_mtp_losses_reads_each_depth_by_iteration() -> None:
+    text = (
+        " iteration        1/       6 | lm loss: 5.573047E+00 | mtp_1 loss: 5.554393E+00 | mtp_2 loss: 5.60E+00 |\n"
+        " iteration        2/       6 | lm loss: 5.377874E+00 | mtp_1 loss: 5.413392E+00 | mtp_2 loss: 5.41E+00 |\n"
+        " some other line | mtp_1 loss: 9.9 |\n"
+    )
+    assert parse_mtp_losses(text) == {1: {1: 5.554393, 2: 5.413392}, 2: {1: 5.6, 2: 5.41}}
+
+
+def test_mtp_with_a_checkout_compares_with_hsap_at_cp1() -> None:
+    """The checkout's forward step gives the local reference a mask and no packed sequence, so
+    Megatron's MTP would shift across documents there: ``--compare`` runs HSAP at CP=1 instead. The
+    CPU loop's own reference shifts inside documents (``cpu/loop.py``), so it stays local attention."""
+    mtp = ("--mtp-num-layers", "1")
+    ref, name = reference_of(CPURun(megatron_lm="/x", extra=mtp))
+    assert (ref.intra_size, ref.inter_size, ref.reference) == (1, 1, False) and "--mtp-num-layers with --megatron-lm" in name
+    ref, name = reference_of(CPURun(extra=mtp))
+    assert ref.reference and name == "CP=1, local attention"
+
+
+def test_mtp_compare_refuses_a_reference_that_splits_the_micro_batch() -> None:
+    """Experts split over more ranks than the run's data-parallel ones make the reference run each
+    micro-batch in pieces; Megatron weights MTP's loss per micro-batch, so that comparison would
+    show the weighting (6.8e-5), not HSAP. With the split inside the DP ranks it is kept."""
+    moe = ("--mtp-num-layers", "1", "--num-experts", "4", "--expert-model-parallel-size", "2")
+    with pytest.raises(ConfigError, match=r"splits each micro-batch of 2 samples into micro-batches of 1 .* multiple "
+                                          r"of the expert split \(2\)"):
+        reference_of(CPURun(extra=moe))
+    ref, _ = reference_of(CPURun(world_size=8, micro_batch_size=1, extra=moe))  # DP 2: the split keeps micro-batches of 1
+    assert (ref.world_size, ref.micro_batch_size) == (2, 1)
+    ref, _ = reference_of(CPURun(extra=moe[2:]))  # without MTP the split is fine
+    assert ref.micro_batch_size == 1
 
 
 @pytest.mark.parametrize(("change", "match"), [

@@ -39,10 +39,12 @@ from megatron_hsap.argtypes import flag_names
 from megatron_hsap.errors import ConfigError
 from megatron_hsap.megatron.cpu.reference import compare_losses, hybrid_pattern, no_local_reference, reference_of
 
-__all__ = ["CPURun", "CPUResult", "compare_losses", "megatron_flags", "no_local_reference", "reference_of", "run", "parse_log", "main"]
+__all__ = ["CPURun", "CPUResult", "compare_losses", "megatron_flags", "no_local_reference", "reference_of", "run", "parse_log", "parse_mtp_losses", "main"]
 
 _ITER = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.Ee+-]+)")
 _VALID = re.compile(r"validation loss at iteration (\d+) \| lm loss value: ([0-9.Ee+-]+)")
+_ITER_LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*")
+_MTP = re.compile(r"mtp_(\d+) loss: ([0-9.Ee+-]+)")
 # After training Megatron evaluates once more on the validation and the test split.
 _VALID_END = re.compile(r"validation loss at iteration \d+ on (validation|test) set \| lm loss value: ([0-9.Ee+-]+)")
 
@@ -180,6 +182,7 @@ class CPUResult:
     final_test: float | None
     log_dir: str
     output: str = field(repr=False)
+    mtp_losses: dict[int, dict[int, float]] = field(default_factory=dict)  # {depth: {iteration: loss}}
 
 
 def megatron_flags(run: CPURun) -> list[str]:
@@ -267,6 +270,15 @@ def parse_log(text: str) -> tuple[dict[int, float], dict[int, float], dict[str, 
     return losses, validation, final
 
 
+def parse_mtp_losses(text: str) -> dict[int, dict[int, float]]:
+    """Multi-token prediction's logged losses (``--mtp-num-layers``): ``{depth: {iteration: loss}}``."""
+    out: dict[int, dict[int, float]] = {}
+    for line in _ITER_LINE.finditer(text):
+        for depth, value in _MTP.findall(line.group(0)):
+            out.setdefault(int(depth), {})[int(line.group(1))] = float(value)
+    return out
+
+
 MEGATRON_LM_ENV = "HSAP_CPU_MEGATRON_LM"  # ``--megatron-lm``: the checkout whose pretrain_gpt.py the ranks run
 
 # Megatron's FSDP implementations refuse CUDA_DEVICE_MAX_CONNECTIONS=1 (megatron/training/arguments.py);
@@ -335,7 +347,7 @@ def run(opts: CPURun, *, echo: bool = False, record_dir: str | None = None) -> C
     losses, validation, final = parse_log(last)
     return CPUResult(returncode=max(codes, key=abs), losses=losses, validation=validation,
                      final_validation=final.get("validation"), final_test=final.get("test"),
-                     log_dir=str(log_dir), output=text)
+                     log_dir=str(log_dir), output=text, mtp_losses=parse_mtp_losses(last))
 
 
 def _wait(procs: list[subprocess.Popen], timeout_s: float) -> list[int]:
@@ -392,7 +404,8 @@ def build_parser(prog: str = "megatron-hsap pretrain-cpu") -> argparse.ArgumentP
                    help="CP=1, TP=1 (PP ≤ 2 kept) with Megatron's local attention and the dataloader's document mask")
     p.add_argument("--compare", action="store_true",
                    help="also run --reference (or, for a model its attention cannot compute — MLA, windows — "
-                   "the same loop at CP=1 under HSAP) and print the largest per-step relative loss difference")
+                   "the same loop at CP=1 under HSAP) and print the largest per-step relative loss difference (with --mtp-num-layers, each "
+                   "depth's logged MTP loss too)")
     p.add_argument("--megatron-lm", metavar="DIR", default=None,
                    help="a Megatron-LM checkout (core_v0.19.0): the ranks run its pretrain_gpt.py — dataset provider, "
                    "forward step, loss — through the function scripts/pretrain_gpt_hsap.py runs, instead of this "
@@ -440,6 +453,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[pretrain-cpu] error: {why}")
         return 1
     print(f"[pretrain-cpu] largest per-step relative loss difference vs the reference: {worst:.2e}")
+    for depth, losses in sorted(result.mtp_losses.items()):  # --mtp-num-layers: each depth's logged loss too
+        worst, why = compare_losses(losses, ref.mtp_losses.get(depth, {}))
+        if why:
+            print(f"[pretrain-cpu] error: mtp_{depth} loss: {why}")
+            return 1
+        print(f"[pretrain-cpu] largest per-step relative mtp_{depth} loss difference vs the reference: {worst:.2e}")
     return 0
 
 

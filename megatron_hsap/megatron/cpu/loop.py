@@ -11,6 +11,7 @@ local ``DotProductAttention`` with the dataloader's per-document causal mask.
 
 from __future__ import annotations
 
+import contextlib
 from functools import partial
 from typing import Any, Iterator
 
@@ -164,8 +165,48 @@ def reference_forward_step(data_iterator: Iterator[dict[str, Any]] | None, model
         raise ConfigError("the reference run needs the dataloader's mask: --create-attention-mask-in-dataloader "
                           "--reset-attention-mask")
     loss_mask = batch["loss_mask"]
-    output = model(batch["tokens"], batch["position_ids"], mask, labels=batch["labels"], loss_mask=loss_mask)
+    with _mtp_shifts_inside_documents(mask, bool(getattr(get_args(), "mtp_num_layers", None))):
+        output = model(batch["tokens"], batch["position_ids"], mask, labels=batch["labels"], loss_mask=loss_mask)
     return output, partial(cpu_loss_func, loss_mask, model=model)
+
+
+@contextlib.contextmanager
+def _mtp_shifts_inside_documents(mask: torch.Tensor, mtp: bool) -> Iterator[None]:
+    """Multi-token prediction's shifts in the reference, inside each document as Megatron's own
+    packed-sequence ``roll_tensor`` does at CP=1 (``_roll_tensor_packed_seq``: a document's last
+    token gets 0) — what HSAP's packed batch computes. The reference has no ``packed_seq_params``
+    (local attention takes a mask), so Megatron would shift the ``[b, s]`` rows across documents;
+    for the forward pass, ``roll_tensor`` is Megatron's own given the documents of the reference's
+    attention mask ``[b, 1, s, s]`` (a document starts where a token may not see the one before it),
+    over the rows packed in order."""
+    if not mtp:
+        yield
+        return
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer import multi_token_prediction as mtp_module
+
+    b, s = mask.shape[0], mask.shape[-1]
+    rows = torch.arange(b)[:, None]
+    cut = mask[rows, 0, torch.arange(1, s)[None, :], torch.arange(s - 1)[None, :]]  # [b, s-1]: i cannot see i-1
+    starts = torch.cat([torch.ones(b, 1, dtype=torch.bool), cut.to(torch.bool)], dim=1).reshape(-1)
+    cu = torch.cat([torch.nonzero(starts).view(-1), torch.tensor([b * s])]).to(torch.int64)
+    installed = mtp_module.roll_tensor
+    megatron_roll = getattr(installed, "__hsap_original__", installed)
+
+    def roll_tensor(tensor: Any, shifts: int = -1, dims: int = -1, cp_group: Any = None,
+                    packed_seq_params: Any = None) -> Any:
+        if tensor is None:
+            return None, None
+        rolled, _ = megatron_roll(tensor.reshape(1, -1), shifts=shifts, dims=-1,
+                                  packed_seq_params=PackedSeqParams(cu_seqlens_q=cu))
+        rolled = rolled.reshape(tensor.shape)
+        return rolled, rolled.sum()
+
+    mtp_module.roll_tensor = roll_tensor
+    try:
+        yield
+    finally:
+        mtp_module.roll_tensor = installed
 
 
 def document_causal_mask(cu_seqlens: torch.Tensor, seq_length: int) -> torch.Tensor:

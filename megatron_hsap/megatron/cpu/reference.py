@@ -47,6 +47,10 @@ def no_local_reference(opts: CPURun) -> list[str]:
     pattern = hybrid_pattern(extra)
     if pattern and "+" in pattern and "--multi-latent-attention" not in extra:  # (else said once above)
         why.append(f"--hybrid-layer-pattern {pattern}: its MLA layers ('+'): {_NO_LOCAL_REFERENCE['--multi-latent-attention']}")
+    if opts.megatron_lm and flag_value(extra, "--mtp-num-layers"):
+        why.append("--mtp-num-layers with --megatron-lm: the checkout's forward step gives the local attention a "
+                   "mask and no packed sequence, so Megatron's MTP would shift tokens across documents (the CPU "
+                   "loop's reference shifts inside them: cpu/loop.py)")
     if (opts.pp > 2 or opts.vp is not None) and not opts.sft:  # (with --sft every stage reads the batch)
         why.append(f"--pp {opts.pp}{' --vp' if opts.vp is not None else ''}: its attention needs the dataloader's "
                    "mask on every pipeline stage, and stages between the first and the last read no data "
@@ -73,7 +77,8 @@ def reference_of(opts: CPURun) -> tuple[CPURun, str]:
     pipeline rank and each expert by its expert-parallel rank, so the reference splits both alike
     (PP 2 × CP 1×2 against PP 1: 2e-2 apart; EP 2 over CP 2×2 against EP 1: 7.4e-3 apart from
     the first step; each against a reference split alike: equal). Raises ``ConfigError`` when the
-    micro-batch does not split over those ranks."""
+    micro-batch does not split over those ranks, and with ``--mtp-num-layers`` when the split
+    changes the micro-batch (Megatron weights MTP's loss per micro-batch)."""
     experts = _flag_int(opts.extra, "--expert-model-parallel-size") * _flag_int(opts.extra, "--expert-tensor-parallel-size")
     world = math.lcm(opts.dp_size, experts)
     share, rest = divmod(opts.micro_batch_size * opts.dp_size, world)
@@ -82,6 +87,14 @@ def reference_of(opts: CPURun) -> tuple[CPURun, str]:
             f"--compare: the CP=1 reference runs the experts' split ({experts} expert model-parallel ranks) on "
             f"{world} ranks, over which the global batch of {opts.micro_batch_size * opts.dp_size} samples does "
             f"not split into micro-batches; use a --micro-batch-size that makes it a multiple of {world}")
+    if share != opts.micro_batch_size and flag_value(opts.extra, "--mtp-num-layers"):
+        raise ConfigError(
+            f"--compare with --mtp-num-layers: the reference splits each micro-batch of {opts.micro_batch_size} "
+            f"samples into micro-batches of {share} (the experts' split), and Megatron weights each MTP depth's "
+            "loss per micro-batch (its loss tokens before / after the shifts), so the runs would differ by that "
+            "weighting alone (6.8e-5 at --micro-batch-size 2 with --expert-model-parallel-size 2): give a "
+            f"--world-size whose data-parallel ranks are a multiple of the expert split ({experts}), which the "
+            "reference then keeps")
     sizes = dict(tp=1, world_size=world * opts.pp, micro_batch_size=share,
                  global_batch_size=opts.global_batch_size or opts.micro_batch_size * opts.dp_size,
                  # Megatron pads the vocabulary to a multiple of this × TP: at TP=1 the run's padded size
