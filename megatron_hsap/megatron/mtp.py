@@ -255,11 +255,23 @@ def _mark(fn: Any, original: Any) -> Any:
     return wrapped
 
 
+# process_mtp_loss's parameters in megatron-core 0.19.2, whose arithmetic process_mtp_loss follows
+_PROCESS_PARAMETERS = ("hidden_states", "labels", "loss_mask", "output_layer", "output_weight", "runtime_gather_output",
+                       "is_training", "compute_language_model_loss", "config", "cp_group", "tp_group",
+                       "packed_seq_params", "scale_logits_fn", "input_ids")
+
+
 def install() -> None:
-    """Put HSAP's MTP pieces into megatron-core (idempotent; see the module docstring)."""
+    """Put HSAP's MTP pieces into megatron-core (idempotent; see the module docstring). Raises
+    ``ConfigError`` when megatron-core's ``process_mtp_loss`` is not the one HSAP's follows."""
     from megatron.core.models.gpt import gpt_layer_specs, gpt_model
 
     mtp = _megatron_mtp()
+    found = tuple(_process_signature().parameters)
+    if found != _PROCESS_PARAMETERS:
+        raise ConfigError(f"megatron-core's process_mtp_loss takes {found}; HSAP's multi-token prediction follows "
+                          f"megatron-core 0.19.2's {_PROCESS_PARAMETERS}: install megatron-core 0.19.2 or drop "
+                          "--mtp-num-layers")
     _put(mtp, "roll_tensor", lambda orig: _mark(roll_tensor, orig))
     _put(gpt_model, "process_mtp_loss", lambda orig: _mark(process_mtp_loss, orig))
     _put(gpt_layer_specs, "get_gpt_mtp_block_spec", mtp_block_spec)

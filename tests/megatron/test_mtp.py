@@ -182,3 +182,18 @@ def test_model_with_megatrons_attention_is_refused_by_name() -> None:
     with pytest.raises(ConfigError, match=r"mtp\.self_attention is megatron-core's SelfAttention"):
         check_model_attention(model)
     check_model_attention(Stub())  # nothing to refuse
+
+
+def test_install_refuses_another_process_mtp_loss(monkeypatch) -> None:  # noqa: ANN001
+    """HSAP's ``process_mtp_loss`` follows megatron-core 0.19.2's arithmetic: a megatron-core whose
+    function takes other parameters is named instead of being half-followed."""
+    import inspect
+
+    from megatron_hsap.megatron import mtp
+
+    def other(hidden_states, labels, loss_mask, output_layer, config, mtp_loss_weights=None):  # noqa: ANN001, ANN202
+        return hidden_states
+
+    monkeypatch.setattr(mtp, "_process_signature", lambda: inspect.signature(other))
+    with pytest.raises(ConfigError, match=r"process_mtp_loss takes .*'mtp_loss_weights'.* install megatron-core 0.19.2"):
+        mtp.install()
