@@ -337,9 +337,6 @@ def validate_hsap_args(args: Any) -> HSAPArgs | None:
                 "HSAP applies it by position: pass --no-rope-fusion")
         _refuse(bool(getattr(args, "mla_down_proj_fusion", False)),
                 "--mla-down-proj-fusion swaps in FusedMLASelfAttention (RoPE by Megatron's layout); drop it with HSAP")
-    _refuse(bool(getattr(args, "mtp_num_layers", None)) and getattr(args, "hybrid_layer_pattern", None) is not None,
-            "--mtp-num-layers with --hybrid-layer-pattern: HSAP shifts MTP's tokens for GPTModel only "
-            "(megatron/mtp.py); drop one of them")
     _refuse(bool(getattr(args, "hybrid_context_parallel", False)),
             "--hybrid-context-parallel and --context-parallel-impl hsap are alternatives; pick one")
     pos = getattr(args, "position_embedding_type", "rope")

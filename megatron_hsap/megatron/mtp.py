@@ -12,8 +12,9 @@ Megatron's MTP needs three things of the CP layout, and assumes the zigzag one f
    on each CP rank alone, so the gradient and the logged MTP loss depend on how CP split the
    micro-batch. :func:`process_mtp_loss` counts over the CP group (one all-reduce of two numbers
    per depth): every rank uses the micro-batch's counts, which is what a CP=1 run computes.
-3. **The MTP layer's attention.** Megatron's builders make the MTP transformer layer from its own
-   decoder layer spec, not the ``--spec`` one; :func:`mtp_block_spec` swaps HSAP's attention into it.
+3. **The MTP layer's attention.** Megatron's GPT builders make the MTP transformer layer from their
+   own decoder layer spec, not the ``--spec`` one; :func:`mtp_block_spec` swaps HSAP's attention
+   into it. (``HybridModel`` builds its MTP layers from its own stack spec: HSAP's already.)
 
 :func:`install` puts the three into megatron-core (``roll_tensor`` and ``process_mtp_loss`` where
 megatron-core calls them, ``get_gpt_mtp_block_spec`` where the builders look it up); each defers to
@@ -144,7 +145,7 @@ def _process_signature() -> inspect.Signature:
 
 
 def process_mtp_loss(*args: Any, **kwargs: Any) -> Any:
-    """Megatron's ``process_mtp_loss`` (GPTModel's post-processing), with the token counts of the
+    """Megatron's ``process_mtp_loss`` (GPTModel's and HybridModel's post-processing), with the token counts of the
     micro-batch for an HSAP-sharded batch (module docstring, item 2); Megatron's own otherwise.
 
     The arithmetic is megatron-core 0.19.2's: each depth shifts labels and loss mask, computes the
@@ -274,6 +275,9 @@ def install() -> None:
                           "--mtp-num-layers")
     _put(mtp, "roll_tensor", lambda orig: _mark(roll_tensor, orig))
     _put(gpt_model, "process_mtp_loss", lambda orig: _mark(process_mtp_loss, orig))
+    from megatron.core.models.hybrid import hybrid_model  # HybridModel's MTP: inner layers from the HSAP stack spec
+
+    _put(hybrid_model, "process_mtp_loss", lambda orig: _mark(process_mtp_loss, orig))
     _put(gpt_layer_specs, "get_gpt_mtp_block_spec", mtp_block_spec)
     builders = sys.modules.get("gpt_builders")  # a Megatron-LM checkout's model builder (core_v0.19.0)
     if builders is not None:

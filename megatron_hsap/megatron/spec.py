@@ -160,8 +160,15 @@ _UNSUPPORTED_HYBRID = {
 def _local_hybrid_stack_spec(normalization: str = "RMSNorm") -> ModuleSpec:
     """megatron-core's hybrid stack spec built from its local (non-TE) GPT modules: an attention
     layer (norm + self-attention), an MLA layer and an MLP layer (norm + MLP), for CPU runs."""
+    from megatron.core.models.backends import LocalSpecProvider
     from megatron.core.models.hybrid.hybrid_block import HybridStack, HybridStackSubmodules
     from megatron.core.ssm.mlp_layer import MLPLayer
+    from megatron.core.transformer.multi_token_prediction import (
+        MultiTokenPredictionBlock,
+        MultiTokenPredictionBlockSubmodules,
+        MultiTokenPredictionLayer,
+        MultiTokenPredictionLayerSubmodules,
+    )
     from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
     def local(mla: bool) -> Any:
@@ -174,8 +181,16 @@ def _local_hybrid_stack_spec(normalization: str = "RMSNorm") -> ModuleSpec:
     gpt = local(False)
     mlp = ModuleSpec(module=MLPLayer, submodules=TransformerLayerSubmodules(
         pre_mlp_layernorm=gpt.pre_mlp_layernorm, mlp=gpt.mlp, mlp_bda=gpt.mlp_bda))  # fmt: skip
+    # multi-token prediction (a pattern "main/mtp/..."): the norms and projection of megatron-core's own
+    # hybrid MTP block from local modules; its inner layers are the stack's (built by the MTP layer)
+    backend = LocalSpecProvider()
+    norm = backend.layer_norm()
+    mtp_layer = ModuleSpec(module=MultiTokenPredictionLayer, submodules=MultiTokenPredictionLayerSubmodules(
+        enorm=norm, hnorm=norm, eh_proj=backend.column_parallel_linear(), mtp_model_layer=None, layer_norm=norm))  # fmt: skip
+    mtp = ModuleSpec(module=MultiTokenPredictionBlock, submodules=MultiTokenPredictionBlockSubmodules(layer_specs=[mtp_layer]))
     return ModuleSpec(module=HybridStack, submodules=HybridStackSubmodules(
-        attention_layer=attention_only(gpt), mla_layer=attention_only(local(True)), mlp_layer=mlp))  # fmt: skip
+        attention_layer=attention_only(gpt), mla_layer=attention_only(local(True)), mlp_layer=mlp,
+        mtp_block_spec=mtp))  # fmt: skip
 
 
 def hsap_hybrid_stack_spec(base: ModuleSpec | None = None, *, use_te: bool | None = None,

@@ -209,7 +209,6 @@ def test_the_start_up_lines_quoted_in_section_5_are_the_code_s() -> None:
 # of the flag the error must name. A model config field without a flag is set on args directly.
 REFUSED = {
     "look-ahead window": (["--window-size", "(128,16)"], "--window-size"),
-    "--mtp-num-layers": (["--mtp-num-layers", "1"], "--mtp-num-layers with --hybrid-layer-pattern"),
     "--hybrid-context-parallel": ([], "--hybrid-context-parallel"),
     "--softmax-type": ([], "--softmax-type"),
     "--position-embedding-type": (["--position-embedding-type", "yarn"], "--position-embedding-type"),
@@ -235,8 +234,7 @@ _SET_AFTER = {"--hybrid-context-parallel": ("hybrid_context_parallel", True), "-
               "--micro-batch-size": ("micro_batch_size", 2),
               "fp8_dot_product_attention": ("fp8_dot_product_attention", True),
               "fused_single_qkv_rope": ("fused_single_qkv_rope", True),
-              "--hsap-layout": ("context_parallel_impl", "ring"),
-              "--mtp-num-layers": ("hybrid_layer_pattern", "*-*-")}
+              "--hsap-layout": ("context_parallel_impl", "ring")}
 SUPPORTED = {
     "causal window": ["--window-size", "(128,0)"],
     "windows on every other layer": ["--window-size", "(128,0)", "--window-attn-skip-freq", "2"],
@@ -245,6 +243,7 @@ SUPPORTED = {
     "MLA with YaRN": ["--multi-latent-attention", "--no-rope-fusion", "--rope-type", "yarn"],
     "MLA with RoPE": ["--multi-latent-attention", "--no-rope-fusion", "--rope-type", "rope"],
     "multi-token prediction": ["--mtp-num-layers", "2"],
+    "multi-token prediction in a HybridModel": ["--mtp-num-layers", "1", "--hybrid-layer-pattern", "*-*-/*-"],
 }
 
 

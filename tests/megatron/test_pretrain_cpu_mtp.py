@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.megatron.test_pretrain_cpu import _reference, _run, _same_losses, root  # noqa: F401
+from tests.megatron.test_pretrain_cpu import _params, _reference, _run, _same_losses, root  # noqa: F401
 
 pytestmark = pytest.mark.timeout(1800)
 
@@ -101,5 +101,17 @@ def test_mtp_with_experts_split_over_cp_equal_cp1(root) -> None:  # noqa: F811
     extra = _mtp(1, "--num-experts", "4", "--moe-router-topk", "2", "--expert-model-parallel-size", "2")
     ref = _run(root, world_size=2, reference=True, micro_batch_size=1, **BASE, extra=extra)
     got = _run(root, world_size=8, intra_size=2, inter_size=2, micro_batch_size=1, **BASE, extra=extra)
+    _same_losses(got.losses, ref.losses)
+    _same_mtp(got, ref, 1)
+
+
+@pytest.mark.slow
+def test_mtp_in_a_hybrid_model_equals_cp1(root) -> None:  # noqa: F811
+    """``HybridModel`` takes its MTP depths from the pattern (after ``/``); their layers come from the
+    stack spec, so HSAP's run builds them from HSAP's and the reference from megatron-core's local one."""
+    extra = _mtp(1, "--hybrid-layer-pattern", "*-*-/*-")
+    ref = _reference(root, extra=extra)
+    got = _run(root, world_size=4, intra_size=2, inter_size=2, **BASE, extra=extra)
+    assert any(".mtp.layers.0.mtp_model_layer.layers.0.self_attention." in name for name in _params(got)), sorted(_params(got))
     _same_losses(got.losses, ref.losses)
     _same_mtp(got, ref, 1)
