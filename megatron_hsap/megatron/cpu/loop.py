@@ -185,6 +185,8 @@ def _mtp_shifts_inside_documents(mask: torch.Tensor, mtp: bool) -> Iterator[None
     from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.core.transformer import multi_token_prediction as mtp_module
 
+    from megatron_hsap.errors import ConfigError
+
     b, s = mask.shape[0], mask.shape[-1]
     rows = torch.arange(b)[:, None]
     cut = mask[rows, 0, torch.arange(1, s)[None, :], torch.arange(s - 1)[None, :]]  # [b, s-1]: i cannot see i-1
@@ -197,6 +199,9 @@ def _mtp_shifts_inside_documents(mask: torch.Tensor, mtp: bool) -> Iterator[None
                     packed_seq_params: Any = None) -> Any:
         if tensor is None:
             return None, None
+        if tensor.numel() != b * s:  # (a mask shared by the rows would leave rows unshifted)
+            raise ConfigError(f"the reference's MTP shift got {tuple(tensor.shape)} for a [{b}, {s}] mask: give each "
+                              "sample its own mask (--reset-attention-mask)")
         rolled, _ = megatron_roll(tensor.reshape(1, -1), shifts=shifts, dims=-1,
                                   packed_seq_params=PackedSeqParams(cu_seqlens_q=cu))
         rolled = rolled.reshape(tensor.shape)
