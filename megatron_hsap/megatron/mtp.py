@@ -19,8 +19,8 @@ Megatron's MTP needs three things of the CP layout, and assumes the zigzag one f
 :func:`install` puts the three into megatron-core (``roll_tensor`` and ``process_mtp_loss`` where
 megatron-core calls them, ``get_gpt_mtp_block_spec`` where the builders look it up); each defers to
 Megatron's own for batches HSAP did not shard and for runs that are not HSAP's, so a ring run in the
-same process is untouched. ``check_model_attention`` refuses a model with any attention that is not
-HSAP's, whichever builder made it.
+same process is untouched. ``spec.check_model_attention`` refuses a model with any attention that is
+not HSAP's, whichever builder made it.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from megatron_hsap.errors import ConfigError
 from megatron_hsap.megatron.batch import is_hsap_sharded
 from megatron_hsap.plan.next_token import NextTokenMap, next_token_map
 
-__all__ = ["Successors", "check_model_attention", "install", "mtp_block_spec", "process_mtp_loss", "roll_to_next", "successors"]
+__all__ = ["Successors", "install", "mtp_block_spec", "process_mtp_loss", "roll_to_next", "successors"]
 
 
 @dataclass(frozen=True)
@@ -282,26 +282,3 @@ def install() -> None:
     builders = sys.modules.get("gpt_builders")  # a Megatron-LM checkout's model builder (core_v0.19.0)
     if builders is not None:
         _put(builders, "get_gpt_mtp_block_spec", mtp_block_spec)
-
-
-def check_model_attention(model: Any) -> None:
-    """Refuse a model (or list of model chunks) holding a megatron-core self-attention that is not
-    HSAP's: it would attend HSAP-sharded tokens as if they were Megatron's layout. Checked once per
-    module object (``_hsap_attention_checked``)."""
-    from megatron.core.transformer.attention import SelfAttention
-    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
-
-    from megatron_hsap.megatron.mla import HSAPMLASelfAttention
-    from megatron_hsap.megatron.rotary import HSAPSelfAttention
-
-    for chunk in model if isinstance(model, (list, tuple)) else [model]:
-        if getattr(chunk, "_hsap_attention_checked", False):
-            continue
-        for name, module in chunk.named_modules():
-            if isinstance(module, (SelfAttention, MLASelfAttention)) and not isinstance(
-                    module, (HSAPSelfAttention, HSAPMLASelfAttention)):
-                raise ConfigError(
-                    f"{name} is megatron-core's {type(module).__name__}, not HSAP's: the model builder did not use "
-                    "the HSAP layer spec there (a custom model provider, or an MTP block built before "
-                    "megatron_hsap.megatron.mtp.install()); build every attention layer from hsap_layer_spec")
-        chunk._hsap_attention_checked = True

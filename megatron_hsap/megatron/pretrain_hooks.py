@@ -212,7 +212,7 @@ def make_forward_step(loss_func: Callable[..., Any]) -> Callable[..., Any]:
         from megatron.training import get_args, get_timers
 
         from megatron_hsap.errors import ConfigError
-        from megatron_hsap.megatron.mtp import check_model_attention
+        from megatron_hsap.megatron.spec import check_model_attention
 
         if return_schedule_plan:
             raise ConfigError("--overlap-moe-expert-parallel-comm schedule plans are not supported with HSAP")

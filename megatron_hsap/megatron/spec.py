@@ -45,6 +45,7 @@ __all__ = [
     "HSAP_LOCAL_LAYER_SPEC",
     "HSAP_HYBRID_STACK_SPEC",
     "HSAPUnsupportedLayer",
+    "check_model_attention",
 ]
 
 # megatron-core's self-attention modules and the HSAP module each is swapped for
@@ -77,6 +78,23 @@ def swap_attention(layer_spec: ModuleSpec) -> ModuleSpec:
         submodules=dataclasses.replace(attn.submodules, core_attention=HSAPCoreAttention),
     )
     return dataclasses.replace(layer_spec, submodules=dataclasses.replace(subs, self_attention=new_attn))
+
+
+def check_model_attention(model: Any) -> None:
+    """Refuse a model (or list of model chunks) holding a megatron-core self-attention that is not
+    HSAP's (a key of ``_SWAPS`` that is not its value): it would attend HSAP-sharded tokens as if they
+    were Megatron's layout. Checked once per module object (``_hsap_attention_checked``)."""
+    megatron_kinds, hsap_kinds = tuple(_SWAPS), tuple(_SWAPS.values())
+    for chunk in model if isinstance(model, (list, tuple)) else [model]:
+        if getattr(chunk, "_hsap_attention_checked", False):
+            continue
+        for name, module in chunk.named_modules():
+            if isinstance(module, megatron_kinds) and not isinstance(module, hsap_kinds):
+                raise ConfigError(
+                    f"{name} is megatron-core's {type(module).__name__}, not HSAP's: the model builder did not use "
+                    "the HSAP layer spec there (a custom model provider, or an MTP block built before "
+                    "megatron_hsap.megatron.mtp.install()); build every attention layer from hsap_layer_spec")
+        chunk._hsap_attention_checked = True
 
 
 def _swap_all(spec: Any) -> Any:

@@ -170,7 +170,7 @@ def test_mtp_layers_get_hsap_attention_in_hsap_runs_only(gloo_pool) -> None:  # 
 def test_model_with_megatrons_attention_is_refused_by_name() -> None:
     from megatron.core.transformer.attention import SelfAttention
 
-    from megatron_hsap.megatron.mtp import check_model_attention
+    from megatron_hsap.megatron.spec import check_model_attention
 
     class Stub(torch.nn.Module):
         pass
