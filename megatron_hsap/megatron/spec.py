@@ -184,8 +184,7 @@ def _local_hybrid_stack_spec(normalization: str = "RMSNorm") -> ModuleSpec:
     from megatron.core.transformer.multi_token_prediction import (
         MultiTokenPredictionBlock,
         MultiTokenPredictionBlockSubmodules,
-        MultiTokenPredictionLayer,
-        MultiTokenPredictionLayerSubmodules,
+        get_mtp_layer_spec_for_backend,
     )
     from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
@@ -199,12 +198,9 @@ def _local_hybrid_stack_spec(normalization: str = "RMSNorm") -> ModuleSpec:
     gpt = local(False)
     mlp = ModuleSpec(module=MLPLayer, submodules=TransformerLayerSubmodules(
         pre_mlp_layernorm=gpt.pre_mlp_layernorm, mlp=gpt.mlp, mlp_bda=gpt.mlp_bda))  # fmt: skip
-    # multi-token prediction (a pattern "main/mtp/..."): the norms and projection of megatron-core's own
-    # hybrid MTP block from local modules; its inner layers are the stack's (built by the MTP layer)
-    backend = LocalSpecProvider()
-    norm = backend.layer_norm()
-    mtp_layer = ModuleSpec(module=MultiTokenPredictionLayer, submodules=MultiTokenPredictionLayerSubmodules(
-        enorm=norm, hnorm=norm, eh_proj=backend.column_parallel_linear(), mtp_model_layer=None, layer_norm=norm))  # fmt: skip
+    # multi-token prediction (a pattern "main/mtp/..."): megatron-core's MTP layer spec (norms, projection)
+    # from local modules; no inner layer spec: the MTP layer builds the stack's layers, as in its hybrid spec
+    mtp_layer = get_mtp_layer_spec_for_backend(mtp_model_layer_spec=None, backend=LocalSpecProvider())
     mtp = ModuleSpec(module=MultiTokenPredictionBlock, submodules=MultiTokenPredictionBlockSubmodules(layer_specs=[mtp_layer]))
     return ModuleSpec(module=HybridStack, submodules=HybridStackSubmodules(
         attention_layer=attention_only(gpt), mla_layer=attention_only(local(True)), mlp_layer=mlp,
