@@ -44,7 +44,8 @@ __all__ = ["Successors", "install", "mtp_block_spec", "process_mtp_loss", "roll_
 
 @dataclass(frozen=True)
 class Successors:
-    """A successor table with its index arrays on one device (``[n]`` int64 each)."""
+    """A successor table with its index arrays on one device (``[n]`` int64 each; ``local_src`` is
+    ``local_dst + 1``, the next local token)."""
 
     table: NextTokenMap
     local_dst: torch.Tensor
@@ -56,12 +57,13 @@ class Successors:
     @classmethod
     def on(cls, table: NextTokenMap, device: torch.device) -> "Successors":
         """The table's indices moved to ``device`` in one pinned, non-blocking copy (no host stall)."""
-        parts = [table.local_dst, table.local_src, table.remote_dst, table.remote_src, table.send]
+        parts = [table.local_dst, table.remote_dst, table.remote_src, table.send]
         host = torch.from_numpy(np.concatenate(parts))
         if device.type != "cpu":
             host = host.pin_memory()
         flat = host.to(device, non_blocking=True)
-        return cls(table, *torch.split(flat, [p.size for p in parts]))
+        local_dst, remote_dst, remote_src, send = torch.split(flat, [p.size for p in parts])
+        return cls(table, local_dst, local_dst + 1, remote_dst, remote_src, send)
 
 
 def successors(params: Any, device: torch.device) -> Successors:

@@ -29,7 +29,7 @@ __all__ = ["NextTokenMap", "next_token_map"]
 class NextTokenMap:
     """One CP rank's successor table (int64 arrays of local positions).
 
-    ``out[j] = x[local_src[k]]`` for ``j = local_dst[k]`` (successor held here),
+    ``out[j] = x[j + 1]`` for ``j`` in ``local_dst`` (the successor is the next local token),
     ``out[j] = gathered[remote_src[k]]`` for ``j = remote_dst[k]``, where ``gathered`` is
     ``[cp_size · send_slots]``: rank ``r``'s values at its run starts ``send`` in slots
     ``r·send_slots …`` (padded to the longest rank's count); every other position is a document's
@@ -40,7 +40,6 @@ class NextTokenMap:
     cp_size: int
     num_local: int
     local_dst: np.ndarray
-    local_src: np.ndarray
     remote_dst: np.ndarray
     remote_src: np.ndarray
     send: np.ndarray  # [send_slots] local positions of this rank's run starts, padded with 0
@@ -93,7 +92,7 @@ def next_token_map(plan: "Plan", cp_rank: int) -> NextTokenMap:
     send[: runs[cp_rank][1].size] = runs[cp_rank][1]
     return NextTokenMap(
         cp_size=cp, num_local=int(mine.size),
-        local_dst=local_dst.astype(np.int64), local_src=(local_dst + 1).astype(np.int64),
+        local_dst=local_dst.astype(np.int64),
         remote_dst=remote_dst.astype(np.int64), remote_src=slot[at].astype(np.int64) if want.size else np.zeros(0, np.int64),
         send=send, send_slots=slots, exchange=exchange,
     )

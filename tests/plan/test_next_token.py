@@ -25,7 +25,7 @@ def _successors_by_table(plan) -> list[np.ndarray]:  # noqa: ANN001
     out = []
     for x, t in zip(ids, tables):
         got = np.full(x.size, -1, dtype=np.int64)
-        got[t.local_dst] = x[t.local_src]
+        got[t.local_dst] = x[t.local_dst + 1]
         got[t.remote_dst] = gathered[t.remote_src]
         out.append(got)
     return out
