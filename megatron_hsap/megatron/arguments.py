@@ -340,7 +340,8 @@ def validate_hsap_args(args: Any) -> HSAPArgs | None:
     _refuse(bool(getattr(args, "hybrid_context_parallel", False)),
             "--hybrid-context-parallel and --context-parallel-impl hsap are alternatives; pick one")
     pos = getattr(args, "position_embedding_type", "rope")
-    _refuse(pos not in ("rope", "learned_absolute", "none"), f"--position-embedding-type {pos}: HSAP supports rope, learned_absolute and none")
+    _refuse(pos not in ("rope", "yarn", "learned_absolute", "none"),
+            f"--position-embedding-type {pos}: HSAP supports rope, yarn, learned_absolute and none")
     softmax_type = getattr(args, "softmax_type", "vanilla") or "vanilla"  # sinks: merged once per row (runtime/merge.py)
     _refuse(softmax_type not in ("vanilla", "off-by-one", "learnable"),
             f"--softmax-type {softmax_type}: HSAP supports vanilla, off-by-one and learnable")

@@ -4,10 +4,13 @@ Megatron applies rotary embeddings in ``Attention.forward`` and, for THD under C
 Transformer Engine's zigzag layout (chunks ``r`` and ``2P-1-r`` of every document). HSAP's layout
 is different (contiguous inter chunks), so :class:`HSAPSelfAttention` applies RoPE itself: it takes
 the rotary table GPTModel computes (``[L, 1, 1, rot_dim]``, angle of position ``p`` in row ``p``,
-including Megatron's ``rotary_percent``, ``rotary_base``, interpolation and Llama-3 scaling), picks
-row ``position_ids[i]`` for local token ``i`` (positions come with the batch in
+including Megatron's ``rotary_percent``, ``rotary_base``, interpolation and Llama-3 scaling, or
+YaRN's ``YarnRotaryEmbedding`` under ``--position-embedding-type yarn``), picks row
+``position_ids[i]`` for local token ``i`` (positions come with the batch in
 :class:`~megatron_hsap.megatron.batch.HSAPPackedSeqParams`), and rotates q and k right after the
-QKV projection. Everything else is Megatron's ``SelfAttention``.
+QKV projection, cos and sin scaled by YaRN's concentration factor as Megatron's attention scales
+them (``Attention._yarn_concentration_factor``: 1 without YaRN; GPTModel drops the factor its YaRN
+table returns and leaves it to the attention). Everything else is Megatron's ``SelfAttention``.
 """
 
 from __future__ import annotations

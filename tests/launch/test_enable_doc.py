@@ -211,7 +211,7 @@ REFUSED = {
     "look-ahead window": (["--window-size", "(128,16)"], "--window-size"),
     "--hybrid-context-parallel": ([], "--hybrid-context-parallel"),
     "--softmax-type": ([], "--softmax-type"),
-    "--position-embedding-type": (["--position-embedding-type", "yarn"], "--position-embedding-type"),
+    "--position-embedding-type": (["--position-embedding-type", "mrope"], "--position-embedding-type"),
     "--qk-clip": ([], "--qk-clip"),
     "MLA without --no-rope-fusion": (["--multi-latent-attention", "--rope-type", "rope"], "--no-rope-fusion"),
     "--mla-down-proj-fusion": (["--multi-latent-attention", "--no-rope-fusion", "--mla-down-proj-fusion"], "--mla-down-proj-fusion"),

@@ -111,7 +111,7 @@ def test_hsap_flags_under_ring_are_refused_not_ignored(given: list[str], named: 
         (["--multi-latent-attention"], "--no-rope-fusion"),  # MLA is supported; TE's fused MLA RoPE is not
         (["--multi-latent-attention", "--no-rope-fusion", "--mla-down-proj-fusion"], "--mla-down-proj-fusion"),
         (["--hybrid-layer-pattern", "M*M*"], "Mamba"),
-        (["--position-embedding-type", "yarn"], "position-embedding-type"),
+        (["--position-embedding-type", "mrope"], "position-embedding-type"),
         (["--pipeline-model-parallel-size", "2", "--micro-batch-size", "2"], "--micro-batch-size 1"),
         (["--spec", "my.module", "MY_SPEC"], "--spec"),
         (["--hybrid-context-parallel"], "alternatives"),

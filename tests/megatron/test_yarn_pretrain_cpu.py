@@ -1,0 +1,67 @@
+"""YaRN context extension (``--position-embedding-type yarn``, the RoPE of GPT-OSS and of
+Qwen-style long-context models) in Megatron's own ``pretrain()`` loop. megatron-core's
+``YarnRotaryEmbedding`` builds the rotary table (GPTModel's and HybridModel's ``yarn`` branch) and
+HSAP's ``HSAPSelfAttention`` rotates q and k by each token's position inside its document, cos and
+sin scaled by YaRN's concentration factor as Megatron's own attention scales them.
+
+Default: CP 2×2 against the CP=1 reference, whose attention is megatron-core's local one applying
+its own YaRN rotation and factor (code nobody here wrote), at a scaling that bends every frequency
+band (factor 4 over an original context of 64 tokens: the concentration factor is 1.139). Without
+HSAP's factor (``mscale`` 1) the same comparison is 7.9e-5 apart, over the 1e-5 it must meet
+(checked by mutation, 2026-12-06). Slow: GPT-OSS's attention recipe — YaRN, learnable sinks, a
+causal sliding window every other layer — under CP 2×2 against the same loop at CP=1 under HSAP (a
+window makes megatron-core's local attention mask by the window alone:
+``test_pretrain_cpu_window.py``), and a ``HybridModel`` (``*--*-``) with YaRN against the local reference.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.megatron.test_pretrain_cpu import BASE, RTOL, _reference, _run, _same_losses, root  # noqa: F401
+
+pytestmark = pytest.mark.timeout(1800)
+
+YARN = ("--position-embedding-type", "yarn", "--rotary-scaling-factor", "4", "--yarn-original-max-position-embeddings", "64")
+
+
+def test_yarn_in_megatrons_loop_equals_the_local_reference(root) -> None:  # noqa: F811
+    hsap = _run(root, world_size=4, intra_size=2, inter_size=2, extra=YARN, **BASE)
+    ref = _reference(root, extra=YARN)
+    _same_losses(hsap.losses, ref.losses)
+    _same_losses(hsap.validation, ref.validation)
+    rope = _reference(root)  # the flags reach the model: YaRN trains otherwise than plain RoPE
+    assert max(abs(rope.losses[s] - ref.losses[s]) / ref.losses[s] for s in ref.losses) > 10 * RTOL, (rope.losses, ref.losses)
+
+
+def test_yarn_is_accepted_and_other_position_types_are_refused() -> None:
+    from megatron_hsap.errors import ConfigError
+    from megatron_hsap.megatron.arguments import validate_hsap_args
+    from tests.megatron.test_arguments import GOOD, _parse
+
+    assert validate_hsap_args(_parse([*GOOD, "--position-embedding-type", "yarn", "--rotary-scaling-factor", "32"])) is not None
+    for other in ("mrope", "relative"):
+        with pytest.raises(ConfigError, match=f"--position-embedding-type {other}: HSAP supports rope, yarn"):
+            validate_hsap_args(_parse([*GOOD, "--position-embedding-type", other]))
+
+
+GPT_OSS_ATTENTION = (*YARN, "--softmax-type", "learnable", "--window-size", "(32,0)", "--window-attn-skip-freq", "2")
+
+
+@pytest.mark.slow
+def test_gpt_oss_attention_recipe_in_megatrons_loop_equals_cp1(root) -> None:  # noqa: F811
+    """YaRN + learnable sinks + a sliding window every other layer, CP 2×2 against CP=1 under HSAP."""
+    hsap = _run(root, world_size=4, intra_size=2, inter_size=2, extra=GPT_OSS_ATTENTION, **BASE)
+    cp1 = _run(root, world_size=1, intra_size=1, inter_size=1, extra=GPT_OSS_ATTENTION, **BASE)
+    _same_losses(hsap.losses, cp1.losses)
+    _same_losses(hsap.validation, cp1.validation)
+    yarn_only = _reference(root, extra=YARN)  # the sinks and the window change the model
+    assert max(abs(yarn_only.losses[s] - cp1.losses[s]) / cp1.losses[s] for s in cp1.losses) > 10 * RTOL
+
+
+@pytest.mark.slow
+def test_yarn_in_a_hybrid_model_equals_the_local_reference(root) -> None:  # noqa: F811
+    extra = ("--hybrid-layer-pattern", "*--*-", *YARN)
+    hsap = _run(root, world_size=4, intra_size=2, inter_size=2, extra=extra, **BASE)
+    ref = _reference(root, extra=extra)
+    _same_losses(hsap.losses, ref.losses)
