@@ -1,5 +1,6 @@
-"""YaRN context extension (``--position-embedding-type yarn``, the RoPE of GPT-OSS and of
-Qwen-style long-context models) in Megatron's own ``pretrain()`` loop. megatron-core's
+"""RoPE variants of current models in Megatron's own ``pretrain()`` loop: YaRN context extension
+(``--position-embedding-type yarn``, the RoPE of GPT-OSS and of Qwen-style long-context models)
+and layers without RoPE (``--no-rope-freq``: Llama 4's and SmolLM3's interleaved NoPE layers). megatron-core's
 ``YarnRotaryEmbedding`` builds the rotary table (GPTModel's and HybridModel's ``yarn`` branch) and
 HSAP's ``HSAPSelfAttention`` rotates q and k by each token's position inside its document, cos and
 sin scaled by YaRN's concentration factor as Megatron's own attention scales them.
@@ -11,7 +12,9 @@ HSAP's factor (``mscale`` 1) the same comparison is 7.9e-5 apart, over the 1e-5 
 (checked by mutation, 2026-12-06). Slow: GPT-OSS's attention recipe — YaRN, learnable sinks, a
 causal sliding window every other layer — under CP 2×2 against the same loop at CP=1 under HSAP (a
 window makes megatron-core's local attention mask by the window alone:
-``test_pretrain_cpu_window.py``), and a ``HybridModel`` (``*--*-``) with YaRN against the local reference.
+``test_pretrain_cpu_window.py``), a ``HybridModel`` (``*--*-``) with YaRN against the local
+reference, and every other layer without RoPE against the local reference (Megatron's attention
+skips the rotation on the same layers: ``HSAPSelfAttention._layer_skips_rope``).
 """
 
 from __future__ import annotations
@@ -65,3 +68,13 @@ def test_yarn_in_a_hybrid_model_equals_the_local_reference(root) -> None:  # noq
     hsap = _run(root, world_size=4, intra_size=2, inter_size=2, extra=extra, **BASE)
     ref = _reference(root, extra=extra)
     _same_losses(hsap.losses, ref.losses)
+
+
+@pytest.mark.slow
+def test_layers_without_rope_equal_the_local_reference(root) -> None:  # noqa: F811
+    extra = ("--no-rope-freq", "2")  # Megatron's 1:N ratio: every second layer skips RoPE
+    hsap = _run(root, world_size=4, intra_size=2, inter_size=2, extra=extra, **BASE)
+    ref = _reference(root, extra=extra)
+    _same_losses(hsap.losses, ref.losses)
+    rope = _reference(root)  # the flag reaches the model: 6.7e-5 apart over these 4 steps (2 layers)
+    assert max(abs(rope.losses[s] - ref.losses[s]) / ref.losses[s] for s in ref.losses) > 3 * RTOL, (rope.losses, ref.losses)
