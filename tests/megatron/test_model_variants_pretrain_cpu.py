@@ -1,6 +1,8 @@
-"""RoPE variants of current models in Megatron's own ``pretrain()`` loop: YaRN context extension
-(``--position-embedding-type yarn``, the RoPE of GPT-OSS and of Qwen-style long-context models)
-and layers without RoPE (``--no-rope-freq``: Llama 4's and SmolLM3's interleaved NoPE layers). megatron-core's
+"""Attention variants of current models in Megatron's own ``pretrain()`` loop: YaRN context
+extension (``--position-embedding-type yarn``, the RoPE of GPT-OSS and of Qwen-style long-context
+models), layers without RoPE (``--no-rope-freq``: Llama 4's and SmolLM3's interleaved NoPE
+layers) and gated attention (``--attention-output-gate``: Qwen3-Next's sigmoid gate on the
+attention output, projected with q by Megatron's ``linear_qkv``). megatron-core's
 ``YarnRotaryEmbedding`` builds the rotary table (GPTModel's and HybridModel's ``yarn`` branch) and
 HSAP's ``HSAPSelfAttention`` rotates q and k by each token's position inside its document, cos and
 sin scaled by YaRN's concentration factor as Megatron's own attention scales them.
@@ -14,7 +16,9 @@ causal sliding window every other layer — under CP 2×2 against the same loop 
 window makes megatron-core's local attention mask by the window alone:
 ``test_pretrain_cpu_window.py``), a ``HybridModel`` (``*--*-``) with YaRN against the local
 reference, and every other layer without RoPE against the local reference (Megatron's attention
-skips the rotation on the same layers: ``HSAPSelfAttention._layer_skips_rope``).
+skips the rotation on the same layers: ``HSAPSelfAttention._layer_skips_rope``), and gated
+attention against the local reference (HSAP's attention passes Megatron's gate through:
+``HSAPSelfAttention.get_query_key_value_tensors``).
 """
 
 from __future__ import annotations
@@ -78,3 +82,13 @@ def test_layers_without_rope_equal_the_local_reference(root) -> None:  # noqa: F
     _same_losses(hsap.losses, ref.losses)
     rope = _reference(root)  # the flag reaches the model: 6.7e-5 apart over these 4 steps (2 layers)
     assert max(abs(rope.losses[s] - ref.losses[s]) / ref.losses[s] for s in ref.losses) > 3 * RTOL, (rope.losses, ref.losses)
+
+
+@pytest.mark.slow
+def test_gated_attention_equals_the_local_reference(root) -> None:  # noqa: F811
+    extra = ("--attention-output-gate",)
+    hsap = _run(root, world_size=4, intra_size=2, inter_size=2, extra=extra, **BASE)
+    ref = _reference(root, extra=extra)
+    _same_losses(hsap.losses, ref.losses)
+    rope = _reference(root)  # the gate's projection changes the model from the first step
+    assert max(abs(rope.losses[s] - ref.losses[s]) / ref.losses[s] for s in ref.losses) > 10 * RTOL, (rope.losses, ref.losses)
