@@ -17,8 +17,8 @@ window makes megatron-core's local attention mask by the window alone:
 ``test_pretrain_cpu_window.py``), a ``HybridModel`` (``*--*-``) with YaRN against the local
 reference, and every other layer without RoPE against the local reference (Megatron's attention
 skips the rotation on the same layers: ``HSAPSelfAttention._layer_skips_rope``), and gated
-attention against the local reference (HSAP's attention passes Megatron's gate through:
-``HSAPSelfAttention.get_query_key_value_tensors``).
+attention with μP against the local reference (HSAP's attention passes Megatron's gate through:
+``HSAPSelfAttention.get_query_key_value_tensors``; μP's attention scale is ``config.softmax_scale``).
 """
 
 from __future__ import annotations
@@ -85,10 +85,13 @@ def test_layers_without_rope_equal_the_local_reference(root) -> None:  # noqa: F
 
 
 @pytest.mark.slow
-def test_gated_attention_equals_the_local_reference(root) -> None:  # noqa: F811
-    extra = ("--attention-output-gate",)
+def test_gated_attention_with_mup_equals_the_local_reference(root) -> None:  # noqa: F811
+    """Gated attention and μP (``--use-mup``: megatron-core sets ``config.softmax_scale`` to
+    √d_base / d, which HSAP's core attention reads as Megatron's does) in one run."""
+    gate = ("--attention-output-gate",)
+    extra = (*gate, "--use-mup", "--mup-base-hidden-size", "32")
     hsap = _run(root, world_size=4, intra_size=2, inter_size=2, extra=extra, **BASE)
     ref = _reference(root, extra=extra)
     _same_losses(hsap.losses, ref.losses)
-    rope = _reference(root)  # the gate's projection changes the model from the first step
-    assert max(abs(rope.losses[s] - ref.losses[s]) / ref.losses[s] for s in ref.losses) > 10 * RTOL, (rope.losses, ref.losses)
+    for other in (_reference(root), _reference(root, extra=gate)):  # each flag changes the model
+        assert max(abs(other.losses[s] - ref.losses[s]) / ref.losses[s] for s in ref.losses) > 10 * RTOL, (other.losses, ref.losses)
