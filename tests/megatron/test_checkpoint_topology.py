@@ -10,6 +10,7 @@ Compared per step: each rank's ``Σ loss·mask`` of its micro-batch share, summe
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -48,8 +49,6 @@ def saved(root: Path) -> tuple[str, list[float]]:  # noqa: F811
 def test_a_2x2_checkpoint_resumes_under_another_topology(root: Path, tmp_path: Path, saved, topology: str) -> None:  # noqa: F811
     ckpt, want = saved
     # each resume loads a copy (a resumed run saves its own checkpoint into its --save directory)
-    import shutil
-
     mine = str(tmp_path / "ckpt")
     shutil.copytree(ckpt, mine)
     extra = (*SAVE, "--load", mine, "--save", mine, "--save-interval", "100")
