@@ -11,13 +11,14 @@ Default: CP 2×2 against the CP=1 reference, whose attention is megatron-core's 
 its own YaRN rotation and factor (code nobody here wrote), at a scaling that bends every frequency
 band (factor 4 over an original context of 64 tokens: the concentration factor is 1.139). Without
 HSAP's factor (``mscale`` 1) the same comparison is 7.9e-5 apart, over the 1e-5 it must meet
-(checked by mutation, 2026-12-06). Slow: GPT-OSS's attention recipe — YaRN, learnable sinks, a
-causal sliding window every other layer — under CP 2×2 against the same loop at CP=1 under HSAP (a
-window makes megatron-core's local attention mask by the window alone:
-``test_pretrain_cpu_window.py``), a ``HybridModel`` (``*--*-``) with YaRN against the local
-reference, and every other layer without RoPE against the local reference (Megatron's attention
-skips the rotation on the same layers: ``HSAPSelfAttention._layer_skips_rope``), and gated
-attention with μP against the local reference (HSAP's attention passes Megatron's gate through:
+(checked by mutation, 2026-12-06).
+
+Slow, each at CP 2×2: GPT-OSS's attention recipe — YaRN, learnable sinks, a causal sliding window
+every other layer — against the same loop at CP=1 under HSAP (a window makes megatron-core's local
+attention mask by the window alone: ``test_pretrain_cpu_window.py``); the rest against the local
+reference: a ``HybridModel`` (``*--*-``) with YaRN; every other layer without RoPE (HSAP skips the
+rotation on the layers Megatron's attention skips: ``HSAPSelfAttention._layer_skips_rope``); gated
+attention with μP in one run (HSAP's attention passes Megatron's gate through,
 ``HSAPSelfAttention.get_query_key_value_tensors``; μP's attention scale is ``config.softmax_scale``).
 """
 
