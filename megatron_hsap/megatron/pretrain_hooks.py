@@ -211,17 +211,21 @@ def make_forward_step(loss_func: Callable[..., Any]) -> Callable[..., Any]:
         from megatron.core.utils import get_attr_wrapped_model
         from megatron.training import get_args, get_timers
 
-        from megatron_hsap.errors import ConfigError
         from megatron_hsap.megatron.spec import check_model_attention
 
-        if return_schedule_plan:
-            raise ConfigError("--overlap-moe-expert-parallel-comm schedule plans are not supported with HSAP")
         timers = get_timers()
         timers("batch-generator", log_level=2).start()
         batch = hsap_get_batch(data_iterator, get_attr_wrapped_model(model, "vp_stage"),
                                prefetchers=prefetchers, training=bool(model.training))
         timers("batch-generator").stop()
         check_model_attention(model)  # once per model chunk: every attention layer HSAP's (MTP's too)
+        if return_schedule_plan:
+            # --overlap-moe-expert-parallel-comm: Megatron's combined 1F1B schedule runs this chunk's
+            # layers from a plan of fine-grained callables; HSAP's batch rides in packed_seq_params
+            schedule_plan = model.build_schedule_plan(
+                batch["tokens"], batch["position_ids"], None, labels=batch["labels"], loss_mask=batch["loss_mask"],
+                packed_seq_params=batch["packed_seq_params"])
+            return schedule_plan, functools.partial(loss_func, batch["loss_mask"], model=model)
         output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
                        loss_mask=batch["loss_mask"], packed_seq_params=batch["packed_seq_params"])
         # loss_func returns (Σ loss·mask, local loss tokens); --calculate-per-token-loss makes

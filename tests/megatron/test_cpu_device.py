@@ -44,6 +44,10 @@ _CHECKS = textwrap.dedent("""
     e0.record(); e1.record(); assert e0.elapsed_time(e1) >= 0.0
     with torch.cuda.stream(torch.cuda.Stream()):
         torch.cuda.current_stream().wait_stream(torch.cuda.Stream())
+    # a stand-in stream is a torch.Stream: record_stream parses it and the redirect drops the call
+    # (Megatron's EP all-to-all overlap records its inputs on its communication stream)
+    t = torch.ones(2, device="cuda")
+    assert isinstance(torch.cuda.Stream(), torch.Stream) and t.record_stream(torch.cuda.Stream()) is None
     # backward hooks keep the redirect, however the backward was called (Megatron-FSDP allocates
     # its gradient buckets on torch.device("cuda") in post-accumulate-grad hooks)
     seen = []

@@ -127,12 +127,21 @@ class CudaToCpu(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-class _Stream:
-    """A CPU stream: work runs in program order, so every wait is already satisfied."""
+class _Stream(torch.Stream):
+    """A CPU stream: work runs in program order, so every wait is already satisfied. A
+    ``torch.Stream`` (of the CPU), so that ``Tensor.record_stream(stream)`` parses its argument and
+    reaches the redirect, which makes it a no-op (Megatron's A2A-overlap schedule records its
+    inputs on its communication stream)."""
+
+    def __new__(cls, device: Any = None, priority: int = 0, **_: Any) -> "_Stream":
+        return super().__new__(cls, device=_CPU)
 
     def __init__(self, device: Any = None, priority: int = 0, **_: Any) -> None:
-        self.device = _CPU
-        self.priority = priority
+        self._priority = priority
+
+    @property
+    def priority(self) -> int:
+        return self._priority
 
     def wait_stream(self, stream: Any) -> None: ...
     def wait_event(self, event: Any) -> None: ...
