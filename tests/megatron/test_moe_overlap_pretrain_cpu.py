@@ -5,8 +5,8 @@ backward of micro-batch k) over HSAP's attention, in Megatron's own ``pretrain()
 Megatron's schedule asks the forward step for a schedule plan (``model.build_schedule_plan``)
 instead of running the model; HSAP's forward step builds it with its batch in
 ``packed_seq_params``, so every attention part of the plan runs HSAP's (one micro-batch's attention
-forward alternates with the previous one's backward; each waits its own plan's rounds). The overlap changes the order of work, not its
-values: with 3 micro-batches per step (EP 2 inside CP 2×2, all-to-all dispatcher, bf16 as
+forward alternates with the previous one's backward; each waits its own plan's rounds). The
+overlap changes the order of work, not its values: with 3 micro-batches per step (EP 2 inside CP 2×2, all-to-all dispatcher, bf16 as
 Megatron requires) the losses equal the same run without the overlap, whose own equality with
 the reference is ``test_pretrain_cpu.py``'s (EP 2, both dispatchers). On CPU the stand-in stream
 is a ``torch.Stream`` so the schedule's ``Tensor.record_stream`` calls reach the device redirect
