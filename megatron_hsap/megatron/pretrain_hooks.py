@@ -219,18 +219,16 @@ def make_forward_step(loss_func: Callable[..., Any]) -> Callable[..., Any]:
                                prefetchers=prefetchers, training=bool(model.training))
         timers("batch-generator").stop()
         check_model_attention(model)  # once per model chunk: every attention layer HSAP's (MTP's too)
-        if return_schedule_plan:
-            # --overlap-moe-expert-parallel-comm: Megatron's combined 1F1B schedule runs this chunk's
-            # layers from a plan of fine-grained callables; HSAP's batch rides in packed_seq_params
-            schedule_plan = model.build_schedule_plan(
-                batch["tokens"], batch["position_ids"], None, labels=batch["labels"], loss_mask=batch["loss_mask"],
-                packed_seq_params=batch["packed_seq_params"])
-            return schedule_plan, functools.partial(loss_func, batch["loss_mask"], model=model)
-        output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
-                       loss_mask=batch["loss_mask"], packed_seq_params=batch["packed_seq_params"])
+        inputs = (batch["tokens"], batch["position_ids"], None)
+        kwargs = dict(labels=batch["labels"], loss_mask=batch["loss_mask"], packed_seq_params=batch["packed_seq_params"])
         # loss_func returns (Σ loss·mask, local loss tokens); --calculate-per-token-loss makes
         # Megatron divide by the tokens summed over DP×CP: every real token counted once.
         loss = functools.partial(loss_func, batch["loss_mask"], model=model)
+        if return_schedule_plan:
+            # --overlap-moe-expert-parallel-comm (training only): Megatron's combined 1F1B schedule runs
+            # this chunk's layers from a plan of fine-grained callables; HSAP's batch rides in packed_seq_params
+            return model.build_schedule_plan(*inputs, **kwargs), loss
+        output = model(*inputs, **kwargs)
         if not model.training and getattr(get_args(), "sft", False):
             loss = functools.partial(_micro_batch_report, loss)
         return output, loss
