@@ -33,7 +33,7 @@ IMPLS = ("ring", "hsap")
 SPEC_MODULE = "megatron_hsap.megatron.spec"
 SPEC_NAME = "hsap_layer_spec"  # a callable: Megatron calls it with the run's GPTModelConfig
 HYBRID_SPEC_NAME = "HSAP_HYBRID_STACK_SPEC"  # a ModuleSpec: HybridModelBuilder does not call --spec
-HYBRID_REFUSED = {"M": "Mamba ('M')", "G": "gated delta net ('G')", "D": "DSA ('D')"}
+HYBRID_REFUSED = {"G": "gated delta net ('G')", "D": "DSA ('D')"}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -230,6 +230,26 @@ def _seq_aux_loss_coeff(args: Any) -> float:
     return float(coeffs[k] if k < len(coeffs) else coeffs[0])
 
 
+def _check_mamba_heads(args: argparse.Namespace, cp: int) -> None:
+    """Megatron's Mamba CP splits each TP rank's heads and groups over the CP ranks
+    (``ssm/mamba_context_parallel.py``, asserted when the model builds): say so before any collective."""
+    tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
+    head_dim = int(getattr(args, "mamba_head_dim", None) or 64)
+    hidden = getattr(args, "hidden_size", None)
+    heads = getattr(args, "mamba_num_heads", None) or (2 * int(hidden) // head_dim if hidden else 0)  # (MambaMixer's expand 2)
+    groups = int(getattr(args, "mamba_num_groups", None) or 8)
+    _refuse(bool(heads) and heads % (tp * cp) != 0, f"--hybrid-layer-pattern with Mamba layers: their {heads} heads (--mamba-num-heads, else "
+            f"2 x hidden / --mamba-head-dim) must split over TP {tp} x CP {cp} (Megatron's Mamba CP gives each CP rank "
+            "whole heads); change --mamba-num-heads or the CP size")  # fmt: skip
+    local = groups // tp if groups % tp == 0 else 0
+    _refuse(not local or (cp % local if local < cp else local % cp) != 0,
+            f"--mamba-num-groups {groups}: Megatron's Mamba CP needs the groups per TP rank ({groups}/{tp}) and the CP size "
+            f"({cp}) to divide one another; change --mamba-num-groups")
+    _refuse(getattr(args, "use_mamba_mem_eff_path", True) is False,
+            "HSAP's Mamba layers train through megatron-core's memory-efficient Mamba path (the other takes no packed "
+            "sequences): drop --disable-mamba-mem-eff-path")
+
+
 def _refuse(condition: bool, message: str) -> None:
     if condition:
         raise ConfigError(message)
@@ -377,7 +397,9 @@ def validate_hsap_args(args: Any) -> HSAPArgs | None:
         bad = sorted(set(pattern) & set(HYBRID_REFUSED))
         _refuse(bool(bad), f"--hybrid-layer-pattern {pattern}: {', '.join(HYBRID_REFUSED[b] for b in bad)} layers "
                 "are not supported by HSAP (their CP assumes Megatron's token layout); use attention '*', MLA '+', "
-                "MLP '-' and MoE 'E' layers, or --context-parallel-impl ring")  # fmt: skip
+                "Mamba 'M', MLP '-' and MoE 'E' layers, or --context-parallel-impl ring")  # fmt: skip
+        if "M" in pattern:
+            _check_mamba_heads(args, cp)
         args.spec = [SPEC_MODULE, HYBRID_SPEC_NAME]
     else:
         # The module-level specs were built without the run's config (QK norm, MoE ... would be lost):

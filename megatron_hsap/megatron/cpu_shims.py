@@ -180,8 +180,10 @@ def _targets(rng: bool = True) -> list[tuple[Any, str, Callable[..., Any]]]:
     ]
     # Modules that imported the names before the patch hold their own references.
     import megatron.core.tensor_parallel as tp_pkg
+    from megatron.core.ssm import mamba_mixer
 
     targets.append((tp_pkg, "get_cuda_rng_tracker", _get_rng_tracker))
+    targets.append((mamba_mixer, "get_cuda_rng_tracker", _get_rng_tracker))
     return targets
 
 

@@ -7,12 +7,13 @@ output projections, MLP/MoE, bias-dropout-add and the sharded-state-dict key map
 so checkpoints load unchanged.
 
 ``HybridModel`` (megatron-core 0.19.2's successor of ``GPTModel``): :func:`hsap_hybrid_stack_spec`
-swaps the same modules in the ``attention_layer`` and ``mla_layer`` of a hybrid stack spec;
-``--spec megatron_hsap.megatron.spec HSAP_HYBRID_STACK_SPEC`` (what ``--context-parallel-impl hsap``
-sets with ``--hybrid-layer-pattern``) feeds it to Megatron's ``HybridModelBuilder``. Layers HSAP has
-not made layout-aware — Mamba (its CP all-to-all and ``seq_idx`` assume Megatron's token order),
-gated delta net and DSA — are replaced by a module that raises ``ConfigError`` when the pattern uses
-them, instead of computing over HSAP's token layout as if it were Megatron's.
+swaps the same modules in the ``attention_layer`` and ``mla_layer`` of a hybrid stack spec, and the
+``mamba_layer``'s mixer for :class:`~megatron_hsap.megatron.mamba.HSAPMambaMixer` (Megatron's, its
+tokens reordered by the plan); ``--spec megatron_hsap.megatron.spec HSAP_HYBRID_STACK_SPEC`` (what
+``--context-parallel-impl hsap`` sets with ``--hybrid-layer-pattern``) feeds it to Megatron's
+``HybridModelBuilder``. Layers HSAP has not made layout-aware — gated delta net and DSA — are
+replaced by a module that raises ``ConfigError`` when the pattern uses them, instead of computing
+over HSAP's token layout as if it were Megatron's.
 
 ``--spec megatron_hsap.megatron.spec hsap_layer_spec`` (what ``--context-parallel-impl hsap`` sets)
 names a callable: megatron-core 0.19.2's ``GPTModelBuilder`` calls it with the run's
@@ -26,6 +27,8 @@ import dataclasses
 from typing import Any
 
 from megatron.core.models.gpt import gpt_layer_specs
+from megatron.core.ssm.mamba_layer import MambaLayer
+from megatron.core.ssm.mamba_mixer import MambaMixer
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention
@@ -33,6 +36,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_hsap.errors import ConfigError
 from megatron_hsap.megatron.core_attention import HSAPCoreAttention
+from megatron_hsap.megatron.mamba import HSAPMambaMixer
 from megatron_hsap.megatron.mla import HSAPMLASelfAttention
 from megatron_hsap.megatron.rotary import HSAPSelfAttention
 
@@ -50,6 +54,8 @@ __all__ = [
 
 # megatron-core's self-attention modules and the HSAP module each is swapped for
 _SWAPS = {SelfAttention: HSAPSelfAttention, MLASelfAttention: HSAPMLASelfAttention}
+# every megatron-core module that reads the token layout, and HSAP's (check_model_attention)
+_LAYOUT_MODULES = {**_SWAPS, MambaMixer: HSAPMambaMixer}
 
 
 def have_transformer_engine() -> bool:
@@ -81,10 +87,11 @@ def swap_attention(layer_spec: ModuleSpec) -> ModuleSpec:
 
 
 def check_model_attention(model: Any) -> None:
-    """Refuse a model (or list of model chunks) holding a megatron-core self-attention that is not
-    HSAP's (a key of ``_SWAPS`` that is not its value): it would attend HSAP-sharded tokens as if they
-    were Megatron's layout. Checked once per module object (``_hsap_attention_checked``)."""
-    megatron_kinds, hsap_kinds = tuple(_SWAPS), tuple(_SWAPS.values())
+    """Refuse a model (or list of model chunks) holding a megatron-core self-attention or Mamba mixer
+    that is not HSAP's (a key of ``_LAYOUT_MODULES`` that is not its value): it would read
+    HSAP-sharded tokens as if they were Megatron's layout. Checked once per module object
+    (``_hsap_attention_checked``)."""
+    megatron_kinds, hsap_kinds = tuple(_LAYOUT_MODULES), tuple(_LAYOUT_MODULES.values())
     for chunk in model if isinstance(model, (list, tuple)) else [model]:
         if getattr(chunk, "_hsap_attention_checked", False):
             continue
@@ -93,7 +100,8 @@ def check_model_attention(model: Any) -> None:
                 raise ConfigError(
                     f"{name} is megatron-core's {type(module).__name__}, not HSAP's: the model builder did not use "
                     "the HSAP layer spec there (a custom model provider, or an MTP block built before "
-                    "megatron_hsap.megatron.mtp.install()); build every attention layer from hsap_layer_spec")
+                    "megatron_hsap.megatron.mtp.install()); build every attention layer from hsap_layer_spec and "
+                    "every hybrid layer from hsap_hybrid_stack_spec")
         chunk._hsap_attention_checked = True
 
 
@@ -163,13 +171,12 @@ class HSAPUnsupportedLayer(MegatronModule):
         del args, kwargs
         raise ConfigError(
             f"--hybrid-layer-pattern uses {layer_kind} layers ('{symbol}'): {reason}. HSAP supports "
-            "attention ('*'), MLA ('+'), MLP ('-') and MoE ('E') layers of HybridModel; use --context-parallel-impl ring "
+            "attention ('*'), MLA ('+'), Mamba ('M'), MLP ('-') and MoE ('E') layers of HybridModel; use --context-parallel-impl ring "
             "for this pattern"
         )
 
 
 _UNSUPPORTED_HYBRID = {
-    "mamba_layer": ("Mamba", "M", "Megatron's Mamba context parallelism and packed seq_idx assume its own token order, not HSAP's layout (and its kernels need CUDA)"),
     "gdn_layer": ("gated delta net", "G", "its context parallelism assumes Megatron's token order, not HSAP's layout"),
     "dsa_layer": ("DSA (sparse MLA)", "D", "its indexer attends by Megatron's token order, not HSAP's layout"),
 }
@@ -177,10 +184,14 @@ _UNSUPPORTED_HYBRID = {
 
 def _local_hybrid_stack_spec(normalization: str = "RMSNorm") -> ModuleSpec:
     """megatron-core's hybrid stack spec built from its local (non-TE) GPT modules: an attention
-    layer (norm + self-attention), an MLA layer and an MLP layer (norm + MLP), for CPU runs."""
+    layer (norm + self-attention), an MLA layer, an MLP layer (norm + MLP) and a Mamba layer (norm
+    + Megatron's ``MambaMixer`` with local projections in place of TE's norm-fused one), for CPU runs."""
     from megatron.core.models.backends import LocalSpecProvider
     from megatron.core.models.hybrid.hybrid_block import HybridStack, HybridStackSubmodules
+    from megatron.core.ssm.mamba_layer import MambaLayerSubmodules
+    from megatron.core.ssm.mamba_mixer import MambaMixerSubmodules
     from megatron.core.ssm.mlp_layer import MLPLayer
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.multi_token_prediction import (
         MultiTokenPredictionBlock,
         MultiTokenPredictionBlockSubmodules,
@@ -202,15 +213,33 @@ def _local_hybrid_stack_spec(normalization: str = "RMSNorm") -> ModuleSpec:
     # from local modules; no inner layer spec: the MTP layer builds the stack's layers, as in its hybrid spec
     mtp_layer = get_mtp_layer_spec_for_backend(mtp_model_layer_spec=None, backend=LocalSpecProvider())
     mtp = ModuleSpec(module=MultiTokenPredictionBlock, submodules=MultiTokenPredictionBlockSubmodules(layer_specs=[mtp_layer]))
+    mamba = ModuleSpec(module=MambaLayer, submodules=MambaLayerSubmodules(
+        norm=gpt.input_layernorm, mamba_bda=gpt.self_attn_bda,
+        mixer=ModuleSpec(module=MambaMixer, submodules=MambaMixerSubmodules(in_proj=ColumnParallelLinear, out_proj=RowParallelLinear))))  # fmt: skip
     return ModuleSpec(module=HybridStack, submodules=HybridStackSubmodules(
         attention_layer=attention_only(gpt), mla_layer=attention_only(local(True)), mlp_layer=mlp,
-        mtp_block_spec=mtp))  # fmt: skip
+        mamba_layer=mamba, mtp_block_spec=mtp))  # fmt: skip
+
+
+def _swap_mamba(layer: Any) -> ModuleSpec:
+    """A hybrid stack's Mamba layer spec with :class:`HSAPMambaMixer` as its mixer; a layer that is
+    not megatron-core's ``MambaLayer`` around its ``MambaMixer`` becomes a refusing stand-in."""
+    mixer = getattr(getattr(layer, "submodules", None), "mixer", None)
+    if not (isinstance(layer, ModuleSpec) and layer.module is MambaLayer and isinstance(mixer, ModuleSpec)
+            and mixer.module in (MambaMixer, HSAPMambaMixer)):
+        found = getattr(mixer, "module", mixer)
+        return ModuleSpec(module=HSAPUnsupportedLayer, params=dict(
+            layer_kind="Mamba", symbol="M", reason=f"the stack spec's Mamba layer mixes with {getattr(found, '__name__', found)!r}, "
+            "not megatron-core's MambaMixer inside its MambaLayer, the one HSAP reorders for"))  # fmt: skip
+    new_mixer = dataclasses.replace(mixer, module=HSAPMambaMixer)
+    return dataclasses.replace(layer, submodules=dataclasses.replace(layer.submodules, mixer=new_mixer))
 
 
 def hsap_hybrid_stack_spec(base: ModuleSpec | None = None, *, use_te: bool | None = None,
                            normalization: str = "RMSNorm") -> ModuleSpec:  # fmt: skip
     """A ``HybridModel`` stack spec with HSAP attention: Megatron's own, with the attention and MLA
-    layers swapped (:func:`swap_attention`) and the layers HSAP cannot run refused.
+    layers swapped (:func:`swap_attention`), the Mamba mixer swapped (:class:`HSAPMambaMixer`) and
+    the layers HSAP cannot run refused.
 
     Args:
         base: a hybrid stack spec (``ModuleSpec(HybridStack, HybridStackSubmodules)``); default
@@ -236,6 +265,7 @@ def hsap_hybrid_stack_spec(base: ModuleSpec | None = None, *, use_te: bool | Non
         layer = getattr(subs, name, None)
         if isinstance(layer, ModuleSpec):
             changes[name] = swap_attention(layer)
+    changes["mamba_layer"] = _swap_mamba(getattr(subs, "mamba_layer", None))
     for name, (kind, symbol, reason) in _UNSUPPORTED_HYBRID.items():  # always: an IdentityOp default would skip the layer
         changes[name] = ModuleSpec(module=HSAPUnsupportedLayer, params=dict(layer_kind=kind, symbol=symbol, reason=reason))
     return dataclasses.replace(base, submodules=dataclasses.replace(subs, **changes))

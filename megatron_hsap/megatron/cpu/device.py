@@ -298,6 +298,9 @@ def install() -> None:
     """Redirect CUDA to the CPU in this process (idempotent); call before Megatron parses arguments."""
     if _MODE:
         return
+    from megatron_hsap.megatron.cpu import mamba_kernels
+
+    mamba_kernels.install()  # before megatron-core's Mamba mixer reads its kernels
     jit = _import_megatron_without_jit()
     from megatron.core.tensor_parallel import random as tp_random
 
