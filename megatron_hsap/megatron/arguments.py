@@ -33,7 +33,7 @@ IMPLS = ("ring", "hsap")
 SPEC_MODULE = "megatron_hsap.megatron.spec"
 SPEC_NAME = "hsap_layer_spec"  # a callable: Megatron calls it with the run's GPTModelConfig
 HYBRID_SPEC_NAME = "HSAP_HYBRID_STACK_SPEC"  # a ModuleSpec: HybridModelBuilder does not call --spec
-HYBRID_REFUSED = {"G": "gated delta net ('G')", "D": "DSA ('D')"}
+HYBRID_REFUSED = {"D": "DSA ('D')"}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -250,6 +250,18 @@ def _check_mamba_heads(args: argparse.Namespace, cp: int) -> None:
             "sequences): drop --disable-mamba-mem-eff-path")
 
 
+def _check_gdn_heads(args: argparse.Namespace, cp: int) -> None:
+    """Megatron's gated delta net CP gives each CP rank whole key and value heads of its TP rank
+    (``ssm/gated_delta_net``, asserted when the model builds): say so before any collective."""
+    tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
+    for flag, default in (("linear_num_key_heads", 16), ("linear_num_value_heads", 32)):
+        heads = int(getattr(args, flag, None) or default)
+        _refuse(heads % (tp * cp) != 0, f"--hybrid-layer-pattern with gated delta net layers: --{flag.replace('_', '-')} "
+                f"{heads} must split over TP {tp} x CP {cp} (Megatron's gated delta net CP gives each CP rank whole heads)")
+    _refuse(not getattr(args, "swiglu", False), "--hybrid-layer-pattern with gated delta net layers: megatron-core "
+            "convolves their q / k / v with the model's activation and asserts it is silu: pass --swiglu")
+
+
 def _refuse(condition: bool, message: str) -> None:
     if condition:
         raise ConfigError(message)
@@ -397,9 +409,11 @@ def validate_hsap_args(args: Any) -> HSAPArgs | None:
         bad = sorted(set(pattern) & set(HYBRID_REFUSED))
         _refuse(bool(bad), f"--hybrid-layer-pattern {pattern}: {', '.join(HYBRID_REFUSED[b] for b in bad)} layers "
                 "are not supported by HSAP (their CP assumes Megatron's token layout); use attention '*', MLA '+', "
-                "Mamba 'M', MLP '-' and MoE 'E' layers, or --context-parallel-impl ring")  # fmt: skip
+                "Mamba 'M', gated delta net 'G', MLP '-' and MoE 'E' layers, or --context-parallel-impl ring")  # fmt: skip
         if "M" in pattern:
             _check_mamba_heads(args, cp)
+        if "G" in pattern:
+            _check_gdn_heads(args, cp)
         args.spec = [SPEC_MODULE, HYBRID_SPEC_NAME]
     else:
         # The module-level specs were built without the run's config (QK norm, MoE ... would be lost):

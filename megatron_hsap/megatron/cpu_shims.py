@@ -181,9 +181,11 @@ def _targets(rng: bool = True) -> list[tuple[Any, str, Callable[..., Any]]]:
     # Modules that imported the names before the patch hold their own references.
     import megatron.core.tensor_parallel as tp_pkg
     from megatron.core.ssm import mamba_mixer
+    from megatron.core.ssm.gated_delta_net import common as gdn_common
 
     targets.append((tp_pkg, "get_cuda_rng_tracker", _get_rng_tracker))
     targets.append((mamba_mixer, "get_cuda_rng_tracker", _get_rng_tracker))
+    targets.append((gdn_common, "get_cuda_rng_tracker", _get_rng_tracker))
     return targets
 
 

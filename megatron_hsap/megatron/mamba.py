@@ -1,5 +1,5 @@
 """Mamba layers (``M`` in ``--hybrid-layer-pattern``: Nemotron-H and other hybrid models) under HSAP
-(docs/enable.md, "Mamba layers").
+(docs/enable.md, "Mamba and gated delta net layers").
 
 Megatron's Mamba context parallelism (``ssm/mamba_context_parallel.py``) turns each Mamba layer's
 activations from sequence-split to head-split with an all-to-all over the CP group, so every rank

@@ -11,9 +11,10 @@ swaps the same modules in the ``attention_layer`` and ``mla_layer`` of a hybrid 
 ``mamba_layer``'s mixer for :class:`~megatron_hsap.megatron.mamba.HSAPMambaMixer` (Megatron's, its
 tokens reordered by the plan); ``--spec megatron_hsap.megatron.spec HSAP_HYBRID_STACK_SPEC`` (what
 ``--context-parallel-impl hsap`` sets with ``--hybrid-layer-pattern``) feeds it to Megatron's
-``HybridModelBuilder``. Layers HSAP has not made layout-aware — gated delta net and DSA — are
-replaced by a module that raises ``ConfigError`` when the pattern uses them, instead of computing
-over HSAP's token layout as if it were Megatron's.
+``HybridModelBuilder``; the gated delta net layer's ``GatedDeltaNet`` becomes
+:class:`~megatron_hsap.megatron.gdn.HSAPGatedDeltaNet` alike. DSA layers, which HSAP has not made
+layout-aware, are replaced by a module that raises ``ConfigError`` when the pattern uses them,
+instead of computing over HSAP's token layout as if it were Megatron's.
 
 ``--spec megatron_hsap.megatron.spec hsap_layer_spec`` (what ``--context-parallel-impl hsap`` sets)
 names a callable: megatron-core 0.19.2's ``GPTModelBuilder`` calls it with the run's
@@ -27,6 +28,7 @@ import dataclasses
 from typing import Any
 
 from megatron.core.models.gpt import gpt_layer_specs
+from megatron.core.ssm.gated_delta_net.gdn import GatedDeltaNet
 from megatron.core.ssm.mamba_layer import MambaLayer
 from megatron.core.ssm.mamba_mixer import MambaMixer
 from megatron.core.transformer.attention import SelfAttention
@@ -36,6 +38,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_hsap.errors import ConfigError
 from megatron_hsap.megatron.core_attention import HSAPCoreAttention
+from megatron_hsap.megatron.gdn import HSAPGatedDeltaNet
 from megatron_hsap.megatron.mamba import HSAPMambaMixer
 from megatron_hsap.megatron.mla import HSAPMLASelfAttention
 from megatron_hsap.megatron.rotary import HSAPSelfAttention
@@ -55,7 +58,7 @@ __all__ = [
 # megatron-core's self-attention modules and the HSAP module each is swapped for
 _SWAPS = {SelfAttention: HSAPSelfAttention, MLASelfAttention: HSAPMLASelfAttention}
 # every megatron-core module that reads the token layout, and HSAP's (check_model_attention)
-_LAYOUT_MODULES = {**_SWAPS, MambaMixer: HSAPMambaMixer}
+_LAYOUT_MODULES = {**_SWAPS, MambaMixer: HSAPMambaMixer, GatedDeltaNet: HSAPGatedDeltaNet}
 
 
 def have_transformer_engine() -> bool:
@@ -171,23 +174,24 @@ class HSAPUnsupportedLayer(MegatronModule):
         del args, kwargs
         raise ConfigError(
             f"--hybrid-layer-pattern uses {layer_kind} layers ('{symbol}'): {reason}. HSAP supports "
-            "attention ('*'), MLA ('+'), Mamba ('M'), MLP ('-') and MoE ('E') layers of HybridModel; use --context-parallel-impl ring "
+            "attention ('*'), MLA ('+'), Mamba ('M'), gated delta net ('G'), MLP ('-') and MoE ('E') layers of HybridModel; use --context-parallel-impl ring "
             "for this pattern"
         )
 
 
 _UNSUPPORTED_HYBRID = {
-    "gdn_layer": ("gated delta net", "G", "its context parallelism assumes Megatron's token order, not HSAP's layout"),
     "dsa_layer": ("DSA (sparse MLA)", "D", "its indexer attends by Megatron's token order, not HSAP's layout"),
 }
 
 
 def _local_hybrid_stack_spec(normalization: str = "RMSNorm") -> ModuleSpec:
     """megatron-core's hybrid stack spec built from its local (non-TE) GPT modules: an attention
-    layer (norm + self-attention), an MLA layer, an MLP layer (norm + MLP) and a Mamba layer (norm
-    + Megatron's ``MambaMixer`` with local projections in place of TE's norm-fused one), for CPU runs."""
+    layer (norm + self-attention), an MLA layer, an MLP layer (norm + MLP), a Mamba layer (norm
+    + Megatron's ``MambaMixer``) and a gated delta net layer (norm + ``GatedDeltaNet``), their
+    projections local in place of TE's norm-fused one, for CPU runs."""
     from megatron.core.models.backends import LocalSpecProvider
     from megatron.core.models.hybrid.hybrid_block import HybridStack, HybridStackSubmodules
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNetSubmodules
     from megatron.core.ssm.mamba_layer import MambaLayerSubmodules
     from megatron.core.ssm.mamba_mixer import MambaMixerSubmodules
     from megatron.core.ssm.mlp_layer import MLPLayer
@@ -216,9 +220,13 @@ def _local_hybrid_stack_spec(normalization: str = "RMSNorm") -> ModuleSpec:
     mamba = ModuleSpec(module=MambaLayer, submodules=MambaLayerSubmodules(
         norm=gpt.input_layernorm, mamba_bda=gpt.self_attn_bda,
         mixer=ModuleSpec(module=MambaMixer, submodules=MambaMixerSubmodules(in_proj=ColumnParallelLinear, out_proj=RowParallelLinear))))  # fmt: skip
+    gdn = ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
+        input_layernorm=gpt.input_layernorm, self_attn_bda=gpt.self_attn_bda,
+        self_attention=ModuleSpec(module=GatedDeltaNet, submodules=GatedDeltaNetSubmodules(
+            in_proj=ColumnParallelLinear, out_norm=gpt.input_layernorm, out_proj=RowParallelLinear))))  # fmt: skip
     return ModuleSpec(module=HybridStack, submodules=HybridStackSubmodules(
         attention_layer=attention_only(gpt), mla_layer=attention_only(local(True)), mlp_layer=mlp,
-        mamba_layer=mamba, mtp_block_spec=mtp))  # fmt: skip
+        mamba_layer=mamba, gdn_layer=gdn, mtp_block_spec=mtp))  # fmt: skip
 
 
 def _swap_mamba(layer: Any) -> ModuleSpec:
@@ -235,11 +243,24 @@ def _swap_mamba(layer: Any) -> ModuleSpec:
     return dataclasses.replace(layer, submodules=dataclasses.replace(layer.submodules, mixer=new_mixer))
 
 
+def _swap_gdn(layer: Any) -> ModuleSpec:
+    """A hybrid stack's gated delta net layer spec with :class:`HSAPGatedDeltaNet` as its
+    self-attention; a layer around anything but megatron-core's ``GatedDeltaNet`` becomes a refusing stand-in."""
+    attn = getattr(getattr(layer, "submodules", None), "self_attention", None)
+    if not (isinstance(layer, ModuleSpec) and isinstance(attn, ModuleSpec) and attn.module in (GatedDeltaNet, HSAPGatedDeltaNet)):
+        found = getattr(attn, "module", attn)
+        return ModuleSpec(module=HSAPUnsupportedLayer, params=dict(
+            layer_kind="gated delta net", symbol="G", reason=f"the stack spec's gated delta net layer mixes with "
+            f"{getattr(found, '__name__', found)!r}, not megatron-core's GatedDeltaNet, the one HSAP reorders for"))  # fmt: skip
+    new_attn = dataclasses.replace(attn, module=HSAPGatedDeltaNet)
+    return dataclasses.replace(layer, submodules=dataclasses.replace(layer.submodules, self_attention=new_attn))
+
+
 def hsap_hybrid_stack_spec(base: ModuleSpec | None = None, *, use_te: bool | None = None,
                            normalization: str = "RMSNorm") -> ModuleSpec:  # fmt: skip
     """A ``HybridModel`` stack spec with HSAP attention: Megatron's own, with the attention and MLA
-    layers swapped (:func:`swap_attention`), the Mamba mixer swapped (:class:`HSAPMambaMixer`) and
-    the layers HSAP cannot run refused.
+    layers swapped (:func:`swap_attention`), the Mamba mixer and the gated delta net swapped
+    (:class:`HSAPMambaMixer`, :class:`HSAPGatedDeltaNet`) and the layers HSAP cannot run refused.
 
     Args:
         base: a hybrid stack spec (``ModuleSpec(HybridStack, HybridStackSubmodules)``); default
@@ -266,6 +287,7 @@ def hsap_hybrid_stack_spec(base: ModuleSpec | None = None, *, use_te: bool | Non
         if isinstance(layer, ModuleSpec):
             changes[name] = swap_attention(layer)
     changes["mamba_layer"] = _swap_mamba(getattr(subs, "mamba_layer", None))
+    changes["gdn_layer"] = _swap_gdn(getattr(subs, "gdn_layer", None))
     for name, (kind, symbol, reason) in _UNSUPPORTED_HYBRID.items():  # always: an IdentityOp default would skip the layer
         changes[name] = ModuleSpec(module=HSAPUnsupportedLayer, params=dict(layer_kind=kind, symbol=symbol, reason=reason))
     return dataclasses.replace(base, submodules=dataclasses.replace(subs, **changes))

@@ -110,7 +110,7 @@ def test_hsap_flags_under_ring_are_refused_not_ignored(given: list[str], named: 
         (["--window-size", "(128,4)"], "--context-parallel-impl ring with --cp-comm-type a2a or all_gather"),  # what to do
         (["--multi-latent-attention"], "--no-rope-fusion"),  # MLA is supported; TE's fused MLA RoPE is not
         (["--multi-latent-attention", "--no-rope-fusion", "--mla-down-proj-fusion"], "--mla-down-proj-fusion"),
-        (["--hybrid-layer-pattern", "G*G*"], "gated delta net"),
+        (["--hybrid-layer-pattern", "D*D*"], "DSA"),
         (["--position-embedding-type", "mrope"], "position-embedding-type"),
         (["--pipeline-model-parallel-size", "2", "--micro-batch-size", "2"], "--micro-batch-size 1"),
         (["--spec", "my.module", "MY_SPEC"], "--spec"),

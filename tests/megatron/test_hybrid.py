@@ -1,8 +1,8 @@
 """HybridModel (megatron-core 0.19.2's successor of GPTModel) under HSAP, built by Megatron's own
 ``HybridModel`` / ``HybridStack`` from :func:`hsap_hybrid_stack_spec`.
 
-Here the pattern is attention and MLP layers (``*-*-``; ``G`` / ``D`` layers are refused by the
-HSAP spec, tested below; Mamba ``M`` layers: ``test_mamba.py``). The reference is the same stack built from megatron-core's modules at CP=1 with the
+Here the pattern is attention and MLP layers (``*-*-``; DSA ``D`` layers are refused by the HSAP
+spec, tested below; Mamba ``M`` and gated delta net ``G`` layers: ``test_mamba.py``, ``test_gdn.py``). The reference is the same stack built from megatron-core's modules at CP=1 with the
 float64 core attention of test_sinks_gpt (1e-5 relative over 5 Adam steps, reason there).
 ``HybridStack`` hard-codes Transformer Engine's ``TENorm`` as its final norm; without TE both runs
 use megatron-core's ``WrappedTorchNorm`` there (``test_sinks_gpt.local_final_norm``).
@@ -28,7 +28,7 @@ def test_hybrid_with_sinks_1x4_matches_cp1() -> None:
     check_equal_to_cp1((1, 4), {"num_layers": 4, "softmax_type": "learnable"}, model="hybrid", pattern=PATTERN)
 
 
-def test_hybrid_spec_swaps_attention_and_refuses_gated_delta_net() -> None:
+def test_hybrid_spec_swaps_attention_and_refuses_dsa() -> None:
     from megatron_hsap.megatron.core_attention import HSAPCoreAttention
     from megatron_hsap.megatron.mla import HSAPMLASelfAttention
     from megatron_hsap.megatron.rotary import HSAPSelfAttention
@@ -40,10 +40,10 @@ def test_hybrid_spec_swaps_attention_and_refuses_gated_delta_net() -> None:
         assert attn.module is HSAPSelfAttention and attn.submodules.core_attention is HSAPCoreAttention
         mla = subs.mla_layer.submodules.self_attention
         assert mla.module is HSAPMLASelfAttention and mla.submodules.core_attention is HSAPCoreAttention
-    assert hsap_hybrid_stack_spec(use_te=False).submodules.gdn_layer.module is HSAPUnsupportedLayer
+    assert hsap_hybrid_stack_spec(use_te=False).submodules.dsa_layer.module is HSAPUnsupportedLayer
 
 
-def gdn_pattern_case() -> str:
+def dsa_pattern_case() -> str:
     from megatron.core.models.hybrid.hybrid_model import HybridModel
 
     from megatron_hsap.errors import ConfigError
@@ -54,17 +54,17 @@ def gdn_pattern_case() -> str:
     try:
         with local_final_norm():
             HybridModel(config=config, hybrid_stack_spec=hsap_hybrid_stack_spec(use_te=False), vocab_size=64,
-                        max_sequence_length=32, hybrid_layer_pattern="G*", position_embedding_type="rope")  # fmt: skip
+                        max_sequence_length=32, hybrid_layer_pattern="D-", position_embedding_type="rope")  # fmt: skip
     except ConfigError as e:
         return str(e)
     return "built"
 
 
-def test_hybrid_pattern_with_gated_delta_net_is_refused_by_name() -> None:
+def test_hybrid_pattern_with_dsa_is_refused_by_name() -> None:
     from tests.distributed import get_pool
 
-    msg = get_pool(1).run(gdn_pattern_case, timeout=300)[0]
-    assert "gated delta net layers ('G')" in msg and "--context-parallel-impl ring" in msg
+    msg = get_pool(1).run(dsa_pattern_case, timeout=300)[0]
+    assert "DSA (sparse MLA) layers ('D')" in msg and "--context-parallel-impl ring" in msg
 
 
 def test_arguments_hybrid_pattern_selects_the_hybrid_stack_spec() -> None:

@@ -7,7 +7,7 @@
   reduction does), for plans at 2×2, 1×4 and 4×1, both layouts and scrambled layouts
   (``test_mtp._plans``). Kernels: the CPU stand-in (``test_mamba_kernels.py``).
 - The spec, the argument checks and the refusals.
-- Megatron's loop: ``test_hybrid_mamba_pretrain_cpu.py``.
+- Megatron's loop: ``test_hybrid_ssm_pretrain_cpu.py``.
 """
 
 from __future__ import annotations

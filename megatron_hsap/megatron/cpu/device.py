@@ -298,9 +298,10 @@ def install() -> None:
     """Redirect CUDA to the CPU in this process (idempotent); call before Megatron parses arguments."""
     if _MODE:
         return
-    from megatron_hsap.megatron.cpu import mamba_kernels
+    from megatron_hsap.megatron.cpu import gdn_kernels, mamba_kernels
 
-    mamba_kernels.install()  # before megatron-core's Mamba mixer reads its kernels
+    mamba_kernels.install()  # before megatron-core's Mamba mixer and gated delta net read their kernels
+    gdn_kernels.install()
     jit = _import_megatron_without_jit()
     from megatron.core.tensor_parallel import random as tp_random
 

@@ -32,6 +32,9 @@ _NO_LOCAL_REFERENCE = {
 }
 
 
+_SCANS = {"M": "Mamba", "G": "gated delta net"}  # hybrid layers that scan the packed stream (and draw parameters per TP rank)
+
+
 def hybrid_pattern(extra: tuple[str, ...]) -> str | None:
     """The ``HybridModel`` layer pattern of Megatron flags ``extra`` (either spelling), None for GPT."""
     return flag_value(extra, "--hybrid-layer-pattern") or flag_value(extra, "--hybrid-override-pattern")
@@ -47,9 +50,10 @@ def no_local_reference(opts: CPURun) -> list[str]:
     pattern = hybrid_pattern(extra)
     if pattern and "+" in pattern and "--multi-latent-attention" not in extra:  # (else said once above)
         why.append(f"--hybrid-layer-pattern {pattern}: its MLA layers ('+'): {_NO_LOCAL_REFERENCE['--multi-latent-attention']}")
-    if pattern and "M" in pattern:
-        why.append(f"--hybrid-layer-pattern {pattern}: its Mamba layers ('M') restart their scan at each document only "
-                   "by the packed sequence's seq_idx, and the local reference feeds the model a mask, no packed sequence")
+    if pattern and set(pattern) & set(_SCANS):
+        kinds = " and ".join(f"{_SCANS[s]} ('{s}')" for s in sorted(set(pattern) & set(_SCANS)))
+        why.append(f"--hybrid-layer-pattern {pattern}: its {kinds} layers restart their scan at each document only by "
+                   "the packed sequence, and the local reference feeds the model a mask, no packed sequence")
     if opts.megatron_lm and flag_value(extra, "--mtp-num-layers"):
         why.append("--mtp-num-layers with --megatron-lm: the checkout's forward step gives the local attention a "
                    "mask and no packed sequence, so Megatron's MTP would shift tokens across documents (the CPU "
@@ -72,7 +76,7 @@ def _flag_int(extra: tuple[str, ...], flag: str) -> int:
 
 def reference_of(opts: CPURun) -> tuple[CPURun, str]:
     """The run ``--compare`` compares ``opts`` with, and how to name it: CP=1, TP=1 (the run's TP with
-    Mamba layers, whose parameters Megatron draws per TP rank) with Megatron's local attention; where that cannot compute the model (``no_local_reference``: MLA, windows, pipeline
+    Mamba or gated delta net layers, whose parameters Megatron draws per TP rank) with Megatron's local attention; where that cannot compute the model (``no_local_reference``: MLA, windows, pipeline
     stages that read no data), the same loop at CP=1 under HSAP. Same global batch
     and the same pipeline stages, on the data-parallel ranks — or, with experts split
     (``--expert-model-parallel-size`` E, ``--expert-tensor-parallel-size``), on as many ranks as the
@@ -98,9 +102,10 @@ def reference_of(opts: CPURun) -> tuple[CPURun, str]:
             "weighting alone (6.8e-5 at --micro-batch-size 2 with --expert-model-parallel-size 2): give a "
             f"--world-size whose data-parallel ranks are a multiple of the expert split ({experts}), which the "
             "reference then keeps")
-    # Megatron draws each TP rank's Mamba conv / dt / A / D parameters from that rank's own RNG
-    # stream (MambaMixer.__init__), so a TP 1 reference would start from other values: keep the TP
-    tp = opts.tp if "M" in (hybrid_pattern(opts.extra) or "") else 1
+    # Megatron draws each TP rank's Mamba conv / dt / A / D and gated delta net A parameters from that
+    # rank's own RNG stream (MambaMixer / _GDNBase.__init__), so a TP 1 reference would start from
+    # other values: keep the TP
+    tp = opts.tp if set(hybrid_pattern(opts.extra) or "") & set(_SCANS) else 1
     sizes = dict(tp=tp, world_size=world * opts.pp * tp, micro_batch_size=share,
                  global_batch_size=opts.global_batch_size or opts.micro_batch_size * opts.dp_size,
                  # Megatron pads the vocabulary to a multiple of this × TP: at TP=1 the run's padded size
