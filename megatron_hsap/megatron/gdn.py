@@ -27,15 +27,9 @@ from megatron.core.ssm.gated_delta_net.gdn import GatedDeltaNet
 from torch import Tensor
 
 from megatron_hsap.errors import BatchError, ConfigError
-from megatron_hsap.megatron.batch import is_hsap_sharded
-from megatron_hsap.megatron.mamba import stream_order
+from megatron_hsap.megatron.mamba import checked_stream_order
 
 __all__ = ["HSAPGatedDeltaNet", "install"]
-
-_NOT_SHARDED = (
-    "this batch was not sharded by HSAP (packed_seq_params lacks the HSAP marker): HSAP's gated delta net "
-    "reorders tokens by the HSAP plan; use scripts/pretrain_gpt_hsap.py or --context-parallel-impl hsap"
-)
 _PERM_PARAMETERS = ("cu_seqlens", "cp_size", "t_global")  # megatron-core 0.19.2's, which HSAP's replaces
 
 
@@ -85,17 +79,8 @@ class HSAPGatedDeltaNet(GatedDeltaNet):
                 **kwargs: Any) -> tuple[Tensor, Tensor | None]:
         """``hidden_states`` ``[t_local / TP, 1, h]`` (sequence parallel) or ``[t_local, 1, h]``;
         returns Megatron's ``(out, out_bias)``."""
-        if inference_context is not None or inference_params is not None:
-            raise ConfigError("HSAP's gated delta net layers train only (no inference context)")
-        if not is_hsap_sharded(packed_seq_params):
-            raise BatchError(_NOT_SHARDED)
-        plan = packed_seq_params.hsap_plan
-        cp = self.pg_collection.cp
-        if cp.size() != plan.cp_size or (plan.cp_size > 1 and cp.rank() != packed_seq_params.hsap_cp_rank):
-            raise ConfigError(f"this gated delta net's CP group (rank {cp.rank()} of {cp.size()}) is not the HSAP plan's "
-                              f"(rank {packed_seq_params.hsap_cp_rank} of {plan.cp_size}): build the model with the CP "
-                              "group HSAP's parallel state made")
-        order = stream_order(packed_seq_params, hidden_states.device)
+        order = checked_stream_order("gated delta net", packed_seq_params, self.pg_collection.cp, hidden_states.device,
+                                     inference=inference_context is not None or inference_params is not None)
         for cu in (packed_seq_params.cu_seqlens_q, packed_seq_params.cu_seqlens_kv):
             cu._hsap_stream_order = order  # (read by megatron-core's permutation call: install())
         return super().forward(hidden_states, attention_mask, packed_seq_params=packed_seq_params,

@@ -37,12 +37,8 @@ from torch import Tensor
 from megatron_hsap.errors import BatchError, ConfigError
 from megatron_hsap.megatron.batch import is_hsap_sharded
 
-__all__ = ["HSAPMambaMixer", "StreamOrder", "install", "stream_order"]
+__all__ = ["HSAPMambaMixer", "StreamOrder", "checked_stream_order", "install", "stream_order"]
 
-_NOT_SHARDED = (
-    "this batch was not sharded by HSAP (packed_seq_params lacks the HSAP marker): HSAP's Mamba mixer "
-    "reorders tokens by the HSAP plan; use scripts/pretrain_gpt_hsap.py or --context-parallel-impl hsap"
-)
 # the reorder functions' parameters in megatron-core 0.19.2, which HSAP's replace
 _REORDER_PARAMETERS = ("input_", "cp_size", "packed_seq_params")
 
@@ -91,6 +87,25 @@ def stream_order(params: Any, device: torch.device) -> StreamOrder:
         cached = StreamOrder.of(params.hsap_plan, device)
         params.hsap_stream_order = cached
     return cached
+
+
+def checked_stream_order(kind: str, params: Any, cp_group: Any, device: torch.device, *, inference: bool) -> StreamOrder:
+    """The checks an HSAP scan layer (``kind``: Mamba, gated delta net) makes before Megatron's
+    forward — training only, a batch HSAP sharded, the layer's CP group the plan's — then the
+    batch's :class:`StreamOrder` on ``device``."""
+    if inference:
+        raise ConfigError(f"HSAP's {kind} layers train only (no inference context)")
+    if not is_hsap_sharded(params):
+        raise BatchError(f"this batch was not sharded by HSAP (packed_seq_params lacks the HSAP marker): HSAP's {kind} "
+                         "layers reorder tokens by the HSAP plan; use scripts/pretrain_gpt_hsap.py or "
+                         "--context-parallel-impl hsap")
+    plan = params.hsap_plan
+    size, rank = cp_group.size(), cp_group.rank()
+    if size != plan.cp_size or (size > 1 and rank != params.hsap_cp_rank):
+        raise ConfigError(f"this {kind} layer's CP group (rank {rank} of {size}) is not the HSAP plan's (rank "
+                          f"{params.hsap_cp_rank} of {plan.cp_size}): build the model with the CP group HSAP's parallel "
+                          "state made")
+    return stream_order(params, device)
 
 
 def _undo(original: Any, input_: Tensor, cp_size: int, packed_seq_params: Any = None) -> Tensor:
@@ -161,15 +176,7 @@ class HSAPMambaMixer(MambaMixer):
                 packed_seq_params: Any = None) -> Any:
         """``hidden_states`` ``[t_local / TP, 1, h]`` (sequence parallel) or ``[t_local, 1, h]``;
         returns Megatron's ``(out, out_bias)``."""
-        if inference_context is not None or inference_params is not None:
-            raise ConfigError("HSAP's Mamba layers train only (no inference context)")
-        if not is_hsap_sharded(packed_seq_params):
-            raise BatchError(_NOT_SHARDED)
-        plan = packed_seq_params.hsap_plan
-        if self.cp.cp_size != plan.cp_size or (plan.cp_size > 1 and self.cp.cp_rank != packed_seq_params.hsap_cp_rank):
-            raise ConfigError(f"this Mamba layer's CP group (rank {getattr(self.cp, 'cp_rank', 0)} of {self.cp.cp_size}) is "
-                              f"not the HSAP plan's (rank {packed_seq_params.hsap_cp_rank} of {plan.cp_size}): build the "
-                              "model with the CP group HSAP's parallel state made")
-        # Megatron's scan reads it (after the all-to-all): the padded stream's documents, always HSAP's
-        packed_seq_params.seq_idx = stream_order(packed_seq_params, hidden_states.device).seq_idx
+        order = checked_stream_order("Mamba", packed_seq_params, self.pg_collection.cp, hidden_states.device,
+                                     inference=inference_context is not None or inference_params is not None)
+        packed_seq_params.seq_idx = order.seq_idx  # (Megatron's scan reads it after the all-to-all)
         return super().forward(hidden_states, packed_seq_params=packed_seq_params)

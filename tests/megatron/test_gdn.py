@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import dataclasses
+import types
 
 import numpy as np
 import pytest
@@ -91,7 +92,7 @@ def _layer_case() -> str:
 
     from megatron_hsap.megatron.gdn import HSAPGatedDeltaNet
     from tests.megatron.test_gpt_equivalence import _setup
-    from tests.megatron.test_mtp import _plans
+    from tests.megatron.test_mamba import matches_documents_alone
     from tests.megatron.test_sinks_gpt import cpu_current_device
 
     rank = dist.get_rank()
@@ -102,32 +103,9 @@ def _layer_case() -> str:
         hsap = _layer(config, mpu.get_context_parallel_group(), HSAPGatedDeltaNet)
         ref = _layer(config, singles[rank], GatedDeltaNet)
         ref.load_state_dict(hsap.state_dict())
-        for i, plan in enumerate(_plans()):
-            T = plan.num_tokens
-            gen = torch.Generator().manual_seed(200 + i)
-            x = torch.randn(T, 1, config.hidden_size, generator=gen)
-            upstream = torch.randn(T, 1, config.hidden_size, generator=gen)
-            xr = x.clone().requires_grad_(True)
-            ref.zero_grad()
-            cu = list(plan.batch.cu_seqlens)
-            want = torch.cat([ref(xr[a:b], None)[0] for a, b in zip(cu[:-1], cu[1:]) if b > a])
-            (want * upstream).sum().backward()
-            ids = torch.from_numpy(np.asarray(plan.local_token_indices(rank), dtype=np.int64))
-            real = ids < T
-            xl = torch.zeros(ids.numel(), 1, config.hidden_size)
-            xl[real] = x[ids[real]]
-            xl.requires_grad_(True)
-            hsap.zero_grad()
-            got = hsap(xl, None, packed_seq_params=_params(plan, rank))[0]
-            (got[real] * upstream[ids[real]]).sum().backward()
-            torch.testing.assert_close(got[real], want.detach()[ids[real]], rtol=1e-4, atol=1e-5, msg=f"plan {i} outputs")
-            torch.testing.assert_close(xl.grad[real], xr.grad[ids[real]], rtol=1e-4, atol=1e-5, msg=f"plan {i} input grads")
-            for (name, p), (_, q) in zip(hsap.named_parameters(), ref.named_parameters()):
-                grad = p.grad.clone()
-                dist.all_reduce(grad)
-                # float32 chunked delta rule batched over other heads: 1e-4 of the largest entry (seen: 2e-5)
-                scale = float(q.grad.abs().max())
-                torch.testing.assert_close(grad, q.grad, rtol=1e-4, atol=1e-4 * scale, msg=f"plan {i} {name}")
+        # (the float32 chunked delta rule batched over other heads: parameter gradients to 1e-4; seen 2e-5)
+        matches_documents_alone(hsap, ref, lambda layer, x, params: layer(x, None, packed_seq_params=params)[0], _params,
+                                config.hidden_size, seed=200, tol=(1e-4, 1e-5), grad_tol=1e-4)
     return "ok"
 
 
@@ -163,6 +141,7 @@ def test_layer_refuses_batches_hsap_did_not_shard() -> None:
 
     layer = HSAPGatedDeltaNet.__new__(HSAPGatedDeltaNet)
     torch.nn.Module.__init__(layer)
+    layer.pg_collection = types.SimpleNamespace(cp=None)  # (refused before the group is read)
     with pytest.raises(BatchError, match="not sharded by HSAP"):
         layer(torch.zeros(4, 1, 8), None, packed_seq_params=None)
     with pytest.raises(ConfigError, match="train only"):

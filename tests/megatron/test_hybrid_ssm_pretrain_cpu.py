@@ -27,8 +27,6 @@ pytestmark = pytest.mark.timeout(1800)
 
 MAMBA = ("--hybrid-layer-pattern", "M*M-", "--mamba-head-dim", "8", "--mamba-num-groups", "4", "--mamba-state-dim", "16",
          "--no-hsap-layout-fallback")
-
-
 GDN = ("--hybrid-layer-pattern", "G*G-", "--linear-num-key-heads", "4", "--linear-num-value-heads", "8",
        "--linear-key-head-dim", "8", "--linear-value-head-dim", "8", "--no-hsap-layout-fallback")
 
@@ -46,13 +44,6 @@ def test_gated_delta_net_hybrid_2x2_in_megatrons_loop_equals_cp1(root) -> None: 
     assert any(n.endswith("self_attention.A_log") for n in names) and any(n.endswith("self_attention.conv1d.weight") for n in names)
 
 
-@pytest.mark.slow
-def test_gated_delta_net_hybrid_with_tp2_sequence_parallel_equals_cp1(root) -> None:  # noqa: F811
-    extra = (*GDN, "--sequence-parallel")
-    hsap = _run(root, world_size=4, tp=2, intra_size=1, inter_size=2, extra=extra, **BASE)
-    _same_losses(hsap.losses, _run(root, world_size=2, tp=2, intra_size=1, inter_size=1, extra=extra, **BASE).losses)
-
-
 def test_mamba_hybrid_2x2_in_megatrons_loop_equals_cp1(root) -> None:  # noqa: F811
     hsap = _run(root, world_size=4, intra_size=2, inter_size=2, extra=MAMBA, **BASE)
     cp1 = _cp1(root)
@@ -63,10 +54,12 @@ def test_mamba_hybrid_2x2_in_megatrons_loop_equals_cp1(root) -> None:  # noqa: F
 
 
 @pytest.mark.slow
-def test_mamba_hybrid_with_tp2_sequence_parallel_equals_cp1(root) -> None:  # noqa: F811
-    """Against CP=1 at the same TP: Megatron draws each TP rank's Mamba conv / dt / A / D parameters
-    from that rank's own RNG stream, so a TP 1 run starts elsewhere (7.6e-2 apart at the first step)."""
-    extra = (*MAMBA, "--sequence-parallel")
+@pytest.mark.parametrize("layers", ["mamba", "gated delta net"])
+def test_hybrid_with_tp2_sequence_parallel_equals_cp1(root, layers: str) -> None:  # noqa: F811
+    """Against CP=1 at the same TP: Megatron draws each TP rank's Mamba conv / dt / A / D (gated delta
+    net A) parameters from that rank's own RNG stream, so a TP 1 run starts elsewhere (Mamba:
+    7.6e-2 apart at the first step)."""
+    extra = (*(MAMBA if layers == "mamba" else GDN), "--sequence-parallel")
     hsap = _run(root, world_size=4, tp=2, intra_size=1, inter_size=2, extra=extra, **BASE)
     _same_losses(hsap.losses, _run(root, world_size=2, tp=2, intra_size=1, inter_size=1, extra=extra, **BASE).losses)
 

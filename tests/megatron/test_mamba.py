@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import dataclasses
+import types
 
 import numpy as np
 import pytest
@@ -35,6 +36,46 @@ def _mixer(config, cp_group, tp_group):  # noqa: ANN001, ANN202
     return HSAPMambaMixer, subs, pgs
 
 
+def matches_documents_alone(hsap, ref, run, params_of, hidden: int, *, seed: int, tol: tuple[float, float],  # noqa: ANN001
+                            grad_tol: float) -> None:
+    """On each gloo rank of a CP 4 group: for every plan of ``test_mtp._plans``, the HSAP layer
+    ``hsap`` on this rank's tokens (padding rows zero; ``run(layer, x, params)`` → ``[t, 1, h]``
+    with ``params_of(plan, rank)``) against ``ref`` (the same parameters at CP 1) run on each
+    document alone with no packed sequence: outputs and input gradients to ``tol`` (rtol, atol),
+    every parameter's gradient summed over CP ranks (Megatron's gradient reduction) to
+    ``grad_tol`` of its largest entry (float32 sums in another order)."""
+    import torch.distributed as dist
+
+    from tests.megatron.test_mtp import _plans
+
+    rank = dist.get_rank()
+    for i, plan in enumerate(_plans()):
+        T = plan.num_tokens
+        gen = torch.Generator().manual_seed(seed + i)
+        x = torch.randn(T, 1, hidden, generator=gen)
+        upstream = torch.randn(T, 1, hidden, generator=gen)
+        xr = x.clone().requires_grad_(True)
+        ref.zero_grad()
+        cu = list(plan.batch.cu_seqlens)
+        want = torch.cat([run(ref, xr[a:b], None) for a, b in zip(cu[:-1], cu[1:]) if b > a])
+        (want * upstream).sum().backward()
+        ids = torch.from_numpy(np.asarray(plan.local_token_indices(rank), dtype=np.int64))
+        real = ids < T
+        xl = torch.zeros(ids.numel(), 1, hidden)
+        xl[real] = x[ids[real]]
+        xl.requires_grad_(True)
+        hsap.zero_grad()
+        got = run(hsap, xl, params_of(plan, rank))
+        (got[real] * upstream[ids[real]]).sum().backward()
+        torch.testing.assert_close(got[real], want.detach()[ids[real]], rtol=tol[0], atol=tol[1], msg=f"plan {i} outputs")
+        torch.testing.assert_close(xl.grad[real], xr.grad[ids[real]], rtol=tol[0], atol=tol[1], msg=f"plan {i} input grads")
+        for (name, p), (_, q) in zip(hsap.named_parameters(), ref.named_parameters()):
+            grad = p.grad.clone()
+            dist.all_reduce(grad)
+            scale = float(q.grad.abs().max())
+            torch.testing.assert_close(grad, q.grad, rtol=1e-4, atol=grad_tol * scale, msg=f"plan {i} {name}")
+
+
 def _mixer_case() -> str:
     import torch.distributed as dist
     from megatron.core import parallel_state as mpu
@@ -44,7 +85,7 @@ def _mixer_case() -> str:
 
     mamba_kernels.install()
     from tests.megatron.test_gpt_equivalence import _setup
-    from tests.megatron.test_mtp import _params, _plans
+    from tests.megatron.test_mtp import _params
     from tests.megatron.test_sinks_gpt import cpu_current_device
 
     rank = dist.get_rank()
@@ -58,35 +99,8 @@ def _mixer_case() -> str:
         ref = MambaMixer(config, subs, d_model=config.hidden_size, layer_number=1, pg_collection=one)
         ref.load_state_dict(hsap.state_dict())
         assert hsap.cp.cp_size == 4 and ref.cp.cp_size == 1
-        for i, plan in enumerate(_plans()):
-            T = plan.num_tokens
-            gen = torch.Generator().manual_seed(100 + i)
-            x = torch.randn(T, 1, config.hidden_size, generator=gen, dtype=torch.float32)
-            upstream = torch.randn(T, 1, config.hidden_size, generator=gen)
-            # reference: each document alone, Megatron's mixer at CP 1 with no packed sequence
-            xr = x.clone().requires_grad_(True)
-            ref.zero_grad()
-            cu = list(plan.batch.cu_seqlens)
-            outs = [ref(xr[a:b])[0] for a, b in zip(cu[:-1], cu[1:]) if b > a]
-            want = torch.cat(outs)
-            (want * upstream).sum().backward()
-            # HSAP: this rank's tokens (padding rows zero), then every gradient summed over CP
-            ids = torch.from_numpy(np.asarray(plan.local_token_indices(rank), dtype=np.int64))
-            real = ids < T
-            xl = torch.zeros(ids.numel(), 1, config.hidden_size)
-            xl[real] = x[ids[real]]
-            xl.requires_grad_(True)
-            hsap.zero_grad()
-            got = hsap(xl, packed_seq_params=_params(plan, rank))[0]
-            (got[real] * upstream[ids[real]]).sum().backward()
-            torch.testing.assert_close(got[real], want.detach()[ids[real]], rtol=1e-5, atol=1e-6, msg=f"plan {i} outputs")
-            torch.testing.assert_close(xl.grad[real], xr.grad[ids[real]], rtol=1e-5, atol=1e-6, msg=f"plan {i} input grads")
-            for (name, p), (_, q) in zip(hsap.named_parameters(), ref.named_parameters()):
-                grad = p.grad.clone()
-                dist.all_reduce(grad)
-                # float32 sums in another order: held to 1e-5 of the gradient's largest entry
-                scale = float(q.grad.abs().max())
-                torch.testing.assert_close(grad, q.grad, rtol=1e-4, atol=1e-5 * scale, msg=f"plan {i} {name}")
+        matches_documents_alone(hsap, ref, lambda layer, x, params: layer(x, packed_seq_params=params)[0], _params,
+                                config.hidden_size, seed=100, tol=(1e-5, 1e-6), grad_tol=1e-5)
     return "ok"
 
 
@@ -147,6 +161,7 @@ def test_mixer_refuses_batches_hsap_did_not_shard() -> None:
 
     mixer = HSAPMambaMixer.__new__(HSAPMambaMixer)
     torch.nn.Module.__init__(mixer)
+    mixer.pg_collection = types.SimpleNamespace(cp=None)  # (refused before the group is read)
     with pytest.raises(BatchError, match="not sharded by HSAP"):
         mixer(torch.zeros(4, 1, 8), packed_seq_params=None)
     with pytest.raises(ConfigError, match="train only"):

@@ -13,9 +13,7 @@ document of ``cu_seqlens`` alone — it takes no ``cu_seqlens`` itself.
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import sys
-import types
 from typing import Any
 
 import torch
@@ -24,6 +22,7 @@ from torch import Tensor
 
 from megatron_hsap.errors import ConfigError
 from megatron_hsap.megatron.cpu.mamba_kernels import causal_conv1d as _conv_in_documents
+from megatron_hsap.megatron.cpu.mamba_kernels import register_packages
 
 __all__ = ["causal_conv1d", "chunk_gated_delta_rule", "install", "l2norm"]
 
@@ -73,20 +72,12 @@ def chunk_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Ten
 def install() -> None:
     """Register the stand-in ``fla`` package (idempotent); a real one is left alone. megatron-core's
     gated delta net modules read the kernels at import; imported before, they are run again."""
-    if "fla" in sys.modules:
+    if not register_packages(("fla",), {
+        "fla.modules.convolution": {"causal_conv1d": causal_conv1d},
+        "fla.modules.l2norm": {"l2norm": l2norm},
+        "fla.ops.gated_delta_rule": {"chunk_gated_delta_rule": chunk_gated_delta_rule},
+    }):
         return
-    if importlib.util.find_spec("fla") is not None:
-        return  # (a GPU install of flash-linear-attention: never shadowed)
-    names = ("fla", "fla.modules", "fla.modules.convolution", "fla.modules.l2norm", "fla.ops", "fla.ops.gated_delta_rule")
-    modules = {name: types.ModuleType(name) for name in names}
-    modules["fla.modules.convolution"].causal_conv1d = causal_conv1d
-    modules["fla.modules.l2norm"].l2norm = l2norm
-    modules["fla.ops.gated_delta_rule"].chunk_gated_delta_rule = chunk_gated_delta_rule
-    for name, module in modules.items():
-        parent, _, child = name.rpartition(".")
-        if parent:
-            setattr(modules[parent], child, module)
-        sys.modules[name] = module
     common = sys.modules.get("megatron.core.ssm.gated_delta_net.common")
     if common is not None and not common.HAVE_FLA:
         # (classes made from them before read the same module namespaces, now complete)

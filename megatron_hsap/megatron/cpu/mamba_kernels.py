@@ -19,6 +19,8 @@ token-by-token recurrence.
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import math
 import sys
 import types
@@ -30,7 +32,7 @@ from torch import Tensor, nn
 
 from megatron_hsap.errors import ConfigError
 
-__all__ = ["RMSNormGated", "causal_conv1d", "causal_conv1d_fn", "install", "mamba_split_conv1d_scan_combined", "ssd_scan"]
+__all__ = ["RMSNormGated", "causal_conv1d", "causal_conv1d_fn", "install", "register_packages", "mamba_split_conv1d_scan_combined", "ssd_scan"]
 
 VERSION = "2.2.6"  # what the stand-in reports: the mamba_ssm release whose signatures it follows
 CONV1D_VERSION = "1.5.3"  # and the causal_conv1d release (Megatron checks both before packed training)
@@ -182,31 +184,38 @@ class RMSNormGated(nn.Module):
         return out.to(x.dtype)
 
 
-def install() -> None:
-    """Register the stand-in ``mamba_ssm`` and ``causal_conv1d`` packages (idempotent); real ones are
-    left alone. megatron-core's ``ssm.mamba_mixer`` reads the kernels at import; imported before,
-    it is run again."""
-    if "mamba_ssm" in sys.modules:
-        return
-    import importlib.util
-
-    if any(importlib.util.find_spec(name) is not None for name in ("mamba_ssm", "causal_conv1d")):
-        return  # (a GPU build of the real packages: never shadowed)
-    modules = {name: types.ModuleType(name) for name in
-               ("mamba_ssm", "mamba_ssm.ops", "mamba_ssm.ops.triton", "mamba_ssm.ops.triton.ssd_combined",
-                "mamba_ssm.ops.triton.layernorm_gated", "causal_conv1d", "causal_conv1d.causal_conv1d_varlen")}
-    modules["mamba_ssm"].__version__ = VERSION
-    modules["causal_conv1d"].__version__ = CONV1D_VERSION
-    modules["causal_conv1d"].causal_conv1d_fn = causal_conv1d_fn
-    modules["causal_conv1d.causal_conv1d_varlen"].causal_conv1d_varlen_states = causal_conv1d_varlen_states
-    modules["mamba_ssm.ops.triton.ssd_combined"].mamba_split_conv1d_scan_combined = mamba_split_conv1d_scan_combined
-    modules["mamba_ssm.ops.triton.ssd_combined"].mamba_chunk_scan_combined = mamba_chunk_scan_combined
-    modules["mamba_ssm.ops.triton.layernorm_gated"].RMSNorm = RMSNormGated
+def register_packages(roots: tuple[str, ...], contents: dict[str, dict[str, Any]]) -> bool:
+    """Put stand-in modules in ``sys.modules``: each of ``contents`` (a dotted name → its attributes)
+    with every parent package, linked as attributes. Nothing when any of ``roots`` is already
+    imported or installed (a real package is never shadowed). Returns whether it registered."""
+    if any(root in sys.modules or importlib.util.find_spec(root) is not None for root in roots):
+        return False
+    names = sorted({".".join(name.split(".")[:i + 1]) for name in contents for i in range(name.count(".") + 1)})
+    modules = {name: types.ModuleType(name) for name in names}
+    for name, attrs in contents.items():
+        for attr, value in attrs.items():
+            setattr(modules[name], attr, value)
     for name, module in modules.items():
         parent, _, child = name.rpartition(".")
         if parent:
             setattr(modules[parent], child, module)
         sys.modules[name] = module
+    return True
+
+
+def install() -> None:
+    """Register the stand-in ``mamba_ssm`` and ``causal_conv1d`` packages (idempotent); real ones are
+    left alone. megatron-core's ``ssm.mamba_mixer`` reads the kernels at import; imported before,
+    it is run again."""
+    if not register_packages(("mamba_ssm", "causal_conv1d"), {
+        "mamba_ssm": {"__version__": VERSION},
+        "mamba_ssm.ops.triton.ssd_combined": {"mamba_split_conv1d_scan_combined": mamba_split_conv1d_scan_combined,
+                                              "mamba_chunk_scan_combined": mamba_chunk_scan_combined},
+        "mamba_ssm.ops.triton.layernorm_gated": {"RMSNorm": RMSNormGated},
+        "causal_conv1d": {"__version__": CONV1D_VERSION, "causal_conv1d_fn": causal_conv1d_fn},
+        "causal_conv1d.causal_conv1d_varlen": {"causal_conv1d_varlen_states": causal_conv1d_varlen_states},
+    }):
+        return
     mixer = sys.modules.get("megatron.core.ssm.mamba_mixer")
     if mixer is not None and not mixer.HAVE_MAMBA_SSM:
         # imported before the stand-in (it read the kernels as missing): run its module again; classes
