@@ -36,6 +36,7 @@ from torch import Tensor
 
 from megatron_hsap.errors import BatchError, ConfigError
 from megatron_hsap.megatron.batch import is_hsap_sharded
+from megatron_hsap.runtime.upload import upload
 
 __all__ = ["HSAPMambaMixer", "StreamOrder", "checked_stream_order", "install", "stream_order"]
 
@@ -59,9 +60,9 @@ class StreamOrder:
 
     @classmethod
     def of(cls, plan: Any, device: torch.device) -> "StreamOrder":
-        """The plan's order, moved to ``device`` in one pinned, non-blocking copy (no host stall)."""
+        """The plan's order on ``device`` in one packed non-blocking upload (``runtime/upload.py``)."""
         starts = np.asarray(plan.batch.doc_starts, dtype=np.int64)  # the padded stream's documents
-        seq_idx = np.repeat(np.arange(starts.size - 1, dtype=np.int64), np.diff(starts))
+        seq_idx = np.repeat(np.arange(starts.size - 1, dtype=np.int32), np.diff(starts))
         parts = [seq_idx]
         if plan.cp_size > 1:
             ids = np.concatenate([np.asarray(plan.local_token_indices(r), dtype=np.int64) for r in range(plan.cp_size)])
@@ -71,12 +72,9 @@ class StreamOrder:
             order = np.empty_like(ids)
             order[ids] = np.arange(ids.size, dtype=np.int64)
             parts += [ids, order]
-        host = torch.from_numpy(np.concatenate(parts))
-        if device.type != "cpu":
-            host = host.pin_memory()
-        moved = torch.split(host.to(device, non_blocking=True), [p.size for p in parts])
+        moved = upload([torch.from_numpy(p) for p in parts], device)
         gathered, order_dev = (moved[1], moved[2]) if len(moved) == 3 else (None, None)
-        return cls(gathered, order_dev, moved[0].to(torch.int32).unsqueeze(0))
+        return cls(gathered, order_dev, moved[0].unsqueeze(0))
 
 
 def stream_order(params: Any, device: torch.device) -> StreamOrder:
