@@ -19,7 +19,9 @@ Run it from a Megatron-LM checkout (it imports ``pretrain_gpt`` from there)::
 ``MEGATRON_LM=/path/to/Megatron-LM`` works too. To try the same loop without a GPU, run
 ``megatron-hsap pretrain-cpu`` (its own copies of pretrain_gpt's provider and loss, no checkout), or
 ``megatron-hsap pretrain-cpu --megatron-lm /path/to/Megatron-LM`` (this script's very function, on
-CPU ranks).
+CPU ranks). Hybrid models (``--hybrid-layer-pattern``: Mamba, gated delta net layers) go through
+``pretrain_hybrid_hsap.py``, Megatron-LM's ``pretrain_hybrid.py`` with the same wiring; given a
+pattern, this script says so before anything runs.
 """
 
 from __future__ import annotations
@@ -30,17 +32,12 @@ _PROGRAM_START_TIME = time.time()
 
 
 def main() -> None:
-    from megatron_hsap.errors import ConfigError
-    from megatron_hsap.megatron.megatron_lm import megatron_lm_root, run_pretrain_gpt
+    from megatron_hsap.megatron.megatron_lm import GPT, script_main
 
-    try:
-        root = megatron_lm_root()
-    except ConfigError as exc:
-        raise SystemExit(f"pretrain_gpt_hsap.py: {exc}") from None
     # The wiring (argument parsing with HSAP's flags, ModelOpt, the HSAP spec, batch hook and groups,
     # pretrain() with the checkout's provider, forward step and loss) is the one function
     # `megatron-hsap pretrain-cpu --megatron-lm DIR` runs too, on CPU ranks.
-    run_pretrain_gpt(root, program_start=_PROGRAM_START_TIME)
+    script_main(GPT, program_start=_PROGRAM_START_TIME)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,9 @@ from megatron_hsap.launch.config import (
     parse_tokens,
 )
 
-__all__ = ["load_config", "config_from_dict", "with_megatron_args", "check_passthrough"]
+__all__ = ["load_config", "config_from_dict", "with_megatron_args", "check_passthrough", "default_entry"]
+
+HYBRID_ENTRY = "scripts/pretrain_hybrid_hsap.py"  # Megatron-LM's pretrain_hybrid.py with HSAP's wiring
 
 
 _SECTIONS: dict[str, type] = {
@@ -108,8 +110,17 @@ def config_from_dict(data: Mapping[str, Any], *, source: str | None = None) -> L
     if not isinstance(extra, list) or not all(isinstance(a, (str, int, float)) for a in extra):
         raise ConfigError("megatron_args: must be a list of command-line tokens")
     return LaunchConfig(name=str(data.get("name", "config")), megatron_args=tuple(str(a) for a in extra),
-                        entry=str(data.get("entry", DEFAULT_ENTRY)), untested=_untested(data.get("untested")),
+                        entry=str(data.get("entry", default_entry(extra))), untested=_untested(data.get("untested")),
                         source=source, **sections)
+
+
+def default_entry(megatron_args: Sequence[Any]) -> str:
+    """The entry script when the config names none: ``pretrain_hybrid_hsap.py`` for a hybrid layer
+    pattern in ``megatron_args`` (Megatron-LM builds hybrid models with ``pretrain_hybrid.py``),
+    else ``DEFAULT_ENTRY`` (``pretrain_gpt_hsap.py``)."""
+    from megatron_hsap.megatron.megatron_lm import HYBRID, entry_for
+
+    return HYBRID_ENTRY if entry_for([str(a) for a in megatron_args]) == HYBRID else DEFAULT_ENTRY
 
 
 def with_megatron_args(cfg: LaunchConfig, extra: Sequence[str]) -> LaunchConfig:
@@ -164,10 +175,26 @@ def check_passthrough(cfg: LaunchConfig) -> None:
         raise ConfigError("megatron_args: --sft, but data.reset_position_ids is true: Megatron's SFTDataset gives each "
                           "conversation its own positions and asserts --reset-position-ids off; set "
                           "data.reset_position_ids: false")
+    _check_entry(cfg)
     hsap_only = sorted(a for a in given if a.startswith(("--hsap-", "--no-hsap-")))
     if cfg.parallel.cp_impl is not CPImpl.HSAP and hsap_only:
         raise ConfigError(f"megatron_args: {hsap_only} configure HSAP, but parallel.cp_impl is {cfg.parallel.cp_impl.value}, "
                           "which ignores them; drop them or set parallel.cp_impl: hsap")
+
+
+def _check_entry(cfg: LaunchConfig) -> None:
+    """This project's entry scripts refuse the other one's model at start-up (``megatron_lm.check_entry``):
+    say so when the config is read instead (a custom entry is the user's business)."""
+    from megatron_hsap.megatron.megatron_lm import GPT, HYBRID, check_entry
+
+    entry = {Path(DEFAULT_ENTRY).name: GPT, Path(HYBRID_ENTRY).name: HYBRID}.get(Path(cfg.entry).name)
+    if entry is None:
+        return
+    try:
+        check_entry(entry, cfg.megatron_args)
+    except ConfigError as err:
+        raise ConfigError(f"entry {cfg.entry} with these megatron_args: {err} (or drop entry: the default "
+                          "follows the layer pattern)") from None
 
 
 def _untested(value: Any) -> tuple[str, ...]:

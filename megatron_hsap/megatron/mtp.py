@@ -56,13 +56,13 @@ class Successors:
 
     @classmethod
     def on(cls, table: NextTokenMap, device: torch.device) -> "Successors":
-        """The table's indices moved to ``device`` in one pinned, non-blocking copy (no host stall)."""
-        parts = [table.local_dst, table.remote_dst, table.remote_src, table.send]
-        host = torch.from_numpy(np.concatenate(parts))
-        if device.type != "cpu":
-            host = host.pin_memory()
-        flat = host.to(device, non_blocking=True)
-        local_dst, remote_dst, remote_src, send = torch.split(flat, [p.size for p in parts])
+        """The table's indices moved to ``device`` in one packed, non-blocking copy (``runtime/upload.py``:
+        pinned on CUDA, no host stall)."""
+        from megatron_hsap.runtime.upload import upload
+
+        parts = (table.local_dst, table.remote_dst, table.remote_src, table.send)
+        local_dst, remote_dst, remote_src, send = upload([torch.from_numpy(np.ascontiguousarray(p)) for p in parts],
+                                                         device)
         return cls(table, local_dst, local_dst + 1, remote_dst, remote_src, send)
 
 

@@ -370,15 +370,18 @@ def run_pretrain(datasets_provider: Any, forward_step: Callable[..., Any], loss_
                  get_embedding_ranks: Callable[..., Any] | None = None,
                  extra_args_provider: Callable[[Any], Any] | None = None,
                  args_defaults: dict[str, Any] | None = None, store: Any = None,
-                 program_start: float | None = None) -> None:
-    """Megatron's ``pretrain()`` for a GPT, with HSAP when ``--context-parallel-impl hsap``.
+                 program_start: float | None = None, hybrid: bool | None = None) -> None:
+    """Megatron's ``pretrain()`` for a GPT or hybrid model, with HSAP when ``--context-parallel-impl hsap``.
 
     The order is ``pretrain_gpt.py``'s (``core_v0.19.0``): start-up timestamps, in-process restart
     wrapper, argument parsing and validation (HSAP's flags included), ModelOpt, then for ``hsap`` the
     HSAP spec, batch hook and group initialisation, then the model config and ``pretrain``.
     ``forward_step`` / ``loss_func`` are the ``ring`` path's (``pretrain_gpt``'s); for ``hsap`` the
     forward step is HSAP's around ``loss_func``. ``store`` (a ``torch.distributed.Store``) overrides
-    the in-process-restart store (the CPU command passes a loopback one).
+    the in-process-restart store (the CPU command passes a loopback one). ``hybrid``: the model
+    ``pretrain_hybrid.py`` builds (True: a HybridModel, a layer pattern required) or
+    ``pretrain_gpt.py``'s (False: a GPTModel, no pattern allowed); None (the CPU provider, which
+    serves both): a HybridModel exactly when a pattern is given.
     """
     main_entry = time.time()
     from megatron.core.enums import ModelType
@@ -399,6 +402,12 @@ def run_pretrain(datasets_provider: Any, forward_step: Callable[..., Any], loss_
     run, restart_store = inprocess_restart.maybe_wrap_for_inprocess_restart(pretrain)
     args = parse_and_validate_args(extra_args_provider=provider,
                                    args_defaults=args_defaults or {"tokenizer_type": "GPT2BPETokenizer"})
+    has_pattern = getattr(args, "hybrid_layer_pattern", None) is not None  # (after Megatron's legacy-flag conversion)
+    if hybrid is not None and hybrid != has_pattern:  # the checkout's other script (flags a --yaml-cfg gave)
+        from megatron_hsap.megatron.megatron_lm import GPT, HYBRID, check_entry
+
+        check_entry(HYBRID if hybrid else GPT, ["--hybrid-layer-pattern"] if has_pattern else [])
+    hybrid = has_pattern
     try:
         from megatron.post_training.utils import maybe_enable_modelopt
     except ImportError:  # Megatron-LM's post_training package is not in the megatron-core wheel
@@ -414,7 +423,6 @@ def run_pretrain(datasets_provider: Any, forward_step: Callable[..., Any], loss_
         datasets_provider, forward_step = hsap_entry_points(args, datasets_provider, loss_func)
     # --hybrid-layer-pattern: a HybridModel built by Megatron's HybridModelBuilder, as Megatron-LM's
     # pretrain_hybrid.py does (core_v0.19.0); otherwise a GPTModel, as pretrain_gpt.py
-    hybrid = getattr(args, "hybrid_layer_pattern", None) is not None
     model_cfg = hybrid_config_from_args(args) if hybrid else gpt_config_from_args(args)
     run(
         pretrain_cfg_container_from_args(args, model_cfg),

@@ -127,11 +127,12 @@ hsap_main() {
       printf 'export %s=%s\n' "$var" "${!var@Q}"
     fi
   done
-  # The training script imports Megatron-LM's pretrain_gpt: from $MEGATRON_LM or the directory
-  # the job runs in (a Megatron-LM checkout at core_v0.19.0).
+  # The training script imports Megatron-LM's pretrain_gpt (pretrain_hybrid for a hybrid layer
+  # pattern): from $MEGATRON_LM or the directory the job runs in (a checkout at core_v0.19.0).
   if ((!dry_run)) && [[ -z ${MEGATRON_LM:-} && ! -f pretrain_gpt.py ]]; then
     echo "error: export MEGATRON_LM=/path/to/Megatron-LM (core_v0.19.0) or submit from that" \
-      "checkout: scripts/pretrain_gpt_hsap.py runs its pretrain_gpt" >&2
+      "checkout: scripts/pretrain_gpt_hsap.py and pretrain_hybrid_hsap.py run its pretrain_gpt.py" \
+      "and pretrain_hybrid.py" >&2
     return 2
   fi
   # A real launch refuses here, once, what every node's exec would refuse (placeholder or missing

@@ -418,6 +418,23 @@ def test_arguments_after_the_separator_are_checked_like_megatron_args(capsys: py
         assert out == "" and said in err, err
 
 
+def test_a_hybrid_layer_pattern_runs_the_hybrid_entry_script() -> None:
+    """Megatron-LM builds hybrid models with ``pretrain_hybrid.py``: the default entry follows the
+    pattern, and an entry script of this project given the other script's model is refused when the
+    config is read (the script itself would refuse it at start-up, after the job queued)."""
+    hybrid = ["--hybrid-layer-pattern", "M*M-"]
+    assert config_from_dict(_gpt()).entry == "scripts/pretrain_gpt_hsap.py"
+    cfg = config_from_dict({**_gpt(), "megatron_args": hybrid})
+    assert cfg.entry == "scripts/pretrain_hybrid_hsap.py" and to_megatron_args(cfg)[-2:] == hybrid
+    assert config_from_dict({**_gpt(), "megatron_args": hybrid, "entry": "/x/my_train.py"}).entry == "/x/my_train.py"
+    with pytest.raises(ConfigError, match=r"entry /x/scripts/pretrain_gpt_hsap.py with these megatron_args: "
+                                          r"--hybrid-layer-pattern: Megatron-LM trains hybrid models with pretrain_hybrid.py"):
+        config_from_dict({**_gpt(), "megatron_args": hybrid, "entry": "/x/scripts/pretrain_gpt_hsap.py"})
+    with pytest.raises(ConfigError, match=r"entry scripts/pretrain_hybrid_hsap.py with these megatron_args: "
+                                          r"pretrain_hybrid.py builds a HybridModel"):
+        config_from_dict({**_gpt(), "entry": "scripts/pretrain_hybrid_hsap.py"})
+
+
 def test_resolve_prints_nothing_before_a_node_rank_error(tmp_path: Path, capsys, monkeypatch) -> None:
     # `eval "$(launch resolve ...)"` must not get the export lines of a run that errs
     from megatron_hsap.launch.__main__ import main

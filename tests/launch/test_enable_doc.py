@@ -156,6 +156,10 @@ def test_path_2_text_matches_the_patch() -> None:
         "docs/enable.md section 2, Path 2: say whether the patch adds HSAP's --hsap-* flags "
         f"(it {'does' if adds_hsap_flags else 'does not'}), and the table title 'Path 1 only'")
     assert ("Path 1 only" not in DOC) == adds_hsap_flags
+    for script in ("pretrain_gpt.py", "pretrain_hybrid.py"):  # the scripts the page says it patches
+        assert f"+++ b/{script}" in patch and f"`{script}`" in path2, script
+        hunk = patch[patch.index(f"+++ b/{script}"):]
+        assert "hsap_entry_points(" in hunk.split("\ndiff --git")[0], script
 
 
 def test_the_untested_names_on_the_page_are_preflight_s() -> None:

@@ -13,8 +13,8 @@ plan, whose ranks hold consecutive tokens, where a missing reorder goes unseen �
 dropped the default cases below are 2.7e-4 (Mamba) and 2.9e-4 (gated delta net) apart (checked by
 mutation, 2026-12-06).
 
-Default: ``M*M-`` and ``G*G-`` at CP 2×2. Slow: TP 2 + sequence parallelism × CP 1×2 (each), and
-Mamba at 4×1 (one node's all-to-all only).
+Default: ``M*M-`` and ``G*G-`` at CP 2×2. Slow: TP 2 + sequence parallelism × CP 1×2 (each), Mamba
+at 4×1 (one node's all-to-all only), and both kinds over two pipeline stages (PP 2 × CP 2×2).
 """
 
 from __future__ import annotations
@@ -68,3 +68,16 @@ def test_hybrid_with_tp2_sequence_parallel_equals_cp1(root, layers: str) -> None
 def test_mamba_hybrid_4x1_equals_cp1(root) -> None:  # noqa: F811
     hsap = _run(root, world_size=4, intra_size=4, inter_size=1, extra=MAMBA, **BASE)
     _same_losses(hsap.losses, _cp1(root).losses)
+
+
+@pytest.mark.slow
+def test_both_layer_kinds_over_two_pipeline_stages_equal_cp1(root) -> None:  # noqa: F811
+    """PP 2 × CP 2×2, each stage one Mamba, one attention, one gated delta net and one MLP layer
+    (``M*G-M*G-``): every stage plans its own batches (the middle of the loop reads the stage's
+    packed sequence, not data), against the same stages at CP=1 under HSAP."""
+    extra = ("--hybrid-layer-pattern", "M*G-M*G-", *MAMBA[2:], *GDN[2:-1])
+    kw = dict(pp=2, micro_batch_size=1, extra=extra, **BASE)
+    hsap = _run(root, world_size=8, intra_size=2, inter_size=2, **kw)
+    cp1 = _run(root, world_size=2, intra_size=1, inter_size=1, **kw)
+    _same_losses(hsap.losses, cp1.losses)
+    _same_losses(hsap.validation, cp1.validation)

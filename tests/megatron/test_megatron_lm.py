@@ -1,9 +1,10 @@
-"""``pretrain-cpu --megatron-lm DIR``: the ranks run a Megatron-LM checkout's ``pretrain_gpt.py``
-through ``megatron_lm.run_pretrain_gpt``, the function ``scripts/pretrain_gpt_hsap.py`` runs.
+"""``pretrain-cpu --megatron-lm DIR``: the ranks run a Megatron-LM checkout's ``pretrain_gpt.py`` —
+``pretrain_hybrid.py`` given a hybrid layer pattern — through ``megatron_lm.run_megatron_lm``, the
+function ``scripts/pretrain_gpt_hsap.py`` / ``scripts/pretrain_hybrid_hsap.py`` run.
 
 CI has no Megatron-LM checkout (the megatron-core wheel and sdist ship ``megatron/training`` but not
 ``pretrain_gpt.py``), so the end-to-end test runs a stand-in checkout written here, whose
-``pretrain_gpt.py`` hands over this project's CPU provider, forward step and loss: it checks the
+``pretrain_gpt.py`` (and ``pretrain_hybrid.py``) hands over this project's CPU provider, forward step and loss: it checks the
 plumbing (the checkout's module is the one the ranks import and run, under HSAP and as the
 ``--compare`` reference), not Megatron-LM's code. Against the real checkout (tag core_v0.19.0) the
 same command was run by hand: docs/enable.md §4 records the figures.
@@ -21,6 +22,7 @@ import pytest
 
 from megatron_hsap.errors import ConfigError
 from megatron_hsap.megatron.cpu.command import CPURun, corpus_data_flags, main, megatron_flags, reference_of
+from megatron_hsap.megatron.megatron_lm import GPT, HYBRID, check_entry, entry_for
 from tests.megatron.test_pretrain_cpu import BASE, _run, _same_losses, root  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -39,6 +41,7 @@ print(f"[stand-in pretrain_gpt] imported from {os.path.dirname(os.path.abspath(_
 def checkout(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("Megatron-LM")
     (path / "pretrain_gpt.py").write_text(STAND_IN)
+    (path / "pretrain_hybrid.py").write_text(STAND_IN.replace("pretrain_gpt", "pretrain_hybrid"))
     return path
 
 
@@ -94,6 +97,53 @@ def test_bad_checkouts_are_refused_before_spawning(checkout: Path, change: dict,
         CPURun(**{"megatron_lm": str(checkout), **change}).check()
 
 
+@pytest.mark.parametrize(("argv", "entry"), [
+    ((), GPT),
+    (("--num-layers", "2", "--hybrid-layer-pattern", "M*M-"), HYBRID),
+    (("--hybrid-layer-pattern=G*G-",), HYBRID),
+    (("--hybrid-override-pattern", "M*"), HYBRID),  # (deprecated: validate_args turns it into the first)
+    (("--mtp-num-layers", "1", "--mtp-hybrid-override-pattern", "*-"), HYBRID),
+    (("--spec", "x", "--hybrid-layer-patterns", "M"), GPT),  # (not a flag of Megatron's: argparse's business)
+])
+def test_the_entry_script_follows_the_hybrid_layer_pattern(argv: tuple[str, ...], entry: str) -> None:
+    assert entry_for(argv) == entry
+    check_entry(entry, argv)  # (its own flags: accepted)
+    other = GPT if entry == HYBRID else HYBRID
+    with pytest.raises(ConfigError, match=(r"Megatron-LM trains hybrid models with pretrain_hybrid.py .* run "
+                                           r"scripts/pretrain_hybrid_hsap.py" if other == GPT else
+                                           r"pretrain_hybrid.py builds a HybridModel from --hybrid-layer-pattern, "
+                                           r"and none was given")):
+        check_entry(other, argv)
+
+
+def test_a_hybrid_pattern_needs_the_checkouts_pretrain_hybrid(tmp_path: Path) -> None:
+    (tmp_path / "pretrain_gpt.py").write_text(STAND_IN)
+    CPURun(megatron_lm=str(tmp_path)).check()
+    with pytest.raises(ConfigError, match=rf"no pretrain_hybrid.py in {tmp_path}: give a Megatron-LM checkout"):
+        CPURun(megatron_lm=str(tmp_path), extra=("--hybrid-layer-pattern", "*-*-")).check()
+
+
+@pytest.mark.parametrize(("script", "argv", "message"), [
+    ("pretrain_hybrid_hsap.py", (), "pretrain_hybrid_hsap.py: no pretrain_hybrid.py in {path}"),
+    ("pretrain_gpt_hsap.py", ("--hybrid-layer-pattern", "M*"),
+     "pretrain_gpt_hsap.py: --hybrid-layer-pattern: Megatron-LM trains hybrid models with pretrain_hybrid.py"),
+    ("pretrain_hybrid_hsap.py", ("--num-layers", "2"), "pretrain_hybrid_hsap.py: pretrain_hybrid.py builds a "
+     "HybridModel from --hybrid-layer-pattern, and none was given"),
+])
+def test_the_cluster_scripts_refuse_the_other_scripts_flags(tmp_path: Path, script: str, argv: tuple[str, ...],
+                                                           message: str) -> None:
+    """Before anything runs: one line naming the script and what to change (the checkout here has
+    ``pretrain_gpt.py`` and, but for the first case, ``pretrain_hybrid.py``)."""
+    (tmp_path / "pretrain_gpt.py").write_text(STAND_IN)
+    if argv:
+        (tmp_path / "pretrain_hybrid.py").write_text(STAND_IN)
+    env = {**os.environ, "MEGATRON_LM": str(tmp_path)}
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / script), *argv], env=env, cwd=tmp_path,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1 and message.format(path=tmp_path) in out.stderr, out.stderr
+    assert "stand-in" not in out.stdout  # (nothing of the checkout imported)
+
+
 def test_command_refuses_a_folder_without_pretrain_gpt(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--megatron-lm", str(tmp_path), "--compare"]) == 2
     err = capsys.readouterr().err
@@ -128,3 +178,18 @@ def test_ranks_run_the_checkouts_pretrain_gpt_under_hsap_and_as_the_reference(ro
                                                             "global_batch_size", "tp")})
     _same_losses(got.losses, ref.losses)
     assert "[stand-in pretrain_gpt]" in (Path(ref.log_dir) / "rank0.log").read_text()
+
+
+@pytest.mark.slow
+def test_ranks_run_the_checkouts_pretrain_hybrid_for_a_hybrid_pattern(root: Path, checkout: Path) -> None:  # noqa: F811
+    """Given ``--hybrid-layer-pattern`` every rank imports the checkout's ``pretrain_hybrid.py`` (not
+    its ``pretrain_gpt.py``), and the run equals ``pretrain-cpu``'s own hybrid run step for step."""
+    extra = ("--tokenizer-type", "NullTokenizer", "--vocab-size", "258", "--hybrid-layer-pattern", "*-*-")
+    kw = dict(world_size=4, intra_size=2, inter_size=2, **BASE)
+    got = _run(root, megatron_lm=str(checkout), extra=extra, **kw)
+    want = _run(root, extra=extra[4:], **kw)
+    assert got.losses == want.losses and got.validation == want.validation
+    for rank in range(4):
+        log = (Path(got.log_dir) / f"rank{rank}.log").read_text()
+        assert f"[stand-in pretrain_hybrid] imported from {checkout}" in log, rank
+        assert "[stand-in pretrain_gpt]" not in log, rank

@@ -19,9 +19,10 @@ P2P; its attention is checked against float64 references by ``tests/megatron/tes
 ``SFTDataset`` over conversations made from the CPU corpus, ``megatron/cpu/sft.py``); its reference
 masks each batch by the batch's ``cu_seqlens`` (HSAP builds the SFT data as CP=1 does:
 ``pretrain_hooks.sft_data_as_cp1``).
-``--megatron-lm DIR`` runs a Megatron-LM checkout's own ``pretrain_gpt.py`` (its provider, forward step
-and loss, through ``megatron_lm.run_pretrain_gpt``: what ``scripts/pretrain_gpt_hsap.py`` runs on a
-cluster) instead of this command's copies, on the CPU corpus or the data flags given after ``--``.
+``--megatron-lm DIR`` runs a Megatron-LM checkout's own ``pretrain_gpt.py`` — ``pretrain_hybrid.py``
+given a hybrid layer pattern — (its provider, forward step and loss, through
+``megatron_lm.run_megatron_lm``: what ``scripts/pretrain_gpt_hsap.py`` / ``pretrain_hybrid_hsap.py``
+run on a cluster) instead of this command's copies, on the CPU corpus or the data flags given after ``--``.
 """
 
 from __future__ import annotations
@@ -95,8 +96,9 @@ class CPURun:
     # (LayerNorm, GeLU, biases, MHA 4/4, tied embeddings)
     model: str = "llama"
     extra: tuple[str, ...] = ()
-    # a Megatron-LM checkout: run its pretrain_gpt.py's provider, forward step and loss
-    # (``megatron_lm.run_pretrain_gpt``, as scripts/pretrain_gpt_hsap.py does) instead of the CPU copies
+    # a Megatron-LM checkout: run its pretrain_gpt.py's (pretrain_hybrid.py's, given a hybrid layer pattern)
+    # provider, forward step and loss (``megatron_lm.run_megatron_lm``, as scripts/pretrain_*_hsap.py do)
+    # instead of the CPU copies
     megatron_lm: str | None = None
     vocab_multiple: int = 1  # --make-vocab-size-divisible-by (a TP=1 reference: the run's × its TP)
     log_dir: str | None = None
@@ -149,9 +151,9 @@ class CPURun:
             self._check_heads()
 
     def _check_megatron_lm(self) -> None:
-        from megatron_hsap.megatron.megatron_lm import megatron_lm_root
+        from megatron_hsap.megatron.megatron_lm import entry_for, megatron_lm_root
 
-        megatron_lm_root(self.megatron_lm)  # (ConfigError: no pretrain_gpt.py there)
+        megatron_lm_root(self.megatron_lm, entry_for(self.extra))  # (ConfigError: no pretrain_gpt.py / pretrain_hybrid.py there)
         if self.sft or "--sft" in self.extra:
             raise ConfigError("--sft with --megatron-lm: Megatron-LM's SFT path builds its tokenizer from your "
                               "Hugging Face model (--tokenizer-type SFTTokenizer); pretrain-cpu --sft without "
@@ -279,7 +281,7 @@ def parse_mtp_losses(text: str) -> dict[int, dict[int, float]]:
     return out
 
 
-MEGATRON_LM_ENV = "HSAP_CPU_MEGATRON_LM"  # ``--megatron-lm``: the checkout whose pretrain_gpt.py the ranks run
+MEGATRON_LM_ENV = "HSAP_CPU_MEGATRON_LM"  # ``--megatron-lm``: the checkout whose scripts the ranks run
 
 # Megatron's FSDP implementations refuse CUDA_DEVICE_MAX_CONNECTIONS=1 (megatron/training/arguments.py);
 # everything else wants 1 (the ordering TP/SP overlap relies on). No stream exists on CPU either way.
@@ -407,8 +409,9 @@ def build_parser(prog: str = "megatron-hsap pretrain-cpu") -> argparse.ArgumentP
                    "the same loop at CP=1 under HSAP) and print the largest per-step relative loss difference (with --mtp-num-layers, each "
                    "depth's logged MTP loss too)")
     p.add_argument("--megatron-lm", metavar="DIR", default=None,
-                   help="a Megatron-LM checkout (core_v0.19.0): the ranks run its pretrain_gpt.py — dataset provider, "
-                   "forward step, loss — through the function scripts/pretrain_gpt_hsap.py runs, instead of this "
+                   help="a Megatron-LM checkout (core_v0.19.0): the ranks run its pretrain_gpt.py (pretrain_hybrid.py "
+                   "given --hybrid-layer-pattern) — dataset provider, forward step, loss — through the function "
+                   "scripts/pretrain_gpt_hsap.py / pretrain_hybrid_hsap.py run, instead of this "
                    "command's copies; data and tokenizer flags after -- then reach it (default: the CPU corpus "
                    "as --data-path with Megatron's NullTokenizer)")
     add_renamed(p, "--out", "--log-dir", type=output_dir, default=None, metavar="DIR", dest="out",

@@ -3,8 +3,9 @@
 Installs the CUDA→CPU redirect before Megatron is imported for real, then runs the same
 :func:`~megatron_hsap.megatron.pretrain_hooks.run_pretrain` a GPU job runs, with the CPU corpus's
 dataset provider and loss — or, with ``--megatron-lm`` (``HSAP_CPU_MEGATRON_LM``), the checkout's
-``pretrain_gpt.py`` through :func:`~megatron_hsap.megatron.megatron_lm.run_pretrain_gpt`, the
-function ``scripts/pretrain_gpt_hsap.py`` runs. The rendezvous is a file store (``HSAP_CPU_STORE``): nothing listens on
+``pretrain_gpt.py`` (``pretrain_hybrid.py`` given a hybrid layer pattern) through
+:func:`~megatron_hsap.megatron.megatron_lm.run_megatron_lm`, the function
+``scripts/pretrain_gpt_hsap.py`` / ``scripts/pretrain_hybrid_hsap.py`` run. The rendezvous is a file store (``HSAP_CPU_STORE``): nothing listens on
 a TCP port for it, and gloo is pinned to the loopback interface by the launcher.
 """
 
@@ -32,10 +33,10 @@ def main() -> None:
 
     store = dist.FileStore(os.environ["HSAP_CPU_STORE"], int(os.environ["WORLD_SIZE"]))
     checkout = os.environ.get(MEGATRON_LM_ENV)
-    if checkout:  # --megatron-lm: the checkout's pretrain_gpt.py, as scripts/pretrain_gpt_hsap.py runs it
-        from megatron_hsap.megatron.megatron_lm import run_pretrain_gpt
+    if checkout:  # --megatron-lm: the checkout's pretrain_gpt.py / pretrain_hybrid.py, as scripts/pretrain_*_hsap.py run them
+        from megatron_hsap.megatron.megatron_lm import run_megatron_lm
 
-        run_pretrain_gpt(checkout, store=store, program_start=start)
+        run_megatron_lm(checkout, store=store, program_start=start)
         return
     from megatron_hsap.megatron.cpu.loop import cpu_datasets_provider, cpu_loss_func, reference_forward_step
     from megatron_hsap.megatron.pretrain_hooks import run_pretrain
