@@ -186,10 +186,12 @@ _UNSUPPORTED_HYBRID = {
 
 def _local_hybrid_stack_spec(normalization: str = "RMSNorm") -> ModuleSpec:
     """megatron-core's hybrid stack spec built from its local (non-TE) GPT modules: an attention
-    layer (norm + self-attention), an MLA layer, an MLP layer (norm + MLP), a Mamba layer (norm
-    + Megatron's ``MambaMixer``) and a gated delta net layer (norm + ``GatedDeltaNet``), their
-    projections local in place of TE's norm-fused one, for CPU runs."""
+    layer (norm + self-attention), an MLA layer, an MLP layer (norm + MLP), an MoE layer (norm +
+    megatron-core's ``MoELayer`` with local experts), a Mamba layer (norm + Megatron's
+    ``MambaMixer``) and a gated delta net layer (norm + ``GatedDeltaNet``), their projections local
+    in place of TE's norm-fused one, for CPU runs."""
     from megatron.core.models.backends import LocalSpecProvider
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
     from megatron.core.models.hybrid.hybrid_block import HybridStack, HybridStackSubmodules
     from megatron.core.ssm.gated_delta_net import GatedDeltaNetSubmodules
     from megatron.core.ssm.mamba_layer import MambaLayerSubmodules
@@ -201,7 +203,11 @@ def _local_hybrid_stack_spec(normalization: str = "RMSNorm") -> ModuleSpec:
         MultiTokenPredictionBlockSubmodules,
         get_mtp_layer_spec_for_backend,
     )
-    from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+    from megatron.core.transformer.transformer_layer import (
+        MoETransformerLayer,
+        TransformerLayer,
+        TransformerLayerSubmodules,
+    )
 
     def local(mla: bool) -> Any:
         return gpt_layer_specs.get_gpt_layer_local_submodules(normalization=normalization, multi_latent_attention=mla)
@@ -213,6 +219,11 @@ def _local_hybrid_stack_spec(normalization: str = "RMSNorm") -> ModuleSpec:
     gpt = local(False)
     mlp = ModuleSpec(module=MLPLayer, submodules=TransformerLayerSubmodules(
         pre_mlp_layernorm=gpt.pre_mlp_layernorm, mlp=gpt.mlp, mlp_bda=gpt.mlp_bda))  # fmt: skip
+    # MoE ('E'): as megatron-core's hybrid stack spec builds it (its expert count is a placeholder: the
+    # layer reads --num-experts from the config), with local experts in place of TE's grouped GEMM
+    moe = ModuleSpec(module=MoETransformerLayer, submodules=TransformerLayerSubmodules(
+        pre_mlp_layernorm=gpt.pre_mlp_layernorm, mlp_bda=gpt.mlp_bda,
+        mlp=get_moe_module_spec(use_te=False, num_experts=8, moe_grouped_gemm=False)))  # fmt: skip
     # multi-token prediction (a pattern "main/mtp/..."): megatron-core's MTP layer spec (norms, projection)
     # from local modules; no inner layer spec: the MTP layer builds the stack's layers, as in its hybrid spec
     mtp_layer = get_mtp_layer_spec_for_backend(mtp_model_layer_spec=None, backend=LocalSpecProvider())
@@ -226,7 +237,7 @@ def _local_hybrid_stack_spec(normalization: str = "RMSNorm") -> ModuleSpec:
             in_proj=ColumnParallelLinear, out_norm=gpt.input_layernorm, out_proj=RowParallelLinear))))  # fmt: skip
     return ModuleSpec(module=HybridStack, submodules=HybridStackSubmodules(
         attention_layer=attention_only(gpt), mla_layer=attention_only(local(True)), mlp_layer=mlp,
-        mamba_layer=mamba, gdn_layer=gdn, mtp_block_spec=mtp))  # fmt: skip
+        moe_layer=moe, mamba_layer=mamba, gdn_layer=gdn, mtp_block_spec=mtp))  # fmt: skip
 
 
 def _swap_mamba(layer: Any) -> ModuleSpec:

@@ -103,6 +103,13 @@ def test_reference_hybrid_stack_spec_is_megatrons_local_stack() -> None:
     assert spec.module is HybridStack
     attn = spec.submodules.attention_layer.submodules.self_attention
     assert attn.module is SelfAttention and attn.submodules.core_attention is DotProductAttention
+    # MoE layers ('E'): megatron-core's MoETransformerLayer around its MoELayer (an IdentityOp before
+    # 2026-12-06, which HybridStack's forward could not run: found by pretrain-cpu with "M*E-")
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.transformer_layer import MoETransformerLayer
+
+    moe = spec.submodules.moe_layer
+    assert moe.module is MoETransformerLayer and moe.submodules.mlp.func is MoELayer
 
 
 @pytest.mark.slow

@@ -81,3 +81,24 @@ def test_both_layer_kinds_over_two_pipeline_stages_equal_cp1(root) -> None:  # n
     cp1 = _run(root, world_size=2, intra_size=1, inter_size=1, **kw)
     _same_losses(hsap.losses, cp1.losses)
     _same_losses(hsap.validation, cp1.validation)
+
+
+@pytest.mark.slow
+def test_moe_layers_beside_mamba_with_experts_over_the_cp_group_equal_cp1(root) -> None:  # noqa: F811
+    """MoE layers ('E', Nemotron-H MoE's hybrids) beside Mamba and attention, experts split over the
+    CP group (EP 2 inside CP 2×2), against CP=1 under HSAP with the experts split alike (two
+    data-parallel ranks, each half the micro-batch: ``reference_of``)."""
+    from megatron_hsap.megatron.cpu.command import CPURun, reference_of
+
+    extra = ("--hybrid-layer-pattern", "M*E-", *MAMBA[2:], "--num-experts", "4", "--moe-router-topk", "2",
+             "--expert-model-parallel-size", "2")
+    kw = dict(world_size=4, intra_size=2, inter_size=2, extra=extra, **BASE)
+    hsap = _run(root, **kw)
+    ref, name = reference_of(CPURun(**kw))
+    assert name.startswith("CP=1 under HSAP;") and (ref.world_size, ref.cp_size, ref.micro_batch_size) == (2, 1, 1)
+    cp1 = _run(root, **{k: getattr(ref, k) for k in ("world_size", "intra_size", "inter_size", "micro_batch_size",
+                                                       "global_batch_size", "extra", "steps", "eval_interval",
+                                                       "eval_iters")})
+    _same_losses(hsap.losses, cp1.losses)
+    names = _params(hsap)
+    assert any(".mlp.experts." in n for n in names) and any(n.endswith("mixer.A_log") for n in names)
