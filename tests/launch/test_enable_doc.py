@@ -200,6 +200,9 @@ def test_the_start_up_lines_quoted_in_section_5_are_the_code_s() -> None:
                "boundaries, so HSAP treats every sample as ONE document")
     assert warning in section
     assert warning.replace("carry no document ", 'carry no "\n              "document ') in hooks
+    note = ("[megatron-hsap] note: --moe-expert-capacity-factor drops tokens per rank, among the rank's own "
+            "tokens: HSAP's layout gives each CP rank other tokens than CP=1")
+    assert note in section and note.replace("own tokens", 'own "\n              "tokens') in hooks
     from megatron_hsap.megatron.arguments import add_hsap_args
 
     hsap_flags = sorted(_options(add_hsap_args(argparse.ArgumentParser())) - {"-h", "--help"})
