@@ -50,3 +50,21 @@ def test_eight_gpu_what_if_runs_and_restores_the_simulator(capsys: pytest.Captur
     # on this batch some rank's tokens all span ranks, so the largest share is 1: no change
     assert "largest 1.00-1.00" in out
     assert rows["home, largest share"] == rows["chunks 8 (shipped)"]
+
+
+def test_patched_checkout_runs_get_pretrain_cpus_flags_and_ring_drops_hsaps(tmp_path: Path) -> None:
+    """``patched_checkout_cpu.py`` (docs/enable.md Path 2): the HSAP run gets ``pretrain-cpu``'s flags
+    with HSAP's CP; the ring reference the same model at CP=1 under ring (no HSAP CP flag left, or
+    Megatron would run its own CP with them); ``--no-documents`` drops only the document boundaries."""
+    mod = _load("patched_checkout_cpu")
+    script = str(tmp_path / "pretrain_hybrid.py")
+    extra = ("--hybrid-layer-pattern", "M-M-")
+    hsap = mod.flags(script, world_size=4, intra_size=2, inter_size=2, extra=extra)
+    ring = mod.flags(script, ring=True, extra=extra)
+    assert hsap[hsap.index("--context-parallel-impl") + 1] == "hsap"
+    assert hsap[hsap.index("--hierarchical-context-parallel-sizes") + 1:][:2] == ["2", "2"]
+    assert ring[ring.index("--context-parallel-impl") + 1] == "ring"
+    assert not {"--context-parallel-size", "--hierarchical-context-parallel-sizes"} & set(ring)
+    assert hsap[-4:-2] == list(extra) and hsap[-2] == "--data-path" and "--dataloader-inter-document-masking" in ring
+    plain = [f for f in ring if f != "--dataloader-inter-document-masking"]
+    assert mod.flags(script, ring=True, no_documents=True, extra=extra) == plain

@@ -68,10 +68,29 @@ def _rank(script: str, flags: list[str]) -> None:
         dist.destroy_process_group()
 
 
+def flags(script: str, *, world_size: int = 1, intra_size: int = 1, inter_size: int = 1, ring: bool = False,
+          no_documents: bool = False, extra: tuple[str, ...] = ()) -> list[str]:
+    """The script's Megatron flags: ``pretrain-cpu``'s for this run (``cpu/command.py``: model, CPU
+    corpus, NullTokenizer, HSAP's CP flags); ``ring``: CP=1 under ``--context-parallel-impl ring``."""
+    from megatron_hsap.megatron.cpu.command import CPURun, corpus_data_flags, megatron_flags
+
+    run = CPURun(world_size=world_size, intra_size=intra_size, inter_size=inter_size,
+                 megatron_lm=os.path.dirname(os.path.abspath(script)), extra=tuple(extra))
+    out = megatron_flags(run) + corpus_data_flags(run)
+    if ring:
+        out[out.index("--context-parallel-impl") + 1] = "ring"
+        for flag, values in (("--context-parallel-size", 1), ("--hierarchical-context-parallel-sizes", 2)):
+            i = out.index(flag)
+            del out[i:i + 1 + values]
+    if no_documents:
+        out.remove("--dataloader-inter-document-masking")
+    return out
+
+
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--rank":
         return _rank(sys.argv[2], sys.argv[3:])
-    from megatron_hsap.megatron.cpu.command import CPURun, _env, corpus_data_flags, megatron_flags, parse_log
+    from megatron_hsap.megatron.cpu.command import _env, parse_log
 
     argv = sys.argv[1:]
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
@@ -84,22 +103,14 @@ def main() -> None:
     p.add_argument("--no-documents", action="store_true")
     p.add_argument("--out", required=True)
     ns = p.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
-    run = CPURun(world_size=ns.world_size, intra_size=ns.intra_size, inter_size=ns.inter_size,
-                 megatron_lm=os.path.dirname(os.path.abspath(ns.script)), extra=tuple(extra))
-    flags = megatron_flags(run) + corpus_data_flags(run)
-    if ns.ring:
-        flags[flags.index("--context-parallel-impl") + 1] = "ring"
-        for flag, values in (("--context-parallel-size", 1), ("--hierarchical-context-parallel-sizes", 2)):
-            i = flags.index(flag)
-            del flags[i:i + 1 + values]
-    if ns.no_documents:
-        flags.remove("--dataloader-inter-document-masking")
+    argv_flags = flags(ns.script, world_size=ns.world_size, intra_size=ns.intra_size, inter_size=ns.inter_size,
+                       ring=ns.ring, no_documents=ns.no_documents, extra=tuple(extra))
     os.makedirs(ns.out, exist_ok=True)
-    flags += ["--data-cache-path", os.path.join(ns.out, "index-cache")]
+    argv_flags += ["--data-cache-path", os.path.join(ns.out, "index-cache")]
     store = os.path.join(ns.out, "store")
     if os.path.exists(store):
         os.remove(store)
-    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--rank", ns.script, *flags],
+    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--rank", ns.script, *argv_flags],
                               env=_env(r, ns.world_size, store), stdin=subprocess.DEVNULL, stderr=subprocess.STDOUT,
                               stdout=open(os.path.join(ns.out, f"rank{r}.log"), "w"))
              for r in range(ns.world_size)]

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_hsap.errors import ConfigError
+from megatron_hsap.megatron.megatron_lm import GPT, SCRIPTS  # (imports nothing of megatron-core or torch)
 from megatron_hsap.plan.checks import divisors, positive_int
 
 __all__ = [
@@ -30,7 +31,7 @@ __all__ = [
     "parse_tokens", "DEFAULT_ENTRY",
 ]
 
-DEFAULT_ENTRY = "scripts/pretrain_gpt_hsap.py"
+DEFAULT_ENTRY = SCRIPTS[GPT]  # a hybrid layer pattern in megatron_args: SCRIPTS[HYBRID] (loader.default_entry)
 
 
 class Activation(str, enum.Enum):

@@ -24,7 +24,6 @@ from typing import Any
 from megatron_hsap.argtypes import flag_names
 from megatron_hsap.errors import ConfigError
 from megatron_hsap.launch.config import (
-    DEFAULT_ENTRY,
     CPImpl,
     ClusterConfig,
     DataConfig,
@@ -36,8 +35,6 @@ from megatron_hsap.launch.config import (
 )
 
 __all__ = ["load_config", "config_from_dict", "with_megatron_args", "check_passthrough", "default_entry"]
-
-HYBRID_ENTRY = "scripts/pretrain_hybrid_hsap.py"  # Megatron-LM's pretrain_hybrid.py with HSAP's wiring
 
 
 _SECTIONS: dict[str, type] = {
@@ -117,10 +114,10 @@ def config_from_dict(data: Mapping[str, Any], *, source: str | None = None) -> L
 def default_entry(megatron_args: Sequence[Any]) -> str:
     """The entry script when the config names none: ``pretrain_hybrid_hsap.py`` for a hybrid layer
     pattern in ``megatron_args`` (Megatron-LM builds hybrid models with ``pretrain_hybrid.py``),
-    else ``DEFAULT_ENTRY`` (``pretrain_gpt_hsap.py``)."""
-    from megatron_hsap.megatron.megatron_lm import HYBRID, entry_for
+    else ``DEFAULT_ENTRY`` (``pretrain_gpt_hsap.py``): ``megatron_lm.SCRIPTS``."""
+    from megatron_hsap.megatron.megatron_lm import SCRIPTS, entry_for
 
-    return HYBRID_ENTRY if entry_for([str(a) for a in megatron_args]) == HYBRID else DEFAULT_ENTRY
+    return SCRIPTS[entry_for([str(a) for a in megatron_args])]
 
 
 def with_megatron_args(cfg: LaunchConfig, extra: Sequence[str]) -> LaunchConfig:
@@ -185,9 +182,9 @@ def check_passthrough(cfg: LaunchConfig) -> None:
 def _check_entry(cfg: LaunchConfig) -> None:
     """This project's entry scripts refuse the other one's model at start-up (``megatron_lm.check_entry``):
     say so when the config is read instead (a custom entry is the user's business)."""
-    from megatron_hsap.megatron.megatron_lm import GPT, HYBRID, check_entry
+    from megatron_hsap.megatron.megatron_lm import SCRIPTS, check_entry
 
-    entry = {Path(DEFAULT_ENTRY).name: GPT, Path(HYBRID_ENTRY).name: HYBRID}.get(Path(cfg.entry).name)
+    entry = {Path(script).name: name for name, script in SCRIPTS.items()}.get(Path(cfg.entry).name)
     if entry is None:
         return
     try:

@@ -22,14 +22,15 @@ from typing import Any
 
 from megatron_hsap.errors import ConfigError
 
-__all__ = ["GPT", "HYBRID", "HYBRID_FLAGS", "MEGATRON_LM_TAG", "check_entry", "entry_for", "import_entry",
+__all__ = ["GPT", "HYBRID", "HYBRID_FLAGS", "MEGATRON_LM_TAG", "SCRIPTS", "check_entry", "entry_for", "import_entry",
            "megatron_lm_root", "run_megatron_lm", "script_main"]
 
 MEGATRON_LM_TAG = "core_v0.19.0"  # the tag whose scripts the hooks are written against
 GPT, HYBRID = "pretrain_gpt", "pretrain_hybrid"  # the checkout's entry modules
 # Megatron's flags that make a hybrid model (validate_args turns the deprecated two into the first)
 HYBRID_FLAGS = ("--hybrid-layer-pattern", "--hybrid-override-pattern", "--mtp-hybrid-override-pattern")
-_SCRIPT = {GPT: "scripts/pretrain_gpt_hsap.py", HYBRID: "scripts/pretrain_hybrid_hsap.py"}
+# this project's wrapper script of each (relative to the repository; the SLURM launcher's entries)
+SCRIPTS = {GPT: "scripts/pretrain_gpt_hsap.py", HYBRID: "scripts/pretrain_hybrid_hsap.py"}
 
 
 def entry_for(argv: Sequence[str]) -> str:
@@ -64,17 +65,17 @@ def check_entry(entry: str, argv: Sequence[str]) -> None:
     """``ConfigError`` when Megatron flags ``argv`` are for the other script: a hybrid layer pattern
     given to ``pretrain_gpt`` (Megatron's would build a GPTModel and ignore it), or none given to
     ``pretrain_hybrid`` (it has no model to build)."""
-    if entry not in _SCRIPT:
-        raise ConfigError(f"entry {entry!r}: one of {', '.join(_SCRIPT)}")
+    if entry not in SCRIPTS:
+        raise ConfigError(f"entry {entry!r}: one of {', '.join(SCRIPTS)}")
     wanted = entry_for(argv)
     if wanted == entry:
         return
     if entry == GPT:
         given = sorted({a.split("=", 1)[0] for a in argv} & set(HYBRID_FLAGS))
         raise ConfigError(f"{', '.join(given)}: Megatron-LM trains hybrid models with pretrain_hybrid.py "
-                          f"(pretrain_gpt.py builds a GPTModel and ignores the pattern): run {_SCRIPT[HYBRID]}")
+                          f"(pretrain_gpt.py builds a GPTModel and ignores the pattern): run {SCRIPTS[HYBRID]}")
     raise ConfigError(f"pretrain_hybrid.py builds a HybridModel from --hybrid-layer-pattern, and none was given: "
-                      f"give one, or run {_SCRIPT[GPT]} for a GPT")
+                      f"give one, or run {SCRIPTS[GPT]} for a GPT")
 
 
 def run_megatron_lm(root: str | os.PathLike[str] | None = None, entry: str | None = None, *, store: Any = None,
@@ -107,7 +108,7 @@ def script_main(entry: str, *, program_start: float | None = None) -> None:
     """``scripts/pretrain_{gpt,hybrid}_hsap.py``: ``run_megatron_lm`` for ``entry`` with this
     process's arguments; a missing checkout or flags for the other script exit with one line naming
     the script and what to change (``SystemExit``, before anything runs)."""
-    script = os.path.basename(_SCRIPT[entry])
+    script = os.path.basename(SCRIPTS[entry])
     try:
         root = megatron_lm_root(entry=entry)
         check_entry(entry, sys.argv[1:])
