@@ -36,6 +36,7 @@ from torch import Tensor
 
 from megatron_hsap.errors import BatchError, ConfigError
 from megatron_hsap.megatron.batch import is_hsap_sharded
+from megatron_hsap.megatron.megatron_lm import HYBRID, SCRIPTS
 from megatron_hsap.runtime.upload import upload
 
 __all__ = ["HSAPMambaMixer", "StreamOrder", "checked_stream_order", "install", "stream_order"]
@@ -95,8 +96,8 @@ def checked_stream_order(kind: str, params: Any, cp_group: Any, device: torch.de
         raise ConfigError(f"HSAP's {kind} layers train only (no inference context)")
     if not is_hsap_sharded(params):
         raise BatchError(f"this batch was not sharded by HSAP (packed_seq_params lacks the HSAP marker): HSAP's {kind} "
-                         "layers reorder tokens by the HSAP plan; use scripts/pretrain_gpt_hsap.py or "
-                         "--context-parallel-impl hsap")
+                         f"layers reorder tokens by the HSAP plan; use {SCRIPTS[HYBRID]} (these layers are a hybrid "
+                         "model's) or --context-parallel-impl hsap")
     plan = params.hsap_plan
     size, rank = cp_group.size(), cp_group.rank()
     if size != plan.cp_size or (size > 1 and rank != params.hsap_cp_rank):

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
+from megatron_hsap.argtypes import flag_names
 from megatron_hsap.errors import ConfigError
 
 __all__ = ["GPT", "HYBRID", "HYBRID_FLAGS", "MEGATRON_LM_TAG", "SCRIPTS", "check_entry", "entry_for", "import_entry",
@@ -36,8 +37,7 @@ SCRIPTS = {GPT: "scripts/pretrain_gpt_hsap.py", HYBRID: "scripts/pretrain_hybrid
 def entry_for(argv: Sequence[str]) -> str:
     """The checkout's entry module for Megatron flags ``argv``: ``pretrain_hybrid`` when they give a
     hybrid layer pattern (``HYBRID_FLAGS``, ``--flag V`` or ``--flag=V``), else ``pretrain_gpt``."""
-    names = {arg.split("=", 1)[0] for arg in argv if arg.startswith("--")}
-    return HYBRID if names & set(HYBRID_FLAGS) else GPT
+    return HYBRID if flag_names(argv) & set(HYBRID_FLAGS) else GPT
 
 
 def megatron_lm_root(root: str | os.PathLike[str] | None = None, entry: str = GPT) -> str:
@@ -71,7 +71,7 @@ def check_entry(entry: str, argv: Sequence[str]) -> None:
     if wanted == entry:
         return
     if entry == GPT:
-        given = sorted({a.split("=", 1)[0] for a in argv} & set(HYBRID_FLAGS))
+        given = sorted(flag_names(argv) & set(HYBRID_FLAGS))
         raise ConfigError(f"{', '.join(given)}: Megatron-LM trains hybrid models with pretrain_hybrid.py "
                           f"(pretrain_gpt.py builds a GPTModel and ignores the pattern): run {SCRIPTS[HYBRID]}")
     raise ConfigError(f"pretrain_hybrid.py builds a HybridModel from --hybrid-layer-pattern, and none was given: "
