@@ -60,9 +60,8 @@ def to_megatron_args(cfg: LaunchConfig, extra: Sequence[str] = ()) -> list[str]:
     ]
     if p.cp_impl is CPImpl.HSAP:
         # Megatron's own flag carries the HSAP topology (level 0 = intra, level 1 = inter); the
-        # backend reuses the groups Megatron builds from it and needs per-token loss.
-        a += ["--hierarchical-context-parallel-sizes", str(p.hsap_intra_size), str(p.hsap_inter_size),
-              "--calculate-per-token-loss"]
+        # backend reuses the groups Megatron builds from it.
+        a += ["--hierarchical-context-parallel-sizes", str(p.hsap_intra_size), str(p.hsap_inter_size)]
         if p.hsap_layout is not None:
             a += ["--hsap-layout", p.hsap_layout.value]
         if p.hsap_pool_bytes is not None:
@@ -85,6 +84,8 @@ def to_megatron_args(cfg: LaunchConfig, extra: Sequence[str] = ()) -> list[str]:
         "--adam-beta1", _fmt(t.adam_beta1), "--adam-beta2", _fmt(t.adam_beta2), "--seed", str(t.seed),
         "--log-interval", str(t.log_interval), "--eval-iters", str(t.eval_iters),
     ]
+    if t.per_token_loss:
+        a.append("--calculate-per-token-loss")
     if t.recompute is not Recompute.NONE:
         a += ["--recompute-granularity", t.recompute.value]
     if t.recompute is Recompute.FULL:

@@ -255,6 +255,9 @@ class TrainingConfig:
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95
     seed: int = 1234
+    # --calculate-per-token-loss, for either CP impl (the same training under both); false: Megatron's
+    # default per-micro-batch mean, which HSAP also computes exactly (megatron/loss.py)
+    per_token_loss: bool = True
     recompute: Recompute = Recompute.SELECTIVE
     recompute_method: RecomputeMethod = RecomputeMethod.UNIFORM
     recompute_num_layers: int = 1

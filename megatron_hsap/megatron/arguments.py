@@ -353,11 +353,7 @@ def validate_hsap_args(args: Any) -> HSAPArgs | None:
 
     dropout = float(getattr(args, "attention_dropout", 0.0) or 0.0)
     _refuse(dropout > 0.0, f"--attention-dropout {dropout}: HSAP attention has no dropout; pass --attention-dropout 0.0")
-    _refuse(
-        not getattr(args, "calculate_per_token_loss", False),
-        "HSAP counts every real token exactly once across CP ranks, whose token counts differ: pass "
-        "--calculate-per-token-loss so the loss is divided by the global number of loss tokens",
-    )
+    # either loss normalisation: megatron/loss.py gives Megatron the micro-batch's token count
     from megatron_hsap.megatron.windows import megatron_window
 
     megatron_window(getattr(args, "window_size", None))  # sliding windows are planned (plan/window.py); causal ones only

@@ -14,7 +14,8 @@ fingerprint and the loss-token count are computed from the host values (no ``.it
 
 Loss: every real token sits on exactly one CP rank, so the loss is the sum over CP (and DP) ranks
 of ``Σ loss_mask·loss`` divided by the global number of loss tokens (``num_loss_tokens``, known on
-the host) — CP ranks act as extra data-parallel ranks (Megatron: ``--calculate-per-token-loss``).
+the host) — CP ranks act as extra data-parallel ranks (Megatron: ``--calculate-per-token-loss``;
+without it, Megatron's per-micro-batch mean gets that count from ``megatron/loss.py``).
 """
 
 from __future__ import annotations

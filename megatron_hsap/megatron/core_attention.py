@@ -46,6 +46,7 @@ from torch import Tensor
 
 from megatron_hsap.errors import BatchError, ConfigError, RuntimeMismatchError
 from megatron_hsap.megatron.batch import is_hsap_sharded
+from megatron_hsap.megatron.megatron_lm import WRAPPERS
 from megatron_hsap.plan import shared_layout
 
 if TYPE_CHECKING:
@@ -60,7 +61,7 @@ _NOT_SHARDED = (
     "HSAPCoreAttention got a batch that was not sharded by HSAP (packed_seq_params is {kind}, "
     "without the HSAP marker). Its tokens are in another layout (Megatron's zigzag or none), so "
     "attention would be computed over the wrong tokens. Shard batches with "
-    "megatron_hsap.megatron.get_batch_on_this_cp_rank (scripts/pretrain_gpt_hsap.py or "
+    f"megatron_hsap.megatron.get_batch_on_this_cp_rank ({WRAPPERS} or "
     "--context-parallel-impl hsap do it); `--spec megatron_hsap.megatron.spec HSAP_LAYER_SPEC` alone "
     "is not enough"
 )

@@ -23,7 +23,7 @@ from typing import Any
 from megatron_hsap.argtypes import flag_names
 from megatron_hsap.errors import ConfigError
 
-__all__ = ["GPT", "HYBRID", "HYBRID_FLAGS", "MEGATRON_LM_TAG", "SCRIPTS", "check_entry", "entry_for", "import_entry",
+__all__ = ["GPT", "HYBRID", "HYBRID_FLAGS", "MEGATRON_LM_TAG", "SCRIPTS", "WRAPPERS", "check_entry", "entry_for", "import_entry",
            "megatron_lm_root", "run_megatron_lm", "script_main"]
 
 MEGATRON_LM_TAG = "core_v0.19.0"  # the tag whose scripts the hooks are written against
@@ -32,6 +32,7 @@ GPT, HYBRID = "pretrain_gpt", "pretrain_hybrid"  # the checkout's entry modules
 HYBRID_FLAGS = ("--hybrid-layer-pattern", "--hybrid-override-pattern", "--mtp-hybrid-override-pattern")
 # this project's wrapper script of each (relative to the repository; the SLURM launcher's entries)
 SCRIPTS = {GPT: "scripts/pretrain_gpt_hsap.py", HYBRID: "scripts/pretrain_hybrid_hsap.py"}
+WRAPPERS = f"{SCRIPTS[GPT]} ({SCRIPTS[HYBRID]} for hybrid models)"  # what error messages point to
 
 
 def entry_for(argv: Sequence[str]) -> str:

@@ -28,6 +28,7 @@ from torch import Tensor
 
 from megatron_hsap.errors import BatchError, ConfigError
 from megatron_hsap.megatron.batch import is_hsap_sharded
+from megatron_hsap.megatron.megatron_lm import WRAPPERS
 from megatron_hsap.megatron.rotary import rope_freqs_at
 
 __all__ = ["HSAPMLASelfAttention", "MLA_ROPE_TYPES"]
@@ -37,7 +38,7 @@ MLA_ROPE_TYPES = ("rope", "yarn")  # megatron-core's MLATransformerConfig.rope_t
 _NOT_SHARDED = (
     "MLA under HSAP needs a batch sharded by megatron_hsap.megatron.get_batch_on_this_cp_rank "
     "(packed_seq_params carries the plan and each token's position inside its document); this one "
-    "lacks the HSAP marker. Use scripts/pretrain_gpt_hsap.py or --context-parallel-impl hsap"
+    f"lacks the HSAP marker. Use {WRAPPERS} or --context-parallel-impl hsap"
 )
 
 

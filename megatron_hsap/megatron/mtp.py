@@ -8,10 +8,12 @@ Megatron's MTP needs three things of the CP layout, and assumes the zigzag one f
    HSAP's layout instead: the successor table of the plan (``plan/next_token.py``) and one
    all-gather of each rank's run-start values over the CP group per shift (a few values per rank).
 2. **The per-token weights.** ``process_mtp_loss`` with ``--calculate-per-token-loss`` weights each
-   depth's loss by (loss tokens before the shifts) / (after), and logs Σ loss / tokens — counted
-   on each CP rank alone, so the gradient and the logged MTP loss depend on how CP split the
-   micro-batch. :func:`process_mtp_loss` counts over the CP group (one all-reduce of two numbers
-   per depth): every rank uses the micro-batch's counts, which is what a CP=1 run computes.
+   depth's loss by (loss tokens before the shifts) / (after), and without it divides by the tokens
+   after the shifts, and logs Σ loss / tokens — counted on each CP rank alone, so the gradient and
+   the logged MTP loss depend on how CP split the micro-batch. :func:`process_mtp_loss` counts
+   over the CP group (one all-reduce of two numbers per depth): every rank uses the micro-batch's
+   counts, which is what a CP=1 run computes (without per-token loss each CP rank's term is
+   multiplied by CP, as ``megatron/loss.py`` does for the main loss: DDP averages over DP×CP).
 3. **The MTP layer's attention.** Megatron's GPT builders make the MTP transformer layer from their
    own decoder layer spec, not the ``--spec`` one; :func:`mtp_block_spec` swaps HSAP's attention
    into it. (``HybridModel`` builds its MTP layers from its own stack spec: HSAP's already.)
@@ -168,6 +170,7 @@ def process_mtp_loss(*args: Any, **kwargs: Any) -> Any:
     chunks = torch.chunk(p["hidden_states"], 1 + depths, dim=0)
     hidden = chunks[0]
     group = _cp_group(params, p["cp_group"])
+    cp_size = 1 if group is None else dist.get_world_size(group)
     where = successors(params, hidden.device)
 
     def shift(t: torch.Tensor) -> torch.Tensor:
@@ -211,8 +214,8 @@ def process_mtp_loss(*args: Any, **kwargs: Any) -> Any:
                 avg_group=parallel_state.get_data_parallel_group(with_context_parallel=True))
         if config.calculate_per_token_loss:
             hidden = mtp.MTPLossAutoScaler.apply(hidden, scale * loss * (original / tokens.clamp(min=1)))
-        else:
-            hidden = mtp.MTPLossAutoScaler.apply(hidden, scale * loss / tokens.clamp(min=1))
+        else:  # Megatron's default: DDP averages over DP×CP, so each CP rank carries CP × its share
+            hidden = mtp.MTPLossAutoScaler.apply(hidden, scale * loss * cp_size / tokens.clamp(min=1))
     return hidden
 
 

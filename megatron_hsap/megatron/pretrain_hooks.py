@@ -19,6 +19,7 @@ import time
 from typing import Any, Callable, Iterator
 
 from megatron_hsap.megatron.host_batches import RecordingReader, read_direct, replaying
+from megatron_hsap.megatron.loss import evaluation_report, micro_batch_mean
 
 __all__ = ["run_pretrain", "hsap_get_batch", "make_forward_step", "with_hsap_init", "hsap_entry_points",
            "hsap_extra_args_provider"]
@@ -222,44 +223,24 @@ def make_forward_step(loss_func: Callable[..., Any]) -> Callable[..., Any]:
         inputs = (batch["tokens"], batch["position_ids"], None)
         kwargs = dict(labels=batch["labels"], loss_mask=batch["loss_mask"], packed_seq_params=batch["packed_seq_params"])
         # loss_func returns (Σ loss·mask, local loss tokens); --calculate-per-token-loss makes
-        # Megatron divide by the tokens summed over DP×CP: every real token counted once.
+        # Megatron divide by the tokens summed over DP×CP: every real token counted once. Megatron's
+        # default (each micro-batch's mean) needs the micro-batch's count instead (megatron/loss.py)
         loss = functools.partial(loss_func, batch["loss_mask"], model=model)
+        if not getattr(get_args(), "calculate_per_token_loss", False):
+            from megatron.core import parallel_state
+
+            loss = functools.partial(micro_batch_mean, loss, batch["num_loss_tokens"],
+                                     parallel_state.get_context_parallel_world_size())
         if return_schedule_plan:
             # --overlap-moe-expert-parallel-comm (training only): Megatron's combined 1F1B schedule runs
             # this chunk's layers from a plan of fine-grained callables; HSAP's batch rides in packed_seq_params
             return model.build_schedule_plan(*inputs, **kwargs), loss
         output = model(*inputs, **kwargs)
         if not model.training and getattr(get_args(), "sft", False):
-            loss = functools.partial(_micro_batch_report, loss)
+            loss = functools.partial(evaluation_report, loss)
         return output, loss
 
     return hsap_forward_step
-
-
-def _micro_batch_report(loss_func: Callable[..., Any], output_tensor: Any) -> Any:
-    """``loss_func``'s result with each ``[Σ loss, tokens]`` report summed over the CP group.
-
-    Megatron's evaluation with ``--sft`` (``training.evaluate``, megatron-core 0.19.2) divides each
-    rank's report by its own tokens and averages the ratios over the DP×CP ranks: meant per
-    micro-batch, it is per CP rank's share of one, so it depends on how CP splits the loss tokens —
-    under HSAP, whose ranks hold whole conversations, a rank may hold few or none (its ratio counts
-    as 0). Summed over the CP group first, every CP rank reports its micro-batch's own per-token
-    loss, and the figure is the CP=1 one. The loss and token count (no backward in evaluation) are
-    left as they are; every CP rank of the stage that computes the loss calls this in the same order."""
-    import torch
-    from megatron.core import parallel_state
-
-    outputs = loss_func(output_tensor)
-    if len(outputs) != 3 or parallel_state.get_context_parallel_world_size() == 1:
-        return outputs  # (a loss function without the token count: Megatron does not apply its SFT mean to it)
-    loss, num_tokens, report = outputs
-    group = parallel_state.get_context_parallel_group()
-    for key, value in report.items():
-        if isinstance(value, torch.Tensor) and value.numel() == 2:
-            value = value.clone()
-            torch.distributed.all_reduce(value, group=group)
-            report[key] = value
-    return loss, num_tokens, report
 
 
 def with_hsap_init(provider: Any, hsap: Any) -> Any:

@@ -24,13 +24,14 @@ from torch import Tensor
 
 from megatron_hsap.errors import BatchError, ConfigError
 from megatron_hsap.megatron.batch import is_hsap_sharded
+from megatron_hsap.megatron.megatron_lm import WRAPPERS
 
 __all__ = ["HSAPSelfAttention", "apply_rope_by_position", "rope_freqs_at"]
 
 _NOT_SHARDED = (
     "this batch was not sharded by HSAP (packed_seq_params lacks the HSAP marker): the HSAP layer "
     "spec only works with megatron_hsap.megatron.get_batch_on_this_cp_rank, which puts the plan and "
-    "per-token positions in packed_seq_params. Use scripts/pretrain_gpt_hsap.py or "
+    f"per-token positions in packed_seq_params. Use {WRAPPERS} or "
     "--context-parallel-impl hsap; --spec alone keeps Megatron's zigzag batch sharding"
 )
 

@@ -62,7 +62,7 @@ def test_every_config_validates(path: Path) -> None:
     if p.cp_impl is CPImpl.HSAP:
         assert _flag(args, "--hierarchical-context-parallel-sizes", 2) == [str(p.hsap_intra_size),
                                                                           str(p.hsap_inter_size)]
-        assert "--calculate-per-token-loss" in args
+    assert ("--calculate-per-token-loss" in args) == t.per_token_loss  # either impl: the same training
     assert _flag(args, "--context-parallel-impl") == [p.cp_impl.value]
 
 
@@ -112,6 +112,11 @@ def test_small_config_roundtrip() -> None:
     assert cfg.parallel.sharding is Sharding.OPTIM
     ring = config_from_dict({**_gpt(), "parallel": {"cp_impl": "ring", "context": 8}})
     assert ring.context_size == 8 and "--cp-comm-type" in to_megatron_args(ring)
+    # the loss normalisation: per-token under either impl by default (the same training), or Megatron's own
+    assert "--calculate-per-token-loss" in to_megatron_args(cfg) and "--calculate-per-token-loss" in to_megatron_args(ring)
+    for impl in ({}, {"cp_impl": "ring", "context": 8}):
+        mean = config_from_dict({**_gpt(), "parallel": impl, "training": {"seq_length": "16K", "per_token_loss": False}})
+        assert "--calculate-per-token-loss" not in to_megatron_args(mean)
 
 
 @pytest.mark.parametrize(

@@ -105,11 +105,13 @@ def test_minimal_flag_set_is_accepted_as_printed(megatron_parser: argparse.Argum
     assert (got.intra_size, got.inter_size) == (8, 2) and args.context_parallel_size == 16
     assert args.dataloader_inter_document_masking and args.reset_position_ids and args.eod_mask_loss
     assert not args.create_attention_mask_in_dataloader
-    for required in ("--calculate-per-token-loss", "--attention-dropout"):
-        i = hsap.index(required)
-        without = hsap[:i] + hsap[i + (2 if required == "--attention-dropout" else 1):]
-        with pytest.raises(ConfigError, match=required):
-            validate(model + without)
+    i = hsap.index("--attention-dropout")  # required: Megatron's default is 0.1
+    with pytest.raises(ConfigError, match="--attention-dropout"):
+        validate(model + hsap[:i] + hsap[i + 2:])
+    # optional, as the table says: Megatron's default normalisation is handled (megatron/loss.py)
+    i = hsap.index("--calculate-per-token-loss")
+    args, got = validate(model + hsap[:i] + hsap[i + 1:])
+    assert not args.calculate_per_token_loss and (got.intra_size, got.inter_size) == (8, 2)
     # The parity reference: plain Megatron at CP 1 with a dense per-document causal mask.
     reference = shlex.split(_block("parity-reference").replace("\\\n", " "))
     args, got = validate(model + reference)

@@ -215,10 +215,11 @@ def test_run_pretrain_names_them_before_megatron_validates(monkeypatch: pytest.M
         pretrain_hooks.run_pretrain(datasets, lambda *a: None, lambda *a: None)
 
 
-def test_per_token_loss_is_required() -> None:
-    args = _parse([a for a in GOOD if a != "--calculate-per-token-loss"])
-    with pytest.raises(ConfigError, match="--calculate-per-token-loss"):
-        validate_hsap_args(args)
+def test_either_loss_normalisation_is_accepted() -> None:
+    # megatron/loss.py hands Megatron's default normalisation the micro-batch's token count
+    without = _parse([a for a in GOOD if a != "--calculate-per-token-loss"])
+    assert not without.calculate_per_token_loss
+    assert validate_hsap_args(without) == validate_hsap_args(_parse(GOOD))
 
 
 def test_sizes_derived_from_local_world_size(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -281,8 +282,9 @@ def test_patch_adds_flag_and_megatron_validate_args_runs_hsap_checks(tmp_path: P
     args = _validate_patched(module, PATCHED_ARGV + ["--context-parallel-impl", "hsap", "--calculate-per-token-loss"])
     assert args.hsap == HSAPArgs(intra_size=2, inter_size=2)
     assert args.spec == ["megatron_hsap.megatron.spec", "hsap_layer_spec"]
-    with pytest.raises(ConfigError, match="--calculate-per-token-loss"):
-        _validate_patched(module, PATCHED_ARGV + ["--context-parallel-impl", "hsap"])
+    assert _validate_patched(module, PATCHED_ARGV + ["--context-parallel-impl", "hsap"]).hsap == args.hsap  # either loss normalisation
+    with pytest.raises(ConfigError, match="--attention-dropout 0.1"):
+        _validate_patched(module, PATCHED_ARGV + ["--context-parallel-impl", "hsap", "--attention-dropout", "0.1"])
     # named before Megatron's own bare assert on the sizes' product (its message is empty)
     with pytest.raises(ConfigError, match="the product must equal --context-parallel-size 8"):
         _validate_patched(module, PATCHED_ARGV + ["--context-parallel-impl", "hsap", "--calculate-per-token-loss",

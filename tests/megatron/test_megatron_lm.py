@@ -22,7 +22,7 @@ import pytest
 
 from megatron_hsap.errors import ConfigError
 from megatron_hsap.megatron.cpu.command import CPURun, corpus_data_flags, main, megatron_flags, reference_of
-from megatron_hsap.megatron.megatron_lm import GPT, HYBRID, check_entry, entry_for
+from megatron_hsap.megatron.megatron_lm import GPT, HYBRID, SCRIPTS, check_entry, entry_for
 from tests.megatron.test_pretrain_cpu import BASE, _run, _same_losses, root  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -193,3 +193,11 @@ def test_ranks_run_the_checkouts_pretrain_hybrid_for_a_hybrid_pattern(root: Path
         log = (Path(got.log_dir) / f"rank{rank}.log").read_text()
         assert f"[stand-in pretrain_hybrid] imported from {checkout}" in log, rank
         assert "[stand-in pretrain_gpt]" not in log, rank
+
+
+def test_attention_errors_for_unsharded_batches_name_both_wrapper_scripts() -> None:
+    # attention runs in GPT and hybrid models alike: the error points to the wrapper of each
+    from megatron_hsap.megatron import core_attention, mla, rotary
+
+    for module in (core_attention, mla, rotary):
+        assert all(script in module._NOT_SHARDED for script in SCRIPTS.values()), module.__name__

@@ -131,7 +131,7 @@ def test_sft_in_megatrons_loop_equals_cp1_local_attention(root: Path) -> None:  
 def _sft_validation(hsap, ranks: range, ref, ref_ranks: range) -> None:
     """Megatron's SFT validation loss (``training.evaluate`` with ``args.sft``) averages each
     DP×CP rank's own per-token loss; HSAP sums each micro-batch's report over the CP group first
-    (``pretrain_hooks._micro_batch_report``), so the figure is the CP=1 one: at every pass HSAP's
+    (``loss.evaluation_report``), so the figure is the CP=1 one: at every pass HSAP's
     per-rank shares (``ranks``: the last stage's, as recorded before that sum) add up to the
     reference's loss, HSAP logs the reference's figure, and the mean of the shares' own ratios —
     what Megatron would log without the sum — is another number."""
@@ -162,3 +162,25 @@ def test_sft_over_pipeline_3_with_cp_1x2_equals_the_reference_at_pp_3(root: Path
     _same_losses(hsap.losses, ref.losses)
     # Megatron's rank order (tp-cp-ep-dp-pp): the last stage is ranks 4-5 (its CP pair), 2 at CP=1
     _sft_validation(hsap, range(4, 6), ref, range(2, 3))
+
+
+@pytest.mark.slow
+def test_megatrons_default_loss_normalisation_equals_cp1(root: Path) -> None:  # noqa: F811
+    """Without ``--calculate-per-token-loss`` Megatron trains on each micro-batch's mean loss; HSAP's
+    CP ranks hold different numbers of loss tokens (the SFT prompt turns are masked, conversations
+    stay whole), so the forward step hands Megatron the micro-batch's count (``megatron/loss.py``)
+    and MTP's depth loss is scaled alike (``mtp.process_mtp_loss``). DP 2 × CP 2×2 with two
+    micro-batches per DP rank equals the CP=1 reference under the same normalisation, lm and MTP
+    loss. Measured on 2026-12-07 with the rank's own count instead: 1.1e-3 (lm) and 2.9e-3 (MTP)
+    apart; 0.0 / 4.5e-7 with it. The per-token reference is another training (the normalisation
+    is what the check sees)."""
+    from tests.megatron.test_pretrain_cpu_mtp import _same_mtp
+
+    sizes = dict(per_token_loss=False, global_batch_size=8, extra=("--mtp-num-layers", "1"), **SFT)
+    hsap = _run(root, world_size=8, intra_size=2, inter_size=2, **sizes)
+    ref = _run(root, world_size=1, reference=True, **sizes)
+    _same_losses(hsap.losses, ref.losses)
+    _same_mtp(hsap, ref, 1)
+    per_token = _run(root, world_size=1, reference=True, **{**sizes, "per_token_loss": True})
+    # (2.7e-4 apart over the 4 steps, measured)
+    assert max(abs(per_token.losses[s] - v) / v for s, v in ref.losses.items()) > 10 * RTOL

@@ -92,6 +92,9 @@ class CPURun:
     eval_iters: int = 2
     seed: int = 1234
     tie_embeddings: bool = False  # one word-embedding matrix for input and output (Megatron's default)
+    # --calculate-per-token-loss (the global per-token mean); False: Megatron's default, each
+    # micro-batch's mean loss (megatron/loss.py)
+    per_token_loss: bool = True
     # "llama": RMSNorm, SwiGLU, no biases, GQA 4/2, untied; "gpt": the GPT-30B configs' layer
     # (LayerNorm, GeLU, biases, MHA 4/4, tied embeddings)
     model: str = "llama"
@@ -210,7 +213,7 @@ def megatron_flags(run: CPURun) -> list[str]:
         "--lr", "3e-3", "--min-lr", "3e-3", "--lr-decay-style", "constant", "--weight-decay", "0.01",
         "--clip-grad", "1.0", "--seed", str(run.seed),
         *_tokenizer_flags(run), "--make-vocab-size-divisible-by", str(run.vocab_multiple),
-        "--split", "90,5,5", "--num-workers", "0", "--calculate-per-token-loss",
+        "--split", "90,5,5", "--num-workers", "0", *(["--calculate-per-token-loss"] if run.per_token_loss else []),
         # (SFTDataset gives each conversation its positions and asserts the reset off)
         *([] if run.sft else ["--reset-position-ids"]), *(["--sft"] if run.sft else []),
         "--use-cpu-initialization", "--distributed-backend", "gloo", "--distributed-timeout-minutes", "10",
@@ -399,6 +402,9 @@ def build_parser(prog: str = "megatron-hsap pretrain-cpu") -> argparse.ArgumentP
                    help="share the input embedding with the output layer (Megatron's default; --model llama unties "
                    "them otherwise, as Llama-style models do; --model gpt always ties). At PP > 1 the first and "
                    "last stage then all-reduce its gradient over Megatron's embedding group")
+    p.add_argument("--no-per-token-loss", dest="per_token_loss", action="store_false",
+                   help="leave out --calculate-per-token-loss: Megatron's default normalisation, each micro-batch's "
+                   "mean loss (HSAP hands Megatron the micro-batch's loss-token count: megatron_hsap/megatron/loss.py)")
     p.add_argument("--model", choices=sorted(_MODELS), default="llama",
                    help="llama: RMSNorm, SwiGLU, no biases, GQA 4/2, untied embeddings; gpt: the GPT-30B configs' "
                    "layer — LayerNorm, GeLU, biases, MHA 4/4, tied embeddings")
@@ -430,6 +436,7 @@ def main(argv: list[str] | None = None) -> int:
                   inter_size=ns.inter_size, reference=ns.reference, packed=ns.packed, sft=ns.sft, steps=ns.steps,
                   micro_batch_size=ns.micro_batch_size, seq_length=ns.seq_length, num_layers=ns.num_layers,
                   eval_interval=ns.eval_interval, eval_iters=ns.eval_iters, tie_embeddings=ns.tie_embeddings,
+                  per_token_loss=ns.per_token_loss,
                   model=ns.model, extra=tuple(extra), megatron_lm=ns.megatron_lm,
                   log_dir=None if ns.out is None else str(ns.out))
     try:  # every refusal before a rank is spawned, the reference's too

@@ -22,7 +22,7 @@ from torch import Tensor
 
 from megatron_hsap.errors import ConfigError
 from megatron_hsap.megatron.cpu.mamba_kernels import causal_conv1d as _conv_in_documents
-from megatron_hsap.megatron.cpu.mamba_kernels import register_packages
+from megatron_hsap.megatron.cpu.stand_in_packages import register_packages
 
 __all__ = ["causal_conv1d", "chunk_gated_delta_rule", "install", "l2norm"]
 

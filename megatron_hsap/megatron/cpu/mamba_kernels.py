@@ -20,10 +20,8 @@ token-by-token recurrence.
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import math
 import sys
-import types
 from typing import Any
 
 import torch
@@ -31,8 +29,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from megatron_hsap.errors import ConfigError
+from megatron_hsap.megatron.cpu.stand_in_packages import register_packages
 
-__all__ = ["RMSNormGated", "causal_conv1d", "causal_conv1d_fn", "install", "register_packages", "mamba_split_conv1d_scan_combined", "ssd_scan"]
+__all__ = ["RMSNormGated", "causal_conv1d", "causal_conv1d_fn", "install", "mamba_split_conv1d_scan_combined", "ssd_scan"]
 
 VERSION = "2.2.6"  # what the stand-in reports: the mamba_ssm release whose signatures it follows
 CONV1D_VERSION = "1.5.3"  # and the causal_conv1d release (Megatron checks both before packed training)
@@ -182,25 +181,6 @@ class RMSNormGated(nn.Module):
         if z is not None and self.norm_before_gate:
             out = out * F.silu(z.to(out.dtype))
         return out.to(x.dtype)
-
-
-def register_packages(roots: tuple[str, ...], contents: dict[str, dict[str, Any]]) -> bool:
-    """Put stand-in modules in ``sys.modules``: each of ``contents`` (a dotted name → its attributes)
-    with every parent package, linked as attributes. Nothing when any of ``roots`` is already
-    imported or installed (a real package is never shadowed). Returns whether it registered."""
-    if any(root in sys.modules or importlib.util.find_spec(root) is not None for root in roots):
-        return False
-    names = sorted({".".join(name.split(".")[:i + 1]) for name in contents for i in range(name.count(".") + 1)})
-    modules = {name: types.ModuleType(name) for name in names}
-    for name, attrs in contents.items():
-        for attr, value in attrs.items():
-            setattr(modules[name], attr, value)
-    for name, module in modules.items():
-        parent, _, child = name.rpartition(".")
-        if parent:
-            setattr(modules[parent], child, module)
-        sys.modules[name] = module
-    return True
 
 
 def install() -> None:
