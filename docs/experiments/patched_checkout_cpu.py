@@ -90,7 +90,7 @@ def flags(script: str, *, world_size: int = 1, intra_size: int = 1, inter_size: 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--rank":
         return _rank(sys.argv[2], sys.argv[3:])
-    from megatron_hsap.megatron.cpu.command import _env, parse_log
+    from megatron_hsap.megatron.cpu.command import parse_log, rank_env
 
     argv = sys.argv[1:]
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
@@ -111,7 +111,7 @@ def main() -> None:
     if os.path.exists(store):
         os.remove(store)
     procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--rank", ns.script, *argv_flags],
-                              env=_env(r, ns.world_size, store), stdin=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+                              env=rank_env(r, ns.world_size, store), stdin=subprocess.DEVNULL, stderr=subprocess.STDOUT,
                               stdout=open(os.path.join(ns.out, f"rank{r}.log"), "w"))
              for r in range(ns.world_size)]
     codes = [proc.wait(timeout=900) for proc in procs]

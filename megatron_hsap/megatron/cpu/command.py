@@ -40,7 +40,7 @@ from megatron_hsap.argtypes import flag_names
 from megatron_hsap.errors import ConfigError
 from megatron_hsap.megatron.cpu.reference import compare_losses, hybrid_pattern, no_local_reference, reference_of
 
-__all__ = ["CPURun", "CPUResult", "compare_losses", "megatron_flags", "no_local_reference", "reference_of", "run", "parse_log", "parse_mtp_losses", "main"]
+__all__ = ["CPURun", "CPUResult", "compare_losses", "megatron_flags", "no_local_reference", "reference_of", "run", "parse_log", "parse_mtp_losses", "rank_env", "main"]
 
 _ITER = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.Ee+-]+)")
 _VALID = re.compile(r"validation loss at iteration (\d+) \| lm loss value: ([0-9.Ee+-]+)")
@@ -291,8 +291,12 @@ MEGATRON_LM_ENV = "HSAP_CPU_MEGATRON_LM"  # ``--megatron-lm``: the checkout whos
 _FSDP_FLAGS = ("--use-megatron-fsdp", "--use-torch-fsdp2")
 
 
-def _env(rank: int, world: int, store: str, record_dir: str | None = None, *, fsdp: bool = False,
-         megatron_lm: str | None = None) -> dict[str, str]:
+def rank_env(rank: int, world: int, store: str, record_dir: str | None = None, *, fsdp: bool = False,
+             megatron_lm: str | None = None) -> dict[str, str]:
+    """The environment of CPU rank ``rank`` of ``world`` (gloo on loopback only, rendezvous at
+    ``store``, one thread, no GPU); ``record_dir``: where the rank records its losses and parameters;
+    ``fsdp``: Megatron-FSDP's ``CUDA_DEVICE_MAX_CONNECTIONS``; ``megatron_lm``: the checkout whose
+    scripts the rank runs."""
     env = dict(os.environ)
     env.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
@@ -332,7 +336,7 @@ def run(opts: CPURun, *, echo: bool = False, record_dir: str | None = None) -> C
     for rank in range(opts.world_size):
         out = open(log_dir / f"rank{rank}.log", "w")
         files.append(out)
-        env = _env(rank, opts.world_size, store, record_dir, fsdp=fsdp, megatron_lm=opts.megatron_lm)
+        env = rank_env(rank, opts.world_size, store, record_dir, fsdp=fsdp, megatron_lm=opts.megatron_lm)
         procs.append(subprocess.Popen(cmd, env=env, stdout=out,
                                       stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
     codes = _wait(procs, opts.timeout_s)
