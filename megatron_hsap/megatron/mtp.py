@@ -170,7 +170,7 @@ def process_mtp_loss(*args: Any, **kwargs: Any) -> Any:
     chunks = torch.chunk(p["hidden_states"], 1 + depths, dim=0)
     hidden = chunks[0]
     group = _cp_group(params, p["cp_group"])
-    cp_size = 1 if group is None else dist.get_world_size(group)
+    cp_size = params.hsap_plan.cp_size  # (the group's size: _cp_group checks it)
     where = successors(params, hidden.device)
 
     def shift(t: torch.Tensor) -> torch.Tensor:

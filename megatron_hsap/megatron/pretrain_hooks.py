@@ -225,8 +225,9 @@ def make_forward_step(loss_func: Callable[..., Any]) -> Callable[..., Any]:
         # loss_func returns (Σ loss·mask, local loss tokens); --calculate-per-token-loss makes
         # Megatron divide by the tokens summed over DP×CP: every real token counted once. Megatron's
         # default (each micro-batch's mean) needs the micro-batch's count instead (megatron/loss.py)
+        args = get_args()
         loss = functools.partial(loss_func, batch["loss_mask"], model=model)
-        if not getattr(get_args(), "calculate_per_token_loss", False):
+        if not getattr(args, "calculate_per_token_loss", False):
             from megatron.core import parallel_state
 
             loss = functools.partial(micro_batch_mean, loss, batch["num_loss_tokens"],
@@ -236,7 +237,7 @@ def make_forward_step(loss_func: Callable[..., Any]) -> Callable[..., Any]:
             # this chunk's layers from a plan of fine-grained callables; HSAP's batch rides in packed_seq_params
             return model.build_schedule_plan(*inputs, **kwargs), loss
         output = model(*inputs, **kwargs)
-        if not model.training and getattr(get_args(), "sft", False):
+        if not model.training and getattr(args, "sft", False):
             loss = functools.partial(evaluation_report, loss)
         return output, loss
 
