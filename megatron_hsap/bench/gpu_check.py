@@ -11,7 +11,10 @@ Transformer Engine are checked when they import. Runs from a plain copy of the t
 2. ``executor``  one-rank plans through ``hsap_attn_func`` on the device vs the reference; the
                  executor's merge and accumulation pattern (split-kv partials, ``merge_into`` in
                  fp32, partial gradients against the final out/lse) per backend, large logits
-                 included; the receive pool on the device.
+                 included; the receive pool on the device; attention dropout per backend and
+                 through a plan, by identities any mask satisfies (:mod:`~megatron_hsap.bench.gpu_check_dropout`:
+                 the backward redraws the forward's mask; the mean over 256 masks is the
+                 dropout-free output).
 3. ``merge``     the fused Triton LSE merge (:mod:`~megatron_hsap.bench.gpu_check_merge`) against the
                  eager merge and float64, and its HBM bytes per element (priced 10) vs the eager
                  path's (priced 18) at the measured copy bandwidth (``merge.csv``).
@@ -449,9 +452,10 @@ def run_check(out: Path, *, dry_run: bool, hardware: str | None = None, only: tu
         except Exception as exc:
             ctx.fail("calibrate", "calibration / per-rank comparison", exc)
 
+    from megatron_hsap.bench.gpu_check_dropout import check_dropout
     from megatron_hsap.bench.gpu_check_merge import check_fused_merge
 
-    runs = {"kernels": [check_kernels], "executor": [check_executor, check_merges], "merge": [check_fused_merge],
+    runs = {"kernels": [check_kernels], "executor": [check_executor, check_merges, check_dropout], "merge": [check_fused_merge],
             "multirank": [check_multirank],
             "calibrate": [timed_calibration]}  # fmt: skip
     for name in only:

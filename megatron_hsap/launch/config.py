@@ -399,9 +399,6 @@ def _validate_launch(cfg: LaunchConfig) -> None:
                           f"{m.num_kv_heads} (Megatron splits kv groups over TP)")
     if m.num_layers % p.pipeline:
         raise ConfigError(f"parallel.pipeline: {p.pipeline} does not divide model.num_layers {m.num_layers}")
-    if p.cp_impl is CPImpl.HSAP and m.attention_dropout > 0:
-        raise ConfigError(f"model.attention_dropout: {m.attention_dropout}, but HSAP attention has no "
-                          "dropout (the backend refuses it); set 0.0")
     if p.cp_impl is CPImpl.HSAP:
         from megatron_hsap.plan.plan import kv_heads_per_rank  # the planner's own rule
 

@@ -351,8 +351,7 @@ def validate_hsap_args(args: Any) -> HSAPArgs | None:
         )
     _check_head_chunks(args, intra, heads, heads if getattr(args, "multi_latent_attention", False) else kv_heads)
 
-    dropout = float(getattr(args, "attention_dropout", 0.0) or 0.0)
-    _refuse(dropout > 0.0, f"--attention-dropout {dropout}: HSAP attention has no dropout; pass --attention-dropout 0.0")
+    # attention dropout runs under HSAP (runtime/dropout.py; its [0, 1) range is Megatron's own check)
     # either loss normalisation: megatron/loss.py gives Megatron the micro-batch's token count
     from megatron_hsap.megatron.windows import megatron_window
 

@@ -16,7 +16,7 @@ What it refuses (``ConfigError`` at construction or before any collective; ``Bat
 batch without the HSAP marker) instead of computing something else:
 cross attention; attention masks other than causal / padding-causal (no_mask, padding, arbitrary,
 causal_bottom_right); an explicit ``attention_mask`` tensor (the mask is implied by the documents);
-``attention_bias``; attention dropout > 0 in training; a sliding window with ``right != 0``; a ``softmax_scale``
+``attention_bias``; a sliding window with ``right != 0``; a ``softmax_scale``
 that disagrees with ``config.softmax_scale``; fp8 dot-product attention; qk-clip / max-logit
 logging; a plan whose CP size or topology differs from the model's groups. A plan whose head counts
 or local token count differ from this layer's input, or a batch sharded for another CP rank, raises
@@ -30,10 +30,16 @@ own parameter — same name, ``[num_attention_heads / TP]`` per TP rank, TP-shar
 distributed checkpoint, as ``DotProductAttention`` declares it — so checkpoints load unchanged; it is
 passed to ``hsap_attn_func(sinks=...)``, which merges it once per row after the last LSE merge. Each
 CP rank's gradient holds its own rows' contribution; Megatron's DP×CP gradient all-reduce sums them.
+
+Attention dropout (``config.attention_dropout``, in training only): ``hsap_attn_func(dropout_p=...)``
+inside Megatron's model-parallel RNG tracker (``get_cuda_rng_tracker().fork()``, as Transformer
+Engine's attention forks it), so TP ranks draw different masks and activation recomputation, which
+restores the tracker's states, redraws the same ones (``runtime/dropout.py``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 from typing import TYPE_CHECKING, Any
@@ -211,11 +217,33 @@ class HSAPCoreAttention(MegatronModule):
             )
         if attention_bias is not None:
             raise ConfigError("attention_bias is not supported by HSAP")
-        if self.training and self.dropout_p > 0.0:
-            raise ConfigError(
-                f"attention dropout {self.dropout_p} in training is not supported by HSAP; set "
-                "--attention-dropout 0 (TransformerConfig.attention_dropout=0.0)"
-            )
+
+    def _tp_rank(self) -> int:
+        tp_group = getattr(self.pg_collection, "tp", None) if self.pg_collection is not None else None
+        if tp_group is not None:
+            return int(tp_group.rank())
+        mpu = sys.modules.get("megatron.core.parallel_state")
+        return int(mpu.get_tensor_model_parallel_rank()) if mpu is not None and mpu.model_parallel_is_initialized() else 0
+
+    def _dropout(self, query: Tensor, heads: int) -> tuple[dict[str, Any], Any]:
+        """(``hsap_attn_func``'s dropout arguments for this call of ``heads`` q heads, the RNG context
+        to run it in): the configured probability in training, inside Megatron's model-parallel RNG
+        tracker when it is set up; none in evaluation. On the CPU the ``cpu`` kernel's seed is drawn
+        here, before the fork, from the CPU generator (which activation recomputation restores too):
+        drawn inside, it would change the CPU generator within the CUDA fork, which Megatron warns
+        about; its masks are keyed on global heads (TP rank × heads), so a TP run draws the TP=1
+        run's."""
+        p = self.dropout_p if self.training else 0.0
+        if p == 0.0:
+            return {}, contextlib.nullcontext()
+        from megatron.core import tensor_parallel
+
+        from megatron_hsap.runtime.dropout import draw_seed
+
+        seed = draw_seed(query.device) if query.device.type == "cpu" else None  # (GPU kernels draw their own)
+        tracker = tensor_parallel.get_cuda_rng_tracker()
+        drop = {"dropout_p": p, "dropout_seed": seed, "dropout_head_offset": self._tp_rank() * heads}
+        return drop, tracker.fork() if tracker.is_initialized() else contextlib.nullcontext()
 
     def _groups(self, plan: "Plan", cp_rank: int) -> tuple[Any, Any]:
         """(intra, inter) groups for ``hsap_attn_func``: HSAP's, checked against the plan; a
@@ -284,8 +312,10 @@ class HSAPCoreAttention(MegatronModule):
                 raise RuntimeMismatchError(f"THD query must be [t, np, hn], got {tuple(query.shape)}")
             self._check_heads(plan, query.shape[0], query.shape[1], key.shape[1], "this THD batch")
             intra, inter = self._groups(plan, cp_rank)
-            out = _hsap_attn_func()(query, key, value, plan, intra_group=intra, inter_group=inter,
-                                 softmax_scale=self.softmax_scale, sinks=self._sinks(query, 1))  # [t, np, dv]
+            drop, rng = self._dropout(query, query.shape[1])
+            with rng:
+                out = _hsap_attn_func()(query, key, value, plan, intra_group=intra, inter_group=inter,
+                                     softmax_scale=self.softmax_scale, sinks=self._sinks(query, 1), **drop)  # [t, np, dv]
             return out.reshape(out.shape[0], -1)
         if fmt == "sbhd":
             if query.dim() != 4:
@@ -294,10 +324,12 @@ class HSAPCoreAttention(MegatronModule):
             self._check_heads(plan, s, b * heads, b * key.shape[2], "this SBHD batch (batch folded into heads)")
             intra, inter = self._groups(plan, cp_rank)
             # [s, b, n, d] -> [s, b·n, d]: a view; sample b_i's heads stay contiguous.
-            out = _hsap_attn_func()(query.reshape(s, b * heads, -1), key.reshape(s, b * key.shape[2], -1),
-                                 value.reshape(s, b * value.shape[2], -1), plan, intra_group=intra,
-                                 inter_group=inter, softmax_scale=self.softmax_scale,
-                                 sinks=self._sinks(query, b))  # [s, b·np, dv]
+            drop, rng = self._dropout(query, b * heads)
+            with rng:
+                out = _hsap_attn_func()(query.reshape(s, b * heads, -1), key.reshape(s, b * key.shape[2], -1),
+                                     value.reshape(s, b * value.shape[2], -1), plan, intra_group=intra,
+                                     inter_group=inter, softmax_scale=self.softmax_scale,
+                                     sinks=self._sinks(query, b), **drop)  # [s, b·np, dv]
             return out.reshape(s, b, -1)
         raise ConfigError(f"qkv_format={fmt!r} is not supported by HSAP; use 'thd' (packed) or 'sbhd'")
 

@@ -16,6 +16,10 @@ Conventions (shared with :mod:`megatron_hsap.runtime.kernels`):
   further restricts query ``i`` to keys ``i + lk - lq - left <= j <= i + lk - lq + right``; only
   the key tiles inside the band are computed (work per block, never ``T × T``).
 * math in float64 for float64 inputs, else float32 (bf16/fp16 inputs are upcast per tile).
+* ``dropout`` (:class:`~megatron_hsap.runtime.dropout.Dropout`): each probability kept by
+  :func:`~megatron_hsap.runtime.dropout.keep_mask` of its global q head, q token (``q_pos``) and
+  k token (``k_pos``), scaled by ``1/(1-p)``; the LSE stays the undropped one (as flash-attn's),
+  and backward redraws the same mask from the same coordinates.
 
 GQA is handled by folding the ``g = h // hkv`` query heads of one kv head into the rows of a
 batched matmul (``[hkv, rows·g, d] @ [hkv, d, keys]``), so kv is never repeated in memory and
@@ -28,6 +32,8 @@ from collections.abc import Iterator
 
 import torch
 from torch import Tensor
+
+from megatron_hsap.runtime.dropout import Dropout, keep_mask
 
 __all__ = ["DEFAULT_BLOCK_Q", "DEFAULT_BLOCK_K", "varlen_forward", "varlen_backward"]
 
@@ -108,6 +114,33 @@ def _unrows(y: Tensor, n: int, h: int) -> Tensor:
     return y.reshape(hkv, n, h // hkv, *tail).transpose(0, 1).reshape(n, h, *tail)
 
 
+class _Masks:
+    """The dropout keep-masks of one call's tiles, ``[hkv, n·g, m]`` in the tiles' row order, scaled
+    by ``1/(1-p)`` (None without dropout)."""
+
+    __slots__ = ("drop", "heads", "q_pos", "k_pos", "hkv", "g", "scale", "dtype")
+
+    def __init__(self, drop: Dropout | None, h: int, hkv: int, q: Tensor, k: Tensor, q_pos: Tensor | None,
+                 k_pos: Tensor | None, dtype: torch.dtype) -> None:
+        self.drop = drop if drop is not None and drop.p > 0 else None
+        if self.drop is None:
+            return
+        dev = q.device
+        self.heads = torch.arange(h, device=dev) + self.drop.head_offset
+        self.q_pos = torch.arange(q.shape[0], device=dev) if q_pos is None else q_pos.to(dev)
+        self.k_pos = torch.arange(k.shape[0], device=dev) if k_pos is None else k_pos.to(dev)
+        self.hkv, self.g, self.scale, self.dtype = hkv, h // hkv, 1.0 / (1.0 - self.drop.p), dtype
+
+    def tile(self, r0: int, r1: int, c0: int, c1: int) -> Tensor | None:
+        """Call rows ``[r0, r1)`` × call keys ``[c0, c1)``: ``[hkv, n·g, c1-c0]`` of 0 or ``1/(1-p)``."""
+        if self.drop is None:
+            return None
+        keep = keep_mask(self.drop.seed, self.drop.p, self.heads, self.q_pos[r0:r1], self.k_pos[c0:c1])  # [h, n, m]
+        n, m = r1 - r0, c1 - c0
+        keep = keep.view(self.hkv, self.g, n, m).transpose(1, 2).reshape(self.hkv, n * self.g, m)
+        return keep.to(self.dtype) * self.scale
+
+
 def varlen_forward(
     q: Tensor,
     k: Tensor,
@@ -120,17 +153,22 @@ def varlen_forward(
     window: tuple[int, int] = (-1, -1),
     block_q: int = DEFAULT_BLOCK_Q,
     block_k: int = DEFAULT_BLOCK_K,
+    dropout: Dropout | None = None,
+    q_pos: Tensor | None = None,
+    k_pos: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Varlen attention forward.
 
     Returns ``out [tq, h, dv]`` in ``q.dtype`` and ``lse [tq, h]`` (natural log; float32, or
     float64 for float64 inputs). Rows not covered by ``cu_seqlens_q`` or seeing no key get
-    ``out = 0``, ``lse = -inf``.
+    ``out = 0``, ``lse = -inf``. ``dropout``: see the module docstring; ``q_pos [tq]`` / ``k_pos
+    [tk]`` the rows' global token indices (default: their row numbers).
     """
     tq, h, _ = q.shape
     hkv, dv = k.shape[1], v.shape[2]
     g = h // hkv
     cdt = _compute_dtype(q.dtype)
+    masks = _Masks(dropout, h, hkv, q, k, q_pos, k_pos, cdt)
     out = torch.zeros((tq, h, dv), dtype=q.dtype, device=q.device)
     lse = torch.full((tq, h), _NEG_INF, dtype=cdt, device=q.device)
 
@@ -159,8 +197,9 @@ def varlen_forward(
                 m_use = m_new.masked_fill(m_new == _NEG_INF, 0.0)
                 p = s.sub_(m_use.unsqueeze(-1)).exp_()
                 alpha = torch.exp(m - m_use)
-                l.mul_(alpha).add_(p.sum(dim=-1))
-                acc.mul_(alpha.unsqueeze(-1)).baddbmm_(p, vs[:, c:e])
+                l.mul_(alpha).add_(p.sum(dim=-1))  # the undropped normaliser: the LSE a kernel returns
+                keep = masks.tile(q0 + a, q0 + b, k0 + c, k0 + e)
+                acc.mul_(alpha.unsqueeze(-1)).baddbmm_(p if keep is None else p * keep, vs[:, c:e])
                 m = m_new
             seen = l > 0
             acc.div_(torch.where(seen, l, torch.ones_like(l)).unsqueeze(-1))
@@ -187,6 +226,9 @@ def varlen_backward(
     window: tuple[int, int] = (-1, -1),
     block_q: int = DEFAULT_BLOCK_Q,
     block_k: int = DEFAULT_BLOCK_K,
+    dropout: Dropout | None = None,
+    q_pos: Tensor | None = None,
+    k_pos: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Varlen attention backward with the *given* ``lse`` and ``delta`` (those of the final,
     merged output of these rows), so the partial gradients of disjoint key blocks sum to the
@@ -194,6 +236,7 @@ def varlen_backward(
 
     Args:
         dout: ``[tq, h, dv]``; lse, delta: ``[tq, h]`` (``delta = rowsum(dout ∘ out_final)``).
+        dropout / q_pos / k_pos: as the forward got them (the same masks are redrawn).
     Returns:
         ``dq [tq, h, d]``, ``dk [tk, hkv, d]``, ``dv [tk, hkv, dv]`` in float32 (float64 for
         float64 inputs).
@@ -205,6 +248,7 @@ def varlen_backward(
     dq = torch.zeros((tq, h, d), dtype=cdt, device=q.device)
     dk = torch.zeros((tk, hkv, d), dtype=cdt, device=q.device)
     dvv = torch.zeros((tk, hkv, dv), dtype=cdt, device=q.device)
+    masks = _Masks(dropout, h, hkv, q, k, q_pos, k_pos, cdt)
 
     for q0, lq, k0, lk in _sequences(cu_seqlens_q, cu_seqlens_k):
         lo, hi = _band(lk - lq, causal, window)
@@ -234,8 +278,12 @@ def varlen_backward(
                 if mask is not None:
                     s.view(hkv, n, g, e - c).masked_fill_(mask.unsqueeze(1), _NEG_INF)
                 p = s.sub_(lse_t).exp_()  # P from the final lse
-                dvs[:, c:e].baddbmm_(p.transpose(1, 2), dot)
-                ds = torch.bmm(dot, vt.transpose(1, 2)).sub_(delta_t).mul_(p)  # dS = P∘(dP-δ)
+                keep = masks.tile(q0 + a, q0 + b, k0 + c, k0 + e)
+                dvs[:, c:e].baddbmm_((p if keep is None else p * keep).transpose(1, 2), dot)
+                dp = torch.bmm(dot, vt.transpose(1, 2))
+                if keep is not None:
+                    dp.mul_(keep)  # dP through the mask; δ = rowsum(dO∘O) is unchanged by dropout
+                ds = dp.sub_(delta_t).mul_(p)  # dS = P∘(dP-δ)
                 dqt.baddbmm_(ds, kt)
                 dks[:, c:e].baddbmm_(ds.transpose(1, 2), qt)
             dq[q0 + a : q0 + b] = _unrows(dqt.mul_(softmax_scale), n, h)

@@ -17,6 +17,10 @@ Per phase the program is a flat list ``Post(r) · Compute(s) · Wait(r) · Merge
   on CUDA waited on the device (stream order), the deadline kept by the watchdog (``runtime/p2p.py``).
 * ``Merge`` / ``Accumulate`` — received partials into the fp32 accumulators (overflow-safe LSE merge).
 
+Attention dropout (:meth:`Executor.forward_dropout`, ``runtime/dropout.py``): each forward call's
+kernel rng state is kept by the call's blocks and handed to the backward call over the same blocks;
+the ``cpu`` kernel gets the calls' global token indices instead (its masks are keyed on them).
+
 Before a plan's first round on its group, :func:`~megatron_hsap.runtime.handshake.agree` checks
 that every peer runs the same plan (a fixed-size header per pair; cached by plan hash). The hash
 is computed on the host — by the plan prefetcher's thread (``megatron/batch.py plan_for_batch``),
@@ -48,9 +52,10 @@ from megatron_hsap.plan.chunks import chunk_shape
 from megatron_hsap.plan.costs import HeadShape
 from megatron_hsap.plan.ir import ComputeItem, Phase, Send, Slot, Wire
 from megatron_hsap.plan.lru import LRUCache
+from megatron_hsap.runtime.dropout import CallStates, Dropout, call_key
 from megatron_hsap.runtime.env import MAX_TIMEOUT_S, read_env
 from megatron_hsap.runtime.handshake import agree
-from megatron_hsap.runtime.kernels import attn_backward, attn_forward, resolve_backend
+from megatron_hsap.runtime.kernels import attn_backward, attn_forward, attn_forward_dropout, resolve_backend
 from megatron_hsap.runtime.merge import merge_into, use_fused_merge
 from megatron_hsap.runtime.p2p import P2PChannel, Transfer, warm_up
 from megatron_hsap.runtime.prepared import (AccumulatePartial, ComputeCalls, MergePartial, PostRound, Prepared,
@@ -167,6 +172,7 @@ class Executor:
         self._fwd, self._bwd = prepare((plan.program(self.rank, Phase.FWD), plan.program(self.rank, Phase.BWD)),
                                        rows, self.device, (base[Phase.FWD], base[Phase.BWD]))  # fmt: skip
         self.stats = {Phase.FWD: PhaseStats(), Phase.BWD: PhaseStats()}
+        self._positions: dict[tuple, tuple[Tensor, Tensor]] = {}  # call blocks -> global tokens (cpu dropout)
 
     # ------------------------------------------------------------------ public
     def expected_bytes(self, phase: Phase | str) -> tuple[int, int]:
@@ -180,6 +186,17 @@ class Executor:
     def forward(self, q: Tensor, k: Tensor, v: Tensor, softmax_scale: float) -> tuple[Tensor, Tensor]:
         """``q [t, h, d]``, ``k [t, hkv, d]``, ``v [t, hkv, dv]`` (this inter rank's chunk, layout
         order) -> ``out [t, h, dv]`` float32 and ``lse [t, h]`` float32 of the whole packed batch."""
+        out, lse, _ = self._forward(q, k, v, softmax_scale, None)
+        return out, lse
+
+    def forward_dropout(self, q: Tensor, k: Tensor, v: Tensor, softmax_scale: float,
+                        dropout: Dropout) -> tuple[Tensor, Tensor, CallStates]:  # fmt: skip
+        """:meth:`forward` with attention dropout: also the calls' kernel rng states, for
+        :meth:`backward` (``lse`` is the undropped one, as the merge needs)."""
+        return self._forward(q, k, v, softmax_scale, CallStates(dropout))
+
+    def _forward(self, q: Tensor, k: Tensor, v: Tensor, softmax_scale: float,
+                 states: CallStates | None) -> tuple[Tensor, Tensor, CallStates | None]:  # fmt: skip
         shape = self._check(q, k, v)
         t, h, dv = q.shape[0], q.shape[1], v.shape[2]
         out = torch.zeros((t, h, dv), dtype=_F32, device=q.device)
@@ -187,13 +204,14 @@ class Executor:
         buf = _Buffers(self._pool(q.device), q.dtype, shape, self.plan.shape)
         buf.local = {Wire.Q: (q.contiguous(),), Wire.KV: (k.contiguous(), v.contiguous())}
         acc = {Wire.O: out, Wire.LSE: lse}
-        self._run(Phase.FWD, self._fwd, buf, acc, softmax_scale)
-        return out, lse
+        self._run(Phase.FWD, self._fwd, buf, acc, softmax_scale, states)
+        return out, lse, states
 
     def backward(self, do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                 softmax_scale: float) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+                 softmax_scale: float, states: CallStates | None = None) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
         """Gradients of the forward: ``do``/``out [t, h, dv]`` (activation dtype; ``out`` the final
-        output), ``lse [t, h]`` float32 final -> float32 ``dq [t, h, d]``, ``dk``, ``dv``."""
+        output), ``lse [t, h]`` float32 final -> float32 ``dq [t, h, d]``, ``dk``, ``dv``.
+        ``states``: what :meth:`forward_dropout` returned, when the forward ran with dropout."""
         shape = self._check(q, k, v)
         if do.shape != out.shape or lse.shape != q.shape[:2]:
             raise RuntimeMismatchError(f"backward got {do.shape=} {out.shape=} {lse.shape=} for {q.shape=}")
@@ -209,7 +227,7 @@ class Executor:
             Wire.LSE: (lse,), Wire.DELTA: (delta,), Wire.O: (out,),
         }  # fmt: skip
         acc = {Wire.DQ: dq, Wire.DKV: (dk, dv)}
-        self._run(Phase.BWD, self._bwd, buf, acc, softmax_scale)
+        self._run(Phase.BWD, self._bwd, buf, acc, softmax_scale, states)
         return dq, dk, dv
 
     def _pool(self, device: torch.device) -> Tensor:
@@ -237,7 +255,8 @@ class Executor:
         return s
 
     # ------------------------------------------------------------------ interpreter
-    def _run(self, phase: Phase, prep: Prepared, buf: _Buffers, acc: dict, scale: float) -> None:
+    def _run(self, phase: Phase, prep: Prepared, buf: _Buffers, acc: dict, scale: float,
+             states: CallStates | None = None) -> None:  # fmt: skip
         t_start = time.perf_counter()
         if self.plan.inter_size > 1:  # plans agree before any payload (cached per plan), then NCCL's warm-up
             agree(self.plan, self.group, "inter", phase, timeout_s=self.timeout_s, device=buf.pool.device)
@@ -260,9 +279,9 @@ class Executor:
                     t0 = time.perf_counter()
                     for call in calls:
                         if fwd:
-                            self._fwd_call(call, buf, acc, scale)
+                            self._fwd_call(call, buf, acc, scale, states)
                         else:
-                            self._bwd_call(call, buf, acc, scale)
+                            self._bwd_call(call, buf, acc, scale, states)
                     kernel_calls += len(calls)
                     compute_s += time.perf_counter() - t0
                 case MergePartial(rows=rows, tokens=n, o=o_slot, lse=lse_slot):
@@ -338,13 +357,31 @@ class Executor:
                 out.append(Transfer(send, x, op.peer, what))
         return out
 
-    def _fwd_call(self, call: PreparedCall, buf: _Buffers, acc: dict, scale: float) -> None:
+    def _positions_of(self, call: PreparedCall, device: torch.device) -> tuple[Tensor | None, Tensor | None]:
+        """The global token of each q row and kv row of ``call`` (the ``cpu`` kernel keys its dropout
+        masks on them; the GPU kernels draw theirs per call: None)."""
+        if self.backend != "cpu":
+            return None, None
+        key = (call.gathered, call_key(call.items))
+        hit = self._positions.get(key)
+        if hit is None or hit[0].device != device:
+            qs = [call.items[0].q] if call.gathered else [it.q for it in call.items]
+            ranges = lambda rs: torch.cat([torch.arange(r.start, r.stop, device=device) for r in rs])  # noqa: E731
+            hit = self._positions[key] = (ranges(qs), ranges([it.kv for it in call.items]))
+        return hit
+
+    def _fwd_call(self, call: PreparedCall, buf: _Buffers, acc: dict, scale: float, states: CallStates | None) -> None:
         item = call.items[0]
         q, = self._operand(buf, item, Wire.Q, call.q_rows)
         k, v = self._kv(buf, call)
-        o, lse = attn_forward(q, k, v, cu_seqlens_q=call.cu_q, cu_seqlens_k=call.cu_k, max_seqlen_q=call.max_q,
-                              max_seqlen_k=call.max_k, causal=call.causal, softmax_scale=scale, backend=self.backend,
-                              window=call.window)
+        args = dict(cu_seqlens_q=call.cu_q, cu_seqlens_k=call.cu_k, max_seqlen_q=call.max_q, max_seqlen_k=call.max_k,
+                    causal=call.causal, softmax_scale=scale, backend=self.backend, window=call.window)
+        if states is None:
+            o, lse = attn_forward(q, k, v, **args)
+        else:
+            q_pos, k_pos = self._positions_of(call, q.device)
+            o, lse, rng = attn_forward_dropout(q, k, v, **args, dropout=states.dropout, q_pos=q_pos, k_pos=k_pos)
+            states.put(call_key(call.items), rng)
         o_dst, lse_dst = item.dst(Wire.O), item.dst(Wire.LSE)
         if o_dst is None:
             if call.q_rows is None:
@@ -354,7 +391,7 @@ class Executor:
             self._view(buf, o_dst, Wire.O, len(item.q))[0].copy_(o)
             self._view(buf, lse_dst, Wire.LSE, len(item.q))[0].copy_(lse)
 
-    def _bwd_call(self, call: PreparedCall, buf: _Buffers, acc: dict, scale: float) -> None:
+    def _bwd_call(self, call: PreparedCall, buf: _Buffers, acc: dict, scale: float, states: CallStates | None) -> None:
         item = call.items[0]
         q, = self._operand(buf, item, Wire.Q, call.q_rows)
         do, = self._operand(buf, item, Wire.DO, call.q_rows)
@@ -365,10 +402,14 @@ class Executor:
             out = buf.local[Wire.O][0][call.q_rows]
         else:
             out = _out_for_delta(do, delta, self.backend)
+        drop = {}
+        if states is not None:  # the mask its forward call drew (runtime/dropout.py)
+            q_pos, k_pos = self._positions_of(call, q.device)
+            drop = dict(dropout=states.dropout, rng_state=states.get(call_key(call.items)), q_pos=q_pos, k_pos=k_pos)
         dq, dk, dv = attn_backward(do, q, k, v, out, lse, cu_seqlens_q=call.cu_q, cu_seqlens_k=call.cu_k,
                                    max_seqlen_q=call.max_q, max_seqlen_k=call.max_k, causal=call.causal,
                                    softmax_scale=scale, delta=delta, backend=self.backend,
-                                   window=call.window)  # fmt: skip
+                                   window=call.window, **drop)  # fmt: skip
         dq_dst, dkv_dst = item.dst(Wire.DQ), item.dst(Wire.DKV)
         if dq_dst is None:
             acc[Wire.DQ][call.q_rows] += dq

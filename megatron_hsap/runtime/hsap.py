@@ -48,6 +48,7 @@ from megatron_hsap.plan.ir import Phase
 from megatron_hsap.plan.lru import LRUCache
 from megatron_hsap.plan.options import kv_head_chunks
 from megatron_hsap.runtime.consistency import fingerprint_mismatch
+from megatron_hsap.runtime.dropout import CallStates, Dropout, check_dropout_p, draw_seed
 from megatron_hsap.runtime.env import read_env
 from megatron_hsap.runtime.executor import ACTIVATION_DTYPES, Executor, executor_for
 from megatron_hsap.runtime.groups import registered_groups
@@ -230,7 +231,7 @@ class HSAPAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, runner: HSAPRunner, scale: float,
-                sinks: Tensor | None = None) -> Tensor:  # fmt: skip
+                sinks: Tensor | None = None, dropout: Dropout | None = None) -> Tensor:  # fmt: skip
         p, chunks, t = runner.intra_size, runner.plan.head_chunks, q.shape[0]
         kv_chunks = kv_head_chunks(chunks, runner.plan.shape.num_kv_heads)
         per = chunks // kv_chunks  # q chunks per kv chunk
@@ -242,21 +243,24 @@ class HSAPAttention(torch.autograd.Function):
         back = q.new_empty((chunks, p, t, hc, dv))  # [c, s] = my rows of head chunk c of slice s
         outs: list[Tensor] = []
         lses: list[Tensor] = []
+        states: list[CallStates | None] = []
 
         def compute(c: int) -> list[Tensor]:
             qc = recvs[0][c].view(p * t, *recvs[0].shape[3:])  # [t·P, hc, d]
             kc, vc = (r[c // per].view(p * t, *r.shape[3:]) for r in recvs[1:])  # [t·P, hkv/Ckv, d]
             sinks_c = None if sinks is None else sinks[heads][c * hc : (c + 1) * hc]
-            oc, lse = sap_forward(runner.executor, qc, kc, vc, scale, sinks_c)
+            drop_c = None if dropout is None else dropout.at_heads(heads.start + c * hc)  # global q heads
+            oc, lse, st = sap_forward(runner.executor, qc, kc, vc, scale, sinks_c, drop_c)
             outs.append(oc)
             lses.append(lse)
+            states.append(st)
             return [oc]
 
         ins = [Stream(sends[0], recvs[0], 1, "q"), Stream(sends[1], recvs[1], per, "k"), Stream(sends[2], recvs[2], per, "v")]
         _pipeline(runner, Phase.FWD, ins, [Stream(None, back, 1, "o")], compute)
         ctx.save_for_backward(*recvs, sinks, *outs, *lses)
         ctx.runner, ctx.scale, ctx.num_kv_heads, ctx.heads, ctx.chunks = runner, scale, k.shape[1], heads, chunks
-        ctx.per = per
+        ctx.per, ctx.states = per, states
         return unchunk_returned(back)  # [t, H, dv]
 
     @staticmethod
@@ -280,7 +284,7 @@ class HSAPAttention(torch.autograd.Function):
             kc, vc = (x[c // per].view(p * t, *x.shape[3:]) for x in (kh, vh))
             if dsinks_h is not None:
                 dsinks_h[c * hc : (c + 1) * hc] = sink_grad(doc, outs[c], lses[c], sinks[ctx.heads][c * hc : (c + 1) * hc])
-            dq, dk, dv = runner.executor.backward(doc, qc, kc, vc, outs[c], lses[c], ctx.scale)  # float32
+            dq, dk, dv = runner.executor.backward(doc, qc, kc, vc, outs[c], lses[c], ctx.scale, ctx.states[c])  # float32
             if c % per == 0:
                 dkv[:] = [dk, dv]
             else:
@@ -299,7 +303,7 @@ class HSAPAttention(torch.autograd.Function):
         if dsinks_h is not None:
             dsinks = torch.zeros_like(sinks)  # [H]: my heads' rows only; other heads are other ranks'
             dsinks[ctx.heads] = dsinks_h
-        return dq, dk, dv, None, None, dsinks
+        return dq, dk, dv, None, None, dsinks, None
 
 
 # --------------------------------------------------------------------------- validation
@@ -439,7 +443,8 @@ def _validate_sinks(sinks: Any, q: Tensor) -> None:
 
 def hsap_attn_func(q: Tensor, k: Tensor, v: Tensor, plan: "Plan", *, intra_group: dist.ProcessGroup | None = None,
                    inter_group: dist.ProcessGroup | None = None, softmax_scale: float | None = None,
-                   sinks: Tensor | None = None, cp_group: dist.ProcessGroup | None = None) -> Tensor:  # fmt: skip
+                   sinks: Tensor | None = None, cp_group: dist.ProcessGroup | None = None, dropout_p: float = 0.0,
+                   dropout_seed: int | None = None, dropout_head_offset: int = 0) -> Tensor:  # fmt: skip
     """Document-causal attention of a packed batch over the ``P_intra × P_inter`` CP group.
 
     Args:
@@ -461,6 +466,15 @@ def hsap_attn_func(q: Tensor, k: Tensor, v: Tensor, plan: "Plan", *, intra_group
             ``plan/flatten.py``); defaults to the one group of a one-level configured topology
             (``1 × P``: ``inter_group``, ``P × 1``: ``intra_group``), else ``initialize_hsap``'s,
             else the world when it is the CP group.
+        dropout_p: attention dropout probability in ``[0, 1)`` (pass 0 outside training). The GPU
+            kernels draw each call's mask from the CUDA generator (fork Megatron's RNG tracker
+            around the call, as its attention does) and backward redraws it from the call's state.
+        dropout_seed: the ``cpu`` kernel's mask seed (its masks are keyed on global head and token
+            indices, so equal seeds give equal masks on any plan and topology); default: drawn from
+            the default generator of q's device. Ignored by the GPU kernels.
+        dropout_head_offset: the global index of q's first head for those masks (e.g. the tensor-
+            parallel rank × heads per rank, so that TP ranks draw other masks and a TP run draws
+            the TP=1 run's). Ignored by the GPU kernels.
     Returns:
         ``out [t_local, H, d_v]`` in ``q.dtype``; differentiable w.r.t. q, k, v and sinks.
 
@@ -470,10 +484,15 @@ def hsap_attn_func(q: Tensor, k: Tensor, v: Tensor, plan: "Plan", *, intra_group
     intra, inter = _resolve_groups(plan, intra_group, inter_group, cp_group)
     scale = _validate(q, k, v, plan, intra, inter, softmax_scale)
     _validate_sinks(sinks, q)
+    p = check_dropout_p(dropout_p)
     runner = _runner(plan, intra, inter, q.device)
+    dropout = None
+    if p > 0:
+        seed = dropout_seed if dropout_seed is not None or runner.executor.backend != "cpu" else draw_seed(q.device)
+        dropout = Dropout(p, 0 if seed is None else int(seed), int(dropout_head_offset))
     if runner.debug:
         runner.check_batch()
     runner.agree_intra(q.device)  # the inter group's handshake runs in the executor, before its first round
     if plan.intra_size == 1:
-        return SAPAttention.apply(q, k, v, runner.executor, scale, sinks)
-    return HSAPAttention.apply(q, k, v, runner, scale, sinks)
+        return SAPAttention.apply(q, k, v, runner.executor, scale, sinks, dropout)
+    return HSAPAttention.apply(q, k, v, runner, scale, sinks, dropout)

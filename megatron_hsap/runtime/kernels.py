@@ -27,6 +27,10 @@ Backends (GPU ones imported lazily, only when selected):
 ``cpu``          :mod:`megatron_hsap.runtime.cpu_attention`, pure PyTorch; runs on any device
                  and any float dtype; the numerical reference.
 
+Attention dropout (``runtime/dropout.py``): the GPU backends draw each call's mask from the CUDA
+generator and return its state, which the backward call over the same blocks takes back
+(:func:`attn_forward_dropout`); the ``cpu`` backend keys its mask on global coordinates instead.
+
 FlashAttention marks a row that sees no key with ``lse = +inf``; the contract here is
 ``-inf`` (what the LSE merge expects), so forward converts, and backward hands the kernel
 ``+inf`` for such rows so their ``P = exp(s - lse)`` is exactly 0.
@@ -43,8 +47,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from megatron_hsap.errors import BatchError, ConfigError
+from megatron_hsap.errors import BatchError, ConfigError, RuntimeMismatchError
 from megatron_hsap.runtime import cpu_attention
+from megatron_hsap.runtime.dropout import Dropout
 from megatron_hsap.runtime.env import read_env
 from megatron_hsap.runtime.kernel_signatures import (
     FA_VETTED_DEFAULTS,
@@ -54,7 +59,7 @@ from megatron_hsap.runtime.kernel_signatures import (
     te_support_reason,
 )
 
-__all__ = ["BACKENDS", "attn_forward", "attn_backward", "available_backends", "resolve_backend"]
+__all__ = ["BACKENDS", "attn_forward", "attn_forward_dropout", "attn_backward", "available_backends", "resolve_backend"]
 
 BACKENDS: tuple[str, ...] = ("flash_attn", "te", "torch_cuda", "cpu")
 _AUTO_CUDA_ORDER: tuple[str, ...] = ("flash_attn", "te", "torch_cuda")
@@ -271,24 +276,26 @@ def _window_values(window: tuple[int, int]) -> dict[str, Any]:
     return dict(window_size=tuple(window), window_size_left=window[0], window_size_right=window[1])
 
 
-def _fa_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window=(-1, -1)):
+def _fa_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window=(-1, -1), dropout_p=0.0):
     fwd, _ = _import_flash_attn()
     dv, dp = v.shape[-1], _round8(max(q.shape[-1], v.shape[-1]))  # FA2: one head size, 8 | d
     values = dict(
         _FA_FIXED, q=_pad_last(q, dp).contiguous(), k=_pad_last(k, dp).contiguous(),
         v=_pad_last(v, dp).contiguous(), cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
         max_seqlen_q=max_q, max_seqlen_k=max_k, softmax_scale=scale, causal=causal,
-        **_window_values(window),
+        **_window_values(window), dropout_p=dropout_p,
     )  # fmt: skip
     res = fwd(**bind(fwd, values, "flash_attn._flash_attn_varlen_forward", vetted=FA_VETTED_DEFAULTS))
     # <= 2.6: (out, q, k, v, out_padded, lse, S_dmask, rng_state); >= 2.7: (out, lse, S, rng)
     out, raw = res[0], res[5] if len(res) == 8 else res[1]
     _LSE_LAYOUT["flash_attn"] = "ht" if raw.dim() == 2 else "bhs"
     lse = _lse_to_th(raw, _LSE_LAYOUT["flash_attn"], cu_q, q.shape[0])
-    return out[..., :dv].contiguous(), lse.masked_fill_(lse == _INF, -_INF)
+    # rng_state (philox seed and offset of this call's dropout mask) is the last element in both
+    return out[..., :dv].contiguous(), lse.masked_fill_(lse == _INF, -_INF), res[-1] if dropout_p > 0 else None
 
 
-def _fa_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, window=(-1, -1)):
+def _fa_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, window=(-1, -1), dropout_p=0.0,
+                 rng_state=None):
     _, bwd = _import_flash_attn()
     d, dv, dp = q.shape[-1], v.shape[-1], _round8(max(q.shape[-1], v.shape[-1]))
     qp, kp, vp = (_pad_last(x, dp).contiguous() for x in (q, k, v))
@@ -299,7 +306,7 @@ def _fa_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scal
         _FA_FIXED, dout=_pad_last(dout, dp).contiguous(), q=qp, k=kp, v=vp,
         out=_pad_last(out, dp).contiguous(), softmax_lse=raw, dq=dq, dk=dk, dv=dvv,
         cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k,
-        softmax_scale=scale, causal=causal, **_window_values(window),
+        softmax_scale=scale, causal=causal, **_window_values(window), dropout_p=dropout_p, rng_state=rng_state,
     )  # fmt: skip
     bwd(**bind(bwd, values, "flash_attn._flash_attn_varlen_backward", vetted=FA_VETTED_DEFAULTS))
     return dq[..., :d], dk[..., :d], dvv[..., :dv]
@@ -311,35 +318,39 @@ def _torch_window(window: tuple[int, int]) -> dict[str, int]:
     return {} if tuple(window) == (-1, -1) else dict(window_size_left=window[0], window_size_right=window[1])
 
 
-def _torch_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window=(-1, -1)):
+def _torch_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window=(-1, -1), dropout_p=0.0):
     dv, dp = v.shape[-1], _round8(max(q.shape[-1], v.shape[-1]))
     res = torch.ops.aten._flash_attention_forward(
         _pad_last(q, dp).contiguous(), _pad_last(k, dp).contiguous(),
-        _pad_last(v, dp).contiguous(), cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale,
+        _pad_last(v, dp).contiguous(), cu_q, cu_k, max_q, max_k, dropout_p, causal, False, scale=scale,
         **_torch_window(window),
     )  # fmt: skip
     out, raw = res[0], res[1]
     _LSE_LAYOUT["torch_cuda"] = "ht" if raw.dim() == 2 else "bhs"
     lse = _lse_to_th(raw, _LSE_LAYOUT["torch_cuda"], cu_q, q.shape[0])
-    return out[..., :dv].contiguous(), lse.masked_fill_(lse == _INF, -_INF)
+    # (out, logsumexp, philox seed, philox offset, debug mask): the seed and offset redraw the mask
+    state = (res[2], res[3]) if dropout_p > 0 else None
+    return out[..., :dv].contiguous(), lse.masked_fill_(lse == _INF, -_INF), state
 
 
-def _torch_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, window=(-1, -1)):
+def _torch_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, window=(-1, -1), dropout_p=0.0,
+                    rng_state=None):
     d, dv, dp = q.shape[-1], v.shape[-1], _round8(max(q.shape[-1], v.shape[-1]))
     raw = _lse_from_th(lse.masked_fill(lse == -_INF, _INF), _lse_layout("torch_cuda", q.device),
                        cu_q, max_q)  # fmt: skip
-    seed_dtype = getattr(torch, "uint64", torch.int64)  # rng state: unused without dropout
-    seed = torch.zeros(2, dtype=seed_dtype, device=q.device)
-    offset = torch.zeros((), dtype=seed_dtype, device=q.device)
+    if rng_state is None:  # rng state: unused without dropout
+        seed_dtype = getattr(torch, "uint64", torch.int64)
+        rng_state = (torch.zeros(2, dtype=seed_dtype, device=q.device), torch.zeros((), dtype=seed_dtype, device=q.device))
+    seed, offset = rng_state
     dq, dk, dvv = torch.ops.aten._flash_attention_backward(
         *(_pad_last(x, dp).contiguous() for x in (dout, q, k, v, out)), raw, cu_q, cu_k,
-        max_q, max_k, 0.0, causal, seed, offset, scale=scale, **_torch_window(window),
+        max_q, max_k, dropout_p, causal, seed, offset, scale=scale, **_torch_window(window),
     )  # fmt: skip
     return dq[..., :d], dk[..., :d], dvv[..., :dv]
 
 
 # ----------------------------------------------------------------------------- TE
-def _te_values(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window=(-1, -1)) -> dict[str, Any]:
+def _te_values(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window=(-1, -1), dropout_p=0.0) -> dict[str, Any]:
     """Every argument the TE adapter means, under every name a release has used:
     ``qkv_dtype`` (1.x) / ``fake_dtype`` (2.x), ``dqkv_dtype`` (≤ 2.14), the THD formats of O,
     dO and dQKV (≥ 2.15), ``bottom_right_diagonal`` (≥ 2.12). :func:`bind` keeps those the
@@ -357,36 +368,39 @@ def _te_values(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window=(-1, -1)
         cu_seqlens_q=cu_q, cu_seqlens_kv=cu_k, cu_seqlens_q_padded=cu_q, cu_seqlens_kv_padded=cu_k,
         q=q, k=k, v=v, fake_dtype=q.dtype, qkv_dtype=te_dtype[q.dtype],
         dqkv_dtype=te_dtype[q.dtype], fused_attention_backend=backends["F16_arbitrary_seqlen"],
-        attn_scale=scale, dropout=0.0, fast_zero_fill=True, attn_bias_type="no_bias",
+        attn_scale=scale, dropout=dropout_p, fast_zero_fill=True, attn_bias_type="no_bias",
         attn_mask_type=mask, window_size=window_size,
         bottom_right_diagonal=causal or windowed, return_max_logit=False, deterministic=False,
     )  # fmt: skip
 
 
-def _te_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window=(-1, -1)):
+def _te_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window=(-1, -1), dropout_p=0.0):
     fwd = _import_te()[0]
     d, dv = q.shape[-1], v.shape[-1]
     qp, kp = _pad_last(q, _round8(d)).contiguous(), _pad_last(k, _round8(d)).contiguous()
     vp = _pad_last(v, _round8(dv)).contiguous()
-    values = _te_values(qp, kp, vp, cu_q, cu_k, max_q, max_k, causal, scale, window)
+    values = _te_values(qp, kp, vp, cu_q, cu_k, max_q, max_k, causal, scale, window, dropout_p)
     out, aux = fwd(**bind(fwd, values, "transformer_engine fused_attn_fwd", vetted=TE_VETTED_DEFAULTS))
     stats = aux[0]  # softmax stats (natural-log LSE): [b, h, max_q, 1] or packed [tq, h, 1]
     _LSE_LAYOUT["te"] = "bhs1" if stats.dim() == 4 else "th1"
     lse = _lse_to_th(stats, _LSE_LAYOUT["te"], cu_q, q.shape[0])
     empty = _no_key_rows(cu_q, cu_k, q.shape[0], causal)  # cuDNN's value there is unspecified
     out = out[..., :dv].masked_fill(empty[:, None, None], 0.0)
-    return out, lse.masked_fill_(empty[:, None], -_INF)
+    # aux = [softmax stats, rng_state (philox seed, offset), ...]: the state redraws the mask in backward
+    return out, lse.masked_fill_(empty[:, None], -_INF), aux[1] if dropout_p > 0 else None
 
 
-def _te_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, window=(-1, -1)):
+def _te_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, window=(-1, -1), dropout_p=0.0,
+                 rng_state=None):
     bwd = _import_te()[1]
     d, dv = q.shape[-1], v.shape[-1]
     qp, kp = _pad_last(q, _round8(d)).contiguous(), _pad_last(k, _round8(d)).contiguous()
     vp = _pad_last(v, _round8(dv)).contiguous()
     stats = _lse_from_th(lse.masked_fill(lse == -_INF, _INF), _lse_layout("te", q.device),
                          cu_q, max_q)  # fmt: skip
-    rng_state = torch.zeros(2, dtype=torch.int64, device=q.device)  # unused without dropout
-    values = _te_values(qp, kp, vp, cu_q, cu_k, max_q, max_k, causal, scale, window)
+    if rng_state is None:  # unused without dropout
+        rng_state = torch.zeros(2, dtype=torch.int64, device=q.device)
+    values = _te_values(qp, kp, vp, cu_q, cu_k, max_q, max_k, causal, scale, window, dropout_p)
     values.update(o=_pad_last(out, _round8(dv)).contiguous(),
                   d_o=_pad_last(dout, _round8(dv)).contiguous(), aux_ctx_tensors=[stats, rng_state])
     grads = bwd(**bind(bwd, values, "transformer_engine fused_attn_bwd", vetted=TE_VETTED_DEFAULTS))
@@ -417,27 +431,53 @@ def attn_forward(
     sees keys ``i + lk - lq - left .. i + lk - lq + right``; -1 unbounded), as every plan item
     gives it (``ComputeItem.kernel_window``; ``(-1, -1)``: none).
     """
+    out, lse, _ = _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+                           backend, window, None, None, None)
+    return out, lse
+
+
+def attn_forward_dropout(
+    q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+    max_seqlen_q: int, max_seqlen_k: int, causal: bool, softmax_scale: float, dropout: Dropout,
+    q_pos: Tensor | None = None, k_pos: Tensor | None = None,
+    backend: str | None = None, window: tuple[int, int] = (-1, -1),
+) -> tuple[Tensor, Tensor, Any]:  # fmt: skip
+    """:func:`attn_forward` with attention dropout ``dropout.p``: ``(out, lse, rng_state)``. ``lse``
+    is the undropped one (what the merge needs); ``rng_state`` is what :func:`attn_backward` takes
+    to redraw the mask (the GPU kernels' philox seed and offset; None for ``cpu``, whose mask is
+    keyed on ``dropout.seed``, global heads from ``dropout.head_offset``, and the rows' global
+    tokens ``q_pos [tq]`` / ``k_pos [tk]`` int64 on the device)."""
+    return _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+                    backend, window, dropout, q_pos, k_pos)
+
+
+def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, backend, window,
+             dropout, q_pos, k_pos) -> tuple[Tensor, Tensor, Any]:
     _check_shapes(q, k, v, cu_seqlens_q, cu_seqlens_k)
     name = _resolved(backend, str(q.device))
     tq, h, dv = q.shape[0], q.shape[1], v.shape[2]
+    p = 0.0 if dropout is None else dropout.p
     if tq == 0 or k.shape[0] == 0:
         lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
         out = q.new_zeros((tq, h, dv))
-        return out, torch.full((tq, h), -_INF, dtype=lse_dtype, device=q.device)
+        return out, torch.full((tq, h), -_INF, dtype=lse_dtype, device=q.device), None
     if name == "cpu":
-        return cpu_attention.varlen_forward(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, causal=causal, softmax_scale=softmax_scale, window=window
-        )
+        out, lse = cpu_attention.varlen_forward(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, causal=causal, softmax_scale=softmax_scale, window=window,
+            dropout=dropout, q_pos=q_pos, k_pos=k_pos,
+        )  # fmt: skip
+        return out, lse, None
     _half_inputs(q, name)
     cu_q, cu_k, max_q = _gpu_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q)
-    return _GPU_FORWARD[name](q, k, v, cu_q, cu_k, max_q, max_seqlen_k, causal, softmax_scale, tuple(window))
+    return _GPU_FORWARD[name](q, k, v, cu_q, cu_k, max_q, max_seqlen_k, causal, softmax_scale, tuple(window), p)
 
 
 def attn_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *,
     cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
     causal: bool, softmax_scale: float, delta: Tensor | None = None, backend: str | None = None,
-    window: tuple[int, int] = (-1, -1),
+    window: tuple[int, int] = (-1, -1), dropout: Dropout | None = None, rng_state: Any = None,
+    q_pos: Tensor | None = None, k_pos: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """Varlen attention backward of one kv block, against the *final* merged result.
 
@@ -446,7 +486,9 @@ def attn_backward(
     ``delta [tq, h]`` fp32 = rowsum(dout ∘ out) (computed here when None; the GPU kernels
     always derive it from ``dout`` and ``out`` themselves, so those must be the final ones).
     Returns ``dq [tq, h, d]``, ``dk [tk, hkv, d]``, ``dv [tk, hkv, dv]`` in float32 (float64 for
-    float64 inputs): partial gradients for the caller to accumulate.
+    float64 inputs): partial gradients for the caller to accumulate. With ``dropout``: the
+    forward's ``rng_state`` (GPU) or ``q_pos`` / ``k_pos`` (``cpu``), which redraw its mask
+    (:func:`attn_forward_dropout`).
     """
     _check_shapes(q, k, v, cu_seqlens_q, cu_seqlens_k)
     name = _resolved(backend, str(q.device))
@@ -460,12 +502,15 @@ def attn_backward(
             delta = (dout.to(gdt) * out.to(gdt)).sum(dim=-1)
         return cpu_attention.varlen_backward(
             dout, q, k, v, lse, delta, cu_seqlens_q, cu_seqlens_k,
-            causal=causal, softmax_scale=softmax_scale, window=window,
+            causal=causal, softmax_scale=softmax_scale, window=window, dropout=dropout, q_pos=q_pos, k_pos=k_pos,
         )  # fmt: skip
     _half_inputs(q, name)
     cu_q, cu_k, max_q = _gpu_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q)
     dout, out = dout.to(q.dtype), out.to(q.dtype)  # kernels want q's dtype (out may be fp32)
+    p = 0.0 if dropout is None else dropout.p
+    if p > 0 and rng_state is None:
+        raise RuntimeMismatchError(f"attention backend {name!r}: a dropout backward needs its forward's rng_state")
     grads = _GPU_BACKWARD[name](
-        dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_seqlen_k, causal, softmax_scale, tuple(window)
+        dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_seqlen_k, causal, softmax_scale, tuple(window), p, rng_state
     )
     return tuple(g.float() for g in grads)  # type: ignore[return-value]

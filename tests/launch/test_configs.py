@@ -134,7 +134,7 @@ def test_small_config_roundtrip() -> None:
         ({"parallel__data": 2}, "parallel.data"),
         ({"parallel__context": 16}, "parallel.context"),
         ({"training__seq_length": 16100}, "training.seq_length"),  # not a multiple of 2·CP = 16
-        ({"model__attention_dropout": 0.1}, "model.attention_dropout"),
+        ({"model__attention_dropout": 1.0}, "model.attention_dropout"),  # [0, 1): HSAP runs dropout below 1
         ({"model__hiden_size": 4}, "model.hiden_size"),
         ({"parallel__sharding": "zero3"}, "parallel.sharding"),
         ({"training__seq_length": "lots"}, "training.seq_length"),

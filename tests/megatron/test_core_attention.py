@@ -89,10 +89,6 @@ def test_refuses_configs_it_cannot_honour(config_kw: dict, attn_kw: dict, match:
 def test_forward_refusals_happen_before_any_computation() -> None:
     params = _params([0, 3, 8])
     q, k, v = _qkv(8)
-    attn = _attn(_config(attention_dropout=0.1))
-    attn.train()
-    with pytest.raises(ConfigError, match="attention dropout"):
-        attn(q, k, v, None, packed_seq_params=params)
     attn = _attn()
     with pytest.raises(ConfigError, match="attention_mask"):
         attn(q, k, v, torch.ones(1, 1, 8, 8, dtype=torch.bool), packed_seq_params=params)
@@ -104,9 +100,23 @@ def test_forward_refusals_happen_before_any_computation() -> None:
         attn(*_qkv(6), None, packed_seq_params=params)
 
 
-def test_eval_mode_ignores_configured_dropout() -> None:
-    attn = _attn(_config(attention_dropout=0.1)).eval()
-    assert attn.dropout_p == 0.1  # kept for training, where it is refused
+def test_configured_dropout_runs_in_training_only() -> None:
+    """Training: the layer runs ``hsap_attn_func`` with the configured dropout (outside Megatron's
+    RNG tracker here: the ``cpu`` kernel's seed comes from the default generator, so a reset
+    generator repeats the masks); evaluation: no dropout."""
+    from megatron_hsap.runtime import hsap_attn_func
+
+    params = _params([0, 3, 8])
+    q, k, v = _qkv(8)
+    base = _attn()(q, k, v, None, packed_seq_params=params).reshape(8, HEADS, HEAD_DIM)
+    attn = _attn(_config(attention_dropout=0.5))
+    assert torch.equal(attn.eval()(q, k, v, None, packed_seq_params=params).reshape(8, HEADS, HEAD_DIM), base)
+    attn.train()
+    torch.manual_seed(3)
+    got = attn(q, k, v, None, packed_seq_params=params).reshape(8, HEADS, HEAD_DIM)
+    torch.manual_seed(3)
+    want = hsap_attn_func(q, k, v, params.hsap_plan, dropout_p=0.5)
+    assert torch.equal(got, want) and not torch.allclose(got, base)
 
 
 # ----------------------------------------------------------------------------- numerics at CP=1

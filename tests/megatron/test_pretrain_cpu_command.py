@@ -121,6 +121,21 @@ def test_models_local_attention_cannot_compute_compare_with_hsap_at_cp1(extra: t
     assert "Use --compare" in capsys.readouterr().err
 
 
+def test_attention_dropout_compares_with_hsap_at_cp1_keeping_the_tp() -> None:
+    """Megatron's local attention draws its own dropout masks, HSAP's CPU kernel keys them on (seed,
+    head, token, token): the reference is HSAP at CP=1, at the run's TP (each TP rank's CPU
+    generator draws its seeds; a TP 1 reference measured 4.7e-4 off a TP 2 run, TP 2 at CP=1 1.9e-7).
+    Dropout 0 keeps Megatron's local attention and TP 1."""
+    opts = CPURun(world_size=8, tp=2, intra_size=2, inter_size=2, extra=("--sequence-parallel", "--attention-dropout", "0.1"))
+    ref, name = reference_of(opts)
+    assert (ref.reference, ref.tp, ref.intra_size, ref.inter_size, ref.world_size) == (False, 2, 1, 1, 2)
+    assert name.startswith("CP=1 under HSAP; --attention-dropout 0.1")
+    ref, name = reference_of(replace(opts, extra=("--attention-dropout", "0.0")))
+    assert (ref.reference, ref.tp, name) == (True, 1, "CP=1, local attention")
+    with pytest.raises(ConfigError, match="--attention-dropout 'lots'"):
+        reference_of(replace(opts, extra=("--attention-dropout", "lots")))
+
+
 def test_hybrid_reference_gets_megatrons_local_stack_spec() -> None:
     """megatron-core's default hybrid stack is Transformer Engine's; the CPU reference of a hybrid
     pattern without MLA layers is its local twin (``cpu/reference_spec.py``), unless a spec is given."""

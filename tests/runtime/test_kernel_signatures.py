@@ -30,6 +30,7 @@ from tests.reference import reference_varlen, varlen_positions
 LENS_Q = [5, 0, 1, 17, 9, 3]  # as test_kernels: equal, no queries, 1×1, lq < lk, lq > lk, no keys
 LENS_K = [5, 3, 1, 30, 4, 0]
 TOL = 1e-5
+_DROPOUT_P = 0.25  # the probability the dropout plumbing tests pass (the fakes compute without it)
 
 
 def _cu(lens):
@@ -70,7 +71,8 @@ def _check_adapter(forward, backward, causal, h=4, hkv=2, d=12, dv=6, scale=0.4)
     q, k, v, dout = _inputs(h, hkv, d, dv, seed=3)
     cu_q, cu_k = _cu(LENS_Q), _cu(LENS_K)
     args = (cu_q, cu_k, max(LENS_Q), max(LENS_K), causal, scale)
-    out, lse = forward(q, k, v, *args)
+    out, lse, state = forward(q, k, v, *args)
+    assert state is None  # no dropout: no rng state to carry
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
     ref_out, ref_lse = reference_varlen(*leaves, cu_q.tolist(), cu_k.tolist(), causal, scale)
     _close(out, ref_out.detach(), "out")
@@ -81,6 +83,17 @@ def _check_adapter(forward, backward, causal, h=4, hkv=2, d=12, dv=6, scale=0.4)
     grads = backward(dout, q, k, v, out, lse, *args)
     for got, leaf, name in zip(grads, leaves, ("dq", "dk", "dv")):
         _close(got, leaf.grad, name)
+
+
+def _check_dropout_plumbing(forward, backward):
+    """With dropout the adapter passes ``p`` to both kernels and hands the forward's rng state to
+    the backward (the fakes assert it comes back); without a state the backward refuses."""
+    q, k, v, dout = _inputs(4, 2, 8, 8, seed=5)
+    cu_q, cu_k = _cu(LENS_Q), _cu(LENS_K)
+    args = (cu_q, cu_k, max(LENS_Q), max(LENS_K), True, 0.4)
+    out, lse, state = forward(q, k, v, *args, (-1, -1), _DROPOUT_P)
+    assert state is not None
+    backward(dout, q, k, v, out, lse, *args, (-1, -1), _DROPOUT_P, state)
 
 
 # ----------------------------------------------------------------------------- Transformer Engine
@@ -107,7 +120,7 @@ def _expect_thd_call(a: dict, backward: bool, backends) -> None:
     if backward and "dqkv_dtype" in a:  # TE <= 2.14
         assert a["dqkv_dtype"] == _TE_DTYPE[dtype]
     assert a["fused_attention_backend"] == backends["F16_arbitrary_seqlen"] and a["attn_bias_type"] == "no_bias"
-    assert a["dropout"] == 0.0 and not a.get("return_max_logit", False)
+    assert a["dropout"] in (0.0, _DROPOUT_P) and not a.get("return_max_logit", False)
     causal = a["attn_mask_type"] == "padding_causal_bottom_right"
     assert causal or a["attn_mask_type"] == "padding", a["attn_mask_type"]
     assert tuple(a["window_size"]) == ((-1, 0) if causal else (-1, -1))
@@ -138,12 +151,15 @@ def _fake_te(version: str, stats_layout: str) -> types.ModuleType:
             stats = torch.zeros(cu_q.numel() - 1, q.shape[1], a["max_seqlen_q"], 1)
             for i, (s, e) in enumerate(zip(cu_q.tolist(), cu_q.tolist()[1:])):
                 stats[i, :, : e - s, 0] = lse[s:e].t()
-        return out.to(q.dtype), [stats, torch.zeros(2, dtype=torch.int64)]
+        rng = torch.tensor([a["dropout"] * 1000, 7], dtype=torch.int64)  # (a stand-in philox seed/offset)
+        return out.to(q.dtype), [stats, rng]
 
     def bwd(a):
         _expect_thd_call(a, backward=True, backends=backends)
         stats, rng = a["aux_ctx_tensors"]
         assert rng.dtype == torch.int64 and rng.numel() == 2
+        if a["dropout"] > 0:  # the forward's state comes back: the mask is redrawn
+            assert rng.tolist() == [a["dropout"] * 1000, 7], rng
         cu_q = a["cu_seqlens_q"]
         if stats_layout == "th1":
             assert stats.shape == (a["q"].shape[0], a["q"].shape[1], 1), stats.shape
@@ -196,6 +212,7 @@ def test_te_adapter_on_recorded_signatures(install_te, version, stats_layout):
             _check_adapter(kernels._te_forward, kernels._te_backward, causal)
             kernels._LSE_LAYOUT.pop("te")  # backward before any forward: the probe learns it
             _check_adapter(kernels._te_forward, kernels._te_backward, causal)
+        _check_dropout_plumbing(kernels._te_forward, kernels._te_backward)
 
 
 @pytest.mark.parametrize("version", VERSIONS["te"])
@@ -316,7 +333,7 @@ def _fake_flash_attn(version: str) -> types.ModuleType:
         q, k, v = a["q"], a["k"], a["v"]
         assert q.shape[-1] == k.shape[-1] == v.shape[-1] and q.shape[-1] % 8 == 0  # FA2: one size
         assert a["cu_seqlens_q"].dtype == a["cu_seqlens_k"].dtype == torch.int32
-        assert a["dropout_p"] == 0.0 and a["alibi_slopes"] is None and a.get("softcap", 0.0) == 0.0
+        assert a["dropout_p"] in (0.0, _DROPOUT_P) and a["alibi_slopes"] is None and a.get("softcap", 0.0) == 0.0
         window = a["window_size"] if "window_size" in a else (a["window_size_left"], a["window_size_right"])
         assert tuple(window) == (-1, -1)
 
@@ -334,10 +351,13 @@ def _fake_flash_attn(version: str) -> types.ModuleType:
             for i, (s, e) in enumerate(zip(cu_q.tolist(), cu_q.tolist()[1:])):
                 raw[i, :, : e - s] = lse[s:e].t()
         out = out.to(a["q"].dtype)
-        return (out, raw, None, None) if n_out == 4 else (out, a["q"], a["k"], a["v"], out, raw, None, None)
+        rng = torch.tensor([int(a["dropout_p"] * 1000), 3]) if a["dropout_p"] > 0 else None  # FA: (seed, offset)
+        return (out, raw, None, rng) if n_out == 4 else (out, a["q"], a["k"], a["v"], out, raw, None, rng)
 
     def bwd(a):
         common(a)
+        if a["dropout_p"] > 0:
+            assert a["rng_state"].tolist() == [int(a["dropout_p"] * 1000), 3], a["rng_state"]
         raw, cu_q = a["softmax_lse"], a["cu_seqlens_q"]
         if layout == "ht":
             lse = raw.t()
@@ -380,6 +400,7 @@ def test_flash_attn_adapter_on_recorded_signatures(install_flash_attn, version):
             _check_adapter(kernels._fa_forward, kernels._fa_backward, causal)
             kernels._LSE_LAYOUT.pop("flash_attn")
             _check_adapter(kernels._fa_forward, kernels._fa_backward, causal)
+        _check_dropout_plumbing(kernels._fa_forward, kernels._fa_backward)
     assert kernels._LSE_LAYOUT["flash_attn"] == _fa_conventions(version)[1]
 
 

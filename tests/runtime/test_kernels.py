@@ -345,10 +345,16 @@ def test_torch_cuda_adapter_call_shapes_on_meta():
     m = dict(dtype=torch.bfloat16, device="meta")
     q, k, v = torch.empty(10, 4, 20, **m), torch.empty(12, 2, 20, **m), torch.empty(12, 2, 12, **m)
     cu_q = torch.empty(3, dtype=torch.int32, device="meta")
-    out, lse = kernels._torch_forward(q, k, v, cu_q, cu_q, 6, 6, True, 0.2)
+    out, lse, state = kernels._torch_forward(q, k, v, cu_q, cu_q, 6, 6, True, 0.2)
+    assert state is None
     assert out.shape == (10, 4, 12) and lse.shape == (10, 4) and lse.dtype == torch.float32
     assert kernels._LSE_LAYOUT["torch_cuda"] == "ht"
     dq, dk, dv = kernels._torch_backward(out, q, k, v, out, lse, cu_q, cu_q, 6, 6, True, 0.2)
+    assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
+    # with dropout: the op's philox seed and offset come back and go into the backward call
+    out, lse, state = kernels._torch_forward(q, k, v, cu_q, cu_q, 6, 6, True, 0.2, dropout_p=0.1)
+    assert isinstance(state, tuple) and len(state) == 2
+    dq, dk, dv = kernels._torch_backward(out, q, k, v, out, lse, cu_q, cu_q, 6, 6, True, 0.2, dropout_p=0.1, rng_state=state)
     assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
 
 

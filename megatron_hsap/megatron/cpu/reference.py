@@ -47,6 +47,10 @@ def no_local_reference(opts: CPURun) -> list[str]:
     extra = opts.extra
     # (--multi-latent-attention is a switch: present when any argument is it)
     why = [f"{flag}: {why}" for flag, why in _NO_LOCAL_REFERENCE.items() if flag in extra or flag_value(extra, flag)]
+    if _dropout(extra) > 0:
+        why.append(f"--attention-dropout {_dropout(extra):g}: megatron-core's local attention draws its own dropout masks; "
+                   "HSAP's CPU kernel keys each on (seed, head, token, token), so its CP=1 run draws the same ones "
+                   "(runtime/dropout.py)")
     pattern = hybrid_pattern(extra)
     if pattern and "+" in pattern and "--multi-latent-attention" not in extra:  # (else said once above)
         why.append(f"--hybrid-layer-pattern {pattern}: its MLA layers ('+'): {_NO_LOCAL_REFERENCE['--multi-latent-attention']}")
@@ -72,6 +76,15 @@ def _flag_int(extra: tuple[str, ...], flag: str) -> int:
         return 1 if value is None else int(value)
     except ValueError:
         raise ConfigError(f"{flag} {value!r}: not an integer") from None
+
+
+def _dropout(extra: tuple[str, ...]) -> float:
+    """The attention dropout Megatron flags ``extra`` set (``pretrain-cpu`` itself passes 0)."""
+    value = flag_value(extra, "--attention-dropout")
+    try:
+        return float(value) if value is not None else 0.0
+    except ValueError:
+        raise ConfigError(f"--attention-dropout {value!r}: not a number") from None
 
 
 def reference_of(opts: CPURun) -> tuple[CPURun, str]:
@@ -104,8 +117,10 @@ def reference_of(opts: CPURun) -> tuple[CPURun, str]:
             "reference then keeps")
     # Megatron draws each TP rank's Mamba conv / dt / A / D and gated delta net A parameters from that
     # rank's own RNG stream (MambaMixer / _GDNBase.__init__), so a TP 1 reference would start from
-    # other values: keep the TP
-    tp = opts.tp if set(hybrid_pattern(opts.extra) or "") & set(_SCANS) else 1
+    # other values: keep the TP. Likewise attention dropout: each TP rank's CPU generator (whose
+    # stream differs by TP rank) draws the CPU kernel's mask seeds (TP 2 × CP 2×2 vs TP 1: 4.7e-4
+    # apart; vs TP 2 at CP=1: equal)
+    tp = opts.tp if set(hybrid_pattern(opts.extra) or "") & set(_SCANS) or _dropout(opts.extra) > 0 else 1
     sizes = dict(tp=tp, world_size=world * opts.pp * tp, micro_batch_size=share,
                  global_batch_size=opts.global_batch_size or opts.micro_batch_size * opts.dp_size,
                  # Megatron pads the vocabulary to a multiple of this × TP: at TP=1 the run's padded size
