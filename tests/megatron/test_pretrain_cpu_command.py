@@ -130,6 +130,9 @@ def test_attention_dropout_compares_with_hsap_at_cp1_keeping_the_tp() -> None:
     ref, name = reference_of(opts)
     assert (ref.reference, ref.tp, ref.intra_size, ref.inter_size, ref.world_size) == (False, 2, 1, 1, 2)
     assert name.startswith("CP=1 under HSAP; --attention-dropout 0.1")
+    # HSAP's own flags tune the CP run; the CP=1 reference under HSAP would refuse some of them
+    ref, _ = reference_of(replace(opts, extra=(*opts.extra, "--hsap-head-chunks", "2", "--hsap-flatten", "never")))
+    assert ref.extra == opts.extra
     ref, name = reference_of(replace(opts, extra=("--attention-dropout", "0.0")))
     assert (ref.reference, ref.tp, name) == (True, 1, "CP=1, local attention")
     with pytest.raises(ConfigError, match="--attention-dropout 'lots'"):

@@ -90,7 +90,8 @@ def _dropout(extra: tuple[str, ...]) -> float:
 def reference_of(opts: CPURun) -> tuple[CPURun, str]:
     """The run ``--compare`` compares ``opts`` with, and how to name it: CP=1, TP=1 (the run's TP with
     Mamba or gated delta net layers, whose parameters Megatron draws per TP rank) with Megatron's local attention; where that cannot compute the model (``no_local_reference``: MLA, windows, pipeline
-    stages that read no data), the same loop at CP=1 under HSAP. Same global batch
+    stages that read no data, attention dropout), the same loop at CP=1 under HSAP (without
+    HSAP's own flags, which tune a CP > 1 run). Same global batch
     and the same pipeline stages, on the data-parallel ranks — or, with experts split
     (``--expert-model-parallel-size`` E, ``--expert-tensor-parallel-size``), on as many ranks as the
     split needs, each with its share of the micro-batch. Megatron seeds a stage's layers by its
@@ -126,8 +127,9 @@ def reference_of(opts: CPURun) -> tuple[CPURun, str]:
                  # Megatron pads the vocabulary to a multiple of this × TP: at TP=1 the run's padded size
                  vocab_multiple=opts.vocab_multiple * opts.tp // tp)
     why = no_local_reference(opts)
-    if why:
-        return replace(opts, intra_size=1, inter_size=1, **sizes), "CP=1 under HSAP; " + "; ".join(why)
+    if why:  # (HSAP's own flags tune a CP > 1 run: at CP=1, e.g. --hsap-head-chunks 2, they are refused)
+        return (replace(opts, intra_size=1, inter_size=1, extra=tuple(drop_hsap_flags(opts.extra)), **sizes),
+                "CP=1 under HSAP; " + "; ".join(why))
     # (HSAP's own flags configure the HSAP run only: a ring run refuses them)
     return replace(opts, reference=True, extra=tuple(drop_hsap_flags(opts.extra)), **sizes), "CP=1, local attention"
 
