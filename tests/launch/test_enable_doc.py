@@ -203,6 +203,9 @@ def test_the_start_up_lines_quoted_in_section_5_are_the_code_s() -> None:
     note = ("[megatron-hsap] note: --moe-expert-capacity-factor drops tokens per rank, among the rank's own "
             "tokens: HSAP's layout gives each CP rank other tokens than CP=1")
     assert note in section and note.replace("own tokens", 'own "\n              "tokens') in hooks
+    note = ("[megatron-hsap] note: --hidden-dropout draws its masks over each rank's own tokens (Megatron's "
+            "dropout on the rank's shard): HSAP's layout")
+    assert note in section and note.replace("(Megatron's ", '(Megatron\'s "\n              "') in hooks
     from megatron_hsap.megatron.arguments import add_hsap_args
 
     hsap_flags = sorted(_options(add_hsap_args(argparse.ArgumentParser())) - {"-h", "--help"})
