@@ -12,9 +12,7 @@ Transformer Engine are checked when they import. Runs from a plain copy of the t
                  executor's merge and accumulation pattern (split-kv partials, ``merge_into`` in
                  fp32, partial gradients against the final out/lse) per backend, large logits
                  included; the receive pool on the device; attention dropout per backend and
-                 through a plan, by identities any mask satisfies (:mod:`~megatron_hsap.bench.gpu_check_dropout`:
-                 the backward redraws the forward's mask; the mean over 256 masks is the
-                 dropout-free output).
+                 through a plan (:mod:`~megatron_hsap.bench.gpu_check_dropout`).
 3. ``merge``     the fused Triton LSE merge (:mod:`~megatron_hsap.bench.gpu_check_merge`) against the
                  eager merge and float64, and its HBM bytes per element (priced 10) vs the eager
                  path's (priced 18) at the measured copy bandwidth (``merge.csv``).

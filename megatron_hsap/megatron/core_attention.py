@@ -139,8 +139,13 @@ class HSAPCoreAttention(MegatronModule):
         # fp32 softmax input back: the same function, so the plain scale is used.
         return float(scale) if scale is not None else 1.0 / math.sqrt(self.head_dim)
 
+    def _pg(self, name: str) -> Any:
+        """Group ``name`` ("tp", "cp") of the ``pg_collection`` Megatron passed, else None (then the
+        callers fall back to Megatron's global parallel state)."""
+        return getattr(self.pg_collection, name, None) if self.pg_collection is not None else None
+
     def _tp_size(self) -> int:
-        tp_group = getattr(self.pg_collection, "tp", None) if self.pg_collection is not None else None
+        tp_group = self._pg("tp")
         if tp_group is not None:
             return int(tp_group.size())
         return int(self.config.tensor_model_parallel_size)
@@ -192,7 +197,7 @@ class HSAPCoreAttention(MegatronModule):
         from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
 
         state = self.state_dict(prefix="", keep_vars=True) if getattr(self.config, "softmax_type", "vanilla") == "learnable" else {}
-        tp_group = getattr(self.pg_collection, "tp", None) if self.pg_collection is not None else None
+        tp_group = self._pg("tp")
         if tp_group is None:
             from megatron.core import parallel_state
 
@@ -219,7 +224,7 @@ class HSAPCoreAttention(MegatronModule):
             raise ConfigError("attention_bias is not supported by HSAP")
 
     def _tp_rank(self) -> int:
-        tp_group = getattr(self.pg_collection, "tp", None) if self.pg_collection is not None else None
+        tp_group = self._pg("tp")
         if tp_group is not None:
             return int(tp_group.rank())
         mpu = sys.modules.get("megatron.core.parallel_state")
@@ -251,7 +256,7 @@ class HSAPCoreAttention(MegatronModule):
         (``HSAPGroups.levels_for``)."""
         from megatron_hsap.megatron import parallel_state as hsap_ps
 
-        cp_group = getattr(self.pg_collection, "cp", None) if self.pg_collection is not None else None
+        cp_group = self._pg("cp")
         if cp_group is None:
             mpu = sys.modules.get("megatron.core.parallel_state")
             if mpu is not None and mpu.model_parallel_is_initialized():

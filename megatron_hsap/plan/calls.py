@@ -106,6 +106,12 @@ class KernelCall:
         return tuple(len(it.kv) for it in self.items)
 
     @property
+    def blocks(self) -> tuple[tuple[int, int, int, int], ...]:
+        """Each item's ``(q start, q stop, kv start, kv stop)``, in order: what pairs a backward call
+        with the forward call over the same blocks (``runtime/dropout.py``)."""
+        return tuple((it.q.start, it.q.stop, it.kv.start, it.kv.stop) for it in self.items)
+
+    @property
     def kv_parts(self) -> tuple[int, ...]:
         """Each item's kv rows, in order: a gathered call's kv is their concatenation."""
         return tuple(len(it.kv) for it in self.items)

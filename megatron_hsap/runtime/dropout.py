@@ -33,7 +33,7 @@ from torch import Tensor
 
 from megatron_hsap.errors import ConfigError, RuntimeMismatchError
 
-__all__ = ["Dropout", "CallStates", "keep_mask", "check_dropout_p", "call_key", "draw_seed"]
+__all__ = ["Dropout", "CallStates", "keep_mask", "check_dropout_p", "draw_seed"]
 
 _M32 = 0xFFFFFFFF
 
@@ -92,13 +92,8 @@ def keep_mask(seed: int, p: float, heads: Tensor, rows: Tensor, cols: Tensor) ->
     return x >= int(p * 2**32)
 
 
-def call_key(items: tuple) -> tuple:
-    """The blocks of a kernel call, in order: what pairs a backward call with its forward call."""
-    return tuple((it.q.start, it.q.stop, it.kv.start, it.kv.stop) for it in items)
-
-
 class CallStates:
-    """The GPU kernels' ``rng_state`` of one forward run, by call (``call_key``), for its backward.
+    """The GPU kernels' ``rng_state`` of one forward run, by call (its ``KernelCall.blocks``), for its backward.
     Built by the executor's forward, read once by the backward; not a value (plain class)."""
 
     __slots__ = ("dropout", "_states")
@@ -121,6 +116,3 @@ class CallStates:
                 "dropout mask cannot be redrawn; the plan's phases group blocks differently (a planner bug: "
                 "report it, and train with attention dropout 0 meanwhile)"
             ) from None
-
-    def __len__(self) -> int:
-        return len(self._states)

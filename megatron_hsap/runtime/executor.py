@@ -52,7 +52,7 @@ from megatron_hsap.plan.chunks import chunk_shape
 from megatron_hsap.plan.costs import HeadShape
 from megatron_hsap.plan.ir import ComputeItem, Phase, Send, Slot, Wire
 from megatron_hsap.plan.lru import LRUCache
-from megatron_hsap.runtime.dropout import CallStates, Dropout, call_key
+from megatron_hsap.runtime.dropout import CallStates, Dropout
 from megatron_hsap.runtime.env import MAX_TIMEOUT_S, read_env
 from megatron_hsap.runtime.handshake import agree
 from megatron_hsap.runtime.kernels import attn_backward, attn_forward, attn_forward_dropout, resolve_backend
@@ -362,7 +362,7 @@ class Executor:
         masks on them; the GPU kernels draw theirs per call: None)."""
         if self.backend != "cpu":
             return None, None
-        key = (call.gathered, call_key(call.items))
+        key = (call.gathered, call.blocks)
         hit = self._positions.get(key)
         if hit is None or hit[0].device != device:
             qs = [call.items[0].q] if call.gathered else [it.q for it in call.items]
@@ -381,7 +381,7 @@ class Executor:
         else:
             q_pos, k_pos = self._positions_of(call, q.device)
             o, lse, rng = attn_forward_dropout(q, k, v, **args, dropout=states.dropout, q_pos=q_pos, k_pos=k_pos)
-            states.put(call_key(call.items), rng)
+            states.put(call.blocks, rng)
         o_dst, lse_dst = item.dst(Wire.O), item.dst(Wire.LSE)
         if o_dst is None:
             if call.q_rows is None:
@@ -405,7 +405,7 @@ class Executor:
         drop = {}
         if states is not None:  # the mask its forward call drew (runtime/dropout.py)
             q_pos, k_pos = self._positions_of(call, q.device)
-            drop = dict(dropout=states.dropout, rng_state=states.get(call_key(call.items)), q_pos=q_pos, k_pos=k_pos)
+            drop = dict(dropout=states.dropout, rng_state=states.get(call.blocks), q_pos=q_pos, k_pos=k_pos)
         dq, dk, dv = attn_backward(do, q, k, v, out, lse, cu_seqlens_q=call.cu_q, cu_seqlens_k=call.cu_k,
                                    max_seqlen_q=call.max_q, max_seqlen_k=call.max_k, causal=call.causal,
                                    softmax_scale=scale, delta=delta, backend=self.backend,

@@ -488,8 +488,10 @@ def hsap_attn_func(q: Tensor, k: Tensor, v: Tensor, plan: "Plan", *, intra_group
     runner = _runner(plan, intra, inter, q.device)
     dropout = None
     if p > 0:
-        seed = dropout_seed if dropout_seed is not None or runner.executor.backend != "cpu" else draw_seed(q.device)
-        dropout = Dropout(p, 0 if seed is None else int(seed), int(dropout_head_offset))
+        seed = dropout_seed
+        if seed is None and runner.executor.backend == "cpu":  # (the GPU kernels draw their own)
+            seed = draw_seed(q.device)
+        dropout = Dropout(p, int(seed or 0), int(dropout_head_offset))
     if runner.debug:
         runner.check_batch()
     runner.agree_intra(q.device)  # the inter group's handshake runs in the executor, before its first round

@@ -50,6 +50,7 @@ from torch import Tensor
 from megatron_hsap.errors import BatchError, ConfigError, RuntimeMismatchError
 from megatron_hsap.runtime import cpu_attention
 from megatron_hsap.runtime.dropout import Dropout
+from megatron_hsap.runtime.kernel_layouts import lse_from_th, lse_to_th, no_key_rows
 from megatron_hsap.runtime.env import read_env
 from megatron_hsap.runtime.kernel_signatures import (
     FA_VETTED_DEFAULTS,
@@ -194,38 +195,6 @@ def _pad_last(x: Tensor, size: int) -> Tensor:
     return x if x.shape[-1] == size else F.pad(x, (0, size - x.shape[-1]))
 
 
-def _token_index(cu: Tensor, t: int) -> tuple[Tensor, Tensor]:
-    """Per token: sequence id and offset inside it (``cu[-1] == t`` assumed), on device."""
-    tokens = torch.arange(t, device=cu.device, dtype=cu.dtype)
-    seq = torch.searchsorted(cu[1:].contiguous(), tokens, right=True)
-    seq = seq.clamp_(max=cu.numel() - 2)
-    return seq, (tokens - cu[seq]).long()
-
-
-def _lse_to_th(raw: Tensor, layout: str, cu_q: Tensor, tq: int) -> Tensor:
-    """A kernel's LSE in ``layout`` -> ``[tq, h]`` float32."""
-    if layout == "ht":  # [h, tq]
-        return raw.t().float().contiguous()
-    if layout == "th1":  # [tq, h, 1]
-        return raw.squeeze(-1).float()
-    seq, off = _token_index(cu_q, tq)  # "bhs" [b, h, max_q] or "bhs1" [b, h, max_q, 1]
-    padded = raw.squeeze(-1) if layout == "bhs1" else raw
-    return padded[seq, :, off].float()
-
-
-def _lse_from_th(lse: Tensor, layout: str, cu_q: Tensor, max_q: int) -> Tensor:
-    """``[tq, h]`` -> the kernel's layout (inverse of :func:`_lse_to_th`)."""
-    lse = lse.float()
-    if layout == "ht":
-        return lse.t().contiguous()
-    if layout == "th1":
-        return lse.unsqueeze(-1).contiguous()
-    seq, off = _token_index(cu_q, lse.shape[0])
-    padded = lse.new_zeros((cu_q.numel() - 1, lse.shape[1], max_q))
-    padded[seq, :, off] = lse
-    return padded.unsqueeze(-1) if layout == "bhs1" else padded
-
-
 # LSE layout each GPU backend returned (learnt from its first forward, or a tiny probe).
 _LSE_LAYOUT: dict[str, str] = {}
 
@@ -236,14 +205,6 @@ def _lse_layout(backend: str, device: torch.device) -> str:
         cu = torch.tensor([0, 1, 2], dtype=torch.int32, device=device)
         _GPU_FORWARD[backend](x, x, x, cu, cu, 2, 1, False, 1.0)
     return _LSE_LAYOUT[backend]
-
-
-def _no_key_rows(cu_q: Tensor, cu_k: Tensor, tq: int, causal: bool) -> Tensor:
-    """``[tq]`` bool: rows that see no key (empty kv sequence, or before the causal diagonal)."""
-    seq, off = _token_index(cu_q, tq)
-    lq = (cu_q[1:] - cu_q[:-1]).long()[seq]
-    lk = (cu_k[1:] - cu_k[:-1]).long()[seq]
-    return (lk == 0) | (off + lk - lq < 0) if causal else lk == 0
 
 
 def _gpu_seqlens(cu_q: Tensor, cu_k: Tensor, max_q: int) -> tuple[Tensor, Tensor, int]:
@@ -289,7 +250,7 @@ def _fa_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window=(-1, -1
     # <= 2.6: (out, q, k, v, out_padded, lse, S_dmask, rng_state); >= 2.7: (out, lse, S, rng)
     out, raw = res[0], res[5] if len(res) == 8 else res[1]
     _LSE_LAYOUT["flash_attn"] = "ht" if raw.dim() == 2 else "bhs"
-    lse = _lse_to_th(raw, _LSE_LAYOUT["flash_attn"], cu_q, q.shape[0])
+    lse = lse_to_th(raw, _LSE_LAYOUT["flash_attn"], cu_q, q.shape[0])
     # rng_state (philox seed and offset of this call's dropout mask) is the last element in both
     return out[..., :dv].contiguous(), lse.masked_fill_(lse == _INF, -_INF), res[-1] if dropout_p > 0 else None
 
@@ -299,7 +260,7 @@ def _fa_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scal
     _, bwd = _import_flash_attn()
     d, dv, dp = q.shape[-1], v.shape[-1], _round8(max(q.shape[-1], v.shape[-1]))
     qp, kp, vp = (_pad_last(x, dp).contiguous() for x in (q, k, v))
-    raw = _lse_from_th(lse.masked_fill(lse == -_INF, _INF), _lse_layout("flash_attn", q.device),
+    raw = lse_from_th(lse.masked_fill(lse == -_INF, _INF), _lse_layout("flash_attn", q.device),
                        cu_q, max_q)  # fmt: skip
     dq, dk, dvv = torch.empty_like(qp), torch.empty_like(kp), torch.empty_like(vp)
     values = dict(
@@ -327,7 +288,7 @@ def _torch_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window=(-1,
     )  # fmt: skip
     out, raw = res[0], res[1]
     _LSE_LAYOUT["torch_cuda"] = "ht" if raw.dim() == 2 else "bhs"
-    lse = _lse_to_th(raw, _LSE_LAYOUT["torch_cuda"], cu_q, q.shape[0])
+    lse = lse_to_th(raw, _LSE_LAYOUT["torch_cuda"], cu_q, q.shape[0])
     # (out, logsumexp, philox seed, philox offset, debug mask): the seed and offset redraw the mask
     state = (res[2], res[3]) if dropout_p > 0 else None
     return out[..., :dv].contiguous(), lse.masked_fill_(lse == _INF, -_INF), state
@@ -336,7 +297,7 @@ def _torch_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window=(-1,
 def _torch_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, window=(-1, -1), dropout_p=0.0,
                     rng_state=None):
     d, dv, dp = q.shape[-1], v.shape[-1], _round8(max(q.shape[-1], v.shape[-1]))
-    raw = _lse_from_th(lse.masked_fill(lse == -_INF, _INF), _lse_layout("torch_cuda", q.device),
+    raw = lse_from_th(lse.masked_fill(lse == -_INF, _INF), _lse_layout("torch_cuda", q.device),
                        cu_q, max_q)  # fmt: skip
     if rng_state is None:  # rng state: unused without dropout
         seed_dtype = getattr(torch, "uint64", torch.int64)
@@ -383,8 +344,8 @@ def _te_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window=(-1, -1
     out, aux = fwd(**bind(fwd, values, "transformer_engine fused_attn_fwd", vetted=TE_VETTED_DEFAULTS))
     stats = aux[0]  # softmax stats (natural-log LSE): [b, h, max_q, 1] or packed [tq, h, 1]
     _LSE_LAYOUT["te"] = "bhs1" if stats.dim() == 4 else "th1"
-    lse = _lse_to_th(stats, _LSE_LAYOUT["te"], cu_q, q.shape[0])
-    empty = _no_key_rows(cu_q, cu_k, q.shape[0], causal)  # cuDNN's value there is unspecified
+    lse = lse_to_th(stats, _LSE_LAYOUT["te"], cu_q, q.shape[0])
+    empty = no_key_rows(cu_q, cu_k, q.shape[0], causal)  # cuDNN's value there is unspecified
     out = out[..., :dv].masked_fill(empty[:, None, None], 0.0)
     # aux = [softmax stats, rng_state (philox seed, offset), ...]: the state redraws the mask in backward
     return out, lse.masked_fill_(empty[:, None], -_INF), aux[1] if dropout_p > 0 else None
@@ -396,7 +357,7 @@ def _te_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scal
     d, dv = q.shape[-1], v.shape[-1]
     qp, kp = _pad_last(q, _round8(d)).contiguous(), _pad_last(k, _round8(d)).contiguous()
     vp = _pad_last(v, _round8(dv)).contiguous()
-    stats = _lse_from_th(lse.masked_fill(lse == -_INF, _INF), _lse_layout("te", q.device),
+    stats = lse_from_th(lse.masked_fill(lse == -_INF, _INF), _lse_layout("te", q.device),
                          cu_q, max_q)  # fmt: skip
     if rng_state is None:  # unused without dropout
         rng_state = torch.zeros(2, dtype=torch.int64, device=q.device)
@@ -405,7 +366,7 @@ def _te_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scal
                   d_o=_pad_last(dout, _round8(dv)).contiguous(), aux_ctx_tensors=[stats, rng_state])
     grads = bwd(**bind(bwd, values, "transformer_engine fused_attn_bwd", vetted=TE_VETTED_DEFAULTS))
     dq, dk, dvv = grads[:3]  # [dq, dk, dv, (dbias, dsoftmax_offset)]
-    empty = _no_key_rows(cu_q, cu_k, q.shape[0], causal)
+    empty = no_key_rows(cu_q, cu_k, q.shape[0], causal)
     return dq[..., :d].masked_fill(empty[:, None, None], 0.0), dk[..., :d], dvv[..., :dv]
 
 
@@ -431,32 +392,26 @@ def attn_forward(
     sees keys ``i + lk - lq - left .. i + lk - lq + right``; -1 unbounded), as every plan item
     gives it (``ComputeItem.kernel_window``; ``(-1, -1)``: none).
     """
-    out, lse, _ = _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
-                           backend, window, None, None, None)
+    out, lse, _ = attn_forward_dropout(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                                       max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, causal=causal,
+                                       softmax_scale=softmax_scale, dropout=None, backend=backend, window=window)
     return out, lse
 
 
 def attn_forward_dropout(
     q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
-    max_seqlen_q: int, max_seqlen_k: int, causal: bool, softmax_scale: float, dropout: Dropout,
+    max_seqlen_q: int, max_seqlen_k: int, causal: bool, softmax_scale: float, dropout: Dropout | None,
     q_pos: Tensor | None = None, k_pos: Tensor | None = None,
     backend: str | None = None, window: tuple[int, int] = (-1, -1),
 ) -> tuple[Tensor, Tensor, Any]:  # fmt: skip
-    """:func:`attn_forward` with attention dropout ``dropout.p``: ``(out, lse, rng_state)``. ``lse``
-    is the undropped one (what the merge needs); ``rng_state`` is what :func:`attn_backward` takes
-    to redraw the mask (the GPU kernels' philox seed and offset; None for ``cpu``, whose mask is
-    keyed on ``dropout.seed``, global heads from ``dropout.head_offset``, and the rows' global
-    tokens ``q_pos [tq]`` / ``k_pos [tk]`` int64 on the device)."""
-    return _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
-                    backend, window, dropout, q_pos, k_pos)
-
-
-def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, backend, window,
-             dropout, q_pos, k_pos) -> tuple[Tensor, Tensor, Any]:
+    """:func:`attn_forward` with attention dropout ``dropout.p`` (None: none): ``(out, lse,
+    rng_state)``. ``lse`` is the undropped one (what the merge needs); ``rng_state`` is what
+    :func:`attn_backward` takes to redraw the mask (the GPU kernels' philox seed and offset; None
+    for ``cpu``, whose mask is keyed on ``dropout.seed``, global heads from ``dropout.head_offset``,
+    and the rows' global tokens ``q_pos [tq]`` / ``k_pos [tk]`` int64 on the device)."""
     _check_shapes(q, k, v, cu_seqlens_q, cu_seqlens_k)
     name = _resolved(backend, str(q.device))
     tq, h, dv = q.shape[0], q.shape[1], v.shape[2]
-    p = 0.0 if dropout is None else dropout.p
     if tq == 0 or k.shape[0] == 0:
         lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
         out = q.new_zeros((tq, h, dv))
@@ -469,6 +424,7 @@ def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, ca
         return out, lse, None
     _half_inputs(q, name)
     cu_q, cu_k, max_q = _gpu_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q)
+    p = 0.0 if dropout is None else dropout.p
     return _GPU_FORWARD[name](q, k, v, cu_q, cu_k, max_q, max_seqlen_k, causal, softmax_scale, tuple(window), p)
 
 

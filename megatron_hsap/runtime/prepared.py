@@ -38,7 +38,8 @@ __all__ = ["PreparedCall", "PostRound", "WaitRound", "ComputeCalls", "MergeParti
 @dataclass(frozen=True, slots=True)
 class PreparedCall:
     """One kernel call of ``plan/calls.py`` with its ``cu_seqlens_q/k`` (int32, on the device once
-    placed; ``meta``: their indices in the plan's metadata upload) and maximum lengths."""
+    placed; ``meta``: their indices in the plan's metadata upload), maximum lengths and blocks
+    (``KernelCall.blocks``, computed here once rather than per call on the hot path)."""
 
     call: KernelCall
     cu_q: Tensor
@@ -46,6 +47,7 @@ class PreparedCall:
     max_q: int
     max_k: int
     meta: tuple[int, int] = (-1, -1)
+    blocks: tuple[tuple[int, int, int, int], ...] = ()
 
     @property
     def items(self) -> tuple[ComputeItem, ...]:
@@ -171,7 +173,7 @@ def _prepare(program: Program, rows: LocalRows, host: list[Tensor], base: int) -
     def prepared(call: KernelCall) -> PreparedCall:
         lq, lk = call.q_lengths, call.kv_lengths
         iq, ik = cu(lq), cu(lk)
-        return PreparedCall(call, host[iq], host[ik], max(lq), max(lk), (iq, ik))
+        return PreparedCall(call, host[iq], host[ik], max(lq), max(lk), (iq, ik), call.blocks)
 
     for ins in program.instrs:
         match ins:

@@ -58,6 +58,20 @@ def compile_for(spec: dict) -> Any:
     )  # fmt: skip
 
 
+def rank_inputs(spec: dict, plan: Any, rank: int) -> tuple[torch.Tensor, ...]:
+    """``(idx, q, k, v, do)``: this rank's rows of the spec's global tensors (its local token indices
+    under ``plan``, layout order) in the spec's dtype; q, k and v are leaves that need gradients."""
+    idx = torch.from_numpy(plan.local_token_indices(rank))
+    q, k, v, do = (torch.from_numpy(spec[n])[idx].to(DTYPES[spec["dtype"]]) for n in ("q", "k", "v", "do"))
+    return (idx, *(x.requires_grad_(True) for x in (q, k, v)), do)
+
+
+def rank_results(idx: torch.Tensor, out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict:
+    """This rank's rows, output and q/k/v gradients as float numpy arrays (what ``gather`` reads)."""
+    return {"idx": idx.numpy(), "out": out.detach().float().numpy(), "dq": q.grad.float().numpy(),
+            "dk": k.grad.float().numpy(), "dv": v.grad.float().numpy()}  # fmt: skip
+
+
 def run_one(spec: dict) -> dict:
     """One spec on this rank (inside a pool worker): its plan compiled, forward and backward run on
     the spec's groups; returns this rank's outputs, gradients and byte counts for the parent to
@@ -70,10 +84,7 @@ def run_one(spec: dict) -> dict:
 
     rank = dist.get_rank()
     plan = compile_for(spec)
-    dtype = DTYPES[spec["dtype"]]
-    idx = torch.from_numpy(plan.local_token_indices(rank))
-    q, k, v, do = (torch.from_numpy(spec[n])[idx].to(dtype) for n in ("q", "k", "v", "do"))
-    q, k, v = (x.requires_grad_(True) for x in (q, k, v))
+    idx, q, k, v, do = rank_inputs(spec, plan, rank)
     mode = spec.get("groups", "explicit")
     from tests.distributed import cached_group
 
@@ -104,11 +115,7 @@ def run_one(spec: dict) -> dict:
     runner_a2a = dict(runner.a2a_bytes_sent)
     runner.reset_stats()
     return {
-        "idx": idx.numpy(),
-        "out": out.detach().float().numpy(),
-        "dq": q.grad.float().numpy(),
-        "dk": k.grad.float().numpy(),
-        "dv": v.grad.float().numpy(),
+        **rank_results(idx, out, q, k, v),
         "stats": stats,
         "expected": {"fwd": ex.expected_bytes("fwd"), "bwd": ex.expected_bytes("bwd")},
         "a2a": runner_a2a,

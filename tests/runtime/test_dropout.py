@@ -68,17 +68,13 @@ def run_dropout_cases(specs: list[dict]) -> list[dict]:
     results = []
     for spec in specs:
         plan = cases.compile_for(spec)
-        idx = torch.from_numpy(plan.local_token_indices(rank))
-        q, k, v, do = (torch.from_numpy(spec[n])[idx].to(cases.DTYPES[spec["dtype"]]) for n in ("q", "k", "v", "do"))
-        q, k, v = (x.requires_grad_(True) for x in (q, k, v))
+        idx, q, k, v, do = cases.rank_inputs(spec, plan, rank)
         sinks = torch.from_numpy(spec["sinks"]).requires_grad_(True) if spec.get("sinks") is not None else None
         intra, inter = cases.make_groups(spec["intra"], spec["inter"]) if plan.cp_size > 1 else (None, None)
         out = hsap_attn_func(q, k, v, plan, intra_group=intra, inter_group=inter, softmax_scale=spec["scale"],
                              sinks=sinks, dropout_p=spec["p"], dropout_seed=spec["dseed"])  # fmt: skip
         out.backward(do)
-        results.append({"idx": idx.numpy(), "out": out.detach().float().numpy(), "dq": q.grad.float().numpy(),
-                        "dk": k.grad.float().numpy(), "dv": v.grad.float().numpy(),
-                        "dsinks": None if sinks is None else sinks.grad.numpy()})  # fmt: skip
+        results.append({**cases.rank_results(idx, out, q, k, v), "dsinks": None if sinks is None else sinks.grad.numpy()})
     return results
 
 
@@ -192,7 +188,6 @@ def test_phases_group_blocks_into_the_same_calls():
     from megatron_hsap.plan import compile_plan
     from megatron_hsap.plan.calls import program_calls
     from megatron_hsap.plan.ir import Phase
-    from megatron_hsap.runtime.dropout import call_key
 
     rng = np.random.default_rng(7)
     calls = gathered = 0
@@ -203,7 +198,7 @@ def test_phases_group_blocks_into_the_same_calls():
             for r in range(plan.inter_size):
                 made = {ph: [c for st in program_calls(plan.program(r, ph), plan.layout.segments[r]) for c in st]
                         for ph in (Phase.FWD, Phase.BWD)}  # fmt: skip
-                keys = {ph: [(c.gathered, call_key(c.items)) for c in made[ph]] for ph in made}
+                keys = {ph: [(c.gathered, c.blocks) for c in made[ph]] for ph in made}
                 assert sorted(keys[Phase.FWD]) == sorted(keys[Phase.BWD]), (cu, inter, kw, r)
                 assert len(set(keys[Phase.FWD])) == len(keys[Phase.FWD])
                 calls += len(made[Phase.FWD])

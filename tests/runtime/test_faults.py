@@ -82,9 +82,7 @@ def case_plans(specs: list[dict], *, backward: bool = True, check_usable: bool =
     try:
         plan = cases.compile_for(spec)
         groups = _fresh_groups(spec["intra"], spec["inter"])
-        idx = torch.from_numpy(plan.local_token_indices(rank))
-        dtype = cases.DTYPES[spec["dtype"]]
-        q, k, v, do = (torch.from_numpy(spec[n])[idx].to(dtype).requires_grad_(n != "do") for n in ("q", "k", "v", "do"))
+        idx, q, k, v, do = cases.rank_inputs(spec, plan, rank)
         try:
             out = hsap_attn_func(q, k, v, plan, intra_group=groups[0], inter_group=groups[1])
             if backward:

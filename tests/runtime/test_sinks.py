@@ -75,19 +75,13 @@ def run_sink_cases(specs: list[dict]) -> list[dict]:
     results = []
     for spec in specs:
         plan = cases.compile_for(spec)
-        dtype = cases.DTYPES[spec["dtype"]]
-        idx = torch.from_numpy(plan.local_token_indices(rank))
-        q, k, v, do = (torch.from_numpy(spec[n])[idx].to(dtype) for n in ("q", "k", "v", "do"))
-        q, k, v = (x.requires_grad_(True) for x in (q, k, v))
+        idx, q, k, v, do = cases.rank_inputs(spec, plan, rank)
         sinks = torch.from_numpy(spec["sinks"]).requires_grad_(spec["learnable"])
         intra, inter = cases.make_groups(spec["intra"], spec["inter"]) if plan.cp_size > 1 else (None, None)
         out = hsap_attn_func(q, k, v, plan, intra_group=intra, inter_group=inter, softmax_scale=spec["scale"], sinks=sinks)
         out.backward(do)
-        results.append({
-            "idx": idx.numpy(), "out": out.detach().float().numpy(), "dq": q.grad.float().numpy(),
-            "dk": k.grad.float().numpy(), "dv": v.grad.float().numpy(),
-            "dsinks": None if sinks.grad is None else sinks.grad.numpy(),
-        })  # fmt: skip
+        results.append({**cases.rank_results(idx, out, q, k, v),
+                        "dsinks": None if sinks.grad is None else sinks.grad.numpy()})
     return results
 
 

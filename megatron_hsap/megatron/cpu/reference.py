@@ -47,8 +47,8 @@ def no_local_reference(opts: CPURun) -> list[str]:
     extra = opts.extra
     # (--multi-latent-attention is a switch: present when any argument is it)
     why = [f"{flag}: {why}" for flag, why in _NO_LOCAL_REFERENCE.items() if flag in extra or flag_value(extra, flag)]
-    if _dropout(extra) > 0:
-        why.append(f"--attention-dropout {_dropout(extra):g}: megatron-core's local attention draws its own dropout masks; "
+    if (dropout := _dropout(extra)) > 0:
+        why.append(f"--attention-dropout {dropout:g}: megatron-core's local attention draws its own dropout masks; "
                    "HSAP's CPU kernel keys each on (seed, head, token, token), so its CP=1 run draws the same ones "
                    "(runtime/dropout.py)")
     pattern = hybrid_pattern(extra)
@@ -69,22 +69,19 @@ def no_local_reference(opts: CPURun) -> list[str]:
     return why
 
 
-def _flag_int(extra: tuple[str, ...], flag: str) -> int:
-    """The integer value of Megatron flag ``flag`` in ``extra`` (``--flag N`` or ``--flag=N``); 1 if absent."""
+def _flag_number(extra: tuple[str, ...], flag: str, kind: type = int, absent: int | float = 1) -> int | float:
+    """The value of Megatron flag ``flag`` in ``extra`` (``--flag N`` or ``--flag=N``) as ``kind``;
+    ``absent`` if it is not given (``pretrain-cpu``'s own flags set no expert split and no dropout)."""
     value = flag_value(extra, flag)
     try:
-        return 1 if value is None else int(value)
+        return absent if value is None else kind(value)
     except ValueError:
-        raise ConfigError(f"{flag} {value!r}: not an integer") from None
+        raise ConfigError(f"{flag} {value!r}: not {'an integer' if kind is int else 'a number'}") from None
 
 
 def _dropout(extra: tuple[str, ...]) -> float:
-    """The attention dropout Megatron flags ``extra`` set (``pretrain-cpu`` itself passes 0)."""
-    value = flag_value(extra, "--attention-dropout")
-    try:
-        return float(value) if value is not None else 0.0
-    except ValueError:
-        raise ConfigError(f"--attention-dropout {value!r}: not a number") from None
+    """The attention dropout Megatron flags ``extra`` set."""
+    return _flag_number(extra, "--attention-dropout", float, 0.0)
 
 
 def reference_of(opts: CPURun) -> tuple[CPURun, str]:
@@ -100,7 +97,7 @@ def reference_of(opts: CPURun) -> tuple[CPURun, str]:
     the first step; each against a reference split alike: equal). Raises ``ConfigError`` when the
     micro-batch does not split over those ranks, and with ``--mtp-num-layers`` when the split
     changes the micro-batch (Megatron weights MTP's loss per micro-batch)."""
-    experts = _flag_int(opts.extra, "--expert-model-parallel-size") * _flag_int(opts.extra, "--expert-tensor-parallel-size")
+    experts = _flag_number(opts.extra, "--expert-model-parallel-size") * _flag_number(opts.extra, "--expert-tensor-parallel-size")
     world = math.lcm(opts.dp_size, experts)
     share, rest = divmod(opts.micro_batch_size * opts.dp_size, world)
     if rest or not share:
