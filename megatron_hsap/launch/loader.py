@@ -136,6 +136,7 @@ def check_passthrough(cfg: LaunchConfig) -> None:
     """``megatron_args`` may repeat Megatron's hierarchical CP flag; it must agree with ours, at every
     occurrence (argparse keeps the last one). Flags the config sections own are refused in either
     spelling (``--flag V`` or ``--flag=V``): argparse reads both, so either would silently win.
+    Under HSAP, CUDA graphs that would capture its layers are refused (``megatron/cuda_graphs.py``).
     Part of ``LaunchConfig``'s validation (``config._validate_launch``)."""
     args = list(cfg.megatron_args)
     flag = "--hierarchical-context-parallel-sizes"
@@ -168,6 +169,10 @@ def check_passthrough(cfg: LaunchConfig) -> None:
         raise ConfigError("megatron_args: --cp-comm-type selects Transformer Engine's context-parallel algorithm, "
                           "which parallel.cp_impl hsap replaces (its split is hsap_intra_size × hsap_inter_size); "
                           "drop it")
+    from megatron_hsap.megatron.cuda_graphs import argv_cuda_graphs, cuda_graph_problem  # (Megatron's rule, one home)
+
+    if cfg.parallel.cp_impl is CPImpl.HSAP and (graphs := cuda_graph_problem(*argv_cuda_graphs(args))) is not None:
+        raise ConfigError(f"megatron_args: {graphs}")
     if "--sft" in given and cfg.data.reset_position_ids:  # (the data: section adds --reset-position-ids)
         raise ConfigError("megatron_args: --sft, but data.reset_position_ids is true: Megatron's SFTDataset gives each "
                           "conversation its own positions and asserts --reset-position-ids off; set "

@@ -92,7 +92,8 @@ FEATURES: dict[Feature, _Spec] = {
         "Megatron's Transformer Engine ring at CP > 1 (cp_impl: ring; the suite runs ring at CP 1 only)",
         lambda c: c.parallel.cp_impl is CPImpl.RING and c.context_size > 1),
     Feature.CUDA_GRAPHS: _Spec(
-        "CUDA graphs (--cuda-graph-*, --enable-cuda-graph, --external-cuda-graph)",
+        "CUDA graphs (--cuda-graph-*, --enable-cuda-graph, --external-cuda-graph; under hsap only the MLP and "
+        "MoE modules, megatron/cuda_graphs.py: a graph capturing HSAP's layers is refused)",
         lambda c: _flag(c, "--cuda-graph", "--enable-cuda-graph", "--external-cuda-graph")),
     Feature.FP8: _Spec("fp8 training (--fp8-*)", lambda c: _flag(c, "--fp8")),
     Feature.CKPT_FORMAT: _Spec(

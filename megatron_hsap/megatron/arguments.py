@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron_hsap.errors import ConfigError
+from megatron_hsap.megatron.cuda_graphs import cuda_graph_problem, namespace_cuda_graphs
 from megatron_hsap.plan.costs import DEFAULT_GRAD_WIRE_DTYPE, GRAD_WIRE_DTYPES
 from megatron_hsap.plan.hardware import HARDWARE
 from megatron_hsap.plan.checks import divisors
@@ -302,7 +303,8 @@ def check_before_megatron(args: Any) -> None:
     message), checked on the parsed namespace before it runs (``pretrain_hooks.run_pretrain``):
     the hierarchical sizes (two levels whose product is ``--context-parallel-size``), and
     ``--cp-comm-type`` (Transformer Engine's CP algorithm; Megatron asserts hierarchical sizes for
-    ``a2a+p2p``, and HSAP would ignore it silently). Under ``ring``: HSAP's own flags set to
+    ``a2a+p2p``, and HSAP would ignore it silently), and CUDA graphs that would capture an HSAP layer
+    (``cuda_graphs.cuda_graph_problem``). Under ``ring``: HSAP's own flags set to
     anything but their defaults (the ring would ignore them: the impl flag was forgotten). Raises
     :class:`ConfigError` naming the flag; ``validate_hsap_args`` runs it too."""
     if getattr(args, "context_parallel_impl", "ring") != "hsap":
@@ -320,6 +322,8 @@ def check_before_megatron(args: Any) -> None:
             f"--cp-comm-type {' '.join(comm)} selects Transformer Engine's context-parallel algorithm, which "
             "--context-parallel-impl hsap replaces (its all-to-all / P2P split is --hierarchical-context-parallel-sizes "
             "P_intra P_inter): drop --cp-comm-type")
+    graphs = cuda_graph_problem(*namespace_cuda_graphs(args))  # (a graph would replay one batch's plan)
+    _refuse(graphs is not None, str(graphs))
 
 
 def validate_hsap_args(args: Any) -> HSAPArgs | None:

@@ -37,6 +37,7 @@ from torch import Tensor
 from megatron_hsap.errors import BatchError, ConfigError
 from megatron_hsap.megatron.batch import is_hsap_sharded
 from megatron_hsap.megatron.megatron_lm import HYBRID, SCRIPTS
+from megatron_hsap.runtime.capture import refuse_graph_capture
 from megatron_hsap.runtime.upload import upload
 
 __all__ = ["HSAPMambaMixer", "StreamOrder", "checked_stream_order", "install", "stream_order"]
@@ -90,10 +91,11 @@ def stream_order(params: Any, device: torch.device) -> StreamOrder:
 
 def checked_stream_order(kind: str, params: Any, cp_group: Any, device: torch.device, *, inference: bool) -> StreamOrder:
     """The checks an HSAP scan layer (``kind``: Mamba, gated delta net) makes before Megatron's
-    forward — training only, a batch HSAP sharded, the layer's CP group the plan's — then the
-    batch's :class:`StreamOrder` on ``device``."""
+    forward — training only, not captured into a CUDA graph (``runtime/capture.py``), a batch HSAP
+    sharded, the layer's CP group the plan's — then the batch's :class:`StreamOrder` on ``device``."""
     if inference:
         raise ConfigError(f"HSAP's {kind} layers train only (no inference context)")
+    refuse_graph_capture(device, f"HSAP's {kind} layer")  # (its token order is the batch's plan's)
     if not is_hsap_sharded(params):
         raise BatchError(f"this batch was not sharded by HSAP (packed_seq_params lacks the HSAP marker): HSAP's {kind} "
                          f"layers reorder tokens by the HSAP plan; use {SCRIPTS[HYBRID]} (these layers are a hybrid "

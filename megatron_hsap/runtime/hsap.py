@@ -49,6 +49,7 @@ from megatron_hsap.plan.lru import LRUCache
 from megatron_hsap.plan.options import kv_head_chunks
 from megatron_hsap.runtime.consistency import fingerprint_mismatch
 from megatron_hsap.runtime.dropout import CallStates, Dropout, check_dropout_p, draw_seed
+from megatron_hsap.runtime.capture import refuse_graph_capture
 from megatron_hsap.runtime.env import read_env
 from megatron_hsap.runtime.executor import ACTIVATION_DTYPES, Executor, executor_for
 from megatron_hsap.runtime.groups import registered_groups
@@ -479,8 +480,9 @@ def hsap_attn_func(q: Tensor, k: Tensor, v: Tensor, plan: "Plan", *, intra_group
         ``out [t_local, H, d_v]`` in ``q.dtype``; differentiable w.r.t. q, k, v and sinks.
 
     Raises ``RuntimeMismatchError`` / ``ConfigError`` before any collective when tensors, groups
-    or the plan do not match.
+    or the plan do not match, or when a CUDA graph is capturing (``runtime/capture.py``).
     """
+    refuse_graph_capture(q.device, "hsap_attn_func")  # (a graph would replay this batch's plan: runtime/capture.py)
     intra, inter = _resolve_groups(plan, intra_group, inter_group, cp_group)
     scale = _validate(q, k, v, plan, intra, inter, softmax_scale)
     _validate_sinks(sinks, q)
