@@ -368,6 +368,16 @@ def validate_hsap_args(args: Any) -> HSAPArgs | None:
                 "HSAP applies it by position: pass --no-rope-fusion")
         _refuse(bool(getattr(args, "mla_down_proj_fusion", False)),
                 "--mla-down-proj-fusion swaps in FusedMLASelfAttention (RoPE by Megatron's layout); drop it with HSAP")
+    # Megatron's experimental attention variants: a GPT model's (gated delta net every few layers,
+    # DSA) come from Megatron's own block spec, which HSAP's layer spec replaces; a hybrid model takes
+    # gated delta nets as 'G' layers, and Megatron-LM main's gdn2 makes its HybridBlock build its own
+    # GatedDeltaNet2 for them, whatever the stack spec says (both read Megatron's token layout)
+    variant = getattr(args, "experimental_attention_variant", None)
+    hybrid = bool(getattr(args, "hybrid_layer_pattern", None) or getattr(args, "hybrid_override_pattern", None))
+    _refuse(variant is not None and not (hybrid and variant == "gated_delta_net"),
+            f"--experimental-attention-variant {variant}: not supported by HSAP (its layers' context parallelism assumes "
+            "Megatron's token layout); for gated delta net layers use a hybrid model's 'G' layers (--hybrid-layer-pattern, "
+            "e.g. \"G*G-\") without the flag, or --context-parallel-impl ring")
     _refuse(bool(getattr(args, "hybrid_context_parallel", False)),
             "--hybrid-context-parallel and --context-parallel-impl hsap are alternatives; pick one")
     pos = getattr(args, "position_embedding_type", "rope")

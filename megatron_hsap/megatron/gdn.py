@@ -22,6 +22,7 @@ import functools
 import inspect
 from typing import Any
 
+from megatron.core.ssm.gated_delta_net import common as megatron_common
 from megatron.core.ssm.gated_delta_net import gdn as megatron_gdn
 from megatron.core.ssm.gated_delta_net.gdn import GatedDeltaNet
 from torch import Tensor
@@ -30,7 +31,7 @@ from megatron_hsap.errors import BatchError, ConfigError
 from megatron_hsap.megatron.mamba import checked_stream_order
 
 __all__ = ["HSAPGatedDeltaNet", "install"]
-_PERM_PARAMETERS = ("cu_seqlens", "cp_size", "t_global")  # megatron-core 0.19.2's, which HSAP's replaces
+_PERM_PARAMETERS = ("cu_seqlens", "cp_size", "t_global")  # megatron-core's (0.19.2, main), which HSAP's replaces
 
 
 def _perm(original: Any, cu_seqlens: Tensor, cp_size: int, t_global: int) -> tuple[Tensor, Tensor]:
@@ -45,24 +46,47 @@ def _perm(original: Any, cu_seqlens: Tensor, cp_size: int, t_global: int) -> tup
     return order.order, order.gathered_ids
 
 
+def _perm_homes() -> list[Any]:
+    """The megatron-core modules whose namespace the packed-sequence permutation call of
+    ``GatedDeltaNet.forward`` resolves ``_build_thd_cp_a2a_perm`` in: ``gdn`` itself, where
+    megatron-core 0.19.2's forward calls it, or ``common``, where Megatron-LM's main branch (0.20
+    pre-release, 2026-08) moved the call, into ``a2a_cp_to_hp``, which forward calls. Empty when
+    neither is so (another layout HSAP does not know)."""
+    forward = getattr(GatedDeltaNet.forward, "__code__", None)
+    names = forward.co_names if forward is not None else ()
+    homes = []
+    if "_build_thd_cp_a2a_perm" in names:
+        homes.append(megatron_gdn)
+    to_hp = getattr(megatron_common, "a2a_cp_to_hp", None)
+    if "a2a_cp_to_hp" in names and "_build_thd_cp_a2a_perm" in getattr(getattr(to_hp, "__code__", None), "co_names", ()):
+        homes.append(megatron_common)
+    return homes
+
+
 def install() -> None:
     """Point megatron-core's packed-sequence CP permutation of the gated delta net at HSAP's for HSAP
     batches (idempotent). Raises ``ConfigError`` when megatron-core's is not the one HSAP follows."""
-    current = getattr(megatron_gdn, "_build_thd_cp_a2a_perm", None)
-    original = getattr(current, "__hsap_original__", current)
-    calls = getattr(GatedDeltaNet.forward, "__code__", None)
-    if original is None or tuple(inspect.signature(original).parameters) != _PERM_PARAMETERS or \
-            calls is None or "_build_thd_cp_a2a_perm" not in calls.co_names:
+    homes = _perm_homes()
+    originals = [getattr(getattr(m, "_build_thd_cp_a2a_perm", None), "__hsap_original__",
+                         getattr(m, "_build_thd_cp_a2a_perm", None)) for m in homes]
+    if not homes or any(f is None or tuple(inspect.signature(f).parameters) != _PERM_PARAMETERS for f in originals):
         raise ConfigError("megatron-core's GatedDeltaNet.forward does not permute packed sequences through "
-                          f"_build_thd_cp_a2a_perm{_PERM_PARAMETERS} as megatron-core 0.19.2 does, which HSAP's gated "
-                          "delta net follows: install megatron-core 0.19.2 or drop the 'G' layers")
-    if current is original:
-        @functools.wraps(original)
-        def wrapped(cu_seqlens: Tensor, cp_size: int, t_global: int) -> tuple[Tensor, Tensor]:
-            return _perm(original, cu_seqlens, cp_size, t_global)
+                          f"_build_thd_cp_a2a_perm{_PERM_PARAMETERS} (directly, as megatron-core 0.19.2 does, or in "
+                          "a2a_cp_to_hp, as Megatron-LM's main branch does), which HSAP's gated delta net follows: "
+                          "install megatron-core 0.19.2 or drop the 'G' layers")
+    for module, original in zip(homes, originals):
+        if module._build_thd_cp_a2a_perm is original:
+            module._build_thd_cp_a2a_perm = _wrapped(original)
 
-        wrapped.__hsap_original__ = original  # type: ignore[attr-defined]
-        megatron_gdn._build_thd_cp_a2a_perm = wrapped
+
+def _wrapped(original: Any) -> Any:
+    """``original`` taking HSAP's permutation for HSAP batches (``_perm``)."""
+    @functools.wraps(original)
+    def wrapped(cu_seqlens: Tensor, cp_size: int, t_global: int) -> tuple[Tensor, Tensor]:
+        return _perm(original, cu_seqlens, cp_size, t_global)
+
+    wrapped.__hsap_original__ = original  # type: ignore[attr-defined]
+    return wrapped
 
 
 class HSAPGatedDeltaNet(GatedDeltaNet):

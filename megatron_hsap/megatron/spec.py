@@ -28,6 +28,7 @@ import dataclasses
 from typing import Any
 
 from megatron.core.models.gpt import gpt_layer_specs
+from megatron.core.ssm.gated_delta_net import common as gdn_common
 from megatron.core.ssm.gated_delta_net.gdn import GatedDeltaNet
 from megatron.core.ssm.mamba_layer import MambaLayer
 from megatron.core.ssm.mamba_mixer import MambaMixer
@@ -58,7 +59,10 @@ __all__ = [
 # megatron-core's self-attention modules and the HSAP module each is swapped for
 _SWAPS = {SelfAttention: HSAPSelfAttention, MLASelfAttention: HSAPMLASelfAttention}
 # every megatron-core module that reads the token layout, and HSAP's (check_model_attention)
-_LAYOUT_MODULES = {**_SWAPS, MambaMixer: HSAPMambaMixer, GatedDeltaNet: HSAPGatedDeltaNet}
+# (every gated delta net kind: Megatron-LM main's HybridBlock builds its GatedDeltaNet2 for 'G' layers,
+# bypassing the stack spec, under --experimental-attention-variant gdn2)
+_LAYOUT_MODULES = {**_SWAPS, MambaMixer: HSAPMambaMixer, GatedDeltaNet: HSAPGatedDeltaNet,
+                   getattr(gdn_common, "_GDNBase", GatedDeltaNet): HSAPGatedDeltaNet}
 
 
 def have_transformer_engine() -> bool:

@@ -114,6 +114,11 @@ def test_hsap_flags_under_ring_are_refused_not_ignored(given: list[str], named: 
         (["--pipeline-model-parallel-size", "2", "--micro-batch-size", "2"], "--micro-batch-size 1"),
         (["--spec", "my.module", "MY_SPEC"], "--spec"),
         (["--hybrid-context-parallel"], "alternatives"),
+        # DSA's indexer and Megatron-LM main's GatedDeltaNet2 (which its HybridBlock builds for 'G'
+        # layers, bypassing the stack spec) read Megatron's token layout
+        (["--experimental-attention-variant", "dsa"], "--experimental-attention-variant dsa: not supported by HSAP"),
+        # a GPT model's gated delta net layers come from Megatron's block spec (HSAP's replaces it)
+        (["--experimental-attention-variant", "gated_delta_net"], "use a hybrid model's 'G' layers"),
         # 2 q heads and 1 kv head per intra rank: 2 q chunks may share the kv head, 4 cannot split 2 heads
         (["--hsap-head-chunks", "4"], r"--hsap-head-chunks 4: each intra rank holds 2 q and 1 kv heads; valid counts: \[1, 2\]"),
         (["--hsap-head-chunks", "0"], "must be >= 1"),
@@ -140,6 +145,17 @@ def test_refusals_name_the_flag(change: list[str], match: str) -> None:
     args = _parse(GOOD + change)
     with pytest.raises(ConfigError, match=match):
         validate_hsap_args(args)
+
+
+def test_gdn2_of_megatron_lm_main_is_refused() -> None:
+    # (megatron-core 0.19.2's parser has no gdn2; Megatron-LM main's sets the same attribute)
+    hybrid = ["--hybrid-layer-pattern", "G*G-", "--swiglu", "--linear-num-key-heads", "16", "--linear-num-value-heads", "32"]
+    args = _parse(GOOD + hybrid)
+    args.experimental_attention_variant = "gdn2"
+    with pytest.raises(ConfigError, match="--experimental-attention-variant gdn2: not supported by HSAP"):
+        validate_hsap_args(args)
+    args = _parse(GOOD + hybrid + ["--experimental-attention-variant", "gated_delta_net"])
+    assert validate_hsap_args(args) is not None  # (a hybrid model's 'G' layers are that variant)
 
 
 @pytest.mark.parametrize("change", [["--sft", "--no-create-attention-mask-in-dataloader"],

@@ -149,10 +149,61 @@ def test_layer_refuses_batches_hsap_did_not_shard() -> None:
 
 
 def test_install_refuses_another_permutation(monkeypatch) -> None:  # noqa: ANN001
-    from megatron.core.ssm.gated_delta_net import gdn as megatron_gdn
-
     from megatron_hsap.megatron import gdn
 
-    monkeypatch.setattr(megatron_gdn, "_build_thd_cp_a2a_perm", lambda cu_seqlens, cp_size: None)
-    with pytest.raises(ConfigError, match="megatron-core 0.19.2"):
+    homes = gdn._perm_homes()  # (megatron-core 0.19.2: gdn.py; Megatron-LM main: common.py)
+    assert homes, "the installed megatron-core's GatedDeltaNet.forward reaches no known permutation call"
+    for home in homes:
+        with monkeypatch.context() as m:
+            m.setattr(home, "_build_thd_cp_a2a_perm", lambda cu_seqlens, cp_size: None)  # another signature
+            with pytest.raises(ConfigError, match="install megatron-core 0.19.2 or drop the 'G' layers"):
+                gdn.install()
+    monkeypatch.setattr(gdn, "_perm_homes", lambda: [])  # a forward calling neither
+    with pytest.raises(ConfigError, match="directly, as megatron-core 0.19.2 does, or in a2a_cp_to_hp"):
         gdn.install()
+
+
+def test_install_wraps_the_call_the_forward_makes() -> None:
+    """After ``install`` the permutation the forward reaches returns HSAP's order for a batch whose
+    ``cu_seqlens`` carry one, and Megatron's own for any other."""
+    from megatron_hsap.megatron import gdn
+
+    gdn.install()
+    gdn.install()  # (idempotent: wrapped once)
+    for home in gdn._perm_homes():
+        perm = home._build_thd_cp_a2a_perm
+        assert perm.__hsap_original__ is not None and not hasattr(perm.__hsap_original__, "__hsap_original__")
+        cu = torch.tensor([0, 8, 16])
+        want = perm.__hsap_original__(cu, 2, 16)
+        got = perm(cu, 2, 16)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))  # Megatron's batch: Megatron's permutation
+        order = types.SimpleNamespace(order=torch.arange(16).flip(0), gathered_ids=torch.arange(16),
+                                      seq_idx=torch.zeros(1, 16))
+        cu._hsap_stream_order = order
+        got = perm(cu, 2, 16)
+        assert got[0] is order.order and got[1] is order.gathered_ids
+
+
+def test_a_model_with_another_gated_delta_net_kind_is_refused() -> None:
+    """Any module of megatron-core's gated delta net family that is not HSAP's is refused once the
+    model is built (``spec.check_model_attention``): e.g. Megatron-LM main's ``GatedDeltaNet2``, which
+    its ``HybridBlock`` builds for 'G' layers under gdn2 whatever the stack spec says."""
+    from megatron.core.ssm.gated_delta_net import common
+
+    from megatron_hsap.megatron.gdn import HSAPGatedDeltaNet
+    from megatron_hsap.megatron.spec import check_model_attention
+
+    class OtherKind(common._GDNBase):  # (a family member HSAP has not made layout-aware)
+        def __init__(self) -> None:
+            torch.nn.Module.__init__(self)
+
+    class Layer(torch.nn.Module):
+        def __init__(self, attention: torch.nn.Module) -> None:
+            super().__init__()
+            self.self_attention = attention
+
+    with pytest.raises(ConfigError, match="self_attention is megatron-core's OtherKind, not HSAP's"):
+        check_model_attention(Layer(OtherKind()))
+    ours = HSAPGatedDeltaNet.__new__(HSAPGatedDeltaNet)
+    torch.nn.Module.__init__(ours)
+    check_model_attention(Layer(ours))  # HSAP's passes

@@ -58,7 +58,8 @@ def chunk_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Ten
     """``fla.ops.gated_delta_rule.chunk_gated_delta_rule`` (``[b, s, h, d]`` q / k / v, ``[b, s, h]``
     g / beta): megatron-core's ``torch_chunk_gated_delta_rule`` on each document of ``cu_seqlens``.
     Returns ``(o, None)``."""
-    from megatron.core.ssm.gated_delta_net.common import torch_chunk_gated_delta_rule
+    # (the package's name: megatron-core 0.19.2 defines it in common.py, Megatron-LM's main in gdn.py)
+    from megatron.core.ssm.gated_delta_net import torch_chunk_gated_delta_rule
 
     if initial_state is not None or output_final_state or (scale is not None and scale != q.shape[-1] ** -0.5):
         raise ConfigError("the CPU stand-in of fla's chunk_gated_delta_rule takes no states and the default scale only")

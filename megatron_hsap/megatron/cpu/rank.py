@@ -29,6 +29,7 @@ def main() -> None:
     record.install()
     _local_hybrid_final_norm()
     _sequence_parallel_torch_norm()
+    _no_te_inference_linears()
     from megatron_hsap.megatron.cpu.command import MEGATRON_LM_ENV
 
     store = dist.FileStore(os.environ["HSAP_CPU_STORE"], int(os.environ["WORLD_SIZE"]))
@@ -59,6 +60,36 @@ def _local_hybrid_final_norm() -> None:
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
     hybrid_block.TENorm = WrappedTorchNorm
+
+
+def _no_te_inference_linears() -> None:
+    """Megatron-LM's main branch (0.20 pre-release, 2026-08) asks every MTP layer whether its
+    projection is an inference-optimised linear (``tensor_parallel.inference_layers.
+    is_inference_column_parallel_linear``, an ``isinstance`` over subclasses of Transformer Engine's
+    linears); without TE those base classes are megatron-core's ``MagicMock`` stand-ins, so the
+    ``isinstance`` raises ``TypeError`` and no MTP model builds on a CPU rank, with HSAP or without.
+    Without TE no module is one of them: the question gets its answer, False. (megatron-core 0.19.2
+    has no such call; a GPU run with TE never gets here.)"""
+    from megatron.core.extensions import transformer_engine
+
+    if getattr(transformer_engine, "HAVE_TE", False):
+        return
+    try:
+        from megatron.core.tensor_parallel import inference_layers
+        from megatron.core.transformer import multi_token_prediction
+    except ImportError:
+        return
+    if not hasattr(inference_layers, "is_inference_column_parallel_linear") or isinstance(
+            getattr(inference_layers, "InferenceColumnParallelLinear", None), type):
+        return
+
+    def is_inference_column_parallel_linear(module: object) -> bool:
+        del module
+        return False
+
+    for owner in (inference_layers, multi_token_prediction):
+        if hasattr(owner, "is_inference_column_parallel_linear"):
+            owner.is_inference_column_parallel_linear = is_inference_column_parallel_linear
 
 
 def _sequence_parallel_torch_norm() -> None:
