@@ -251,15 +251,16 @@ def _check_mamba_heads(args: argparse.Namespace, cp: int) -> None:
             "sequences): drop --disable-mamba-mem-eff-path")
 
 
-def _check_gdn_heads(args: argparse.Namespace, cp: int) -> None:
+def _check_gdn_heads(args: argparse.Namespace, cp: int, what: str = "--hybrid-layer-pattern with gated delta net layers") -> None:
     """Megatron's gated delta net CP gives each CP rank whole key and value heads of its TP rank
-    (``ssm/gated_delta_net``, asserted when the model builds): say so before any collective."""
+    (``ssm/gated_delta_net``, asserted when the model builds): say so before any collective
+    (``what``: the flag that asks for the layers)."""
     tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
     for flag, default in (("linear_num_key_heads", 16), ("linear_num_value_heads", 32)):
         heads = int(getattr(args, flag, None) or default)
-        _refuse(heads % (tp * cp) != 0, f"--hybrid-layer-pattern with gated delta net layers: --{flag.replace('_', '-')} "
+        _refuse(heads % (tp * cp) != 0, f"{what}: --{flag.replace('_', '-')} "
                 f"{heads} must split over TP {tp} x CP {cp} (Megatron's gated delta net CP gives each CP rank whole heads)")
-    _refuse(not getattr(args, "swiglu", False), "--hybrid-layer-pattern with gated delta net layers: megatron-core "
+    _refuse(not getattr(args, "swiglu", False), f"{what}: megatron-core "
             "convolves their q / k / v with the model's activation and asserts it is silu: pass --swiglu")
 
 
@@ -368,16 +369,18 @@ def validate_hsap_args(args: Any) -> HSAPArgs | None:
                 "HSAP applies it by position: pass --no-rope-fusion")
         _refuse(bool(getattr(args, "mla_down_proj_fusion", False)),
                 "--mla-down-proj-fusion swaps in FusedMLASelfAttention (RoPE by Megatron's layout); drop it with HSAP")
-    # Megatron's experimental attention variants: a GPT model's (gated delta net every few layers,
-    # DSA) come from Megatron's own block spec, which HSAP's layer spec replaces; a hybrid model takes
-    # gated delta nets as 'G' layers, and Megatron-LM main's gdn2 makes its HybridBlock build its own
-    # GatedDeltaNet2 for them, whatever the stack spec says (both read Megatron's token layout)
+    # Megatron's experimental attention variants: gated delta net layers (a GPT block's every few
+    # layers, Qwen3-Next's; a hybrid model's 'G' layers) are HSAP's; DSA, and Megatron-LM main's gdn2
+    # (its HybridBlock then builds its own GatedDeltaNet2 for 'G' layers, whatever the stack spec
+    # says) read Megatron's token layout
     variant = getattr(args, "experimental_attention_variant", None)
-    hybrid = bool(getattr(args, "hybrid_layer_pattern", None) or getattr(args, "hybrid_override_pattern", None))
-    _refuse(variant is not None and not (hybrid and variant == "gated_delta_net"),
+    _refuse(variant not in (None, "gated_delta_net"),
             f"--experimental-attention-variant {variant}: not supported by HSAP (its layers' context parallelism assumes "
-            "Megatron's token layout); for gated delta net layers use a hybrid model's 'G' layers (--hybrid-layer-pattern, "
-            "e.g. \"G*G-\") without the flag, or --context-parallel-impl ring")
+            "Megatron's token layout); HSAP runs gated_delta_net (or a hybrid model's 'G' layers), or use "
+            "--context-parallel-impl ring")
+    if variant == "gated_delta_net" and not (getattr(args, "hybrid_layer_pattern", None)
+                                             or getattr(args, "hybrid_override_pattern", None)):
+        _check_gdn_heads(args, cp, "--experimental-attention-variant gated_delta_net")
     _refuse(bool(getattr(args, "hybrid_context_parallel", False)),
             "--hybrid-context-parallel and --context-parallel-impl hsap are alternatives; pick one")
     pos = getattr(args, "position_embedding_type", "rope")

@@ -71,18 +71,24 @@ def have_transformer_engine() -> bool:
 
 
 def swap_attention(layer_spec: ModuleSpec) -> ModuleSpec:
-    """A copy of a GPT ``TransformerLayer`` spec with HSAP's self-attention and core attention.
+    """A copy of a GPT ``TransformerLayer`` spec with HSAP's self-attention and core attention (for
+    megatron-core's ``GatedDeltaNet``: HSAP's ``HSAPGatedDeltaNet``, as in a hybrid model).
 
-    Raises ``ConfigError`` when the layer's self-attention is neither megatron-core's
-    ``SelfAttention`` nor its ``MLASelfAttention``, instead of swapping a module it was not written for.
+    Raises ``ConfigError`` when the layer's self-attention is none of megatron-core's
+    ``SelfAttention``, ``MLASelfAttention`` and ``GatedDeltaNet``, instead of swapping a module it
+    was not written for.
     """
     subs = layer_spec.submodules
     attn = getattr(subs, "self_attention", None)
+    if isinstance(attn, ModuleSpec) and attn.module in (GatedDeltaNet, HSAPGatedDeltaNet):
+        # a GPT block's linear-attention layer (--experimental-attention-variant gated_delta_net,
+        # Qwen3-Next): a TransformerLayer around the module of a hybrid model's 'G' layer
+        return _swap_gdn(layer_spec)
     if not isinstance(attn, ModuleSpec) or attn.module not in _SWAPS:
         found = getattr(attn, "module", attn)
         raise ConfigError(
             f"the layer's self_attention is {getattr(found, '__name__', found)!r}, not megatron-core's "
-            "SelfAttention or MLASelfAttention; HSAP swaps those only"
+            "SelfAttention, MLASelfAttention or GatedDeltaNet; HSAP swaps those only"
         )
     new_attn = dataclasses.replace(
         attn,

@@ -117,8 +117,11 @@ def test_hsap_flags_under_ring_are_refused_not_ignored(given: list[str], named: 
         # DSA's indexer and Megatron-LM main's GatedDeltaNet2 (which its HybridBlock builds for 'G'
         # layers, bypassing the stack spec) read Megatron's token layout
         (["--experimental-attention-variant", "dsa"], "--experimental-attention-variant dsa: not supported by HSAP"),
-        # a GPT model's gated delta net layers come from Megatron's block spec (HSAP's replaces it)
-        (["--experimental-attention-variant", "gated_delta_net"], "use a hybrid model's 'G' layers"),
+        # a GPT model's gated delta net layers: Megatron's CP rule for their heads, and silu
+        (["--experimental-attention-variant", "gated_delta_net", "--swiglu", "--linear-num-key-heads", "8"],
+         "--experimental-attention-variant gated_delta_net: --linear-num-key-heads 8 must split over TP 2 x CP 8"),
+        (["--experimental-attention-variant", "gated_delta_net", "--linear-num-key-heads", "32",
+          "--linear-num-value-heads", "64"], "--experimental-attention-variant gated_delta_net: megatron-core convolves"),
         # 2 q heads and 1 kv head per intra rank: 2 q chunks may share the kv head, 4 cannot split 2 heads
         (["--hsap-head-chunks", "4"], r"--hsap-head-chunks 4: each intra rank holds 2 q and 1 kv heads; valid counts: \[1, 2\]"),
         (["--hsap-head-chunks", "0"], "must be >= 1"),
@@ -156,6 +159,9 @@ def test_gdn2_of_megatron_lm_main_is_refused() -> None:
         validate_hsap_args(args)
     args = _parse(GOOD + hybrid + ["--experimental-attention-variant", "gated_delta_net"])
     assert validate_hsap_args(args) is not None  # (a hybrid model's 'G' layers are that variant)
+    gpt = ["--experimental-attention-variant", "gated_delta_net", "--linear-attention-freq", "4", "--swiglu",
+           "--linear-num-key-heads", "16", "--linear-num-value-heads", "32"]
+    assert validate_hsap_args(_parse(GOOD + gpt)) is not None  # GPTModel's gated delta net layers (Qwen3-Next)
 
 
 @pytest.mark.parametrize("change", [["--sft", "--no-create-attention-mask-in-dataloader"],

@@ -27,7 +27,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_hsap.megatron.cpu.command import compare_losses
-from tests.megatron.test_pretrain_cpu import BASE, RTOL, _reference, _run, _same_losses, root  # noqa: F401
+from tests.megatron.test_pretrain_cpu import BASE, RTOL, _params, _reference, _run, _same_losses, root  # noqa: F401
 
 pytestmark = pytest.mark.timeout(1800)
 
@@ -97,3 +97,26 @@ def test_gated_attention_with_mup_equals_the_local_reference(root) -> None:  # n
     _same_losses(hsap.losses, ref.losses)
     for other in (_reference(root), _reference(root, extra=gate)):  # each flag changes the model
         assert compare_losses(other.losses, ref.losses)[0] > 10 * RTOL, (other.losses, ref.losses)
+
+
+# Qwen3-Next's layout as a GPTModel: gated delta net (linear attention) layers with a softmax attention
+# layer every second one (megatron-core's experimental GPT block spec)
+QWEN3_NEXT = ("--experimental-attention-variant", "gated_delta_net", "--linear-attention-freq", "2",
+              "--linear-num-key-heads", "4", "--linear-num-value-heads", "8", "--linear-key-head-dim", "8",
+              "--linear-value-head-dim", "8", "--swiglu")
+
+
+@pytest.mark.slow
+def test_gpt_gated_delta_net_layers_in_megatrons_loop_equal_cp1(root) -> None:  # noqa: F811
+    """GPTModel with gated delta net layers (``--experimental-attention-variant gated_delta_net``, the
+    layers HSAP's spec swaps for ``HSAPGatedDeltaNet`` as in a hybrid model) at CP 2×2 (two-level
+    plans: ``--hsap-flatten never``) equal CP=1 under HSAP. On CPU the block spec's TE modules are
+    local ones (``cpu/rank.py``), in both runs. Measured 2026-12-07: 2.0e-7; with Megatron's own
+    permutation in place of the plan's the run dies (its zigzag halves of short documents are 0)."""
+    hsap = _run(root, world_size=4, intra_size=2, inter_size=2, extra=(*QWEN3_NEXT, "--hsap-flatten", "never"), **BASE)
+    cp1 = _run(root, world_size=1, intra_size=1, inter_size=1, extra=QWEN3_NEXT, **BASE)
+    _same_losses(hsap.losses, cp1.losses)
+    _same_losses(hsap.validation, cp1.validation)
+    names = _params(hsap)
+    assert any(n.endswith("layers.0.self_attention.A_log") for n in names)  # layer 1: gated delta net
+    assert any(n.endswith("layers.1.self_attention.linear_qkv.weight") for n in names)  # layer 2: softmax attention

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 from megatron.core.models.gpt import gpt_layer_specs
 from megatron.core.transformer.attention import SelfAttention
-from megatron.core.transformer.spec_utils import import_module
+from megatron.core.transformer.spec_utils import ModuleSpec, import_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_hsap.errors import ConfigError
@@ -56,7 +56,7 @@ def test_refusals() -> None:
     local = gpt_layer_specs.get_gpt_layer_local_spec()
     other = dataclasses.replace(local, submodules=dataclasses.replace(  # an attention HSAP was not written for
         local.submodules, self_attention=dataclasses.replace(local.submodules.self_attention, module=HSAPCoreAttention)))
-    with pytest.raises(ConfigError, match="SelfAttention or MLASelfAttention"):
+    with pytest.raises(ConfigError, match="SelfAttention, MLASelfAttention or GatedDeltaNet"):
         swap_attention(other)
 
 
@@ -73,3 +73,22 @@ def test_config_with_qk_l2_norm_gets_megatron_s_l2_norm() -> None:
         assert repr(getattr(got, norm)) == repr(getattr(want, norm)), norm
         assert repr(getattr(want, norm)) != repr(getattr(plain.submodules.self_attention.submodules, norm)), norm
     assert got.core_attention is HSAPCoreAttention
+
+
+def test_a_gpt_block_s_gated_delta_net_layer_gets_hsap_s() -> None:
+    """``--experimental-attention-variant gated_delta_net`` (Qwen3-Next as a GPTModel): megatron-core's
+    block spec puts ``GatedDeltaNet`` in a TransformerLayer; the swap gives it HSAP's, submodules kept."""
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+    from megatron_hsap.megatron.gdn import HSAPGatedDeltaNet
+
+    subs = GatedDeltaNetSubmodules(in_proj=ColumnParallelLinear, out_norm=IdentityOp, out_proj=RowParallelLinear)
+    layer = ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
+        self_attention=ModuleSpec(module=GatedDeltaNet, submodules=subs, metainfo={"fuse_input_layernorm": True})))
+    swapped = swap_attention(layer)
+    assert swapped.submodules.self_attention.module is HSAPGatedDeltaNet
+    assert swapped.submodules.self_attention.submodules == subs and swapped.module is TransformerLayer
+    assert layer.submodules.self_attention.module is GatedDeltaNet  # (a copy: megatron-core's spec untouched)

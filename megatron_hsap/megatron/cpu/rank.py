@@ -30,6 +30,7 @@ def main() -> None:
     _local_hybrid_final_norm()
     _sequence_parallel_torch_norm()
     _no_te_inference_linears()
+    _local_experimental_attention_backend()
     from megatron_hsap.megatron.cpu.command import MEGATRON_LM_ENV
 
     store = dist.FileStore(os.environ["HSAP_CPU_STORE"], int(os.environ["WORLD_SIZE"]))
@@ -90,6 +91,52 @@ def _no_te_inference_linears() -> None:
     for owner in (inference_layers, multi_token_prediction):
         if hasattr(owner, "is_inference_column_parallel_linear"):
             owner.is_inference_column_parallel_linear = is_inference_column_parallel_linear
+
+
+def _local_experimental_attention_backend() -> None:
+    """megatron-core's GPT block spec for experimental attention variants (gated delta net layers
+    every few layers, ``--experimental-attention-variant gated_delta_net``) asserts Transformer
+    Engine (``_get_backend_spec_provider``). On a CPU rank without TE it gets megatron-core's local
+    modules instead, with a local norm-then-projection for the one TE module the gated delta net
+    layer needs (``column_parallel_layer_norm_linear``: TE fuses the layer's input norm into its
+    ``in_proj``, so its spec has no separate input norm). Every run of a comparison gets the same
+    substitution; a GPU run with TE never gets here."""
+    from megatron.core.extensions import transformer_engine
+
+    if getattr(transformer_engine, "HAVE_TE", False):
+        return
+    import dataclasses
+
+    from megatron.core.models.backends import LocalSpecProvider
+    from megatron.core.models.gpt import experimental_attention_variant_module_specs as specs
+    from megatron.core.models.gpt import gpt_layer_specs
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    class NormThenColumnParallelLinear(ColumnParallelLinear):
+        """TE's ``LayerNormColumnParallelLinear`` as two local modules: the config's norm, then the projection."""
+
+        def __init__(self, input_size: int, output_size: int, *, config: object, **kwargs: object) -> None:
+            super().__init__(input_size, output_size, config=config, **kwargs)
+            self.layer_norm = WrappedTorchNorm(config=config, hidden_size=input_size, eps=config.layernorm_epsilon)
+
+        def forward(self, input_: object, *args: object, **kwargs: object) -> object:
+            return super().forward(self.layer_norm(input_), *args, **kwargs)
+
+    class Local(LocalSpecProvider):
+        def column_parallel_layer_norm_linear(self) -> type:
+            return NormThenColumnParallelLinear
+
+    def self_attention(config: object, backend: object = None) -> ModuleSpec:
+        """The standard attention layers' module: the local GPT layer's (its norm stays a separate module)."""
+        attn = gpt_layer_specs.get_gpt_layer_local_spec(
+            qk_layernorm=config.qk_layernorm, qk_l2_norm=config.qk_l2_norm, normalization=config.normalization,
+            multi_latent_attention=config.multi_latent_attention).submodules.self_attention
+        return dataclasses.replace(attn, metainfo={**attn.metainfo, "fuse_input_layernorm": False})
+
+    specs._get_backend_spec_provider = lambda config: Local()
+    specs._get_self_attention_module_spec = self_attention
 
 
 def _sequence_parallel_torch_norm() -> None:

@@ -29,6 +29,8 @@ _NO_LOCAL_REFERENCE = {
     "DotProductAttention takes no k_channels / v_channels)",
     "--window-size": "with a window, megatron-core's local DotProductAttention replaces the dataloader's "
     "per-document mask by a plain sliding-window mask (fusions/fused_softmax.py, forward_torch_softmax)",
+    "--experimental-attention-variant": "its gated delta net layers restart their scan at each document only by "
+    "the packed sequence, and the local reference feeds the model a mask, no packed sequence",
 }
 
 
