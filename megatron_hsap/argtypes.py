@@ -13,6 +13,7 @@ so any layer above ``plan`` may import it.
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import os
 import sys
@@ -208,6 +209,20 @@ def flag_names(args: Sequence[str]) -> set[str]:
     """The flags given in command-line ``args``, either spelling (``--flag V`` or ``--flag=V``): what
     Megatron's argparse parser reads from arguments passed through (e.g. after ``--``)."""
     return {a.split("=", 1)[0] for a in args if a.startswith("--")}
+
+
+def flag_occurrences(args: Sequence[str], flag: str) -> list[list[str]]:
+    """The values given to a many-valued (``nargs="+"``) ``flag`` in command-line ``args``, one list
+    per occurrence in order: ``--flag A B`` (the values up to the next flag) or ``--flag=A``.
+    argparse keeps the last occurrence; a check of every one sees them all."""
+    args = list(args)
+    out = []
+    for i, a in enumerate(args):
+        if a == flag:
+            out.append(list(itertools.takewhile(lambda v: not v.startswith("--"), args[i + 1:])))
+        elif a.startswith(flag + "="):
+            out.append([a.split("=", 1)[1]])
+    return out
 
 
 def flag_value(args: Sequence[str], flag: str) -> str | None:

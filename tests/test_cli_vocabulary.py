@@ -334,3 +334,21 @@ def test_flag_value_reads_both_spellings_and_the_last_occurrence() -> None:
                                                                flag_value(args, "--expert-model-parallel-size"))
     assert flag_value(args, "--expert-model") is None  # a prefix is not the flag
     assert flag_value(args, "--last") is None and flag_value((), "--x") is None  # no value after it
+
+
+def test_flag_occurrences_read_many_valued_flags_as_argparse_does() -> None:
+    import argparse
+
+    from megatron_hsap.argtypes import flag_occurrences
+
+    args = ["--sizes", "2", "4", "--bf16", "--sizes=8", "--modules", "mlp", "attn"]
+    assert flag_occurrences(args, "--sizes") == [["2", "4"], ["8"]]  # each occurrence, in order
+    assert flag_occurrences(args, "--modules") == [["mlp", "attn"]]  # (up to the next flag, or the end)
+    assert flag_occurrences(args, "--absent") == []
+    # the independent reference: argparse keeps the last occurrence of an nargs="+" flag
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    parser.add_argument("--sizes", nargs="+")
+    parser.add_argument("--modules", nargs="+")
+    parser.add_argument("--bf16", action="store_true")
+    ns = parser.parse_args(args)
+    assert (ns.sizes, ns.modules) == (flag_occurrences(args, "--sizes")[-1], flag_occurrences(args, "--modules")[-1])

@@ -46,8 +46,7 @@ def _rank(script: str, flags: list[str]) -> None:
     from megatron_hsap.megatron.cpu import rank as cpu_rank
 
     device.install()
-    cpu_rank._local_hybrid_final_norm()
-    cpu_rank._sequence_parallel_torch_norm()
+    cpu_rank.without_te()
     store = dist.FileStore(os.environ["HSAP_CPU_STORE"], int(os.environ["WORLD_SIZE"]))
     init = dist.init_process_group
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import difflib
 import enum
-import itertools
 import re
 import shlex
 import types
@@ -21,7 +20,7 @@ from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
-from megatron_hsap.argtypes import flag_names
+from megatron_hsap.argtypes import flag_names, flag_occurrences
 from megatron_hsap.errors import ConfigError
 from megatron_hsap.launch.config import (
     CPImpl,
@@ -141,13 +140,7 @@ def check_passthrough(cfg: LaunchConfig) -> None:
     args = list(cfg.megatron_args)
     flag = "--hierarchical-context-parallel-sizes"
     want = [cfg.parallel.hsap_intra_size, cfg.parallel.hsap_inter_size]
-    for i, a in enumerate(args):
-        if a == flag:  # (nargs="+": the values up to the next flag)
-            given = list(itertools.takewhile(lambda v: not v.startswith("--"), args[i + 1:]))
-        elif a.startswith(flag + "="):
-            given = [a.split("=", 1)[1]]
-        else:
-            continue
+    for given in flag_occurrences(args, flag):
         try:
             sizes = [int(v) for v in given]
         except ValueError:

@@ -17,11 +17,10 @@ project: launch configs list them as ``untested: [cuda_graphs]``). The deprecate
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from typing import Any
 
-from megatron_hsap.argtypes import flag_names, flag_value
+from megatron_hsap.argtypes import flag_names, flag_occurrences, flag_value
 
 __all__ = ["GRAPHABLE_MODULES", "cuda_graph_problem", "namespace_cuda_graphs", "argv_cuda_graphs"]
 
@@ -78,11 +77,8 @@ def argv_cuda_graphs(argv: Sequence[str]) -> tuple[str, list[str]]:
         impl = "local"
     if "--external-cuda-graph" in names:
         impl = "transformer_engine"
-    modules: list[str] = []
-    for i, a in enumerate(argv):
-        for flag in ("--cuda-graph-modules", "--cuda-graph-scope"):
-            if a == flag:  # (nargs="+": the values up to the next flag)
-                modules = list(itertools.takewhile(lambda v: not v.startswith("--"), argv[i + 1:]))
-            elif a.startswith(flag + "="):
-                modules = [a.split("=", 1)[1]]
-    return impl, modules
+    # the deprecated --cuda-graph-scope sets the same modules: one flag, whose last occurrence wins
+    old = "--cuda-graph-scope"
+    tokens = ["--cuda-graph-modules" + a[len(old):] if a.split("=", 1)[0] == old else a for a in argv]
+    given = flag_occurrences(tokens, "--cuda-graph-modules")
+    return impl, given[-1] if given else []

@@ -67,15 +67,15 @@ def install() -> None:
     """Point megatron-core's packed-sequence CP permutation of the gated delta net at HSAP's for HSAP
     batches (idempotent). Raises ``ConfigError`` when megatron-core's is not the one HSAP follows."""
     homes = _perm_homes()
-    originals = [getattr(getattr(m, "_build_thd_cp_a2a_perm", None), "__hsap_original__",
-                         getattr(m, "_build_thd_cp_a2a_perm", None)) for m in homes]
+    current = [getattr(m, "_build_thd_cp_a2a_perm", None) for m in homes]
+    originals = [getattr(f, "__hsap_original__", f) for f in current]  # (wrapped before: its original)
     if not homes or any(f is None or tuple(inspect.signature(f).parameters) != _PERM_PARAMETERS for f in originals):
         raise ConfigError("megatron-core's GatedDeltaNet.forward does not permute packed sequences through "
                           f"_build_thd_cp_a2a_perm{_PERM_PARAMETERS} (directly, as megatron-core 0.19.2 does, or in "
                           "a2a_cp_to_hp, as Megatron-LM's main branch does), which HSAP's gated delta net follows: "
                           "install megatron-core 0.19.2 or drop the 'G' layers")
-    for module, original in zip(homes, originals):
-        if module._build_thd_cp_a2a_perm is original:
+    for module, f, original in zip(homes, current, originals):
+        if f is original:
             module._build_thd_cp_a2a_perm = _wrapped(original)
 
 

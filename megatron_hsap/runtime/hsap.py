@@ -48,8 +48,8 @@ from megatron_hsap.plan.ir import Phase
 from megatron_hsap.plan.lru import LRUCache
 from megatron_hsap.plan.options import kv_head_chunks
 from megatron_hsap.runtime.consistency import fingerprint_mismatch
-from megatron_hsap.runtime.dropout import CallStates, Dropout, check_dropout_p, draw_seed
 from megatron_hsap.runtime.capture import refuse_graph_capture
+from megatron_hsap.runtime.dropout import CallStates, Dropout, check_dropout_p, draw_seed
 from megatron_hsap.runtime.env import read_env
 from megatron_hsap.runtime.executor import ACTIVATION_DTYPES, Executor, executor_for
 from megatron_hsap.runtime.groups import registered_groups

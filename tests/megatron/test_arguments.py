@@ -215,7 +215,9 @@ def test_megatron_asserts_the_sizes_product_without_a_message(monkeypatch: pytes
     assert str(err.value) == ""
 
 
-@pytest.mark.parametrize(("change", "match"), BARE_IN_MEGATRON)
+# and a CUDA graph that would replay one batch's plan (megatron/cuda_graphs.py): refused before Megatron starts
+@pytest.mark.parametrize(("change", "match"), BARE_IN_MEGATRON + [
+    (["--enable-cuda-graph"], "--cuda-graph-impl local without --cuda-graph-modules")])
 def test_run_pretrain_names_them_before_megatron_validates(monkeypatch: pytest.MonkeyPatch, change: list[str], match: str) -> None:
     from megatron_hsap.megatron import pretrain_hooks
 

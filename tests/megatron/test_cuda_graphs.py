@@ -18,6 +18,7 @@ from megatron_hsap.launch.preflight import untested_features
 from megatron_hsap.megatron.arguments import add_hsap_args, validate_hsap_args
 from megatron_hsap.megatron.cuda_graphs import GRAPHABLE_MODULES, argv_cuda_graphs, cuda_graph_problem, namespace_cuda_graphs
 from megatron_hsap.runtime import capture
+from tests.launch.test_configs import _gpt as launch_config
 
 megatron_arguments = pytest.importorskip("megatron.training.arguments")
 
@@ -112,10 +113,7 @@ def test_ring_runs_keep_megatron_s_graphs() -> None:
 
 
 def _gpt(megatron_args: list[str], cp_impl: str = "hsap") -> dict:
-    return {"model": {"num_layers": 2, "hidden_size": 256, "num_attention_heads": 16, "vocab_size": 1000},
-            "parallel": {"tensor": 1, "hsap_intra_size": 2, "hsap_inter_size": 4, "inter_link": "ib", "cp_impl": cp_impl},
-            "cluster": {"nnodes": 2, "gpus_per_node": 4}, "training": {"seq_length": "16K"}, "data": {"mock": True},
-            "megatron_args": megatron_args}
+    return {**launch_config(parallel__cp_impl=cp_impl), "megatron_args": megatron_args}
 
 
 def test_launch_configs_refuse_them_when_read() -> None:
@@ -166,24 +164,3 @@ def test_hsap_attn_func_and_the_scan_layers_check_first(monkeypatch: pytest.Monk
         mamba.checked_stream_order("Mamba", None, None, torch.device("cpu"), inference=False)
     assert seen == [(q.device, "hsap_attn_func"), (torch.device("cpu"), "HSAP's Mamba layer")]
 
-
-def test_run_pretrain_refuses_before_megatron_starts(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every rank of a ``pretrain_gpt.py`` job raises it before Megatron's own start-up (which
-    initialises torch.distributed): ``run_pretrain``'s check of the parsed namespace."""
-    import sys
-
-    from megatron_hsap.megatron import pretrain_hooks
-
-    def megatron_start(*_a: object, **_k: object) -> None:
-        raise AssertionError("Megatron's start-up ran before HSAP's check")
-
-    def datasets(*_a: object) -> None:
-        return None
-
-    monkeypatch.setattr(megatron_arguments, "parse_and_validate_args", megatron_start)
-    monkeypatch.setattr(sys, "argv", ["pretrain_gpt_hsap.py", *GOOD, "--enable-cuda-graph"])
-    with pytest.raises(ConfigError, match="--cuda-graph-impl local without --cuda-graph-modules"):
-        pretrain_hooks.run_pretrain(datasets, lambda *a: None, lambda *a: None)
-    monkeypatch.setattr(sys, "argv", ["pretrain_gpt_hsap.py", *GOOD, "--enable-cuda-graph", "--cuda-graph-scope", "mlp"])
-    with pytest.raises(AssertionError, match="Megatron's start-up ran"):
-        pretrain_hooks.run_pretrain(datasets, lambda *a: None, lambda *a: None)

@@ -27,10 +27,7 @@ def main() -> None:
     from megatron_hsap.megatron.cpu import record
 
     record.install()
-    _local_hybrid_final_norm()
-    _sequence_parallel_torch_norm()
-    _no_te_inference_linears()
-    _local_experimental_attention_backend()
+    without_te()
     from megatron_hsap.megatron.cpu.command import MEGATRON_LM_ENV
 
     store = dist.FileStore(os.environ["HSAP_CPU_STORE"], int(os.environ["WORLD_SIZE"]))
@@ -47,16 +44,25 @@ def main() -> None:
                  args_defaults={}, store=store, program_start=start)
 
 
+def without_te() -> None:
+    """What a CPU rank without Transformer Engine substitutes before Megatron builds a model (each
+    function below says what and why); nothing on a rank with TE."""
+    from megatron.core.extensions import transformer_engine
+
+    if getattr(transformer_engine, "HAVE_TE", False):
+        return
+    _local_hybrid_final_norm()
+    _sequence_parallel_torch_norm()
+    _no_te_inference_linears()
+    _local_experimental_attention_backend()
+
+
 def _local_hybrid_final_norm() -> None:
     """megatron-core 0.19.2's ``HybridStack`` builds its final norm as Transformer Engine's ``TENorm``
     whatever the stack spec says (``models/hybrid/hybrid_block.py``), and ``TENorm`` raises without
     TE. On a CPU rank without TE the stack gets megatron-core's ``WrappedTorchNorm`` with the same
     arguments instead (the only model module this CPU support replaces; a GPU run with TE never
     gets here). Every run of a comparison gets the same substitution."""
-    from megatron.core.extensions import transformer_engine
-
-    if getattr(transformer_engine, "HAVE_TE", False):
-        return
     from megatron.core.models.hybrid import hybrid_block
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
@@ -71,10 +77,6 @@ def _no_te_inference_linears() -> None:
     ``isinstance`` raises ``TypeError`` and no MTP model builds on a CPU rank, with HSAP or without.
     Without TE no module is one of them: the question gets its answer, False. (megatron-core 0.19.2
     has no such call; a GPU run with TE never gets here.)"""
-    from megatron.core.extensions import transformer_engine
-
-    if getattr(transformer_engine, "HAVE_TE", False):
-        return
     try:
         from megatron.core.tensor_parallel import inference_layers
         from megatron.core.transformer import multi_token_prediction
@@ -101,10 +103,6 @@ def _local_experimental_attention_backend() -> None:
     layer needs (``column_parallel_layer_norm_linear``: TE fuses the layer's input norm into its
     ``in_proj``, so its spec has no separate input norm). Every run of a comparison gets the same
     substitution; a GPU run with TE never gets here."""
-    from megatron.core.extensions import transformer_engine
-
-    if getattr(transformer_engine, "HAVE_TE", False):
-        return
     import dataclasses
 
     from megatron.core.models.backends import LocalSpecProvider
@@ -150,10 +148,6 @@ def _sequence_parallel_torch_norm() -> None:
     it; at TP=1 Megatron turns sequence parallelism off, so the reference is untouched)."""
     import copy
 
-    from megatron.core.extensions import transformer_engine
-
-    if getattr(transformer_engine, "HAVE_TE", False):
-        return
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
     build = WrappedTorchNorm.__new__
