@@ -12,7 +12,8 @@ Transformer Engine are checked when they import. Runs from a plain copy of the t
                  executor's merge and accumulation pattern (split-kv partials, ``merge_into`` in
                  fp32, partial gradients against the final out/lse) per backend, large logits
                  included; the receive pool on the device; attention dropout per backend and
-                 through a plan (:mod:`~megatron_hsap.bench.gpu_check_dropout`); a CUDA graph
+                 through a plan (:mod:`~megatron_hsap.bench.gpu_check_dropout`); qk-clip's max
+                 logits and their cost (:mod:`~megatron_hsap.bench.gpu_check_max_logits`); a CUDA graph
                  capture of a plan refused (:mod:`~megatron_hsap.bench.gpu_check_capture`).
 3. ``merge``     the fused Triton LSE merge (:mod:`~megatron_hsap.bench.gpu_check_merge`) against the
                  eager merge and float64, and its HBM bytes per element (priced 10) vs the eager
@@ -453,9 +454,10 @@ def run_check(out: Path, *, dry_run: bool, hardware: str | None = None, only: tu
 
     from megatron_hsap.bench.gpu_check_capture import check_capture
     from megatron_hsap.bench.gpu_check_dropout import check_dropout
+    from megatron_hsap.bench.gpu_check_max_logits import check_max_logits
     from megatron_hsap.bench.gpu_check_merge import check_fused_merge
 
-    runs = {"kernels": [check_kernels], "executor": [check_executor, check_merges, check_dropout, check_capture],
+    runs = {"kernels": [check_kernels], "executor": [check_executor, check_merges, check_dropout, check_max_logits, check_capture],
             "merge": [check_fused_merge],
             "multirank": [check_multirank],
             "calibrate": [timed_calibration]}  # fmt: skip

@@ -392,7 +392,6 @@ def validate_hsap_args(args: Any) -> HSAPArgs | None:
     # Config fields without a flag in 0.19.2 (a YAML config or a wrapper may set them).
     _refuse(bool(getattr(args, "fp8_dot_product_attention", False)),
             "fp8_dot_product_attention (TransformerConfig) is not supported by HSAP: set it False")
-    _refuse(bool(getattr(args, "qk_clip", False)), "--qk-clip needs Transformer Engine's attention; not supported by HSAP")
     _refuse(bool(getattr(args, "fused_single_qkv_rope", False)),
             "fused_single_qkv_rope (TransformerConfig) applies RoPE by row; HSAP applies it by position: set it False")
     pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)

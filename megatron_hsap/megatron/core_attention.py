@@ -17,8 +17,8 @@ batch without the HSAP marker) instead of computing something else:
 cross attention; attention masks other than causal / padding-causal (no_mask, padding, arbitrary,
 causal_bottom_right); an explicit ``attention_mask`` tensor (the mask is implied by the documents);
 ``attention_bias``; a sliding window with ``right != 0``; a ``softmax_scale``
-that disagrees with ``config.softmax_scale``; fp8 dot-product attention; qk-clip / max-logit
-logging; a plan whose CP size or topology differs from the model's groups. A plan whose head counts
+that disagrees with ``config.softmax_scale``; fp8 dot-product attention; a plan whose CP size or
+topology differs from the model's groups. A plan whose head counts
 or local token count differ from this layer's input, or a batch sharded for another CP rank, raises
 ``RuntimeMismatchError``. Multi-latent
 attention runs through :mod:`megatron_hsap.megatron.mla` (k/v per q head, ``v_channels`` its own).
@@ -35,6 +35,11 @@ Attention dropout (``config.attention_dropout``, in training only): ``hsap_attn_
 inside Megatron's model-parallel RNG tracker (``get_cuda_rng_tracker().fork()``, as Transformer
 Engine's attention forks it), so TP ranks draw different masks and activation recomputation, which
 restores the tracker's states, redraws the same ones (``runtime/dropout.py``).
+
+qk-clip (``config.qk_clip`` / ``log_max_attention_logit``): ``current_max_attn_logits [np]``, the
+attribute megatron-core's ``clip_qk`` reads, all-reduces with MAX over DP×CP and resets, holds the
+maxima of ``hsap_attn_func(max_logits=...)`` since the last reset (``runtime/max_logits.py``): this
+rank's pairs on its head slice, ``-inf`` on the heads other CP ranks compute.
 """
 
 from __future__ import annotations
@@ -125,6 +130,10 @@ class HSAPCoreAttention(MegatronModule):
             self.num_kv_heads = self.num_heads
         self._refuse_unsupported_config()
         self._init_softmax_offset()
+        # qk-clip (megatron-core's optimizer/qk_clip.py reads, all-reduces with MAX over DP×CP and
+        # resets it): per q head of this TP rank, the largest scaled logit since the last reset
+        self.track_max_logits = bool(getattr(config, "qk_clip", False) or getattr(config, "log_max_attention_logit", False))
+        self.current_max_attn_logits: Tensor | None = None
 
     # ------------------------------------------------------------------ construction checks
     def _resolve_scale(self, softmax_scale: float | None) -> float:
@@ -170,8 +179,6 @@ class HSAPCoreAttention(MegatronModule):
             )
         if getattr(cfg, "fp8_dot_product_attention", False):
             raise ConfigError("fp8_dot_product_attention is not supported by HSAP; set TransformerConfig.fp8_dot_product_attention=False")
-        if getattr(cfg, "qk_clip", False) or getattr(cfg, "log_max_attention_logit", False):
-            raise ConfigError("qk_clip / log_max_attention_logit need Transformer Engine's max-logit output; not supported by HSAP")
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(f"{self.num_heads} q heads per TP rank are not a multiple of {self.num_kv_heads} kv heads")
 
@@ -295,6 +302,24 @@ class HSAPCoreAttention(MegatronModule):
         sinks = self.softmax_offset.to(query.device)
         return sinks.repeat(batch) if batch > 1 else sinks
 
+    def _max_logits(self, query: Tensor, heads: int) -> dict[str, Tensor]:
+        """``hsap_attn_func``'s ``max_logits`` accumulator for this call (``-inf`` per folded head),
+        when qk-clip or its logging is on."""
+        if not self.track_max_logits:
+            return {}
+        return {"max_logits": torch.full((heads,), float("-inf"), dtype=torch.float32, device=query.device)}
+
+    def _keep_max_logits(self, ml: dict[str, Tensor], batch: int) -> None:
+        """Fold this call's maxima into ``current_max_attn_logits [np]`` (SBHD: the max over the
+        batch's samples, whose heads ``hsap_attn_func`` saw side by side), as Transformer Engine's
+        attention does with its ``return_max_logit`` output. Heads another CP rank computes stay
+        ``-inf`` here until ``clip_qk``'s MAX all-reduce."""
+        if not ml:
+            return
+        got = ml["max_logits"].view(batch, -1).amax(dim=0)
+        prev = self.current_max_attn_logits
+        self.current_max_attn_logits = got if prev is None else torch.maximum(prev, got)
+
     # ------------------------------------------------------------------ forward
     def forward(
         self,
@@ -318,9 +343,11 @@ class HSAPCoreAttention(MegatronModule):
             self._check_heads(plan, query.shape[0], query.shape[1], key.shape[1], "this THD batch")
             intra, inter = self._groups(plan, cp_rank)
             drop, rng = self._dropout(query, query.shape[1])
+            ml = self._max_logits(query, query.shape[1])
             with rng:
                 out = _hsap_attn_func()(query, key, value, plan, intra_group=intra, inter_group=inter,
-                                     softmax_scale=self.softmax_scale, sinks=self._sinks(query, 1), **drop)  # [t, np, dv]
+                                     softmax_scale=self.softmax_scale, sinks=self._sinks(query, 1), **drop, **ml)  # [t, np, dv]
+            self._keep_max_logits(ml, 1)
             return out.reshape(out.shape[0], -1)
         if fmt == "sbhd":
             if query.dim() != 4:
@@ -330,11 +357,13 @@ class HSAPCoreAttention(MegatronModule):
             intra, inter = self._groups(plan, cp_rank)
             # [s, b, n, d] -> [s, b·n, d]: a view; sample b_i's heads stay contiguous.
             drop, rng = self._dropout(query, b * heads)
+            ml = self._max_logits(query, b * heads)
             with rng:
                 out = _hsap_attn_func()(query.reshape(s, b * heads, -1), key.reshape(s, b * key.shape[2], -1),
                                      value.reshape(s, b * value.shape[2], -1), plan, intra_group=intra,
                                      inter_group=inter, softmax_scale=self.softmax_scale,
-                                     sinks=self._sinks(query, b), **drop)  # [s, b·np, dv]
+                                     sinks=self._sinks(query, b), **drop, **ml)  # [s, b·np, dv]
+            self._keep_max_logits(ml, b)
             return out.reshape(s, b, -1)
         raise ConfigError(f"qkv_format={fmt!r} is not supported by HSAP; use 'thd' (packed) or 'sbhd'")
 

@@ -76,6 +76,17 @@ def _key_span(a: int, b: int, lk: int, lo: int | None, hi: int | None) -> tuple[
     return start, end
 
 
+def row_tiles(lq: int, lk: int, lo: int | None, hi: int | None, block_q: int) -> Iterator[tuple[int, int, int, int]]:
+    """``(a, b, kstart, kend)``: the row tiles ``[a, b)`` of one sequence (``lq`` rows, ``lk`` keys,
+    band ``(lo, hi)`` of :func:`_band`) and the keys ``[kstart, kend)`` any of their rows may see;
+    tiles that see no key are skipped."""
+    for a in range(0, lq, block_q):
+        b = min(a + block_q, lq)
+        kstart, kend = _key_span(a, b, lk, lo, hi)
+        if kstart < kend:
+            yield a, b, kstart, kend
+
+
 def _tile_mask(a: int, b: int, c: int, e: int, lo: int | None, hi: int | None, device: torch.device) -> Tensor | None:
     """``[b - a, e - c]`` bool, True where key ``j`` lies outside row ``i``'s band; None when the
     whole tile lies inside it."""
@@ -176,11 +187,7 @@ def varlen_forward(
         lo, hi = _band(lk - lq, causal, window)
         ks = k[k0 : k0 + lk].to(cdt).transpose(0, 1).contiguous()  # [hkv, lk, d]
         vs = v[k0 : k0 + lk].to(cdt).transpose(0, 1).contiguous()  # [hkv, lk, dv]
-        for a in range(0, lq, block_q):
-            b = min(a + block_q, lq)
-            kstart, kend = _key_span(a, b, lk, lo, hi)
-            if kstart >= kend:
-                continue  # every row of the tile sees no key: stays 0 / -inf
+        for a, b, kstart, kend in row_tiles(lq, lk, lo, hi, block_q):  # (rows seeing no key: stay 0 / -inf)
             n = b - a
             qt = _rows(q, q0 + a, q0 + b, hkv, cdt) * softmax_scale  # [hkv, n·g, d]
             m = torch.full((hkv, n * g), _NEG_INF, dtype=cdt, device=q.device)
@@ -256,11 +263,7 @@ def varlen_backward(
         vs = v[k0 : k0 + lk].to(cdt).transpose(0, 1).contiguous()  # [hkv, lk, dv]
         dks = torch.zeros_like(ks)
         dvs = torch.zeros_like(vs)
-        for a in range(0, lq, block_q):
-            b = min(a + block_q, lq)
-            kstart, kend = _key_span(a, b, lk, lo, hi)
-            if kstart >= kend:
-                continue
+        for a, b, kstart, kend in row_tiles(lq, lk, lo, hi, block_q):
             n = b - a
             qt = _rows(q, q0 + a, q0 + b, hkv, cdt)  # [hkv, n·g, d]
             qts = qt * softmax_scale

@@ -56,6 +56,7 @@ from megatron_hsap.runtime.dropout import CallStates, Dropout
 from megatron_hsap.runtime.env import MAX_TIMEOUT_S, read_env
 from megatron_hsap.runtime.handshake import agree
 from megatron_hsap.runtime.kernels import attn_backward, attn_forward, attn_forward_dropout, resolve_backend
+from megatron_hsap.runtime.max_logits import varlen_max_logits
 from megatron_hsap.runtime.merge import merge_into, use_fused_merge
 from megatron_hsap.runtime.p2p import P2PChannel, Transfer, warm_up
 from megatron_hsap.runtime.prepared import (AccumulatePartial, ComputeCalls, MergePartial, PostRound, Prepared,
@@ -68,6 +69,7 @@ __all__ = ["Executor", "PhaseStats", "executor_for", "receive_pool", "ACTIVATION
 
 ACTIVATION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _F32 = torch.float32
+_MAX_LOGITS = "max_logits"  # the forward's accumulator key for the qk-clip maxima, beside its wires
 
 # --------------------------------------------------------------------------- the receive pool
 
@@ -183,27 +185,34 @@ class Executor:
     def reset_stats(self) -> None:
         self.stats = {Phase.FWD: PhaseStats(), Phase.BWD: PhaseStats()}
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, softmax_scale: float) -> tuple[Tensor, Tensor]:
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, softmax_scale: float,
+                max_logits: Tensor | None = None) -> tuple[Tensor, Tensor]:  # fmt: skip
         """``q [t, h, d]``, ``k [t, hkv, d]``, ``v [t, hkv, dv]`` (this inter rank's chunk, layout
-        order) -> ``out [t, h, dv]`` float32 and ``lse [t, h]`` float32 of the whole packed batch."""
-        out, lse, _ = self._forward(q, k, v, softmax_scale, None)
+        order) -> ``out [t, h, dv]`` float32 and ``lse [t, h]`` float32 of the whole packed batch.
+        ``max_logits [h]`` float32, if given, is raised in place to the largest scaled logit per
+        head of the pairs this rank computes (``runtime/max_logits.py``)."""
+        out, lse, _ = self._forward(q, k, v, softmax_scale, None, max_logits)
         return out, lse
 
     def forward_dropout(self, q: Tensor, k: Tensor, v: Tensor, softmax_scale: float,
-                        dropout: Dropout) -> tuple[Tensor, Tensor, CallStates]:  # fmt: skip
+                        dropout: Dropout, max_logits: Tensor | None = None) -> tuple[Tensor, Tensor, CallStates]:  # fmt: skip
         """:meth:`forward` with attention dropout: also the calls' kernel rng states, for
         :meth:`backward` (``lse`` is the undropped one, as the merge needs)."""
-        return self._forward(q, k, v, softmax_scale, CallStates(dropout))
+        return self._forward(q, k, v, softmax_scale, CallStates(dropout), max_logits)
 
-    def _forward(self, q: Tensor, k: Tensor, v: Tensor, softmax_scale: float,
-                 states: CallStates | None) -> tuple[Tensor, Tensor, CallStates | None]:  # fmt: skip
+    def _forward(self, q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, states: CallStates | None,
+                 max_logits: Tensor | None = None) -> tuple[Tensor, Tensor, CallStates | None]:  # fmt: skip
         shape = self._check(q, k, v)
+        if max_logits is not None and (tuple(max_logits.shape) != (q.shape[1],) or max_logits.dtype != _F32):
+            raise RuntimeMismatchError(f"max_logits must be float32 [{q.shape[1]}], got {max_logits.dtype} {tuple(max_logits.shape)}")
         t, h, dv = q.shape[0], q.shape[1], v.shape[2]
         out = torch.zeros((t, h, dv), dtype=_F32, device=q.device)
         lse = torch.full((t, h), float("-inf"), dtype=_F32, device=q.device)
         buf = _Buffers(self._pool(q.device), q.dtype, shape, self.plan.shape)
         buf.local = {Wire.Q: (q.contiguous(),), Wire.KV: (k.contiguous(), v.contiguous())}
         acc = {Wire.O: out, Wire.LSE: lse}
+        if max_logits is not None:
+            acc[_MAX_LOGITS] = max_logits
         self._run(Phase.FWD, self._fwd, buf, acc, softmax_scale, states)
         return out, lse, states
 
@@ -382,6 +391,10 @@ class Executor:
             q_pos, k_pos = self._positions_of(call, q.device)
             o, lse, rng = attn_forward_dropout(q, k, v, **args, dropout=states.dropout, q_pos=q_pos, k_pos=k_pos)
             states.put(call.blocks, rng)
+        ml = acc.get(_MAX_LOGITS)
+        if ml is not None:  # qk-clip: the call's scores once more, their max per head (runtime/max_logits.py)
+            torch.maximum(ml, varlen_max_logits(q, k, call.call.q_lengths, call.call.kv_lengths, causal=call.causal,
+                                                softmax_scale=scale, window=call.window), out=ml)  # fmt: skip
         o_dst, lse_dst = item.dst(Wire.O), item.dst(Wire.LSE)
         if o_dst is None:
             if call.q_rows is None:

@@ -54,7 +54,8 @@ from megatron_hsap.runtime.env import read_env
 from megatron_hsap.runtime.executor import ACTIVATION_DTYPES, Executor, executor_for
 from megatron_hsap.runtime.groups import registered_groups
 from megatron_hsap.runtime.handshake import agree
-from megatron_hsap.runtime.merge import sink_grad
+from megatron_hsap.runtime.max_logits import Maxima, check_max_logits
+from megatron_hsap.runtime.merge import check_sinks, sink_grad
 from megatron_hsap.runtime.sap import SAPAttention, sap_forward
 from megatron_hsap.runtime.ulysses import (Exchange, chunked_send, expand_kv_for_intra, issue_exchange, sum_kv_grad_for_intra,
                                            unchunk_returned)  # fmt: skip
@@ -231,8 +232,8 @@ class HSAPAttention(torch.autograd.Function):
     or None (this rank merges and differentiates its head slice only)."""
 
     @staticmethod
-    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, runner: HSAPRunner, scale: float,
-                sinks: Tensor | None = None, dropout: Dropout | None = None) -> Tensor:  # fmt: skip
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, runner: HSAPRunner, scale: float, sinks: Tensor | None = None,
+                dropout: Dropout | None = None, maxima: Maxima | None = None) -> Tensor:  # fmt: skip
         p, chunks, t = runner.intra_size, runner.plan.head_chunks, q.shape[0]
         kv_chunks = kv_head_chunks(chunks, runner.plan.shape.num_kv_heads)
         per = chunks // kv_chunks  # q chunks per kv chunk
@@ -251,7 +252,8 @@ class HSAPAttention(torch.autograd.Function):
             kc, vc = (r[c // per].view(p * t, *r.shape[3:]) for r in recvs[1:])  # [t·P, hkv/Ckv, d]
             sinks_c = None if sinks is None else sinks[heads][c * hc : (c + 1) * hc]
             drop_c = None if dropout is None else dropout.at_heads(heads.start + c * hc)  # global q heads
-            oc, lse, st = sap_forward(runner.executor, qc, kc, vc, scale, sinks_c, drop_c)
+            ml_c = None if maxima is None else maxima.out[heads][c * hc : (c + 1) * hc]  # (a view: raised in place)
+            oc, lse, st = sap_forward(runner.executor, qc, kc, vc, scale, sinks_c, drop_c, ml_c)
             outs.append(oc)
             lses.append(lse)
             states.append(st)
@@ -304,7 +306,7 @@ class HSAPAttention(torch.autograd.Function):
         if dsinks_h is not None:
             dsinks = torch.zeros_like(sinks)  # [H]: my heads' rows only; other heads are other ranks'
             dsinks[ctx.heads] = dsinks_h
-        return dq, dk, dv, None, None, dsinks, None
+        return dq, dk, dv, None, None, dsinks, None, None
 
 
 # --------------------------------------------------------------------------- validation
@@ -425,27 +427,11 @@ def _validate(q: Tensor, k: Tensor, v: Tensor, plan: "Plan", intra: Any, inter: 
     return float(softmax_scale)
 
 
-def _validate_sinks(sinks: Any, q: Tensor) -> None:
-    """``sinks`` must be a float ``[H]`` tensor on q's device (values are not read: no host sync)."""
-    if sinks is None:
-        return
-    if not isinstance(sinks, Tensor):
-        raise RuntimeMismatchError(f"sinks must be a torch.Tensor of shape [{q.shape[1]}] (one logit per q head) or None, got {type(sinks).__name__}")
-    if tuple(sinks.shape) != (q.shape[1],):
-        raise RuntimeMismatchError(
-            f"sinks has shape {tuple(sinks.shape)} but q has {q.shape[1]} heads; pass one sink logit per "
-            "query head of this rank ([H], megatron-core's softmax_offset of this TP rank)"
-        )
-    if not sinks.is_floating_point():
-        raise RuntimeMismatchError(f"sinks must be a floating-point tensor, got {sinks.dtype}")
-    if sinks.device != q.device:
-        raise RuntimeMismatchError(f"sinks are on {sinks.device} but q is on {q.device}; move them to q's device")
-
-
 def hsap_attn_func(q: Tensor, k: Tensor, v: Tensor, plan: "Plan", *, intra_group: dist.ProcessGroup | None = None,
                    inter_group: dist.ProcessGroup | None = None, softmax_scale: float | None = None,
                    sinks: Tensor | None = None, cp_group: dist.ProcessGroup | None = None, dropout_p: float = 0.0,
-                   dropout_seed: int | None = None, dropout_head_offset: int = 0) -> Tensor:  # fmt: skip
+                   dropout_seed: int | None = None, dropout_head_offset: int = 0,
+                   max_logits: Tensor | None = None) -> Tensor:  # fmt: skip
     """Document-causal attention of a packed batch over the ``P_intra × P_inter`` CP group.
 
     Args:
@@ -476,6 +462,10 @@ def hsap_attn_func(q: Tensor, k: Tensor, v: Tensor, plan: "Plan", *, intra_group
         dropout_head_offset: the global index of q's first head for those masks (e.g. the tensor-
             parallel rank × heads per rank, so that TP ranks draw other masks and a TP run draws
             the TP=1 run's). Ignored by the GPU kernels.
+        max_logits: optional float32 ``[H]`` accumulator for qk-clip (``runtime/max_logits.py``),
+            raised in place to the largest ``softmax_scale · q·k`` per head over the pairs this CP
+            rank computes (masked pairs and sinks excluded); a MAX all-reduce over the CP group
+            gives every head's value for the whole batch (megatron-core's ``clip_qk`` does one).
     Returns:
         ``out [t_local, H, d_v]`` in ``q.dtype``; differentiable w.r.t. q, k, v and sinks.
 
@@ -485,7 +475,9 @@ def hsap_attn_func(q: Tensor, k: Tensor, v: Tensor, plan: "Plan", *, intra_group
     refuse_graph_capture(q.device, "hsap_attn_func")  # (a graph would replay this batch's plan: runtime/capture.py)
     intra, inter = _resolve_groups(plan, intra_group, inter_group, cp_group)
     scale = _validate(q, k, v, plan, intra, inter, softmax_scale)
-    _validate_sinks(sinks, q)
+    check_sinks(sinks, q)
+    check_max_logits(max_logits, q)
+    maxima = None if max_logits is None else Maxima(max_logits)
     p = check_dropout_p(dropout_p)
     runner = _runner(plan, intra, inter, q.device)
     dropout = None
@@ -498,5 +490,5 @@ def hsap_attn_func(q: Tensor, k: Tensor, v: Tensor, plan: "Plan", *, intra_group
         runner.check_batch()
     runner.agree_intra(q.device)  # the inter group's handshake runs in the executor, before its first round
     if plan.intra_size == 1:
-        return SAPAttention.apply(q, k, v, runner.executor, scale, sinks, dropout)
-    return HSAPAttention.apply(q, k, v, runner, scale, sinks, dropout)
+        return SAPAttention.apply(q, k, v, runner.executor, scale, sinks, dropout, maxima)
+    return HSAPAttention.apply(q, k, v, runner, scale, sinks, dropout, maxima)

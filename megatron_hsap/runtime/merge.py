@@ -24,9 +24,10 @@ import importlib.util
 import torch
 from torch import Tensor
 
+from megatron_hsap.errors import RuntimeMismatchError
 from megatron_hsap.runtime.env import EnvSettings
 
-__all__ = ["merge_into", "merge_sinks", "sink_grad", "use_fused_merge"]
+__all__ = ["check_sinks", "merge_into", "merge_sinks", "sink_grad", "use_fused_merge"]
 
 _FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -121,3 +122,20 @@ def sink_grad(do: Tensor, out: Tensor, lse: Tensor, sinks: Tensor) -> Tensor:
     # p_sink = e^{s - lse'} in [0, 1]; a row with neither keys nor sink (lse' = -inf) gets 0, not NaN
     p_sink = torch.where(lse == float("-inf"), torch.zeros_like(lse), torch.exp(s - lse))  # [n, h]
     return (-(p_sink * delta).sum(dim=0)).to(sinks.dtype)
+
+
+def check_sinks(sinks: object, q: Tensor) -> None:
+    """``sinks`` must be a float ``[H]`` tensor on q's device (values are not read: no host sync)."""
+    if sinks is None:
+        return
+    if not isinstance(sinks, Tensor):
+        raise RuntimeMismatchError(f"sinks must be a torch.Tensor of shape [{q.shape[1]}] (one logit per q head) or None, got {type(sinks).__name__}")
+    if tuple(sinks.shape) != (q.shape[1],):
+        raise RuntimeMismatchError(
+            f"sinks has shape {tuple(sinks.shape)} but q has {q.shape[1]} heads; pass one sink logit per "
+            "query head of this rank ([H], megatron-core's softmax_offset of this TP rank)"
+        )
+    if not sinks.is_floating_point():
+        raise RuntimeMismatchError(f"sinks must be a floating-point tensor, got {sinks.dtype}")
+    if sinks.device != q.device:
+        raise RuntimeMismatchError(f"sinks are on {sinks.device} but q is on {q.device}; move them to q's device")

@@ -57,6 +57,8 @@ def test_dry_run_script_passes_and_its_yaml_loads(tmp_path):
     assert sum(r["section"] == "kernels" for r in rows) >= 9  # MHA/GQA/MQA/MLA × masks + large logits
     dropout = [r["name"] for r in rows if "dropout" in r["name"]]  # gpu_check_dropout: kernel redraw, mean; plan redraw
     assert sum("(redraw" in n for n in dropout) == 2 and sum("(mean of" in n for n in dropout) == 1, dropout
+    clip = [r for r in rows if "max logits for qk-clip" in r["name"]]  # gpu_check_max_logits: values, cost
+    assert len(clip) == 2 and float(clip[0]["error"]) <= 1e-4 and clip[1]["detail"].startswith("ok: forward"), clip
     captured = [r for r in rows if r["name"] == "1x1 plan captured in a CUDA graph (refused)"]  # gpu_check_capture
     assert len(captured) == 1 and captured[0]["detail"].startswith("ok: no CUDA device"), captured
     if importlib.util.find_spec("triton") is not None:  # the fused merge under Triton's interpreter
@@ -184,7 +186,7 @@ def test_sections_past_the_budget_fail_instead_of_being_dropped(tmp_path):
     from megatron_hsap.bench.gpu_check import run_check
 
     rows, summary = run_check(tmp_path / "r", dry_run=True, only=("executor", "calibrate"), budget_s=-1.0)
-    assert [(r.section, r.passed) for r in rows] == [("executor", False)] * 4 + [("calibrate", False)]
-    assert all("budget" in r.detail for r in rows) and "0 passed, 5 failed" in summary.read_text()
+    assert [(r.section, r.passed) for r in rows] == [("executor", False)] * 5 + [("calibrate", False)]
+    assert all("budget" in r.detail for r in rows) and "0 passed, 6 failed" in summary.read_text()
     with pytest.raises(SystemExit, match="unknown sections"):
         run_check(tmp_path / "s", dry_run=True, only=("kernel",))

@@ -222,7 +222,6 @@ REFUSED = {
     "--hybrid-context-parallel": ([], "--hybrid-context-parallel"),
     "--softmax-type": ([], "--softmax-type"),
     "--position-embedding-type": (["--position-embedding-type", "mrope"], "--position-embedding-type"),
-    "--qk-clip": ([], "--qk-clip"),
     "MLA without --no-rope-fusion": (["--multi-latent-attention", "--rope-type", "rope"], "--no-rope-fusion"),
     "--mla-down-proj-fusion": (["--multi-latent-attention", "--no-rope-fusion", "--mla-down-proj-fusion"], "--mla-down-proj-fusion"),
     "--micro-batch-size": (["--pipeline-model-parallel-size", "2", "--num-layers", "4"], "--micro-batch-size"),
@@ -240,7 +239,7 @@ REFUSED = {
 _DROPPED = {"--reset-attention-mask": ("--dataloader-inter-document-masking",)}
 # set after parsing (flags Megatron's parser or validation would reject first, or config fields)
 _SET_AFTER = {"--hybrid-context-parallel": ("hybrid_context_parallel", True), "--softmax-type": ("softmax_type", "gelu"),
-              "--qk-clip": ("qk_clip", True), "--hybrid-layer-pattern": ("hybrid_layer_pattern", "*D*-"),
+              "--hybrid-layer-pattern": ("hybrid_layer_pattern", "*D*-"),
               "--micro-batch-size": ("micro_batch_size", 2),
               "fp8_dot_product_attention": ("fp8_dot_product_attention", True),
               "fused_single_qkv_rope": ("fused_single_qkv_rope", True),
@@ -256,6 +255,8 @@ SUPPORTED = {
     "multi-token prediction in a HybridModel": ["--mtp-num-layers", "1", "--hybrid-layer-pattern", "*-*-/*-"],
     "Mamba layers": ["--hybrid-layer-pattern", "M*M-", "--mamba-head-dim", "32"],  # 16 heads over CP 16
     "gated delta net layers": ["--hybrid-layer-pattern", "G*G-", "--swiglu"],  # 16 key / 32 value heads over CP 16
+    "qk-clip": ["--qk-clip"],
+    "max attention logit logging": ["--log-max-attention-logit"],
 }
 
 

@@ -74,7 +74,6 @@ def test_refuses_marker_forged_without_plan() -> None:
         ({}, {"attn_mask_type": AttnMaskType.arbitrary}, "arbitrary"),
         ({"window_size": (16, 4)}, {}, "right=4"),  # windows are planned; only causal ones (right 0)
         ({"softmax_scale": 0.5}, {"softmax_scale": 0.25}, "disagrees"),
-        ({"qk_clip": True}, {}, "qk_clip"),
     ],
 )
 def test_refuses_configs_it_cannot_honour(config_kw: dict, attn_kw: dict, match: str) -> None:
@@ -206,3 +205,45 @@ def test_sbhd_matches_reference_across_cp_ranks(gloo_pool) -> None:  # noqa: ANN
     torch.testing.assert_close(out, ref.detach(), atol=ATOL, rtol=0)
     for got, want in zip(got_grads, torch.autograd.grad(ref, (q, k, v), g)):
         torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+
+
+def _dense_max_logits(q: torch.Tensor, k: torch.Tensor, cu: list[int], scale: float) -> torch.Tensor:
+    """``[np]`` float64: per q head, the largest scaled logit over document-causal pairs."""
+    k = k.double().repeat_interleave(q.shape[1] // k.shape[1], 1)
+    best = torch.full((q.shape[1],), float("-inf"), dtype=torch.float64)
+    for a, b in zip(cu[:-1], cu[1:]):
+        if b > a:
+            s = torch.einsum("qhd,khd->hqk", q[a:b].double(), k[a:b]) * scale
+            best = torch.maximum(best, s.masked_fill(torch.ones(b - a, b - a, dtype=torch.bool).triu(1), float("-inf")).amax(dim=(1, 2)))
+    return best
+
+
+@pytest.mark.parametrize("flag", ["qk_clip", "log_max_attention_logit"])
+def test_max_attention_logits_for_qk_clip(flag: str) -> None:
+    """``current_max_attn_logits [np]`` (what megatron-core's ``clip_qk`` reads) is the per-head
+    maximum over every call since its reset, THD and SBHD (the max over the samples folded into
+    the head axis); unset without the flags."""
+    cu = [0, 5, 5, 17, 18, 40]
+    attn = _attn(_config(**{flag: True}))
+    assert attn.current_max_attn_logits is None
+    q, k, v = _qkv(40, seed=1)
+    attn(q, k, v, None, packed_seq_params=_params(cu))
+    want = _dense_max_logits(q, k, cu, HEAD_DIM**-0.5)
+    torch.testing.assert_close(attn.current_max_attn_logits.double(), want, rtol=1e-6, atol=1e-6)
+    q2, k2, v2 = _qkv(40, seed=2)
+    attn(q2 * 3, k2, v2, None, packed_seq_params=_params(cu))  # a second micro-batch: the max of both
+    both = torch.maximum(want, _dense_max_logits(q2 * 3, k2, cu, HEAD_DIM**-0.5))
+    torch.testing.assert_close(attn.current_max_attn_logits.double(), both, rtol=1e-6, atol=1e-6)
+    b, s = 3, 12
+    sbhd = _attn(_config(**{flag: True}))
+    sharded = get_batch_on_this_cp_rank(
+        {"tokens": torch.zeros(b, s, dtype=torch.long)}, qkv_format="sbhd", cp_rank=0, check_group=False,
+        plan_kwargs=dict(inter_size=1, intra_size=1, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, dtype_bytes=4),
+    )
+    q, k, v = _qkv(s, batch=b, seed=3)
+    sbhd(q, k, v, None, packed_seq_params=sharded["packed_seq_params"])
+    want = torch.stack([_dense_max_logits(q[:, i], k[:, i], [0, s], HEAD_DIM**-0.5) for i in range(b)]).amax(0)
+    torch.testing.assert_close(sbhd.current_max_attn_logits.double(), want, rtol=1e-6, atol=1e-6)
+    plain = _attn()
+    plain(q2, k2, v2, None, packed_seq_params=_params(cu))
+    assert plain.current_max_attn_logits is None

@@ -51,6 +51,7 @@ def compile_for(spec: dict) -> Any:
         **({"window_size": tuple(spec["window"])} if spec.get("window") else {}),
         **({"head_chunks": spec["head_chunks"]} if spec.get("head_chunks") else {}),  # runtime/hsap.py pipelining
         **({"grad_wire_dtype": spec["grad_wire"]} if spec.get("grad_wire") else {}),
+        **({"placement": spec["placement"]} if spec.get("placement") else {}),  # e.g. q sent to its kv's rank
         # "balanced" is forced (no fallback to contiguous), so the permuted layout is what runs
         layout=spec.get("layout", "contiguous"), **({"layout_fallback": False} if spec.get("layout") == "balanced" else {}),
         # the topology under test (plan/flatten.py may plan a batch as 1 x P: test_flatten.py)
@@ -104,6 +105,9 @@ def run_one(spec: dict) -> dict:
 
         initialize_hsap(spec["intra"], spec["inter"])
     try:
+        # the runner (and its executor) is cached per plan: a case of another module may have run
+        # this plan on this worker before, so its counts start here
+        runner_for(plan, device=q.device, **kwargs).reset_stats()
         out = hsap_attn_func(q, k, v, plan, softmax_scale=spec.get("scale"), **kwargs)
         out.backward(do)
         runner = runner_for(plan, device=q.device, **kwargs)
@@ -241,6 +245,24 @@ def check_bytes(spec: dict, results: list[dict]) -> None:
 
 
 # --------------------------------------------------------------------------- packings
+
+
+def topology_packings(intra: int, inter: int, layout: str = "contiguous") -> list[tuple[list[int], dict]]:
+    """``(cu, build_spec keywords)`` of every special packing over ``intra × inter`` (32 tokens a
+    rank), head shapes cycled through GQA, MLA's d_qk ≠ d_v and MHA (MHA where the intra size does
+    not split a shape's heads) with ``sinks`` on every third (for the caller's spec), then a
+    causal window of 5 (the suites of ``test_dropout`` and ``test_max_logits``)."""
+    world = intra * inter
+    total = 32 * world
+    shapes = (dict(heads=8, kv_heads=2, dim=8), dict(heads=4, kv_heads=4, dim=12, dim_v=8), dict(heads=8, kv_heads=8, dim=8))
+    out = []
+    for n, cu in enumerate(special_packings(total, world).values()):
+        heads = dict(shapes[n % len(shapes)])
+        if heads["heads"] % intra or (heads["kv_heads"] % intra and intra % heads["kv_heads"]):
+            heads = dict(shapes[2])
+        out.append((cu, dict(intra=intra, inter=inter, seed=n, layout=layout, sinks=n % 3 == 1, **heads)))
+    out.append(([0, 7, total // 2 + 3, total], dict(intra=intra, inter=inter, seed=50, window=(5, 0), layout=layout)))
+    return out
 
 
 def special_packings(total: int, parts: int) -> dict[str, list[int]]:

@@ -105,16 +105,8 @@ def _run(gloo_pool, world: int, specs: list[dict]) -> None:
 
 
 def _topology_specs(intra: int, inter: int, layout: str = "contiguous") -> list[dict]:
-    world = intra * inter
-    total = 32 * world
-    shapes = (dict(heads=8, kv_heads=2, dim=8), dict(heads=4, kv_heads=4, dim=12, dim_v=8), dict(heads=8, kv_heads=8, dim=8))
-    specs = []
-    for n, cu in enumerate(cases.special_packings(total, world).values()):
-        heads = dict(shapes[n % len(shapes)])
-        if heads["heads"] % intra or (heads["kv_heads"] % intra and intra % heads["kv_heads"]):
-            heads = dict(shapes[2])
-        specs.append(_spec(cu, intra=intra, inter=inter, seed=n, layout=layout, sinks=n % 3 == 1, **heads))
-    specs.append(_spec([0, 7, total // 2 + 3, total], intra=intra, inter=inter, seed=50, window=(5, 0), layout=layout))
+    total = 32 * intra * inter
+    specs = [_spec(cu, **kw) for cu, kw in cases.topology_packings(intra, inter, layout)]
     specs.append(_spec([0, total // 3, total], intra=intra, inter=inter, seed=51, p=0.9, layout=layout))
     return specs
 

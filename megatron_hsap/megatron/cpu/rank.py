@@ -55,6 +55,23 @@ def without_te() -> None:
     _sequence_parallel_torch_norm()
     _no_te_inference_linears()
     _local_experimental_attention_backend()
+    _qk_clip_without_te()
+
+
+def _qk_clip_without_te() -> None:
+    """Megatron's ``validate_args`` asserts Transformer Engine >= 2.9 for ``--qk-clip`` and
+    ``--log-max-attention-logit`` (its own core attention takes the maxima from TE's kernel; both
+    asserts ask for exactly "2.9.0", nothing else does). HSAP's core attention computes them
+    itself (``runtime/max_logits.py``), so a CPU rank answers that one version query yes; a GPU run
+    keeps Megatron's check."""
+    from megatron.training import arguments
+
+    real = arguments.is_te_min_version
+
+    def is_te_min_version(version: str, check_equality: bool = True) -> bool:
+        return True if version == "2.9.0" else real(version, check_equality)
+
+    arguments.is_te_min_version = is_te_min_version
 
 
 def _local_hybrid_final_norm() -> None:

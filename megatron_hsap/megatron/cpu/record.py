@@ -10,6 +10,8 @@ summed over TP there), so a test can check TP peers hold the same gradients.
 ``tied-rank{R}.jsonl``: at the same point, the float64 sums of the gradient and of the weight of each
 parameter Megatron marks ``shared_embedding`` (the word embedding tied to the output layer across
 pipeline stages), so a test can check the first and last stage hold one matrix.
+``qk-rank{R}.jsonl``: the largest attention logit megatron-core's ``clip_qk`` returns after each
+optimizer step (``--qk-clip`` / ``--log-max-attention-logit``: the MAX over DP×CP, before clipping).
 """
 
 from __future__ import annotations
@@ -89,3 +91,12 @@ def install() -> None:
         return result
 
     training.finalize_model_grads = finalize_model_grads
+    clip = training.clip_qk  # qk-clip / --log-max-attention-logit, after each optimizer step
+
+    def clip_qk(model: Any, *args: Any, **kwargs: Any) -> Any:
+        result = clip(model, *args, **kwargs)
+        with open(out / f"qk-rank{_rank()}.jsonl", "a") as f:
+            f.write(json.dumps({"max_attention_logit": float(result)}) + "\n")
+        return result
+
+    training.clip_qk = clip_qk
