@@ -14,7 +14,8 @@ variable                default    meaning
                                    the plan handshake, warm-up, Ulysses all-to-all, debug checks
 ``HSAP_DEBUG``          ``0``      ``1``/``true``: extra (slow, syncing) consistency checks
 ``HSAP_FUSED_MERGE``    ``1``      ``0``: LSE merges on CUDA run the eager torch kernels instead
-                                   of the one-launch Triton kernel (``runtime/fused_merge.py``)
+                                   of the one-launch Triton kernel (``runtime/fused_merge.py``), and
+                                   so does qk-clip's max-logit pass (``runtime/fused_max_logits.py``)
 ======================  =========  ==========================================================
 """
 
@@ -48,7 +49,7 @@ ENV_VARS: tuple[EnvVar, ...] = (
     ),
     EnvVar("HSAP_P2P_TIMEOUT_S", "300", "seconds a P2P round may wait before failing"),
     EnvVar("HSAP_DEBUG", "0", "1/true enables slow consistency checks (host syncs)"),
-    EnvVar("HSAP_FUSED_MERGE", "1", "0 runs CUDA LSE merges eagerly instead of the fused Triton kernel"),
+    EnvVar("HSAP_FUSED_MERGE", "1", "0 runs CUDA LSE merges (and qk-clip's max logits) eagerly instead of the fused Triton kernels"),
 )
 
 _TRUE = frozenset({"1", "true", "yes", "on"})

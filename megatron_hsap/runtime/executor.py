@@ -56,7 +56,7 @@ from megatron_hsap.runtime.dropout import CallStates, Dropout
 from megatron_hsap.runtime.env import MAX_TIMEOUT_S, read_env
 from megatron_hsap.runtime.handshake import agree
 from megatron_hsap.runtime.kernels import attn_backward, attn_forward, attn_forward_dropout, resolve_backend
-from megatron_hsap.runtime.max_logits import varlen_max_logits
+from megatron_hsap.runtime.max_logits import call_max_logits, use_fused_max_logits
 from megatron_hsap.runtime.merge import merge_into, use_fused_merge
 from megatron_hsap.runtime.p2p import P2PChannel, Transfer, warm_up
 from megatron_hsap.runtime.prepared import (AccumulatePartial, ComputeCalls, MergePartial, PostRound, Prepared,
@@ -166,6 +166,7 @@ class Executor:
             raise ConfigError(f"timeout_s={timeout_s!r} must be a finite number of seconds in (0, {MAX_TIMEOUT_S:g}]")
         self.backend = resolve_backend(backend, self.device)
         self.fused_merge = use_fused_merge(self.device, env)  # one Triton launch per merge on CUDA
+        self.fused_max = use_fused_max_logits(self.device, env)  # and per call's qk-clip maxima
         self.skip_rounds = frozenset(skip_rounds)
         _ = plan.hash  # host work for the handshake, here rather than before the first round
         rows = LocalRows(plan.layout.segments[self.rank])
@@ -393,8 +394,7 @@ class Executor:
             states.put(call.blocks, rng)
         ml = acc.get(_MAX_LOGITS)
         if ml is not None:  # qk-clip: the call's scores once more, their max per head (runtime/max_logits.py)
-            torch.maximum(ml, varlen_max_logits(q, k, call.call.q_lengths, call.call.kv_lengths, causal=call.causal,
-                                                softmax_scale=scale, window=call.window), out=ml)  # fmt: skip
+            torch.maximum(ml, call_max_logits(q, k, call, scale, self.fused_max), out=ml)
         o_dst, lse_dst = item.dst(Wire.O), item.dst(Wire.LSE)
         if o_dst is None:
             if call.q_rows is None:

@@ -12,12 +12,16 @@ intra rank computes its head slice, so a rank's MAX over the pairs of its own ke
 here is kernel-agnostic: after each forward call the executor recomputes the call's scores tile by
 tile with the same masks as the ``cpu`` kernel (``cpu_attention``: bottom-right causal, windows),
 in fp32, and keeps their maximum — one more ``q·kᵀ`` over the call's visible pairs (about a
-seventh of attention's forward + backward matrix products); no kernel output changes.
+seventh of attention's forward + backward matrix products); no kernel output changes. On a CUDA
+device with Triton that pass is one launch per call (``runtime/fused_max_logits.py``; the eager
+tiles cost a few launches each, hundreds per layer over many short documents).
 """
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -25,7 +29,11 @@ from torch import Tensor
 from megatron_hsap.errors import RuntimeMismatchError
 from megatron_hsap.runtime.cpu_attention import _band, _rows, _tile_mask, row_tiles
 
-__all__ = ["Maxima", "check_max_logits", "varlen_max_logits", "tile_sizes"]
+if TYPE_CHECKING:
+    from megatron_hsap.runtime.env import EnvSettings
+    from megatron_hsap.runtime.prepared import PreparedCall
+
+__all__ = ["Maxima", "call_max_logits", "check_max_logits", "use_fused_max_logits", "varlen_max_logits", "tile_sizes"]
 
 _NEG_INF = float("-inf")
 
@@ -72,6 +80,25 @@ def varlen_max_logits(q: Tensor, k: Tensor, q_lengths: tuple[int, ...], kv_lengt
         q0 += lq
         k0 += lk
     return best.reshape(h)
+
+
+def use_fused_max_logits(device: torch.device, env: EnvSettings) -> bool:
+    """Whether the pass takes one Triton launch per kernel call (``runtime/fused_max_logits.py``):
+    a CUDA device, Triton importable (looked up, not imported), ``HSAP_FUSED_MERGE`` not ``0``."""
+    return torch.device(device).type == "cuda" and env.fused_merge and importlib.util.find_spec("triton") is not None
+
+
+def call_max_logits(q: Tensor, k: Tensor, call: PreparedCall, softmax_scale: float, fused: bool) -> Tensor:
+    """``[h]`` float32 maxima of one prepared kernel call (its q rows and kv rows as the kernel got
+    them): the Triton kernel over the call's device ``cu_seqlens`` when ``fused``, else
+    :func:`varlen_max_logits` over its host lengths."""
+    if fused:
+        from megatron_hsap.runtime.fused_max_logits import fused_varlen_max_logits  # lazy: Triton only when used
+
+        return fused_varlen_max_logits(q, k, call.cu_q, call.cu_k, call.max_q, causal=call.causal,
+                                       softmax_scale=softmax_scale, window=call.window)  # fmt: skip
+    return varlen_max_logits(q, k, call.call.q_lengths, call.call.kv_lengths, causal=call.causal,
+                             softmax_scale=softmax_scale, window=call.window)  # fmt: skip
 
 
 def check_max_logits(max_logits: object, q: Tensor) -> None:

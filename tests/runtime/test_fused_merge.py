@@ -17,6 +17,7 @@ from megatron_hsap.errors import ConfigError, RuntimeMismatchError
 from megatron_hsap.runtime import merge as merge_mod
 from megatron_hsap.runtime.env import read_env
 from megatron_hsap.runtime.merge import merge_into, merge_sinks, use_fused_merge
+from tests.runtime.interpreted import interpreted
 
 NEG_INF = float("-inf")
 _MOD = "megatron_hsap.runtime.fused_merge"
@@ -24,20 +25,8 @@ _MOD = "megatron_hsap.runtime.fused_merge"
 
 @pytest.fixture(scope="module")
 def fm():
-    """The kernel module imported with ``TRITON_INTERPRET=1``: Triton 3.x reads it when
-    ``triton.jit`` decorates (``triton/runtime/jit.py``), so the module is imported afresh under
-    it, and whatever was in ``sys.modules`` before is put back afterwards."""
-    triton = pytest.importorskip("triton")
-    mp = pytest.MonkeyPatch()
-    mp.setenv("TRITON_INTERPRET", "1")
-    before = sys.modules.pop(_MOD, None)
-    mod = importlib.import_module(_MOD)
-    assert triton.knobs.runtime.interpret and type(mod._merge_kernel).__name__ == "InterpretedFunction"
-    yield mod
-    mp.undo()
-    sys.modules.pop(_MOD, None)
-    if before is not None:
-        sys.modules[_MOD] = before
+    """The kernel module under Triton's interpreter (``tests/runtime/interpreted.py``)."""
+    yield from interpreted(_MOD, "_merge_kernel")
 
 
 def _ref_merge(oa, la, op, lp):
