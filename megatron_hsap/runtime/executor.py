@@ -56,7 +56,7 @@ from megatron_hsap.runtime.dropout import CallStates, Dropout
 from megatron_hsap.runtime.env import MAX_TIMEOUT_S, read_env
 from megatron_hsap.runtime.handshake import agree
 from megatron_hsap.runtime.kernels import attn_backward, attn_forward, attn_forward_dropout, resolve_backend
-from megatron_hsap.runtime.max_logits import call_max_logits, use_fused_max_logits
+from megatron_hsap.runtime.max_logits import call_max_logits, check_max_logits, use_fused_max_logits
 from megatron_hsap.runtime.merge import merge_into, use_fused_merge
 from megatron_hsap.runtime.p2p import P2PChannel, Transfer, warm_up
 from megatron_hsap.runtime.prepared import (AccumulatePartial, ComputeCalls, MergePartial, PostRound, Prepared,
@@ -204,8 +204,7 @@ class Executor:
     def _forward(self, q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, states: CallStates | None,
                  max_logits: Tensor | None = None) -> tuple[Tensor, Tensor, CallStates | None]:  # fmt: skip
         shape = self._check(q, k, v)
-        if max_logits is not None and (tuple(max_logits.shape) != (q.shape[1],) or max_logits.dtype != _F32):
-            raise RuntimeMismatchError(f"max_logits must be float32 [{q.shape[1]}], got {max_logits.dtype} {tuple(max_logits.shape)}")
+        check_max_logits(max_logits, q)  # (hsap_attn_func's rule, for direct callers too)
         t, h, dv = q.shape[0], q.shape[1], v.shape[2]
         out = torch.zeros((t, h, dv), dtype=_F32, device=q.device)
         lse = torch.full((t, h), float("-inf"), dtype=_F32, device=q.device)

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from megatron_hsap.errors import RuntimeMismatchError
-from megatron_hsap.runtime.cpu_attention import _band, _rows, _tile_mask, row_tiles
+from megatron_hsap.runtime.cpu_attention import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q, _band, _rows, _tile_mask, row_tiles
 
 if TYPE_CHECKING:
     from megatron_hsap.runtime.env import EnvSettings
@@ -49,7 +49,7 @@ class Maxima:
 def tile_sizes(device: torch.device) -> tuple[int, int]:
     """(q rows, kv columns) per score tile: the ``cpu`` kernel's on a CPU; larger on a GPU, where
     each tile is a launch (512 × 2048 fp32 scores for 8 heads: 32 MiB)."""
-    return (128, 512) if device.type == "cpu" else (512, 2048)
+    return (DEFAULT_BLOCK_Q, DEFAULT_BLOCK_K) if device.type == "cpu" else (512, 2048)
 
 
 def varlen_max_logits(q: Tensor, k: Tensor, q_lengths: tuple[int, ...], kv_lengths: tuple[int, ...], *, causal: bool,
