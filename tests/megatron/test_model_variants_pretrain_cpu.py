@@ -39,8 +39,12 @@ def test_yarn_in_megatrons_loop_equals_the_local_reference(root) -> None:  # noq
     ref = _reference(root, extra=YARN)
     _same_losses(hsap.losses, ref.losses)
     _same_losses(hsap.validation, ref.validation)
-    rope = _reference(root)  # the flags reach the model: YaRN trains otherwise than plain RoPE
-    assert compare_losses(rope.losses, ref.losses)[0] > 10 * RTOL, (rope.losses, ref.losses)
+    # the flags reach the model: YaRN trains otherwise than plain RoPE. Position handling moves
+    # this 2-layer model's 4 losses little (the corpus is the running Python's standard library:
+    # 1.3e-4 apart on 3.13, 7.1e-5 on 3.12; a stronger YaRN, factor 40 over 16 positions, 9.2e-5),
+    # so the margin is 3x the tolerance the two runs above are held to, as for --no-rope-freq
+    rope = _reference(root)
+    assert compare_losses(rope.losses, ref.losses)[0] > 3 * RTOL, (rope.losses, ref.losses)
 
 
 def test_yarn_is_accepted_and_other_position_types_are_refused() -> None:
