@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from megatron_hsap.megatron.cpu.command import CPUResult, CPURun, megatron_flags, run
+from megatron_hsap.megatron.cpu.command import CPUResult, CPURun, compare_losses, megatron_flags, run
 
 pytestmark = pytest.mark.timeout(1800)
 
@@ -280,7 +280,11 @@ def test_moe_load_balancing_losses_equal_the_reference(root: Path) -> None:
         ref = _run(root, world_size=1, reference=True, micro_batch_size=mbs, extra=extra, **BASE)
         _same_losses(hsap.losses, ref.losses)
         plain = _run(root, world_size=1, reference=True, micro_batch_size=mbs, extra=moe, **BASE)
-        assert abs(plain.losses[4] - ref.losses[4]) > 10 * RTOL * ref.losses[4]  # the aux loss trains
+        # the aux loss trains: the losses leave the run without it by more than 10x the tolerance at
+        # some step (which step depends on the corpus, the running Python's standard library: at
+        # step 4 alone 5.1e-5 on 3.12's, 1.3e-3 on 3.13's; over the steps 2.7e-4 and 1.3e-3 for
+        # aux_loss, 4.9e-4 and 1.1e-3 for seq_aux_loss)
+        assert compare_losses(plain.losses, ref.losses)[0] > 10 * RTOL, (plain.losses, ref.losses)
 
 
 @pytest.mark.slow
