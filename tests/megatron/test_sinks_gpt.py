@@ -157,14 +157,19 @@ def _build(config: Any, spec: Any, model: str, pattern: str | None) -> tuple[Any
     return net, torch.optim.Adam(net.parameters(), lr=RUN["lr"])
 
 
+def _sink_params(model: Any) -> list[torch.nn.Parameter]:
+    """The model's learnable sinks (megatron-core's ``softmax_offset`` parameters), in order."""
+    return [p for n, p in model.named_parameters() if n.endswith("softmax_offset")]
+
+
 def _sinks(model: Any) -> list[list[float]]:
-    return [p.detach().double().tolist() for n, p in model.named_parameters() if n.endswith("softmax_offset")]
+    return [p.detach().double().tolist() for p in _sink_params(model)]
 
 
 def _record_sink_grads(net: Any, opt: Any) -> list[list[list[float]]]:
     """Per optimizer step, each sink parameter's gradient as the optimizer sees it (after the CP
     all-reduce): ``opt.step`` wrapped to copy them first."""
-    sinks = [p for n, p in net.named_parameters() if n.endswith("softmax_offset")]
+    sinks = _sink_params(net)
     out: list[list[list[float]]] = []
     step = opt.step
 
