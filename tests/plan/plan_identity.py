@@ -4,8 +4,9 @@ Compiles the benchmark batches (Table 2, Table 4, MagiAttention: ``sim.estimate_
 the compile-budget batches (fineweb 64K / P 8 and 1M / P 64, both layout modes), the plan-quality
 grid (2 seeds), the 1,024-GPU scale batches, three one-document batches and 35 windowed batches
 with one source tree, and records per plan its hash (``fingerprint.plan_hash``), chosen time,
-layout, placement and head chunks, plus the work it took (code generations and stagings: a
-speed-up must not make any plan do more) and its CPU seconds. Compare two trees' files:
+layout, placement, head chunks and estimated layer time (``Plan.layer_time``), plus the work it
+took (code generations and stagings: a speed-up must not make any plan do more) and its CPU
+seconds. Compare two trees' files:
 
     git worktree add /tmp/base <old commit>
     python -m tests.plan.plan_identity record /tmp/base /tmp/old.json [--sets bench budget ...]
@@ -14,6 +15,12 @@ speed-up must not make any plan do more) and its CPU seconds. Compare two trees'
 
 About 3 minutes per tree with 2 jobs on 2 cores (``--jobs``). The regression fixtures
 (``tests.plan.plan_regression_cases --check``) are the quick check; this is the wide one.
+
+A change meant to change plans (a planner rule, not a speed-up) is judged by the same two files:
+``compare`` also prints, per set, how the estimated layer time moved (``quality``: plans better
+and worse by more than 0.5%, the geometric mean of new / old over every plan of the set, the
+worst ratios) — the estimate is within ~1% of the simulator on the benchmark batches
+(``sim/estimate_accuracy.py``), so simulate what it flags before shipping.
 
 ``--sets fuzz`` (not in the default sets; about 10 minutes per tree and job) adds 300 random
 ``compile_plan`` inputs (``--fuzz-seed``; batches of 64 to 262K tokens and 1 to 100 documents,
@@ -27,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -180,7 +188,7 @@ def _one(job: tuple[str, list[int], int, dict]) -> tuple[str, list]:
         signal.setitimer(signal.ITIMER_VIRTUAL, _FUZZ_CPU_S)
     try:
         p = compile_plan(cu, P, **kw)
-        got = [str(plan_hash(p)), repr(p.chosen.time), p.layout.name, p.chosen.name, p.head_chunks]
+        got = [str(plan_hash(p)), repr(p.chosen.time), p.layout.name, p.chosen.name, p.head_chunks, repr(p.layer_time)]
         if fuzz:
             _check(p, cu, kw)
     except _Timeout:
@@ -238,9 +246,42 @@ def compare(old_path: str, new_path: str) -> int:
             g = [sum(d[k][-2][i] for k in ks) for d in (old, new) for i in (0, 1)]
             cpu = [sum(d[k][-1] for k in ks) for d in (old, new)]
             print(f"{s}: {len(ks)} plans, generate {g[0]} -> {g[2]}, stagings {g[1]} -> {g[3]}, cpu {cpu[0]:.1f} -> {cpu[1]:.1f} s")
+    for line in quality(old, new, cut):
+        print(line)
     more = [k for k in old if k in new and k not in cut and any(b > a for a, b in zip(old[k][-2], new[k][-2]))]
     print(f"plans doing more work: {len(more)}", *(f"\n  {k}: {old[k][-2]} -> {new[k][-2]}" for k in more[:10]))
     return 1 if differ or bad else 0
+
+
+_LAYER = 5  # a record's estimated layer time (repr); older records end before it
+_QUALITY_BAND = 0.005  # a plan counts as better or worse past this relative change of its layer time
+
+
+def quality(old: dict, new: dict, cut: list[str] = ()) -> list[str]:
+    """Per set, how the estimated layer time moved from ``old`` to ``new`` (records of ``record``;
+    plans that failed or lack a layer time in either are left out): ``quality SET: N plans, B
+    better / W worse by > 0.5%, geometric mean new/old G, worst R (name), ...``."""
+    def layer(rec: list) -> float | None:
+        return float(rec[_LAYER]) if len(rec) > _LAYER + 2 else None
+
+    out = []
+    for s in SETS:
+        ratios = []
+        for k in old:
+            if not k.startswith(s + " ") or k not in new or k in cut:
+                continue
+            a, b = layer(old[k]), layer(new[k])
+            if a and b is not None:
+                ratios.append((b / a, k))
+        if not ratios:
+            continue
+        better = sum(r < 1 - _QUALITY_BAND for r, _ in ratios)
+        worse = sorted(((r, k) for r, k in ratios if r > 1 + _QUALITY_BAND), reverse=True)
+        gm = math.exp(sum(math.log(r) for r, _ in ratios) / len(ratios))
+        tail = "".join(f", {r:.4f} ({k})" for r, k in worse[:3])
+        out.append(f"quality {s}: {len(ratios)} plan{'s' if len(ratios) != 1 else ''}, {better} better / {len(worse)} worse by > {_QUALITY_BAND:.1%}, "
+                   f"geometric mean new/old {gm:.4f}" + (f"; worst{tail[1:]}" if worse else ""))
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
