@@ -35,13 +35,15 @@ from typing import TYPE_CHECKING
 
 from megatron_hsap.errors import ConfigError
 from megatron_hsap.plan.balanced import _ps
-from megatron_hsap.plan.hardware import LinkClass
+from megatron_hsap.plan.chunks import a2a_layer_floor
+from megatron_hsap.plan.costs import HeadShape
+from megatron_hsap.plan.hardware import Hardware, LinkClass
 from megatron_hsap.plan.options import PlanOptions, kv_heads_per_rank, link_of
 
 if TYPE_CHECKING:
     from megatron_hsap.plan.plan_type import Plan
 
-__all__ = ["flat_topologies", "flat_options", "choose_topology", "flattened_what"]
+__all__ = ["flat_topologies", "flat_options", "choose_topology", "a2a_cannot_win", "flattened_what"]
 
 
 def _heads_split(opts: PlanOptions, p: int) -> bool:
@@ -95,6 +97,17 @@ def choose_topology(configured: "Plan", *flat: "Plan") -> "Plan":
         if _ps(p.layer_time) < _ps(best.layer_time):
             best = p
     return best
+
+
+def a2a_cannot_win(opts: PlanOptions, shape: HeadShape, local_tokens: int, hardware: Hardware, best_layer_s: float) -> bool:
+    """Whether the one-all-to-all plan (``P × 1``: ``opts`` with ``inter_size == 1``, head shape
+    ``shape``, ``local_tokens`` per rank) cannot be kept against a plan of layer time
+    ``best_layer_s`` already compiled, by ``chunks.a2a_layer_floor`` (its all-to-alls alone) in
+    ``choose_topology``'s integer picoseconds: then ``compile_plan`` does not compile it (the
+    same plan is kept; fineweb 64K / P 8: ~4 of ~54 ms per compile)."""
+    if opts.inter_size != 1 or opts.intra_size == 1:
+        return False
+    return _ps(a2a_layer_floor(opts, shape, local_tokens, hardware)) >= _ps(best_layer_s)
 
 
 def flattened_what(plan: "Plan") -> str:

@@ -21,7 +21,7 @@ from megatron_hsap.plan.candidates import (_OVERFLOW_STEP, Outpriced, _build, _c
                                            _stage_all)
 from megatron_hsap.plan.codegen import PoolOverflow
 from megatron_hsap.plan.cuts import held_bytes
-from megatron_hsap.plan.flatten import choose_topology, flat_options, flat_topologies
+from megatron_hsap.plan.flatten import a2a_cannot_win, choose_topology, flat_options, flat_topologies
 from megatron_hsap.plan.costs import HeadShape
 from megatron_hsap.plan.hardware import HARDWARE
 from megatron_hsap.plan.layout import Batch, Layout, contiguous_layout, normalize_cu_seqlens, validate_layout
@@ -128,19 +128,24 @@ def _fitting(cu: tuple[int, ...], opts: PlanOptions, flat: list[PlanOptions]) ->
     """``flatten="auto"``'s plans, the configured one first: those whose candidates fit the pool
     (one topology's may need more stages than ``schedule.stage_cap`` under it while another's fit:
     a one-level SAP plan holds all heads per rank, an all-to-all none); the configured topology's
-    ``PoolSizeError`` when none does."""
-    plans: list[Plan] = []
-    for o in flat:  # (compiled before the configured plan, as always)
+    ``PoolSizeError`` when none does. The one-all-to-all plan is not compiled when a plan compiled
+    before it is already as fast as its all-to-alls alone (``flatten.a2a_cannot_win``): it could
+    not be kept."""
+    try:
+        plans, failed = [_compile_windowed(cu, opts)], None
+    except PoolSizeError as e:
+        plans, failed = [], e
+    for o in flat:
+        if plans and a2a_cannot_win(o, _head_shape(o), Batch.build(cu, _pad_multiple(o)).padded_tokens // (o.inter_size * o.intra_size),
+                                    HARDWARE[o.hardware], min(p.layer_time for p in plans)):
+            continue
         try:
             plans.append(_compile_windowed(cu, o))
         except PoolSizeError:
             pass
-    try:
-        return [_compile_windowed(cu, opts), *plans]
-    except PoolSizeError:
-        if not plans:
-            raise
-        return plans
+    if failed is not None and not plans:
+        raise failed
+    return plans
 
 
 def _pad_multiple(opts: PlanOptions) -> int:

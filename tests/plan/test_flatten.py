@@ -185,3 +185,47 @@ def test_simulator_runs_a_flattened_plan_only_on_its_topology():
     with pytest.raises(ConfigError, match=r"Cluster\(intra_size=4, inter_size=1\)"):
         hsap_workload(plan, Cluster(hw=sim_hardware("a100"), intra_size=1, inter_size=4), "fwd")
     hsap_workload(plan, Cluster(hw=sim_hardware("a100"), intra_size=4, inter_size=1), "fwd")
+
+
+@settings(max_examples=30, deadline=None)
+@given(lens=st.lists(st.integers(0, 3000), min_size=1, max_size=10), p=st.sampled_from([2, 4, 8]),
+       heads=st.sampled_from([(8, 8), (8, 2), (16, 1), (32, 8)]), mla=st.booleans(), fp32=st.booleans(),
+       hardware=st.sampled_from(["a100", "h100"]), window=st.sampled_from([None, (64, 0)]))
+def test_the_all_to_all_floor_bounds_every_one_all_to_all_plan(lens, p, heads, mla, fp32, hardware, window):
+    """``chunks.a2a_layer_floor`` (the all-to-alls alone, from the options) is never above the
+    layer time the estimate gives the ``P × 1`` plan (``flatten="all-to-all"``), whatever the chunk
+    count it chose; ``compile_plan`` skips that plan on it (``flatten.a2a_cannot_win``)."""
+    from megatron_hsap.plan.chunks import a2a_layer_floor
+    from megatron_hsap.plan.hardware import HARDWARE
+
+    cu = np.concatenate([[0], np.cumsum(lens)]).tolist()
+    if cu[-1] == 0:
+        cu[-1] = 1
+    kw = dict(num_heads=heads[0], num_kv_heads=heads[1], head_dim=192 if mla else 64, head_dim_v=128 if mla else None,
+              dtype_bytes=4 if fp32 else 2, hardware=hardware, window_size=window)
+    plan = compile_plan(cu, p, 1, flatten="all-to-all", **kw)
+    assert (plan.intra_size, plan.inter_size) == (p, 1)
+    floor = a2a_layer_floor(plan.options, plan.shape, plan.local_tokens, HARDWARE[hardware])
+    assert 0 < floor <= plan.layer_time * (1 + 1e-12)
+
+
+def test_auto_skips_the_all_to_all_plan_its_floor_rules_out(monkeypatch):
+    """On the compile-budget batches (fineweb 64K over 8 ranks of one node) the ``8 × 1`` plan's
+    all-to-alls alone (2.34 ms, H100) already exceed the SAP plan's layer time, so ``flatten="auto"``
+    does not compile it — and keeps the plan it kept when it did (``flatten="never"``)."""
+    import megatron_hsap.plan.plan as plan_mod
+    from megatron_hsap.plan.chunks import a2a_layer_floor
+    from megatron_hsap.plan.hardware import HARDWARE
+
+    kw = dict(num_heads=32, num_kv_heads=8, head_dim=128, hardware="h100")
+    compiled = []
+    inner = plan_mod._compile_windowed
+    monkeypatch.setattr(plan_mod, "_compile_windowed", lambda cu, o: compiled.append((o.intra_size, o.inter_size)) or inner(cu, o))
+    for cu in pack_batches("fineweb", 65536, 2, 12345):
+        compiled.clear()
+        auto = compile_plan(cu, 8, **kw)
+        assert compiled == [(1, 8)], "only the configured 1 x 8 plan is compiled"
+        a2a = compile_plan(cu, 8, flatten="all-to-all", **kw)
+        floor = a2a_layer_floor(a2a.options, a2a.shape, a2a.local_tokens, HARDWARE["h100"])
+        assert auto.layer_time < floor <= a2a.layer_time
+        assert auto.hash == compile_plan(cu, 8, flatten="never", **kw).hash
