@@ -306,14 +306,12 @@ def a2a_layer_floor(opts: "PlanOptions", shape: HeadShape, local_tokens: int, hw
     all-to-alls alone — no SAP seconds, round latency, launches or slowdown beside them. Each of
     those only adds: ``pipelined_time`` is a longest path over the side stream and the chunks,
     non-decreasing in a chunk's SAP seconds (as ``choose_head_chunks_timed``'s zero bound reads it)
-    and in the slowdown it adds to them. ``plan.flatten`` skips compiling the one-all-to-all plan
-    (``P × 1``) when this is no lower than a plan already compiled: at fineweb 64K / P 8 it is 2.34
-    ms against that plan's 2.8-3.1 ms and the SAP plans' 1.6-2.2 ms."""
+    and in the slowdown it adds to them. ``compile_plan`` skips the one-all-to-all plan (``P × 1``)
+    when this is no lower than a plan already compiled (``flatten.a2a_cannot_win``): at fineweb
+    64K / P 8 it is 2.34 ms against that plan's 2.8-3.1 ms and the SAP plans' 1.6-2.2 ms."""
     sides = _a2a_sides(shape, opts.intra_size, local_tokens, hw)
-    link = intra_link(opts)
-    bw, lat = hw.a2a_bandwidth(link), hw.latency(link)
-    return min(sum(pipelined_time(ph, c, bw, lat, kv_head_chunks(c, shape.num_kv_heads)) for ph in sides.values())
-               for c in valid_head_chunks(shape.num_heads, shape.num_kv_heads))
+    link = _a2a_link_of(opts, hw)
+    return min(_pipelined_on(sides, c, link, shape.num_kv_heads) for c in valid_head_chunks(shape.num_heads, shape.num_kv_heads))
 
 
 def _kernel_share(pt: PhaseTime) -> float:
@@ -323,15 +321,21 @@ def _kernel_share(pt: PhaseTime) -> float:
     return min(1.0, float(pt.compute.sum()) / total) if total > 0 else 1.0
 
 
-def _a2a_link(plan: "Plan") -> tuple[float, float]:
-    """(bandwidth, latency) of the intra all-to-all."""
-    link = intra_link(plan.options)
-    return plan.hardware.a2a_bandwidth(link), plan.hardware.latency(link)
+def _a2a_link_of(opts: "PlanOptions", hw: Hardware) -> tuple[float, float]:
+    """(bandwidth, latency) of the intra all-to-all of a plan with options ``opts`` on ``hw``."""
+    link = intra_link(opts)
+    return hw.a2a_bandwidth(link), hw.latency(link)
 
 
 def _pipelined(plan: "Plan", phases: dict[Phase, PipelinePhase], chunks: int) -> float:
-    bw, lat = _a2a_link(plan)
-    kv = kv_head_chunks(chunks, plan.shape.num_kv_heads)
+    return _pipelined_on(phases, chunks, _a2a_link_of(plan.options, plan.hardware), plan.shape.num_kv_heads)
+
+
+def _pipelined_on(phases: dict[Phase, PipelinePhase], chunks: int, link: tuple[float, float], kv_heads: int) -> float:
+    """Forward + backward ``pipelined_time`` of ``phases`` at ``chunks`` q head chunks over the
+    all-to-all ``link`` (bandwidth, latency), ``kv_heads`` kv heads per rank."""
+    bw, lat = link
+    kv = kv_head_chunks(chunks, kv_heads)
     return sum(pipelined_time(ph, chunks, bw, lat, kv) for ph in phases.values())
 
 
