@@ -24,7 +24,7 @@ from megatron_hsap.plan.cuts import held_bytes
 from megatron_hsap.plan.flatten import a2a_cannot_win, choose_topology, flat_options, flat_topologies
 from megatron_hsap.plan.costs import HeadShape
 from megatron_hsap.plan.hardware import HARDWARE
-from megatron_hsap.plan.layout import Batch, Layout, contiguous_layout, normalize_cu_seqlens, validate_layout
+from megatron_hsap.plan.layout import Batch, Layout, contiguous_layout, normalize_cu_seqlens, padded_length, validate_layout
 from megatron_hsap.plan.options import (DEFAULT_POOL_CHUNKS, DEFAULT_POOL_MIN, FORCED_FLATTEN, PlanOptions, inter_rank_nodes, kv_heads_per_rank,
                                          validated_options)
 from megatron_hsap.plan.options import link_of as _link_of
@@ -136,7 +136,7 @@ def _fitting(cu: tuple[int, ...], opts: PlanOptions, flat: list[PlanOptions]) ->
     except PoolSizeError as e:
         plans, failed = [], e
     for o in flat:
-        if plans and a2a_cannot_win(o, _head_shape(o), Batch.build(cu, _pad_multiple(o)).padded_tokens // (o.inter_size * o.intra_size),
+        if plans and a2a_cannot_win(o, _head_shape(o), padded_length(cu[-1], _pad_multiple(o)) // (o.inter_size * o.intra_size),
                                     HARDWARE[o.hardware], min(p.layer_time for p in plans)):
             continue
         try:
