@@ -1,4 +1,4 @@
-"""The stage-shape census tool (``tests/plan/shape_census.py``, README "Compile time"): its loss per
+"""The stage-shape census tool (``tests/plan/shape_census.py``, docs/compile_time.md): its loss per
 family and its seeding count on hand-made searches with known answers, and its recording on one
 real compile (every staging of a search built-priced, exactly one picked, the plan unchanged)."""
 
