@@ -287,11 +287,12 @@ def _a2a_sides(shape: HeadShape, p: int, local_tokens: int, hw: Hardware) -> dic
     out = {}
     for ph in (Phase.FWD, Phase.BWD):  # copies: 4 × each whole tensor, P/(P−1) × the bytes sent (Hardware.a2a_copy_time)
         before, after = _CALLS[ph]
+        sent_in, sent_out = sum(b[n] for n in before), sum(b[n] for n in after)
         out[ph] = PipelinePhase(sap_s=0.0, latency_s=0.0, launch_s=0.0,
-                                in_bytes=sum(b[n] for n in before), out_bytes=sum(b[n] for n in after),
+                                in_bytes=sent_in, out_bytes=sent_out,
                                 in_calls=len(before), out_calls=len(after),
-                                in_copy_s=hw.a2a_copy_time(sum(b[n] for n in before) * p / max(1, p - 1)),
-                                out_copy_s=hw.a2a_copy_time(sum(b[n] for n in after) * p / max(1, p - 1)),
+                                in_copy_s=hw.a2a_copy_time(sent_in * p / max(1, p - 1)),
+                                out_copy_s=hw.a2a_copy_time(sent_out * p / max(1, p - 1)),
                                 kv_in_bytes=sum(b[n] for n in before if n in ("k", "v")),
                                 kv_out_bytes=sum(b[n] for n in after if n in ("k", "v")),
                                 kv_in_calls=sum(n in ("k", "v") for n in before), kv_out_calls=sum(n in ("k", "v") for n in after),
